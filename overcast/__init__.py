@@ -1,0 +1,11 @@
+"""overcast: full-duplex FSDP backward communication over a real network stack."""
+
+from overcast.comm import Communicator
+from overcast.engine.engine import Work
+from overcast.errors import (CollectiveMismatchError, CollectiveTimeoutError,
+                             CommunicatorClosedError, InvalidArgumentError, OvercastError,
+                             PeerFailureError, ProtocolError)
+
+__all__ = ["Communicator", "Work", "OvercastError", "InvalidArgumentError",
+           "CollectiveMismatchError", "CollectiveTimeoutError", "CommunicatorClosedError",
+           "PeerFailureError", "ProtocolError"]

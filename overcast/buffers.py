@@ -1,0 +1,85 @@
+"""User buffers as flat numpy views, the dtypes overcast reduces, and the reduction itself.
+
+numpy arrays and contiguous CPU torch tensors are both accepted; a tensor is viewed through numpy
+without a copy (bfloat16 through ml_dtypes, since numpy has no bfloat16 of its own).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import ml_dtypes
+import numpy as np
+
+from overcast.errors import InvalidArgumentError
+
+BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+DTYPES = {np.dtype(t) for t in ("float32", "float64", "float16", "int32", "int64", "uint8",
+                                "int8")} | {BFLOAT16}
+REDUCE_OPS = ("sum", "avg")
+
+
+def as_array(buf, what: str) -> np.ndarray:
+    """A flat, writable numpy view of `buf` (numpy array or CPU torch tensor), never a copy."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(buf, torch.Tensor):
+        if buf.device.type != "cpu":
+            raise InvalidArgumentError(f"{what} is on {buf.device}; overcast moves CPU tensors only")
+        if not buf.is_contiguous():
+            raise InvalidArgumentError(f"{what} is not contiguous (shape {tuple(buf.shape)}, stride "
+                              f"{buf.stride()}); call .contiguous() first")
+        flat = buf.detach().reshape(-1)
+        if flat.dtype == torch.bfloat16:
+            return flat.view(torch.int16).numpy().view(BFLOAT16)
+        try:
+            return flat.numpy()
+        except TypeError as err:
+            raise InvalidArgumentError(f"{what} has unsupported dtype {buf.dtype}") from err
+    if not isinstance(buf, np.ndarray):
+        raise InvalidArgumentError(f"{what} must be a numpy array or a CPU torch tensor, not "
+                          f"{type(buf).__name__}")
+    if not buf.flags.c_contiguous:
+        raise InvalidArgumentError(f"{what} is not C-contiguous (shape {buf.shape}, strides "
+                          f"{buf.strides}); use np.ascontiguousarray")
+    return buf.reshape(-1)
+
+
+def check_dtype(arr: np.ndarray, what: str) -> None:
+    if arr.dtype not in DTYPES:
+        names = ", ".join(sorted(str(d) for d in DTYPES))
+        raise InvalidArgumentError(f"{what} has unsupported dtype {arr.dtype}; supported: {names}")
+
+
+def dtype_code(dtype: np.dtype) -> int:
+    """A stable small integer naming the dtype on the wire."""
+    return sorted(str(d) for d in DTYPES).index(str(dtype))
+
+
+def dtype_from_code(code: int) -> np.dtype:
+    names = sorted(str(d) for d in DTYPES)
+    if not 0 <= code < len(names):
+        raise ValueError(f"unknown dtype code {code}")
+    name = names[code]
+    return BFLOAT16 if name == "bfloat16" else np.dtype(name)
+
+
+def accumulator_dtype(dtype: np.dtype) -> np.dtype:
+    """Sums of 16-bit floats are computed in float32 and rounded once."""
+    return np.dtype(np.float32) if dtype in (BFLOAT16, np.dtype(np.float16)) else dtype
+
+
+def check_reduce(dtype: np.dtype, op: str) -> None:
+    if op not in REDUCE_OPS:
+        raise InvalidArgumentError(f"unsupported reduce op {op!r}; supported: {', '.join(REDUCE_OPS)}")
+    if op == "avg" and dtype.kind in "iu":
+        raise InvalidArgumentError(f"op 'avg' needs a floating-point dtype, not {dtype}")
+
+
+def add_into(out: np.ndarray, a: np.ndarray, b: np.ndarray) -> None:
+    """out = a + b in the dtype of `out`, 16-bit floats summed in float32 and rounded once."""
+    np.add(a, b, out=out, dtype=accumulator_dtype(out.dtype), casting="unsafe")
+
+
+def divide_into(out: np.ndarray, world: int) -> None:
+    """Turn a finished sum into an average, in place."""
+    np.divide(out, world, out=out, dtype=accumulator_dtype(out.dtype), casting="unsafe")

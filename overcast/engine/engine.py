@@ -1,0 +1,250 @@
+"""The progress engine: the one place that owns sockets, a thread and the clock.
+
+It runs the session's protocols without the caller's thread: reads and authenticates what
+arrives, feeds it to the session, seals and writes what the session wants sent as fast as each
+socket takes it, fires timers, and completes Work handles. Callers only post collectives and wait.
+"""
+
+from __future__ import annotations
+
+import collections
+import selectors
+import socket
+import threading
+import time
+
+from overcast.errors import CommunicatorClosedError, OvercastError
+from overcast.protocols.base import STREAM, Collective
+from overcast.protocols.session import Session
+from overcast.transport.rendezvous import Links
+from overcast.transport.stream import Stream, StreamClosed
+
+# Bytes sealed ahead into a stream's queue: enough to keep the socket busy, small enough that
+# the session, not the queue, decides the interleaving of collectives.
+_STREAM_HIGH_WATER = 1 << 20
+_CLOSE_FLUSH_SECONDS = 10.0
+
+
+class Work:
+    """A handle on one collective in flight, as torch.distributed's Work."""
+
+    def __init__(self, seq: int, description: str):
+        self.seq, self.description = seq, description
+        self._event = threading.Event()
+        self._error: BaseException | None = None
+
+    def _finish(self, error: BaseException | None) -> None:
+        self._error = error
+        self._event.set()
+
+    def is_completed(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the collective finished; raise its error if it failed."""
+        if not self._event.wait(timeout):
+            raise TimeoutError(f"{self.description} #{self.seq} not complete after {timeout} s")
+        if self._error is not None:
+            raise type(self._error)(str(self._error))
+        return True
+
+    def exception(self) -> BaseException | None:
+        return self._error
+
+
+class Engine:
+    def __init__(self, links: Links, session: Session):
+        self.links, self.session = links, session
+        self.sealer = links.sealer
+        self.streams = {peer: Stream(sock, peer, links.opener)
+                        for peer, sock in links.streams.items()}
+        self._selector = selectors.DefaultSelector()
+        self._masks: dict[int, int] = {}
+        self._closed_bytes = [0, 0]  # bytes out, in, of streams already closed
+        for stream in self.streams.values():
+            self._selector.register(stream, selectors.EVENT_READ, stream)
+            self._masks[stream.peer] = selectors.EVENT_READ
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._selector.register(self._wake_r, selectors.EVENT_READ, None)
+        self._lock = threading.Lock()
+        self._submitted: collections.deque = collections.deque()
+        self._works: dict[int, Work] = {}
+        self._close_requested = False
+        self._close_deadline: float | None = None
+        self._thread = threading.Thread(target=self._run, name=f"overcast-engine-{links.rank}",
+                                        daemon=True)
+        self._thread.start()
+
+    # -- called from user threads ----------------------------------------------------------
+    def submit(self, coll: Collective, work: Work) -> None:
+        with self._lock:
+            if self._close_requested:
+                work._finish(CommunicatorClosedError("the communicator is closed"))
+                return
+            self._submitted.append((coll, work))
+        self._wake()
+
+    def abort(self, error: OvercastError) -> None:
+        """Fail this communicator on every rank with `error` (bad input found by a caller)."""
+        with self._lock:
+            self._submitted.append((None, error))
+        self._wake()
+
+    def close(self) -> None:
+        with self._lock:
+            self._close_requested = True
+        self._wake()
+        self._thread.join()
+
+    def _wake(self) -> None:
+        try:
+            self._wake_w.send(b"\0")
+        except (BlockingIOError, OSError):
+            pass
+
+    # -- the loop --------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            self._loop()
+        except Exception as err:  # a bug in the engine must fail collectives, not hang them
+            self.session.fail(OvercastError(f"progress engine failed: {err!r}"))
+            self._report()
+            raise
+        finally:
+            self._shutdown()
+
+    def _loop(self) -> None:
+        session = self.session
+        while True:
+            now = time.monotonic()
+            self._take_submissions(now)
+            timer = session.get_timer()
+            if timer is not None and now >= timer:
+                session.handle_timer(now)
+                timer = session.get_timer()
+            self._fill_and_flush()
+            self._report()
+            if self._close_deadline is not None:
+                if not any(s.queued_bytes for s in self.streams.values()) \
+                        and not session.pending_routes() or now >= self._close_deadline:
+                    return
+            wait = None if timer is None else max(0.0, timer - now)
+            if self._close_deadline is not None:
+                wait = 0.05 if wait is None else min(wait, 0.05)
+            for key, mask in self._selector.select(wait):
+                stream = key.data
+                if stream is None:
+                    self._drain_wake()
+                    continue
+                if mask & selectors.EVENT_READ:
+                    self._read(stream)
+                if mask & selectors.EVENT_WRITE and stream.peer in self.streams:
+                    self._flush(stream)
+
+    def _take_submissions(self, now: float) -> None:
+        with self._lock:
+            batch = list(self._submitted)
+            self._submitted.clear()
+            closing = self._close_requested
+        for coll, work in batch:
+            if coll is None:
+                self.session.abort(work)
+                continue
+            self._works[coll.seq] = work
+            self.session.post(coll, now)
+        if closing and self._close_deadline is None:
+            self.session.close()
+            self._close_deadline = now + _CLOSE_FLUSH_SECONDS
+
+    def _drain_wake(self) -> None:
+        try:
+            while self._wake_r.recv(4096):
+                pass
+        except BlockingIOError:
+            pass
+
+    def _read(self, stream: Stream) -> None:
+        session = self.session
+        now = time.monotonic()
+        try:
+            stream.read(lambda hdr, payload: session.receive(hdr, payload, now))
+        except StreamClosed:
+            self._drop_stream(stream)
+            session.peer_lost(stream.peer)
+
+    def _flush(self, stream: Stream) -> None:
+        try:
+            stream.flush()
+        except StreamClosed:
+            self._drop_stream(stream)
+            self.session.peer_lost(stream.peer)
+            return
+        want = selectors.EVENT_READ | (selectors.EVENT_WRITE if stream.queued_bytes else 0)
+        if self._masks.get(stream.peer) != want:
+            self._selector.modify(stream, want, stream)
+            self._masks[stream.peer] = want
+
+    def _fill_and_flush(self) -> None:
+        session, seal = self.session, self.sealer.seal
+        for channel, peer in session.pending_routes():
+            if channel != STREAM:
+                continue
+            stream = self.streams.get(peer)
+            if stream is None:
+                continue
+            while stream.queued_bytes < _STREAM_HIGH_WATER:
+                msg = session.pop((channel, peer))
+                if msg is None:
+                    break
+                stream.enqueue(seal(msg.kind, msg.seq, msg.dst, msg.chunk, msg.payload))
+        for stream in list(self.streams.values()):
+            if stream.queued_bytes:
+                self._flush(stream)
+
+    def _drop_stream(self, stream: Stream) -> None:
+        if self.streams.pop(stream.peer, None) is not None:
+            self._closed_bytes[0] += stream.bytes_out
+            self._closed_bytes[1] += stream.bytes_in
+            self._selector.unregister(stream)
+            self._masks.pop(stream.peer, None)
+            stream.close()
+
+    def _report(self) -> None:
+        finished = self.session.finished
+        while finished:
+            coll = finished.pop()
+            work = self._works.pop(coll.seq, None)
+            if work is not None:
+                work._finish(coll.error)
+
+    def _shutdown(self) -> None:
+        self.session.fail(CommunicatorClosedError("the communicator is closed"))
+        self._report()
+        with self._lock:
+            self._close_requested = True
+            leftover = list(self._submitted)
+            self._submitted.clear()
+        for coll, work in leftover:
+            if coll is not None:
+                work._finish(CommunicatorClosedError("the communicator is closed"))
+        for stream in list(self.streams.values()):
+            self._drop_stream(stream)
+        self._selector.close()
+        self._wake_r.close()
+        self._wake_w.close()
+        self.links.udp.close()
+
+    # -- introspection ---------------------------------------------------------------------
+    def counters(self) -> dict:
+        streams = list(self.streams.values())
+        return {
+            "drops": dict(self.links.drops),
+            "stale": self.session.stale,
+            "stream_bytes_out": self._closed_bytes[0] + sum(s.bytes_out for s in streams),
+            "stream_bytes_in": self._closed_bytes[1] + sum(s.bytes_in for s in streams),
+        }
+
+
+__all__ = ["Engine", "Work"]

@@ -1,0 +1,141 @@
+"""Ring AllGather and ReduceScatter as pipelined streams to the ring successor (schedules.ring)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from overcast.buffers import add_into, divide_into
+from overcast.errors import ProtocolError
+from overcast.protocols.base import STREAM, Collective, Descriptor, Outgoing
+from overcast.schedules import ring as schedule
+from overcast.wire.header import Kind
+
+
+class _RingStream(Collective):
+    """Frame bookkeeping shared by both ring collectives: step s, frame j of block b."""
+
+    def __init__(self, seq: int, rank: int, world: int, desc: Descriptor, frame_bytes: int):
+        super().__init__(seq, rank, world, desc)
+        self.block_bytes = desc.count * desc.dtype.itemsize
+        self.layout = schedule.frames(self.block_bytes, frame_bytes, desc.dtype.itemsize)
+        self.frames_per_block = len(self.layout)
+        self.expected = (world - 1) * self.frames_per_block
+        self.arrived = 0
+        self.successor = (rank + 1) % world
+        self.predecessor = (rank - 1) % world
+        self.route = (STREAM, self.successor)
+
+    def start(self, now: float) -> None:
+        self.begin()
+        if self.expected == 0:
+            self.received_all = True
+        else:
+            for j in range(self.frames_per_block):
+                self.send_frame(0, j, self.first_payload(j))
+        self._check_done()
+
+    def send_frame(self, step: int, j: int, payload) -> None:
+        self.queue(self.route, Outgoing(Kind.RING_DATA, self.seq, step * self.frames_per_block + j,
+                                        payload, self.successor))
+
+    def receive(self, hdr, payload: memoryview, now: float) -> None:
+        if hdr.kind != Kind.RING_DATA or hdr.src != self.predecessor:
+            raise ProtocolError(f"{self.desc.collective} #{self.seq}: unexpected kind {hdr.kind} "
+                                f"from rank {hdr.src}")
+        if hdr.chunk >= self.expected:
+            raise ProtocolError(f"{self.desc.collective} #{self.seq}: frame {hdr.chunk} from rank "
+                                f"{hdr.src} is beyond the {self.expected} expected")
+        step, j = divmod(hdr.chunk, self.frames_per_block)
+        if len(payload) != self.layout[j][1]:
+            raise ProtocolError(f"{self.desc.collective} #{self.seq}: frame {hdr.chunk} has "
+                                f"{len(payload)} bytes, expected {self.layout[j][1]}")
+        self.on_frame(step, j, payload)
+        self.arrived += 1
+        if self.arrived == self.expected:
+            self.received_all = True
+        self._check_done()
+
+    def waiting_for(self) -> str:
+        return (f"frames from rank {self.predecessor}: {self.arrived} of {self.expected} "
+                f"arrived")
+
+    def begin(self) -> None:
+        raise NotImplementedError
+
+    def first_payload(self, j: int):
+        """Frame j of this rank's own block, sent at step 0."""
+        raise NotImplementedError
+
+    def on_frame(self, step: int, j: int, payload: memoryview) -> None:
+        raise NotImplementedError
+
+
+class RingAllGather(_RingStream):
+    """Each rank forwards every block it receives; the output doubles as the forwarding store."""
+
+    def __init__(self, seq, rank, world, desc, output: np.ndarray, input: np.ndarray,
+                 frame_bytes: int):
+        super().__init__(seq, rank, world, desc, frame_bytes)
+        self.output = output.view(np.uint8)
+        self.input = input.view(np.uint8)
+
+    def begin(self) -> None:
+        n = self.block_bytes
+        self.output[self.rank * n:(self.rank + 1) * n] = self.input
+
+    def _slice(self, block: int, j: int):
+        off, length = self.layout[j]
+        start = block * self.block_bytes + off
+        return self.output[start:start + length]
+
+    def first_payload(self, j: int):
+        return self._slice(schedule.allgather_send_block(self.rank, self.world, 0), j)
+
+    def on_frame(self, step: int, j: int, payload: memoryview) -> None:
+        block = schedule.allgather_recv_block(self.rank, self.world, step)
+        stored = self._slice(block, j)
+        stored[:] = np.frombuffer(payload, np.uint8)
+        if step + 1 <= self.world - 2:
+            self.send_frame(step + 1, j, stored)
+
+
+class RingReduceScatter(_RingStream):
+    """Each rank adds its contribution to the partial sum it receives and forwards it; the
+    partial sums in flight are the only extra memory, one frame each."""
+
+    def __init__(self, seq, rank, world, desc, output: np.ndarray, input: np.ndarray,
+                 frame_bytes: int):
+        super().__init__(seq, rank, world, desc, frame_bytes)
+        self.output, self.input = output, input
+
+    def _elements(self, block: int, j: int) -> slice:
+        off, length = self.layout[j]
+        size = self.desc.dtype.itemsize
+        start = block * self.desc.count + off // size
+        return slice(start, start + length // size)
+
+    def begin(self) -> None:
+        if self.world == 1:
+            self.output[:] = self.input
+            if self.desc.op == "avg":
+                divide_into(self.output, 1)
+
+    def first_payload(self, j: int):
+        block = schedule.reduce_scatter_send_block(self.rank, self.world, 0)
+        return self.input[self._elements(block, j)].view(np.uint8)
+
+    def on_frame(self, step: int, j: int, payload: memoryview) -> None:
+        block = schedule.reduce_scatter_recv_block(self.rank, self.world, step)
+        incoming = np.frombuffer(payload, self.desc.dtype)
+        mine = self.input[self._elements(block, j)]
+        if step + 1 <= self.world - 2:
+            partial = np.empty_like(mine)
+            add_into(partial, incoming, mine)
+            self.send_frame(step + 1, j, partial.view(np.uint8))
+        else:
+            off, length = self.layout[j]
+            size = self.desc.dtype.itemsize
+            out = self.output[off // size:(off + length) // size]
+            add_into(out, incoming, mine)
+            if self.desc.op == "avg":
+                divide_into(out, self.world)

@@ -1,0 +1,228 @@
+"""One rank's view of a communicator, sans I/O: the collectives in flight, the cross-rank checks
+that turn mismatches into errors on every rank, and the timeouts that keep anything from hanging.
+
+Fed authenticated messages and the clock by the engine; gives back messages to send per route.
+"""
+
+from __future__ import annotations
+
+import collections
+import struct
+
+from overcast.errors import (CollectiveMismatchError, CollectiveTimeoutError,
+                             CommunicatorClosedError, OvercastError, PeerFailureError,
+                             ProtocolError)
+from overcast.protocols.base import STREAM, Collective, Descriptor, Outgoing
+from overcast.wire.header import Kind
+
+_CONTROL = (Kind.DESCRIBE, Kind.ABORT, Kind.GOODBYE)
+_ABORT = struct.Struct("<B")
+_GOODBYE = struct.Struct("<I")
+# Errors an ABORT carries, so every rank raises the class the detecting rank raised.
+_ERROR_CLASSES = (OvercastError, CollectiveMismatchError, ProtocolError, PeerFailureError,
+                  CollectiveTimeoutError)
+# How many finished collectives keep their descriptor, to check a DESCRIBE that arrives late.
+_HISTORY = 1024
+
+
+class Session:
+    """The collectives of one rank in one communicator.
+
+    `post` adds a collective (sequence numbers must come in order); `receive` takes a message;
+    `pop(route)` gives the next message for a route; `get_timer`/`handle_timer` drive timeouts.
+    Finished collectives (done or failed) are appended to `finished` for the engine to report.
+    """
+
+    def __init__(self, rank: int, world: int, timeout: float):
+        self.rank, self.world, self.timeout = rank, world, timeout
+        self.active: dict[int, Collective] = {}
+        self.last_progress: dict[int, float] = {}
+        self.next_seq = 0
+        self.early: dict[int, list] = collections.defaultdict(list)
+        self.peer_described: dict[int, Descriptor] = {}
+        self.history: collections.OrderedDict[int, Descriptor] = collections.OrderedDict()
+        self.control: collections.deque[tuple[tuple[int, int], Outgoing]] = collections.deque()
+        self.finished: list[Collective] = []
+        self.error: OvercastError | None = None
+        self.closed_peers: dict[int, int] = {}
+        self.closing = False
+        self.stale = 0
+        self._rr = 0
+
+    # -- posting and finishing -----------------------------------------------------------
+    def post(self, coll: Collective, now: float) -> None:
+        if coll.seq != self.next_seq:
+            raise ValueError(f"collective #{coll.seq} posted, #{self.next_seq} expected")
+        self.next_seq += 1
+        if self.error is not None:
+            coll.fail(self.error)
+            self.finished.append(coll)
+            return
+        for peer, count in self.closed_peers.items():
+            if coll.seq >= count:
+                coll.fail(PeerFailureError(
+                    f"rank {peer} closed the communicator after {count} collectives; "
+                    f"{coll.desc} #{coll.seq} cannot run"))
+                self.finished.append(coll)
+                return
+        self.active[coll.seq] = coll
+        self.last_progress[coll.seq] = now
+        if self.world > 1:
+            self._send_control(Kind.DESCRIBE, coll.seq, (self.rank + 1) % self.world,
+                               coll.desc.pack())
+        self._guard(coll, coll.start, now)
+        for hdr, payload in self.early.pop(coll.seq, ()):
+            self.receive(hdr, payload, now)
+        self._settle(coll)
+
+    def _settle(self, coll: Collective) -> None:
+        if (coll.done or coll.error is not None) and coll.seq in self.active:
+            del self.active[coll.seq]
+            del self.last_progress[coll.seq]
+            self.history[coll.seq] = coll.desc
+            while len(self.history) > _HISTORY:
+                self.history.popitem(last=False)
+            self.finished.append(coll)
+
+    def _guard(self, coll: Collective, step, *args) -> None:
+        """Run a protocol step; a protocol error aborts the whole communicator."""
+        try:
+            step(*args)
+        except ProtocolError as err:
+            self.abort(err)
+
+    # -- receiving -------------------------------------------------------------------------
+    def receive(self, hdr, payload: memoryview, now: float) -> None:
+        kind = hdr.kind
+        if kind in _CONTROL:
+            self._receive_control(hdr, payload, now)
+            return
+        coll = self.active.get(hdr.seq)
+        if coll is None:
+            if hdr.seq >= self.next_seq and self.error is None:
+                self.early[hdr.seq].append((hdr, bytes(payload)))
+            else:
+                self.stale += 1
+            return
+        self.last_progress[hdr.seq] = now
+        self._guard(coll, coll.receive, hdr, payload, now)
+        self._settle(coll)
+
+    def _receive_control(self, hdr, payload, now: float) -> None:
+        if hdr.kind == Kind.DESCRIBE:
+            try:
+                theirs = Descriptor.unpack(payload)
+            except ProtocolError as err:
+                self.abort(err)
+                return
+            coll = self.active.get(hdr.seq)
+            mine = coll.desc if coll is not None else self.history.get(hdr.seq)
+            if mine is None:
+                if hdr.seq >= self.next_seq:
+                    self.early[hdr.seq].append((hdr, bytes(payload)))
+                return
+            if theirs != mine:
+                self.abort(CollectiveMismatchError(
+                    f"collective #{hdr.seq} differs across ranks: rank {hdr.src} issued "
+                    f"{theirs}, rank {self.rank} issued {mine}"))
+        elif hdr.kind == Kind.ABORT:
+            code = _ABORT.unpack_from(payload)[0] if len(payload) >= 1 else 0
+            cls = _ERROR_CLASSES[code] if code < len(_ERROR_CLASSES) else OvercastError
+            reason = bytes(payload[1:]).decode("utf-8", "replace")
+            self.fail(cls(f"{reason} (reported by rank {hdr.src})"))
+        elif hdr.kind == Kind.GOODBYE:
+            count = _GOODBYE.unpack_from(payload)[0] if len(payload) >= 4 else 0
+            self.closed_peers[hdr.src] = count
+            for coll in list(self.active.values()):
+                if coll.seq >= count:
+                    coll.fail(PeerFailureError(
+                        f"rank {hdr.src} closed the communicator after {count} collectives "
+                        f"while {coll.desc} #{coll.seq} was pending here"))
+                    self._settle(coll)
+
+    # -- failure ---------------------------------------------------------------------------
+    def fail(self, error: OvercastError) -> None:
+        """Fail every collective in flight and every later one with `error`."""
+        if self.error is None:
+            self.error = error
+        for coll in list(self.active.values()):
+            coll.fail(self.error)
+            self._settle(coll)
+        self.early.clear()
+
+    def abort(self, error: OvercastError) -> None:
+        """Fail locally and tell every peer why, so the error surfaces on every rank."""
+        if self.error is None:
+            code = next((i for i, c in reversed(list(enumerate(_ERROR_CLASSES)))
+                         if isinstance(error, c)), 0)
+            reason = str(error).encode()[:4000]
+            for peer in range(self.world):
+                if peer != self.rank and peer not in self.closed_peers:
+                    self._send_control(Kind.ABORT, 0, peer, _ABORT.pack(code) + reason)
+        self.fail(error)
+
+    def peer_lost(self, peer: int) -> None:
+        """The engine lost the connection to `peer` without a goodbye."""
+        if peer in self.closed_peers:
+            return
+        self.fail(PeerFailureError(
+            f"lost the connection to rank {peer} (its process exited or was killed)"))
+
+    def close(self) -> None:
+        """Say goodbye to every peer; collectives still pending fail."""
+        if self.closing:
+            return
+        self.closing = True
+        for coll in list(self.active.values()):
+            coll.fail(CommunicatorClosedError(f"communicator closed while {coll.desc} "
+                                              f"#{coll.seq} was pending"))
+            self._settle(coll)
+        for peer in range(self.world):
+            if peer != self.rank and peer not in self.closed_peers:
+                self._send_control(Kind.GOODBYE, 0, peer, _GOODBYE.pack(self.next_seq))
+
+    # -- timers ----------------------------------------------------------------------------
+    def get_timer(self) -> float | None:
+        times = [t + self.timeout for t in self.last_progress.values()]
+        for coll in self.active.values():
+            t = coll.get_timer()
+            if t is not None:
+                times.append(t)
+        return min(times, default=None)
+
+    def handle_timer(self, now: float) -> None:
+        for seq, coll in list(self.active.items()):
+            if now >= self.last_progress[seq] + self.timeout:
+                self.abort(CollectiveTimeoutError(
+                    f"{coll.desc} #{seq} on rank {self.rank} made no progress for "
+                    f"{self.timeout:.1f} s; waiting for {coll.waiting_for()}"))
+                return
+            t = coll.get_timer()
+            if t is not None and now >= t:
+                self._guard(coll, coll.handle_timer, now)
+                self._settle(coll)
+
+    # -- sending ---------------------------------------------------------------------------
+    def _send_control(self, kind: int, seq: int, peer: int, payload: bytes) -> None:
+        self.control.append(((STREAM, peer), Outgoing(kind, seq, 0, payload, peer)))
+
+    def pending_routes(self) -> set[tuple[int, int]]:
+        routes = {route for route, _ in self.control}
+        for coll in self.active.values():
+            routes.update(coll.outbox)
+        return routes
+
+    def pop(self, route: tuple[int, int]) -> Outgoing | None:
+        """The next message for the route: control first, then collectives in turn."""
+        for i, (r, msg) in enumerate(self.control):
+            if r == route:
+                del self.control[i]
+                return msg
+        colls = [c for c in self.active.values() if route in c.outbox]
+        if not colls:
+            return None
+        self._rr += 1
+        coll = colls[self._rr % len(colls)]
+        msg = coll.pop(route)
+        self._settle(coll)
+        return msg

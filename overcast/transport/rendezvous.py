@@ -1,0 +1,192 @@
+"""How P processes find each other and set up their authenticated channels.
+
+Ranks meet through a key-value store (ours at MASTER_ADDR:MASTER_PORT, or any object with
+torch.distributed.Store's set/get). Rank 0 draws a random salt per communicator; every rank
+publishes its address and ports; the communicator key is derived from the job secret and the salt.
+The job secret comes from the caller or OVERCAST_SECRET (hex); without one, rank 0 draws one and
+shares it through the store, which then must be trusted as torchrun's TCPStore is.
+
+Then every pair of ranks opens one TCP connection (the higher rank connects) and both sides prove
+who they are with an authenticated HELLO frame before anything else crosses.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+import time
+from dataclasses import dataclass, field
+
+from overcast.transport.store import StoreClient, StoreError, StoreServer
+from overcast.wire.auth import Drops, Opener, ReplayWindow, Sealer, derive_key, frame_length, \
+    job_id_of
+from overcast.wire.header import HEADER_BYTES, Kind, MalformedError
+
+
+class RendezvousError(RuntimeError):
+    """The ranks could not meet or connect; the message says which step failed."""
+
+
+@dataclass
+class Links:
+    """Everything a communicator's engine needs, fresh from rendezvous."""
+
+    rank: int
+    world: int
+    address: str
+    addresses: list[str]
+    streams: dict[int, socket.socket]
+    udp: socket.socket
+    udp_ports: list[int]
+    sealer: Sealer
+    opener: Opener
+    key: bytes
+    job: int
+    comm: int
+    drops: Drops = field(default_factory=Drops)
+
+
+_server: StoreServer | None = None
+
+
+def store_from_env(rank: int, timeout: float):
+    """The store at MASTER_ADDR:MASTER_PORT, served by rank 0 in this process if need be."""
+    global _server
+    try:
+        host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    except (KeyError, ValueError):
+        raise RendezvousError("set MASTER_ADDR and MASTER_PORT (as torchrun does), or pass "
+                              "store=") from None
+    if rank == 0 and _server is None:
+        try:
+            _server = StoreServer(host, port)
+        except OSError as err:
+            raise RendezvousError(f"rank 0 cannot serve the rendezvous store on {host}:{port}: "
+                                  f"{err}") from None
+    return StoreClient(host, port, timeout)
+
+
+def local_address(peer_host: str) -> str:
+    """The address of this host's interface toward `peer_host` (OVERCAST_ADDR overrides)."""
+    override = os.environ.get("OVERCAST_ADDR")
+    if override:
+        return override
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((peer_host, 9))
+        return probe.getsockname()[0]
+
+
+def _read_frame(sock: socket.socket, deadline: float) -> bytes:
+    def exact(n: int) -> bytes:
+        buf = b""
+        while len(buf) < n:
+            sock.settimeout(max(0.01, deadline - time.monotonic()))
+            chunk = sock.recv(n - len(buf))
+            if not chunk:
+                raise ConnectionError("closed during handshake")
+            buf += chunk
+        return buf
+
+    head = exact(HEADER_BYTES)
+    return head + exact(frame_length(head) - HEADER_BYTES)
+
+
+def _hello(sock: socket.socket, links_opener: Opener, sealer: Sealer, peer: int | None,
+           deadline: float) -> int:
+    """Exchange HELLO frames; return the authenticated peer rank or raise."""
+    sock.sendall(sealer.seal(Kind.HELLO, 0, 0xFFFF if peer is None else peer, 0))
+    frame = memoryview(_read_frame(sock, deadline))
+    opened = links_opener.open(frame, window=ReplayWindow(0))
+    if opened is None or opened[0].kind != Kind.HELLO:
+        raise ConnectionError("handshake failed authentication")
+    src = opened[0].src
+    if peer is not None and src != peer:
+        raise ConnectionError(f"expected rank {peer}, rank {src} answered")
+    return src
+
+
+def rendezvous(rank: int, world: int, *, name: str = "default", store=None,
+               secret: bytes | None = None, timeout: float = 60.0) -> Links:
+    if not 0 <= rank < world:
+        raise RendezvousError(f"rank {rank} is outside world size {world}")
+    deadline = time.monotonic() + timeout
+    own_store = store is None
+    if own_store:
+        store = store_from_env(rank, timeout)
+    prefix = f"overcast/{name}/"
+    try:
+        if secret is None and os.environ.get("OVERCAST_SECRET"):
+            secret = bytes.fromhex(os.environ["OVERCAST_SECRET"])
+        if rank == 0:
+            if secret is None:
+                secret = secrets.token_bytes(32)
+                store.set(prefix + "secret", secret)
+            store.set(prefix + "salt", secrets.token_bytes(16))
+        if secret is None:
+            secret = bytes(store.get(prefix + "secret"))
+        salt = bytes(store.get(prefix + "salt"))
+
+        master = os.environ.get("MASTER_ADDR", "127.0.0.1")
+        address = local_address(master)
+        listener = socket.create_server((address, 0), backlog=max(world, 8))
+        udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        udp.bind((address, 0))
+        store.set(f"{prefix}addr/{rank}",
+                  f"{address} {listener.getsockname()[1]} {udp.getsockname()[1]}".encode())
+        peers = [bytes(store.get(f"{prefix}addr/{r}")).decode().split() for r in range(world)]
+    except StoreError as err:
+        raise RendezvousError(f"rendezvous of communicator {name!r} failed on rank {rank}: "
+                              f"{err}") from None
+    finally:
+        if own_store:
+            store.close()
+
+    key = derive_key(secret, salt, b"comm")
+    job, comm = job_id_of(secret), int.from_bytes(salt[:4], "little")
+    drops = Drops()
+    sealer = Sealer(key, job, comm, rank)
+    opener = Opener(key, job, comm, drops)
+    streams: dict[int, socket.socket] = {}
+    try:
+        for peer in range(rank):
+            host, port = peers[peer][0], int(peers[peer][1])
+            while True:
+                try:
+                    sock = socket.create_connection((host, port), timeout=5)
+                    break
+                except OSError as err:
+                    if time.monotonic() >= deadline:
+                        raise RendezvousError(f"rank {rank} cannot connect to rank {peer} at "
+                                              f"{host}:{port}: {err}") from None
+                    time.sleep(0.05)
+            _hello(sock, opener, sealer, peer, deadline)
+            streams[peer] = sock
+        listener.settimeout(1.0)
+        while len(streams) < world - 1:
+            if time.monotonic() >= deadline:
+                missing = sorted(set(range(world)) - set(streams) - {rank})
+                raise RendezvousError(f"rank {rank} timed out waiting for ranks {missing} to "
+                                      f"connect")
+            try:
+                sock, _ = listener.accept()
+            except socket.timeout:
+                continue
+            try:
+                src = _hello(sock, opener, sealer, None, deadline)
+            except (OSError, ConnectionError, MalformedError):
+                sock.close()
+                continue
+            if src <= rank or src >= world or src in streams:
+                sock.close()
+                continue
+            streams[src] = sock
+    except BaseException:
+        for sock in streams.values():
+            sock.close()
+        udp.close()
+        raise
+    finally:
+        listener.close()
+    return Links(rank, world, address, [p[0] for p in peers], streams, udp,
+                 [int(p[2]) for p in peers], sealer, opener, key, job, comm, drops)

@@ -1,0 +1,132 @@
+"""A small TCP key-value store for rendezvous, in the manner of torch's TCPStore.
+
+Rank 0 serves it at MASTER_ADDR:MASTER_PORT; every rank sets keys and blocks on `get` until a key
+is set. The wire is length-prefixed binary (never pickle). Any object with the same `set(key,
+value)` and blocking `get(key)` methods (a torch.distributed Store, say) can stand in for it.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+import time
+
+_REQUEST = struct.Struct("<BHI")
+_REPLY = struct.Struct("<BI")
+_SET, _GET = 1, 2
+_OK, _TIMEOUT, _BAD = 0, 1, 2
+_MAX_VALUE = 1 << 20
+
+
+class StoreError(RuntimeError):
+    """The rendezvous store could not be reached or did not answer in time."""
+
+
+def _read_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if k == 0:
+            raise ConnectionError("store connection closed")
+        got += k
+    return bytes(buf)
+
+
+class StoreServer:
+    """Serves the store from a daemon thread until `close()`."""
+
+    def __init__(self, host: str, port: int):
+        self._data: dict[str, bytes] = {}
+        self._cond = threading.Condition()
+        self._listener = socket.create_server((host, port), reuse_port=False)
+        self.port = self._listener.getsockname()[1]
+        self._closed = False
+        threading.Thread(target=self._accept, name="overcast-store", daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn:
+            try:
+                while True:
+                    op, klen, vlen = _REQUEST.unpack(_read_exact(conn, _REQUEST.size))
+                    if vlen > _MAX_VALUE:
+                        conn.sendall(_REPLY.pack(_BAD, 0))
+                        return
+                    key = _read_exact(conn, klen).decode()
+                    value = _read_exact(conn, vlen)
+                    if op == _SET:
+                        with self._cond:
+                            self._data[key] = value
+                            self._cond.notify_all()
+                        conn.sendall(_REPLY.pack(_OK, 0))
+                    elif op == _GET:
+                        wait = struct.unpack("<d", value)[0] if vlen == 8 else 0.0
+                        with self._cond:
+                            found = self._cond.wait_for(
+                                lambda: key in self._data or self._closed, timeout=wait)
+                            found = found and key in self._data
+                            reply = self._data[key] if found else b""
+                        conn.sendall(_REPLY.pack(_OK if found else _TIMEOUT, len(reply)) + reply)
+                    else:
+                        conn.sendall(_REPLY.pack(_BAD, 0))
+                        return
+            except (ConnectionError, OSError, struct.error, UnicodeDecodeError):
+                return
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._listener.close()
+
+
+class StoreClient:
+    """A connection to a StoreServer; retries the connect until `timeout` (rank 0 may be late)."""
+
+    def __init__(self, host: str, port: int, timeout: float = 60.0):
+        self.timeout = timeout
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                self._sock = socket.create_connection((host, port), timeout=timeout)
+                break
+            except OSError as err:
+                if time.monotonic() >= deadline:
+                    raise StoreError(f"cannot reach the rendezvous store at {host}:{port} "
+                                     f"within {timeout:.0f} s: {err}") from None
+                time.sleep(0.05)
+        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._lock = threading.Lock()
+        self.address = (host, port)
+
+    def _call(self, op: int, key: str, value: bytes) -> bytes:
+        k = key.encode()
+        with self._lock:
+            self._sock.settimeout(self.timeout + 5)
+            self._sock.sendall(_REQUEST.pack(op, len(k), len(value)) + k + value)
+            status, vlen = _REPLY.unpack(_read_exact(self._sock, _REPLY.size))
+            reply = _read_exact(self._sock, vlen)
+        if status == _TIMEOUT:
+            raise StoreError(f"rendezvous key {key!r} was not set within {self.timeout:.0f} s "
+                             f"(is every rank running?)")
+        if status != _OK:
+            raise StoreError(f"store at {self.address} refused the request for {key!r}")
+        return reply
+
+    def set(self, key: str, value: bytes) -> None:
+        self._call(_SET, key, bytes(value))
+
+    def get(self, key: str) -> bytes:
+        return self._call(_GET, key, struct.pack("<d", self.timeout))
+
+    def close(self) -> None:
+        self._sock.close()

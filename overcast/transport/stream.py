@@ -1,0 +1,110 @@
+"""A reliable, ordered channel to one peer rank: a TCP connection carrying sealed frames.
+
+Non-blocking both ways; the engine calls `read` when the socket is readable and `flush` when it
+is writable. Frames are authenticated one by one and must carry strictly increasing counters.
+"""
+
+from __future__ import annotations
+
+import collections
+import socket
+
+from overcast.wire.auth import Opener, ReplayWindow, frame_length
+from overcast.wire.header import HEADER_BYTES, MalformedError
+
+_READ_BYTES = 1 << 21
+_READS_PER_EVENT = 8
+_IOV_MAX = 64
+
+
+class StreamClosed(Exception):
+    """The peer closed the connection or it broke."""
+
+
+class Stream:
+    def __init__(self, sock: socket.socket, peer: int, opener: Opener):
+        sock.setblocking(False)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sock, self.peer, self.opener = sock, peer, opener
+        self._rbuf = bytearray(_READ_BYTES)
+        self._filled = 0
+        self._window = ReplayWindow(0)
+        self._out: collections.deque[memoryview] = collections.deque()
+        self.queued_bytes = 0
+        self.bytes_in = self.bytes_out = 0
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    # -- reading ---------------------------------------------------------------------------
+    def read(self, on_message) -> None:
+        """Read what is available and call on_message(header, payload) per authentic frame.
+
+        The payload view is only valid during the call. Raises StreamClosed at EOF.
+        """
+        for _ in range(_READS_PER_EVENT):
+            view = memoryview(self._rbuf)
+            try:
+                n = self.sock.recv_into(view[self._filled:])
+            except BlockingIOError:
+                return
+            except OSError as err:
+                raise StreamClosed(str(err)) from None
+            if n == 0:
+                raise StreamClosed("connection closed by peer")
+            self.bytes_in += n
+            self._filled += n
+            self._parse(view, on_message)
+            if self._filled < len(self._rbuf) // 2:
+                return
+
+    def _parse(self, view: memoryview, on_message) -> None:
+        pos, filled = 0, self._filled
+        while filled - pos >= HEADER_BYTES:
+            try:
+                total = frame_length(view[pos:pos + HEADER_BYTES])
+            except MalformedError as err:
+                self.opener.drops["malformed"] += 1
+                raise StreamClosed(f"corrupt stream from rank {self.peer}: {err}") from None
+            if filled - pos < total:
+                break
+            msg = self.opener.open(view[pos:pos + total], window=self._window)
+            if msg is not None:
+                on_message(*msg)
+            pos += total
+        rest = filled - pos
+        if pos or rest == len(self._rbuf):
+            # Move the partial frame to the front (a copy: the regions may overlap), into a
+            # larger buffer if one frame does not fit.
+            grown = bytearray(max(len(self._rbuf), 2 * rest)) if rest == len(self._rbuf) \
+                else self._rbuf
+            grown[:rest] = bytes(view[pos:filled])
+            self._rbuf, self._filled = grown, rest
+
+    # -- writing ---------------------------------------------------------------------------
+    def enqueue(self, frame: bytearray) -> None:
+        self._out.append(memoryview(frame))
+        self.queued_bytes += len(frame)
+
+    def flush(self) -> None:
+        """Write as much of the queue as the socket takes. Raises StreamClosed if it broke."""
+        while self._out:
+            try:
+                n = self.sock.sendmsg(list(self._out)[:_IOV_MAX])
+            except BlockingIOError:
+                return
+            except OSError as err:
+                raise StreamClosed(str(err)) from None
+            self.bytes_out += n
+            self.queued_bytes -= n
+            while n:
+                head = self._out[0]
+                if len(head) <= n:
+                    n -= len(head)
+                    self._out.popleft()
+                else:
+                    self._out[0] = head[n:]
+                    n = 0
+
+    def close(self) -> None:
+        self.sock.close()

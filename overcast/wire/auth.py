@@ -1,0 +1,149 @@
+"""Per-job authentication of every message, and replay protection.
+
+Every message carries a 16-byte AES-GMAC tag over its header and payload (AES-GCM with an empty
+plaintext). GMAC runs at several GB/s here, six times faster than HMAC-SHA256, which matters at one
+tag per 9 KB datagram. GMAC needs a nonce that never repeats under one key: it is the sender's rank
+and its 64-bit message counter, and the key is derived per communicator from the job secret and a
+random salt chosen at rendezvous, so two communicators (or two runs) never share a key.
+
+The counter is also the replay key: a receiver keeps, per sender and channel, the highest counter
+seen and a bitmap of the WINDOW counters below it (as IPsec does); anything at or below the
+window's floor, or already marked, is a replay.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import hmac
+import struct
+
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+from overcast.wire.header import (HEADER, HEADER_BYTES, MAGIC, TAG_BYTES, VERSION, Header,
+                                  MalformedError, unpack_header)
+
+_NONCE = struct.Struct("<HHQ")
+
+
+def derive_key(secret: bytes, salt: bytes, label: bytes) -> bytes:
+    """HKDF-SHA256 (RFC 5869) extract-and-expand to a 16-byte AES key."""
+    prk = hmac.digest(salt, secret, "sha256")
+    return hmac.digest(prk, b"overcast/" + label + b"\x01", "sha256")[:16]
+
+
+def job_id_of(secret: bytes) -> int:
+    """A 32-bit label that tells this job's traffic from another's before any MAC is computed."""
+    return int.from_bytes(hashlib.sha256(b"overcast-job/" + secret).digest()[:4], "little")
+
+
+class Drops(collections.Counter):
+    """Messages dropped, by reason: malformed, foreign, bad_mac, replayed, stale, unexpected."""
+
+
+class ReplayWindow:
+    """Accepts each counter value at most once; `width` 0 demands strictly increasing counters."""
+
+    __slots__ = ("width", "top", "bits")
+
+    def __init__(self, width: int):
+        self.width = width
+        self.top = -1
+        self.bits = 0
+
+    def accept(self, counter: int) -> bool:
+        if counter > self.top:
+            shift = counter - self.top
+            if shift >= self.width:
+                self.bits = 1
+            else:
+                self.bits = ((self.bits << shift) | 1) & ((1 << self.width) - 1)
+            self.top = counter
+            return True
+        age = self.top - counter
+        if age >= self.width:
+            return False
+        mask = 1 << age
+        if self.bits & mask:
+            return False
+        self.bits |= mask
+        return True
+
+
+class Sealer:
+    """Seals outgoing messages under one communicator key; owns the sender's counter."""
+
+    def __init__(self, key: bytes, job: int, comm: int, src: int):
+        self._aead = AESGCM(key)
+        self.job, self.comm, self.src = job, comm, src
+        self.counter = 0
+
+    def seal(self, kind: int, seq: int, dst: int, chunk: int, payload=b"") -> bytearray:
+        """Header, payload (any contiguous byte buffer, copied) and tag, in one buffer."""
+        payload = memoryview(payload)
+        n = payload.nbytes
+        buf = bytearray(HEADER_BYTES + n + TAG_BYTES)
+        self.counter += 1
+        HEADER.pack_into(buf, 0, MAGIC, VERSION, kind, self.job, self.comm, seq, self.src, dst,
+                         chunk, n, self.counter)
+        if n:
+            buf[HEADER_BYTES:HEADER_BYTES + n] = payload
+        view = memoryview(buf)
+        buf[HEADER_BYTES + n:] = self._aead.encrypt(_NONCE.pack(self.src, 0, self.counter), b"",
+                                                    view[:HEADER_BYTES + n])
+        return buf
+
+
+class Opener:
+    """Checks incoming messages for one communicator: shape, job, communicator, MAC, replay.
+
+    Nothing raises out of `open`; a rejected message is counted in `drops` and gives None.
+    """
+
+    def __init__(self, key: bytes, job: int, comm: int, drops: Drops):
+        self._aead = AESGCM(key)
+        self.job, self.comm = job, comm
+        self.drops = drops
+
+    def open(self, buf: memoryview, window: ReplayWindow | None = None,
+             windows: dict | None = None, window_width: int = 0):
+        """Return (header, payload view) or None.
+
+        Pass `window` for a channel with one known sender (a stream), or `windows`, a dict from
+        sender to ReplayWindow filled on demand, for a datagram socket shared by many senders.
+        """
+        try:
+            hdr = unpack_header(buf)
+        except MalformedError:
+            self.drops["malformed"] += 1
+            return None
+        end = HEADER_BYTES + hdr.length
+        if len(buf) != end + TAG_BYTES:
+            self.drops["malformed"] += 1
+            return None
+        if hdr.job != self.job or hdr.comm != self.comm:
+            self.drops["foreign"] += 1
+            return None
+        try:
+            self._aead.decrypt(_NONCE.pack(hdr.src, 0, hdr.counter), buf[end:], buf[:end])
+        except InvalidTag:
+            self.drops["bad_mac"] += 1
+            return None
+        if window is None:
+            window = windows.get(hdr.src)
+            if window is None:
+                window = windows[hdr.src] = ReplayWindow(window_width)
+        if not window.accept(hdr.counter):
+            self.drops["replayed"] += 1
+            return None
+        return hdr, buf[HEADER_BYTES:end]
+
+
+def frame_length(prefix) -> int:
+    """Total length of the stream frame whose header starts `prefix` (at least HEADER_BYTES)."""
+    return HEADER_BYTES + unpack_header(prefix).length + TAG_BYTES
+
+
+__all__ = ["Drops", "Header", "Opener", "ReplayWindow", "Sealer", "derive_key", "frame_length",
+           "job_id_of"]

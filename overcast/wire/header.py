@@ -1,0 +1,90 @@
+"""The versioned binary header every overcast datagram and stream frame starts with.
+
+Layout (little-endian, 36 bytes), followed by `length` payload bytes and a 16-byte MAC:
+
+    magic  2s  b"OC"
+    version u8
+    kind    u8   message kind (Kind)
+    job     u32  job id, from the job secret: foreign jobs are told apart before the MAC
+    comm    u32  communicator id, agreed at rendezvous
+    seq     u32  collective sequence number within the communicator
+    src     u16  sending rank (AGGREGATOR for the switch service)
+    dst     u16  destination rank, or ANY for multicast
+    chunk   u32  chunk or frame index within the collective
+    length  u32  payload bytes
+    counter u64  per-sender message number: the MAC nonce and the replay-window key
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from dataclasses import dataclass
+
+MAGIC = b"OC"
+VERSION = 1
+HEADER = struct.Struct("<2sBBIIIHHIIQ")
+HEADER_BYTES = HEADER.size
+TAG_BYTES = 16
+OVERHEAD_BYTES = HEADER_BYTES + TAG_BYTES
+MAX_PAYLOAD = 1 << 26
+
+AGGREGATOR = 0xFFFE
+ANY = 0xFFFF
+
+
+class Kind(enum.IntEnum):
+    HELLO = 1
+    DESCRIBE = 2
+    ABORT = 3
+    GOODBYE = 4
+    RING_DATA = 10
+    MCAST_DATA = 20
+    REPAIR_REQUEST = 21
+    REPAIR_DATA = 22
+    ACTIVATE = 23
+    FIN = 24
+    CONTRIB = 30
+    RESULT = 31
+    RESULT_ACK = 32
+    CREDIT = 33
+
+
+_KINDS = frozenset(int(k) for k in Kind)
+
+
+@dataclass(frozen=True, slots=True)
+class Header:
+    kind: int
+    job: int
+    comm: int
+    seq: int
+    src: int
+    dst: int
+    chunk: int
+    length: int
+    counter: int
+
+    def pack(self) -> bytes:
+        return HEADER.pack(MAGIC, VERSION, self.kind, self.job, self.comm, self.seq,
+                           self.src, self.dst, self.chunk, self.length, self.counter)
+
+
+class MalformedError(ValueError):
+    """The bytes are not an overcast message of this version."""
+
+
+def unpack_header(buf) -> Header:
+    """Parse and sanity-check a header; raise MalformedError on anything unexpected."""
+    if len(buf) < HEADER_BYTES:
+        raise MalformedError("short header")
+    magic, version, kind, job, comm, seq, src, dst, chunk, length, counter = HEADER.unpack_from(buf)
+    if magic != MAGIC:
+        raise MalformedError("bad magic")
+    if version != VERSION:
+        raise MalformedError(f"version {version}")
+    if kind not in _KINDS:
+        raise MalformedError(f"unknown kind {kind}")
+    if length > MAX_PAYLOAD:
+        raise MalformedError("oversized payload")
+    return Header(kind, job, comm, seq, src, dst, chunk, length, counter)
