@@ -187,21 +187,20 @@ class Engine:
             self._masks[stream.peer] = want
 
     def _fill_and_flush(self) -> None:
+        """Seal what the session has for each stream and write until the socket is full."""
         session, seal = self.session, self.sealer.seal
         for channel, peer in session.pending_routes():
-            if channel != STREAM:
-                continue
-            stream = self.streams.get(peer)
-            if stream is None:
-                continue
-            while stream.queued_bytes < _STREAM_HIGH_WATER:
-                msg = session.pop((channel, peer))
-                if msg is None:
+            stream = self.streams.get(peer) if channel == STREAM else None
+            while stream is not None and not stream.queued_bytes:
+                while stream.queued_bytes < _STREAM_HIGH_WATER:
+                    msg = session.pop((channel, peer))
+                    if msg is None:
+                        break
+                    stream.enqueue(seal(msg.kind, msg.seq, msg.dst, msg.chunk, msg.payload))
+                if not stream.queued_bytes:
                     break
-                stream.enqueue(seal(msg.kind, msg.seq, msg.dst, msg.chunk, msg.payload))
-        for stream in list(self.streams.values()):
-            if stream.queued_bytes:
                 self._flush(stream)
+                stream = self.streams.get(peer)
 
     def _drop_stream(self, stream: Stream) -> None:
         if self.streams.pop(stream.peer, None) is not None:

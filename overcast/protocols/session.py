@@ -195,7 +195,8 @@ class Session:
             if now >= self.last_progress[seq] + self.timeout:
                 self.abort(CollectiveTimeoutError(
                     f"{coll.desc} #{seq} on rank {self.rank} made no progress for "
-                    f"{self.timeout:.1f} s; waiting for {coll.waiting_for()}"))
+                    f"{self.timeout:.1f} s; waiting for "
+                    f"{coll.waiting_for() if not coll.received_all else 'its sends to drain'}"))
                 return
             t = coll.get_timer()
             if t is not None and now >= t:

@@ -1,0 +1,114 @@
+"""`overcast bench`: collectives on the emulated cluster, nccl-tests style, beside gloo.
+
+Every (collective, algorithm, size) point runs on fresh processes on the same cluster: warm-up
+runs, then timed repetitions, each between two barriers with the NIC counters read around it.
+A run's time is the slowest rank's; a point's time is the median run's.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import statistics
+
+from overcast.bench.worker import DTYPE, run_point
+from overcast.cluster.netns import Cluster
+from overcast.schedules import cost
+from overcast.wire.header import OVERHEAD_BYTES
+
+COLLECTIVES = ("allgather", "reduce_scatter")
+ALGORITHMS = {"allgather": ("ring", "gloo"), "reduce_scatter": ("ring", "gloo")}
+
+
+def parse_size(text: str) -> int:
+    """'64KiB', '1MiB', '4MB', '1000' -> bytes."""
+    units = {"": 1, "B": 1, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "KB": 1000,
+             "MB": 10**6, "GB": 10**9, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    s = text.strip()
+    i = len(s)
+    while i and not s[i - 1].isdigit():
+        i -= 1
+    number, unit = s[:i], s[i:].strip().upper()
+    if not number or unit not in units:
+        raise ValueError(f"cannot read size {text!r}; write e.g. 64KiB, 1MiB, 4MiB or 1000")
+    return int(float(number) * units[unit])
+
+
+def summarize(collective: str, algorithm: str, hosts: int, nbytes: int, link_bits: int,
+              per_rank: list[list[dict]]) -> dict:
+    """One result row from every rank's runs."""
+    reps = len(per_rank[0])
+    count = max(1, nbytes // DTYPE().itemsize)
+    n = count * DTYPE().itemsize
+    seconds = [max(r[k]["seconds"] for r in per_rank) for k in range(reps)]
+    tx = [statistics.fmean(r[k]["tx_bytes"] for r in per_rank) for k in range(reps)]
+    rx = [statistics.fmean(r[k]["rx_bytes"] for r in per_rank) for k in range(reps)]
+    cpu = [statistics.fmean(r[k]["cpu_seconds"] for r in per_rank) for k in range(reps)]
+    median = statistics.median(seconds)
+    floor = cost.floor_seconds(collective, n, hosts, link_bits / 8)
+    sent, received = cost.traffic(collective, algorithm, n, hosts)
+    return {
+        "collective": collective, "algorithm": algorithm, "hosts": hosts,
+        "bytes_per_rank": n, "link_bits_per_s": link_bits,
+        "seconds": median, "seconds_all": seconds,
+        "floor_seconds": floor, "ratio_to_floor": median / floor,
+        "algbw_bytes_per_s": cost.algbw(n, hosts, median),
+        "busbw_bytes_per_s": cost.busbw(n, hosts, median),
+        "tx_bytes_per_host": round(statistics.median(tx)),
+        "rx_bytes_per_host": round(statistics.median(rx)),
+        "tx_bytes_max_host": max(r[k]["tx_bytes"] for r in per_rank for k in range(reps)),
+        "rx_bytes_max_host": max(r[k]["rx_bytes"] for r in per_rank for k in range(reps)),
+        "payload_sent_per_host": sent, "payload_received_per_host": received,
+        "tx_over_payload": statistics.median(tx) / sent if sent else None,
+        "rx_over_payload": statistics.median(rx) / received if received else None,
+        "cpu_seconds_per_rank": statistics.median(cpu),
+        "repetitions": reps,
+        "correct": all(r[k]["correct"] for r in per_rank for k in range(reps)),
+    }
+
+
+def machine() -> dict:
+    model = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f
+                          if line.startswith("model name")), "")
+    except OSError:
+        pass
+    return {"platform": platform.platform(), "cpus": os.cpu_count(), "cpu_model": model,
+            "python": platform.python_version()}
+
+
+def run_bench(hosts: int, link_bits: int, sizes: list[int], collectives: list[str],
+              algorithms: list[str], reps: int = 5, warmup: int = 1, mtu: int = 9000,
+              progress=None) -> dict:
+    """Run every requested point on one cluster; return {"meta": ..., "results": [...]}."""
+    for c in collectives:
+        if c not in COLLECTIVES:
+            raise ValueError(f"unknown collective {c!r}; available: {', '.join(COLLECTIVES)}")
+    points = [(c, a, s) for c in collectives for a in algorithms if a in ALGORITHMS[c]
+              for s in sizes]
+    unknown = set(algorithms) - {a for c in collectives for a in ALGORITHMS[c]}
+    if unknown:
+        raise ValueError(f"unknown algorithm(s) {', '.join(sorted(unknown))} for "
+                         f"{', '.join(collectives)}")
+    import torch  # noqa: F401  imported once here so that forked hosts start fast
+
+    results = []
+    with Cluster(hosts, link_bits, mtu=mtu) as cluster:
+        for i, (collective, algorithm, nbytes) in enumerate(points):
+            if progress:
+                progress(i, len(points), f"{collective} {algorithm} {nbytes} B")
+            per_rank = cluster.run(run_point, args=(collective, algorithm, nbytes, reps, warmup),
+                                   timeout=600)
+            results.append(summarize(collective, algorithm, hosts, nbytes, link_bits, per_rank))
+        if progress:
+            progress(len(points), len(points), "done")
+    meta = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "hosts": hosts, "link_bits_per_s": link_bits, "mtu": mtu, "dtype": str(DTYPE().dtype),
+        "repetitions": reps, "warmup": warmup, "header_overhead_bytes": OVERHEAD_BYTES,
+        "machine": machine(), "torch": torch.__version__,
+    }
+    return {"meta": meta, "results": results}

@@ -1,0 +1,93 @@
+"""What runs on each emulated host during `overcast bench`: one (collective, algorithm, size)
+point, timed over repetitions, its results checked, its NIC counters read around each run."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+
+from overcast.cluster.netns import read_nic_counters
+
+DTYPE = np.float32
+GLOO_PORT_OFFSET = 1
+
+
+def pattern(rank: int, count: int, world: int) -> np.ndarray:
+    """Rank `rank`'s input for a reduction: small integers, so float32 sums are exact."""
+    return ((np.arange(world * count) % 1021) + rank).astype(DTYPE)
+
+
+def expected_sum(rank: int, count: int, world: int) -> np.ndarray:
+    base = (np.arange(world * count) % 1021)[rank * count:(rank + 1) * count]
+    return (base * world + world * (world - 1) // 2).astype(DTYPE)
+
+
+def shard(rank: int, count: int) -> np.ndarray:
+    """Rank `rank`'s shard for a gather: distinct per rank and per position."""
+    return ((np.arange(count) * 7 + rank * 131) % 2039).astype(DTYPE)
+
+
+class _Gloo:
+    """torch.distributed with gloo on the same hosts, for the baseline."""
+
+    def __init__(self, rank: int, world: int):
+        import torch
+        import torch.distributed as dist
+        self.torch, self.dist = torch, dist
+        port = int(os.environ["MASTER_PORT"]) + GLOO_PORT_OFFSET
+        dist.init_process_group("gloo", init_method=f"tcp://{os.environ['MASTER_ADDR']}:{port}",
+                                rank=rank, world_size=world)
+
+    def all_gather(self, out, inp):
+        self.dist.all_gather_into_tensor(self.torch.from_numpy(out), self.torch.from_numpy(inp))
+
+    def reduce_scatter(self, out, inp):
+        self.dist.reduce_scatter_tensor(self.torch.from_numpy(out), self.torch.from_numpy(inp))
+
+    def close(self):
+        self.dist.destroy_process_group()
+
+
+def run_point(rank: int, collective: str, algorithm: str, nbytes: int, reps: int,
+              warmup: int) -> list[dict]:
+    """Time `reps` runs after `warmup` on this host; one dict per measured run."""
+    import overcast
+
+    world = int(os.environ["WORLD_SIZE"])
+    count = max(1, nbytes // DTYPE().itemsize)
+    comm = overcast.Communicator(timeout=120)
+    gloo = _Gloo(rank, world) if algorithm == "gloo" else None
+    try:
+        if collective == "allgather":
+            inp, out = shard(rank, count), np.empty(world * count, DTYPE)
+            expect = np.concatenate([shard(r, count) for r in range(world)])
+            call = gloo.all_gather if gloo else \
+                (lambda o, i: comm.all_gather(o, i, algorithm=algorithm))
+        else:
+            inp, out = pattern(rank, count, world), np.empty(count, DTYPE)
+            expect = expected_sum(rank, count, world)
+            call = gloo.reduce_scatter if gloo else \
+                (lambda o, i: comm.reduce_scatter(o, i, algorithm=algorithm))
+        runs = []
+        for i in range(warmup + reps):
+            out.fill(-1)
+            comm.barrier()
+            before, cpu0 = read_nic_counters(), time.process_time()
+            t0 = time.perf_counter()
+            call(out, inp)
+            seconds = time.perf_counter() - t0
+            cpu = time.process_time() - cpu0
+            comm.barrier()
+            delta = read_nic_counters() - before
+            if i >= warmup:
+                runs.append({"seconds": seconds, "cpu_seconds": cpu,
+                             "tx_bytes": delta.tx_bytes, "rx_bytes": delta.rx_bytes,
+                             "tx_packets": delta.tx_packets, "rx_packets": delta.rx_packets,
+                             "correct": bool(np.array_equal(out, expect))})
+        return runs
+    finally:
+        if gloo:
+            gloo.close()
+        comm.close()

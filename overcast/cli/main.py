@@ -1,0 +1,120 @@
+"""The `overcast` command: bench, and the emulated cluster (up, run, clean)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import signal
+import sys
+import threading
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+
+def _csv(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def _bench(args) -> int:
+    from overcast.bench.report import plot_busbw, print_table
+    from overcast.bench.run import parse_size, run_bench
+
+    console = Console()
+    sizes = [parse_size(s) for s in _csv(args.sizes)]
+    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/"
+                  "{task.total}"), TimeElapsedColumn(), console=console, transient=True) as bar:
+        task = bar.add_task("starting", total=None)
+
+        def progress(done, total, what):
+            bar.update(task, completed=done, total=total, description=what)
+
+        doc = run_bench(args.hosts, int(args.link_mbit * 1e6), sizes, _csv(args.collectives),
+                        _csv(args.algorithms), reps=args.reps, warmup=args.warmup, mtu=args.mtu,
+                        progress=progress)
+    doc["meta"]["command"] = "overcast " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    print_table(doc, console)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=1)
+        console.print(f"results: {args.json}")
+    png = args.png or (os.path.splitext(args.json)[0] + ".png" if args.json else None)
+    if png:
+        plot_busbw(doc, png)
+        console.print(f"plot: {png}")
+    return 0 if all(r["correct"] for r in doc["results"]) else 1
+
+
+def _cluster(args) -> int:
+    from overcast.cluster.netns import Cluster, clean_leftovers
+
+    if args.action == "clean":
+        removed = clean_leftovers(force=args.force)
+        print(f"removed {len(removed)} namespace(s)" + (": " + " ".join(removed) if removed
+                                                         else ""))
+        return 0
+    with Cluster(args.hosts, int(args.link_mbit * 1e6), mtu=args.mtu) as cluster:
+        if args.action == "up":
+            print(f"cluster {cluster.run_id}: hosts {' '.join(cluster.host_ns)}, switch "
+                  f"{cluster.switch_ns}, service {cluster.service_ns}")
+            print("enter a host with: ip netns exec <host> <command>; Ctrl-C tears it down")
+            threading.Event().wait()
+        if not args.command:
+            print("nothing to run: give a command after --", file=sys.stderr)
+            return 2
+        procs = [cluster.start(args.command, host=i) for i in range(args.hosts)]
+        codes = [p.wait() for p in procs]
+        return max(codes, key=abs)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="overcast", description=__doc__)
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    b = sub.add_parser("bench", help="benchmark collectives on the emulated cluster")
+    b.add_argument("--hosts", type=int, default=8)
+    b.add_argument("--link-mbit", type=float, default=400.0,
+                   help="link rate per direction, Mbit/s")
+    b.add_argument("--sizes", default="64KiB,1MiB,4MiB", help="bytes per rank, comma-separated")
+    b.add_argument("--collectives", default="allgather,reduce_scatter")
+    b.add_argument("--algorithms", default="ring,gloo")
+    b.add_argument("--reps", type=int, default=5, help="timed runs per point")
+    b.add_argument("--warmup", type=int, default=1, help="untimed runs per point")
+    b.add_argument("--mtu", type=int, default=9000)
+    b.add_argument("--json", help="write results here")
+    b.add_argument("--png", help="busbw plot (default: beside --json)")
+    b.set_defaults(func=_bench)
+
+    c = sub.add_parser("cluster", help="the emulated cluster of network namespaces")
+    c.add_argument("action", choices=("up", "run", "clean"),
+                   help="up: build and hold until Ctrl-C; run: run a command on every host; "
+                        "clean: remove what killed runs left behind")
+    c.add_argument("--hosts", type=int, default=4)
+    c.add_argument("--link-mbit", type=float, default=400.0)
+    c.add_argument("--mtu", type=int, default=9000)
+    c.add_argument("--force", action="store_true", help="clean: also remove live runs' namespaces")
+    c.add_argument("command", nargs=argparse.REMAINDER, help="run: -- command and arguments")
+    c.set_defaults(func=_cluster)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    if getattr(args, "command", None) and args.command[0] == "--":
+        args.command = args.command[1:]
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    from overcast.cluster.netns import ClusterError
+    try:
+        return args.func(args)
+    except ClusterError as err:
+        print(f"overcast: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("overcast: interrupted; cleaned up", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,279 @@
+"""The emulated cluster: P hosts as network namespaces on a Linux bridge that plays the switch.
+
+    host i (netns oc-<run>-h<i>)        switch (netns oc-<run>-sw)       service (oc-<run>-svc)
+      eth0 198.18.0.(i+1)  ==veth==  h<i> --- br0 --- svc  ==veth==  eth0 198.18.255.1
+
+Each host link is shaped separately per direction with tbf, as a full-duplex NIC is: on the
+host's eth0 (its send direction) and on the switch's port h<i> (its receive direction, where a
+switch port drops when more arrives than it can send). The service attachment stands for the
+switch's own compute (the aggregator of in-network reduction); its link models the switch's
+internal fabric, shaped at `fabric_bits_per_s` (default: unshaped), not a host NIC.
+
+Everything is created under one run id, so concurrent runs never collide, and removed on exit,
+on error, on Ctrl-C and on SIGTERM; `clean_leftovers()` removes what a killed run left behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import threading
+from dataclasses import dataclass
+
+from overcast.cluster.launch import Placement, run_ranks
+
+PREFIX = "oc-"
+RUN_DIR = "/run/overcast"
+MULTICAST_NET = "239.0.0.0/8"
+SERVICE_ADDR = "198.18.255.1"
+MASTER_PORT = 29500
+
+
+class ClusterError(RuntimeError):
+    """The emulated cluster could not be built; the message says why and what to do."""
+
+
+def host_address(i: int) -> str:
+    """Host i's address in 198.18.0.0/16 (198.18.255.0/24 is kept for the service)."""
+    n = i + 1
+    if n >= 255 * 256:
+        raise ClusterError("at most 65279 hosts")
+    return f"198.18.{n >> 8}.{n & 255}"
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(["ip", *args], check=check, capture_output=True, text=True)
+
+
+def _tc(*args: str) -> None:
+    subprocess.run(["tc", *args], check=True, capture_output=True, text=True)
+
+
+def check_privileges() -> None:
+    """Raise ClusterError with a remedy unless this process may create network namespaces."""
+    missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
+    if missing:
+        raise ClusterError(f"{' and '.join(missing)} not found: install iproute2 "
+                           f"(apt-get install iproute2)")
+    if os.geteuid() != 0:
+        raise ClusterError(
+            "the emulated cluster creates network namespaces, veth links and tc qdiscs, which "
+            "needs root (CAP_SYS_ADMIN and CAP_NET_ADMIN). Run as root (sudo -E env "
+            "PATH=$PATH overcast ...), or, where the kernel allows unprivileged user "
+            "namespaces, inside one: unshare --user --map-root-user --net --mount sh -c "
+            "'mount -t tmpfs none /run && overcast ...'")
+
+
+def _tbf(rate_bits: int, mtu: int, queue_bytes: int) -> list[str]:
+    """tbf arguments: a bucket of 1 ms at line rate (never less than 4 frames) and a queue."""
+    burst = max(4 * (mtu + 14), rate_bits // 8 // 1000)
+    return ["tbf", "rate", f"{rate_bits}bit", "burst", str(burst), "limit", str(queue_bytes)]
+
+
+def _owner_alive(run_id: str) -> bool:
+    try:
+        with open(os.path.join(RUN_DIR, run_id)) as f:
+            pid = int(f.read().split()[0])
+        os.kill(pid, 0)
+        return True
+    except (OSError, ValueError, IndexError):
+        return False
+
+
+def list_namespaces() -> list[str]:
+    out = _ip("-j", "netns", "list", check=False).stdout.strip()
+    names = [entry["name"] for entry in json.loads(out)] if out else []
+    return [n for n in names if n.startswith(PREFIX)]
+
+
+def _kill_namespace_processes(name: str) -> None:
+    pids = _ip("netns", "pids", name, check=False).stdout.split()
+    for pid in pids:
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+        except (ProcessLookupError, ValueError):
+            pass
+
+
+def clean_leftovers(force: bool = False) -> list[str]:
+    """Remove namespaces of runs whose owning process is gone (all overcast ones if force)."""
+    removed = []
+    for name in list_namespaces():
+        run_id = name[len(PREFIX):].split("-")[0]
+        if force or not _owner_alive(run_id):
+            _kill_namespace_processes(name)
+            _ip("netns", "del", name, check=False)
+            removed.append(name)
+            try:
+                os.unlink(os.path.join(RUN_DIR, run_id))
+            except OSError:
+                pass
+    return removed
+
+
+@dataclass
+class NicCounters:
+    tx_bytes: int
+    rx_bytes: int
+    tx_packets: int
+    rx_packets: int
+
+    def __sub__(self, other: "NicCounters") -> "NicCounters":
+        return NicCounters(self.tx_bytes - other.tx_bytes, self.rx_bytes - other.rx_bytes,
+                           self.tx_packets - other.tx_packets, self.rx_packets - other.rx_packets)
+
+
+def read_nic_counters(ifname: str = "eth0") -> NicCounters:
+    """This process's network namespace's counters for `ifname`, from /proc/self/net/dev."""
+    with open("/proc/self/net/dev") as f:
+        for line in f:
+            name, _, rest = line.partition(":")
+            if name.strip() == ifname:
+                v = [int(x) for x in rest.split()]
+                return NicCounters(tx_bytes=v[8], rx_bytes=v[0], tx_packets=v[9], rx_packets=v[1])
+    raise ClusterError(f"no interface {ifname} in this network namespace")
+
+
+class Cluster:
+    """P shaped hosts and a switch. Use as a context manager; `run` calls a function per host."""
+
+    def __init__(self, hosts: int, link_bits_per_s: int, *, mtu: int = 9000,
+                 switch_queue_bytes: int = 512 * 1024, fabric_bits_per_s: int | None = None,
+                 service: bool = True):
+        if hosts < 1:
+            raise ClusterError("a cluster needs at least one host")
+        self.hosts, self.link_bits_per_s, self.mtu = hosts, link_bits_per_s, mtu
+        self.switch_queue_bytes = switch_queue_bytes
+        self.fabric_bits_per_s = fabric_bits_per_s
+        self.service = service
+        self.run_id = secrets.token_hex(3)
+        self.secret = secrets.token_hex(32)
+        self.switch_ns = f"{PREFIX}{self.run_id}-sw"
+        self.host_ns = [f"{PREFIX}{self.run_id}-h{i}" for i in range(hosts)]
+        self.service_ns = f"{PREFIX}{self.run_id}-svc"
+        self._created: list[str] = []
+        self._procs: list[subprocess.Popen] = []
+        self._old_sigterm = None
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def __enter__(self) -> "Cluster":
+        if threading.current_thread() is threading.main_thread():
+            self._old_sigterm = signal.signal(signal.SIGTERM, _sigterm_to_exit)
+        try:
+            self.up()
+        except BaseException:
+            self.down()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.down()
+        if self._old_sigterm is not None:
+            signal.signal(signal.SIGTERM, self._old_sigterm)
+
+    def up(self) -> None:
+        check_privileges()
+        os.makedirs(RUN_DIR, exist_ok=True)
+        with open(os.path.join(RUN_DIR, self.run_id), "w") as f:
+            f.write(f"{os.getpid()}\n")
+        self._netns(self.switch_ns)
+        sw = ["-n", self.switch_ns]
+        _ip(*sw, "link", "add", "br0", "mtu", str(self.mtu), "type", "bridge",
+            "mcast_snooping", "0")
+        _ip(*sw, "link", "set", "br0", "up")
+        _ip(*sw, "link", "set", "lo", "up")
+        rate = self.link_bits_per_s
+        for i, ns in enumerate(self.host_ns):
+            self._attach(ns, f"h{i}", host_address(i), rate, rate)
+        if self.service:
+            self._attach(self.service_ns, "svc", SERVICE_ADDR, self.fabric_bits_per_s,
+                         self.fabric_bits_per_s)
+
+    def _netns(self, name: str) -> None:
+        _ip("netns", "add", name)
+        self._created.append(name)
+
+    def _attach(self, ns: str, port: str, address: str, send_bits: int | None,
+                recv_bits: int | None) -> None:
+        """A namespace with eth0 at `address`, cabled to switch port `port`."""
+        self._netns(ns)
+        mtu = str(self.mtu)
+        _ip("link", "add", "eth0", "netns", ns, "mtu", mtu, "type", "veth", "peer", "name", port,
+            "netns", self.switch_ns, "mtu", mtu)
+        _ip("-n", self.switch_ns, "link", "set", port, "master", "br0", "up")
+        _ip("-n", ns, "addr", "add", f"{address}/16", "dev", "eth0")
+        _ip("-n", ns, "link", "set", "eth0", "up")
+        _ip("-n", ns, "link", "set", "lo", "up")
+        _ip("-n", ns, "route", "add", MULTICAST_NET, "dev", "eth0")
+        # A collective follows a pause; TCP must not fall back to slow start after each one.
+        subprocess.run(["ip", "netns", "exec", ns, "sysctl", "-qw",
+                        "net.ipv4.tcp_slow_start_after_idle=0"], check=True, capture_output=True)
+        # The sender's own queue is deep, so a sender blocks on its socket rather than losing
+        # datagrams in its own NIC; the switch port's queue is a switch buffer.
+        if send_bits:
+            _tc("-n", ns, "qdisc", "add", "dev", "eth0", "root",
+                *_tbf(send_bits, self.mtu, 8 * 1024 * 1024))
+        if recv_bits:
+            _tc("-n", self.switch_ns, "qdisc", "add", "dev", port, "root",
+                *_tbf(recv_bits, self.mtu, self.switch_queue_bytes))
+
+    def down(self) -> None:
+        for proc in self._procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+        self._procs.clear()
+        for name in reversed(self._created):
+            _kill_namespace_processes(name)
+            _ip("netns", "del", name, check=False)
+        self._created.clear()
+        try:
+            os.unlink(os.path.join(RUN_DIR, self.run_id))
+        except OSError:
+            pass
+
+    # -- using it --------------------------------------------------------------------------
+    @property
+    def master_addr(self) -> str:
+        return host_address(0)
+
+    def environment(self, rank: int, extra: dict[str, str] | None = None) -> dict[str, str]:
+        """torchrun-style variables for host `rank`, plus the job secret and link rate."""
+        return {"RANK": str(rank), "WORLD_SIZE": str(self.hosts), "LOCAL_RANK": "0",
+                "MASTER_ADDR": self.master_addr, "MASTER_PORT": str(MASTER_PORT),
+                "OVERCAST_SECRET": self.secret,
+                "OVERCAST_LINK_BITS_PER_S": str(self.link_bits_per_s),
+                "OVERCAST_SWITCH_ADDR": SERVICE_ADDR, "GLOO_SOCKET_IFNAME": "eth0",
+                **(extra or {})}
+
+    def placements(self, extra: dict[str, str] | None = None) -> list[Placement]:
+        return [Placement(ns, self.environment(r, extra)) for r, ns in enumerate(self.host_ns)]
+
+    def run(self, fn, args=(), timeout: float = 600.0, env: dict[str, str] | None = None):
+        """fn(rank, *args) on every host at once; the results in rank order (see run_ranks)."""
+        return run_ranks(fn, self.placements(env), args, timeout)
+
+    def start(self, argv: list[str], host: int | None = None,
+              env: dict[str, str] | None = None, **popen) -> subprocess.Popen:
+        """Start a command on host `host`, or on the service attachment if None; it is killed
+        at teardown if still running."""
+        ns = self.service_ns if host is None else self.host_ns[host]
+        full_env = {**os.environ, **self.environment(0 if host is None else host, env)}
+        proc = subprocess.Popen(["ip", "netns", "exec", ns, *argv], env=full_env, **popen)
+        self._procs.append(proc)
+        return proc
+
+    def counters(self, host: int) -> NicCounters:
+        """Host `host`'s eth0 counters, read from outside its namespace."""
+        out = _ip("-n", self.host_ns[host], "-s", "-j", "link", "show", "dev", "eth0").stdout
+        stats = json.loads(out)[0]["stats64"]
+        return NicCounters(stats["tx"]["bytes"], stats["rx"]["bytes"], stats["tx"]["packets"],
+                           stats["rx"]["packets"])
+
+
+def _sigterm_to_exit(signum, frame):
+    raise SystemExit(128 + signum)
