@@ -15,7 +15,7 @@ from overcast.protocols.ring import RingAllGather, RingReduceScatter
 from overcast.protocols.session import Session
 from overcast.transport.rendezvous import rendezvous
 
-DEFAULT_FRAME_BYTES = 64 * 1024
+DEFAULT_FRAME_BYTES = 128 * 1024
 PROTOCOLS = {
     ("all_gather", "ring"): RingAllGather,
     ("reduce_scatter", "ring"): RingReduceScatter,

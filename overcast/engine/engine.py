@@ -16,6 +16,7 @@ import time
 from overcast.errors import CommunicatorClosedError, OvercastError
 from overcast.protocols.base import STREAM, Collective
 from overcast.protocols.session import Session
+from overcast.transport.datagram import Datagrams
 from overcast.transport.rendezvous import Links
 from overcast.transport.stream import Stream, StreamClosed
 
@@ -64,6 +65,8 @@ class Engine:
         for stream in self.streams.values():
             self._selector.register(stream, selectors.EVENT_READ, stream)
             self._masks[stream.peer] = selectors.EVENT_READ
+        self.datagrams = Datagrams(links.udp, links.opener)
+        self._selector.register(self.datagrams, selectors.EVENT_READ, self.datagrams)
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
@@ -137,6 +140,10 @@ class Engine:
                 stream = key.data
                 if stream is None:
                     self._drain_wake()
+                    continue
+                if stream is self.datagrams:
+                    now = time.monotonic()
+                    stream.read(lambda hdr, payload: session.receive(hdr, payload, now))
                     continue
                 if mask & selectors.EVENT_READ:
                     self._read(stream)
@@ -233,7 +240,7 @@ class Engine:
         self._selector.close()
         self._wake_r.close()
         self._wake_w.close()
-        self.links.udp.close()
+        self.datagrams.close()
 
     # -- introspection ---------------------------------------------------------------------
     def counters(self) -> dict:
@@ -241,6 +248,8 @@ class Engine:
         return {
             "drops": dict(self.links.drops),
             "stale": self.session.stale,
+            "datagrams_in": self.datagrams.datagrams_in,
+            "datagrams_out": self.datagrams.datagrams_out,
             "stream_bytes_out": self._closed_bytes[0] + sum(s.bytes_out for s in streams),
             "stream_bytes_in": self._closed_bytes[1] + sum(s.bytes_in for s in streams),
         }

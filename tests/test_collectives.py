@@ -1,0 +1,132 @@
+"""Ring AllGather and ReduceScatter between real processes over loopback TCP: bit-exact for every
+dtype, sizes from one byte to 64 MiB with uneven tails, P in {2, 3, 5, 8}."""
+
+import numpy as np
+import pytest
+import torch
+
+import overcast
+from overcast.buffers import BFLOAT16
+from overcast.cluster.launch import loopback_placements, run_ranks
+
+DTYPES = ["uint8", "int8", "int32", "int64", "float16", "bfloat16", "float32", "float64"]
+FRAME = 1 << 12  # small frames, so modest sizes cross many frame and block boundaries
+
+
+def as_dtype(name):
+    return BFLOAT16 if name == "bfloat16" else np.dtype(name)
+
+
+def shard(rank, count, dtype, modulus=251):
+    """Distinct per rank and position (251 is prime, so no frame-sized shift maps the pattern
+    onto itself), and integers every dtype holds exactly."""
+    period = ((np.arange(modulus, dtype=np.int64) * 7 + rank * 13) % modulus).astype(dtype)
+    return periodic(period, count)
+
+
+def periodic(period, count):
+    """`period` repeated to `count` elements, by doubling (np.resize concatenates per copy)."""
+    out = np.empty(count, period.dtype)
+    filled = min(count, len(period))
+    out[:filled] = period[:filled]
+    while filled < count:
+        step = min(filled, count - filled)
+        out[filled:filled + step] = out[:step]
+        filled += step
+    return out
+
+
+def same_bits(a, b):
+    return a.shape == b.shape and np.array_equal(a.view(np.uint8), b.view(np.uint8))
+
+
+def addend(rank, count, dtype):
+    """ReduceScatter inputs: small enough that every partial sum of 8 ranks is exact even in
+    bfloat16 (integers up to 256)."""
+    return shard(rank, count, dtype, modulus=16)
+
+
+def counts_for(dtype):
+    size = dtype.itemsize
+    return sorted({1, 3, FRAME // size - 1, FRAME // size + 1, 5 * FRAME // size + 3})
+
+
+def run_case(comm, rank, dtype, count):
+    """One AllGather and one ReduceScatter of `count` elements per rank; True if both exact.
+    Expected blocks are built one at a time, so large cases stay within a few buffers."""
+    world = comm.world_size
+    out = np.empty(world * count, dtype)
+    comm.all_gather(out, shard(rank, count, dtype))
+    ok = all(same_bits(out[r * count:(r + 1) * count], shard(r, count, dtype))
+             for r in range(world))
+    del out
+    rs_in = np.empty(world * count, dtype)
+    for r in range(world):
+        rs_in[r * count:(r + 1) * count] = addend(r, count, dtype) + dtype.type(rank)
+    rs_out = np.empty(count, dtype)
+    comm.reduce_scatter(rs_out, rs_in)
+    del rs_in
+    exact = periodic((addend(rank, 16, np.int64) * world + world * (world - 1) // 2)
+                     .astype(dtype), count)
+    return ok and same_bits(rs_out, exact)
+
+
+def check_rank(rank, big_bytes):
+    """Run every case on this rank; return a list of failures (empty when all are exact)."""
+    failures = []
+    with overcast.Communicator(timeout=60, frame_bytes=FRAME) as comm:
+        world = comm.world_size
+        for name in DTYPES:
+            dtype = as_dtype(name)
+            for count in counts_for(dtype):
+                if not run_case(comm, rank, dtype, count):
+                    failures.append(f"{name} x {count}")
+        # torch tensors, including bfloat16, through the same calls
+        t_in = torch.arange(1000, dtype=torch.bfloat16) % 17 + rank
+        t_out = torch.empty(1000 * world, dtype=torch.bfloat16)
+        comm.all_gather(t_out, t_in)
+        expect_t = torch.cat([torch.arange(1000, dtype=torch.bfloat16) % 17 + r
+                              for r in range(world)])
+        if not torch.equal(t_out, expect_t):
+            failures.append("all_gather torch bfloat16")
+        f_in = torch.full((world * 10,), float(rank), dtype=torch.float32)
+        f_out = torch.empty(10)
+        comm.reduce_scatter(f_out, f_in, op="avg")
+        if not torch.equal(f_out, torch.full((10,), (world - 1) / 2)):
+            failures.append("reduce_scatter avg")
+    # Large messages with the default frame size, one odd tail included.
+    with overcast.Communicator(timeout=120, name="large") as comm:
+        for count in ((1 << 20) + 5, big_bytes):
+            if not run_case(comm, rank, np.dtype(np.uint8), count):
+                failures.append(f"uint8 x {count}")
+    return failures
+
+
+@pytest.mark.parametrize("world,big_bytes", [(2, 64 << 20), (3, 64 << 20), (5, 8 << 20),
+                                             (8, 64 << 20)])
+def test_ring_collectives_bit_exact(world, big_bytes):
+    results = run_ranks(check_rank, loopback_placements(world), args=(big_bytes,), timeout=600)
+    assert results == [[] for _ in range(world)]
+
+
+def overlapped(rank):
+    """Several collectives in flight at once, waited on in reverse order."""
+    with overcast.Communicator(timeout=60) as comm:
+        world = comm.world_size
+        works, outs = [], []
+        for i in range(6):
+            out = np.empty(world * 5000, np.int32)
+            works.append(comm.all_gather(out, np.full(5000, rank * 10 + i, np.int32),
+                                         async_op=True))
+            outs.append(out)
+        completed = [w.is_completed() for w in works]
+        for w in reversed(works):
+            assert w.wait(timeout=60)
+        ok = all((outs[i].reshape(world, 5000) ==
+                  (np.arange(world) * 10 + i)[:, None]).all() for i in range(6))
+        return [ok, all(w.is_completed() for w in works), len(completed)]
+
+
+def test_several_collectives_in_flight():
+    for result in run_ranks(overlapped, loopback_placements(3), timeout=120):
+        assert result == [True, True, 6]

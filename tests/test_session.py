@@ -1,0 +1,158 @@
+"""The ring protocols and the session's cross-rank checks, without sockets: deterministic."""
+
+import numpy as np
+import pytest
+
+from fabric import Fabric
+from overcast.buffers import BFLOAT16
+from overcast.errors import (CollectiveMismatchError, CollectiveTimeoutError, PeerFailureError,
+                             ProtocolError)
+from overcast.protocols.base import Descriptor
+from overcast.protocols.ring import RingAllGather, RingReduceScatter
+from overcast.wire.header import Header, Kind
+
+
+def gather(fabric, count, dtype, frame_bytes, seq=0):
+    world = fabric.world
+    shards = [(np.arange(count) * 3 + r * 1000).astype(dtype) for r in range(world)]
+    outs = [np.empty(world * count, dtype) for _ in range(world)]
+    colls = []
+    for r in range(world):
+        desc = Descriptor("all_gather", "ring", np.dtype(dtype), count)
+        colls.append(RingAllGather(seq, r, world, desc, outs[r], shards[r], frame_bytes))
+        fabric.post(r, colls[-1])
+    return colls, outs, np.concatenate(shards)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 5])
+@pytest.mark.parametrize("count,frame_bytes", [(0, 64), (1, 64), (7, 8), (1000, 96), (4099, 4096)])
+def test_ring_all_gather_bit_exact(world, count, frame_bytes):
+    fabric = Fabric(world, seed=world * 31 + count)
+    colls, outs, expect = gather(fabric, count, np.int32, frame_bytes)
+    fabric.run()
+    assert all(c.done and c.error is None for c in colls)
+    for out in outs:
+        assert out.tobytes() == expect.tobytes()
+
+
+FLOATS = [np.float32, np.float64, np.float16, BFLOAT16]
+INTS = [np.int32, np.int64, np.uint8]
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 5])
+@pytest.mark.parametrize("dtype,op", [(d, "sum") for d in FLOATS + INTS] +
+                         [(d, "avg") for d in FLOATS])
+def test_ring_reduce_scatter_bit_exact(world, dtype, op):
+    count, frame_bytes = 37, 16
+    fabric = Fabric(world, seed=7)
+    inputs = [((np.arange(world * count) % 13) + r).astype(dtype) for r in range(world)]
+    outs = [np.empty(count, dtype) for _ in range(world)]
+    colls = []
+    for r in range(world):
+        desc = Descriptor("reduce_scatter", "ring", np.dtype(dtype), count, op)
+        colls.append(RingReduceScatter(0, r, world, desc, outs[r], inputs[r], frame_bytes))
+        fabric.post(r, colls[-1])
+    fabric.run()
+    total = sum(i.astype(np.float64) for i in inputs)
+    for r in range(world):
+        assert colls[r].done and colls[r].error is None
+        exact = total[r * count:(r + 1) * count].astype(dtype)
+        if op == "avg":
+            acc = np.float32 if np.dtype(dtype).itemsize == 2 else dtype
+            exact = np.divide(exact, world, dtype=acc, casting="unsafe").astype(dtype)
+        assert outs[r].tobytes() == exact.tobytes()
+
+
+def test_many_collectives_in_flight_complete_in_any_delivery_order():
+    fabric = Fabric(3, seed=3)
+    runs = [gather(fabric, 100 + seq, np.int64, 64, seq=seq) for seq in range(4)]
+    fabric.run()
+    for colls, outs, expect in runs:
+        assert all(c.done for c in colls)
+        assert all(o.tobytes() == expect.tobytes() for o in outs)
+
+
+def test_messages_for_a_collective_not_yet_posted_are_kept():
+    fabric = Fabric(2)
+    world, count = 2, 500
+    a = np.arange(count, dtype=np.int32)
+    outs = [np.empty(world * count, np.int32) for _ in range(2)]
+    desc = Descriptor("all_gather", "ring", np.dtype(np.int32), count)
+    c0 = RingAllGather(0, 0, world, desc, outs[0], a, 64)
+    fabric.post(0, c0)
+    fabric.run()  # rank 0's frames reach rank 1 before rank 1 posts
+    assert fabric.sessions[1].early
+    c1 = RingAllGather(0, 1, world, desc, outs[1], a + 1, 64)
+    fabric.post(1, c1)
+    fabric.run()
+    assert c0.done and c1.done
+    assert outs[0].tobytes() == outs[1].tobytes() == np.concatenate([a, a + 1]).tobytes()
+
+
+@pytest.mark.parametrize("theirs", [
+    Descriptor("all_gather", "ring", np.dtype(np.int32), 11),          # size
+    Descriptor("all_gather", "ring", np.dtype(np.int64), 10),          # dtype
+    Descriptor("reduce_scatter", "ring", np.dtype(np.int32), 10, "sum"),  # order / kind
+])
+def test_mismatch_is_an_error_on_every_rank(theirs):
+    world = 3
+    fabric = Fabric(world)
+    colls = []
+    for r in range(world):
+        desc = theirs if r == 1 else Descriptor("all_gather", "ring", np.dtype(np.int32), 10)
+        if desc.collective == "all_gather":
+            coll = RingAllGather(0, r, world, desc, np.empty(world * desc.count, desc.dtype),
+                                 np.zeros(desc.count, desc.dtype), 64)
+        else:
+            coll = RingReduceScatter(0, r, world, desc, np.empty(desc.count, desc.dtype),
+                                     np.zeros(world * desc.count, desc.dtype), 64)
+        colls.append(coll)
+        fabric.post(r, coll)
+    fabric.run()
+    for c in colls:
+        assert isinstance(c.error, CollectiveMismatchError), c.error
+        assert "differs across ranks" in str(c.error)
+        assert str(theirs) in str(c.error)
+
+
+def test_silent_rank_times_out_everywhere_with_who_was_missing():
+    fabric = Fabric(3, timeout=5.0)
+    fabric.silent.add(2)
+    colls, _, _ = gather(fabric, 10, np.int32, 64)
+    fabric.run()
+    fabric.advance(4.9)
+    assert not any(c.error for c in colls[:2])
+    fabric.advance(0.2)
+    fabric.run()
+    for c in colls[:2]:
+        assert isinstance(c.error, CollectiveTimeoutError), c.error
+    assert "rank 2" in str(colls[0].error)  # rank 0 waits on its predecessor
+
+
+def test_goodbye_fails_collectives_the_closed_rank_never_issued():
+    fabric = Fabric(2)
+    fabric.sessions[1].close()
+    colls, _, _ = gather(fabric, 10, np.int32, 64)
+    fabric.run()
+    assert isinstance(colls[0].error, PeerFailureError)
+    assert "closed the communicator after 0 collectives" in str(colls[0].error)
+
+
+def test_out_of_range_frame_is_a_protocol_error_not_a_crash():
+    fabric = Fabric(2)
+    colls, _, _ = gather(fabric, 10, np.int32, 64)
+    bogus = Header(Kind.RING_DATA, 0, 0, 0, 1, 0, 99, 4, 0)
+    fabric.sessions[0].receive(bogus, memoryview(b"\0" * 4), 0.0)
+    assert isinstance(colls[0].error, ProtocolError)
+    fabric.run()
+    assert isinstance(colls[1].error, ProtocolError)  # told by rank 0's abort
+
+
+def test_messages_after_completion_are_counted_stale():
+    fabric = Fabric(2)
+    colls, _, _ = gather(fabric, 10, np.int32, 64)
+    fabric.run()
+    assert all(c.done for c in colls)
+    late = Header(Kind.RING_DATA, 0, 0, 0, 1, 0, 0, 40, 0)
+    fabric.sessions[0].receive(late, memoryview(b"\0" * 40), 0.0)
+    assert fabric.sessions[0].stale == 1

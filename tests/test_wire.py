@@ -1,0 +1,97 @@
+"""The wire: header layout, authentication, and what happens to bad input (dropped, counted)."""
+
+import os
+
+import pytest
+
+from overcast.wire.auth import Drops, Opener, ReplayWindow, Sealer, derive_key, job_id_of
+from overcast.wire.header import HEADER_BYTES, OVERHEAD_BYTES, TAG_BYTES, Kind, unpack_header
+
+SECRET = b"s" * 32
+KEY = derive_key(SECRET, b"salt-one", b"comm")
+JOB = job_id_of(SECRET)
+
+
+def make(src=1, key=KEY, job=JOB, comm=7):
+    drops = Drops()
+    return Sealer(key, job, comm, src), Opener(KEY, JOB, 7, drops), drops
+
+
+def test_header_round_trip_and_size():
+    sealer, opener, drops = make()
+    frame = sealer.seal(Kind.RING_DATA, 5, 2, 9, b"payload")
+    assert len(frame) == OVERHEAD_BYTES + 7 == HEADER_BYTES + 7 + TAG_BYTES
+    hdr, payload = opener.open(memoryview(frame), windows={}, window_width=64)
+    assert (hdr.kind, hdr.job, hdr.comm, hdr.seq, hdr.src, hdr.dst, hdr.chunk, hdr.length) == \
+        (Kind.RING_DATA, JOB, 7, 5, 1, 2, 9, 7)
+    assert bytes(payload) == b"payload" and not drops
+
+
+def test_keys_differ_per_salt_and_label():
+    assert derive_key(SECRET, b"a", b"comm") != derive_key(SECRET, b"b", b"comm")
+    assert derive_key(SECRET, b"a", b"comm") != derive_key(SECRET, b"a", b"switch")
+    assert len(KEY) == 16
+
+
+@pytest.mark.parametrize("mutate,reason", [
+    (lambda f: f[:10], "malformed"),                                   # short
+    (lambda f: b"XX" + f[2:], "malformed"),                             # magic
+    (lambda f: f[:2] + bytes([9]) + f[3:], "malformed"),                # version
+    (lambda f: f[:3] + bytes([200]) + f[4:], "malformed"),              # unknown kind
+    (lambda f: f + b"extra", "malformed"),                              # length disagrees
+    (lambda f: f[:HEADER_BYTES] + bytes([f[HEADER_BYTES] ^ 1]) + f[HEADER_BYTES + 1:],
+     "bad_mac"),                                                        # payload bit flip
+    (lambda f: f[:20] + bytes([f[20] ^ 1]) + f[21:], "bad_mac"),       # header bit flip
+    (lambda f: f[:-1] + bytes([f[-1] ^ 1]), "bad_mac"),                 # tag bit flip
+])
+def test_bad_datagrams_are_dropped_and_counted(mutate, reason):
+    sealer, opener, drops = make()
+    frame = bytes(sealer.seal(Kind.MCAST_DATA, 1, 0, 0, b"x" * 100))
+    assert opener.open(memoryview(mutate(frame)), windows={}, window_width=64) is None
+    assert drops == {reason: 1}
+
+
+def test_foreign_job_communicator_and_key_are_dropped():
+    _, opener, drops = make()
+    other_job = Sealer(KEY, JOB ^ 1, 7, 1).seal(Kind.MCAST_DATA, 1, 0, 0, b"x")
+    other_comm = Sealer(KEY, JOB, 8, 1).seal(Kind.MCAST_DATA, 1, 0, 0, b"x")
+    forged = Sealer(os.urandom(16), JOB, 7, 1).seal(Kind.MCAST_DATA, 1, 0, 0, b"x")
+    for frame in (other_job, other_comm, forged):
+        assert opener.open(memoryview(frame), windows={}, window_width=64) is None
+    assert drops == {"foreign": 2, "bad_mac": 1}
+
+
+def test_replayed_datagrams_are_dropped_reordered_ones_accepted():
+    sealer, opener, drops = make()
+    frames = [bytes(sealer.seal(Kind.MCAST_DATA, 1, 0, i, b"x")) for i in range(5)]
+    windows = {}
+    order = [frames[1], frames[0], frames[3], frames[2], frames[4], frames[3], frames[0]]
+    accepted = [opener.open(memoryview(f), windows=windows, window_width=64) is not None
+                for f in order]
+    assert accepted == [True, True, True, True, True, False, False]
+    assert drops == {"replayed": 2}
+
+
+def test_replay_window_edges():
+    w = ReplayWindow(4)
+    assert w.accept(10)
+    assert not w.accept(6)          # four below the top is outside a window of four
+    assert w.accept(7) and not w.accept(7)
+    assert w.accept(1000)           # a big jump clears the window
+    assert not w.accept(10)
+    strict = ReplayWindow(0)
+    assert strict.accept(1) and strict.accept(5) and not strict.accept(5) and not strict.accept(4)
+
+
+def test_header_parse_never_raises_other_than_malformed():
+    import random
+    rng = random.Random(1)
+    from overcast.wire.header import MalformedError
+    for _ in range(2000):
+        junk = bytes(rng.getrandbits(8) for _ in range(rng.randrange(0, 80)))
+        if rng.random() < 0.5 and len(junk) >= 4:
+            junk = b"OC\x01" + junk[3:]
+        try:
+            unpack_header(junk)
+        except MalformedError:
+            pass
