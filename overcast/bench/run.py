@@ -93,7 +93,8 @@ def run_bench(hosts: int, link_bits: int, sizes: list[int], collectives: list[st
     if unknown:
         raise ValueError(f"unknown algorithm(s) {', '.join(sorted(unknown))} for "
                          f"{', '.join(collectives)}")
-    import torch  # noqa: F401  imported once here so that forked hosts start fast
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # gloo's hostname lookup warnings
+    import torch  # imported once here so that forked hosts start fast
 
     results = []
     with Cluster(hosts, link_bits, mtu=mtu) as cluster:

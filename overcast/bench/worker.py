@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 
 import numpy as np
 
@@ -35,6 +36,9 @@ class _Gloo:
     def __init__(self, rank: int, world: int):
         import torch
         import torch.distributed as dist
+        # torch 2.13 calls these two "deprecated" in favour of *_single; they are what FSDP2
+        # and users call today, so they are the baseline.
+        warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
         self.torch, self.dist = torch, dist
         port = int(os.environ["MASTER_PORT"]) + GLOO_PORT_OFFSET
         dist.init_process_group("gloo", init_method=f"tcp://{os.environ['MASTER_ADDR']}:{port}",

@@ -22,7 +22,7 @@ def _bench(args) -> int:
     from overcast.bench.report import plot_busbw, print_table
     from overcast.bench.run import parse_size, run_bench
 
-    console = Console()
+    console = Console(width=None if sys.stdout.isatty() else 160)
     sizes = [parse_size(s) for s in _csv(args.sizes)]
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/"
                   "{task.total}"), TimeElapsedColumn(), console=console, transient=True) as bar:
@@ -95,15 +95,19 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--link-mbit", type=float, default=400.0)
     c.add_argument("--mtu", type=int, default=9000)
     c.add_argument("--force", action="store_true", help="clean: also remove live runs' namespaces")
-    c.add_argument("command", nargs=argparse.REMAINDER, help="run: -- command and arguments")
     c.set_defaults(func=_cluster)
+    c.epilog = "run: overcast cluster run --hosts 4 -- COMMAND [ARGS...]"
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    command: list[str] = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, command = argv[:cut], argv[cut + 1:]
     args = parser().parse_args(argv)
-    if getattr(args, "command", None) and args.command[0] == "--":
-        args.command = args.command[1:]
+    args.command = command
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     from overcast.cluster.netns import ClusterError
     try:

@@ -26,8 +26,9 @@ _PR_SET_PDEATHSIG = 1
 class RankError(RuntimeError):
     """One or more ranks raised, died or timed out; `failures` maps rank to what happened."""
 
-    def __init__(self, failures: dict[int, str]):
+    def __init__(self, failures: dict[int, str], results: list | None = None):
         self.failures = failures
+        self.results = results or []  # what the other ranks returned (None where failed)
         lines = [f"rank {r}: {msg.strip().splitlines()[-1] if msg.strip() else msg}"
                  for r, msg in sorted(failures.items())]
         super().__init__("; ".join(lines))
@@ -156,5 +157,5 @@ def _collect(procs, outputs, timeout: float) -> list:
         else:
             results.append(reply["ok"])
     if failures:
-        raise RankError(failures)
+        raise RankError(failures, results)
     return results

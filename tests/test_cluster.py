@@ -1,0 +1,192 @@
+"""The emulated cluster: built as described, shaped per direction, counted, cleaned up always."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import overcast
+from conftest import root_only
+from overcast.cluster.netns import Cluster, list_namespaces, read_nic_counters
+
+pytestmark = root_only
+CLI = [sys.executable, "-m", "overcast.cli.main"]
+
+
+def describe_host(rank):
+    with open("/proc/self/net/dev") as f:
+        names = sorted(line.split(":")[0].strip() for line in f if ":" in line)
+    return {"rank": rank, "env": {k: os.environ[k] for k in
+                                  ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")},
+            "interfaces": names}
+
+
+def qdisc(ns, dev):
+    out = subprocess.run(["tc", "-n", ns, "-j", "qdisc", "show", "dev", dev], check=True,
+                         capture_output=True, text=True).stdout
+    return json.loads(out)[0]
+
+
+def test_hosts_links_shaping_and_environment():
+    with Cluster(3, 100_000_000) as cluster:
+        names = set(list_namespaces())
+        assert {cluster.switch_ns, cluster.service_ns, *cluster.host_ns} <= names
+        info = cluster.run(describe_host)
+        for rank, host in enumerate(info):
+            assert host["env"] == {"RANK": str(rank), "WORLD_SIZE": "3",
+                                   "MASTER_ADDR": "198.18.0.1", "MASTER_PORT": "29500"}
+            assert host["interfaces"] == ["eth0", "lo"]
+            ns = cluster.host_ns[rank]
+            link = json.loads(subprocess.run(["ip", "-n", ns, "-j", "addr", "show", "eth0"],
+                                             capture_output=True, text=True).stdout)[0]
+            assert link["mtu"] == 9000
+            assert link["addr_info"][0]["local"] == f"198.18.0.{rank + 1}"
+            routes = subprocess.run(["ip", "-n", ns, "route", "show", "239.0.0.0/8"],
+                                    capture_output=True, text=True).stdout
+            assert "dev eth0" in routes
+            # shaped on both ends: the host's send direction and the switch port toward it
+            for q in (qdisc(ns, "eth0"), qdisc(cluster.switch_ns, f"h{rank}")):
+                assert q["kind"] == "tbf" and q["options"]["rate"] == 12_500_000
+        # the service attachment is the switch's fabric: not shaped by default
+        assert qdisc(cluster.service_ns, "eth0")["kind"] != "tbf"
+    assert not names & set(list_namespaces())
+
+
+def blast(rank, nbytes, both):
+    """Host 0 sends `nbytes` over TCP to host 1 (and back at once if `both`); returns the
+    seconds it took and the NIC counters' deltas."""
+    before = read_nic_counters()
+    peer = "198.18.0.2" if rank == 0 else "198.18.0.1"
+    if rank == 1:
+        server = socket.create_server(("198.18.0.2", 5001))
+    overcast.Communicator(timeout=30).close()  # a rendezvous: the server is listening now
+    if rank == 0:
+        conn = socket.create_connection((peer, 5001))
+    else:
+        conn, _ = server.accept()
+    t0 = time.monotonic()
+    sender = rank == 0 or both
+    data = bytes(nbytes)
+    if sender:
+        import threading
+        t = threading.Thread(target=conn.sendall, args=(data,))
+        t.start()
+    got = 0
+    if rank == 1 or both:
+        while got < nbytes:
+            got += len(conn.recv(1 << 20))
+    if sender:
+        t.join()
+        conn.shutdown(socket.SHUT_WR)
+        conn.recv(1)  # the peer's close: everything arrived
+    elapsed = time.monotonic() - t0
+    conn.close()
+    delta = read_nic_counters() - before
+    return [elapsed, delta.tx_bytes, delta.rx_bytes]
+
+
+@pytest.mark.parametrize("both", [False, True])
+def test_rate_is_enforced_per_direction_and_counted(both):
+    nbytes, rate = 3_000_000, 100_000_000
+    with Cluster(2, rate) as cluster:
+        (t0, tx0, rx0), (t1, tx1, rx1) = cluster.run(blast, args=(nbytes, both))
+    floor = nbytes * 8 / rate
+    # Never faster than the shaper allows, in each direction, even with both sending at once
+    # (full duplex: one direction does not take the other's rate).
+    assert t0 >= 0.9 * floor and t1 >= 0.9 * floor
+    assert tx0 >= nbytes and rx1 >= nbytes
+    if both:
+        assert tx1 >= nbytes and rx0 >= nbytes
+        assert max(t0, t1) < 3 * floor  # full duplex, with a wide margin for a loaded CPU
+    else:
+        assert tx1 < nbytes * 0.05  # only acknowledgements went back
+
+
+def test_two_clusters_at_once_do_not_collide():
+    with Cluster(2, 100_000_000) as a, Cluster(2, 100_000_000) as b:
+        assert a.run_id != b.run_id
+        assert not set(a.host_ns) & set(b.host_ns)
+        assert [h["rank"] for h in a.run(describe_host)] == [0, 1]
+        assert [h["rank"] for h in b.run(describe_host)] == [0, 1]
+
+
+def test_torn_down_after_an_error_inside():
+    with pytest.raises(RuntimeError, match="boom"):
+        with Cluster(2, 100_000_000) as cluster:
+            names = set(cluster.host_ns)
+            raise RuntimeError("boom")
+    assert not names & set(list_namespaces())
+
+
+def cross_host(rank):
+    with overcast.Communicator(timeout=30) as comm:
+        world = comm.world_size
+        out = np.empty(world * 100_003, np.int32)
+        comm.all_gather(out, np.full(100_003, rank, np.int32))
+        rs_out = np.empty(50_001, np.float64)
+        comm.reduce_scatter(rs_out, np.full(world * 50_001, rank + 1.0))
+        return [bool((out.reshape(world, -1) == np.arange(world)[:, None]).all()),
+                bool((rs_out == world * (world + 1) / 2).all()), comm.address]
+
+
+def test_ring_collectives_across_namespaces():
+    with Cluster(3, 200_000_000) as cluster:
+        results = cluster.run(cross_host, timeout=120)
+    assert results == [[True, True, f"198.18.0.{r + 1}"] for r in range(3)]
+
+
+def start_cluster_cli(hosts=2):
+    proc = subprocess.Popen([*CLI, "cluster", "up", "--hosts", str(hosts)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()  # printed once the cluster is up
+    assert line.startswith("cluster "), line + proc.stderr.read()
+    run_id = line.split()[1].rstrip(":")
+    assert any(run_id in n for n in list_namespaces())
+    return proc, run_id
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_interrupt_and_terminate_tear_the_cluster_down(sig):
+    proc, run_id = start_cluster_cli()
+    proc.send_signal(sig)
+    proc.wait(timeout=60)
+    assert not any(run_id in n for n in list_namespaces())
+
+
+def test_clean_removes_what_a_killed_run_left_and_spares_live_runs():
+    proc, dead = start_cluster_cli()
+    proc.kill()
+    proc.wait()
+    assert any(dead in n for n in list_namespaces())
+    with Cluster(2, 100_000_000) as live:
+        out = subprocess.run([*CLI, "cluster", "clean"], capture_output=True, text=True,
+                             check=True).stdout
+        assert dead in out
+        names = list_namespaces()
+        assert not any(dead in n for n in names)
+        assert set(live.host_ns) <= set(names)
+
+
+def test_cluster_run_runs_a_command_on_every_host():
+    out = subprocess.run([*CLI, "cluster", "run", "--hosts", "3", "--", "sh", "-c",
+                          "echo host $RANK of $WORLD_SIZE master $MASTER_ADDR"],
+                         capture_output=True, text=True, check=True, timeout=120).stdout
+    assert sorted(out.strip().split("\n")) == [f"host {r} of 3 master 198.18.0.1"
+                                              for r in range(3)]
+
+
+def test_without_privilege_it_says_what_to_do():
+    code = ("from overcast.cluster.netns import Cluster\n"
+            "Cluster(2, 10**8).__enter__()\n")
+    out = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                          sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd="/", env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert out.returncode != 0
+    assert "ClusterError" in out.stderr and "needs root" in out.stderr
+    assert "unshare --user --map-root-user" in out.stderr

@@ -1,0 +1,166 @@
+"""Errors across real processes: bad input named on every rank, dead and silent ranks turned
+into errors in bounded time, forged, foreign and replayed datagrams dropped and counted."""
+
+import os
+import signal
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import overcast
+from overcast.cluster.launch import RankError, loopback_placements, run_ranks
+from overcast.wire.auth import Sealer, derive_key
+from overcast.wire.header import Kind
+
+TIMEOUT = 3.0
+
+
+def outcome(call):
+    """Run `call`; return ("ok", elapsed) or (error class name, message, elapsed)."""
+    t0 = time.monotonic()
+    try:
+        call()
+        return ["ok", "", time.monotonic() - t0]
+    except Exception as err:  # the class and message are what the tests check
+        return [type(err).__name__, str(err), time.monotonic() - t0]
+
+
+def with_comm(body):
+    def run(rank):
+        comm = overcast.Communicator(timeout=TIMEOUT)
+        try:
+            return body(rank, comm)
+        finally:
+            comm.close()
+    return run
+
+
+def ag(comm, count, dtype=np.float32):
+    comm.all_gather(np.empty(comm.world_size * count, dtype), np.zeros(count, dtype))
+
+
+def rs(comm, count, dtype=np.float32):
+    comm.reduce_scatter(np.empty(count, dtype), np.zeros(comm.world_size * count, dtype))
+
+
+@pytest.mark.parametrize("case", ["size", "dtype", "order"])
+def test_mismatch_across_ranks_is_named_on_every_rank(case):
+    def body(rank, comm):
+        if case == "size":
+            return outcome(lambda: ag(comm, 100 if rank != 1 else 101))
+        if case == "dtype":
+            return outcome(lambda: ag(comm, 100, np.float32 if rank != 1 else np.int32))
+        first, second = (ag, rs) if rank != 1 else (rs, ag)
+        return outcome(lambda: (first(comm, 100), second(comm, 100)))
+
+    results = run_ranks(with_comm(body), loopback_placements(3), timeout=60)
+    expect = {"size": "101 x float32", "dtype": "100 x int32", "order": "reduce_scatter"}[case]
+    for name, message, elapsed in results:
+        assert name == "CollectiveMismatchError", message
+        assert "differs across ranks" in message and expect in message
+        assert elapsed < TIMEOUT  # found by comparison, not by waiting
+
+
+def test_bad_input_on_one_rank_fails_it_at_once_and_the_others_with_its_reason():
+    def body(rank, comm):
+        if rank == 1:
+            strided = np.zeros(200, np.float32)[::2]
+            return outcome(lambda: comm.all_gather(np.empty(300, np.float32), strided))
+        return outcome(lambda: ag(comm, 100))
+
+    results = run_ranks(with_comm(body), loopback_placements(3), timeout=60)
+    assert results[1][0] == "InvalidArgumentError" and "not C-contiguous" in results[1][1]
+    for name, message, elapsed in (results[0], results[2]):
+        assert name == "OvercastError" and "bad input on rank 1" in message, message
+        assert elapsed < TIMEOUT
+
+
+@pytest.mark.parametrize("call,needle", [
+    (lambda c: c.all_gather(np.empty(10, np.float32), np.zeros(10, np.float32)),
+     "world_size (2) x input (10) = 20"),
+    (lambda c: c.all_gather(np.empty(20, np.float64), np.zeros(10, np.float32)),
+     "output is float64 but input is float32"),
+    (lambda c: c.reduce_scatter(np.empty(10, np.int32), np.zeros(20, np.int32), op="avg"),
+     "op 'avg' needs a floating-point dtype"),
+    (lambda c: c.reduce_scatter(np.empty(10, np.int32), np.zeros(20, np.int32), op="max"),
+     "unsupported reduce op 'max'"),
+    (lambda c: c.all_gather(np.empty(20, np.complex64), np.zeros(10, np.complex64)),
+     "unsupported dtype complex64"),
+    (lambda c: c.all_gather([0] * 20, np.zeros(10, np.float32)),
+     "must be a numpy array or a CPU torch tensor"),
+    (lambda c: c.all_gather(np.empty(20, np.float32), np.zeros(10, np.float32),
+                            algorithm="tree"), "has no algorithm 'tree'"),
+])
+def test_invalid_arguments_are_named(call, needle):
+    def body(rank, comm):
+        return outcome(lambda: call(comm))
+
+    for name, message, _ in run_ranks(with_comm(body), loopback_placements(2), timeout=60):
+        assert name in ("InvalidArgumentError", "OvercastError")
+        assert needle in message, message
+
+
+def test_killed_rank_becomes_an_error_on_the_others_quickly():
+    def body(rank, comm):
+        ag(comm, 1000)  # everyone is connected and working
+        if rank == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return outcome(lambda: [ag(comm, 1000) for _ in range(3)])
+
+    with pytest.raises(RankError) as info:
+        run_ranks(with_comm(body), loopback_placements(4), timeout=60)
+    assert list(info.value.failures) == [2]
+    for rank in (0, 1, 3):
+        name, message, elapsed = info.value.results[rank]
+        assert name == "PeerFailureError", message
+        assert "rank 2" in message
+        assert elapsed < TIMEOUT  # from the broken connection, not from the timeout
+
+
+def test_silent_rank_gives_the_others_a_timeout_naming_what_they_waited_for():
+    def body(rank, comm):
+        if rank == 1:
+            threading.Event().wait(TIMEOUT * 2.5)  # alive but never joins the collective
+            return ["silent", "", 0.0]
+        return outcome(lambda: ag(comm, 1000))
+
+    results = run_ranks(with_comm(body), loopback_placements(3), timeout=60)
+    for rank in (0, 2):
+        name, message, elapsed = results[rank]
+        assert name in ("CollectiveTimeoutError", "PeerFailureError"), message
+        assert TIMEOUT * 0.9 < elapsed < TIMEOUT * 2, elapsed
+    assert any("made no progress" in r[1] for r in (results[0], results[2]))
+
+
+def test_forged_foreign_and_replayed_datagrams_are_dropped_and_counted():
+    """Rank 1 throws bad datagrams at rank 0's datagram socket; rank 0 keeps working and counts
+    each by reason."""
+    def body(rank, comm):
+        ag(comm, 100)
+        engine = comm._engine
+        if rank == 1:
+            links = engine.links
+            target = (links.addresses[0], links.udp_ports[0])
+            # Sealed under the communicator's key as rank 1 (counters far above the engine's,
+            # so no nonce is reused): authentic, but for collective 0, long finished.
+            valid = Sealer(links.key, links.job, links.comm, 1)
+            valid.counter = 1 << 40
+            valid = valid.seal(Kind.RING_DATA, 0, 0, 0, b"x" * 64)
+            forged = Sealer(derive_key(b"wrong", b"salt", b"comm"), links.job, links.comm,
+                            1).seal(Kind.RING_DATA, 0, 0, 0, b"x" * 64)
+            foreign = Sealer(links.key, links.job ^ 1, links.comm, 1).seal(
+                Kind.RING_DATA, 0, 0, 0, b"x")
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                for datagram in (b"junk", forged, foreign, valid, valid, valid):
+                    s.sendto(datagram, target)
+        comm.barrier()
+        ag(comm, 100)  # still works; the datagrams were read long before this returns
+        comm.barrier()
+        return comm.counters()
+
+    counters = run_ranks(with_comm(body), loopback_placements(2), timeout=60)[0]
+    assert counters["drops"] == {"malformed": 1, "bad_mac": 1, "foreign": 1, "replayed": 2}
+    assert counters["stale"] == 1
