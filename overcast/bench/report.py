@@ -21,7 +21,7 @@ def table(doc: dict) -> Table:
                     f"{meta['repetitions']} runs")
     for name in ("collective", "algorithm", "size/rank", "time ms", "x floor", "algbw MB/s",
                  "busbw MB/s", "tx/host", "rx/host", "tx/payload", "rx/payload", "cpu s/rank",
-                 "correct"):
+                 "machine cpu", "correct"):
         t.add_column(name, justify="left" if name in ("collective", "algorithm") else "right")
     for r in doc["results"]:
         t.add_row(r["collective"], r["algorithm"], human_bytes(r["bytes_per_rank"]),
@@ -29,7 +29,7 @@ def table(doc: dict) -> Table:
                   f"{r['algbw_bytes_per_s'] / 1e6:.1f}", f"{r['busbw_bytes_per_s'] / 1e6:.1f}",
                   human_bytes(r["tx_bytes_per_host"]), human_bytes(r["rx_bytes_per_host"]),
                   f"{r['tx_over_payload']:.3f}", f"{r['rx_over_payload']:.3f}",
-                  f"{r['cpu_seconds_per_rank']:.3f}",
+                  f"{r['cpu_seconds_per_rank']:.3f}", f"{r['machine_cpu_busy']:.0%}",
                   "yes" if r["correct"] else "[bold red]NO[/]")
     return t
 

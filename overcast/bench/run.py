@@ -36,18 +36,18 @@ def parse_size(text: str) -> int:
 
 
 def summarize(collective: str, algorithm: str, hosts: int, nbytes: int, link_bits: int,
-              per_rank: list[list[dict]]) -> dict:
-    """One result row from every rank's runs."""
-    reps = len(per_rank[0])
+              per_rank: list[dict]) -> dict:
+    """One result row from every rank's report (see worker.run_point)."""
+    reps = len(per_rank[0]["runs"])
     count = max(1, nbytes // DTYPE().itemsize)
     n = count * DTYPE().itemsize
-    seconds = [max(r[k]["seconds"] for r in per_rank) for k in range(reps)]
-    tx = [statistics.fmean(r[k]["tx_bytes"] for r in per_rank) for k in range(reps)]
-    rx = [statistics.fmean(r[k]["rx_bytes"] for r in per_rank) for k in range(reps)]
-    cpu = [statistics.fmean(r[k]["cpu_seconds"] for r in per_rank) for k in range(reps)]
+    runs = [[r["runs"][k] for r in per_rank] for k in range(reps)]
+    seconds = [max(x["seconds"] for x in run) for run in runs]
     median = statistics.median(seconds)
     floor = cost.floor_seconds(collective, n, hosts, link_bits / 8)
     sent, received = cost.traffic(collective, algorithm, n, hosts)
+    tx = statistics.fmean(r["tx_bytes"] for r in per_rank)
+    rx = statistics.fmean(r["rx_bytes"] for r in per_rank)
     return {
         "collective": collective, "algorithm": algorithm, "hosts": hosts,
         "bytes_per_rank": n, "link_bits_per_s": link_bits,
@@ -55,16 +55,19 @@ def summarize(collective: str, algorithm: str, hosts: int, nbytes: int, link_bit
         "floor_seconds": floor, "ratio_to_floor": median / floor,
         "algbw_bytes_per_s": cost.algbw(n, hosts, median),
         "busbw_bytes_per_s": cost.busbw(n, hosts, median),
-        "tx_bytes_per_host": round(statistics.median(tx)),
-        "rx_bytes_per_host": round(statistics.median(rx)),
-        "tx_bytes_max_host": max(r[k]["tx_bytes"] for r in per_rank for k in range(reps)),
-        "rx_bytes_max_host": max(r[k]["rx_bytes"] for r in per_rank for k in range(reps)),
+        "tx_bytes_per_host": round(tx), "rx_bytes_per_host": round(rx),
+        "tx_bytes_max_host": round(max(r["tx_bytes"] for r in per_rank)),
+        "rx_bytes_max_host": round(max(r["rx_bytes"] for r in per_rank)),
+        "tx_packets_per_host": round(statistics.fmean(r["tx_packets"] for r in per_rank)),
+        "rx_packets_per_host": round(statistics.fmean(r["rx_packets"] for r in per_rank)),
         "payload_sent_per_host": sent, "payload_received_per_host": received,
-        "tx_over_payload": statistics.median(tx) / sent if sent else None,
-        "rx_over_payload": statistics.median(rx) / received if received else None,
-        "cpu_seconds_per_rank": statistics.median(cpu),
+        "tx_over_payload": tx / sent if sent else None,
+        "rx_over_payload": rx / received if received else None,
+        "cpu_seconds_per_rank": statistics.median(
+            statistics.fmean(x["cpu_seconds"] for x in run) for run in runs),
+        "machine_cpu_busy": statistics.median(run[0]["machine_busy"] for run in runs),
         "repetitions": reps,
-        "correct": all(r[k]["correct"] for r in per_rank for k in range(reps)),
+        "correct": all(x["correct"] for run in runs for x in run),
     }
 
 

@@ -54,9 +54,23 @@ class _Gloo:
         self.dist.destroy_process_group()
 
 
+def machine_cpu() -> tuple[int, int]:
+    """(busy, total) jiffies of the whole machine, all namespaces included, from /proc/stat."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    idle = fields[3] + fields[4]
+    return sum(fields) - idle, sum(fields)
+
+
 def run_point(rank: int, collective: str, algorithm: str, nbytes: int, reps: int,
-              warmup: int) -> list[dict]:
-    """Time `reps` runs after `warmup` on this host; one dict per measured run."""
+              warmup: int) -> dict:
+    """Time `reps` runs after `warmup` on this host.
+
+    Returns the runs (time, CPU of this process, machine CPU busy fraction, correctness) and
+    the NIC bytes per run. The bytes are counted over all runs at once, less the bytes of as
+    many barriers alone: per-run counter reads would race with peers that leave a barrier
+    first and start sending.
+    """
     import overcast
 
     world = int(os.environ["WORLD_SIZE"])
@@ -74,23 +88,32 @@ def run_point(rank: int, collective: str, algorithm: str, nbytes: int, reps: int
             expect = expected_sum(rank, count, world)
             call = gloo.reduce_scatter if gloo else \
                 (lambda o, i: comm.reduce_scatter(o, i, algorithm=algorithm))
+        for _ in range(warmup):
+            comm.barrier()
+            call(out, inp)
         runs = []
-        for i in range(warmup + reps):
+        comm.barrier()
+        start = read_nic_counters()
+        for _ in range(reps):
             out.fill(-1)
             comm.barrier()
-            before, cpu0 = read_nic_counters(), time.process_time()
+            cpu0, busy0 = time.process_time(), machine_cpu()
             t0 = time.perf_counter()
             call(out, inp)
             seconds = time.perf_counter() - t0
-            cpu = time.process_time() - cpu0
+            cpu, busy1 = time.process_time() - cpu0, machine_cpu()
+            runs.append({"seconds": seconds, "cpu_seconds": cpu,
+                         "machine_busy": (busy1[0] - busy0[0]) / max(1, busy1[1] - busy0[1]),
+                         "correct": bool(np.array_equal(out, expect))})
+        comm.barrier()
+        middle = read_nic_counters()
+        for _ in range(reps):
             comm.barrier()
-            delta = read_nic_counters() - before
-            if i >= warmup:
-                runs.append({"seconds": seconds, "cpu_seconds": cpu,
-                             "tx_bytes": delta.tx_bytes, "rx_bytes": delta.rx_bytes,
-                             "tx_packets": delta.tx_packets, "rx_packets": delta.rx_packets,
-                             "correct": bool(np.array_equal(out, expect))})
-        return runs
+        comm.barrier()
+        barriers = read_nic_counters() - middle
+        total = middle - start - barriers
+        return {"runs": runs, "tx_bytes": total.tx_bytes / reps, "rx_bytes": total.rx_bytes / reps,
+                "tx_packets": total.tx_packets / reps, "rx_packets": total.rx_packets / reps}
     finally:
         if gloo:
             gloo.close()
