@@ -1,25 +1,35 @@
 """An in-memory network for sans-I/O protocol tests: sessions exchange messages through queues,
-on a clock the test controls. Stream routes stay in order per pair of ranks, as TCP keeps them."""
+on a clock the test controls.
+
+Stream routes stay in order per pair of ranks, as TCP keeps them. Datagram and multicast routes
+may lose, duplicate and reorder, from a seeded generator; multicast goes to every other rank.
+"""
 
 from __future__ import annotations
 
 import collections
 import random
 
+from overcast.protocols.base import MULTICAST, STREAM
 from overcast.protocols.session import Session
+from overcast.transport.loss import LossModel, LossSpec
 from overcast.wire.header import Header
 
 
 class Fabric:
-    def __init__(self, world: int, timeout: float = 10.0, seed: int = 0):
+    def __init__(self, world: int, timeout: float = 10.0, seed: int = 0, loss: float = 0.0,
+                 burst: int = 1, duplicate: float = 0.0, reorder: bool = False):
         self.world = world
         self.sessions = [Session(r, world, timeout) for r in range(world)]
         self.now = 0.0
         self.rng = random.Random(seed)
-        self.queues: dict[tuple[int, int], collections.deque] = collections.defaultdict(
+        self.losses = [LossModel(LossSpec(loss, burst, seed), r) for r in range(world)]
+        self.duplicate, self.reorder = duplicate, reorder
+        self.streams: dict[tuple[int, int], collections.deque] = collections.defaultdict(
             collections.deque)
+        self.datagrams: dict[tuple[int, int], list] = collections.defaultdict(list)
         self.silent: set[int] = set()
-        self.delivered = 0
+        self.dropped = self.duplicated = self.delivered = 0
 
     def post(self, rank: int, coll) -> None:
         self.sessions[rank].post(coll, self.now)
@@ -33,22 +43,40 @@ class Fabric:
                     payload = bytes(memoryview(msg.payload).cast("B"))
                     hdr = Header(msg.kind, 0, 0, msg.seq, src, msg.dst, msg.chunk,
                                  len(payload), 0)
-                    self.queues[(src, route[1])].append((hdr, payload))
+                    channel, peer = route
+                    if channel == STREAM:
+                        self.streams[(src, peer)].append((hdr, payload))
+                        continue
+                    targets = [r for r in range(self.world) if r != src] \
+                        if channel == MULTICAST else [peer]
+                    for dst in targets:
+                        if self.losses[dst].drop():
+                            self.dropped += 1
+                            continue
+                        copies = 2 if self.rng.random() < self.duplicate else 1
+                        self.duplicated += copies - 1
+                        self.datagrams[(src, dst)].extend([(hdr, payload)] * copies)
 
     def step(self) -> bool:
-        """Deliver one message from a randomly chosen non-empty pair; False if none is left."""
+        """Deliver one message from a randomly chosen pair; False if none is left."""
         self._collect()
-        pairs = [p for p, q in self.queues.items() if q]
+        pairs = [("s", p) for p, q in self.streams.items() if q] + \
+                [("d", p) for p, q in self.datagrams.items() if q]
         if not pairs:
             return False
-        src, dst = self.rng.choice(pairs)
-        hdr, payload = self.queues[(src, dst)].popleft()
+        what, (src, dst) = self.rng.choice(pairs)
+        if what == "s":
+            hdr, payload = self.streams[(src, dst)].popleft()
+        else:
+            queue = self.datagrams[(src, dst)]
+            hdr, payload = queue.pop(self.rng.randrange(len(queue)) if self.reorder else 0)
         if dst not in self.silent:
             self.sessions[dst].receive(hdr, memoryview(payload), self.now)
         self.delivered += 1
         return True
 
     def run(self, limit: int = 10_000_000) -> None:
+        """Deliver until nothing is in flight (the clock does not move)."""
         for _ in range(limit):
             if not self.step():
                 return
@@ -61,3 +89,17 @@ class Fabric:
             timer = session.get_timer()
             if timer is not None and self.now >= timer:
                 session.handle_timer(self.now)
+
+    def run_timed(self, until: float = 60.0) -> None:
+        """Deliver, and whenever the network is quiet jump to the next timer, until no timer is
+        left before `until` (simulated seconds)."""
+        while True:
+            self.run()
+            timers = [t for s in self.sessions if (t := s.get_timer()) is not None]
+            if not timers or min(timers) > until:
+                return
+            self.now = max(self.now, min(timers))
+            for session in self.sessions:
+                timer = session.get_timer()
+                if timer is not None and self.now >= timer:
+                    session.handle_timer(self.now)

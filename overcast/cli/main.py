@@ -22,7 +22,7 @@ def _bench(args) -> int:
     from overcast.bench.report import plot_busbw, print_table
     from overcast.bench.run import parse_size, run_bench
 
-    console = Console(width=None if sys.stdout.isatty() else 160)
+    console = Console(width=None if sys.stdout.isatty() else 200)
     sizes = [parse_size(s) for s in _csv(args.sizes)]
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/"
                   "{task.total}"), TimeElapsedColumn(), console=console, transient=True) as bar:

@@ -83,7 +83,7 @@ class Collective:
         self.received_all = False
         self.done = False
         self.error: BaseException | None = None
-        self.bytes_sent = 0
+        self.stats: collections.Counter = collections.Counter()
 
     # -- the sans-I/O contract -------------------------------------------------------------
     def start(self, now: float) -> None:

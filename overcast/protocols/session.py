@@ -16,6 +16,11 @@ from overcast.protocols.base import STREAM, Collective, Descriptor, Outgoing
 from overcast.wire.header import Kind
 
 _CONTROL = (Kind.DESCRIBE, Kind.ABORT, Kind.GOODBYE)
+# Messages that come by datagram may be dropped when they arrive before their collective is
+# posted and too many bytes are held already: the protocols repair such losses anyway.
+_DATAGRAM_KINDS = frozenset((Kind.MCAST_DATA, Kind.CONTRIB, Kind.RESULT, Kind.RESULT_ACK,
+                             Kind.CREDIT))
+EARLY_DATAGRAM_BYTES = 64 * 1024 * 1024
 _ABORT = struct.Struct("<B")
 _GOODBYE = struct.Struct("<I")
 # Errors an ABORT carries, so every rank raises the class the detecting rank raised.
@@ -47,6 +52,9 @@ class Session:
         self.closed_peers: dict[int, int] = {}
         self.closing = False
         self.stale = 0
+        self.early_dropped = 0
+        self._early_datagram_bytes = 0
+        self.stats: collections.Counter = collections.Counter()
         self._rr = 0
 
     # -- posting and finishing -----------------------------------------------------------
@@ -72,6 +80,8 @@ class Session:
                                coll.desc.pack())
         self._guard(coll, coll.start, now)
         for hdr, payload in self.early.pop(coll.seq, ()):
+            if hdr.kind in _DATAGRAM_KINDS:
+                self._early_datagram_bytes -= len(payload)
             self.receive(hdr, payload, now)
         self._settle(coll)
 
@@ -82,6 +92,7 @@ class Session:
             self.history[coll.seq] = coll.desc
             while len(self.history) > _HISTORY:
                 self.history.popitem(last=False)
+            self.stats.update(coll.stats)
             self.finished.append(coll)
 
     def _guard(self, coll: Collective, step, *args) -> None:
@@ -99,10 +110,16 @@ class Session:
             return
         coll = self.active.get(hdr.seq)
         if coll is None:
-            if hdr.seq >= self.next_seq and self.error is None:
-                self.early[hdr.seq].append((hdr, bytes(payload)))
-            else:
+            if hdr.seq < self.next_seq or self.error is not None:
                 self.stale += 1
+            elif kind in _DATAGRAM_KINDS:
+                if self._early_datagram_bytes + len(payload) > EARLY_DATAGRAM_BYTES:
+                    self.early_dropped += 1
+                else:
+                    self._early_datagram_bytes += len(payload)
+                    self.early[hdr.seq].append((hdr, bytes(payload)))
+            else:
+                self.early[hdr.seq].append((hdr, bytes(payload)))
             return
         self.last_progress[hdr.seq] = now
         self._guard(coll, coll.receive, hdr, payload, now)
@@ -149,6 +166,7 @@ class Session:
             coll.fail(self.error)
             self._settle(coll)
         self.early.clear()
+        self._early_datagram_bytes = 0
 
     def abort(self, error: OvercastError) -> None:
         """Fail locally and tell every peer why, so the error surfaces on every rank."""

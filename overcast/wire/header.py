@@ -44,6 +44,7 @@ class Kind(enum.IntEnum):
     REPAIR_DATA = 22
     ACTIVATE = 23
     FIN = 24
+    MCAST_END = 25
     CONTRIB = 30
     RESULT = 31
     RESULT_ACK = 32

@@ -1,0 +1,299 @@
+"""Reliable multicast Broadcast, and the AllGather built from chained broadcasts (BRIEF section 3).
+
+Each root cuts its segment into MTU-sized chunks and multicasts them, paced; receivers write each
+chunk straight to its place and mark it in a per-chunk state array. A chunk counts as lost once
+chunks well past it have arrived from the same root (roots send in order), or once the root has
+said, over its reliable stream, that it has sent everything. Lost chunks are not multicast again:
+the receiver asks its ring successor (rank+1) for each contiguous gap, and the successor answers
+from its own buffer over the reliable stream, or, if it misses the same chunks, defers until its
+own repair (from rank+2, and so on toward the root, which has them all) has filled them.
+
+A rank is done when it has every chunk, has sent its own segment, and has the FIN of rank-1, which
+rank-1 sends once it has every chunk and so will ask nothing more: one FIN round, not a tree of
+acknowledgements.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+
+from overcast.errors import ProtocolError
+from overcast.protocols.base import MULTICAST, STREAM, Collective, Descriptor, Outgoing
+from overcast.schedules.chains import chain_position, chunk_count
+from overcast.wire.header import OVERHEAD_BYTES, Kind
+
+MISSING, REQUESTED, HAVE = 0, 1, 2
+# A gap this many chunks behind the newest chunk seen from its root is taken as lost.
+REORDER_SLACK = 4
+# After a root's end-of-multicast notice, datagrams still in flight get this long to land.
+TAIL_GRACE_SECONDS = 0.002
+# After a stall, a sender may catch up by at most this much time's worth of datagrams at once.
+MAX_BURST_SECONDS = 0.002
+REPAIR_FRAME_BYTES = 128 * 1024
+# Bytes a datagram occupies on an Ethernet link besides overcast's own: IPv4, UDP, Ethernet.
+LINK_OVERHEAD_BYTES = 20 + 8 + 14
+_RANGE = struct.Struct("<II")
+_RANGES_PER_REQUEST = 512
+
+
+class MulticastGather(Collective):
+    """Chained reliable broadcasts into one buffer.
+
+    `segments` lists (root, byte offset, byte length) in order: one per rank for AllGather, one
+    for Broadcast. All segments have the same length. `stream_rate` is the pace, in link bytes
+    per second, of this rank's multicast stream.
+    """
+
+    def __init__(self, seq: int, rank: int, world: int, desc: Descriptor, buffer: np.ndarray,
+                 segments: list[tuple[int, int, int]], *, source: np.ndarray | None,
+                 roots: int, chunk_bytes: int, stream_rate: float):
+        super().__init__(seq, rank, world, desc)
+        self.buffer = buffer.view(np.uint8)
+        self.source = None if source is None else source.view(np.uint8)
+        self.segments = segments
+        self.segment_bytes = segments[0][2]
+        self.chunk_bytes = chunk_bytes
+        self.k = chunk_count(self.segment_bytes, chunk_bytes)
+        self.state = np.zeros(len(segments) * self.k, np.uint8)
+        self.missing = [self.k] * len(segments)
+        self.newest = [-1] * len(segments)
+        self.gaps: list[list[tuple[int, int]]] = [[] for _ in segments]  # skipped, not yet lost
+        self.tail_due: dict[int, float] = {}
+        self.segment_of_root = {root: s for s, (root, _, _) in enumerate(segments)}
+        self.mine = self.segment_of_root.get(rank)
+        head, self.chain_next = chain_position(world, roots, rank) if self.mine is not None \
+            and len(segments) > 1 else (True, None)
+        self.chain_prev = None
+        if self.mine is not None and not head:
+            self.chain_prev = rank - 1
+        self.active = self.mine is not None and head
+        self.next_chunk = 0 if self.mine is not None else self.k
+        self.next_send: float | None = None
+        self.rate = stream_rate
+        self.successor = (rank + 1) % world
+        self.predecessor = (rank - 1) % world
+        self.fin_from_predecessor = world == 1
+        self.sent_fin = False
+        self.deferred: list[tuple[int, int]] = []
+
+    # -- geometry --------------------------------------------------------------------------
+    def _span(self, gid: int, count: int = 1) -> tuple[int, int]:
+        """Byte range in the buffer of chunks gid .. gid+count-1 (one segment)."""
+        s, k = divmod(gid, self.k)
+        offset = self.segments[s][1]
+        start = k * self.chunk_bytes
+        end = min((k + count) * self.chunk_bytes, self.segment_bytes)
+        return offset + start, offset + end
+
+    # -- the contract ----------------------------------------------------------------------
+    def start(self, now: float) -> None:
+        if self.mine is not None:
+            lo = self.mine * self.k
+            self.state[lo:lo + self.k] = HAVE
+            self.missing[self.mine] = 0
+            if self.source is not None:
+                off, n = self.segments[self.mine][1:]
+                self.buffer[off:off + n] = self.source
+        if self.k == 0:  # nothing to send, nothing anyone could ask for: no FIN round either
+            self.missing = [0] * len(self.segments)
+            self.next_chunk = 0
+            self.fin_from_predecessor = self.sent_fin = True
+        if self.active:
+            self.next_send = now
+        self._pump(now)
+        self._progress(now)
+
+    def get_timer(self) -> float | None:
+        times = list(self.tail_due.values())
+        if self.active and self.next_chunk < self.k:
+            times.append(self.next_send)
+        return min(times, default=None)
+
+    def handle_timer(self, now: float) -> None:
+        self._pump(now)
+        for s, due in list(self.tail_due.items()):
+            if now >= due:
+                del self.tail_due[s]
+                self.gaps[s].clear()
+                self._request(s, 0, self.k)
+        self._progress(now)
+
+    def receive(self, hdr, payload: memoryview, now: float) -> None:
+        kind = hdr.kind
+        if kind == Kind.MCAST_DATA:
+            self._on_chunk(hdr, payload)
+        elif kind == Kind.REPAIR_DATA:
+            self._on_repair(hdr, payload)
+        elif kind == Kind.REPAIR_REQUEST:
+            self._expect_from(hdr, self.predecessor)
+            if len(payload) % _RANGE.size:
+                raise ProtocolError(f"repair request of {len(payload)} bytes")
+            for first, count in _RANGE.iter_unpack(payload):
+                self._check_range(first, count)
+                if (self.state[first:first + count] == HAVE).all():
+                    self._serve(first, count)
+                else:  # served once this rank's own repair has filled the range
+                    self.deferred.append((first, count))
+                    self.stats["repair_deferrals"] += 1
+        elif kind == Kind.ACTIVATE:
+            self._expect_from(hdr, self.chain_prev)
+            self.active = True
+            self.next_send = now
+            self._pump(now)
+        elif kind == Kind.MCAST_END:
+            s = self.segment_of_root.get(hdr.src)
+            if s is None or s == self.mine:
+                raise ProtocolError(f"end-of-multicast from rank {hdr.src}, not a root here")
+            self.tail_due[s] = now + TAIL_GRACE_SECONDS
+        elif kind == Kind.FIN:
+            self._expect_from(hdr, self.predecessor)
+            self.fin_from_predecessor = True
+        else:
+            raise ProtocolError(f"unexpected message kind {kind} from rank {hdr.src}")
+        self._progress(now)
+
+    def waiting_for(self) -> str:
+        gaps = {self.segments[s][0]: m for s, m in enumerate(self.missing) if m}
+        parts = []
+        if gaps:
+            parts.append("chunks from " + ", ".join(f"rank {r} ({m} of {self.k} missing)"
+                                                    for r, m in gaps.items()))
+        if self.mine is not None and self.next_chunk < self.k:
+            parts.append(f"activation by rank {self.chain_prev}" if not self.active
+                         else "its own multicast to finish")
+        if not self.fin_from_predecessor:
+            parts.append(f"the FIN of rank {self.predecessor}")
+        return "; ".join(parts) or "its sends to drain"
+
+    # -- receiving data --------------------------------------------------------------------
+    def _on_chunk(self, hdr, payload) -> None:
+        gid = hdr.chunk
+        s = self.segment_of_root.get(hdr.src)
+        if s is None or not s * self.k <= gid < (s + 1) * self.k:
+            raise ProtocolError(f"multicast chunk {gid} from rank {hdr.src} is not its to send")
+        if self._store(gid, payload):
+            self.stats["multicast_chunks"] += 1
+        else:
+            self.stats["duplicate_chunks"] += 1
+        k = gid - s * self.k
+        newest = self.newest[s]
+        if k > newest:
+            gaps = self.gaps[s]
+            if k > newest + 1:
+                gaps.append((newest + 1, k))
+            self.newest[s] = k
+            while gaps and gaps[0][1] - 1 + REORDER_SLACK <= k:
+                self._request(s, *gaps.pop(0))
+
+    def _on_repair(self, hdr, payload) -> None:
+        self._expect_from(hdr, self.successor)
+        first = hdr.chunk
+        count = chunk_count(len(payload), self.chunk_bytes)
+        self._check_range(first, max(count, 1))
+        start, end = self._span(first, count)
+        if end - start != len(payload):
+            raise ProtocolError(f"repair of chunks {first}+{count} carries {len(payload)} bytes, "
+                                f"not {end - start}")
+        fresh = 0
+        for i in range(count):
+            a, b = self._span(first + i)
+            fresh += self._store(first + i, payload[a - start:b - start])
+        self.stats["repaired_chunks"] += fresh
+        self.stats["repair_bytes"] += len(payload)
+
+    def _store(self, gid: int, payload) -> bool:
+        """Put a chunk in place; False if it was already there."""
+        start, end = self._span(gid)
+        if len(payload) != end - start:
+            raise ProtocolError(f"chunk {gid} has {len(payload)} bytes, expected {end - start}")
+        if self.state[gid] == HAVE:
+            return False
+        self.buffer[start:end] = np.frombuffer(payload, np.uint8)
+        self.state[gid] = HAVE
+        self.missing[gid // self.k] -= 1
+        return True
+
+    def _check_range(self, first: int, count: int) -> None:
+        if count < 1 or first // self.k != (first + count - 1) // self.k or \
+                first + count > len(self.state):
+            raise ProtocolError(f"chunk range {first}+{count} is not within one segment")
+
+    def _expect_from(self, hdr, rank: int | None) -> None:
+        if hdr.src != rank:
+            raise ProtocolError(f"{Kind(hdr.kind).name} from rank {hdr.src}, expected only from "
+                                f"rank {rank}")
+
+    # -- repair ----------------------------------------------------------------------------
+    def _request(self, s: int, lo: int, hi: int) -> None:
+        """Ask the successor for the chunks of segment s in [lo, hi) still missing."""
+        base = s * self.k
+        states = self.state[base + lo:base + hi]
+        idx = np.flatnonzero(states == MISSING)
+        if not len(idx):
+            return
+        self.state[base + lo + idx] = REQUESTED
+        # contiguous runs of missing chunks
+        breaks = np.flatnonzero(np.diff(idx) != 1) + 1
+        starts = idx[np.r_[0, breaks]]
+        ends = idx[np.r_[breaks - 1, len(idx) - 1]] + 1
+        ranges = [(base + lo + int(a), int(b - a)) for a, b in zip(starts, ends)]
+        for i in range(0, len(ranges), _RANGES_PER_REQUEST):
+            body = b"".join(_RANGE.pack(*r) for r in ranges[i:i + _RANGES_PER_REQUEST])
+            self.queue((STREAM, self.successor),
+                       Outgoing(Kind.REPAIR_REQUEST, self.seq, 0, body, self.successor))
+        self.stats["repair_requests"] += len(ranges)
+
+    def _serve_deferred(self) -> None:
+        still = []
+        for first, count in self.deferred:
+            if (self.state[first:first + count] == HAVE).all():
+                self._serve(first, count)
+            else:
+                still.append((first, count))
+        self.deferred = still
+
+    def _serve(self, first: int, count: int) -> None:
+        per_frame = max(1, REPAIR_FRAME_BYTES // self.chunk_bytes)
+        for gid in range(first, first + count, per_frame):
+            n = min(per_frame, first + count - gid)
+            start, end = self._span(gid, n)
+            self.queue((STREAM, self.predecessor),
+                       Outgoing(Kind.REPAIR_DATA, self.seq, gid, self.buffer[start:end],
+                                self.predecessor))
+            self.stats["repair_bytes_served"] += end - start
+
+    # -- sending ---------------------------------------------------------------------------
+    def _pump(self, now: float) -> None:
+        """Release the datagrams this rank's pace allows by `now`."""
+        if not self.active or self.next_chunk >= self.k:
+            return
+        self.next_send = max(self.next_send, now - MAX_BURST_SECONDS)
+        base = self.mine * self.k
+        while self.next_chunk < self.k and self.next_send <= now:
+            gid = base + self.next_chunk
+            start, end = self._span(gid)
+            self.queue((MULTICAST, -1), Outgoing(Kind.MCAST_DATA, self.seq, gid,
+                                                 self.buffer[start:end], -1))
+            self.next_send += (end - start + OVERHEAD_BYTES + LINK_OVERHEAD_BYTES) / self.rate
+            self.next_chunk += 1
+        if self.next_chunk == self.k:
+            for peer in range(self.world):
+                if peer != self.rank:
+                    self.queue((STREAM, peer), Outgoing(Kind.MCAST_END, self.seq, 0, b"", peer))
+            if self.chain_next is not None:
+                self.queue((STREAM, self.chain_next),
+                           Outgoing(Kind.ACTIVATE, self.seq, 0, b"", self.chain_next))
+
+    def _progress(self, now: float) -> None:
+        if self.deferred:
+            self._serve_deferred()
+        complete = not any(self.missing)
+        if complete and not self.sent_fin and self.world > 1:
+            self.sent_fin = True
+            self.queue((STREAM, self.successor), Outgoing(Kind.FIN, self.seq, 0, b"",
+                                                          self.successor))
+        if complete and self.fin_from_predecessor and self.next_chunk >= self.k:
+            self.received_all = True
+        self._check_done()
