@@ -11,15 +11,21 @@ from overcast.buffers import as_array, check_dtype, check_reduce
 from overcast.engine.engine import Engine, Work
 from overcast.errors import InvalidArgumentError, OvercastError
 from overcast.protocols.base import Descriptor
+from overcast.protocols.multicast import MulticastGather
 from overcast.protocols.ring import RingAllGather, RingReduceScatter
 from overcast.protocols.session import Session
+from overcast.schedules.chains import concurrent_senders
+from overcast.transport.datagram import IP_UDP_HEADER_BYTES, MAX_DATAGRAM
+from overcast.transport.loss import LossSpec
 from overcast.transport.rendezvous import rendezvous
+from overcast.wire.header import OVERHEAD_BYTES
 
 DEFAULT_FRAME_BYTES = 128 * 1024
-PROTOCOLS = {
-    ("all_gather", "ring"): RingAllGather,
-    ("reduce_scatter", "ring"): RingReduceScatter,
-}
+# The share of a receiver's link the multicast streams may fill together; the rest is headroom
+# for acknowledgements, repairs and the jitter of a shared CPU.
+DEFAULT_PACING_SHARE = 0.95
+ALGORITHMS = {"all_gather": ("ring", "multicast"), "reduce_scatter": ("ring",),
+              "broadcast": ("multicast",)}
 
 
 class Communicator:
@@ -29,33 +35,58 @@ class Communicator:
     Rank and world size default to RANK and WORLD_SIZE; rendezvous uses MASTER_ADDR/MASTER_PORT
     unless a `store` (any object with set/get, a torch.distributed Store included) is given.
     `timeout` bounds how long any collective may go without progress before it fails.
+
+    The multicast algorithms pace each sender so that the streams a receiver takes in at once
+    fill `pacing_share` of its link: they need the link rate per direction, `link_bits_per_s`
+    (default: OVERCAST_LINK_BITS_PER_S, which the emulated cluster sets). `roots` is how many
+    ranks of a multicast AllGather send at once (default: all of them, each paced at 1/(P-1) of
+    the link; see docs/results.md for why). `loss` injects loss of received datagrams
+    (default: OVERCAST_LOSS, OVERCAST_LOSS_BURST, OVERCAST_LOSS_SEED).
     """
 
     def __init__(self, rank: int | None = None, world_size: int | None = None, *,
                  name: str = "default", store=None, secret: bytes | None = None,
-                 timeout: float = 120.0, frame_bytes: int = DEFAULT_FRAME_BYTES):
+                 timeout: float = 120.0, frame_bytes: int = DEFAULT_FRAME_BYTES,
+                 link_bits_per_s: float | None = None, roots: int | None = None,
+                 pacing_share: float = DEFAULT_PACING_SHARE, loss: LossSpec | None = None):
         self.rank = int(os.environ["RANK"]) if rank is None else rank
         self.world_size = int(os.environ["WORLD_SIZE"]) if world_size is None else world_size
         self.name, self.timeout, self.frame_bytes = name, timeout, frame_bytes
+        if link_bits_per_s is None and os.environ.get("OVERCAST_LINK_BITS_PER_S"):
+            link_bits_per_s = float(os.environ["OVERCAST_LINK_BITS_PER_S"])
+        self.link_bits_per_s = link_bits_per_s
+        self.roots = self.world_size if roots is None else roots
+        self.pacing_share = pacing_share
+        self.loss = LossSpec.from_env() if loss is None else loss
         links = rendezvous(self.rank, self.world_size, name=name, store=store, secret=secret,
                            timeout=timeout)
-        self.address = links.address
-        self._engine = Engine(links, Session(self.rank, self.world_size, timeout))
+        self.address, self.mtu = links.address, links.mtu
+        # One datagram per chunk, within the path MTU; a multiple of 8 so no element is split.
+        self.chunk_bytes = min(links.mtu - IP_UDP_HEADER_BYTES, MAX_DATAGRAM) - OVERHEAD_BYTES
+        self.chunk_bytes -= self.chunk_bytes % 8
+        self._multicast_error = links.multicast_error
+        self._engine = Engine(links, Session(self.rank, self.world_size, timeout), self.loss)
         self._lock = threading.Lock()
         self._seq = 0
         self._closed = False
 
     # -- collectives -----------------------------------------------------------------------
-    def all_gather(self, output, input, async_op: bool = False, algorithm: str = "ring"):
+    def all_gather(self, output, input, async_op: bool = False, algorithm: str = "ring",
+                   roots: int | None = None):
         """Gather every rank's `input` into `output` (world_size x input, rank order), as
-        torch.distributed.all_gather_into_tensor."""
+        torch.distributed.all_gather_into_tensor. `roots` applies to algorithm "multicast"."""
         out, inp = self._arrays(output, input, "all_gather")
         if out.size != inp.size * self.world_size:
             self._reject(f"all_gather output has {out.size} elements; it needs world_size "
                          f"({self.world_size}) x input ({inp.size}) = "
                          f"{inp.size * self.world_size}")
-        return self._issue(Descriptor("all_gather", algorithm, inp.dtype, inp.size), out, inp,
-                           async_op)
+        roots = self.roots if roots is None else roots
+        if algorithm == "multicast" and not 1 <= roots <= self.world_size:
+            self._reject(f"roots must be between 1 and world_size ({self.world_size}), "
+                         f"not {roots}")
+        desc = Descriptor("all_gather", algorithm, inp.dtype, inp.size,
+                          param=roots if algorithm == "multicast" else 0)
+        return self._issue(desc, out, inp, async_op)
 
     def reduce_scatter(self, output, input, op: str = "sum", async_op: bool = False,
                        algorithm: str = "ring"):
@@ -75,19 +106,62 @@ class Communicator:
         return self._issue(Descriptor("reduce_scatter", algorithm, inp.dtype, out.size, op), out,
                            inp, async_op)
 
+    def broadcast(self, buffer, root: int, async_op: bool = False,
+                  algorithm: str = "multicast"):
+        """Copy `buffer` of rank `root` into `buffer` on every rank, as
+        torch.distributed.broadcast, by reliable multicast."""
+        buf, _ = self._arrays(buffer, buffer, "broadcast")
+        if not 0 <= root < self.world_size:
+            self._reject(f"broadcast root {root} is outside world_size {self.world_size}")
+        return self._issue(Descriptor("broadcast", algorithm, buf.dtype, buf.size, param=root),
+                           buf, buf, async_op)
+
     def barrier(self) -> None:
         """Return once every rank has entered the barrier (a one-element all_gather)."""
         mine = np.zeros(1, np.int64)
         self.all_gather(np.empty(self.world_size, np.int64), mine)
 
+    # -- protocol choice -------------------------------------------------------------------
+    def _protocol(self, seq: int, desc: Descriptor, out: np.ndarray, inp: np.ndarray):
+        rank, world = self.rank, self.world_size
+        if desc.algorithm == "ring":
+            cls = RingAllGather if desc.collective == "all_gather" else RingReduceScatter
+            return cls(seq, rank, world, desc, out, inp, self.frame_bytes)
+        n = desc.count * desc.dtype.itemsize
+        if desc.collective == "all_gather":
+            segments, roots, source = [(r, r * n, n) for r in range(world)], desc.param, inp
+        else:
+            segments, roots, source = [(desc.param, 0, n)], 1, None
+        return MulticastGather(seq, rank, world, desc, out, segments, source=source,
+                               roots=roots, chunk_bytes=self.chunk_bytes,
+                               stream_rate=self._stream_rate(roots))
+
+    def _stream_rate(self, roots: int) -> float:
+        """Link bytes per second of one multicast stream."""
+        return self.link_bits_per_s / 8 * self.pacing_share / \
+            concurrent_senders(self.world_size, roots)
+
+    def _check_algorithm(self, desc: Descriptor) -> None:
+        known = ALGORITHMS[desc.collective]
+        if desc.algorithm not in known:
+            self._reject(f"{desc.collective} has no algorithm {desc.algorithm!r}; available: "
+                         f"{', '.join(known)}")
+        if desc.algorithm == "multicast" and self.world_size > 1:
+            if self._multicast_error:
+                self._reject(f"multicast is unavailable here: {self._multicast_error}")
+            if not self.link_bits_per_s:
+                self._reject("multicast paces its senders to the link rate: pass "
+                             "link_bits_per_s= or set OVERCAST_LINK_BITS_PER_S")
+
     # -- plumbing --------------------------------------------------------------------------
     def _arrays(self, output, input, what: str):
         try:
-            out = as_array(output, f"{what} output")
-            inp = as_array(input, f"{what} input")
+            out = as_array(output, f"{what} output" if output is not input else what)
+            inp = out if input is output else as_array(input, f"{what} input")
             check_dtype(inp, f"{what} input")
             if out.dtype != inp.dtype:
-                raise InvalidArgumentError(f"{what} output is {out.dtype} but input is {inp.dtype}")
+                raise InvalidArgumentError(f"{what} output is {out.dtype} but input is "
+                                           f"{inp.dtype}")
             if not out.flags.writeable:
                 raise InvalidArgumentError(f"{what} output is read-only")
         except InvalidArgumentError as err:
@@ -102,17 +176,13 @@ class Communicator:
         raise error
 
     def _issue(self, desc: Descriptor, out, inp, async_op: bool) -> Work | None:
-        protocol = PROTOCOLS.get((desc.collective, desc.algorithm))
-        if protocol is None:
-            known = ", ".join(a for c, a in PROTOCOLS if c == desc.collective)
-            self._reject(f"{desc.collective} has no algorithm {desc.algorithm!r}; "
-                         f"available: {known}")
+        self._check_algorithm(desc)
         with self._lock:
             if self._closed:
                 raise OvercastError("the communicator is closed")
             seq = self._seq
             self._seq += 1
-            coll = protocol(seq, self.rank, self.world_size, desc, out, inp, self.frame_bytes)
+            coll = self._protocol(seq, desc, out, inp)
             work = Work(seq, str(desc))
             self._engine.submit(coll, work)
         if async_op:
@@ -121,7 +191,8 @@ class Communicator:
         return None
 
     def counters(self) -> dict:
-        """Dropped messages by reason, stale messages, bytes through the streams."""
+        """Dropped messages by reason, stale messages, bytes and datagrams, and the protocols'
+        own counts (chunks multicast, repaired, repair bytes...)."""
         return self._engine.counters()
 
     def close(self) -> None:

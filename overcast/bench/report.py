@@ -24,7 +24,8 @@ def table(doc: dict) -> Table:
                  "machine cpu", "correct"):
         t.add_column(name, justify="left" if name in ("collective", "algorithm") else "right")
     for r in doc["results"]:
-        t.add_row(r["collective"], r["algorithm"], human_bytes(r["bytes_per_rank"]),
+        algorithm = r["algorithm"] + (f" x{r['roots']}" if r.get("roots") else "")
+        t.add_row(r["collective"], algorithm, human_bytes(r["bytes_per_rank"]),
                   f"{r['seconds'] * 1e3:.1f}", f"{r['ratio_to_floor']:.3f}",
                   f"{r['algbw_bytes_per_s'] / 1e6:.1f}", f"{r['busbw_bytes_per_s'] / 1e6:.1f}",
                   human_bytes(r["tx_bytes_per_host"]), human_bytes(r["rx_bytes_per_host"]),

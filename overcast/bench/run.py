@@ -18,7 +18,7 @@ from overcast.schedules import cost
 from overcast.wire.header import OVERHEAD_BYTES
 
 COLLECTIVES = ("allgather", "reduce_scatter")
-ALGORITHMS = {"allgather": ("ring", "gloo"), "reduce_scatter": ("ring", "gloo")}
+ALGORITHMS = {"allgather": ("ring", "multicast", "gloo"), "reduce_scatter": ("ring", "gloo")}
 
 
 def parse_size(text: str) -> int:
@@ -36,7 +36,7 @@ def parse_size(text: str) -> int:
 
 
 def summarize(collective: str, algorithm: str, hosts: int, nbytes: int, link_bits: int,
-              per_rank: list[dict]) -> dict:
+              per_rank: list[dict], roots: int | None = None, loss: float = 0.0) -> dict:
     """One result row from every rank's report (see worker.run_point)."""
     reps = len(per_rank[0]["runs"])
     count = max(1, nbytes // DTYPE().itemsize)
@@ -67,6 +67,11 @@ def summarize(collective: str, algorithm: str, hosts: int, nbytes: int, link_bit
             statistics.fmean(x["cpu_seconds"] for x in run) for run in runs),
         "machine_cpu_busy": statistics.median(run[0]["machine_busy"] for run in runs),
         "repetitions": reps,
+        "roots": (roots or hosts) if algorithm == "multicast" else None,
+        "loss": loss if algorithm in ("multicast",) else 0.0,
+        "protocol_per_host": {key: statistics.fmean(r["protocol"][key] for r in per_rank)
+                              for key in per_rank[0]["protocol"]},
+        "chunk_bytes": per_rank[0]["chunk_bytes"], "mtu": per_rank[0]["mtu"],
         "correct": all(x["correct"] for run in runs for x in run),
     }
 
@@ -85,13 +90,18 @@ def machine() -> dict:
 
 def run_bench(hosts: int, link_bits: int, sizes: list[int], collectives: list[str],
               algorithms: list[str], reps: int = 5, warmup: int = 1, mtu: int = 9000,
+              roots: list[int | None] = (None,), loss: float = 0.0, loss_burst: float = 1.0,
               progress=None) -> dict:
-    """Run every requested point on one cluster; return {"meta": ..., "results": [...]}."""
+    """Run every requested point on one cluster; return {"meta": ..., "results": [...]}.
+
+    `roots` lists the multicast AllGather's numbers of concurrent roots to try (None: all
+    ranks). `loss` is injected into every host's datagram receive path; TCP (ring, gloo) sees
+    none of it."""
     for c in collectives:
         if c not in COLLECTIVES:
             raise ValueError(f"unknown collective {c!r}; available: {', '.join(COLLECTIVES)}")
-    points = [(c, a, s) for c in collectives for a in algorithms if a in ALGORITHMS[c]
-              for s in sizes]
+    points = [(c, a, s, r) for c in collectives for a in algorithms if a in ALGORITHMS[c]
+              for r in (roots if a == "multicast" else (None,)) for s in sizes]
     unknown = set(algorithms) - {a for c in collectives for a in ALGORITHMS[c]}
     if unknown:
         raise ValueError(f"unknown algorithm(s) {', '.join(sorted(unknown))} for "
@@ -100,19 +110,23 @@ def run_bench(hosts: int, link_bits: int, sizes: list[int], collectives: list[st
     import torch  # imported once here so that forked hosts start fast
 
     results = []
+    env = {"OVERCAST_LOSS": str(loss), "OVERCAST_LOSS_BURST": str(loss_burst)}
     with Cluster(hosts, link_bits, mtu=mtu) as cluster:
-        for i, (collective, algorithm, nbytes) in enumerate(points):
+        for i, (collective, algorithm, nbytes, k) in enumerate(points):
             if progress:
-                progress(i, len(points), f"{collective} {algorithm} {nbytes} B")
-            per_rank = cluster.run(run_point, args=(collective, algorithm, nbytes, reps, warmup),
-                                   timeout=600)
-            results.append(summarize(collective, algorithm, hosts, nbytes, link_bits, per_rank))
+                label = f" roots={k or hosts}" if algorithm == "multicast" else ""
+                progress(i, len(points), f"{collective} {algorithm}{label} {nbytes} B")
+            per_rank = cluster.run(run_point, timeout=600, env=env,
+                                   args=(collective, algorithm, nbytes, reps, warmup, k))
+            results.append(summarize(collective, algorithm, hosts, nbytes, link_bits, per_rank,
+                                     k, loss))
         if progress:
             progress(len(points), len(points), "done")
     meta = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "hosts": hosts, "link_bits_per_s": link_bits, "mtu": mtu, "dtype": str(DTYPE().dtype),
         "repetitions": reps, "warmup": warmup, "header_overhead_bytes": OVERHEAD_BYTES,
+        "loss": loss, "loss_burst": loss_burst,
         "machine": machine(), "torch": torch.__version__,
     }
     return {"meta": meta, "results": results}

@@ -12,6 +12,9 @@ import numpy as np
 from overcast.cluster.netns import read_nic_counters
 
 DTYPE = np.float32
+# Per-run protocol counts reported beside the NIC counters.
+PROTOCOL_COUNTERS = ("injected_losses", "multicast_chunks", "duplicate_chunks", "repaired_chunks",
+                     "repair_bytes", "repair_requests")
 GLOO_PORT_OFFSET = 1
 
 
@@ -63,7 +66,7 @@ def machine_cpu() -> tuple[int, int]:
 
 
 def run_point(rank: int, collective: str, algorithm: str, nbytes: int, reps: int,
-              warmup: int) -> dict:
+              warmup: int, roots: int | None) -> dict:
     """Time `reps` runs after `warmup` on this host.
 
     Returns the runs (time, CPU of this process, machine CPU busy fraction, correctness) and
@@ -75,7 +78,7 @@ def run_point(rank: int, collective: str, algorithm: str, nbytes: int, reps: int
 
     world = int(os.environ["WORLD_SIZE"])
     count = max(1, nbytes // DTYPE().itemsize)
-    comm = overcast.Communicator(timeout=120)
+    comm = overcast.Communicator(timeout=120, roots=roots or world)
     gloo = _Gloo(rank, world) if algorithm == "gloo" else None
     try:
         if collective == "allgather":
@@ -93,7 +96,7 @@ def run_point(rank: int, collective: str, algorithm: str, nbytes: int, reps: int
             call(out, inp)
         runs = []
         comm.barrier()
-        start = read_nic_counters()
+        start, protocol_start = read_nic_counters(), comm.counters()
         for _ in range(reps):
             out.fill(-1)
             comm.barrier()
@@ -106,14 +109,17 @@ def run_point(rank: int, collective: str, algorithm: str, nbytes: int, reps: int
                          "machine_busy": (busy1[0] - busy0[0]) / max(1, busy1[1] - busy0[1]),
                          "correct": bool(np.array_equal(out, expect))})
         comm.barrier()
-        middle = read_nic_counters()
+        middle, protocol_end = read_nic_counters(), comm.counters()
         for _ in range(reps):
             comm.barrier()
         comm.barrier()
         barriers = read_nic_counters() - middle
         total = middle - start - barriers
+        protocol = {key: (protocol_end.get(key, 0) - protocol_start.get(key, 0)) / reps
+                    for key in PROTOCOL_COUNTERS}
         return {"runs": runs, "tx_bytes": total.tx_bytes / reps, "rx_bytes": total.rx_bytes / reps,
-                "tx_packets": total.tx_packets / reps, "rx_packets": total.rx_packets / reps}
+                "tx_packets": total.tx_packets / reps, "rx_packets": total.rx_packets / reps,
+                "protocol": protocol, "chunk_bytes": comm.chunk_bytes, "mtu": comm.mtu}
     finally:
         if gloo:
             gloo.close()

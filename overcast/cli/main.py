@@ -31,8 +31,10 @@ def _bench(args) -> int:
         def progress(done, total, what):
             bar.update(task, completed=done, total=total, description=what)
 
+        roots = [None if r == "all" else int(r) for r in _csv(args.roots)]
         doc = run_bench(args.hosts, int(args.link_mbit * 1e6), sizes, _csv(args.collectives),
                         _csv(args.algorithms), reps=args.reps, warmup=args.warmup, mtu=args.mtu,
+                        roots=roots, loss=args.loss, loss_burst=args.loss_burst,
                         progress=progress)
     doc["meta"]["command"] = "overcast " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     print_table(doc, console)
@@ -83,6 +85,13 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--reps", type=int, default=5, help="timed runs per point")
     b.add_argument("--warmup", type=int, default=1, help="untimed runs per point")
     b.add_argument("--mtu", type=int, default=9000)
+    b.add_argument("--roots", default="all",
+                   help="multicast AllGather: ranks sending at once, comma-separated list to "
+                        "compare; 'all' = every rank")
+    b.add_argument("--loss", type=float, default=0.0,
+                   help="fraction of received datagrams each host drops (TCP is untouched)")
+    b.add_argument("--loss-burst", type=float, default=1.0,
+                   help="mean length of a loss burst, in datagrams (1 = independent losses)")
     b.add_argument("--json", help="write results here")
     b.add_argument("--png", help="busbw plot (default: beside --json)")
     b.set_defaults(func=_bench)

@@ -14,9 +14,10 @@ import threading
 import time
 
 from overcast.errors import CommunicatorClosedError, OvercastError
-from overcast.protocols.base import STREAM, Collective
+from overcast.protocols.base import DATAGRAM, MULTICAST, STREAM, Collective
 from overcast.protocols.session import Session
 from overcast.transport.datagram import Datagrams
+from overcast.transport.loss import LossModel, LossSpec
 from overcast.transport.rendezvous import Links
 from overcast.transport.stream import Stream, StreamClosed
 
@@ -54,7 +55,7 @@ class Work:
 
 
 class Engine:
-    def __init__(self, links: Links, session: Session):
+    def __init__(self, links: Links, session: Session, loss: LossSpec | None = None):
         self.links, self.session = links, session
         self.sealer = links.sealer
         self.streams = {peer: Stream(sock, peer, links.opener)
@@ -65,8 +66,20 @@ class Engine:
         for stream in self.streams.values():
             self._selector.register(stream, selectors.EVENT_READ, stream)
             self._masks[stream.peer] = selectors.EVENT_READ
-        self.datagrams = Datagrams(links.udp, links.opener)
-        self._selector.register(self.datagrams, selectors.EVENT_READ, self.datagrams)
+        # Unicast and multicast datagrams share the senders' replay windows (one counter per
+        # sender) and one injected-loss model: loss is a property of this host's link.
+        windows: dict = {}
+        model = LossModel(loss, links.rank) if loss is not None and loss.rate else None
+        self.datagrams = Datagrams(links.udp, links.opener, links.rank, windows, model)
+        self.multicast = None if links.multicast is None else \
+            Datagrams(links.multicast, links.opener, links.rank, windows, model)
+        self._datagram_sockets = [d for d in (self.datagrams, self.multicast) if d is not None]
+        for d in self._datagram_sockets:
+            self._selector.register(d, selectors.EVENT_READ, d)
+        self._datagram_mask = selectors.EVENT_READ
+        self._addresses = {(MULTICAST, -1): links.group}
+        for peer, (address, port) in enumerate(zip(links.addresses, links.udp_ports)):
+            self._addresses[(DATAGRAM, peer)] = (address, port)
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
@@ -136,19 +149,26 @@ class Engine:
             wait = None if timer is None else max(0.0, timer - now)
             if self._close_deadline is not None:
                 wait = 0.05 if wait is None else min(wait, 0.05)
-            for key, mask in self._selector.select(wait):
+            events = self._selector.select(wait)
+            now = time.monotonic()
+            deliver = lambda hdr, payload: session.receive(hdr, payload, now)  # noqa: E731
+            # Datagrams first: a root's end-of-multicast notice on its stream must not overtake
+            # its last chunks already waiting in the socket.
+            for key, mask in events:
+                if isinstance(key.data, Datagrams):
+                    if mask & selectors.EVENT_READ:
+                        key.data.read(deliver)
+                    if mask & selectors.EVENT_WRITE:
+                        self._flush_datagrams()
+            for key, mask in events:
                 stream = key.data
                 if stream is None:
                     self._drain_wake()
-                    continue
-                if stream is self.datagrams:
-                    now = time.monotonic()
-                    stream.read(lambda hdr, payload: session.receive(hdr, payload, now))
-                    continue
-                if mask & selectors.EVENT_READ:
-                    self._read(stream)
-                if mask & selectors.EVENT_WRITE and stream.peer in self.streams:
-                    self._flush(stream)
+                elif isinstance(stream, Stream):
+                    if mask & selectors.EVENT_READ:
+                        self._read(stream)
+                    if mask & selectors.EVENT_WRITE and stream.peer in self.streams:
+                        self._flush(stream)
 
     def _take_submissions(self, now: float) -> None:
         with self._lock:
@@ -194,10 +214,20 @@ class Engine:
             self._masks[stream.peer] = want
 
     def _fill_and_flush(self) -> None:
-        """Seal what the session has for each stream and write until the socket is full."""
+        """Seal what the session has for each route and write until the sockets are full.
+        Datagrams go out as soon as the protocols release them: pacing is theirs."""
         session, seal = self.session, self.sealer.seal
         for channel, peer in session.pending_routes():
-            stream = self.streams.get(peer) if channel == STREAM else None
+            if channel != STREAM:
+                if self.datagrams.queued:
+                    continue
+                address = self._addresses[(channel, peer)]
+                while (msg := session.pop((channel, peer))) is not None:
+                    self.datagrams.send(seal(msg.kind, msg.seq, msg.dst, msg.chunk, msg.payload),
+                                        address)
+                self._flush_datagrams()
+                continue
+            stream = self.streams.get(peer)
             while stream is not None and not stream.queued_bytes:
                 while stream.queued_bytes < _STREAM_HIGH_WATER:
                     msg = session.pop((channel, peer))
@@ -208,6 +238,17 @@ class Engine:
                     break
                 self._flush(stream)
                 stream = self.streams.get(peer)
+
+    def _flush_datagrams(self) -> None:
+        try:
+            self.datagrams.flush()
+        except OSError as err:
+            self.datagrams.clear()
+            self.session.abort(OvercastError(f"rank {self.links.rank}: {err}"))
+        want = selectors.EVENT_READ | (selectors.EVENT_WRITE if self.datagrams.queued else 0)
+        if want != self._datagram_mask:
+            self._selector.modify(self.datagrams, want, self.datagrams)
+            self._datagram_mask = want
 
     def _drop_stream(self, stream: Stream) -> None:
         if self.streams.pop(stream.peer, None) is not None:
@@ -240,7 +281,8 @@ class Engine:
         self._selector.close()
         self._wake_r.close()
         self._wake_w.close()
-        self.datagrams.close()
+        for d in self._datagram_sockets:
+            d.close()
 
     # -- introspection ---------------------------------------------------------------------
     def counters(self) -> dict:
@@ -248,8 +290,12 @@ class Engine:
         return {
             "drops": dict(self.links.drops),
             "stale": self.session.stale,
-            "datagrams_in": self.datagrams.datagrams_in,
+            "early_dropped": self.session.early_dropped,
+            "datagrams_in": sum(d.datagrams_in for d in self._datagram_sockets),
             "datagrams_out": self.datagrams.datagrams_out,
+            "datagram_bytes_out": self.datagrams.bytes_out,
+            "injected_losses": sum(d.injected_losses for d in self._datagram_sockets),
+            **self.session.stats,
             "stream_bytes_out": self._closed_bytes[0] + sum(s.bytes_out for s in streams),
             "stream_bytes_in": self._closed_bytes[1] + sum(s.bytes_in for s in streams),
         }

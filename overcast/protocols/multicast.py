@@ -22,7 +22,7 @@ import numpy as np
 from overcast.errors import ProtocolError
 from overcast.protocols.base import MULTICAST, STREAM, Collective, Descriptor, Outgoing
 from overcast.schedules.chains import chain_position, chunk_count
-from overcast.wire.header import OVERHEAD_BYTES, Kind
+from overcast.wire.header import ANY, OVERHEAD_BYTES, Kind
 
 MISSING, REQUESTED, HAVE = 0, 1, 2
 # A gap this many chunks behind the newest chunk seen from its root is taken as lost.
@@ -61,6 +61,7 @@ class MulticastGather(Collective):
         self.newest = [-1] * len(segments)
         self.gaps: list[list[tuple[int, int]]] = [[] for _ in segments]  # skipped, not yet lost
         self.tail_due: dict[int, float] = {}
+        self.ends_awaited = len(segments) - (1 if rank in {r for r, _, _ in segments} else 0)
         self.segment_of_root = {root: s for s, (root, _, _) in enumerate(segments)}
         self.mine = self.segment_of_root.get(rank)
         head, self.chain_next = chain_position(world, roots, rank) if self.mine is not None \
@@ -96,10 +97,11 @@ class MulticastGather(Collective):
             if self.source is not None:
                 off, n = self.segments[self.mine][1:]
                 self.buffer[off:off + n] = self.source
-        if self.k == 0:  # nothing to send, nothing anyone could ask for: no FIN round either
+        if self.k == 0:  # nothing to send, nothing anyone could ask for: no messages at all
             self.missing = [0] * len(self.segments)
             self.next_chunk = 0
             self.fin_from_predecessor = self.sent_fin = True
+            self.ends_awaited = 0
         if self.active:
             self.next_send = now
         self._pump(now)
@@ -147,6 +149,7 @@ class MulticastGather(Collective):
             if s is None or s == self.mine:
                 raise ProtocolError(f"end-of-multicast from rank {hdr.src}, not a root here")
             self.tail_due[s] = now + TAIL_GRACE_SECONDS
+            self.ends_awaited -= 1
         elif kind == Kind.FIN:
             self._expect_from(hdr, self.predecessor)
             self.fin_from_predecessor = True
@@ -165,6 +168,8 @@ class MulticastGather(Collective):
                          else "its own multicast to finish")
         if not self.fin_from_predecessor:
             parts.append(f"the FIN of rank {self.predecessor}")
+        if self.ends_awaited:
+            parts.append(f"{self.ends_awaited} roots' end-of-multicast notices")
         return "; ".join(parts) or "its sends to drain"
 
     # -- receiving data --------------------------------------------------------------------
@@ -275,7 +280,7 @@ class MulticastGather(Collective):
             gid = base + self.next_chunk
             start, end = self._span(gid)
             self.queue((MULTICAST, -1), Outgoing(Kind.MCAST_DATA, self.seq, gid,
-                                                 self.buffer[start:end], -1))
+                                                 self.buffer[start:end], ANY))
             self.next_send += (end - start + OVERHEAD_BYTES + LINK_OVERHEAD_BYTES) / self.rate
             self.next_chunk += 1
         if self.next_chunk == self.k:
@@ -294,6 +299,7 @@ class MulticastGather(Collective):
             self.sent_fin = True
             self.queue((STREAM, self.successor), Outgoing(Kind.FIN, self.seq, 0, b"",
                                                           self.successor))
-        if complete and self.fin_from_predecessor and self.next_chunk >= self.k:
+        if complete and self.fin_from_predecessor and self.next_chunk >= self.k \
+                and not self.ends_awaited:
             self.received_all = True
         self._check_done()

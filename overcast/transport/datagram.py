@@ -1,37 +1,93 @@
-"""The unreliable channel: one UDP socket per rank for unicast datagrams (and, joined to a
-group, for multicast). Each datagram is one sealed message; nothing is ever fragmented by IP."""
+"""The unreliable channel: UDP datagrams, unicast and multicast, one sealed message each.
+
+Datagrams never exceed the path MTU (IP_PMTUDISC_DO makes an oversized send fail rather than
+fragment). Injected loss, when configured, drops received datagrams before anything else looks
+at them, as a lossy link would.
+"""
 
 from __future__ import annotations
 
+import collections
 import socket
+import struct
 
+from overcast.transport.loss import LossModel
 from overcast.wire.auth import Opener
 
 # The replay window per sender: datagrams may arrive out of order, but never this far.
 WINDOW = 1 << 14
-_MAX_DATAGRAM = 65536
+MAX_DATAGRAM = 65507
 _READS_PER_EVENT = 256
 RECV_BUFFER_BYTES = 4 * 1024 * 1024
+_IP_MTU_DISCOVER, _IP_PMTUDISC_DO, _IP_MTU = 10, 2, 14
+IP_UDP_HEADER_BYTES = 28
+
+
+def path_mtu(local: str, peer: str) -> int:
+    """The MTU of the path to `peer`, as the kernel knows it."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.bind((local, 0))
+        s.connect((peer, 9))
+        return s.getsockopt(socket.IPPROTO_IP, _IP_MTU)
+
+
+def multicast_group(comm: int) -> tuple[str, int]:
+    """The group and port of a communicator, in 239.192.0.0/14 (organisation-local scope)."""
+    return (f"239.{192 + (comm >> 24) % 4}.{(comm >> 8) & 255}.{comm & 255}",
+            20000 + (comm >> 16) % 20000)
+
+
+def open_multicast(local: str, group: str, port: int, loop: bool) -> socket.socket:
+    """A socket that receives `group`:`port` on the interface of `local`."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((group, port))
+        sock.setsockopt(socket.IPPROTO_IP, socket.IP_ADD_MEMBERSHIP,
+                        socket.inet_aton(group) + socket.inet_aton(local))
+        sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_LOOP, int(loop))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def prepare_sender(sock: socket.socket, local: str, loop: bool) -> None:
+    """Send multicast out of `local`'s interface, one hop, and never fragment."""
+    sock.setsockopt(socket.IPPROTO_IP, _IP_MTU_DISCOVER, _IP_PMTUDISC_DO)
+    sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_IF, socket.inet_aton(local))
+    sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_TTL, struct.pack("b", 1))
+    sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_LOOP, int(loop))
 
 
 class Datagrams:
-    def __init__(self, sock: socket.socket, opener: Opener):
+    """One UDP socket: reads authentic datagrams, queues sends the socket could not take."""
+
+    def __init__(self, sock: socket.socket, opener: Opener, own_rank: int, windows: dict,
+                 loss: LossModel | None = None):
         sock.setblocking(False)
         try:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RECV_BUFFER_BYTES)
         except OSError:
             pass
-        self.sock, self.opener = sock, opener
-        self._buf = bytearray(_MAX_DATAGRAM)
-        self._windows: dict = {}
-        self.datagrams_in = self.datagrams_out = 0
-        self.bytes_in = self.bytes_out = 0
+        self.sock, self.opener, self.own_rank = sock, opener, own_rank
+        self._windows = windows
+        self.loss = loss
+        self._buf = bytearray(MAX_DATAGRAM + 1)
+        self._out: collections.deque[tuple[bytes, tuple[str, int]]] = collections.deque()
+        self.datagrams_in = self.datagrams_out = self.bytes_in = self.bytes_out = 0
+        self.injected_losses = 0
 
     def fileno(self) -> int:
         return self.sock.fileno()
 
+    @property
+    def queued(self) -> int:
+        return len(self._out)
+
     def read(self, on_message) -> None:
-        """Take the datagrams waiting; call on_message(header, payload) for each authentic one."""
+        """Take the datagrams waiting; call on_message(header, payload) for each authentic one
+        from another rank. The payload view is valid during the call only."""
         view = memoryview(self._buf)
         for _ in range(_READS_PER_EVENT):
             try:
@@ -39,23 +95,37 @@ class Datagrams:
             except (BlockingIOError, InterruptedError):
                 return
             except OSError:
-                # ICMP errors surface here (a peer's port closed): not ours to act on.
-                continue
+                continue  # an ICMP error for an earlier send: nothing to act on here
             self.datagrams_in += 1
             self.bytes_in += n
+            if self.loss is not None and self.loss.drop():
+                self.injected_losses += 1
+                continue
             msg = self.opener.open(view[:n], windows=self._windows, window_width=WINDOW)
-            if msg is not None:
+            if msg is not None and msg[0].src != self.own_rank:
                 on_message(*msg)
 
-    def send(self, datagram, address: tuple[str, int]) -> bool:
-        """Send one datagram; False if the socket buffer is full (try again when writable)."""
-        try:
-            n = self.sock.sendto(datagram, address)
-        except BlockingIOError:
-            return False
-        self.datagrams_out += 1
-        self.bytes_out += n
-        return True
+    def send(self, datagram, address: tuple[str, int]) -> None:
+        self._out.append((datagram, address))
+        self.flush()
+
+    def flush(self) -> None:
+        """Send what is queued until the socket is full."""
+        while self._out:
+            datagram, address = self._out[0]
+            try:
+                n = self.sock.sendto(datagram, address)
+            except BlockingIOError:
+                return
+            except OSError as err:
+                raise OSError(f"cannot send a {len(datagram)}-byte datagram to {address}: "
+                              f"{err.strerror}") from None
+            self._out.popleft()
+            self.datagrams_out += 1
+            self.bytes_out += n
+
+    def clear(self) -> None:
+        self._out.clear()
 
     def close(self) -> None:
         self.sock.close()

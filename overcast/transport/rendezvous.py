@@ -16,8 +16,10 @@ import os
 import secrets
 import socket
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from overcast.transport.datagram import (multicast_group, open_multicast, path_mtu,
+                                         prepare_sender)
 from overcast.transport.store import StoreClient, StoreError, StoreServer
 from overcast.wire.auth import Drops, Opener, ReplayWindow, Sealer, derive_key, frame_length, \
     job_id_of
@@ -44,7 +46,11 @@ class Links:
     key: bytes
     job: int
     comm: int
-    drops: Drops = field(default_factory=Drops)
+    drops: Drops
+    mtu: int
+    group: tuple[str, int]
+    multicast: socket.socket | None
+    multicast_error: str | None
 
 
 _server: StoreServer | None = None
@@ -188,5 +194,16 @@ def rendezvous(rank: int, world: int, *, name: str = "default", store=None,
         raise
     finally:
         listener.close()
-    return Links(rank, world, address, [p[0] for p in peers], streams, udp,
-                 [int(p[2]) for p in peers], sealer, opener, key, job, comm, drops)
+    addresses = [p[0] for p in peers]
+    loop = addresses.count(address) > 1  # ranks sharing a host hear each other's multicast
+    group = multicast_group(comm)
+    multicast, multicast_error = None, None
+    try:
+        prepare_sender(udp, address, loop)
+        multicast = open_multicast(address, *group, loop)
+    except OSError as err:
+        multicast_error = (f"cannot join multicast group {group[0]}:{group[1]} on {address}: "
+                           f"{err.strerror or err}")
+    mtu = min(path_mtu(address, a) for a in set(addresses))
+    return Links(rank, world, address, addresses, streams, udp, [int(p[2]) for p in peers],
+                 sealer, opener, key, job, comm, drops, mtu, group, multicast, multicast_error)
