@@ -228,6 +228,10 @@ class Engine:
                 self._flush_datagrams()
                 continue
             stream = self.streams.get(peer)
+            if stream is None:  # the peer has gone (said goodbye, or failed): nothing to send to
+                while session.pop((channel, peer)) is not None:
+                    pass
+                continue
             while stream is not None and not stream.queued_bytes:
                 while stream.queued_bytes < _STREAM_HIGH_WATER:
                     msg = session.pop((channel, peer))

@@ -20,7 +20,7 @@ _CONTROL = (Kind.DESCRIBE, Kind.ABORT, Kind.GOODBYE)
 # posted and too many bytes are held already: the protocols repair such losses anyway.
 _DATAGRAM_KINDS = frozenset((Kind.MCAST_DATA, Kind.CONTRIB, Kind.RESULT, Kind.RESULT_ACK,
                              Kind.CREDIT))
-EARLY_DATAGRAM_BYTES = 64 * 1024 * 1024
+EARLY_DATAGRAM_BYTES = 16 * 1024 * 1024
 _ABORT = struct.Struct("<B")
 _GOODBYE = struct.Struct("<I")
 # Errors an ABORT carries, so every rank raises the class the detecting rank raised.
@@ -50,6 +50,7 @@ class Session:
         self.finished: list[Collective] = []
         self.error: OvercastError | None = None
         self.closed_peers: dict[int, int] = {}
+        self.lost_peers: set[int] = set()
         self.closing = False
         self.stale = 0
         self.early_dropped = 0
@@ -180,7 +181,9 @@ class Session:
         self.fail(error)
 
     def peer_lost(self, peer: int) -> None:
-        """The engine lost the connection to `peer` without a goodbye."""
+        """The engine lost the connection to `peer`; an error unless it said goodbye."""
+        self.lost_peers.add(peer)
+        self.control = collections.deque((r, m) for r, m in self.control if r[1] != peer)
         if peer in self.closed_peers:
             return
         self.fail(PeerFailureError(
@@ -223,6 +226,8 @@ class Session:
 
     # -- sending ---------------------------------------------------------------------------
     def _send_control(self, kind: int, seq: int, peer: int, payload: bytes) -> None:
+        if peer in self.lost_peers:
+            return
         self.control.append(((STREAM, peer), Outgoing(kind, seq, 0, payload, peer)))
 
     def pending_routes(self) -> set[tuple[int, int]]:
