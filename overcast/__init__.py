@@ -2,10 +2,11 @@
 
 from overcast.comm import Communicator
 from overcast.engine.engine import Work
+from overcast.transport.loss import LossSpec
 from overcast.errors import (CollectiveMismatchError, CollectiveTimeoutError,
                              CommunicatorClosedError, InvalidArgumentError, OvercastError,
                              PeerFailureError, ProtocolError)
 
-__all__ = ["Communicator", "Work", "OvercastError", "InvalidArgumentError",
+__all__ = ["Communicator", "Work", "LossSpec", "OvercastError", "InvalidArgumentError",
            "CollectiveMismatchError", "CollectiveTimeoutError", "CommunicatorClosedError",
            "PeerFailureError", "ProtocolError"]
