@@ -50,17 +50,19 @@ def check_dtype(arr: np.ndarray, what: str) -> None:
         raise InvalidArgumentError(f"{what} has unsupported dtype {arr.dtype}; supported: {names}")
 
 
+_BY_CODE = tuple(sorted(DTYPES, key=str))
+_CODES = {d: i for i, d in enumerate(_BY_CODE)}
+
+
 def dtype_code(dtype: np.dtype) -> int:
     """A stable small integer naming the dtype on the wire."""
-    return sorted(str(d) for d in DTYPES).index(str(dtype))
+    return _CODES[np.dtype(dtype)]
 
 
 def dtype_from_code(code: int) -> np.dtype:
-    names = sorted(str(d) for d in DTYPES)
-    if not 0 <= code < len(names):
+    if not 0 <= code < len(_BY_CODE):
         raise ValueError(f"unknown dtype code {code}")
-    name = names[code]
-    return BFLOAT16 if name == "bfloat16" else np.dtype(name)
+    return _BY_CODE[code]
 
 
 def accumulator_dtype(dtype: np.dtype) -> np.dtype:

@@ -14,17 +14,18 @@ from overcast.protocols.base import Descriptor
 from overcast.protocols.multicast import MulticastGather
 from overcast.protocols.ring import RingAllGather, RingReduceScatter
 from overcast.protocols.session import Session
-from overcast.schedules.chains import concurrent_senders
-from overcast.transport.datagram import IP_UDP_HEADER_BYTES, MAX_DATAGRAM
+from overcast.protocols.budget import LinkBudget
+from overcast.protocols.innetwork import CONTRIB_PREFIX, InNetworkReduceScatter
+from overcast.transport.datagram import MAX_DATAGRAM
 from overcast.transport.loss import LossSpec
 from overcast.transport.rendezvous import rendezvous
-from overcast.wire.header import OVERHEAD_BYTES
+from overcast.wire.header import IP_UDP_BYTES, OVERHEAD_BYTES
 
 DEFAULT_FRAME_BYTES = 128 * 1024
 # The share of a receiver's link the multicast streams may fill together; the rest is headroom
 # for acknowledgements, repairs and the jitter of a shared CPU.
 DEFAULT_PACING_SHARE = 0.95
-ALGORITHMS = {"all_gather": ("ring", "multicast"), "reduce_scatter": ("ring",),
+ALGORITHMS = {"all_gather": ("ring", "multicast"), "reduce_scatter": ("ring", "innetwork"),
               "broadcast": ("multicast",)}
 
 
@@ -41,14 +42,16 @@ class Communicator:
     (default: OVERCAST_LINK_BITS_PER_S, which the emulated cluster sets). `roots` is how many
     ranks of a multicast AllGather send at once (default: all of them, each paced at 1/(P-1) of
     the link; see docs/results.md for why). `loss` injects loss of received datagrams
-    (default: OVERCAST_LOSS, OVERCAST_LOSS_BURST, OVERCAST_LOSS_SEED).
+    (default: OVERCAST_LOSS, OVERCAST_LOSS_BURST, OVERCAST_LOSS_SEED). `switch` is the
+    aggregator for in-network reduction, "host:port" (default: OVERCAST_SWITCH).
     """
 
     def __init__(self, rank: int | None = None, world_size: int | None = None, *,
                  name: str = "default", store=None, secret: bytes | None = None,
                  timeout: float = 120.0, frame_bytes: int = DEFAULT_FRAME_BYTES,
                  link_bits_per_s: float | None = None, roots: int | None = None,
-                 pacing_share: float = DEFAULT_PACING_SHARE, loss: LossSpec | None = None):
+                 pacing_share: float = DEFAULT_PACING_SHARE, loss: LossSpec | None = None,
+                 switch: str | None = None):
         self.rank = int(os.environ["RANK"]) if rank is None else rank
         self.world_size = int(os.environ["WORLD_SIZE"]) if world_size is None else world_size
         self.name, self.timeout, self.frame_bytes = name, timeout, frame_bytes
@@ -59,12 +62,14 @@ class Communicator:
         self.pacing_share = pacing_share
         self.loss = LossSpec.from_env() if loss is None else loss
         links = rendezvous(self.rank, self.world_size, name=name, store=store, secret=secret,
-                           timeout=timeout)
+                           timeout=timeout, switch=switch)
         self.address, self.mtu = links.address, links.mtu
         # One datagram per chunk, within the path MTU; a multiple of 8 so no element is split.
-        self.chunk_bytes = min(links.mtu - IP_UDP_HEADER_BYTES, MAX_DATAGRAM) - OVERHEAD_BYTES
+        self.chunk_bytes = min(links.mtu - IP_UDP_BYTES, MAX_DATAGRAM) - OVERHEAD_BYTES
         self.chunk_bytes -= self.chunk_bytes % 8
         self._multicast_error = links.multicast_error
+        self._switch_error, self._switch_slots = links.switch_error, links.switch_slots
+        self._uplink = LinkBudget(link_bits_per_s / 8 * pacing_share if link_bits_per_s else None)
         self._engine = Engine(links, Session(self.rank, self.world_size, timeout), self.loss)
         self._lock = threading.Lock()
         self._seq = 0
@@ -127,30 +132,30 @@ class Communicator:
         if desc.algorithm == "ring":
             cls = RingAllGather if desc.collective == "all_gather" else RingReduceScatter
             return cls(seq, rank, world, desc, out, inp, self.frame_bytes)
+        if desc.algorithm == "innetwork":
+            return InNetworkReduceScatter(seq, rank, world, desc, out, inp,
+                                          chunk_bytes=self.chunk_bytes - CONTRIB_PREFIX.size,
+                                          slots=self._switch_slots, budget=self._uplink)
         n = desc.count * desc.dtype.itemsize
         if desc.collective == "all_gather":
             segments, roots, source = [(r, r * n, n) for r in range(world)], desc.param, inp
         else:
             segments, roots, source = [(desc.param, 0, n)], 1, None
         return MulticastGather(seq, rank, world, desc, out, segments, source=source,
-                               roots=roots, chunk_bytes=self.chunk_bytes,
-                               stream_rate=self._stream_rate(roots))
-
-    def _stream_rate(self, roots: int) -> float:
-        """Link bytes per second of one multicast stream."""
-        return self.link_bits_per_s / 8 * self.pacing_share / \
-            concurrent_senders(self.world_size, roots)
+                               roots=roots, chunk_bytes=self.chunk_bytes, budget=self._uplink)
 
     def _check_algorithm(self, desc: Descriptor) -> None:
         known = ALGORITHMS[desc.collective]
         if desc.algorithm not in known:
             self._reject(f"{desc.collective} has no algorithm {desc.algorithm!r}; available: "
                          f"{', '.join(known)}")
-        if desc.algorithm == "multicast" and self.world_size > 1:
-            if self._multicast_error:
+        if desc.algorithm in ("multicast", "innetwork") and self.world_size > 1:
+            if desc.algorithm == "multicast" and self._multicast_error:
                 self._reject(f"multicast is unavailable here: {self._multicast_error}")
+            if desc.algorithm == "innetwork" and self._switch_error:
+                self._reject(f"in-network reduction is unavailable: {self._switch_error}")
             if not self.link_bits_per_s:
-                self._reject("multicast paces its senders to the link rate: pass "
+                self._reject(f"{desc.algorithm} paces its senders to the link rate: pass "
                              "link_bits_per_s= or set OVERCAST_LINK_BITS_PER_S")
 
     # -- plumbing --------------------------------------------------------------------------

@@ -3,6 +3,8 @@ on a clock the test controls.
 
 Stream routes stay in order per pair of ranks, as TCP keeps them. Datagram and multicast routes
 may lose, duplicate and reorder, from a seeded generator; multicast goes to every other rank.
+An aggregator (overcast.switch.aggregator), if given, is reached by datagram as peer AGGREGATOR;
+several fabrics (communicators) may share one, each under its own key.
 """
 
 from __future__ import annotations
@@ -13,17 +15,21 @@ import random
 from overcast.protocols.base import MULTICAST, STREAM
 from overcast.protocols.session import Session
 from overcast.transport.loss import LossModel, LossSpec
-from overcast.wire.header import Header
+from overcast.wire.header import AGGREGATOR, ANY, Header
 
 
 class Fabric:
     def __init__(self, world: int, timeout: float = 10.0, seed: int = 0, loss: float = 0.0,
-                 burst: int = 1, duplicate: float = 0.0, reorder: bool = False):
+                 burst: int = 1, duplicate: float = 0.0, reorder: bool = False,
+                 aggregator=None, key="comm"):
         self.world = world
+        self.aggregator, self.key = aggregator, key
+        if aggregator is not None:
+            aggregator.register(key, world)
         self.sessions = [Session(r, world, timeout) for r in range(world)]
         self.now = 0.0
         self.rng = random.Random(seed)
-        self.losses = [LossModel(LossSpec(loss, burst, seed), r) for r in range(world)]
+        self.losses = [LossModel(LossSpec(loss, burst, seed), r) for r in range(world + 1)]
         self.duplicate, self.reorder = duplicate, reorder
         self.streams: dict[tuple[int, int], collections.deque] = collections.defaultdict(
             collections.deque)
@@ -34,13 +40,32 @@ class Fabric:
     def post(self, rank: int, coll) -> None:
         self.sessions[rank].post(coll, self.now)
 
+    def _lossy(self, src: int, dst: int, hdr, payload) -> None:
+        if self.losses[min(dst, self.world)].drop():
+            self.dropped += 1
+            return
+        copies = 2 if self.rng.random() < self.duplicate else 1
+        self.duplicated += copies - 1
+        self.datagrams[(src, dst)].extend([(hdr, payload)] * copies)
+
     def _collect(self) -> None:
+        if self.aggregator is not None:
+            mine = [item for item in self.aggregator.outbox if item[0] == self.key]
+            others = [item for item in self.aggregator.outbox if item[0] != self.key]
+            self.aggregator.outbox.clear()
+            self.aggregator.outbox.extend(others)
+            for _, dst, msg in mine:
+                payload = bytes(msg.payload)
+                hdr = Header(msg.kind, 0, 0, msg.seq, AGGREGATOR, dst, msg.chunk, len(payload), 0)
+                for rank in range(self.world) if dst == ANY else [dst]:
+                    self._lossy(AGGREGATOR, rank, hdr, payload)
         for src, session in enumerate(self.sessions):
             if src in self.silent:
                 continue
             for route in list(session.pending_routes()):
                 while (msg := session.pop(route)) is not None:
-                    payload = bytes(memoryview(msg.payload).cast("B"))
+                    parts = msg.payload if isinstance(msg.payload, tuple) else (msg.payload,)
+                    payload = b"".join(bytes(memoryview(p).cast("B")) for p in parts)
                     hdr = Header(msg.kind, 0, 0, msg.seq, src, msg.dst, msg.chunk,
                                  len(payload), 0)
                     channel, peer = route
@@ -50,12 +75,7 @@ class Fabric:
                     targets = [r for r in range(self.world) if r != src] \
                         if channel == MULTICAST else [peer]
                     for dst in targets:
-                        if self.losses[dst].drop():
-                            self.dropped += 1
-                            continue
-                        copies = 2 if self.rng.random() < self.duplicate else 1
-                        self.duplicated += copies - 1
-                        self.datagrams[(src, dst)].extend([(hdr, payload)] * copies)
+                        self._lossy(src, dst, hdr, payload)
 
     def step(self) -> bool:
         """Deliver one message from a randomly chosen pair; False if none is left."""
@@ -70,7 +90,10 @@ class Fabric:
         else:
             queue = self.datagrams[(src, dst)]
             hdr, payload = queue.pop(self.rng.randrange(len(queue)) if self.reorder else 0)
-        if dst not in self.silent:
+        if dst == AGGREGATOR:
+            if AGGREGATOR not in self.silent:
+                self.aggregator.receive(self.key, hdr, memoryview(payload), self.now)
+        elif dst not in self.silent:
             self.sessions[dst].receive(hdr, memoryview(payload), self.now)
         self.delivered += 1
         return True
@@ -82,24 +105,34 @@ class Fabric:
                 return
         raise AssertionError("fabric did not go quiet")
 
+    def _machines(self):
+        return self.sessions + ([self.aggregator] if self.aggregator is not None else [])
+
     def advance(self, seconds: float) -> None:
         """Move the clock and fire every timer that has come due."""
         self.now += seconds
-        for session in self.sessions:
-            timer = session.get_timer()
+        self._fire()
+
+    def _fire(self) -> None:
+        for machine in self._machines():
+            timer = machine.get_timer()
             if timer is not None and self.now >= timer:
-                session.handle_timer(self.now)
+                machine.handle_timer(self.now)
 
     def run_timed(self, until: float = 60.0) -> None:
         """Deliver, and whenever the network is quiet jump to the next timer, until no timer is
         left before `until` (simulated seconds)."""
         while True:
             self.run()
-            timers = [t for s in self.sessions if (t := s.get_timer()) is not None]
+            if self.done():
+                return
+            timers = [t for m in self._machines() if (t := m.get_timer()) is not None]
             if not timers or min(timers) > until:
                 return
             self.now = max(self.now, min(timers))
-            for session in self.sessions:
-                timer = session.get_timer()
-                if timer is not None and self.now >= timer:
-                    session.handle_timer(self.now)
+            self._fire()
+
+    def done(self) -> bool:
+        """Nothing in flight and no collective left on any rank."""
+        return all(not s.active for s in self.sessions) and not any(
+            q for q in self.streams.values()) and not any(q for q in self.datagrams.values())

@@ -7,6 +7,7 @@ import pytest
 from fabric import Fabric
 from overcast.errors import CollectiveTimeoutError
 from overcast.protocols.base import Descriptor
+from overcast.protocols.budget import LinkBudget
 from overcast.protocols.multicast import MulticastGather
 from overcast.schedules.chains import chains, concurrent_senders
 
@@ -24,7 +25,8 @@ def all_gather(fabric, nbytes, roots=2, seq=0):
         desc = Descriptor("all_gather", "multicast", np.dtype(np.uint8), nbytes, param=roots)
         coll = MulticastGather(seq, r, world, desc, outs[r],
                                [(q, q * nbytes, nbytes) for q in range(world)], source=shards[r],
-                               roots=roots, chunk_bytes=CHUNK, stream_rate=RATE)
+                               roots=roots, chunk_bytes=CHUNK,
+                               budget=LinkBudget(RATE * concurrent_senders(world, roots)))
         colls.append(coll)
         fabric.post(r, coll)
     return colls, outs, np.concatenate(shards)
@@ -38,7 +40,7 @@ def broadcast(fabric, nbytes, root):
     for r in range(world):
         desc = Descriptor("broadcast", "multicast", np.dtype(np.uint8), nbytes, param=root)
         coll = MulticastGather(0, r, world, desc, bufs[r], [(root, 0, nbytes)], source=None,
-                               roots=1, chunk_bytes=CHUNK, stream_rate=RATE)
+                               roots=1, chunk_bytes=CHUNK, budget=LinkBudget(RATE))
         colls.append(coll)
         fabric.post(r, coll)
     return colls, bufs, data

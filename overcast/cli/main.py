@@ -71,6 +71,20 @@ def _cluster(args) -> int:
         return max(codes, key=abs)
 
 
+def _switch(args) -> int:
+    from overcast.switch.service import run
+
+    secrets = [bytes.fromhex(x) for x in
+               _csv(os.environ.get("OVERCAST_SECRETS", "") or os.environ.get("OVERCAST_SECRET", ""))]
+    if not secrets:
+        print("overcast switch: set OVERCAST_SECRET (hex) to the job's secret, or "
+              "OVERCAST_SECRETS to several, comma-separated", file=sys.stderr)
+        return 2
+    run(args.host, args.port, secrets, args.slots, args.stats,
+        ready=lambda line: print(line, flush=True))
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="overcast", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -105,6 +119,15 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--mtu", type=int, default=9000)
     c.add_argument("--force", action="store_true", help="clean: also remove live runs' namespaces")
     c.set_defaults(func=_cluster)
+
+    w = sub.add_parser("switch", help="the aggregator for in-network reduction, standing in the "
+                                      "switch")
+    w.add_argument("--host", default="0.0.0.0")
+    w.add_argument("--port", type=int, default=18515, help="TCP and UDP port")
+    w.add_argument("--slots", type=int, default=256,
+                   help="chunks each reduction may have in the aggregator at once (its pool)")
+    w.add_argument("--stats", help="write counters and peak memory here (JSON) on exit")
+    w.set_defaults(func=_switch)
     c.epilog = "run: overcast cluster run --hosts 4 -- COMMAND [ARGS...]"
     return p
 

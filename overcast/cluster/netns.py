@@ -21,10 +21,12 @@ import secrets
 import shutil
 import signal
 import subprocess
+import sys
 import threading
 from dataclasses import dataclass
 
 from overcast.cluster.launch import Placement, run_ranks
+from overcast.wire.registration import DEFAULT_SWITCH_PORT
 
 PREFIX = "oc-"
 RUN_DIR = "/run/overcast"
@@ -156,6 +158,7 @@ class Cluster:
         self.host_ns = [f"{PREFIX}{self.run_id}-h{i}" for i in range(hosts)]
         self.service_ns = f"{PREFIX}{self.run_id}-svc"
         self._created: list[str] = []
+        self.switch: str | None = None
         self._procs: list[subprocess.Popen] = []
         self._old_sigterm = None
 
@@ -247,8 +250,8 @@ class Cluster:
                 "MASTER_ADDR": self.master_addr, "MASTER_PORT": str(MASTER_PORT),
                 "OVERCAST_SECRET": self.secret,
                 "OVERCAST_LINK_BITS_PER_S": str(self.link_bits_per_s),
-                "OVERCAST_SWITCH_ADDR": SERVICE_ADDR, "GLOO_SOCKET_IFNAME": "eth0",
-                **(extra or {})}
+                "GLOO_SOCKET_IFNAME": "eth0",
+                **({"OVERCAST_SWITCH": self.switch} if self.switch else {}), **(extra or {})}
 
     def placements(self, extra: dict[str, str] | None = None) -> list[Placement]:
         return [Placement(ns, self.environment(r, extra)) for r, ns in enumerate(self.host_ns)]
@@ -266,6 +269,27 @@ class Cluster:
         proc = subprocess.Popen(["ip", "netns", "exec", ns, *argv], env=full_env, **popen)
         self._procs.append(proc)
         return proc
+
+    def start_switch(self, slots: int = 256, stats_path: str | None = None,
+                     port: int = DEFAULT_SWITCH_PORT) -> subprocess.Popen:
+        """Start the aggregator (overcast switch) on the service attachment; from then on the
+        hosts' environment points at it. Returns once it listens."""
+        argv = [sys.executable, "-m", "overcast.cli.main", "switch", "--host", SERVICE_ADDR,
+                "--port", str(port), "--slots", str(slots)]
+        if stats_path:
+            argv += ["--stats", stats_path]
+        proc = self.start(argv, stdout=subprocess.PIPE, text=True)
+        line = proc.stdout.readline()
+        if "listening" not in line:
+            raise ClusterError(f"the aggregator did not start: {line.strip()}")
+        self.switch = f"{SERVICE_ADDR}:{port}"
+        return proc
+
+    def stop_switch(self, proc: subprocess.Popen) -> None:
+        """Stop the aggregator gracefully (it writes its stats file on the way out)."""
+        proc.terminate()
+        proc.wait(timeout=30)
+        self.switch = None
 
     def counters(self, host: int) -> NicCounters:
         """Host `host`'s eth0 counters, read from outside its namespace."""

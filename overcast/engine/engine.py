@@ -20,6 +20,7 @@ from overcast.transport.datagram import Datagrams
 from overcast.transport.loss import LossModel, LossSpec
 from overcast.transport.rendezvous import Links
 from overcast.transport.stream import Stream, StreamClosed
+from overcast.wire.header import AGGREGATOR
 
 # Bytes sealed ahead into a stream's queue: enough to keep the socket busy, small enough that
 # the session, not the queue, decides the interleaving of collectives.
@@ -60,6 +61,8 @@ class Engine:
         self.sealer = links.sealer
         self.streams = {peer: Stream(sock, peer, links.opener)
                         for peer, sock in links.streams.items()}
+        if links.switch is not None:  # kept open so that the aggregator's death is seen at once
+            self.streams[AGGREGATOR] = Stream(links.switch, AGGREGATOR, links.opener)
         self._selector = selectors.DefaultSelector()
         self._masks: dict[int, int] = {}
         self._closed_bytes = [0, 0]  # bytes out, in, of streams already closed
@@ -80,6 +83,8 @@ class Engine:
         self._addresses = {(MULTICAST, -1): links.group}
         for peer, (address, port) in enumerate(zip(links.addresses, links.udp_ports)):
             self._addresses[(DATAGRAM, peer)] = (address, port)
+        if links.switch_udp is not None:
+            self._addresses[(DATAGRAM, AGGREGATOR)] = links.switch_udp
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)

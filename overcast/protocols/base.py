@@ -98,6 +98,9 @@ class Collective:
     def handle_timer(self, now: float) -> None:
         """Called when `get_timer()` has passed."""
 
+    def finished(self) -> None:
+        """Called once when the collective is done or failed: release shared resources."""
+
     def waiting_for(self) -> str:
         """What the collective still waits for, for timeout messages."""
         return "data"

@@ -21,8 +21,9 @@ import numpy as np
 
 from overcast.errors import ProtocolError
 from overcast.protocols.base import MULTICAST, STREAM, Collective, Descriptor, Outgoing
-from overcast.schedules.chains import chain_position, chunk_count
-from overcast.wire.header import ANY, OVERHEAD_BYTES, Kind
+from overcast.protocols.budget import LinkBudget
+from overcast.schedules.chains import chain_position, chunk_count, concurrent_senders
+from overcast.wire.header import ANY, Kind, datagram_link_bytes
 
 MISSING, REQUESTED, HAVE = 0, 1, 2
 # A gap this many chunks behind the newest chunk seen from its root is taken as lost.
@@ -32,8 +33,6 @@ TAIL_GRACE_SECONDS = 0.002
 # After a stall, a sender may catch up by at most this much time's worth of datagrams at once.
 MAX_BURST_SECONDS = 0.002
 REPAIR_FRAME_BYTES = 128 * 1024
-# Bytes a datagram occupies on an Ethernet link besides overcast's own: IPv4, UDP, Ethernet.
-LINK_OVERHEAD_BYTES = 20 + 8 + 14
 _RANGE = struct.Struct("<II")
 _RANGES_PER_REQUEST = 512
 
@@ -42,13 +41,14 @@ class MulticastGather(Collective):
     """Chained reliable broadcasts into one buffer.
 
     `segments` lists (root, byte offset, byte length) in order: one per rank for AllGather, one
-    for Broadcast. All segments have the same length. `stream_rate` is the pace, in link bytes
-    per second, of this rank's multicast stream.
+    for Broadcast. All segments have the same length. `budget` is this host's uplink: each
+    stream goes at its rate over the number of streams a receiver takes in at once, less the
+    share of the receivers' links that in-network reductions in flight need for their results.
     """
 
     def __init__(self, seq: int, rank: int, world: int, desc: Descriptor, buffer: np.ndarray,
                  segments: list[tuple[int, int, int]], *, source: np.ndarray | None,
-                 roots: int, chunk_bytes: int, stream_rate: float):
+                 roots: int, chunk_bytes: int, budget: LinkBudget):
         super().__init__(seq, rank, world, desc)
         self.buffer = buffer.view(np.uint8)
         self.source = None if source is None else source.view(np.uint8)
@@ -72,7 +72,8 @@ class MulticastGather(Collective):
         self.active = self.mine is not None and head
         self.next_chunk = 0 if self.mine is not None else self.k
         self.next_send: float | None = None
-        self.rate = stream_rate
+        self.budget = budget
+        self.concurrent = concurrent_senders(world, roots) if len(segments) > 1 else 1
         self.successor = (rank + 1) % world
         self.predecessor = (rank - 1) % world
         self.fin_from_predecessor = world == 1
@@ -276,12 +277,15 @@ class MulticastGather(Collective):
             return
         self.next_send = max(self.next_send, now - MAX_BURST_SECONDS)
         base = self.mine * self.k
+        rate = self.stream_rate()
         while self.next_chunk < self.k and self.next_send <= now:
             gid = base + self.next_chunk
             start, end = self._span(gid)
             self.queue((MULTICAST, -1), Outgoing(Kind.MCAST_DATA, self.seq, gid,
                                                  self.buffer[start:end], ANY))
-            self.next_send += (end - start + OVERHEAD_BYTES + LINK_OVERHEAD_BYTES) / self.rate
+            wire = datagram_link_bytes(end - start)
+            self.budget.take(wire, now)
+            self.next_send += wire / rate
             self.next_chunk += 1
         if self.next_chunk == self.k:
             for peer in range(self.world):
@@ -290,6 +294,13 @@ class MulticastGather(Collective):
             if self.chain_next is not None:
                 self.queue((STREAM, self.chain_next),
                            Outgoing(Kind.ACTIVATE, self.seq, 0, b"", self.chain_next))
+
+    def stream_rate(self) -> float:
+        """Link bytes per second of this rank's stream: what receivers can take, shared among
+        the streams they take at once; while in-network reductions run, their results get 1/P
+        of each receiver's link (the AllGather's receive is P-1 times the reduction's)."""
+        share = (self.world - 1) / self.world if self.budget.reductions_in_flight else 1.0
+        return self.budget.rate * share / self.concurrent
 
     def _progress(self, now: float) -> None:
         if self.deferred:

@@ -13,7 +13,7 @@ from overcast.errors import (CollectiveMismatchError, CollectiveTimeoutError,
                              CommunicatorClosedError, OvercastError, PeerFailureError,
                              ProtocolError)
 from overcast.protocols.base import STREAM, Collective, Descriptor, Outgoing
-from overcast.wire.header import Kind
+from overcast.wire.header import AGGREGATOR, Kind
 
 _CONTROL = (Kind.DESCRIBE, Kind.ABORT, Kind.GOODBYE)
 # Messages that come by datagram may be dropped when they arrive before their collective is
@@ -94,6 +94,7 @@ class Session:
             while len(self.history) > _HISTORY:
                 self.history.popitem(last=False)
             self.stats.update(coll.stats)
+            coll.finished()
             self.finished.append(coll)
 
     def _guard(self, coll: Collective, step, *args) -> None:
@@ -186,8 +187,12 @@ class Session:
         self.control = collections.deque((r, m) for r, m in self.control if r[1] != peer)
         if peer in self.closed_peers:
             return
-        self.fail(PeerFailureError(
-            f"lost the connection to rank {peer} (its process exited or was killed)"))
+        if peer == AGGREGATOR:
+            self.fail(PeerFailureError("lost the connection to the aggregator (overcast switch): "
+                                       "it exited or was killed"))
+        else:
+            self.fail(PeerFailureError(
+                f"lost the connection to rank {peer} (its process exited or was killed)"))
 
     def close(self) -> None:
         """Say goodbye to every peer; collectives still pending fail."""

@@ -23,7 +23,8 @@ from overcast.transport.datagram import (multicast_group, open_multicast, path_m
 from overcast.transport.store import StoreClient, StoreError, StoreServer
 from overcast.wire.auth import Drops, Opener, ReplayWindow, Sealer, derive_key, frame_length, \
     job_id_of
-from overcast.wire.header import HEADER_BYTES, Kind, MalformedError
+from overcast.wire.header import AGGREGATOR, HEADER_BYTES, Kind, MalformedError
+from overcast.wire.registration import DEFAULT_SWITCH_PORT, HELLO, WELCOME
 
 
 class RendezvousError(RuntimeError):
@@ -51,6 +52,10 @@ class Links:
     group: tuple[str, int]
     multicast: socket.socket | None
     multicast_error: str | None
+    switch: socket.socket | None = None          # the registration stream to the aggregator
+    switch_udp: tuple[str, int] | None = None
+    switch_slots: int = 0
+    switch_error: str | None = "no aggregator configured (set OVERCAST_SWITCH=host:port)"
 
 
 _server: StoreServer | None = None
@@ -113,7 +118,8 @@ def _hello(sock: socket.socket, links_opener: Opener, sealer: Sealer, peer: int 
 
 
 def rendezvous(rank: int, world: int, *, name: str = "default", store=None,
-               secret: bytes | None = None, timeout: float = 60.0) -> Links:
+               secret: bytes | None = None, timeout: float = 60.0,
+               switch: str | None = None) -> Links:
     if not 0 <= rank < world:
         raise RendezvousError(f"rank {rank} is outside world size {world}")
     deadline = time.monotonic() + timeout
@@ -205,5 +211,37 @@ def rendezvous(rank: int, world: int, *, name: str = "default", store=None,
         multicast_error = (f"cannot join multicast group {group[0]}:{group[1]} on {address}: "
                            f"{err.strerror or err}")
     mtu = min(path_mtu(address, a) for a in set(addresses))
-    return Links(rank, world, address, addresses, streams, udp, [int(p[2]) for p in peers],
-                 sealer, opener, key, job, comm, drops, mtu, group, multicast, multicast_error)
+    links = Links(rank, world, address, addresses, streams, udp, [int(p[2]) for p in peers],
+                  sealer, opener, key, job, comm, drops, mtu, group, multicast, multicast_error)
+    switch = switch if switch is not None else os.environ.get("OVERCAST_SWITCH")
+    if switch:
+        register_with_switch(links, switch, salt, min(timeout, 5.0))
+    return links
+
+
+def register_with_switch(links: Links, spec: str, salt: bytes, timeout: float) -> None:
+    """Register this rank with the aggregator at `spec` (host[:port]); on failure, say why in
+    links.switch_error (only in-network collectives need it)."""
+    host, _, port = spec.partition(":")
+    port = int(port) if port else DEFAULT_SWITCH_PORT
+    try:
+        sock = socket.create_connection((host, port), timeout=timeout)
+    except OSError as err:
+        links.switch_error = f"cannot reach the aggregator at {host}:{port}: {err}"
+        return
+    try:
+        hello = HELLO.pack(salt, links.world, links.udp.getsockname()[1],
+                           socket.inet_aton(links.address), links.multicast is not None)
+        sock.sendall(links.sealer.seal(Kind.HELLO, 0, AGGREGATOR, 0, hello))
+        opened = links.opener.open(memoryview(_read_frame(sock, time.monotonic() + timeout)),
+                                   window=ReplayWindow(0))
+        if opened is None or opened[0].kind != Kind.HELLO or opened[0].src != AGGREGATOR \
+                or len(opened[1]) != WELCOME.size:
+            raise ConnectionError("its answer did not authenticate (another job's aggregator?)")
+        slots, udp_port = WELCOME.unpack(opened[1])
+    except (OSError, ConnectionError, MalformedError) as err:
+        sock.close()
+        links.switch_error = f"registration with the aggregator at {host}:{port} failed: {err}"
+        return
+    links.switch, links.switch_udp, links.switch_slots = sock, (host, udp_port), slots
+    links.switch_error = None

@@ -28,6 +28,13 @@ HEADER_BYTES = HEADER.size
 TAG_BYTES = 16
 OVERHEAD_BYTES = HEADER_BYTES + TAG_BYTES
 MAX_PAYLOAD = 1 << 26
+IP_UDP_BYTES = 20 + 8
+ETHERNET_BYTES = 14
+
+
+def datagram_link_bytes(payload_bytes: int) -> int:
+    """What a datagram carrying `payload_bytes` occupies on an Ethernet link (tbf counts it)."""
+    return payload_bytes + OVERHEAD_BYTES + IP_UDP_BYTES + ETHERNET_BYTES
 
 AGGREGATOR = 0xFFFE
 ANY = 0xFFFF

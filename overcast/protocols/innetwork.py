@@ -1,0 +1,203 @@
+"""In-network ReduceScatter, the rank's side (the switch's side is overcast.switch).
+
+The input's P blocks are cut into chunks of one datagram each; chunk g = block * K + c. A rank
+streams its contributions to every other rank's block to the aggregator in increasing g, paced by
+the host's uplink budget, never more than `slots` chunks ahead of what the aggregator has
+released (its credit). The aggregator sums each chunk's P-1 contributions and sends the sum to
+the block's owner, who adds its own contribution, acknowledges, and so frees the slot.
+
+Loss in either direction is repaired by retransmission: the aggregator asks the ranks missing
+from a slot to send again (a NACK in its CREDIT message) and resends an unacknowledged result; a
+rank whose credit stalls asks for it. A rank is done when it has its whole block and the credit
+says every chunk of every block is released, so nobody can need its contributions any more.
+"""
+
+from __future__ import annotations
+
+import collections
+import struct
+
+import numpy as np
+
+from overcast.buffers import add_into, divide_into, dtype_code
+from overcast.errors import ProtocolError
+from overcast.protocols.base import DATAGRAM, Collective, Descriptor, Outgoing
+from overcast.protocols.budget import LinkBudget
+from overcast.schedules.chains import chunk_count
+from overcast.wire.header import AGGREGATOR, Kind, datagram_link_bytes
+
+# Every contribution starts with what the aggregator needs to sum it, so no other message has to
+# arrive first: dtype code, world size, and the number of chunks in the whole input.
+CONTRIB_PREFIX = struct.Struct("<BBHI")
+# CREDIT from the aggregator: chunks released (all g below are done), then chunks to resend.
+CREDIT = struct.Struct("<I")
+RETRY_SECONDS = 0.05
+# Results are acknowledged in batches of this many, or after ACK_DELAY_SECONDS.
+ACK_BATCH = 16
+ACK_DELAY_SECONDS = 0.002
+
+
+class InNetworkReduceScatter(Collective):
+    def __init__(self, seq: int, rank: int, world: int, desc: Descriptor, output: np.ndarray,
+                 input: np.ndarray, *, chunk_bytes: int, slots: int, budget: LinkBudget):
+        super().__init__(seq, rank, world, desc)
+        self.output, self.input = output, input
+        self.itemsize = desc.dtype.itemsize
+        self.chunk_elems = chunk_bytes // self.itemsize
+        self.k = chunk_count(desc.count, self.chunk_elems)
+        self.total = world * self.k
+        self.slots, self.budget = slots, budget
+        self.route = (DATAGRAM, AGGREGATOR)
+        self.prefix = CONTRIB_PREFIX.pack(dtype_code(desc.dtype), 0, world, self.total)
+        self.credit = 0
+        self.cursor = 0  # next chunk to contribute for the first time
+        self.resend: collections.deque[int] = collections.deque()
+        self.have = np.zeros(self.k, bool)
+        self.results = 0
+        self.pump_at: float | None = None
+        self.probe_at: float | None = None
+        self.acks: list[int] = []
+        self.ack_at: float | None = None
+        self.counted = False
+
+    # -- geometry --------------------------------------------------------------------------
+    def _elements(self, g: int) -> slice:
+        block, c = divmod(g, self.k)
+        start = block * self.desc.count + c * self.chunk_elems
+        return slice(start, min(start + self.chunk_elems, (block + 1) * self.desc.count))
+
+    def _skip_own(self) -> None:
+        if self.cursor // self.k == self.rank:
+            self.cursor = (self.rank + 1) * self.k
+
+    # -- the contract ----------------------------------------------------------------------
+    def start(self, now: float) -> None:
+        if self.world == 1 or self.k == 0:
+            self.output[:] = self.input[:self.desc.count]
+            if self.desc.op == "avg":
+                divide_into(self.output, self.world)
+            self.received_all = True
+            self._check_done()
+            return
+        self.budget.reductions_in_flight += 1
+        self.counted = True
+        self._skip_own()
+        self.probe_at = now + RETRY_SECONDS
+        self._pump(now)
+
+    def finished(self) -> None:
+        if self.counted:
+            self.counted = False
+            self.budget.reductions_in_flight -= 1
+
+    def get_timer(self) -> float | None:
+        times = [t for t in (self.pump_at, self.probe_at, self.ack_at) if t is not None]
+        return min(times, default=None)
+
+    def handle_timer(self, now: float) -> None:
+        if self.ack_at is not None and now >= self.ack_at:
+            self._flush_acks()
+        if self.probe_at is not None and now >= self.probe_at:
+            # The credit has stalled: ask for it (the answer also carries any resend requests).
+            self.queue(self.route, Outgoing(Kind.CREDIT, self.seq, 0, b"", AGGREGATOR))
+            self.stats["credit_probes"] += 1
+            self.probe_at = now + RETRY_SECONDS
+        self._pump(now)
+
+    def receive(self, hdr, payload: memoryview, now: float) -> None:
+        if hdr.src != AGGREGATOR:
+            raise ProtocolError(f"in-network reduction message from rank {hdr.src}")
+        if hdr.kind == Kind.RESULT:
+            self._on_result(hdr.chunk, payload, now)
+        elif hdr.kind == Kind.CREDIT:
+            self._on_credit(payload, now)
+        else:
+            raise ProtocolError(f"unexpected message kind {hdr.kind} from the aggregator")
+        self._pump(now)
+        if self.results == self.k:
+            self._flush_acks()
+            if self.credit >= self.total:
+                self.received_all = True
+                self.probe_at = self.pump_at = None
+        self._check_done()
+
+    def waiting_for(self) -> str:
+        return (f"the aggregator: {self.results} of {self.k} results, credit {self.credit} of "
+                f"{self.total} chunks")
+
+    # -- results and credit ----------------------------------------------------------------
+    def _on_result(self, g: int, payload, now: float) -> None:
+        if g // self.k != self.rank:
+            raise ProtocolError(f"result for chunk {g}, not in rank {self.rank}'s block")
+        c = g - self.rank * self.k
+        mine = self.input[self._elements(g)]
+        if len(payload) != mine.nbytes:
+            raise ProtocolError(f"result for chunk {g} has {len(payload)} bytes, not "
+                                f"{mine.nbytes}")
+        if not self.have[c]:
+            start = c * self.chunk_elems
+            out = self.output[start:start + len(mine)]
+            add_into(out, np.frombuffer(payload, self.desc.dtype), mine)
+            if self.desc.op == "avg":
+                divide_into(out, self.world)
+            self.have[c] = True
+            self.results += 1
+            self.stats["results"] += 1
+        else:
+            self.stats["duplicate_results"] += 1
+        # acknowledge every copy: the acknowledgement before may have been lost
+        self.acks.append(g)
+        if len(self.acks) >= ACK_BATCH:
+            self._flush_acks()
+        elif self.ack_at is None:
+            self.ack_at = now + ACK_DELAY_SECONDS
+
+    def _flush_acks(self) -> None:
+        if self.acks:
+            self.queue(self.route, Outgoing(Kind.RESULT_ACK, self.seq, len(self.acks),
+                                            struct.pack(f"<{len(self.acks)}I", *self.acks),
+                                            AGGREGATOR))
+            self.acks = []
+        self.ack_at = None
+
+    def _on_credit(self, payload, now: float) -> None:
+        if len(payload) < CREDIT.size or (len(payload) - CREDIT.size) % 4:
+            raise ProtocolError(f"credit message of {len(payload)} bytes")
+        released = CREDIT.unpack_from(payload)[0]
+        if released > self.total:
+            raise ProtocolError(f"credit {released} beyond {self.total} chunks")
+        if released > self.credit:
+            self.credit = released
+            self.probe_at = now + RETRY_SECONDS
+        pending = set(self.resend)
+        for (g,) in struct.iter_unpack("<I", payload[CREDIT.size:]):
+            if g // self.k == self.rank or g >= self.cursor:
+                continue  # not ours to send, or not sent yet anyway
+            if g not in pending:
+                self.resend.append(g)
+                pending.add(g)
+                self.stats["contributions_resent"] += 1
+
+    # -- sending ---------------------------------------------------------------------------
+    def _pump(self, now: float) -> None:
+        """Send what the credit window and the uplink budget allow."""
+        self.pump_at = None
+        while True:
+            if self.resend:
+                g = self.resend[0]
+            elif self.cursor < self.total and self.cursor < self.credit + self.slots:
+                g = self.cursor
+            else:
+                return
+            data = self.input[self._elements(g)].view(np.uint8)
+            wire = datagram_link_bytes(len(data) + CONTRIB_PREFIX.size)
+            if not self.budget.try_take(wire, now):
+                self.pump_at = self.budget.ready_at(wire, now)
+                return
+            self.queue(self.route, Outgoing(Kind.CONTRIB, self.seq, g, (self.prefix, data),
+                                            AGGREGATOR))
+            if self.resend and self.resend[0] == g:
+                self.resend.popleft()
+            else:
+                self.cursor += 1
+                self._skip_own()

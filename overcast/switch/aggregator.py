@@ -1,0 +1,319 @@
+"""The aggregator's reduction engine, sans I/O: what a switch that sums does (SHARP's aggregation
+nodes, SwitchML's software stand-in), for many communicators at once.
+
+Per reduction (one communicator's in-network ReduceScatter) it keeps a pool of `slots` slots.
+Chunk g may occupy a slot once every chunk below g - slots has been released; a rank never sends
+beyond that window. A slot holds one row per rank, so contributions are kept as they arrive, a
+retransmitted one is recognised by the contributor bitmap and never counted twice, and the sum is
+taken in rank order once all P-1 contributors (every rank but the block's owner) are in: the same
+bits whatever the arrival order. 16-bit floats are summed in float32. The sum goes to the owner;
+the slot is released when the owner acknowledges it, and the release is announced to every rank
+as credit. Slots waiting on contributors ask them again (NACK); unacknowledged results are sent
+again. Memory is the pool's, whatever the message size.
+"""
+
+from __future__ import annotations
+
+import collections
+import struct
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from overcast.buffers import accumulator_dtype, dtype_from_code
+from overcast.protocols.base import Outgoing
+from overcast.protocols.innetwork import CONTRIB_PREFIX, CREDIT
+from overcast.wire.header import AGGREGATOR, ANY, Kind
+
+NACK_SECONDS = 0.02
+RESEND_SECONDS = 0.05
+# Each further resend of the same result waits twice as long: an overloaded path is not made
+# worse by its own retries.
+MAX_BACKOFF = 8
+# Slots are checked for overdue contributions and acknowledgements this often.
+TICK_SECONDS = 0.01
+# Announce the credit after this fraction of the pool has been released since the last time.
+CREDIT_EVERY = 1 / 8
+# Reductions of one communicator in flight at once; contributions for more wait for a retry.
+MAX_REDUCTIONS = 4
+# Finished reductions remembered, to answer late retransmissions with the final credit.
+TOMBSTONES = 64
+
+
+@dataclass
+class Slot:
+    g: int
+    rows: np.ndarray            # (world, elements) contributions in place, by rank
+    have: int = 0               # bitmap of ranks whose contribution is in
+    first_seen: float = 0.0
+    nacked: float = 0.0
+    result: bytes | None = None
+    sent_at: float = 0.0
+    resends: int = 0
+    acked: bool = False
+
+
+@dataclass
+class Reduction:
+    seq: int
+    world: int
+    dtype: np.dtype
+    total: int
+    k: int
+    window: int                 # slots: chunks that may be in the aggregator at once
+    released: int = 0
+    announced: int = 0
+    highest: int = -1           # the highest chunk any contribution has come for
+    passed: list[int] = field(default_factory=list)  # per rank: the highest chunk it sent
+    slots: dict[int, Slot] = field(default_factory=dict)
+    holes: dict[int, float] = field(default_factory=dict)  # chunk -> when it was last asked for
+    free_rows: list[np.ndarray] = field(default_factory=list)
+
+
+class CommState:
+    """One registered communicator: its world, and its reductions."""
+
+    def __init__(self, world: int, slots: int):
+        self.world, self.slots = world, slots
+        self.reductions: dict[int, Reduction] = {}
+        self.finished: collections.OrderedDict[int, int] = collections.OrderedDict()
+
+
+class Aggregator:
+    """Feed it authenticated messages (`receive`) and the clock (`handle_timer`); take what it
+    wants sent from `outbox`: (communicator key, destination rank, Outgoing)."""
+
+    def __init__(self, slots: int = 256):
+        self.slots = slots
+        self.comms: dict[object, CommState] = {}
+        self.outbox: collections.deque[tuple[object, int, Outgoing]] = collections.deque()
+        self.stats: collections.Counter = collections.Counter()
+        self.pool_bytes = 0       # contribution rows alive, in slots or kept for reuse
+        self.peak_pool_bytes = 0
+        self.next_tick: float | None = None
+
+    # -- registration ----------------------------------------------------------------------
+    def register(self, key, world: int, slots: int | None = None) -> int:
+        """Take a communicator of `world` ranks; its reductions get at most `slots` slots
+        (and never more than the aggregator's own). Returns the slots granted."""
+        comm = self.comms.get(key)
+        if comm is None or comm.world != world:
+            granted = self.slots if slots is None else max(1, min(slots, self.slots))
+            comm = self.comms[key] = CommState(world, granted)
+        return comm.slots
+
+    def unregister(self, key) -> None:
+        comm = self.comms.pop(key, None)
+        if comm is not None:
+            for red in comm.reductions.values():
+                self._free(red)
+
+    # -- the contract ----------------------------------------------------------------------
+    def receive(self, key, hdr, payload: memoryview, now: float) -> None:
+        comm = self.comms.get(key)
+        if comm is None:
+            self.stats["unregistered"] += 1
+            return
+        if not 0 <= hdr.src < comm.world:
+            self.stats["bad_source"] += 1
+            return
+        if hdr.kind == Kind.CONTRIB:
+            self._on_contribution(key, comm, hdr, payload, now)
+        elif hdr.kind == Kind.RESULT_ACK:
+            red = comm.reductions.get(hdr.seq)
+            if red is not None and len(payload) % 4 == 0:
+                for (g,) in struct.iter_unpack("<I", payload):
+                    self._on_ack(key, red, hdr.src, g)
+        elif hdr.kind == Kind.CREDIT:  # a rank's credit has stalled: say what it still owes
+            red = comm.reductions.get(hdr.seq)
+            owed = self._owed(red, hdr.src) if red is not None else []
+            self.stats["nacks"] += len(owed)
+            self._answer_credit(key, comm, hdr.seq, hdr.src, owed)
+        else:
+            self.stats["unexpected_kind"] += 1
+
+    def get_timer(self) -> float | None:
+        if self.next_tick is None and any(c.reductions for c in self.comms.values()):
+            return 0.0
+        return self.next_tick
+
+    def handle_timer(self, now: float) -> None:
+        """Ask again for overdue contributions, send again unacknowledged results."""
+        busy = any(c.reductions for c in self.comms.values())
+        self.next_tick = now + TICK_SECONDS if busy else None
+        for key, comm in self.comms.items():
+            for red in list(comm.reductions.values()):
+                nacks: dict[int, list[int]] = collections.defaultdict(list)
+                for slot in red.slots.values():
+                    if slot.result is not None:
+                        wait = RESEND_SECONDS * (1 << min(slot.resends, MAX_BACKOFF))
+                        if not slot.acked and now >= slot.sent_at + wait:
+                            slot.resends += 1
+                            self._send_result(key, red, slot, now)
+                            self.stats["results_resent"] += 1
+                    elif now >= max(slot.first_seen, slot.nacked) + NACK_SECONDS:
+                        slot.nacked = now
+                        for rank in self._missing(red, slot.g, slot.have):
+                            nacks[rank].append(slot.g)
+                # A chunk with no slot below the highest seen may have lost every contribution.
+                for g in range(red.released, red.highest):
+                    if g in red.slots:
+                        continue
+                    asked = red.holes.setdefault(g, now)
+                    if now >= asked + NACK_SECONDS:
+                        red.holes[g] = now
+                        for rank in self._missing(red, g, 0):
+                            nacks[rank].append(g)
+                for rank, gs in nacks.items():
+                    self._credit(key, red, rank, gs)
+                    self.stats["nacks"] += len(gs)
+
+    # -- contributions ---------------------------------------------------------------------
+    def _on_contribution(self, key, comm: CommState, hdr, payload, now: float) -> None:
+        if len(payload) < CONTRIB_PREFIX.size:
+            self.stats["malformed"] += 1
+            return
+        code, _, world, total = CONTRIB_PREFIX.unpack_from(payload)
+        data = payload[CONTRIB_PREFIX.size:]
+        red = comm.reductions.get(hdr.seq)
+        if red is None:
+            if hdr.seq in comm.finished:
+                self._answer_credit(key, comm, hdr.seq, hdr.src, [])
+                return
+            try:
+                dtype = dtype_from_code(code)
+            except ValueError:
+                self.stats["malformed"] += 1
+                return
+            if world != comm.world or total % world or len(comm.reductions) >= MAX_REDUCTIONS:
+                self.stats["refused"] += 1
+                return
+            red = comm.reductions[hdr.seq] = Reduction(hdr.seq, world, dtype, total,
+                                                       total // world, comm.slots,
+                                                       passed=[-1] * world)
+        g = hdr.chunk
+        if world != red.world or total != red.total or dtype_from_code(code) != red.dtype \
+                or g >= red.total or len(data) % red.dtype.itemsize:
+            self.stats["inconsistent"] += 1
+            return
+        owner = g // red.k
+        if owner == hdr.src:
+            self.stats["inconsistent"] += 1
+            return
+        if g < red.released:  # done already: the sender missed the credit
+            self.stats["late_contributions"] += 1
+            self._answer_credit(key, comm, hdr.seq, hdr.src, [])
+            return
+        if g >= red.released + red.window:
+            self.stats["beyond_window"] += 1
+            return
+        red.passed[hdr.src] = max(red.passed[hdr.src], g)
+        slot = red.slots.get(g)
+        elems = len(data) // red.dtype.itemsize
+        if slot is None:
+            slot = red.slots[g] = Slot(g, self._rows(red, elems), first_seen=now)
+            red.holes.pop(g, None)
+            red.highest = max(red.highest, g)
+        elif slot.rows.shape[1] != elems:
+            self.stats["inconsistent"] += 1
+            return
+        bit = 1 << hdr.src
+        if slot.have & bit or slot.result is not None:
+            self.stats["duplicate_contributions"] += 1
+            return
+        slot.rows[hdr.src] = np.frombuffer(data, red.dtype)
+        slot.have |= bit
+        self.stats["contributions"] += 1
+        if slot.have == ((1 << red.world) - 1) & ~(1 << owner):
+            total_sum = np.delete(slot.rows, owner, axis=0).sum(
+                axis=0, dtype=accumulator_dtype(red.dtype))
+            slot.result = total_sum.astype(red.dtype, copy=False).tobytes()
+            self._recycle(red, slot)
+            self._send_result(key, red, slot, now)
+            self.stats["results"] += 1
+
+    def _rows(self, red: Reduction, elems: int) -> np.ndarray:
+        """A (world, elems) block of contribution rows, reused from the reduction's pool."""
+        for i in range(len(red.free_rows) - 1, -1, -1):
+            if red.free_rows[i].shape[1] == elems:
+                return red.free_rows.pop(i)
+        rows = np.empty((red.world, elems), red.dtype)
+        self.pool_bytes += rows.nbytes
+        self.peak_pool_bytes = max(self.peak_pool_bytes, self.pool_bytes)
+        return rows
+
+    def _recycle(self, red: Reduction, slot: Slot) -> None:
+        """The slot's sum is taken: its rows go back to the pool."""
+        red.free_rows.append(slot.rows)
+        slot.rows = slot.rows[:0]
+
+    def _free(self, red: Reduction) -> None:
+        self.pool_bytes -= sum(r.nbytes for r in red.free_rows)
+        self.pool_bytes -= sum(s.rows.nbytes for s in red.slots.values())
+        red.free_rows.clear()
+        red.slots.clear()
+
+    def _send_result(self, key, red: Reduction, slot: Slot, now: float) -> None:
+        owner = slot.g // red.k
+        slot.sent_at = now
+        self.outbox.append((key, owner, Outgoing(Kind.RESULT, red.seq, slot.g, slot.result,
+                                                 owner)))
+
+    # -- release and credit ----------------------------------------------------------------
+    def _on_ack(self, key, red: Reduction, src: int, g: int) -> None:
+        slot = red.slots.get(g)
+        if slot is None or slot.result is None or g // red.k != src:
+            self.stats["stray_acks"] += 1
+            return
+        slot.acked = True
+        while (head := red.slots.get(red.released)) is not None and head.acked:
+            del red.slots[red.released]
+            red.released += 1
+        if red.released == red.total:
+            self._finish(key, red)
+        elif red.released - red.announced >= max(1, int(red.window * CREDIT_EVERY)):
+            self._announce(key, red)
+
+    def _announce(self, key, red: Reduction) -> None:
+        """Tell every rank the credit, in one message to the group."""
+        red.announced = red.released
+        self._credit(key, red, ANY, [])
+
+    def _finish(self, key, red: Reduction) -> None:
+        comm = self.comms[key]
+        self._announce(key, red)
+        self._free(red)
+        del comm.reductions[red.seq]
+        comm.finished[red.seq] = red.total
+        while len(comm.finished) > TOMBSTONES:
+            comm.finished.popitem(last=False)
+        self.stats["reductions"] += 1
+
+    def _missing(self, red: Reduction, g: int, have: int) -> list[int]:
+        """Contributors to chunk g not in `have` that have sent chunks past g: ranks send in
+        order, so theirs was lost (or is very late). Ranks not there yet are left alone."""
+        owner = g // red.k
+        return [r for r in range(red.world)
+                if r != owner and not have >> r & 1 and red.passed[r] > g]
+
+    def _owed(self, red: Reduction, rank: int) -> list[int]:
+        """Chunks in the window that `rank` should have contributed and has not."""
+        return [g for g in range(red.released, min(red.total, red.released + red.window))
+                if g // red.k != rank and not (g in red.slots and
+                                               (red.slots[g].have >> rank & 1 or
+                                                red.slots[g].result is not None))]
+
+    def _answer_credit(self, key, comm: CommState, seq: int, rank: int, gs: list[int]) -> None:
+        red = comm.reductions.get(seq)
+        if red is not None:
+            self._credit(key, red, rank, gs)
+        elif seq in comm.finished:
+            self.outbox.append((key, rank, Outgoing(Kind.CREDIT, seq, 0,
+                                                    CREDIT.pack(comm.finished[seq]), rank)))
+
+    def _credit(self, key, red: Reduction, rank: int, resend: list[int]) -> None:
+        body = CREDIT.pack(red.released) + struct.pack(f"<{len(resend)}I", *resend)
+        self.outbox.append((key, rank, Outgoing(Kind.CREDIT, red.seq, 0, body, rank)))
+
+
+__all__ = ["Aggregator", "AGGREGATOR"]

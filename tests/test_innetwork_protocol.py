@@ -1,0 +1,154 @@
+"""In-network ReduceScatter and the aggregator, sans I/O: exact integer sums, float sums within
+tolerance and the same bits whatever the delivery order, under loss, duplicates and reordering;
+the pool bounds the aggregator's memory; communicators sharing it stay apart."""
+
+import numpy as np
+import pytest
+
+from fabric import Fabric
+from overcast.buffers import BFLOAT16
+from overcast.errors import CollectiveTimeoutError
+from overcast.protocols.base import Descriptor
+from overcast.protocols.budget import LinkBudget
+from overcast.protocols.innetwork import InNetworkReduceScatter
+from overcast.switch.aggregator import Aggregator
+from overcast.wire.header import AGGREGATOR
+
+CHUNK = 64
+RATE = 1e6
+
+
+def reduce_scatter(fabric, count, dtype, op="sum", slots=16, inputs=None, seq=0):
+    world = fabric.world
+    rng = np.random.default_rng(count + world)
+    if inputs is None:
+        if np.dtype(dtype).kind == "f":
+            inputs = [rng.standard_normal(world * count).astype(dtype) for _ in range(world)]
+        else:
+            inputs = [rng.integers(-1000, 1000, world * count).astype(dtype)
+                      for _ in range(world)]
+    outs = [np.full(count, -1, dtype) for _ in range(world)]
+    colls = []
+    for r in range(world):
+        desc = Descriptor("reduce_scatter", "innetwork", np.dtype(dtype), count, op)
+        coll = InNetworkReduceScatter(seq, r, world, desc, outs[r], inputs[r],
+                                      chunk_bytes=CHUNK, slots=slots, budget=LinkBudget(RATE))
+        colls.append(coll)
+        fabric.post(r, coll)
+    return colls, outs, inputs
+
+
+def check_done(colls):
+    for c in colls:
+        assert c.error is None, c.error
+        assert c.done, c.waiting_for()
+
+
+@pytest.mark.parametrize("world", [2, 3, 5, 8])
+@pytest.mark.parametrize("loss,burst", [(0.0, 1), (0.01, 1), (0.10, 1), (0.05, 8)])
+@pytest.mark.parametrize("dtype", [np.int32, np.int64])
+def test_integer_sums_are_exact_under_loss(world, loss, burst, dtype):
+    agg = Aggregator(slots=16)
+    fabric = Fabric(world, seed=world, loss=loss, burst=burst, duplicate=0.02, reorder=True,
+                    aggregator=agg)
+    count = 300 + world
+    colls, outs, inputs = reduce_scatter(fabric, count, dtype)
+    fabric.run_timed()
+    check_done(colls)
+    total = sum(inputs)
+    for r in range(world):
+        assert outs[r].tobytes() == total[r * count:(r + 1) * count].tobytes()
+    if loss:
+        assert fabric.dropped > 0
+    if loss >= 0.05:  # enough loss that contributions and results, not just credit, were hit
+        assert agg.stats["nacks"] + agg.stats["results_resent"] > 0
+
+
+@pytest.mark.parametrize("world", [2, 5, 8])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16, BFLOAT16])
+@pytest.mark.parametrize("op", ["sum", "avg"])
+def test_float_sums_match_float64_and_do_not_depend_on_arrival_order(world, dtype, op):
+    results = []
+    for seed in (1, 2):
+        fabric = Fabric(world, seed=seed, loss=0.05, duplicate=0.05, reorder=True,
+                        aggregator=Aggregator(slots=16))
+        count = 250
+        colls, outs, inputs = reduce_scatter(fabric, count, dtype, op)
+        fabric.run_timed()
+        check_done(colls)
+        results.append(np.concatenate(outs))
+    reference = sum(i.astype(np.float64) for i in inputs)
+    if op == "avg":
+        reference /= world
+    eps = float(np.finfo(np.float32 if dtype == BFLOAT16 else dtype).eps) \
+        if dtype != BFLOAT16 else 2.0 ** -8
+    tolerance = 4 * world * eps * np.abs(sum(np.abs(i.astype(np.float64)) for i in inputs))
+    assert (np.abs(results[0].astype(np.float64) - reference) <= tolerance + 1e-30).all()
+    # the aggregator sums in rank order, whatever order the datagrams came in
+    assert results[0].tobytes() == results[1].tobytes()
+
+
+def test_the_pool_bounds_the_aggregator_for_a_message_larger_than_the_pool():
+    world, slots = 4, 8
+    agg = Aggregator(slots=slots)
+    fabric = Fabric(world, seed=3, loss=0.02, reorder=True, aggregator=agg)
+    count = 100 * CHUNK // 4  # 100 chunks per block, 400 in all: 50 times the pool
+    colls, outs, inputs = reduce_scatter(fabric, count, np.int32, slots=slots)
+    fabric.run_timed()
+    check_done(colls)
+    total = sum(inputs)
+    assert all(outs[r].tobytes() == total[r * count:(r + 1) * count].tobytes()
+               for r in range(world))
+    message = world * count * 4
+    assert agg.peak_pool_bytes <= (slots + 1) * world * CHUNK
+    assert agg.peak_pool_bytes < message / 10
+    assert agg.pool_bytes == 0 and not agg.comms["comm"].reductions
+
+
+def test_two_communicators_share_one_aggregator_and_stay_apart():
+    agg = Aggregator(slots=8)
+    a = Fabric(3, seed=1, loss=0.05, reorder=True, aggregator=agg, key="a")
+    b = Fabric(5, seed=2, loss=0.05, reorder=True, aggregator=agg, key="b")
+    ca, oa, ia = reduce_scatter(a, 200, np.int64)
+    cb, ob, ib = reduce_scatter(b, 300, np.int64)
+    for _ in range(100_000):  # interleave the two until both finish
+        progressed = a.step() | b.step()
+        if not progressed:
+            if a.done() and b.done():
+                break
+            timers = [t for f in (a, b) for m in f._machines()
+                      if (t := m.get_timer()) is not None]
+            now = max(min(timers), a.now, b.now)
+            a.now = b.now = now
+            a._fire()
+            b._fire()
+    check_done(ca + cb)
+    for colls, outs, inputs, count in ((ca, oa, ia, 200), (cb, ob, ib, 300)):
+        total = sum(inputs)
+        for r, out in enumerate(outs):
+            assert out.tobytes() == total[r * count:(r + 1) * count].tobytes()
+
+
+def test_a_silent_aggregator_times_out_on_every_rank():
+    fabric = Fabric(3, timeout=2.0, aggregator=Aggregator())
+    fabric.silent.add(AGGREGATOR)
+    colls, _, _ = reduce_scatter(fabric, 100, np.int32)
+    fabric.run_timed(until=1.0)
+    assert not any(c.error for c in colls)
+    fabric.advance(2.5)
+    for c in colls:
+        assert isinstance(c.error, CollectiveTimeoutError)
+        assert "aggregator" in str(c.error)
+
+
+def test_each_rank_receives_only_its_shard():
+    world = 4
+    agg = Aggregator(slots=16)
+    fabric = Fabric(world, aggregator=agg)
+    count = 20 * CHUNK // 4
+    colls, outs, inputs = reduce_scatter(fabric, count, np.int32)
+    fabric.run_timed()
+    check_done(colls)
+    for c in colls:
+        assert c.stats["results"] == 20  # one result per chunk of its own block, no more
+    assert agg.stats["contributions"] == world * (world - 1) * 20
