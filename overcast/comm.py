@@ -9,6 +9,7 @@ import numpy as np
 
 from overcast.buffers import as_array, check_dtype, check_reduce
 from overcast.engine.engine import Engine, Work
+from overcast.engine.trace import Trace
 from overcast.errors import InvalidArgumentError, OvercastError
 from overcast.protocols.base import Descriptor
 from overcast.protocols.multicast import MulticastGather
@@ -43,7 +44,8 @@ class Communicator:
     ranks of a multicast AllGather send at once (default: all of them, each paced at 1/(P-1) of
     the link; see docs/results.md for why). `loss` injects loss of received datagrams
     (default: OVERCAST_LOSS, OVERCAST_LOSS_BURST, OVERCAST_LOSS_SEED). `switch` is the
-    aggregator for in-network reduction, "host:port" (default: OVERCAST_SWITCH).
+    aggregator for in-network reduction, "host:port" (default: OVERCAST_SWITCH). With `trace`,
+    the engine records each collective's span and bytes over time (see `trace()`).
     """
 
     def __init__(self, rank: int | None = None, world_size: int | None = None, *,
@@ -51,7 +53,7 @@ class Communicator:
                  timeout: float = 120.0, frame_bytes: int = DEFAULT_FRAME_BYTES,
                  link_bits_per_s: float | None = None, roots: int | None = None,
                  pacing_share: float = DEFAULT_PACING_SHARE, loss: LossSpec | None = None,
-                 switch: str | None = None):
+                 switch: str | None = None, trace: bool = False):
         self.rank = int(os.environ["RANK"]) if rank is None else rank
         self.world_size = int(os.environ["WORLD_SIZE"]) if world_size is None else world_size
         self.name, self.timeout, self.frame_bytes = name, timeout, frame_bytes
@@ -70,7 +72,8 @@ class Communicator:
         self._multicast_error = links.multicast_error
         self._switch_error, self._switch_slots = links.switch_error, links.switch_slots
         self._uplink = LinkBudget(link_bits_per_s / 8 * pacing_share if link_bits_per_s else None)
-        self._engine = Engine(links, Session(self.rank, self.world_size, timeout), self.loss)
+        self._engine = Engine(links, Session(self.rank, self.world_size, timeout), self.loss,
+                              Trace() if trace else None)
         self._lock = threading.Lock()
         self._seq = 0
         self._closed = False
@@ -199,6 +202,10 @@ class Communicator:
         """Dropped messages by reason, stale messages, bytes and datagrams, and the protocols'
         own counts (chunks multicast, repaired, repair bytes...)."""
         return self._engine.counters()
+
+    def trace(self) -> dict | None:
+        """The recorded timeline (see overcast.engine.trace), if tracing is on."""
+        return self._engine.trace.to_dict() if self._engine.trace else None
 
     def close(self) -> None:
         """Tell the peers goodbye and stop the engine. Pending collectives fail."""

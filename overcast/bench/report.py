@@ -24,7 +24,8 @@ def table(doc: dict) -> Table:
                  "machine cpu", "correct"):
         t.add_column(name, justify="left" if name in ("collective", "algorithm") else "right")
     for r in doc["results"]:
-        algorithm = r["algorithm"] + (f" x{r['roots']}" if r.get("roots") else "")
+        algorithm = r["algorithm"] + (f" x{r['roots']}" if r.get("roots") else "") + \
+            (f" loss {r['loss']:g}" if r.get("loss") else "")
         t.add_row(r["collective"], algorithm, human_bytes(r["bytes_per_rank"]),
                   f"{r['seconds'] * 1e3:.1f}", f"{r['ratio_to_floor']:.3f}",
                   f"{r['algbw_bytes_per_s'] / 1e6:.1f}", f"{r['busbw_bytes_per_s'] / 1e6:.1f}",

@@ -12,13 +12,27 @@ import os
 import platform
 import statistics
 
+from overcast.bench.timeline import write_timeline
 from overcast.bench.worker import DTYPE, run_point
 from overcast.cluster.netns import Cluster
 from overcast.schedules import cost
 from overcast.wire.header import OVERHEAD_BYTES
 
-COLLECTIVES = ("allgather", "reduce_scatter")
-ALGORITHMS = {"allgather": ("ring", "multicast", "gloo"), "reduce_scatter": ("ring", "gloo")}
+COLLECTIVES = ("allgather", "reduce_scatter", "overlap")
+ALGORITHMS = {"allgather": ("ring", "multicast", "gloo"),
+              "reduce_scatter": ("ring", "innetwork", "gloo"),
+              "overlap": ("overcast", "ring", "gloo")}
+# Algorithms that need the aggregator (overcast switch) on the cluster.
+NEEDS_SWITCH = {("reduce_scatter", "innetwork"), ("overlap", "overcast")}
+# Algorithms whose ranks move datagrams, and so feel injected loss.
+DATAGRAM_ALGORITHMS = {"multicast", "innetwork", "overcast"}
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """User plus system CPU time of process `pid`, from /proc."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def parse_size(text: str) -> int:
@@ -36,7 +50,8 @@ def parse_size(text: str) -> int:
 
 
 def summarize(collective: str, algorithm: str, hosts: int, nbytes: int, link_bits: int,
-              per_rank: list[dict], roots: int | None = None, loss: float = 0.0) -> dict:
+              per_rank: list[dict], roots: int | None = None, loss: float = 0.0,
+              switch_cpu: float | None = None) -> dict:
     """One result row from every rank's report (see worker.run_point)."""
     reps = len(per_rank[0]["runs"])
     count = max(1, nbytes // DTYPE().itemsize)
@@ -67,8 +82,9 @@ def summarize(collective: str, algorithm: str, hosts: int, nbytes: int, link_bit
             statistics.fmean(x["cpu_seconds"] for x in run) for run in runs),
         "machine_cpu_busy": statistics.median(run[0]["machine_busy"] for run in runs),
         "repetitions": reps,
-        "roots": (roots or hosts) if algorithm == "multicast" else None,
-        "loss": loss if algorithm in ("multicast",) else 0.0,
+        "roots": (roots or hosts) if algorithm in ("multicast", "overcast") else None,
+        "loss": loss if algorithm in DATAGRAM_ALGORITHMS else 0.0,
+        "switch_cpu_seconds_per_run": switch_cpu,
         "protocol_per_host": {key: statistics.fmean(r["protocol"][key] for r in per_rank)
                               for key in per_rank[0]["protocol"]},
         "chunk_bytes": per_rank[0]["chunk_bytes"], "mtu": per_rank[0]["mtu"],
@@ -91,17 +107,18 @@ def machine() -> dict:
 def run_bench(hosts: int, link_bits: int, sizes: list[int], collectives: list[str],
               algorithms: list[str], reps: int = 5, warmup: int = 1, mtu: int = 9000,
               roots: list[int | None] = (None,), loss: float = 0.0, loss_burst: float = 1.0,
-              progress=None) -> dict:
+              timeline: str | None = None, switch_slots: int = 256, progress=None) -> dict:
     """Run every requested point on one cluster; return {"meta": ..., "results": [...]}.
 
     `roots` lists the multicast AllGather's numbers of concurrent roots to try (None: all
     ranks). `loss` is injected into every host's datagram receive path; TCP (ring, gloo) sees
-    none of it."""
+    none of it. With `timeline`, the last run of every overlap point of overcast and ring is
+    written as `<timeline>-<algorithm>.json` (Chrome trace) and `.png`."""
     for c in collectives:
         if c not in COLLECTIVES:
             raise ValueError(f"unknown collective {c!r}; available: {', '.join(COLLECTIVES)}")
     points = [(c, a, s, r) for c in collectives for a in algorithms if a in ALGORITHMS[c]
-              for r in (roots if a == "multicast" else (None,)) for s in sizes]
+              for r in (roots if a in ("multicast", "overcast") else (None,)) for s in sizes]
     unknown = set(algorithms) - {a for c in collectives for a in ALGORITHMS[c]}
     if unknown:
         raise ValueError(f"unknown algorithm(s) {', '.join(sorted(unknown))} for "
@@ -111,22 +128,41 @@ def run_bench(hosts: int, link_bits: int, sizes: list[int], collectives: list[st
 
     results = []
     env = {"OVERCAST_LOSS": str(loss), "OVERCAST_LOSS_BURST": str(loss_burst)}
+    timelines = []
     with Cluster(hosts, link_bits, mtu=mtu) as cluster:
+        switch = cluster.start_switch(slots=switch_slots) \
+            if any((c, a) in NEEDS_SWITCH for c, a, _, _ in points) else None
         for i, (collective, algorithm, nbytes, k) in enumerate(points):
             if progress:
-                label = f" roots={k or hosts}" if algorithm == "multicast" else ""
+                label = f" roots={k or hosts}" if algorithm in ("multicast", "overcast") else ""
                 progress(i, len(points), f"{collective} {algorithm}{label} {nbytes} B")
+            trace = bool(timeline) and collective == "overlap" and algorithm != "gloo"
+            switch_cpu = process_cpu_seconds(switch.pid) if switch else None
             per_rank = cluster.run(run_point, timeout=600, env=env,
-                                   args=(collective, algorithm, nbytes, reps, warmup, k))
+                                   args=(collective, algorithm, nbytes, reps, warmup, k, trace))
+            if switch and (collective, algorithm) in NEEDS_SWITCH:
+                switch_cpu = (process_cpu_seconds(switch.pid) - switch_cpu) / (reps + warmup)
+            else:
+                switch_cpu = None
             results.append(summarize(collective, algorithm, hosts, nbytes, link_bits, per_rank,
-                                     k, loss))
+                                     k, loss, switch_cpu))
+            if trace:
+                path = f"{timeline}-{algorithm}"
+                write_timeline([r["trace"] for r in per_rank], path, link_bits,
+                               f"{collective} {algorithm}, {hosts} hosts, "
+                               f"{link_bits / 1e6:g} Mbit/s, {nbytes} B per rank")
+                timelines.append(path)
+        if switch:
+            cluster.stop_switch(switch)
         if progress:
             progress(len(points), len(points), "done")
     meta = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "hosts": hosts, "link_bits_per_s": link_bits, "mtu": mtu, "dtype": str(DTYPE().dtype),
         "repetitions": reps, "warmup": warmup, "header_overhead_bytes": OVERHEAD_BYTES,
-        "loss": loss, "loss_burst": loss_burst,
+        "loss": loss, "loss_burst": loss_burst, "timelines": timelines,
+        "switch_slots": switch_slots if any((c, a) in NEEDS_SWITCH for c, a, _, _ in points)
+        else None,
         "machine": machine(), "torch": torch.__version__,
     }
     return {"meta": meta, "results": results}

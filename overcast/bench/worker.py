@@ -14,7 +14,8 @@ from overcast.cluster.netns import read_nic_counters
 DTYPE = np.float32
 # Per-run protocol counts reported beside the NIC counters.
 PROTOCOL_COUNTERS = ("injected_losses", "multicast_chunks", "duplicate_chunks", "repaired_chunks",
-                     "repair_bytes", "repair_requests")
+                     "repair_bytes", "repair_requests", "results", "duplicate_results",
+                     "contributions_resent", "credit_probes")
 GLOO_PORT_OFFSET = 1
 
 
@@ -34,7 +35,9 @@ def shard(rank: int, count: int) -> np.ndarray:
 
 
 class _Gloo:
-    """torch.distributed with gloo on the same hosts, for the baseline."""
+    """torch.distributed with gloo on the same hosts, for the baseline. ReduceScatter gets its own
+    process group, as FSDP2's set_separate_reduce_scatter_group gives it, so that the two can
+    overlap."""
 
     def __init__(self, rank: int, world: int):
         import torch
@@ -46,15 +49,57 @@ class _Gloo:
         port = int(os.environ["MASTER_PORT"]) + GLOO_PORT_OFFSET
         dist.init_process_group("gloo", init_method=f"tcp://{os.environ['MASTER_ADDR']}:{port}",
                                 rank=rank, world_size=world)
+        self.rs_group = dist.new_group(backend="gloo")
 
-    def all_gather(self, out, inp):
-        self.dist.all_gather_into_tensor(self.torch.from_numpy(out), self.torch.from_numpy(inp))
+    def all_gather(self, out, inp, async_op=False):
+        return self.dist.all_gather_into_tensor(self.torch.from_numpy(out),
+                                                self.torch.from_numpy(inp), async_op=async_op)
 
-    def reduce_scatter(self, out, inp):
-        self.dist.reduce_scatter_tensor(self.torch.from_numpy(out), self.torch.from_numpy(inp))
+    def reduce_scatter(self, out, inp, async_op=False):
+        return self.dist.reduce_scatter_tensor(self.torch.from_numpy(out),
+                                               self.torch.from_numpy(inp), group=self.rs_group,
+                                               async_op=async_op)
 
     def close(self):
         self.dist.destroy_process_group()
+
+
+# (AllGather algorithm, ReduceScatter algorithm) of each overlapped pair
+OVERLAP = {"overcast": ("multicast", "innetwork"), "ring": ("ring", "ring")}
+
+
+def workload(comm, gloo, collective: str, algorithm: str, rank: int, count: int, world: int):
+    """(run, reset, check): one collective (or overlapped pair) on fixed buffers."""
+    ag_in, ag_out = shard(rank, count), np.empty(world * count, DTYPE)
+    ag_expect = np.concatenate([shard(r, count) for r in range(world)])
+    rs_in, rs_out = pattern(rank, count, world), np.empty(count, DTYPE)
+    rs_expect = expected_sum(rank, count, world)
+    if gloo:
+        ag, rs = gloo.all_gather, gloo.reduce_scatter
+    else:
+        ag_algo, rs_algo = OVERLAP.get(algorithm, (algorithm, algorithm))
+        ag = lambda o, i, async_op=False: comm.all_gather(o, i, async_op, algorithm=ag_algo)  # noqa
+        rs = lambda o, i, async_op=False: comm.reduce_scatter(o, i, async_op=async_op,  # noqa
+                                                              algorithm=rs_algo)
+    if collective == "allgather":
+        buffers, run = [(ag_out, ag_expect)], lambda: ag(ag_out, ag_in)
+    elif collective == "reduce_scatter":
+        buffers, run = [(rs_out, rs_expect)], lambda: rs(rs_out, rs_in)
+    else:
+        def run():
+            first = ag(ag_out, ag_in, async_op=True)
+            second = rs(rs_out, rs_in, async_op=True)
+            first.wait()
+            second.wait()
+        buffers = [(ag_out, ag_expect), (rs_out, rs_expect)]
+
+    def reset():
+        for out, _ in buffers:
+            out.fill(-1)
+
+    def check() -> bool:
+        return all(np.array_equal(out, expect) for out, expect in buffers)
+    return run, reset, check
 
 
 def machine_cpu() -> tuple[int, int]:
@@ -66,50 +111,42 @@ def machine_cpu() -> tuple[int, int]:
 
 
 def run_point(rank: int, collective: str, algorithm: str, nbytes: int, reps: int,
-              warmup: int, roots: int | None) -> dict:
+              warmup: int, roots: int | None, trace: bool = False) -> dict:
     """Time `reps` runs after `warmup` on this host.
 
     Returns the runs (time, CPU of this process, machine CPU busy fraction, correctness) and
     the NIC bytes per run. The bytes are counted over all runs at once, less the bytes of as
     many barriers alone: per-run counter reads would race with peers that leave a barrier
-    first and start sending.
+    first and start sending. With `trace`, the last run's timeline comes back too.
     """
     import overcast
 
     world = int(os.environ["WORLD_SIZE"])
     count = max(1, nbytes // DTYPE().itemsize)
-    comm = overcast.Communicator(timeout=120, roots=roots or world)
+    comm = overcast.Communicator(timeout=120, roots=roots or world, trace=trace)
     gloo = _Gloo(rank, world) if algorithm == "gloo" else None
     try:
-        if collective == "allgather":
-            inp, out = shard(rank, count), np.empty(world * count, DTYPE)
-            expect = np.concatenate([shard(r, count) for r in range(world)])
-            call = gloo.all_gather if gloo else \
-                (lambda o, i: comm.all_gather(o, i, algorithm=algorithm))
-        else:
-            inp, out = pattern(rank, count, world), np.empty(count, DTYPE)
-            expect = expected_sum(rank, count, world)
-            call = gloo.reduce_scatter if gloo else \
-                (lambda o, i: comm.reduce_scatter(o, i, algorithm=algorithm))
+        run, reset, check = workload(comm, gloo, collective, algorithm, rank, count, world)
         for _ in range(warmup):
             comm.barrier()
-            call(out, inp)
+            run()
         runs = []
         comm.barrier()
         start, protocol_start = read_nic_counters(), comm.counters()
         for _ in range(reps):
-            out.fill(-1)
+            reset()
             comm.barrier()
             cpu0, busy0 = time.process_time(), machine_cpu()
             t0 = time.perf_counter()
-            call(out, inp)
+            run()
             seconds = time.perf_counter() - t0
             cpu, busy1 = time.process_time() - cpu0, machine_cpu()
             runs.append({"seconds": seconds, "cpu_seconds": cpu,
                          "machine_busy": (busy1[0] - busy0[0]) / max(1, busy1[1] - busy0[1]),
-                         "correct": bool(np.array_equal(out, expect))})
+                         "correct": check()})
         comm.barrier()
         middle, protocol_end = read_nic_counters(), comm.counters()
+        timeline = comm.trace()
         for _ in range(reps):
             comm.barrier()
         comm.barrier()
@@ -119,7 +156,8 @@ def run_point(rank: int, collective: str, algorithm: str, nbytes: int, reps: int
                     for key in PROTOCOL_COUNTERS}
         return {"runs": runs, "tx_bytes": total.tx_bytes / reps, "rx_bytes": total.rx_bytes / reps,
                 "tx_packets": total.tx_packets / reps, "rx_packets": total.rx_packets / reps,
-                "protocol": protocol, "chunk_bytes": comm.chunk_bytes, "mtu": comm.mtu}
+                "protocol": protocol, "chunk_bytes": comm.chunk_bytes, "mtu": comm.mtu,
+                "trace": timeline}
     finally:
         if gloo:
             gloo.close()

@@ -35,13 +35,15 @@ def _bench(args) -> int:
         doc = run_bench(args.hosts, int(args.link_mbit * 1e6), sizes, _csv(args.collectives),
                         _csv(args.algorithms), reps=args.reps, warmup=args.warmup, mtu=args.mtu,
                         roots=roots, loss=args.loss, loss_burst=args.loss_burst,
-                        progress=progress)
+                        timeline=args.timeline, switch_slots=args.slots, progress=progress)
     doc["meta"]["command"] = "overcast " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     print_table(doc, console)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=1)
         console.print(f"results: {args.json}")
+    for path in doc["meta"]["timelines"]:
+        console.print(f"timeline: {path}.json, {path}.png")
     png = args.png or (os.path.splitext(args.json)[0] + ".png" if args.json else None)
     if png:
         plot_busbw(doc, png)
@@ -106,6 +108,11 @@ def parser() -> argparse.ArgumentParser:
                    help="fraction of received datagrams each host drops (TCP is untouched)")
     b.add_argument("--loss-burst", type=float, default=1.0,
                    help="mean length of a loss burst, in datagrams (1 = independent losses)")
+    b.add_argument("--timeline", metavar="PREFIX",
+                   help="overlap: write the last run of overcast and ring as PREFIX-<algorithm>"
+                        ".json (Chrome trace) and .png")
+    b.add_argument("--slots", type=int, default=256,
+                   help="the aggregator's slots per reduction (its pool)")
     b.add_argument("--json", help="write results here")
     b.add_argument("--png", help="busbw plot (default: beside --json)")
     b.set_defaults(func=_bench)

@@ -19,8 +19,9 @@ from overcast.protocols.session import Session
 from overcast.transport.datagram import Datagrams
 from overcast.transport.loss import LossModel, LossSpec
 from overcast.transport.rendezvous import Links
+from overcast.engine.trace import Trace
 from overcast.transport.stream import Stream, StreamClosed
-from overcast.wire.header import AGGREGATOR
+from overcast.wire.header import AGGREGATOR, ETHERNET_BYTES, IP_UDP_BYTES, datagram_link_bytes
 
 # Bytes sealed ahead into a stream's queue: enough to keep the socket busy, small enough that
 # the session, not the queue, decides the interleaving of collectives.
@@ -56,8 +57,10 @@ class Work:
 
 
 class Engine:
-    def __init__(self, links: Links, session: Session, loss: LossSpec | None = None):
+    def __init__(self, links: Links, session: Session, loss: LossSpec | None = None,
+                 trace: Trace | None = None):
         self.links, self.session = links, session
+        self.trace = trace
         self.sealer = links.sealer
         self.streams = {peer: Stream(sock, peer, links.opener)
                         for peer, sock in links.streams.items()}
@@ -156,7 +159,8 @@ class Engine:
                 wait = 0.05 if wait is None else min(wait, 0.05)
             events = self._selector.select(wait)
             now = time.monotonic()
-            deliver = lambda hdr, payload: session.receive(hdr, payload, now)  # noqa: E731
+            deliver = self._traced_delivery(now) if self.trace else \
+                (lambda hdr, payload: session.receive(hdr, payload, now))
             # Datagrams first: a root's end-of-multicast notice on its stream must not overtake
             # its last chunks already waiting in the socket.
             for key, mask in events:
@@ -185,6 +189,8 @@ class Engine:
                 self.session.abort(work)
                 continue
             self._works[coll.seq] = work
+            if self.trace:
+                self.trace.begin(coll.seq, str(coll.desc), now)
             self.session.post(coll, now)
         if closing and self._close_deadline is None:
             self.session.close()
@@ -197,11 +203,21 @@ class Engine:
         except BlockingIOError:
             pass
 
+    def _traced_delivery(self, now: float):
+        session, trace = self.session, self.trace
+
+        def deliver(hdr, payload):
+            trace.count("rx", hdr.seq, datagram_link_bytes(len(payload)), now)
+            session.receive(hdr, payload, now)
+        return deliver
+
     def _read(self, stream: Stream) -> None:
         session = self.session
         now = time.monotonic()
+        deliver = self._traced_delivery(now) if self.trace else \
+            (lambda hdr, payload: session.receive(hdr, payload, now))
         try:
-            stream.read(lambda hdr, payload: session.receive(hdr, payload, now))
+            stream.read(deliver)
         except StreamClosed:
             self._drop_stream(stream)
             session.peer_lost(stream.peer)
@@ -228,8 +244,11 @@ class Engine:
                     continue
                 address = self._addresses[(channel, peer)]
                 while (msg := session.pop((channel, peer))) is not None:
-                    self.datagrams.send(seal(msg.kind, msg.seq, msg.dst, msg.chunk, msg.payload),
-                                        address)
+                    datagram = seal(msg.kind, msg.seq, msg.dst, msg.chunk, msg.payload)
+                    if self.trace:
+                        self.trace.count("tx", msg.seq, len(datagram) + IP_UDP_BYTES +
+                                         ETHERNET_BYTES, time.monotonic())
+                    self.datagrams.send(datagram, address)
                 self._flush_datagrams()
                 continue
             stream = self.streams.get(peer)
@@ -242,7 +261,10 @@ class Engine:
                     msg = session.pop((channel, peer))
                     if msg is None:
                         break
-                    stream.enqueue(seal(msg.kind, msg.seq, msg.dst, msg.chunk, msg.payload))
+                    frame = seal(msg.kind, msg.seq, msg.dst, msg.chunk, msg.payload)
+                    if self.trace:  # counted when queued: at most the high-water mark early
+                        self.trace.count("tx", msg.seq, len(frame), time.monotonic())
+                    stream.enqueue(frame)
                 if not stream.queued_bytes:
                     break
                 self._flush(stream)
@@ -271,6 +293,8 @@ class Engine:
         finished = self.session.finished
         while finished:
             coll = finished.pop()
+            if self.trace:
+                self.trace.end(coll.seq, time.monotonic())
             work = self._works.pop(coll.seq, None)
             if work is not None:
                 work._finish(coll.error)

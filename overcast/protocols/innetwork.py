@@ -1,9 +1,11 @@
 """In-network ReduceScatter, the rank's side (the switch's side is overcast.switch).
 
-The input's P blocks are cut into chunks of one datagram each; chunk g = block * K + c. A rank
-streams its contributions to every other rank's block to the aggregator in increasing g, paced by
-the host's uplink budget, never more than `slots` chunks ahead of what the aggregator has
-released (its credit). The aggregator sums each chunk's P-1 contributions and sends the sum to
+The input's P blocks are cut into K chunks of one datagram each. Chunks are numbered across the
+blocks, g = c * P + block, so that the owner of chunk g is g mod P and a rank that streams its
+contributions in increasing g feeds every block at the same time: results then reach every
+owner at the same steady rate, each taking 1/P of its downlink. A rank sends in increasing g,
+skipping its own block, paced by the host's uplink budget, never more than `slots` chunks ahead
+of what the aggregator has released (its credit). The aggregator sums each chunk's P-1 contributions and sends the sum to
 the block's owner, who adds its own contribution, acknowledges, and so frees the slot.
 
 Loss in either direction is repaired by retransmission: the aggregator asks the ranks missing
@@ -30,6 +32,7 @@ from overcast.wire.header import AGGREGATOR, Kind, datagram_link_bytes
 # arrive first: dtype code, world size, and the number of chunks in the whole input.
 CONTRIB_PREFIX = struct.Struct("<BBHI")
 # CREDIT from the aggregator: chunks released (all g below are done), then chunks to resend.
+# CREDIT from a rank (asking for it): the next chunk it has not sent yet.
 CREDIT = struct.Struct("<I")
 RETRY_SECONDS = 0.05
 # Results are acknowledged in batches of this many, or after ACK_DELAY_SECONDS.
@@ -62,13 +65,13 @@ class InNetworkReduceScatter(Collective):
 
     # -- geometry --------------------------------------------------------------------------
     def _elements(self, g: int) -> slice:
-        block, c = divmod(g, self.k)
+        c, block = divmod(g, self.world)
         start = block * self.desc.count + c * self.chunk_elems
         return slice(start, min(start + self.chunk_elems, (block + 1) * self.desc.count))
 
     def _skip_own(self) -> None:
-        if self.cursor // self.k == self.rank:
-            self.cursor = (self.rank + 1) * self.k
+        if self.cursor % self.world == self.rank:
+            self.cursor += 1
 
     # -- the contract ----------------------------------------------------------------------
     def start(self, now: float) -> None:
@@ -99,7 +102,8 @@ class InNetworkReduceScatter(Collective):
             self._flush_acks()
         if self.probe_at is not None and now >= self.probe_at:
             # The credit has stalled: ask for it (the answer also carries any resend requests).
-            self.queue(self.route, Outgoing(Kind.CREDIT, self.seq, 0, b"", AGGREGATOR))
+            self.queue(self.route, Outgoing(Kind.CREDIT, self.seq, 0, CREDIT.pack(self.cursor),
+                                            AGGREGATOR))
             self.stats["credit_probes"] += 1
             self.probe_at = now + RETRY_SECONDS
         self._pump(now)
@@ -127,9 +131,9 @@ class InNetworkReduceScatter(Collective):
 
     # -- results and credit ----------------------------------------------------------------
     def _on_result(self, g: int, payload, now: float) -> None:
-        if g // self.k != self.rank:
+        if g % self.world != self.rank or g >= self.total:
             raise ProtocolError(f"result for chunk {g}, not in rank {self.rank}'s block")
-        c = g - self.rank * self.k
+        c = g // self.world
         mine = self.input[self._elements(g)]
         if len(payload) != mine.nbytes:
             raise ProtocolError(f"result for chunk {g} has {len(payload)} bytes, not "
@@ -171,7 +175,7 @@ class InNetworkReduceScatter(Collective):
             self.probe_at = now + RETRY_SECONDS
         pending = set(self.resend)
         for (g,) in struct.iter_unpack("<I", payload[CREDIT.size:]):
-            if g // self.k == self.rank or g >= self.cursor:
+            if g % self.world == self.rank or g >= self.cursor:
                 continue  # not ours to send, or not sent yet anyway
             if g not in pending:
                 self.resend.append(g)

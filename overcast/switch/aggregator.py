@@ -2,6 +2,7 @@
 nodes, SwitchML's software stand-in), for many communicators at once.
 
 Per reduction (one communicator's in-network ReduceScatter) it keeps a pool of `slots` slots.
+Chunk g belongs to the block of rank g mod P (overcast.protocols.innetwork numbers them so).
 Chunk g may occupy a slot once every chunk below g - slots has been released; a rank never sends
 beyond that window. A slot holds one row per rank, so contributions are kept as they arrive, a
 retransmitted one is recognised by the contributor bitmap and never counted twice, and the sum is
@@ -59,7 +60,6 @@ class Reduction:
     world: int
     dtype: np.dtype
     total: int
-    k: int
     window: int                 # slots: chunks that may be in the aggregator at once
     released: int = 0
     announced: int = 0
@@ -126,7 +126,8 @@ class Aggregator:
                     self._on_ack(key, red, hdr.src, g)
         elif hdr.kind == Kind.CREDIT:  # a rank's credit has stalled: say what it still owes
             red = comm.reductions.get(hdr.seq)
-            owed = self._owed(red, hdr.src) if red is not None else []
+            sent_below = CREDIT.unpack_from(payload)[0] if len(payload) >= CREDIT.size else 0
+            owed = self._owed(red, hdr.src, sent_below) if red is not None else []
             self.stats["nacks"] += len(owed)
             self._answer_credit(key, comm, hdr.seq, hdr.src, owed)
         else:
@@ -189,14 +190,13 @@ class Aggregator:
                 self.stats["refused"] += 1
                 return
             red = comm.reductions[hdr.seq] = Reduction(hdr.seq, world, dtype, total,
-                                                       total // world, comm.slots,
-                                                       passed=[-1] * world)
+                                                       comm.slots, passed=[-1] * world)
         g = hdr.chunk
         if world != red.world or total != red.total or dtype_from_code(code) != red.dtype \
                 or g >= red.total or len(data) % red.dtype.itemsize:
             self.stats["inconsistent"] += 1
             return
-        owner = g // red.k
+        owner = g % red.world
         if owner == hdr.src:
             self.stats["inconsistent"] += 1
             return
@@ -254,7 +254,7 @@ class Aggregator:
         red.slots.clear()
 
     def _send_result(self, key, red: Reduction, slot: Slot, now: float) -> None:
-        owner = slot.g // red.k
+        owner = slot.g % red.world
         slot.sent_at = now
         self.outbox.append((key, owner, Outgoing(Kind.RESULT, red.seq, slot.g, slot.result,
                                                  owner)))
@@ -262,7 +262,7 @@ class Aggregator:
     # -- release and credit ----------------------------------------------------------------
     def _on_ack(self, key, red: Reduction, src: int, g: int) -> None:
         slot = red.slots.get(g)
-        if slot is None or slot.result is None or g // red.k != src:
+        if slot is None or slot.result is None or g % red.world != src:
             self.stats["stray_acks"] += 1
             return
         slot.acked = True
@@ -292,14 +292,14 @@ class Aggregator:
     def _missing(self, red: Reduction, g: int, have: int) -> list[int]:
         """Contributors to chunk g not in `have` that have sent chunks past g: ranks send in
         order, so theirs was lost (or is very late). Ranks not there yet are left alone."""
-        owner = g // red.k
+        owner = g % red.world
         return [r for r in range(red.world)
                 if r != owner and not have >> r & 1 and red.passed[r] > g]
 
-    def _owed(self, red: Reduction, rank: int) -> list[int]:
-        """Chunks in the window that `rank` should have contributed and has not."""
-        return [g for g in range(red.released, min(red.total, red.released + red.window))
-                if g // red.k != rank and not (g in red.slots and
+    def _owed(self, red: Reduction, rank: int, sent_below: int) -> list[int]:
+        """Chunks in the window below `sent_below` that `rank` has sent and that never came."""
+        return [g for g in range(red.released, min(sent_below, red.released + red.window))
+                if g % red.world != rank and not (g in red.slots and
                                                (red.slots[g].have >> rank & 1 or
                                                 red.slots[g].result is not None))]
 

@@ -1,0 +1,128 @@
+"""A timeline of one run: each collective's span per rank, and how full each direction of each
+rank's link was over time, split by collective. Written as a Chrome/Perfetto trace (open it at
+ui.perfetto.dev or chrome://tracing) and as a PNG of rank 0."""
+
+from __future__ import annotations
+
+import json
+
+LANES = {"all_gather": (1, "AllGather"), "reduce_scatter": (2, "ReduceScatter"),
+         "broadcast": (1, "Broadcast")}
+BARRIER = "all_gather(ring, 1 x int64)"
+SMOOTH_BINS = 5
+
+
+def last_run(trace: dict) -> list[dict]:
+    """The spans of the last timed run: the last collectives issued that are not barriers,
+    as many as were issued together (those that overlap the very last one)."""
+    spans = [s for s in trace["spans"] if s["name"] != BARRIER and s["end"] is not None]
+    if not spans:
+        return []
+    last = spans[-1]
+    return [s for s in spans if s["end"] >= last["start"] and s["start"] <= last["end"]]
+
+
+def _lane(name: str) -> tuple[int, str]:
+    return LANES.get(name.split("(")[0], (3, "other"))
+
+
+def series(trace: dict, spans: list[dict], t0: float, t1: float):
+    """{direction: {lane name: [(seconds from t0, bytes/s)]}} for the spans' collectives."""
+    width = trace["bin_seconds"]
+    lanes = {s["seq"]: _lane(s["name"])[1] for s in spans}
+    first, last = int(t0 / width), int(t1 / width) + 1
+    out: dict[str, dict[str, list[float]]] = {"tx": {}, "rx": {}}
+    for b in trace["bins"]:
+        if b["seq"] in lanes and first <= b["bin"] < last:
+            row = out[b["direction"]].setdefault(lanes[b["seq"]], [0.0] * (last - first))
+            row[b["bin"] - first] += b["bytes"] / width
+    return {d: {lane: [((first + i) * width - t0, v) for i, v in enumerate(row)]
+                for lane, row in rows.items()} for d, rows in out.items()}
+
+
+def chrome_trace(traces: list[dict], link_bits: float) -> dict:
+    events = []
+    runs = [last_run(t) for t in traces]
+    starts = [s["start"] for run in runs for s in run]
+    ends = [s["end"] for run in runs for s in run]
+    if not starts:
+        return {"traceEvents": []}
+    t0, t1 = min(starts), max(ends)
+    us = lambda t: round((t - t0) * 1e6, 1)  # noqa: E731
+    for rank, (trace, run) in enumerate(zip(traces, runs)):
+        events.append({"name": "process_name", "ph": "M", "pid": rank,
+                       "args": {"name": f"rank {rank}"}})
+        for tid, lane in sorted(set(LANES.values())):
+            events.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": tid,
+                           "args": {"name": lane}})
+        for s in run:
+            tid, _ = _lane(s["name"])
+            events.append({"name": s["name"], "ph": "X", "pid": rank, "tid": tid,
+                           "ts": us(s["start"]), "dur": round((s["end"] - s["start"]) * 1e6, 1)})
+        for direction, rows in series(trace, run, t0, t1).items():
+            lanes = sorted(rows)
+            if not lanes:
+                continue
+            for i in range(len(rows[lanes[0]])):
+                t = rows[lanes[0]][i][0] + t0
+                events.append({"name": f"link {direction} (% of rate)", "ph": "C", "pid": rank,
+                               "ts": us(t), "args": {lane: round(100 * rows[lane][i][1] * 8 /
+                                                                 link_bits, 1)
+                                                     for lane in lanes}})
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def _smooth(values: list[float]) -> list[float]:
+    out = []
+    for i in range(len(values)):
+        window = values[max(0, i - SMOOTH_BINS // 2):i + SMOOTH_BINS // 2 + 1]
+        out.append(sum(window) / len(window))
+    return out
+
+
+def plot(traces: list[dict], path: str, link_bits: float, title: str, rank: int = 0) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    trace = traces[rank]
+    run = last_run(trace)
+    if not run:
+        return
+    t0, t1 = min(s["start"] for s in run), max(s["end"] for s in run)
+    fig, axes = plt.subplots(3, 1, figsize=(9, 6), sharex=True,
+                             gridspec_kw={"height_ratios": [1, 2, 2]})
+    colors = {"AllGather": "tab:blue", "ReduceScatter": "tab:orange", "Broadcast": "tab:blue"}
+    for s in run:
+        tid, lane = _lane(s["name"])
+        axes[0].broken_barh([((s["start"] - t0) * 1e3, (s["end"] - s["start"]) * 1e3)],
+                            (tid - 0.4, 0.8), color=colors.get(lane, "grey"))
+        axes[0].text((s["end"] - t0) * 1e3, tid, f" {(s['end'] - s['start']) * 1e3:.0f} ms",
+                     va="center", fontsize=8)
+    axes[0].set_yticks([1, 2], ["AllGather", "ReduceScatter"])
+    axes[0].set_title(f"{title}: rank {rank}")
+    for ax, direction, label in ((axes[1], "tx", "send"), (axes[2], "rx", "receive")):
+        rows = series(trace, run, t0, t1)[direction]
+        lanes = sorted(rows)
+        if lanes:
+            times = [t * 1e3 for t, _ in rows[lanes[0]]]
+            ax.stackplot(times, *[[100 * v * 8 / link_bits for v in _smooth([v for _, v in
+                                                                             rows[lane]])]
+                                  for lane in lanes],
+                         labels=lanes, colors=[colors.get(lane, "grey") for lane in lanes],
+                         alpha=0.8)
+        ax.axhline(100, color="black", linestyle="--", linewidth=0.8)
+        ax.set_ylabel(f"{label}, % of link")
+        ax.set_ylim(0, 130)
+        ax.legend(loc="upper right", fontsize=8)
+    axes[2].set_xlabel("ms")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_timeline(traces: list[dict], path: str, link_bits: float, title: str) -> None:
+    """`path`.json (Chrome trace of every rank) and `path`.png (rank 0)."""
+    with open(path + ".json", "w") as f:
+        json.dump(chrome_trace(traces, link_bits), f)
+    plot(traces, path + ".png", link_bits, title)
