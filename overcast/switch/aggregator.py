@@ -44,7 +44,8 @@ TOMBSTONES = 64
 @dataclass
 class Slot:
     g: int
-    rows: np.ndarray            # (world, elements) contributions in place, by rank
+    block: np.ndarray           # a pool block: (world, largest chunk) rows
+    rows: np.ndarray            # its first `elements` columns: the contributions, by rank
     have: int = 0               # bitmap of ranks whose contribution is in
     first_seen: float = 0.0
     nacked: float = 0.0
@@ -211,7 +212,8 @@ class Aggregator:
         slot = red.slots.get(g)
         elems = len(data) // red.dtype.itemsize
         if slot is None:
-            slot = red.slots[g] = Slot(g, self._rows(red, elems), first_seen=now)
+            block = self._block(red, elems)
+            slot = red.slots[g] = Slot(g, block, block[:, :elems], first_seen=now)
             red.holes.pop(g, None)
             red.highest = max(red.highest, g)
         elif slot.rows.shape[1] != elems:
@@ -232,24 +234,28 @@ class Aggregator:
             self._send_result(key, red, slot, now)
             self.stats["results"] += 1
 
-    def _rows(self, red: Reduction, elems: int) -> np.ndarray:
-        """A (world, elems) block of contribution rows, reused from the reduction's pool."""
-        for i in range(len(red.free_rows) - 1, -1, -1):
-            if red.free_rows[i].shape[1] == elems:
-                return red.free_rows.pop(i)
-        rows = np.empty((red.world, elems), red.dtype)
-        self.pool_bytes += rows.nbytes
+    def _block(self, red: Reduction, elems: int) -> np.ndarray:
+        """A block of contribution rows with room for `elems` per rank, from the pool. Every
+        block has the largest chunk's width, so the pool never holds more than one block per
+        slot."""
+        while red.free_rows:
+            block = red.free_rows.pop()
+            if block.shape[1] >= elems:
+                return block
+            self.pool_bytes -= block.nbytes  # narrower than a chunk seen now: let it go
+        block = np.empty((red.world, elems), red.dtype)
+        self.pool_bytes += block.nbytes
         self.peak_pool_bytes = max(self.peak_pool_bytes, self.pool_bytes)
-        return rows
+        return block
 
     def _recycle(self, red: Reduction, slot: Slot) -> None:
         """The slot's sum is taken: its rows go back to the pool."""
-        red.free_rows.append(slot.rows)
-        slot.rows = slot.rows[:0]
+        red.free_rows.append(slot.block)
+        slot.block = slot.rows = slot.block[:0]
 
     def _free(self, red: Reduction) -> None:
-        self.pool_bytes -= sum(r.nbytes for r in red.free_rows)
-        self.pool_bytes -= sum(s.rows.nbytes for s in red.slots.values())
+        self.pool_bytes -= sum(b.nbytes for b in red.free_rows)
+        self.pool_bytes -= sum(s.block.nbytes for s in red.slots.values())
         red.free_rows.clear()
         red.slots.clear()
 

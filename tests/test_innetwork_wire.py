@@ -1,0 +1,144 @@
+"""In-network ReduceScatter through a real aggregator process on the emulated cluster: sums under
+injected loss, a dying aggregator, two communicators at once, memory within the pool, and the
+overlapped pair."""
+
+import json
+import os
+import signal
+
+import numpy as np
+import pytest
+
+import overcast
+from conftest import root_only
+from overcast.cluster.launch import RankError
+from overcast.cluster.netns import Cluster
+from overcast.transport.loss import LossSpec
+
+pytestmark = root_only
+LOSSES = [LossSpec(0.0), LossSpec(0.01, seed=1), LossSpec(0.10, seed=2),
+          LossSpec(0.05, burst=16, seed=3)]
+
+
+def inputs(rank, world, count, dtype):
+    rng = np.random.default_rng(rank * 7919 + count)
+    if np.dtype(dtype).kind == "f":
+        return rng.standard_normal(world * count).astype(dtype)
+    return rng.integers(-10_000, 10_000, world * count).astype(dtype)
+
+
+def sums(rank, sizes):
+    """Every size, dtype and loss setting; returns failures (empty when all are right)."""
+    failures = []
+    for i, loss in enumerate(LOSSES):
+        with overcast.Communicator(name=f"loss{i}", timeout=60, loss=loss) as comm:
+            world = comm.world_size
+            for count in sizes:
+                for dtype in (np.int32, np.int64, np.float32, np.float16):
+                    out = np.empty(count, dtype)
+                    comm.reduce_scatter(out, inputs(rank, world, count, dtype),
+                                        algorithm="innetwork")
+                    mine = slice(rank * count, (rank + 1) * count)
+                    exact = sum(inputs(r, world, count, np.float64 if
+                                       np.dtype(dtype).kind == "f" else np.int64)[mine]
+                                for r in range(world))
+                    if np.dtype(dtype).kind == "f":
+                        ref = sum(inputs(r, world, count, dtype)[mine].astype(np.float64)
+                                  for r in range(world))
+                        eps = float(np.finfo(dtype).eps)
+                        ok = np.allclose(out.astype(np.float64), ref, rtol=0,
+                                         atol=4 * world * eps * (1 + np.abs(ref).max()))
+                    else:
+                        ok = np.array_equal(out, exact.astype(dtype))
+                    if not ok:
+                        failures.append(f"{np.dtype(dtype)} x {count} at loss {loss.rate}")
+            comm.barrier()
+    return failures
+
+
+@pytest.mark.parametrize("world", [2, 3, 5, 8])
+def test_sums_under_loss(world):
+    sizes = [1, 1000, 100_003] + ([1 << 20] if world <= 3 else [])
+    with Cluster(world, 1_000_000_000) as cluster:
+        switch = cluster.start_switch()
+        results = cluster.run(sums, args=(sizes,), timeout=900)
+        cluster.stop_switch(switch)
+    assert results == [[] for _ in range(world)]
+
+
+def outlive_the_switch(rank, pid):
+    comm = overcast.Communicator(timeout=30)
+    try:
+        comm.barrier()
+        out = np.empty(8 << 20, np.int32)
+        work = comm.reduce_scatter(out, np.ones(comm.world_size * (8 << 20), np.int32),
+                                   algorithm="innetwork", async_op=True)
+        if rank == 0:
+            os.kill(pid, signal.SIGKILL)
+        try:
+            work.wait()
+            return ["ok", ""]
+        except overcast.OvercastError as err:
+            return [type(err).__name__, str(err)]
+    finally:
+        comm.close()
+
+
+def test_a_dead_aggregator_is_an_error_on_every_rank_in_bounded_time():
+    with Cluster(3, 200_000_000) as cluster:
+        switch = cluster.start_switch()
+        results = cluster.run(outlive_the_switch, args=(switch.pid,), timeout=60)
+    for name, message in results:
+        assert name == "PeerFailureError" and "aggregator" in message, message
+
+
+def two_at_once(rank):
+    """Two communicators of one job, each with an in-network ReduceScatter in flight."""
+    a = overcast.Communicator(name="a", timeout=60)
+    b = overcast.Communicator(name="b", timeout=60)
+    try:
+        world = a.world_size
+        xa, xb = inputs(rank, world, 50_000, np.int64), inputs(rank + 100, world, 70_000,
+                                                                np.int64)
+        oa, ob = np.empty(50_000, np.int64), np.empty(70_000, np.int64)
+        wa = a.reduce_scatter(oa, xa, algorithm="innetwork", async_op=True)
+        wb = b.reduce_scatter(ob, xb, algorithm="innetwork", async_op=True)
+        wa.wait()
+        wb.wait()
+        ea = sum(inputs(r, world, 50_000, np.int64) for r in range(world))
+        eb = sum(inputs(r + 100, world, 70_000, np.int64) for r in range(world))
+        return [bool(np.array_equal(oa, ea[rank * 50_000:(rank + 1) * 50_000])),
+                bool(np.array_equal(ob, eb[rank * 70_000:(rank + 1) * 70_000]))]
+    finally:
+        a.close()
+        b.close()
+
+
+def test_two_communicators_share_the_aggregator():
+    with Cluster(3, 400_000_000) as cluster:
+        switch = cluster.start_switch()
+        results = cluster.run(two_at_once, timeout=120)
+        cluster.stop_switch(switch)
+    assert results == [[True, True]] * 3
+
+
+def big_reduction(rank, count):
+    with overcast.Communicator(timeout=60, loss=LossSpec(0.01, seed=rank)) as comm:
+        out = np.empty(count, np.float32)
+        comm.reduce_scatter(out, np.ones(comm.world_size * count, np.float32),
+                            algorithm="innetwork")
+        return bool((out == comm.world_size).all())
+
+
+def test_the_aggregator_stays_within_its_pool(tmp_path):
+    slots, world, count = 16, 4, 4 << 20  # 64 MiB of input per rank: over 100 times the pool
+    stats = tmp_path / "switch.json"
+    with Cluster(world, 1_000_000_000) as cluster:
+        switch = cluster.start_switch(slots=slots, stats_path=str(stats))
+        assert cluster.run(big_reduction, args=(count,), timeout=300) == [True] * world
+        cluster.stop_switch(switch)
+    report = json.loads(stats.read_text())
+    pool = slots * world * 8912  # slots x rows x the largest chunk
+    assert report["peak_pool_bytes"] <= pool
+    assert report["peak_pool_bytes"] * 100 < world * count * 4
+    assert report["stats"]["contributions"] >= world * (world - 1) * (count * 4 // 8912)
