@@ -24,9 +24,11 @@ def as_array(buf, what: str) -> np.ndarray:
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(buf, torch.Tensor):
         if buf.device.type != "cpu":
-            raise InvalidArgumentError(f"{what} is on {buf.device}; overcast moves CPU tensors only")
+            raise InvalidArgumentError(f"{what} is on {buf.device}; overcast moves CPU tensors "
+                                       f"only")
         if not buf.is_contiguous():
-            raise InvalidArgumentError(f"{what} is not contiguous (shape {tuple(buf.shape)}, stride "
+            raise InvalidArgumentError(f"{what} is not contiguous (shape {tuple(buf.shape)}, "
+                                       f"stride "
                               f"{buf.stride()}); call .contiguous() first")
         flat = buf.detach().reshape(-1)
         if flat.dtype == torch.bfloat16:
@@ -72,7 +74,8 @@ def accumulator_dtype(dtype: np.dtype) -> np.dtype:
 
 def check_reduce(dtype: np.dtype, op: str) -> None:
     if op not in REDUCE_OPS:
-        raise InvalidArgumentError(f"unsupported reduce op {op!r}; supported: {', '.join(REDUCE_OPS)}")
+        raise InvalidArgumentError(f"unsupported reduce op {op!r}; supported: "
+                                   f"{', '.join(REDUCE_OPS)}")
     if op == "avg" and dtype.kind in "iu":
         raise InvalidArgumentError(f"op 'avg' needs a floating-point dtype, not {dtype}")
 

@@ -10,7 +10,7 @@ class InvalidArgumentError(OvercastError, ValueError):
 
 
 class CollectiveMismatchError(OvercastError):
-    """Ranks issued different collectives (kind, size, dtype, op or order) at one sequence number."""
+    """Ranks issued different collectives (kind, size, dtype, op, order) at one sequence number."""
 
 
 class PeerFailureError(OvercastError):

@@ -35,3 +35,34 @@ def test_bench_contract(tmp_path):
             assert 1.0 <= row["rx_over_payload"] / factor < 1.05, row
     png = out.with_suffix(".png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_overlap_bench_and_timeline(tmp_path):
+    out = tmp_path / "overlap.json"
+    subprocess.run([sys.executable, "-m", "overcast.cli.main", "bench", "--hosts", "3",
+                    "--link-mbit", "100", "--sizes", "256KiB", "--collectives",
+                    "overlap,reduce_scatter", "--algorithms", "overcast,innetwork,ring,gloo",
+                    "--reps", "2", "--warmup", "1", "--timeline", str(tmp_path / "tl"),
+                    "--json", str(out)], check=True, capture_output=True, text=True, timeout=600)
+    doc = json.loads(out.read_text())
+    rows = {(r["collective"], r["algorithm"]): r for r in doc["results"]}
+    assert set(rows) == {("overlap", "overcast"), ("overlap", "ring"), ("overlap", "gloo"),
+                         ("reduce_scatter", "innetwork"), ("reduce_scatter", "ring"),
+                         ("reduce_scatter", "gloo")}
+    assert all(r["correct"] for r in rows.values())
+    # overcast sends and receives N*P per host (ring: 2N(P-1)); in-network RS receives only N
+    assert 1.0 <= rows[("overlap", "overcast")]["tx_over_payload"] < 1.05
+    assert 1.0 <= rows[("overlap", "overcast")]["rx_over_payload"] < 1.05
+    assert 1.0 <= rows[("reduce_scatter", "innetwork")]["rx_over_payload"] < 1.05
+    assert rows[("overlap", "overcast")]["switch_cpu_seconds_per_run"] > 0
+    for algorithm in ("overcast", "ring"):
+        trace = json.loads((tmp_path / f"tl-{algorithm}.json").read_text())["traceEvents"]
+        spans = [e for e in trace if e["ph"] == "X" and e["pid"] == 0]
+        lanes = {e["tid"]: (e["ts"], e["ts"] + e["dur"]) for e in spans}
+        assert set(lanes) == {1, 2}  # an AllGather and a ReduceScatter...
+        (a0, a1), (b0, b1) = lanes[1], lanes[2]
+        assert max(a0, b0) < min(a1, b1)  # ...in flight at the same time
+        counters = [e for e in trace if e["ph"] == "C"]
+        assert {e["name"] for e in counters} == {"link tx (% of rate)", "link rx (% of rate)"}
+        png = (tmp_path / f"tl-{algorithm}.png").read_bytes()
+        assert png[:8] == b"\x89PNG\r\n\x1a\n"

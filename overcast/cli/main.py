@@ -76,8 +76,8 @@ def _cluster(args) -> int:
 def _switch(args) -> int:
     from overcast.switch.service import run
 
-    secrets = [bytes.fromhex(x) for x in
-               _csv(os.environ.get("OVERCAST_SECRETS", "") or os.environ.get("OVERCAST_SECRET", ""))]
+    given = os.environ.get("OVERCAST_SECRETS", "") or os.environ.get("OVERCAST_SECRET", "")
+    secrets = [bytes.fromhex(x) for x in _csv(given)]
     if not secrets:
         print("overcast switch: set OVERCAST_SECRET (hex) to the job's secret, or "
               "OVERCAST_SECRETS to several, comma-separated", file=sys.stderr)

@@ -5,8 +5,9 @@ blocks, g = c * P + block, so that the owner of chunk g is g mod P and a rank th
 contributions in increasing g feeds every block at the same time: results then reach every
 owner at the same steady rate, each taking 1/P of its downlink. A rank sends in increasing g,
 skipping its own block, paced by the host's uplink budget, never more than `slots` chunks ahead
-of what the aggregator has released (its credit). The aggregator sums each chunk's P-1 contributions and sends the sum to
-the block's owner, who adds its own contribution, acknowledges, and so frees the slot.
+of what the aggregator has released (its credit). The aggregator sums each chunk's P-1
+contributions and sends the sum to the block's owner, who adds its own contribution,
+acknowledges, and so frees the slot.
 
 Loss in either direction is repaired by retransmission: the aggregator asks the ranks missing
 from a slot to send again (a NACK in its CREDIT message) and resends an unacknowledged result; a
