@@ -181,6 +181,19 @@ def test_cluster_run_runs_a_command_on_every_host():
                                               for r in range(3)]
 
 
+def test_the_cluster_runs_inside_a_user_namespace_of_its_own():
+    """What the command does when it is not root: the whole cluster inside a fresh user,
+    network and mount namespace, leaving nothing in the machine's own /run/netns."""
+    from overcast.cluster import userns
+    before = set(list_namespaces())
+    argv = userns.command(["-m", "overcast.cli.main", "cluster", "run", "--hosts", "2", "--",
+                           "sh", "-c", "echo $RANK $(ip -br -4 addr show eth0)"])
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=True).stdout
+    assert sorted(line.split()[0] + " " + line.split()[-1] for line in out.strip().split("\n")) \
+        == ["0 198.18.0.1/16", "1 198.18.0.2/16"]
+    assert set(list_namespaces()) == before
+
+
 def test_without_privilege_it_says_what_to_do():
     code = ("from overcast.cluster.netns import Cluster\n"
             "Cluster(2, 10**8).__enter__()\n")

@@ -147,6 +147,10 @@ def main(argv: list[str] | None = None) -> int:
         argv, command = argv[:cut], argv[cut + 1:]
     args = parser().parse_args(argv)
     args.command = command
+    if args.cmd in ("bench", "cluster"):
+        # Not root: become root of a user namespace of our own, where the kernel allows it.
+        from overcast.cluster.userns import reexec
+        reexec(["-m", "overcast.cli.main", *sys.argv[1:]])
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     from overcast.cluster.netns import ClusterError
     try:

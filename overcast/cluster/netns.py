@@ -67,7 +67,8 @@ def check_privileges() -> None:
             "needs root (CAP_SYS_ADMIN and CAP_NET_ADMIN). Run as root (sudo -E env "
             "PATH=$PATH overcast ...), or, where the kernel allows unprivileged user "
             "namespaces, inside one: unshare --user --map-root-user --net --mount sh -c "
-            "'mount -t tmpfs none /run && overcast ...'")
+            "'mount -t tmpfs none /run && python your_script.py' (the overcast command does "
+            "this by itself when it is not root)")
 
 
 def _tbf(rate_bits: int, mtu: int, queue_bytes: int) -> list[str]:
