@@ -11,7 +11,7 @@ from __future__ import annotations
 
 
 class LinkBudget:
-    def __init__(self, bytes_per_s: float | None, burst_seconds: float = 0.002):
+    def __init__(self, bytes_per_s: float | None, burst_seconds: float = 0.005):
         self.rate = bytes_per_s
         self.burst = (bytes_per_s or 0) * burst_seconds
         self.tokens = self.burst

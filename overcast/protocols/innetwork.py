@@ -46,6 +46,7 @@ class InNetworkReduceScatter(Collective):
                  input: np.ndarray, *, chunk_bytes: int, slots: int, budget: LinkBudget):
         super().__init__(seq, rank, world, desc)
         self.output, self.input = output, input
+        self.input_bytes = memoryview(input.view(np.uint8))
         self.itemsize = desc.dtype.itemsize
         self.chunk_elems = chunk_bytes // self.itemsize
         self.k = chunk_count(desc.count, self.chunk_elems)
@@ -69,6 +70,11 @@ class InNetworkReduceScatter(Collective):
         c, block = divmod(g, self.world)
         start = block * self.desc.count + c * self.chunk_elems
         return slice(start, min(start + self.chunk_elems, (block + 1) * self.desc.count))
+
+    def _bytes(self, g: int) -> memoryview:
+        """Chunk g of this rank's input, as bytes."""
+        span = self._elements(g)
+        return self.input_bytes[span.start * self.itemsize:span.stop * self.itemsize]
 
     def _skip_own(self) -> None:
         if self.cursor % self.world == self.rank:
@@ -194,7 +200,7 @@ class InNetworkReduceScatter(Collective):
                 g = self.cursor
             else:
                 return
-            data = self.input[self._elements(g)].view(np.uint8)
+            data = self._bytes(g)
             wire = datagram_link_bytes(len(data) + CONTRIB_PREFIX.size)
             if not self.budget.try_take(wire, now):
                 self.pump_at = self.budget.ready_at(wire, now)

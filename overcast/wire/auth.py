@@ -79,24 +79,16 @@ class Sealer:
         self.job, self.comm, self.src = job, comm, src
         self.counter = 0
 
-    def seal(self, kind: int, seq: int, dst: int, chunk: int, payload=b"") -> bytearray:
+    def seal(self, kind: int, seq: int, dst: int, chunk: int, payload=b"") -> bytes:
         """Header, payload and tag, in one buffer. The payload is a contiguous byte buffer,
         or a tuple of them sent one after the other; it is copied."""
         parts = [memoryview(p) for p in payload] if isinstance(payload, tuple) \
             else [memoryview(payload)]
         n = sum(p.nbytes for p in parts)
-        buf = bytearray(HEADER_BYTES + n + TAG_BYTES)
         self.counter += 1
-        HEADER.pack_into(buf, 0, MAGIC, VERSION, kind, self.job, self.comm, seq, self.src, dst,
-                         chunk, n, self.counter)
-        at = HEADER_BYTES
-        for part in parts:
-            buf[at:at + part.nbytes] = part
-            at += part.nbytes
-        view = memoryview(buf)
-        buf[HEADER_BYTES + n:] = self._aead.encrypt(_NONCE.pack(self.src, 0, self.counter), b"",
-                                                    view[:HEADER_BYTES + n])
-        return buf
+        data = b"".join((HEADER.pack(MAGIC, VERSION, kind, self.job, self.comm, seq, self.src,
+                                     dst, chunk, n, self.counter), *parts))
+        return data + self._aead.encrypt(_NONCE.pack(self.src, 0, self.counter), b"", data)
 
 
 class Opener:
