@@ -223,8 +223,12 @@ class Engine:
             session.peer_lost(stream.peer)
 
     def _flush(self, stream: Stream) -> None:
+        written = None
+        if self.trace:
+            trace, now = self.trace, time.monotonic()
+            written = lambda seq, nbytes: trace.count("tx", seq, nbytes, now)  # noqa: E731
         try:
-            stream.flush()
+            stream.flush(written)
         except StreamClosed:
             self._drop_stream(stream)
             self.session.peer_lost(stream.peer)
@@ -261,10 +265,8 @@ class Engine:
                     msg = session.pop((channel, peer))
                     if msg is None:
                         break
-                    frame = seal(msg.kind, msg.seq, msg.dst, msg.chunk, msg.payload)
-                    if self.trace:  # counted when queued: at most the high-water mark early
-                        self.trace.count("tx", msg.seq, len(frame), time.monotonic())
-                    stream.enqueue(frame)
+                    stream.enqueue(seal(msg.kind, msg.seq, msg.dst, msg.chunk, msg.payload),
+                                   msg.seq)
                 if not stream.queued_bytes:
                     break
                 self._flush(stream)

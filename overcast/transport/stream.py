@@ -13,6 +13,10 @@ from overcast.wire.auth import Opener, ReplayWindow, frame_length
 from overcast.wire.header import HEADER_BYTES, MalformedError
 
 _READ_BYTES = 1 << 21
+# A modest send buffer (the kernel doubles it): far above a LAN's bandwidth-delay product, and
+# small enough that what the engine writes leaves the host within milliseconds, so collectives
+# sharing a connection interleave on the wire as the session orders them.
+SEND_BUFFER_BYTES = 256 * 1024
 _READS_PER_EVENT = 8
 _IOV_MAX = 64
 
@@ -25,11 +29,13 @@ class Stream:
     def __init__(self, sock: socket.socket, peer: int, opener: Opener):
         sock.setblocking(False)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
         self.sock, self.peer, self.opener = sock, peer, opener
         self._rbuf = bytearray(_READ_BYTES)
         self._filled = 0
         self._window = ReplayWindow(0)
         self._out: collections.deque[memoryview] = collections.deque()
+        self._tags: collections.deque[int] = collections.deque()  # the caller's tag per frame
         self.queued_bytes = 0
         self.bytes_in = self.bytes_out = 0
 
@@ -82,12 +88,14 @@ class Stream:
             self._rbuf, self._filled = grown, rest
 
     # -- writing ---------------------------------------------------------------------------
-    def enqueue(self, frame: bytearray) -> None:
+    def enqueue(self, frame: bytes, tag: int = 0) -> None:
         self._out.append(memoryview(frame))
+        self._tags.append(tag)
         self.queued_bytes += len(frame)
 
-    def flush(self) -> None:
-        """Write as much of the queue as the socket takes. Raises StreamClosed if it broke."""
+    def flush(self, on_written=None) -> None:
+        """Write as much of the queue as the socket takes; call on_written(tag, nbytes) for the
+        bytes of each frame as they go. Raises StreamClosed if the connection broke."""
         while self._out:
             try:
                 n = self.sock.sendmsg(list(self._out)[:_IOV_MAX])
@@ -99,12 +107,15 @@ class Stream:
             self.queued_bytes -= n
             while n:
                 head = self._out[0]
+                done = min(len(head), n)
+                if on_written is not None:
+                    on_written(self._tags[0], done)
                 if len(head) <= n:
-                    n -= len(head)
                     self._out.popleft()
+                    self._tags.popleft()
                 else:
                     self._out[0] = head[n:]
-                    n = 0
+                n -= done
 
     def close(self) -> None:
         self.sock.close()
