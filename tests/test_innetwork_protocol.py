@@ -123,7 +123,7 @@ def test_two_communicators_share_one_aggregator_and_stay_apart():
             a._fire()
             b._fire()
     check_done(ca + cb)
-    for colls, outs, inputs, count in ((ca, oa, ia, 200), (cb, ob, ib, 300)):
+    for outs, inputs, count in ((oa, ia, 200), (ob, ib, 300)):
         total = sum(inputs)
         for r, out in enumerate(outs):
             assert out.tobytes() == total[r * count:(r + 1) * count].tobytes()

@@ -11,7 +11,6 @@ import pytest
 
 import overcast
 from conftest import root_only
-from overcast.cluster.launch import RankError
 from overcast.cluster.netns import Cluster
 from overcast.transport.loss import LossSpec
 

@@ -1,6 +1,7 @@
 """Reliable multicast on the emulated cluster: real UDP multicast through the bridge, injected
 loss, bit-exact results; a root that dies mid-broadcast; memory bounded by the buffers."""
 
+import itertools
 import os
 import resource
 import signal
@@ -66,11 +67,10 @@ def big_at_root(rank, nbytes):
         comm.barrier()
         if rank == 0:
             datagrams = comm._engine.datagrams
-            send = datagrams.send
+            send, sent = datagrams.send, itertools.count(1)
 
-            def send_then_die(datagram, address, sent=[0]):
-                sent[0] += 1
-                if sent[0] == 200:
+            def send_then_die(datagram, address):
+                if next(sent) == 200:
                     os.kill(os.getpid(), signal.SIGKILL)
                 send(datagram, address)
 

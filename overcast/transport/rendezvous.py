@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from overcast.transport.datagram import (multicast_group, open_multicast, path_mtu,
                                          prepare_sender)
-from overcast.transport.store import StoreClient, StoreError, StoreServer
+from overcast.transport.store import StoreClient, StoreError, StoreServer, connect_until
 from overcast.wire.auth import Drops, Opener, ReplayWindow, Sealer, derive_key, frame_length, \
     job_id_of
 from overcast.wire.header import AGGREGATOR, HEADER_BYTES, Kind, MalformedError
@@ -163,15 +163,11 @@ def rendezvous(rank: int, world: int, *, name: str = "default", store=None,
     try:
         for peer in range(rank):
             host, port = peers[peer][0], int(peers[peer][1])
-            while True:
-                try:
-                    sock = socket.create_connection((host, port), timeout=5)
-                    break
-                except OSError as err:
-                    if time.monotonic() >= deadline:
-                        raise RendezvousError(f"rank {rank} cannot connect to rank {peer} at "
-                                              f"{host}:{port}: {err}") from None
-                    time.sleep(0.05)
+            try:
+                sock = connect_until(host, port, deadline)
+            except OSError as err:
+                raise RendezvousError(f"rank {rank} cannot connect to rank {peer} at "
+                                      f"{host}:{port}: {err}") from None
             _hello(sock, opener, sealer, peer, deadline)
             streams[peer] = sock
         listener.settimeout(1.0)

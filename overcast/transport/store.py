@@ -34,6 +34,19 @@ def _read_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
+def connect_until(host: str, port: int, deadline: float) -> socket.socket:
+    """Connect, retrying while the other side is not listening yet, until `deadline`
+    (time.monotonic()); then the last OSError is raised."""
+    while True:
+        try:
+            return socket.create_connection((host, port),
+                                            timeout=max(0.1, deadline - time.monotonic()))
+        except OSError:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.05)  # a retry interval, not synchronisation
+
+
 class StoreServer:
     """Serves the store from a daemon thread until `close()`."""
 
@@ -94,16 +107,11 @@ class StoreClient:
 
     def __init__(self, host: str, port: int, timeout: float = 60.0):
         self.timeout = timeout
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                self._sock = socket.create_connection((host, port), timeout=timeout)
-                break
-            except OSError as err:
-                if time.monotonic() >= deadline:
-                    raise StoreError(f"cannot reach the rendezvous store at {host}:{port} "
-                                     f"within {timeout:.0f} s: {err}") from None
-                time.sleep(0.05)
+        try:
+            self._sock = connect_until(host, port, time.monotonic() + timeout)
+        except OSError as err:
+            raise StoreError(f"cannot reach the rendezvous store at {host}:{port} within "
+                             f"{timeout:.0f} s: {err}") from None
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._lock = threading.Lock()
         self.address = (host, port)
