@@ -127,6 +127,23 @@ def overlapped(rank):
         return [ok, all(w.is_completed() for w in works), len(completed)]
 
 
+def through_a_torch_store(rank, port):
+    """Rendezvous through torch.distributed's own TCPStore instead of overcast's."""
+    import datetime
+    from torch.distributed import TCPStore
+    store = TCPStore("127.0.0.1", port, 3, rank == 0, timeout=datetime.timedelta(seconds=30))
+    with overcast.Communicator(rank, 3, store=store, timeout=30) as comm:
+        out = np.empty(3 * 100, np.int64)
+        comm.all_gather(out, np.full(100, rank, np.int64))
+        return bool((out.reshape(3, 100) == np.arange(3)[:, None]).all())
+
+
+def test_rendezvous_through_a_torch_tcpstore():
+    port = loopback_placements(3)[0].env["MASTER_PORT"]
+    assert run_ranks(through_a_torch_store, loopback_placements(3), args=(int(port),),
+                     timeout=60) == [True] * 3
+
+
 def test_several_collectives_in_flight():
     for result in run_ranks(overlapped, loopback_placements(3), timeout=120):
         assert result == [True, True, 6]

@@ -121,6 +121,49 @@ def test_two_communicators_share_the_aggregator():
     assert results == [[True, True]] * 3
 
 
+OTHER_JOB = "ab" * 32
+
+
+def two_jobs(rank):
+    """Two jobs' communicators (different secrets) through one aggregator, and a third job the
+    aggregator does not serve."""
+    mine = overcast.Communicator(name="mine", timeout=60)
+    other = overcast.Communicator(name="other", timeout=60, secret=bytes.fromhex(OTHER_JOB))
+    stranger = overcast.Communicator(name="stranger", timeout=60, secret=b"s" * 32)
+    try:
+        world = mine.world_size
+        x = inputs(rank, world, 30_000, np.float32)
+        o1, o2 = np.empty(30_000, np.float32), np.empty(30_000, np.float32)
+        w1 = mine.reduce_scatter(o1, x, op="avg", algorithm="innetwork", async_op=True)
+        w2 = other.reduce_scatter(o2, x, op="avg", algorithm="innetwork", async_op=True)
+        w1.wait()
+        w2.wait()
+        try:
+            stranger.reduce_scatter(np.empty(10, np.int32), np.zeros(world * 10, np.int32),
+                                    algorithm="innetwork")
+            refused = ""
+        except overcast.InvalidArgumentError as err:
+            refused = str(err)
+        mean = sum(inputs(r, world, 30_000, np.float64) for r in range(world))[
+            rank * 30_000:(rank + 1) * 30_000] / world
+        close = lambda o: bool(np.allclose(o, mean, rtol=0, atol=1e-5))  # noqa: E731
+        return [close(o1), close(o2), o1.tobytes() == o2.tobytes(), refused]
+    finally:
+        for comm in (mine, other, stranger):
+            comm.close()
+
+
+def test_jobs_with_different_secrets_share_the_aggregator_and_strangers_are_refused():
+    with Cluster(3, 400_000_000) as cluster:
+        switch = cluster.start_switch(secrets=[cluster.secret, OTHER_JOB])
+        results = cluster.run(two_jobs, timeout=120)
+        cluster.stop_switch(switch)
+    for avg_mine, avg_other, same_bits, refused in results:
+        assert avg_mine and avg_other and same_bits
+        assert "in-network reduction is unavailable" in refused
+        assert "did not authenticate" in refused or "failed" in refused
+
+
 def big_reduction(rank, count):
     with overcast.Communicator(timeout=60, loss=LossSpec(0.01, seed=rank)) as comm:
         out = np.empty(count, np.float32)

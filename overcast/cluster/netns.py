@@ -272,14 +272,17 @@ class Cluster:
         return proc
 
     def start_switch(self, slots: int = 256, stats_path: str | None = None,
-                     port: int = DEFAULT_SWITCH_PORT) -> subprocess.Popen:
+                     port: int = DEFAULT_SWITCH_PORT,
+                     secrets: list[str] | None = None) -> subprocess.Popen:
         """Start the aggregator (overcast switch) on the service attachment; from then on the
-        hosts' environment points at it. Returns once it listens."""
+        hosts' environment points at it. It serves this cluster's job, or the jobs whose
+        secrets (hex) are given. Returns once it listens."""
         argv = [sys.executable, "-m", "overcast.cli.main", "switch", "--host", SERVICE_ADDR,
                 "--port", str(port), "--slots", str(slots)]
         if stats_path:
             argv += ["--stats", stats_path]
-        proc = self.start(argv, stdout=subprocess.PIPE, text=True)
+        env = {"OVERCAST_SECRETS": ",".join(secrets)} if secrets else None
+        proc = self.start(argv, env=env, stdout=subprocess.PIPE, text=True)
         line = proc.stdout.readline()
         if "listening" not in line:
             raise ClusterError(f"the aggregator did not start: {line.strip()}")
