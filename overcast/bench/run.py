@@ -112,8 +112,8 @@ def run_bench(hosts: int, link_bits: int, sizes: list[int], collectives: list[st
 
     `roots` lists the multicast AllGather's numbers of concurrent roots to try (None: all
     ranks). `loss` is injected into every host's datagram receive path; TCP (ring, gloo) sees
-    none of it. With `timeline`, the last run of every overlap point of overcast and ring is
-    written as `<timeline>-<algorithm>.json` (Chrome trace) and `.png`."""
+    none of it. With `timeline`, the last run of the largest overlap point of overcast and ring
+    is written as `<timeline>-<algorithm>.json` (Chrome trace) and `.png`."""
     for c in collectives:
         if c not in COLLECTIVES:
             raise ValueError(f"unknown collective {c!r}; available: {', '.join(COLLECTIVES)}")
@@ -136,7 +136,8 @@ def run_bench(hosts: int, link_bits: int, sizes: list[int], collectives: list[st
             if progress:
                 label = f" roots={k or hosts}" if algorithm in ("multicast", "overcast") else ""
                 progress(i, len(points), f"{collective} {algorithm}{label} {nbytes} B")
-            trace = bool(timeline) and collective == "overlap" and algorithm != "gloo"
+            trace = bool(timeline) and collective == "overlap" and algorithm != "gloo" \
+                and nbytes == max(sizes)
             switch_cpu = process_cpu_seconds(switch.pid) if switch else None
             per_rank = cluster.run(run_point, timeout=600, env=env,
                                    args=(collective, algorithm, nbytes, reps, warmup, k, trace))

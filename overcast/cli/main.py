@@ -109,8 +109,8 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--loss-burst", type=float, default=1.0,
                    help="mean length of a loss burst, in datagrams (1 = independent losses)")
     b.add_argument("--timeline", metavar="PREFIX",
-                   help="overlap: write the last run of overcast and ring as PREFIX-<algorithm>"
-                        ".json (Chrome trace) and .png")
+                   help="overlap: write the last run of overcast and ring at the largest size "
+                        "as PREFIX-<algorithm>.json (Chrome trace) and .png")
     b.add_argument("--slots", type=int, default=256,
                    help="the aggregator's slots per reduction (its pool)")
     b.add_argument("--json", help="write results here")
