@@ -246,13 +246,16 @@ class Engine:
             if channel != STREAM:
                 if self.datagrams.queued:
                     continue
-                address = self._addresses[(channel, peer)]
-                while (msg := session.pop((channel, peer))) is not None:
-                    datagram = seal(msg.kind, msg.seq, msg.dst, msg.chunk, msg.payload)
-                    if self.trace:
-                        self.trace.count("tx", msg.seq, len(datagram) + IP_UDP_BYTES +
-                                         ETHERNET_BYTES, time.monotonic())
-                    self.datagrams.send(datagram, address)
+                address, send = self._addresses[(channel, peer)], self.datagrams.send
+                try:
+                    for msg in session.drain((channel, peer)):
+                        datagram = seal(msg.kind, msg.seq, msg.dst, msg.chunk, msg.payload)
+                        if self.trace:
+                            self.trace.count("tx", msg.seq, len(datagram) + IP_UDP_BYTES +
+                                             ETHERNET_BYTES, time.monotonic())
+                        send(datagram, address)
+                except OSError as err:
+                    self._datagram_failure(err)
                 self._flush_datagrams()
                 continue
             stream = self.streams.get(peer)
@@ -272,12 +275,15 @@ class Engine:
                 self._flush(stream)
                 stream = self.streams.get(peer)
 
+    def _datagram_failure(self, err: OSError) -> None:
+        self.datagrams.clear()
+        self.session.abort(OvercastError(f"rank {self.links.rank}: {err}"))
+
     def _flush_datagrams(self) -> None:
         try:
             self.datagrams.flush()
         except OSError as err:
-            self.datagrams.clear()
-            self.session.abort(OvercastError(f"rank {self.links.rank}: {err}"))
+            self._datagram_failure(err)
         want = selectors.EVENT_READ | (selectors.EVENT_WRITE if self.datagrams.queued else 0)
         if want != self._datagram_mask:
             self._selector.modify(self.datagrams, want, self.datagrams)

@@ -124,7 +124,10 @@ class Session:
                 self.early[hdr.seq].append((hdr, bytes(payload)))
             return
         self.last_progress[hdr.seq] = now
-        self._guard(coll, coll.receive, hdr, payload, now)
+        try:
+            coll.receive(hdr, payload, now)
+        except ProtocolError as err:
+            self.abort(err)
         self._settle(coll)
 
     def _receive_control(self, hdr, payload, now: float) -> None:
@@ -240,6 +243,19 @@ class Session:
         for coll in self.active.values():
             routes.update(coll.outbox)
         return routes
+
+    def drain(self, route: tuple[int, int]) -> list[Outgoing]:
+        """Every message queued for the route (datagrams: the protocols pace themselves)."""
+        out = [msg for r, msg in self.control if r == route]
+        if out:
+            self.control = collections.deque((r, m) for r, m in self.control if r != route)
+        for coll in list(self.active.values()):
+            box = coll.outbox.pop(route, None)
+            if box:
+                out.extend(box)
+                coll._check_done()
+                self._settle(coll)
+        return out
 
     def pop(self, route: tuple[int, int]) -> Outgoing | None:
         """The next message for the route: control first, then collectives in turn."""

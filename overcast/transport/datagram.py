@@ -118,24 +118,27 @@ class Datagrams:
             if msg is not None and msg[0].src != self.own_rank:
                 on_message(*msg)
 
+    def _sendto(self, datagram, address: tuple[str, int]) -> bool:
+        try:
+            n = self.sock.sendto(datagram, address)
+        except BlockingIOError:
+            return False
+        except OSError as err:
+            raise OSError(f"cannot send a {len(datagram)}-byte datagram to {address}: "
+                          f"{err.strerror}") from None
+        self.datagrams_out += 1
+        self.bytes_out += n
+        return True
+
     def send(self, datagram, address: tuple[str, int]) -> None:
-        self._out.append((datagram, address))
-        self.flush()
+        """Send now, or queue behind what the socket could not take yet."""
+        if self._out or not self._sendto(datagram, address):
+            self._out.append((datagram, address))
 
     def flush(self) -> None:
         """Send what is queued until the socket is full."""
-        while self._out:
-            datagram, address = self._out[0]
-            try:
-                n = self.sock.sendto(datagram, address)
-            except BlockingIOError:
-                return
-            except OSError as err:
-                raise OSError(f"cannot send a {len(datagram)}-byte datagram to {address}: "
-                              f"{err.strerror}") from None
+        while self._out and self._sendto(*self._out[0]):
             self._out.popleft()
-            self.datagrams_out += 1
-            self.bytes_out += n
 
     def clear(self) -> None:
         self._out.clear()

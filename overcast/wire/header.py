@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import enum
 import struct
-from dataclasses import dataclass
+from typing import NamedTuple
 
 MAGIC = b"OC"
 VERSION = 1
@@ -61,8 +61,9 @@ class Kind(enum.IntEnum):
 _KINDS = frozenset(int(k) for k in Kind)
 
 
-@dataclass(frozen=True, slots=True)
-class Header:
+class Header(NamedTuple):
+    """A parsed header (a named tuple: one is made per message, so it must be cheap)."""
+
     kind: int
     job: int
     comm: int
@@ -73,9 +74,6 @@ class Header:
     length: int
     counter: int
 
-    def pack(self) -> bytes:
-        return HEADER.pack(MAGIC, VERSION, self.kind, self.job, self.comm, self.seq,
-                           self.src, self.dst, self.chunk, self.length, self.counter)
 
 
 class MalformedError(ValueError):
@@ -86,13 +84,13 @@ def unpack_header(buf) -> Header:
     """Parse and sanity-check a header; raise MalformedError on anything unexpected."""
     if len(buf) < HEADER_BYTES:
         raise MalformedError("short header")
-    magic, version, kind, job, comm, seq, src, dst, chunk, length, counter = HEADER.unpack_from(buf)
-    if magic != MAGIC:
+    fields = HEADER.unpack_from(buf)
+    if fields[0] != MAGIC:
         raise MalformedError("bad magic")
-    if version != VERSION:
-        raise MalformedError(f"version {version}")
-    if kind not in _KINDS:
-        raise MalformedError(f"unknown kind {kind}")
-    if length > MAX_PAYLOAD:
+    if fields[1] != VERSION:
+        raise MalformedError(f"version {fields[1]}")
+    if fields[2] not in _KINDS:
+        raise MalformedError(f"unknown kind {fields[2]}")
+    if fields[9] > MAX_PAYLOAD:
         raise MalformedError("oversized payload")
-    return Header(kind, job, comm, seq, src, dst, chunk, length, counter)
+    return Header._make(fields[2:])
