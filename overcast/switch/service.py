@@ -177,7 +177,8 @@ class SwitchService:
             if comm is None:
                 self.drops["foreign"] += 1
                 continue
-            opened = comm.opener.open(view[:n], windows=comm.windows, window_width=WINDOW)
+            opened = comm.opener.open(view[:n], windows=comm.windows, window_width=WINDOW,
+                                      hdr=hdr)
             if opened is not None:
                 self.aggregator.receive((hdr.job, hdr.comm), opened[0], opened[1], now)
 

@@ -103,17 +103,19 @@ class Opener:
         self.drops = drops
 
     def open(self, buf: memoryview, window: ReplayWindow | None = None,
-             windows: dict | None = None, window_width: int = 0):
+             windows: dict | None = None, window_width: int = 0, hdr: Header | None = None):
         """Return (header, payload view) or None.
 
         Pass `window` for a channel with one known sender (a stream), or `windows`, a dict from
         sender to ReplayWindow filled on demand, for a datagram socket shared by many senders.
+        `hdr` is the header if the caller has parsed it already.
         """
-        try:
-            hdr = unpack_header(buf)
-        except MalformedError:
-            self.drops["malformed"] += 1
-            return None
+        if hdr is None:
+            try:
+                hdr = unpack_header(buf)
+            except MalformedError:
+                self.drops["malformed"] += 1
+                return None
         end = HEADER_BYTES + hdr.length
         if len(buf) != end + TAG_BYTES:
             self.drops["malformed"] += 1
