@@ -44,7 +44,6 @@ class Session:
         self.last_progress: dict[int, float] = {}
         self.next_seq = 0
         self.early: dict[int, list] = collections.defaultdict(list)
-        self.peer_described: dict[int, Descriptor] = {}
         self.history: collections.OrderedDict[int, Descriptor] = collections.OrderedDict()
         self.control: collections.deque[tuple[tuple[int, int], Outgoing]] = collections.deque()
         self.finished: list[Collective] = []

@@ -40,12 +40,10 @@ class LossModel:
         r, b = spec.rate, spec.burst
         self._enter = 1.0 if r >= 1 else r / (b * (1 - r))
         self._stay = 1.0 if r >= 1 else 1 - 1 / b
-        self.dropped = 0
 
     def drop(self) -> bool:
         """Whether the next datagram is lost."""
         if not self.spec.rate:
             return False
         self._bad = self._rng.random() < (self._stay if self._bad else self._enter)
-        self.dropped += self._bad
         return self._bad
