@@ -2,6 +2,7 @@
 counters that match the traffic each algorithm must move, and the plot."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -66,3 +67,20 @@ def test_overlap_bench_and_timeline(tmp_path):
         assert {e["name"] for e in counters} == {"link tx (% of rate)", "link rx (% of rate)"}
         png = (tmp_path / f"tl-{algorithm}.png").read_bytes()
         assert png[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_names_what_it_does_not_know():
+    for argv, needle in ((["--collectives", "allreduce"], "unknown collective 'allreduce'"),
+                         (["--algorithms", "tree"], "no algorithm tree"),
+                         (["--sizes", "4 parsecs"], "cannot read size")):
+        out = subprocess.run([sys.executable, "-m", "overcast.cli.main", "bench", *argv],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 2 and needle in out.stderr, out.stderr
+
+
+def test_switch_without_a_secret_says_what_to_set():
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("OVERCAST_SECRET", "OVERCAST_SECRETS")}
+    out = subprocess.run([sys.executable, "-m", "overcast.cli.main", "switch"], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "set OVERCAST_SECRET" in out.stderr

@@ -49,6 +49,18 @@ def parse_size(text: str) -> int:
     return int(float(number) * units[unit])
 
 
+def check_request(collectives: list[str], algorithms: list[str]) -> None:
+    """Raise ValueError naming what is unknown, before any cluster is built."""
+    for c in collectives:
+        if c not in COLLECTIVES:
+            raise ValueError(f"unknown collective {c!r}; available: {', '.join(COLLECTIVES)}")
+    unknown = set(algorithms) - {a for c in collectives for a in ALGORITHMS[c]}
+    if unknown:
+        known = "; ".join(f"{c}: {', '.join(ALGORITHMS[c])}" for c in collectives)
+        raise ValueError(f"no algorithm {', '.join(sorted(unknown))} for "
+                         f"{', '.join(collectives)} (available: {known})")
+
+
 def summarize(collective: str, algorithm: str, hosts: int, nbytes: int, link_bits: int,
               per_rank: list[dict], roots: int | None = None, loss: float = 0.0,
               switch_cpu: float | None = None) -> dict:
@@ -114,15 +126,9 @@ def run_bench(hosts: int, link_bits: int, sizes: list[int], collectives: list[st
     ranks). `loss` is injected into every host's datagram receive path; TCP (ring, gloo) sees
     none of it. With `timeline`, the last run of the largest overlap point of overcast and ring
     is written as `<timeline>-<algorithm>.json` (Chrome trace) and `.png`."""
-    for c in collectives:
-        if c not in COLLECTIVES:
-            raise ValueError(f"unknown collective {c!r}; available: {', '.join(COLLECTIVES)}")
+    check_request(collectives, algorithms)
     points = [(c, a, s, r) for c in collectives for a in algorithms if a in ALGORITHMS[c]
               for r in (roots if a in ("multicast", "overcast") else (None,)) for s in sizes]
-    unknown = set(algorithms) - {a for c in collectives for a in ALGORITHMS[c]}
-    if unknown:
-        raise ValueError(f"unknown algorithm(s) {', '.join(sorted(unknown))} for "
-                         f"{', '.join(collectives)}")
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # gloo's hostname lookup warnings
     import torch  # imported once here so that forked hosts start fast
 

@@ -20,10 +20,11 @@ def _csv(text: str) -> list[str]:
 
 def _bench(args) -> int:
     from overcast.bench.report import plot_busbw, print_table
-    from overcast.bench.run import parse_size, run_bench
+    from overcast.bench.run import check_request, parse_size, run_bench
 
     console = Console(width=None if sys.stdout.isatty() else 200)
     sizes = [parse_size(s) for s in _csv(args.sizes)]
+    check_request(_csv(args.collectives), _csv(args.algorithms))
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/"
                   "{task.total}"), TimeElapsedColumn(), console=console, transient=True) as bar:
         task = bar.add_task("starting", total=None)
@@ -155,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     from overcast.cluster.netns import ClusterError
     try:
         return args.func(args)
-    except ClusterError as err:
+    except (ClusterError, ValueError) as err:
         print(f"overcast: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
