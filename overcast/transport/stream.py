@@ -88,10 +88,12 @@ class Stream:
             self._rbuf, self._filled = grown, rest
 
     # -- writing ---------------------------------------------------------------------------
-    def enqueue(self, frame: bytes, tag: int = 0) -> None:
-        self._out.append(memoryview(frame))
-        self._tags.append(tag)
-        self.queued_bytes += len(frame)
+    def enqueue(self, parts, tag: int = 0) -> None:
+        """Queue one frame, given as the buffers that make it up, in order."""
+        for part in parts:
+            self._out.append(memoryview(part))
+            self._tags.append(tag)
+            self.queued_bytes += len(part)
 
     def flush(self, on_written=None) -> None:
         """Write as much of the queue as the socket takes; call on_written(tag, nbytes) for the
