@@ -95,7 +95,11 @@ def blast(rank, nbytes, both):
 def test_rate_is_enforced_per_direction_and_counted(both):
     nbytes, rate = 3_000_000, 100_000_000
     with Cluster(2, rate) as cluster:
+        before = cluster.counters(0)
         (t0, tx0, rx0), (t1, tx1, rx1) = cluster.run(blast, args=(nbytes, both))
+        outside = cluster.counters(0) - before
+    # the counters read from outside the namespace see what the host read from inside
+    assert outside.tx_bytes >= tx0 >= nbytes and outside.tx_packets > 0
     floor = nbytes * 8 / rate
     # Never faster than the shaper allows, in each direction, even with both sending at once
     # (full duplex: one direction does not take the other's rate).

@@ -158,9 +158,7 @@ class Engine:
             if self._close_deadline is not None:
                 wait = 0.05 if wait is None else min(wait, 0.05)
             events = self._selector.select(wait)
-            now = time.monotonic()
-            deliver = self._traced_delivery(now) if self.trace else \
-                (lambda hdr, payload: session.receive(hdr, payload, now))
+            deliver = self._deliverer(time.monotonic())
             # Datagrams first: a root's end-of-multicast notice on its stream must not overtake
             # its last chunks already waiting in the socket.
             for key, mask in events:
@@ -203,8 +201,11 @@ class Engine:
         except BlockingIOError:
             pass
 
-    def _traced_delivery(self, now: float):
+    def _deliverer(self, now: float):
+        """What hands each authentic message to the session, counting it if tracing."""
         session, trace = self.session, self.trace
+        if trace is None:
+            return lambda hdr, payload: session.receive(hdr, payload, now)
 
         def deliver(hdr, payload):
             trace.count("rx", hdr.seq, datagram_link_bytes(len(payload)), now)
@@ -212,15 +213,11 @@ class Engine:
         return deliver
 
     def _read(self, stream: Stream) -> None:
-        session = self.session
-        now = time.monotonic()
-        deliver = self._traced_delivery(now) if self.trace else \
-            (lambda hdr, payload: session.receive(hdr, payload, now))
         try:
-            stream.read(deliver)
+            stream.read(self._deliverer(time.monotonic()))
         except StreamClosed:
             self._drop_stream(stream)
-            session.peer_lost(stream.peer)
+            self.session.peer_lost(stream.peer)
 
     def _flush(self, stream: Stream) -> None:
         written = None
@@ -260,8 +257,7 @@ class Engine:
                 continue
             stream = self.streams.get(peer)
             if stream is None:  # the peer has gone (said goodbye, or failed): nothing to send to
-                while session.pop((channel, peer)) is not None:
-                    pass
+                session.drain((channel, peer))
                 continue
             while stream is not None and not stream.queued_bytes:
                 while stream.queued_bytes < _STREAM_HIGH_WATER:

@@ -122,6 +122,13 @@ class Collective:
             self._check_done()
         return msg
 
+    def take_all(self, route: tuple[int, int]) -> collections.deque[Outgoing] | None:
+        """Every message queued for the route, at once."""
+        box = self.outbox.pop(route, None)
+        if box:
+            self._check_done()
+        return box
+
     def _check_done(self) -> None:
         if self.received_all and not self.outbox:
             self.done = True

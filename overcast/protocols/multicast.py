@@ -62,14 +62,12 @@ class MulticastGather(Collective):
         self.newest = [-1] * len(segments)
         self.gaps: list[list[tuple[int, int]]] = [[] for _ in segments]  # skipped, not yet lost
         self.tail_due: dict[int, float] = {}
-        self.ends_awaited = len(segments) - (1 if rank in {r for r, _, _ in segments} else 0)
         self.segment_of_root = {root: s for s, (root, _, _) in enumerate(segments)}
         self.mine = self.segment_of_root.get(rank)
+        self.ends_awaited = len(segments) - (self.mine is not None)  # every other root's
         head, self.chain_next = chain_position(world, roots, rank) if self.mine is not None \
             and len(segments) > 1 else (True, None)
-        self.chain_prev = None
-        if self.mine is not None and not head:
-            self.chain_prev = rank - 1
+        self.chain_prev = rank - 1 if self.mine is not None and not head else None
         self.active = self.mine is not None and head
         self.next_chunk = 0 if self.mine is not None else self.k
         self.next_send: float | None = None

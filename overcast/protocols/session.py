@@ -175,8 +175,7 @@ class Session:
     def abort(self, error: OvercastError) -> None:
         """Fail locally and tell every peer why, so the error surfaces on every rank."""
         if self.error is None:
-            code = next((i for i, c in reversed(list(enumerate(_ERROR_CLASSES)))
-                         if isinstance(error, c)), 0)
+            code = max(i for i, c in enumerate(_ERROR_CLASSES) if isinstance(error, c))
             reason = str(error).encode()[:4000]
             for peer in range(self.world):
                 if peer != self.rank and peer not in self.closed_peers:
@@ -249,10 +248,9 @@ class Session:
         if out:
             self.control = collections.deque((r, m) for r, m in self.control if r != route)
         for coll in list(self.active.values()):
-            box = coll.outbox.pop(route, None)
+            box = coll.take_all(route)
             if box:
                 out.extend(box)
-                coll._check_done()
                 self._settle(coll)
         return out
 

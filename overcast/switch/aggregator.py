@@ -60,6 +60,7 @@ class Reduction:
     seq: int
     world: int
     dtype: np.dtype
+    code: int                   # the dtype's code on the wire
     total: int
     window: int                 # slots: chunks that may be in the aggregator at once
     released: int = 0
@@ -190,10 +191,10 @@ class Aggregator:
             if world != comm.world or total % world or len(comm.reductions) >= MAX_REDUCTIONS:
                 self.stats["refused"] += 1
                 return
-            red = comm.reductions[hdr.seq] = Reduction(hdr.seq, world, dtype, total,
+            red = comm.reductions[hdr.seq] = Reduction(hdr.seq, world, dtype, code, total,
                                                        comm.slots, passed=[-1] * world)
         g = hdr.chunk
-        if world != red.world or total != red.total or dtype_from_code(code) != red.dtype \
+        if world != red.world or total != red.total or code != red.code \
                 or g >= red.total or len(data) % red.dtype.itemsize:
             self.stats["inconsistent"] += 1
             return

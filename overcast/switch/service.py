@@ -21,8 +21,7 @@ from overcast.switch.aggregator import Aggregator
 from overcast.transport.datagram import (DATAGRAM_TRUESIZE, MAX_DATAGRAM, WINDOW,
                                          enlarge_receive_buffer, multicast_group,
                                          prepare_sender)
-from overcast.wire.auth import (Drops, Opener, ReplayWindow, Sealer, derive_key, frame_length,
-                                job_id_of)
+from overcast.wire.auth import Drops, Opener, ReplayWindow, Sealer, derive_key, job_id_of
 from overcast.wire.header import (AGGREGATOR, ANY, HEADER_BYTES, Kind, MalformedError,
                                   unpack_header)
 from overcast.wire.registration import HELLO, WELCOME
@@ -112,7 +111,7 @@ class SwitchService:
             self.drops["malformed"] += 1
             self._disconnect(reg)
             return
-        total = frame_length(reg.buf)
+        total = hdr.frame_bytes()
         if len(reg.buf) < total:
             return
         if not self._register(reg, memoryview(bytes(reg.buf[:total])), hdr):

@@ -7,10 +7,11 @@ is writable. Frames are authenticated one by one and must carry strictly increas
 from __future__ import annotations
 
 import collections
+import itertools
 import socket
 
-from overcast.wire.auth import Opener, ReplayWindow, frame_length
-from overcast.wire.header import HEADER_BYTES, MalformedError
+from overcast.wire.auth import Opener, ReplayWindow
+from overcast.wire.header import HEADER_BYTES, MalformedError, unpack_header
 
 _READ_BYTES = 1 << 21
 # A modest send buffer (the kernel doubles it): far above a LAN's bandwidth-delay product, and
@@ -68,13 +69,14 @@ class Stream:
         pos, filled = 0, self._filled
         while filled - pos >= HEADER_BYTES:
             try:
-                total = frame_length(view[pos:pos + HEADER_BYTES])
+                hdr = unpack_header(view[pos:pos + HEADER_BYTES])
             except MalformedError as err:
                 self.opener.drops["malformed"] += 1
                 raise StreamClosed(f"corrupt stream from rank {self.peer}: {err}") from None
+            total = hdr.frame_bytes()
             if filled - pos < total:
                 break
-            msg = self.opener.open(view[pos:pos + total], window=self._window)
+            msg = self.opener.open(view[pos:pos + total], window=self._window, hdr=hdr)
             if msg is not None:
                 on_message(*msg)
             pos += total
@@ -100,7 +102,7 @@ class Stream:
         bytes of each frame as they go. Raises StreamClosed if the connection broke."""
         while self._out:
             try:
-                n = self.sock.sendmsg(list(self._out)[:_IOV_MAX])
+                n = self.sock.sendmsg(list(itertools.islice(self._out, _IOV_MAX)))
             except BlockingIOError:
                 return
             except OSError as err:

@@ -147,7 +147,7 @@ class Opener:
 
 def frame_length(prefix) -> int:
     """Total length of the stream frame whose header starts `prefix` (at least HEADER_BYTES)."""
-    return HEADER_BYTES + unpack_header(prefix).length + TAG_BYTES
+    return unpack_header(prefix).frame_bytes()
 
 
 __all__ = ["Drops", "Header", "Opener", "ReplayWindow", "Sealer", "derive_key", "frame_length",

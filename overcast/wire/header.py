@@ -74,6 +74,10 @@ class Header(NamedTuple):
     length: int
     counter: int
 
+    def frame_bytes(self) -> int:
+        """The whole message this header starts: header, payload, tag."""
+        return HEADER_BYTES + self.length + TAG_BYTES
+
 
 
 class MalformedError(ValueError):
