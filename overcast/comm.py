@@ -147,19 +147,27 @@ class Communicator:
         return MulticastGather(seq, rank, world, desc, out, segments, source=source,
                                roots=roots, chunk_bytes=self.chunk_bytes, budget=self._uplink)
 
-    def _check_algorithm(self, desc: Descriptor) -> None:
-        known = ALGORITHMS[desc.collective]
-        if desc.algorithm not in known:
-            self._reject(f"{desc.collective} has no algorithm {desc.algorithm!r}; available: "
-                         f"{', '.join(known)}")
-        if desc.algorithm in ("multicast", "innetwork") and self.world_size > 1:
-            if desc.algorithm == "multicast" and self._multicast_error:
-                self._reject(f"multicast is unavailable here: {self._multicast_error}")
-            if desc.algorithm == "innetwork" and self._switch_error:
-                self._reject(f"in-network reduction is unavailable: {self._switch_error}")
+    def unavailable(self, collective: str, algorithm: str) -> str | None:
+        """Why this communicator cannot run `collective` with `algorithm`, or None if it can."""
+        known = ALGORITHMS[collective]
+        if algorithm not in known:
+            return f"{collective} has no algorithm {algorithm!r}; available: {', '.join(known)}"
+        if algorithm in ("multicast", "innetwork") and self.world_size > 1:
+            if algorithm == "multicast" and self._multicast_error:
+                return f"multicast is unavailable here: {self._multicast_error}"
+            if algorithm == "innetwork" and self._switch_error:
+                return f"in-network reduction is unavailable: {self._switch_error}"
             if not self.link_bits_per_s:
-                self._reject(f"{desc.algorithm} paces its senders to the link rate: pass "
-                             "link_bits_per_s= or set OVERCAST_LINK_BITS_PER_S")
+                return (f"{algorithm} paces its senders to the link rate: pass "
+                        "link_bits_per_s= or set OVERCAST_LINK_BITS_PER_S")
+        return None
+
+    def check_algorithm(self, collective: str, algorithm: str) -> None:
+        """Raise InvalidArgumentError here, and fail the communicator on every other rank, if
+        `algorithm` cannot run `collective` on this communicator."""
+        reason = self.unavailable(collective, algorithm)
+        if reason:
+            self._reject(reason)
 
     # -- plumbing --------------------------------------------------------------------------
     def _arrays(self, output, input, what: str):
@@ -184,7 +192,7 @@ class Communicator:
         raise error
 
     def _issue(self, desc: Descriptor, out, inp, async_op: bool) -> Work | None:
-        self._check_algorithm(desc)
+        self.check_algorithm(desc.collective, desc.algorithm)
         with self._lock:
             if self._closed:
                 raise OvercastError("the communicator is closed")

@@ -26,6 +26,7 @@ import threading
 from dataclasses import dataclass
 
 from overcast.cluster.launch import Placement, run_ranks
+from overcast.switch.launch import SwitchStartError, start_switch, stop_switch
 from overcast.wire.registration import DEFAULT_SWITCH_PORT
 
 PREFIX = "oc-"
@@ -277,22 +278,19 @@ class Cluster:
         """Start the aggregator (overcast switch) on the service attachment; from then on the
         hosts' environment points at it. It serves this cluster's job, or the jobs whose
         secrets (hex) are given. Returns once it listens."""
-        argv = [sys.executable, "-m", "overcast.cli.main", "switch", "--host", SERVICE_ADDR,
-                "--port", str(port), "--slots", str(slots)]
-        if stats_path:
-            argv += ["--stats", stats_path]
-        env = {"OVERCAST_SECRETS": ",".join(secrets)} if secrets else None
-        proc = self.start(argv, env=env, stdout=subprocess.PIPE, text=True)
-        line = proc.stdout.readline()
-        if "listening" not in line:
-            raise ClusterError(f"the aggregator did not start: {line.strip()}")
-        self.switch = f"{SERVICE_ADDR}:{port}"
+        try:
+            proc, address = start_switch(SERVICE_ADDR, port, secrets=secrets or [self.secret],
+                                         slots=slots, stats_path=stats_path,
+                                         prefix=("ip", "netns", "exec", self.service_ns))
+        except SwitchStartError as err:
+            raise ClusterError(str(err)) from None
+        self._procs.append(proc)
+        self.switch = address
         return proc
 
     def stop_switch(self, proc: subprocess.Popen) -> None:
         """Stop the aggregator gracefully (it writes its stats file on the way out)."""
-        proc.terminate()
-        proc.wait(timeout=30)
+        stop_switch(proc)
         self.switch = None
 
     def counters(self, host: int) -> NicCounters:

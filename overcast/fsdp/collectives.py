@@ -1,0 +1,151 @@
+"""FSDP2's custom-collective objects, backed by an overcast Communicator.
+
+FSDP2 (torch 2.13) calls `AllGather.__call__(output_tensor, input_tensor, group, async_op)` and
+`ReduceScatter.__call__(output_tensor, input_tensor, group, op, async_op)` on flat buffers from
+their `allocate`. It waits on an AllGather's result only if it is a `torch.distributed` Work, so
+an asynchronous AllGather returns `CollectiveWork`, a Work subclass whose `wait` waits on
+overcast's handle. On CPU the ReduceScatter is called synchronously: it blocks the training thread
+while the engine thread drives it and, beside it, the AllGather FSDP prefetched for the block
+before: that is the overlap.
+
+The training thread only posts and waits; `CommTime` counts how long it spends doing each.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+
+from overcast.errors import InvalidArgumentError
+
+RedOpType = dist.ReduceOp.RedOpType
+
+
+@dataclass
+class CommTime:
+    """What the training thread spent on communication, and which collective was which."""
+
+    post_seconds: float = 0.0          # inside the hooks, handing collectives to the engine
+    wait_seconds: float = 0.0          # blocked until a collective finished
+    thread_cpu_seconds: float = 0.0    # CPU time of the training thread in both
+    allgathers: int = 0
+    reduce_scatters: int = 0
+    labels: dict[int, str] = field(default_factory=dict)  # collective seq -> "AG blocks.3"
+
+    def as_dict(self) -> dict:
+        return {"post_seconds": self.post_seconds, "wait_seconds": self.wait_seconds,
+                "thread_cpu_seconds": self.thread_cpu_seconds, "allgathers": self.allgathers,
+                "reduce_scatters": self.reduce_scatters}
+
+
+class _Clock:
+    """Times one stretch of the training thread into `CommTime`."""
+
+    def __init__(self, times: CommTime, what: str):
+        self.times, self.what = times, what
+
+    def __enter__(self):
+        self.t0, self.cpu0 = time.perf_counter(), time.thread_time()
+
+    def __exit__(self, *exc):
+        seconds = time.perf_counter() - self.t0
+        if self.what == "post":
+            self.times.post_seconds += seconds
+        else:
+            self.times.wait_seconds += seconds
+        self.times.thread_cpu_seconds += time.thread_time() - self.cpu0
+
+
+class CollectiveWork(dist.Work):
+    """overcast's Work handle seen as a torch.distributed Work, so that FSDP2 waits on it."""
+
+    def __init__(self, work, times: CommTime):
+        super().__init__()
+        self._work, self._times = work, times
+
+    def wait(self, timeout=None) -> bool:
+        with _Clock(self._times, "wait"):
+            return self._work.wait(None if timeout is None else timeout.total_seconds())
+
+    def is_completed(self) -> bool:
+        return self._work.is_completed()
+
+    def is_success(self) -> bool:
+        return self._work.is_completed() and self._work.exception() is None
+
+    def exception(self):
+        return self._work.exception()
+
+
+class _Allocating:
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        if device.type != "cpu":
+            raise InvalidArgumentError(f"overcast moves CPU tensors only; FSDP asked for a "
+                                       f"buffer on {device}")
+        return torch.empty(*size, dtype=dtype, device=device)
+
+
+class OvercastAllGather(_Allocating, AllGather):
+    """FSDP2's parameter AllGather of one module through `comm` with `algorithm`."""
+
+    def __init__(self, comm, algorithm: str, label: str, times: CommTime):
+        self.comm, self.algorithm, self.label, self.times = comm, algorithm, label, times
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
+                 group: dist.ProcessGroup, async_op: bool = False):
+        with _Clock(self.times, "post"):
+            work = self.comm.all_gather(output_tensor, input_tensor, async_op=True,
+                                        algorithm=self.algorithm)
+            self.times.allgathers += 1
+            self.times.labels[work.seq] = f"AG {self.label}"
+        wrapped = CollectiveWork(work, self.times)
+        if async_op:
+            return wrapped
+        wrapped.wait()
+        return None
+
+
+def reduce_op(op) -> tuple[str, float | None]:
+    """FSDP2's ReduceOp as (overcast op, factor to multiply the input by first), or a named
+    InvalidArgumentError for an op overcast does not reduce with."""
+    kind = op if isinstance(op, RedOpType) else getattr(op, "op", None)
+    if kind == RedOpType.SUM:
+        return "sum", None
+    if kind == RedOpType.AVG:
+        return "avg", None
+    if kind == RedOpType.PREMUL_SUM:
+        factor = getattr(op, "factor", None)
+        if isinstance(factor, float):
+            return "sum", factor
+        raise InvalidArgumentError("ReduceOp.PREMUL_SUM with a tensor factor is not supported; "
+                                   "give set_gradient_divide_factor a number")
+    name = getattr(kind, "name", str(op))
+    raise InvalidArgumentError(f"overcast cannot reduce gradients with ReduceOp.{name}; it "
+                               f"reduces with SUM, AVG and PREMUL_SUM (what FSDP2 uses)")
+
+
+class OvercastReduceScatter(_Allocating, ReduceScatter):
+    """FSDP2's gradient ReduceScatter of one module through `comm` with `algorithm`."""
+
+    def __init__(self, comm, algorithm: str, label: str, times: CommTime):
+        self.comm, self.algorithm, self.label, self.times = comm, algorithm, label, times
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
+                 group: dist.ProcessGroup, op, async_op: bool = False):
+        with _Clock(self.times, "post"):
+            name, factor = reduce_op(op)
+            if factor is not None:  # as NCCL's PreMulSum: scale each rank's input, then sum
+                input_tensor.mul_(factor)
+            work = self.comm.reduce_scatter(output_tensor, input_tensor, op=name, async_op=True,
+                                            algorithm=self.algorithm)
+            self.times.reduce_scatters += 1
+            self.times.labels[work.seq] = f"RS {self.label}"
+        wrapped = CollectiveWork(work, self.times)
+        if async_op:
+            return wrapped
+        wrapped.wait()
+        return None

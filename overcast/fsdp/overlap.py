@@ -1,0 +1,269 @@
+"""`overlap(model)`: make a stock FSDP2 model run AllGather and ReduceScatter at once in the
+backward pass.
+
+Either through overcast (backend="overcast": multicast AllGather and in-network ReduceScatter on
+one overcast Communicator, set with FSDP2's `set_custom_all_gather`/`set_custom_reduce_scatter`),
+or through the process group's own collectives (backend="torch": ReduceScatter on a process group
+of its own, the path for NCCL, whose NVLS and CollNet/SHARP algorithms are the hardware multicast
+and in-network reduction). Both get the same schedule: asynchronous unshard, and explicit forward
+and backward prefetch so that while block i's gradients are reduce-scattered, the parameters of
+block i-1 are being gathered.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import secrets as secrets_module
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp._fully_shard._fsdp_common import HSDPMeshInfo
+
+from overcast.buffers import DTYPES, as_array
+from overcast.comm import ALGORITHMS, Communicator
+from overcast.errors import InvalidArgumentError
+from overcast.fsdp.collectives import CommTime, OvercastAllGather, OvercastReduceScatter
+from overcast.switch.launch import start_switch, stop_switch
+from overcast.transport.rendezvous import local_address
+
+BACKENDS = ("overcast", "torch")
+_names = itertools.count()
+
+
+def _torch_dtype_ok(dtype: torch.dtype) -> bool:
+    try:
+        return as_array(torch.empty(0, dtype=dtype), "x").dtype in DTYPES
+    except InvalidArgumentError:
+        return False
+
+
+def _fsdp_modules(model) -> list[tuple[str, FSDPModule]]:
+    if not isinstance(model, FSDPModule):
+        raise InvalidArgumentError(
+            f"overlap() needs a model that fully_shard() has been applied to (an FSDPModule); "
+            f"got {type(model).__name__}. Call fully_shard on each block, then on the root")
+    return [(name or "root", m) for name, m in model.named_modules() if isinstance(m, FSDPModule)]
+
+
+def _param_groups(module: FSDPModule):
+    return module._get_fsdp_state()._fsdp_param_groups
+
+
+def _shard_group(modules) -> dist.ProcessGroup:
+    """The one flat shard process group every module's parameters are sharded over."""
+    group, ranks = None, None
+    for name, module in modules:
+        for pg in _param_groups(module):
+            info = pg.mesh_info
+            if isinstance(info, HSDPMeshInfo) or info.mesh.ndim != 1:
+                raise InvalidArgumentError(
+                    f"module {name!r} is sharded over a {info.mesh.ndim}-D mesh "
+                    f"{tuple(info.mesh.shape)}; overlap() needs one flat shard dimension "
+                    f"(init_device_mesh('cpu', (world_size,))); HSDP is not supported")
+            these = dist.get_process_group_ranks(info.shard_process_group)
+            if ranks is None:
+                group, ranks = info.shard_process_group, these
+            elif these != ranks:
+                raise InvalidArgumentError(
+                    f"module {name!r} is sharded over ranks {these}, others over {ranks}; "
+                    f"overlap() needs every module on the same mesh")
+    if group is None:
+        raise InvalidArgumentError("no module of the model has parameters to shard")
+    return group
+
+
+def _check_dtypes(modules) -> None:
+    """Every dtype FSDP will hand the collectives: parameters as gathered (the mixed-precision
+    param_dtype for floating-point ones) and gradients as reduced (reduce_dtype)."""
+    for name, module in modules:
+        for pg in _param_groups(module):
+            policy = pg.mp_policy
+            for p in pg.fsdp_params:
+                orig = p.sharded_param.dtype
+                gathered = policy.param_dtype if policy.param_dtype and orig.is_floating_point \
+                    else orig
+                for what, dtype in (("parameter", gathered),
+                                    ("gradient reduction", policy.reduce_dtype or gathered)):
+                    if not _torch_dtype_ok(dtype):
+                        raise InvalidArgumentError(
+                            f"module {name!r} has {what} dtype {dtype}, which overcast cannot "
+                            f"carry; supported: float32, float64, float16, bfloat16, int8, "
+                            f"int32, int64, uint8")
+
+
+def _check_choice(what: str, value, allowed) -> None:
+    if value not in allowed:
+        raise InvalidArgumentError(f"{what}={value!r} is not one of {', '.join(map(repr, allowed))}")
+
+
+def _set_prefetch(blocks: list[FSDPModule], root: FSDPModule | None, prefetch: int) -> None:
+    """Forward: each module prefetches the next `prefetch` blocks (the root, the first ones);
+    backward: each block prefetches the `prefetch` blocks before it, nearest first."""
+    if root is not None and blocks:
+        root.set_modules_to_forward_prefetch(blocks[:prefetch])
+    for i, block in enumerate(blocks):
+        block.set_modules_to_forward_prefetch(blocks[i + 1:i + 1 + prefetch])
+        block.set_modules_to_backward_prefetch(blocks[max(0, i - prefetch):i][::-1])
+
+
+class Overlap:
+    """What `overlap()` set up: the communicator (backend "overcast"), the training thread's
+    communication time, and `close()` to undo it (also as a context manager)."""
+
+    def __init__(self, model, modules, backend: str, comm, owns_comm: bool, times: CommTime,
+                 switch_proc=None, saved=None, rs_group=None):
+        self.model, self.modules, self.backend = model, modules, backend
+        self.comm, self._owns_comm, self.times = comm, owns_comm, times
+        self._switch_proc, self._saved, self._rs_group = switch_proc, saved or {}, rs_group
+        self._closed = False
+
+    def stats(self) -> dict:
+        """Seconds the training thread spent posting and waiting on collectives, its CPU time
+        in them, and the number of each (backend "overcast" only; zeros otherwise)."""
+        return self.times.as_dict()
+
+    def timeline(self) -> dict | None:
+        """The communicator's trace (if it was made with trace=True), spans named by module."""
+        trace = self.comm.trace() if self.comm is not None else None
+        if trace is not None:
+            for span in trace["spans"]:
+                span["label"] = self.times.labels.get(span["seq"])
+        return trace
+
+    def close(self) -> None:
+        """Give the model back its own collectives, and close what overlap() opened."""
+        if self._closed:
+            return
+        self._closed = True
+        for module, (ag, rs) in self._saved.items():
+            module.set_custom_all_gather(ag)
+            module.set_custom_reduce_scatter(rs)
+        if self._rs_group is not None:
+            _release_reduce_scatter_group(self.model, self._rs_group)
+        if self._owns_comm and self.comm is not None:
+            self.comm.close()
+        if self._switch_proc is not None:
+            stop_switch(self._switch_proc)
+
+    def __enter__(self) -> "Overlap":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _release_reduce_scatter_group(model, group: dist.ProcessGroup) -> None:
+    """Undo set_separate_reduce_scatter_group and destroy its process group while every rank
+    is still here (see docs/fsdp.md: exiting with it alive aborts gloo ranks)."""
+    dist.barrier(group=group)
+    model.set_separate_reduce_scatter_group(False)
+    dist.destroy_process_group(group)
+
+
+def _job_store():
+    """The store the default process group met through (torchrun's, or init_method's)."""
+    return dist.distributed_c10d._get_default_store()
+
+
+def _communicator(group: dist.ProcessGroup, reduce_scatter: str, trace: bool):
+    """An overcast Communicator over `group`'s ranks, meeting through the job's store. With no
+    OVERCAST_SWITCH and in-network reduction asked for, rank 0 starts an aggregator beside
+    itself and tells the others where it is. Returns (communicator, aggregator process)."""
+    store, rank, world = _job_store(), group.rank(), group.size()
+    name = f"fsdp-{next(_names)}"
+    key = f"overcast/{name}/"
+    secret_hex = os.environ.get("OVERCAST_SECRET")
+    proc, switch = None, os.environ.get("OVERCAST_SWITCH")
+    if rank == 0:
+        if not secret_hex:
+            secret_hex = secrets_module.token_hex(32)
+            store.set(key + "secret", secret_hex)
+        if not switch and reduce_scatter == "innetwork" and world > 1:
+            host = local_address(os.environ.get("MASTER_ADDR", "127.0.0.1"))
+            proc, switch = start_switch(host, 0, secrets=[secret_hex])
+        store.set(key + "switch", switch or "")
+    else:
+        if not secret_hex:
+            secret_hex = bytes(store.get(key + "secret")).decode()
+        switch = bytes(store.get(key + "switch")).decode() or None
+    try:
+        comm = Communicator(rank, world, name=name, store=store,
+                            secret=bytes.fromhex(secret_hex), switch=switch or "", trace=trace)
+    except BaseException:
+        if proc is not None:
+            stop_switch(proc)
+        raise
+    return comm, proc
+
+
+def overlap(model, *, comm: Communicator | None = None, backend: str = "overcast",
+            allgather: str = "multicast", reduce_scatter: str = "innetwork",
+            prefetch: int = 1, trace: bool = False) -> Overlap:
+    """Configure every FSDPModule in `model` for AllGather overlapped with ReduceScatter in the
+    backward pass, and return the handle (close it when done, or use it in a `with`).
+
+    Call it after fully_shard (each block, then the root) and dist.init_process_group, on every
+    rank. backend="overcast" routes FSDP2's collectives through `comm` (by default a new
+    Communicator over the FSDP mesh's ranks, meeting through the job's store) with the given
+    AllGather ("multicast" or "ring") and ReduceScatter ("innetwork" or "ring") algorithms.
+    backend="torch" keeps the process group's collectives and gives ReduceScatter its own group.
+    `prefetch` is how many blocks ahead FSDP gathers (forward) and behind (backward); 0 turns
+    explicit prefetching off. `trace` records the communicator's timeline (see timeline()).
+    """
+    modules = _fsdp_modules(model)
+    _check_choice("backend", backend, BACKENDS)
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
+        raise InvalidArgumentError(f"prefetch must be a whole number of blocks >= 0, not "
+                                   f"{prefetch!r}")
+    group = _shard_group(modules)
+    root = model
+    blocks = [m for _, m in modules if m is not root]
+    times = CommTime()
+    if backend == "torch":
+        if comm is not None:
+            raise InvalidArgumentError("comm= is for backend='overcast'; backend='torch' uses "
+                                       "the process group's own collectives")
+        model._set_unshard_async_op(True)
+        model.set_separate_reduce_scatter_group(True)
+        _set_prefetch(blocks, root, prefetch)
+        rs_group = next(pg.mesh_info.reduce_scatter_process_group for _, m in modules
+                        for pg in _param_groups(m))
+        return Overlap(model, modules, backend, None, False, times, rs_group=rs_group)
+
+    _check_choice("allgather", allgather, ALGORITHMS["all_gather"])
+    _check_choice("reduce_scatter", reduce_scatter, ALGORITHMS["reduce_scatter"])
+    _check_dtypes(modules)
+    if comm is not None and (comm.rank, comm.world_size) != (group.rank(), group.size()):
+        raise InvalidArgumentError(
+            f"the communicator is rank {comm.rank} of {comm.world_size}, but the FSDP mesh "
+            f"makes this process rank {group.rank()} of {group.size()}; create it over the "
+            f"mesh's ranks")
+    proc, owns = None, comm is None
+    if owns:
+        comm, proc = _communicator(group, reduce_scatter, trace)
+    try:
+        comm.check_algorithm("all_gather", allgather)
+        comm.check_algorithm("reduce_scatter", reduce_scatter)
+    except InvalidArgumentError:
+        if owns:
+            comm.close()
+            if proc is not None:
+                stop_switch(proc)
+        raise
+    saved = {}
+    for name, module in modules:
+        pg = _param_groups(module)
+        if not pg:
+            continue
+        saved[module] = (pg[0]._all_gather_comm, pg[0]._reduce_scatter_comm)
+        module.set_custom_all_gather(OvercastAllGather(comm, allgather, name, times))
+        module.set_custom_reduce_scatter(OvercastReduceScatter(comm, reduce_scatter, name,
+                                                               times))
+    model._set_unshard_async_op(True)
+    _set_prefetch(blocks, root, prefetch)
+    return Overlap(model, modules, backend, comm, owns, times, proc, saved)
+
+
+__all__ = ["overlap", "Overlap", "BACKENDS"]
