@@ -12,7 +12,7 @@ import os
 import platform
 import statistics
 
-from overcast.bench.timeline import write_timeline
+from overcast.report.timeline import write_timeline
 from overcast.bench.worker import DTYPE, run_point
 from overcast.cluster.netns import Cluster
 from overcast.schedules import cost
@@ -129,7 +129,6 @@ def run_bench(hosts: int, link_bits: int, sizes: list[int], collectives: list[st
     check_request(collectives, algorithms)
     points = [(c, a, s, r) for c in collectives for a in algorithms if a in ALGORITHMS[c]
               for r in (roots if a in ("multicast", "overcast") else (None,)) for s in sizes]
-    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # gloo's hostname lookup warnings
     import torch  # imported once here so that forked hosts start fast
 
     results = []

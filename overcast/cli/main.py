@@ -1,4 +1,5 @@
-"""The `overcast` command: bench, and the emulated cluster (up, run, clean)."""
+"""The `overcast` command: train (the main job), bench, the emulated cluster (up, run, clean)
+and the aggregator (switch)."""
 
 from __future__ import annotations
 
@@ -25,14 +26,9 @@ def _bench(args) -> int:
     console = Console(width=None if sys.stdout.isatty() else 200)
     sizes = [parse_size(s) for s in _csv(args.sizes)]
     check_request(_csv(args.collectives), _csv(args.algorithms))
-    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/"
-                  "{task.total}"), TimeElapsedColumn(), console=console, transient=True) as bar:
-        task = bar.add_task("starting", total=None)
-
-        def progress(done, total, what):
-            bar.update(task, completed=done, total=total, description=what)
-
-        roots = [None if r == "all" else int(r) for r in _csv(args.roots)]
+    roots = [None if r == "all" else int(r) for r in _csv(args.roots)]
+    bar, progress = _progress(console)
+    with bar:
         doc = run_bench(args.hosts, int(args.link_mbit * 1e6), sizes, _csv(args.collectives),
                         _csv(args.algorithms), reps=args.reps, warmup=args.warmup, mtu=args.mtu,
                         roots=roots, loss=args.loss, loss_burst=args.loss_burst,
@@ -52,6 +48,39 @@ def _bench(args) -> int:
     return 0 if all(r["correct"] for r in doc["results"]) else 1
 
 
+def _progress(console: Console):
+    """A transient progress bar, and the callback (done, total, what) that moves it."""
+    bar = Progress(TextColumn("{task.description}"), BarColumn(),
+                   TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(),
+                   console=console, transient=True)
+    task = bar.add_task("starting", total=None)
+    return bar, lambda done, total, what: bar.update(task, completed=done, total=total,
+                                                     description=what)
+
+
+def _train(args) -> int:
+    from overcast.train.compare import check_request, run_training
+    from overcast.train.gpt import GPTConfig
+    from overcast.train.report import table, write
+
+    console = Console(width=None if sys.stdout.isatty() else 200)
+    ways = _csv(args.ways)
+    check_request(ways, args.hosts, args.steps, args.warmup)
+    cfg = GPTConfig(blocks=args.blocks, dim=args.dim, batch_per_rank=args.batch)
+    os.makedirs(args.out, exist_ok=True)
+    bar, progress = _progress(console)
+    with bar:
+        doc = run_training(args.hosts, int(args.link_mbit * 1e6), ways, args.steps, args.warmup,
+                           cfg, lr=args.lr, out_dir=args.out, progress=progress)
+    doc["meta"]["command"] = "overcast " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    console.print(table(doc))
+    for path in write(doc, args.out):
+        console.print(f"wrote {path}")
+    for path in doc["meta"]["timelines"]:
+        console.print(f"timeline: {path}.json (open at ui.perfetto.dev), {path}.png")
+    return 0
+
+
 def _cluster(args) -> int:
     from overcast.cluster.netns import Cluster, clean_leftovers
 
@@ -69,6 +98,8 @@ def _cluster(args) -> int:
         if not args.command:
             print("nothing to run: give a command after --", file=sys.stderr)
             return 2
+        if args.switch:  # in-network reduction needs the aggregator; OVERCAST_SWITCH says where
+            cluster.start_switch()
         procs = [cluster.start(args.command, host=i) for i in range(args.hosts)]
         codes = [p.wait() for p in procs]
         return max(codes, key=abs)
@@ -118,6 +149,23 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--png", help="busbw plot (default: beside --json)")
     b.set_defaults(func=_bench)
 
+    t = sub.add_parser("train", help="train a small GPT with FSDP2 four ways on the emulated "
+                                     "cluster and compare (the main job)")
+    t.add_argument("--hosts", type=int, default=4)
+    t.add_argument("--link-mbit", type=float, default=100.0,
+                   help="link rate per direction, Mbit/s")
+    t.add_argument("--ways", default="gloo,gloo-separate,overcast-ring,overcast",
+                   help="comma-separated: gloo (one group), gloo-separate (ReduceScatter on its "
+                        "own group), overcast-ring, overcast (multicast + in-network)")
+    t.add_argument("--steps", type=int, default=6, help="training steps per way")
+    t.add_argument("--warmup", type=int, default=1, help="first steps left out of the times")
+    t.add_argument("--blocks", type=int, default=4, help="transformer blocks")
+    t.add_argument("--dim", type=int, default=256, help="model width")
+    t.add_argument("--batch", type=int, default=4, help="sequences per rank per step")
+    t.add_argument("--lr", type=float, default=1e-3)
+    t.add_argument("--out", default="out/train", help="folder for results, plots and traces")
+    t.set_defaults(func=_train)
+
     c = sub.add_parser("cluster", help="the emulated cluster of network namespaces")
     c.add_argument("action", choices=("up", "run", "clean"),
                    help="up: build and hold until Ctrl-C; run: run a command on every host; "
@@ -126,6 +174,9 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--link-mbit", type=float, default=400.0)
     c.add_argument("--mtu", type=int, default=9000)
     c.add_argument("--force", action="store_true", help="clean: also remove live runs' namespaces")
+    c.add_argument("--no-switch", dest="switch", action="store_false",
+                   help="run: do not start the aggregator (overcast switch) on the service "
+                        "attachment")
     c.set_defaults(func=_cluster)
 
     w = sub.add_parser("switch", help="the aggregator for in-network reduction, standing in the "
@@ -148,11 +199,13 @@ def main(argv: list[str] | None = None) -> int:
         argv, command = argv[:cut], argv[cut + 1:]
     args = parser().parse_args(argv)
     args.command = command
-    if args.cmd in ("bench", "cluster"):
+    if args.cmd in ("bench", "cluster", "train"):
         # Not root: become root of a user namespace of our own, where the kernel allows it.
         from overcast.cluster.userns import reexec
         reexec(["-m", "overcast.cli.main", *sys.argv[1:]])
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    # Before torch loads: gloo's warnings about hosts without names (namespaces have none).
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     from overcast.cluster.netns import ClusterError
     try:
         return args.func(args)

@@ -3,10 +3,11 @@
 FSDP2 (torch 2.13) calls `AllGather.__call__(output_tensor, input_tensor, group, async_op)` and
 `ReduceScatter.__call__(output_tensor, input_tensor, group, op, async_op)` on flat buffers from
 their `allocate`. It waits on an AllGather's result only if it is a `torch.distributed` Work, so
-an asynchronous AllGather returns `CollectiveWork`, a Work subclass whose `wait` waits on
+an asynchronous AllGather returns `TimedWork`, a Work subclass whose `wait` waits on
 overcast's handle. On CPU the ReduceScatter is called synchronously: it blocks the training thread
 while the engine thread drives it and, beside it, the AllGather FSDP prefetched for the block
-before: that is the overlap.
+before: that is the overlap. The same objects can call the process group's collectives instead,
+so that FSDP2's own path is timed the same way.
 
 The training thread only posts and waits; `CommTime` counts how long it spends doing each.
 """
@@ -20,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
+from overcast.engine.engine import Work
 from overcast.errors import InvalidArgumentError
 
 RedOpType = dist.ReduceOp.RedOpType
@@ -60,8 +62,9 @@ class _Clock:
         self.times.thread_cpu_seconds += time.thread_time() - self.cpu0
 
 
-class CollectiveWork(dist.Work):
-    """overcast's Work handle seen as a torch.distributed Work, so that FSDP2 waits on it."""
+class TimedWork(dist.Work):
+    """A collective in flight, overcast's or torch's, seen as a torch.distributed Work (so that
+    FSDP2 waits on it), its wait timed into `CommTime`."""
 
     def __init__(self, work, times: CommTime):
         super().__init__()
@@ -69,44 +72,56 @@ class CollectiveWork(dist.Work):
 
     def wait(self, timeout=None) -> bool:
         with _Clock(self._times, "wait"):
+            if isinstance(self._work, dist.Work):
+                return self._work.wait() if timeout is None else self._work.wait(timeout)
             return self._work.wait(None if timeout is None else timeout.total_seconds())
 
     def is_completed(self) -> bool:
         return self._work.is_completed()
 
-    def is_success(self) -> bool:
-        return self._work.is_completed() and self._work.exception() is None
 
-    def exception(self):
-        return self._work.exception()
+class _Hook:
+    """One module's collective for FSDP2: posted asynchronously and timed; waited on here if
+    FSDP asked for a synchronous call. `comm` None means the process group's own."""
 
+    def __init__(self, comm, algorithm: str | None, label: str, times: CommTime):
+        self.comm, self.algorithm, self.label, self.times = comm, algorithm, label, times
 
-class _Allocating:
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         if device.type != "cpu":
             raise InvalidArgumentError(f"overcast moves CPU tensors only; FSDP asked for a "
                                        f"buffer on {device}")
         return torch.empty(*size, dtype=dtype, device=device)
 
+    def _post(self, kind: str, issue, async_op: bool):
+        with _Clock(self.times, "post"):
+            work = issue()
+            if kind == "AG":
+                self.times.allgathers += 1
+            else:
+                self.times.reduce_scatters += 1
+            if isinstance(work, Work):
+                self.times.labels[work.seq] = f"{kind} {self.label}"
+        timed = TimedWork(work, self.times)
+        if async_op:
+            return timed
+        timed.wait()
+        return None
 
-class OvercastAllGather(_Allocating, AllGather):
-    """FSDP2's parameter AllGather of one module through `comm` with `algorithm`."""
 
-    def __init__(self, comm, algorithm: str, label: str, times: CommTime):
-        self.comm, self.algorithm, self.label, self.times = comm, algorithm, label, times
+class TimedAllGather(_Hook, AllGather):
+    """FSDP2's parameter AllGather of one module, through overcast with `algorithm` or through
+    the process group as FSDP2's default does."""
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                  group: dist.ProcessGroup, async_op: bool = False):
-        with _Clock(self.times, "post"):
-            work = self.comm.all_gather(output_tensor, input_tensor, async_op=True,
-                                        algorithm=self.algorithm)
-            self.times.allgathers += 1
-            self.times.labels[work.seq] = f"AG {self.label}"
-        wrapped = CollectiveWork(work, self.times)
-        if async_op:
-            return wrapped
-        wrapped.wait()
-        return None
+        if self.comm is None:
+            issue = lambda: dist.all_gather_single(output_tensor, input_tensor,  # noqa: E731
+                                                   group=group, async_op=True)
+        else:
+            issue = lambda: self.comm.all_gather(output_tensor, input_tensor,  # noqa: E731
+                                                 async_op=True, algorithm=self.algorithm)
+        return self._post("AG", issue, async_op)
 
 
 def reduce_op(op) -> tuple[str, float | None]:
@@ -128,24 +143,20 @@ def reduce_op(op) -> tuple[str, float | None]:
                                f"reduces with SUM, AVG and PREMUL_SUM (what FSDP2 uses)")
 
 
-class OvercastReduceScatter(_Allocating, ReduceScatter):
-    """FSDP2's gradient ReduceScatter of one module through `comm` with `algorithm`."""
-
-    def __init__(self, comm, algorithm: str, label: str, times: CommTime):
-        self.comm, self.algorithm, self.label, self.times = comm, algorithm, label, times
+class TimedReduceScatter(_Hook, ReduceScatter):
+    """FSDP2's gradient ReduceScatter of one module, through overcast with `algorithm` or
+    through the process group as FSDP2's default does."""
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                  group: dist.ProcessGroup, op, async_op: bool = False):
-        with _Clock(self.times, "post"):
-            name, factor = reduce_op(op)
-            if factor is not None:  # as NCCL's PreMulSum: scale each rank's input, then sum
-                input_tensor.mul_(factor)
-            work = self.comm.reduce_scatter(output_tensor, input_tensor, op=name, async_op=True,
-                                            algorithm=self.algorithm)
-            self.times.reduce_scatters += 1
-            self.times.labels[work.seq] = f"RS {self.label}"
-        wrapped = CollectiveWork(work, self.times)
-        if async_op:
-            return wrapped
-        wrapped.wait()
-        return None
+        if self.comm is None:
+            issue = lambda: dist.reduce_scatter_single(output_tensor, input_tensor,  # noqa
+                                                       group=group, op=op, async_op=True)
+            return self._post("RS", issue, async_op)
+        name, factor = reduce_op(op)
+        if factor is not None:  # as NCCL's PreMulSum: scale each rank's input, then sum
+            input_tensor.mul_(factor)
+        issue = lambda: self.comm.reduce_scatter(output_tensor, input_tensor,  # noqa: E731
+                                                 op=name, async_op=True,
+                                                 algorithm=self.algorithm)
+        return self._post("RS", issue, async_op)

@@ -24,7 +24,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_common import HSDPMeshInfo
 from overcast.buffers import DTYPES, as_array
 from overcast.comm import ALGORITHMS, Communicator
 from overcast.errors import InvalidArgumentError
-from overcast.fsdp.collectives import CommTime, OvercastAllGather, OvercastReduceScatter
+from overcast.fsdp.collectives import CommTime, TimedAllGather, TimedReduceScatter
 from overcast.switch.launch import start_switch, stop_switch
 from overcast.transport.rendezvous import local_address
 
@@ -106,6 +106,21 @@ def _set_prefetch(blocks: list[FSDPModule], root: FSDPModule | None, prefetch: i
     for i, block in enumerate(blocks):
         block.set_modules_to_forward_prefetch(blocks[i + 1:i + 1 + prefetch])
         block.set_modules_to_backward_prefetch(blocks[max(0, i - prefetch):i][::-1])
+
+
+def _install(modules, comm, allgather: str | None, reduce_scatter: str | None,
+             times: CommTime) -> dict:
+    """Give each module timed collectives (overcast's through `comm`, or the process group's if
+    None); return what they had, to give back on close."""
+    saved = {}
+    for name, module in modules:
+        pg = _param_groups(module)
+        if not pg:
+            continue
+        saved[module] = (pg[0]._all_gather_comm, pg[0]._reduce_scatter_comm)
+        module.set_custom_all_gather(TimedAllGather(comm, allgather, name, times))
+        module.set_custom_reduce_scatter(TimedReduceScatter(comm, reduce_scatter, name, times))
+    return saved
 
 
 class Overlap:
@@ -225,12 +240,14 @@ def overlap(model, *, comm: Communicator | None = None, backend: str = "overcast
         if comm is not None:
             raise InvalidArgumentError("comm= is for backend='overcast'; backend='torch' uses "
                                        "the process group's own collectives")
-        model._set_unshard_async_op(True)
         model.set_separate_reduce_scatter_group(True)
-        _set_prefetch(blocks, root, prefetch)
         rs_group = next(pg.mesh_info.reduce_scatter_process_group for _, m in modules
                         for pg in _param_groups(m))
-        return Overlap(model, modules, backend, None, False, times, rs_group=rs_group)
+        saved = _install(modules, None, None, None, times)
+        model._set_unshard_async_op(True)
+        _set_prefetch(blocks, root, prefetch)
+        return Overlap(model, modules, backend, None, False, times, saved=saved,
+                       rs_group=rs_group)
 
     _check_choice("allgather", allgather, ALGORITHMS["all_gather"])
     _check_choice("reduce_scatter", reduce_scatter, ALGORITHMS["reduce_scatter"])
@@ -252,18 +269,19 @@ def overlap(model, *, comm: Communicator | None = None, backend: str = "overcast
             if proc is not None:
                 stop_switch(proc)
         raise
-    saved = {}
-    for name, module in modules:
-        pg = _param_groups(module)
-        if not pg:
-            continue
-        saved[module] = (pg[0]._all_gather_comm, pg[0]._reduce_scatter_comm)
-        module.set_custom_all_gather(OvercastAllGather(comm, allgather, name, times))
-        module.set_custom_reduce_scatter(OvercastReduceScatter(comm, reduce_scatter, name,
-                                                               times))
+    saved = _install(modules, comm, allgather, reduce_scatter, times)
     model._set_unshard_async_op(True)
     _set_prefetch(blocks, root, prefetch)
     return Overlap(model, modules, backend, comm, owns, times, proc, saved)
 
 
-__all__ = ["overlap", "Overlap", "BACKENDS"]
+def timed(model) -> Overlap:
+    """FSDP2's own collectives and schedule, unchanged but timed: the baseline's figures in the
+    same terms as overlap()'s (handle.stats())."""
+    modules = _fsdp_modules(model)
+    times = CommTime()
+    return Overlap(model, modules, "torch", None, False, times,
+                   saved=_install(modules, None, None, None, times))
+
+
+__all__ = ["overlap", "timed", "Overlap", "BACKENDS"]

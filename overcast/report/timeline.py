@@ -1,6 +1,9 @@
 """A timeline of one run: each collective's span per rank, and how full each direction of each
 rank's link was over time, split by collective. Written as a Chrome/Perfetto trace (open it at
-ui.perfetto.dev or chrome://tracing) and as a PNG of rank 0."""
+ui.perfetto.dev or chrome://tracing) and as a PNG of rank 0.
+
+Which spans make "the run" is the caller's choice (`select`): the bench takes the last
+collectives issued together, training takes every span of one backward step, named by module."""
 
 from __future__ import annotations
 
@@ -25,6 +28,15 @@ def last_run(trace: dict) -> list[dict]:
     return [s for s in spans if s["end"] >= last["start"] and s["start"] <= last["end"]]
 
 
+def every_span(trace: dict) -> list[dict]:
+    """Every finished collective of the trace but barriers (a trace already cut to a window)."""
+    return [s for s in trace["spans"] if s["name"] != BARRIER and s["end"] is not None]
+
+
+def _title(span: dict) -> str:
+    return span.get("label") or span["name"]
+
+
 def _lane(name: str) -> tuple[int, str]:
     return LANES.get(name.split("(")[0], (3, "other"))
 
@@ -43,9 +55,9 @@ def series(trace: dict, spans: list[dict], t0: float, t1: float):
                 for lane, row in rows.items()} for d, rows in out.items()}
 
 
-def chrome_trace(traces: list[dict], link_bits: float) -> dict:
+def chrome_trace(traces: list[dict], link_bits: float, select=last_run) -> dict:
     events = []
-    runs = [last_run(t) for t in traces]
+    runs = [select(t) for t in traces]
     starts = [s["start"] for run in runs for s in run]
     ends = [s["end"] for run in runs for s in run]
     if not starts:
@@ -60,7 +72,7 @@ def chrome_trace(traces: list[dict], link_bits: float) -> dict:
                            "args": {"name": lane}})
         for s in run:
             tid, _ = _lane(s["name"])
-            events.append({"name": s["name"], "ph": "X", "pid": rank, "tid": tid,
+            events.append({"name": _title(s), "ph": "X", "pid": rank, "tid": tid,
                            "ts": us(s["start"]), "dur": round((s["end"] - s["start"]) * 1e6, 1)})
         for direction, rows in series(trace, run, t0, t1).items():
             lanes = sorted(rows)
@@ -85,13 +97,14 @@ def _smooth(values: list[float]) -> list[float]:
     return out
 
 
-def plot(traces: list[dict], path: str, link_bits: float, title: str, rank: int = 0) -> None:
+def plot(traces: list[dict], path: str, link_bits: float, title: str, rank: int = 0,
+         select=last_run) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     trace = traces[rank]
-    run = last_run(trace)
+    run = select(trace)
     if not run:
         return
     t0, t1 = min(s["start"] for s in run), max(s["end"] for s in run)
@@ -102,9 +115,11 @@ def plot(traces: list[dict], path: str, link_bits: float, title: str, rank: int 
         tid, lane = _lane(s["name"])
         axes[0].broken_barh([((s["start"] - t0) * 1e3, (s["end"] - s["start"]) * 1e3)],
                             (tid - 0.4, 0.8), color=colors.get(lane, "grey"))
-        axes[0].text((s["end"] - t0) * 1e3, tid, f" {(s['end'] - s['start']) * 1e3:.0f} ms",
-                     va="center", fontsize=8)
+        label = s["label"].split(" ", 1)[1] + ", " if s.get("label") else ""
+        axes[0].text((s["start"] - t0) * 1e3, tid + 0.45,
+                     f"{label}{(s['end'] - s['start']) * 1e3:.0f} ms", va="bottom", fontsize=7)
     axes[0].set_yticks([1, 2], ["AllGather", "ReduceScatter"])
+    axes[0].set_ylim(0.4, 2.9)
     axes[0].set_title(f"{title}: rank {rank}")
     for ax, direction, label in ((axes[1], "tx", "send"), (axes[2], "rx", "receive")):
         rows = series(trace, run, t0, t1)[direction]
@@ -126,8 +141,9 @@ def plot(traces: list[dict], path: str, link_bits: float, title: str, rank: int 
     plt.close(fig)
 
 
-def write_timeline(traces: list[dict], path: str, link_bits: float, title: str) -> None:
+def write_timeline(traces: list[dict], path: str, link_bits: float, title: str,
+                   select=last_run) -> None:
     """`path`.json (Chrome trace of every rank) and `path`.png (rank 0)."""
     with open(path + ".json", "w") as f:
-        json.dump(chrome_trace(traces, link_bits), f)
-    plot(traces, path + ".png", link_bits, title)
+        json.dump(chrome_trace(traces, link_bits, select), f)
+    plot(traces, path + ".png", link_bits, title, select=select)

@@ -1,0 +1,89 @@
+"""What runs on each host during `overcast train`: the GPT trained with FSDP2 one of four ways,
+timed per step, its communication time and NIC bytes counted, its losses recorded."""
+
+from __future__ import annotations
+
+import time
+import warnings
+
+# (description, how overcast.fsdp configures the model) of each way, in report order.
+WAYS = {
+    "gloo": "gloo, one process group (FSDP2's defaults)",
+    "gloo-separate": "gloo, ReduceScatter on its own group, same prefetch as overcast",
+    "overcast-ring": "overcast rings for AllGather and ReduceScatter",
+    "overcast": "overcast multicast AllGather + in-network ReduceScatter",
+}
+# The ways whose collectives run on an overcast Communicator (and so can be traced).
+OVERCAST_WAYS = ("overcast-ring", "overcast")
+
+
+def configure(model, way: str, trace: bool):
+    """The overcast.fsdp handle that makes `model` train `way`."""
+    import overcast.fsdp
+    if way == "gloo":
+        return overcast.fsdp.timed(model)
+    if way == "gloo-separate":
+        return overcast.fsdp.overlap(model, backend="torch")
+    if way == "overcast-ring":
+        return overcast.fsdp.overlap(model, allgather="ring", reduce_scatter="ring", trace=trace)
+    if way == "overcast":
+        return overcast.fsdp.overlap(model, trace=trace)
+    raise ValueError(f"unknown way {way!r}; available: {', '.join(WAYS)}")
+
+
+def _window(trace: dict, start: float, end: float) -> dict:
+    """The part of a communicator trace that falls in [start, end]."""
+    spans = [s for s in trace["spans"] if s["end"] is not None and s["end"] >= start
+             and s["start"] <= end]
+    seqs = {s["seq"] for s in spans}
+    return {**trace, "spans": spans, "bins": [b for b in trace["bins"] if b["seq"] in seqs]}
+
+
+def train_rank(rank: int, way: str, config: dict, steps: int, lr: float, trace: bool) -> dict:
+    """Train `steps` steps; return per-step loss, time, communication seconds, CPU, and the NIC
+    bytes of the whole run; with `trace`, the last step's backward timeline (overcast ways)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from overcast.cluster.netns import read_nic_counters
+    from overcast.train.gpt import GPTConfig, build, rank_batch, shard
+
+    warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
+    torch.set_num_threads(1)  # the hosts share the machine's cores
+    cfg = GPTConfig(**config)
+    dist.init_process_group("gloo")
+    world = dist.get_world_size()
+    try:
+        model = shard(build(cfg), init_device_mesh("cpu", (world,)))
+        with configure(model, way, trace) as handle:
+            optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+            times = handle.times
+            rows = []
+            dist.barrier()
+            nic0 = read_nic_counters()
+            for step in range(steps):
+                inputs, targets = rank_batch(cfg, step, rank, world)
+                t0, cpu0, thread0 = time.perf_counter(), time.process_time(), time.thread_time()
+                comm0 = times.post_seconds + times.wait_seconds
+                loss = model(inputs, targets)
+                backward_start, comm1 = time.monotonic(), times.post_seconds + times.wait_seconds
+                loss.backward()
+                backward_end, comm2 = time.monotonic(), times.post_seconds + times.wait_seconds
+                optimizer.step()
+                optimizer.zero_grad()
+                rows.append({"loss": loss.item(), "seconds": time.perf_counter() - t0,
+                             "forward_comm_seconds": comm1 - comm0,
+                             "backward_comm_seconds": comm2 - comm1,
+                             "backward_seconds": backward_end - backward_start,
+                             "cpu_seconds": time.process_time() - cpu0,
+                             "thread_cpu_seconds": time.thread_time() - thread0,
+                             "backward_window": [backward_start, backward_end]})
+            nic = read_nic_counters() - nic0
+            timeline = handle.timeline()
+            backward = rows[-1]["backward_window"]
+            return {"steps": rows, "tx_bytes": nic.tx_bytes, "rx_bytes": nic.rx_bytes,
+                    "comm": handle.stats(),
+                    "trace": _window(timeline, *backward) if timeline else None}
+    finally:
+        dist.destroy_process_group()
