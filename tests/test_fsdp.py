@@ -1,0 +1,251 @@
+"""overcast.fsdp: stock FSDP2 training through overcast (and through torch with the same overlap),
+checked against a single-process unsharded reference, on real processes over loopback."""
+
+import copy
+import os
+import signal
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import overcast
+import overcast.fsdp
+from overcast.cluster.launch import RankError, loopback_placements, run_ranks
+from overcast.fsdp.collectives import reduce_op
+
+HIDDEN = 37  # every unit's parameter count (37*37 = 1369; root 449) is divisible by no P in 2..4
+ROWS = 12    # global batch, split evenly over 2, 3 or 4 ranks
+LINK = {"OVERCAST_LINK_BITS_PER_S": "1e9"}  # loopback has no rate; multicast paces to this
+
+
+def small_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(7, HIDDEN, bias=False),
+                         *[nn.Sequential(nn.Linear(HIDDEN, HIDDEN, bias=False), nn.Tanh())
+                           for _ in range(3)],
+                         nn.Linear(HIDDEN, 5))
+
+
+def batch(step: int):
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(ROWS, 7, generator=g), torch.randn(ROWS, 5, generator=g)
+
+
+def shard_model(model, mesh, **kwargs):
+    from torch.distributed.fsdp import fully_shard
+    for block in model[1:4]:
+        fully_shard(block, mesh=mesh, **kwargs)
+    return fully_shard(model, mesh=mesh, **kwargs)
+
+
+def local_rows(tensor, rank, world):
+    n = ROWS // world
+    return tensor[rank * n:(rank + 1) * n]
+
+
+def my_shard(full: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    """The rows FSDP2 keeps on `rank` (torch.chunk along dim 0, empty past the last chunk)."""
+    chunks = torch.chunk(full, world, dim=0)
+    return chunks[rank] if rank < len(chunks) else full[:0]
+
+
+def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    assert a.shape == b.shape, (a.shape, b.shape)
+    return (a.float() - b.float()).abs().max().item() if a.numel() else 0.0
+
+
+def start():
+    from torch.distributed.device_mesh import init_device_mesh
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    return init_device_mesh("cpu", (dist.get_world_size(),))
+
+
+def one_step(rank, backend, allgather, reduce_scatter):
+    """One forward, backward and SGD step, sharded through overcast.fsdp and unsharded in this
+    process; the largest differences of the local gradient and parameter shards."""
+    mesh = start()
+    world = dist.get_world_size()
+    try:
+        ref = small_model()
+        model = shard_model(copy.deepcopy(ref), mesh)
+        options = {} if backend == "torch" else {"allgather": allgather,
+                                                 "reduce_scatter": reduce_scatter}
+        with overcast.fsdp.overlap(model, backend=backend, **options) as handle:
+            x, y = batch(0)
+            nn.functional.mse_loss(model(local_rows(x, rank, world)),
+                                   local_rows(y, rank, world)).backward()
+            nn.functional.mse_loss(ref(x), y).backward()
+            grad_diff = max(max_diff(p.grad.to_local(), my_shard(q.grad, rank, world))
+                            for p, q in zip(model.parameters(), ref.parameters()))
+            for m in (model, ref):
+                torch.optim.SGD(m.parameters(), lr=0.5).step()
+            param_diff = max(max_diff(p.to_local(), my_shard(q.detach(), rank, world))
+                             for p, q in zip(model.parameters(), ref.parameters()))
+            stats = handle.stats()
+        return {"grad": grad_diff, "param": param_diff, "stats": stats}
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("backend,allgather,reduce_scatter", [
+    ("overcast", "multicast", "innetwork"), ("overcast", "ring", "ring"), ("torch", None, None)])
+def test_one_step_equals_unsharded_reference(world, backend, allgather, reduce_scatter):
+    results = run_ranks(one_step, loopback_placements(world, LINK),
+                        args=(backend, allgather, reduce_scatter), timeout=120)
+    for r in results:
+        assert r["grad"] < 1e-6 and r["param"] < 1e-6, r
+        # 5 AllGathers forward (root, 3 blocks with prefetch... each unit once) and 3 more for
+        # the resharded blocks in backward; one ReduceScatter per unit.
+        assert r["stats"]["allgathers"] == 7 and r["stats"]["reduce_scatters"] == 4, r
+        assert r["stats"]["wait_seconds"] > 0
+
+
+def mixed_precision(rank, steps):
+    """The same bfloat16-compute, float32-reduce training through overcast and through gloo."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    mesh = start()
+    world = dist.get_world_size()
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    try:
+        ours = shard_model(small_model(), mesh, mp_policy=policy)
+        theirs = shard_model(small_model(), mesh, mp_policy=policy)
+        opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ours, theirs)]
+        losses = []
+        with overcast.fsdp.overlap(ours):
+            for step in range(steps):
+                x, y = (local_rows(t, rank, world) for t in batch(step))
+                for model, opt in zip((ours, theirs), opts):
+                    loss = nn.functional.mse_loss(model(x).float(), y)
+                    loss.backward()
+                    opt.step()
+                    opt.zero_grad()
+                    losses.append(loss.item())
+        diff = max(max_diff(p.to_local(), q.to_local())
+                   for p, q in zip(ours.parameters(), theirs.parameters()))
+        return {"param_diff": diff, "losses": losses,
+                "dtype": str(next(ours.parameters()).dtype)}
+    finally:
+        dist.destroy_process_group()
+
+
+def test_mixed_precision_matches_gloo():
+    results = run_ranks(mixed_precision, loopback_placements(3, LINK), args=(3,), timeout=120)
+    for r in results:
+        assert r["dtype"] == "torch.float32"  # sharded parameters stay float32
+        # float32 sums in another order: the same to float32 rounding after AdamW
+        assert r["param_diff"] < 1e-5, r
+        ours, theirs = r["losses"][0::2], r["losses"][1::2]
+        assert max(abs(a - b) for a, b in zip(ours, theirs)) < 1e-3, r
+
+
+def bad_arguments(rank):
+    """Every wrong use of overlap(), and the error each gets."""
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = start()
+    errors = {}
+
+    def attempt(name, fn):
+        try:
+            fn()
+            errors[name] = None
+        except overcast.InvalidArgumentError as err:
+            errors[name] = str(err)
+    try:
+        model = shard_model(small_model(), mesh)
+        attempt("plain module", lambda: overcast.fsdp.overlap(nn.Linear(3, 3)))
+        attempt("backend", lambda: overcast.fsdp.overlap(model, backend="nccl"))
+        attempt("allgather", lambda: overcast.fsdp.overlap(model, allgather="tree"))
+        attempt("reduce_scatter", lambda: overcast.fsdp.overlap(model, reduce_scatter="tree"))
+        attempt("prefetch", lambda: overcast.fsdp.overlap(model, prefetch=-1))
+        attempt("prefetch bool", lambda: overcast.fsdp.overlap(model, prefetch=True))
+        attempt("comm with torch", lambda: overcast.fsdp.overlap(model, backend="torch",
+                                                                 comm=object()))
+        swapped = overcast.Communicator(1 - rank, 2, name="swapped",
+                                        store=dist.distributed_c10d._get_default_store())
+        attempt("ranks", lambda: overcast.fsdp.overlap(model, comm=swapped,
+                                                       allgather="ring", reduce_scatter="ring"))
+        swapped.close()
+        two_d = init_device_mesh("cpu", (1, 2), mesh_dim_names=("replicate", "shard"))
+        attempt("hsdp", lambda: overcast.fsdp.overlap(shard_model(small_model(), two_d)))
+        odd = small_model()
+        odd[1].register_parameter("count", nn.Parameter(torch.zeros(4, dtype=torch.int16),
+                                                        requires_grad=False))
+        attempt("dtype", lambda: overcast.fsdp.overlap(shard_model(odd, mesh)))
+        return errors
+    finally:
+        dist.destroy_process_group()
+
+
+def test_wrong_arguments_get_named_errors():
+    first, second = run_ranks(bad_arguments, loopback_placements(2), timeout=120)
+    assert "rank 0 of 2, but the FSDP mesh makes this process rank 1 of 2" in second.pop("ranks")
+    assert {**first, "ranks": None} == {**second, "ranks": None}  # the same words on every rank
+    expect = {"plain module": "fully_shard() has been applied", "backend": "'nccl'",
+              "allgather": "'tree'", "reduce_scatter": "'tree'", "prefetch": "-1",
+              "prefetch bool": "True", "comm with torch": "backend='torch'",
+              "ranks": "rank 1 of 2, but the FSDP mesh makes this process rank 0 of 2",
+              "hsdp": "2-D mesh", "dtype": "torch.int16"}
+    for name, words in expect.items():
+        assert first[name] is not None and words in first[name], (name, first[name])
+
+
+def test_multicast_without_a_link_rate_is_named_on_every_rank():
+    def no_rate(rank):
+        mesh = start()
+        try:
+            overcast.fsdp.overlap(shard_model(small_model(), mesh), reduce_scatter="ring")
+        except overcast.InvalidArgumentError as err:
+            return str(err)
+        finally:
+            dist.destroy_process_group()
+    for message in run_ranks(no_rate, loopback_placements(2, {"OVERCAST_LINK_BITS_PER_S": ""}),
+                             timeout=60):
+        assert "multicast paces its senders to the link rate" in message
+
+
+def test_reduce_ops():
+    assert reduce_op(dist.ReduceOp.SUM) == ("sum", None)
+    assert reduce_op(dist.ReduceOp.AVG) == ("avg", None)
+    assert reduce_op(dist.ReduceOp.PREMUL_SUM(0.25)) == ("sum", 0.25)
+    with pytest.raises(overcast.InvalidArgumentError, match="ReduceOp.MAX"):
+        reduce_op(dist.ReduceOp.MAX)
+
+
+def dies_mid_step(rank, victim):
+    """Train; the victim kills itself in the middle of the second backward. The others return
+    the error they got and how long after the death it came."""
+    mesh = start()
+    world = dist.get_world_size()
+    model = shard_model(small_model(), mesh)
+    handle = overcast.fsdp.overlap(model)
+    died = []
+
+    def hook(module, grad_in, grad_out):
+        died.append(time.monotonic())
+        if rank == victim and len(died) == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+    model[2].register_full_backward_hook(hook)
+    try:
+        for step in range(3):
+            x, y = (local_rows(t, rank, world) for t in batch(step))
+            nn.functional.mse_loss(model(x), y).backward()
+        return {"error": None}
+    except overcast.OvercastError as err:
+        return {"error": type(err).__name__, "message": str(err),
+                "seconds": time.monotonic() - died[-1], "timeout": handle.comm.timeout}
+    finally:
+        handle.close()
+
+
+def test_rank_killed_mid_step_fails_the_others():
+    with pytest.raises(RankError) as info:
+        run_ranks(dies_mid_step, loopback_placements(3, LINK), args=(2,), timeout=120)
+    assert set(info.value.failures) == {2}
+    for r in info.value.results[:2]:
+        assert r["error"] == "PeerFailureError", r
+        assert "rank 2" in r["message"] and r["seconds"] < r["timeout"], r

@@ -1,0 +1,87 @@
+"""Training as users run it: examples/train_gpt.py under torchrun (no root) and under
+`overcast cluster run`, and `overcast train`, the four-way comparison."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import root_only
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLE = [sys.executable, os.path.join(ROOT, "examples", "train_gpt.py"), "--steps", "2",
+           "--blocks", "2", "--dim", "64"]
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+            "2"]
+CLI = [sys.executable, "-m", "overcast.cli.main"]
+
+
+def switches_running() -> int:
+    out = subprocess.run(["pgrep", "-f", "overcast.cli.main switch"], capture_output=True,
+                         text=True).stdout
+    return len(out.split())
+
+
+def losses(stdout: str) -> list[float]:
+    return [float(line.split()[-1]) for line in stdout.splitlines() if line.startswith("step ")]
+
+
+@pytest.mark.parametrize("flags", [[], ["--allgather", "ring", "--reduce-scatter", "ring"],
+                                   ["--backend", "torch"]])
+def test_example_under_torchrun(flags):
+    """The same script, unchanged, on one machine's loopback: rank 0 starts the aggregator for
+    in-network reduction; the torch backend's separate ReduceScatter group exits cleanly."""
+    before = switches_running()
+    env = {**os.environ, "OVERCAST_LINK_BITS_PER_S": "1e9", "OMP_NUM_THREADS": "1"}
+    env.pop("OVERCAST_SWITCH", None)
+    proc = subprocess.run(TORCHRUN + EXAMPLE[1:] + flags, capture_output=True, text=True,
+                          env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "terminate called" not in proc.stderr
+    assert len(losses(proc.stdout)) == 2
+    assert switches_running() == before
+
+
+@root_only
+def test_example_under_cluster_run():
+    """`overcast cluster run` starts the aggregator itself: multicast + in-network by default."""
+    proc = subprocess.run(CLI + ["cluster", "run", "--hosts", "2", "--link-mbit", "200", "--",
+                                 *EXAMPLE], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len(losses(proc.stdout)) == 2
+
+
+@root_only
+def test_overcast_train_compares_four_ways(tmp_path):
+    proc = subprocess.run(CLI + ["train", "--hosts", "3", "--link-mbit", "200", "--steps", "3",
+                                 "--warmup", "1", "--blocks", "3", "--dim", "64", "--out",
+                                 str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads((tmp_path / "train.json").read_text())
+    ways = {r["way"]: r for r in doc["results"]}
+    assert list(ways) == ["gloo", "gloo-separate", "overcast-ring", "overcast"]
+    for r in ways.values():
+        assert r["max_loss_difference"] < 1e-4, r["way"]
+        assert r["collectives_per_step"] == {"allgathers": 6.0, "reduce_scatters": 4.0}, r
+    # gloo's ReduceScatter is an allreduce; multicast sends each shard once, in-network
+    # reduction receives one shard: bytes per host per step, from the NIC counters
+    assert ways["gloo-separate"]["tx_bytes_per_host_per_step"] > \
+        ways["overcast-ring"]["tx_bytes_per_host_per_step"] > \
+        ways["overcast"]["tx_bytes_per_host_per_step"]
+    for name in ("losses.png", "steps.png", "timeline-overcast.png", "timeline-overcast.json"):
+        assert (tmp_path / name).stat().st_size > 0
+    # The backward overlaps each block's ReduceScatter with the AllGather of the block before
+    trace = json.loads((tmp_path / "timeline-overcast.json").read_text())["traceEvents"]
+    spans = [e for e in trace if e["ph"] == "X" and e["pid"] == 0]
+    gathers = {e["name"].split()[1]: e for e in spans if e["name"].startswith("AG ")}
+    scatters = {e["name"].split()[1]: e for e in spans if e["name"].startswith("RS ")}
+    overlapped = [b for b in ("blocks.1", "blocks.2")
+                  if f"blocks.{int(b[-1]) - 1}" in gathers and b in scatters
+                  and _overlap(scatters[b], gathers[f"blocks.{int(b[-1]) - 1}"]) > 0]
+    assert overlapped == ["blocks.1", "blocks.2"], spans
+
+
+def _overlap(a: dict, b: dict) -> float:
+    return min(a["ts"] + a["dur"], b["ts"] + b["dur"]) - max(a["ts"], b["ts"])
