@@ -59,7 +59,7 @@ def plot_steps(doc: dict, path: str) -> None:
     """Step time per way, split into exposed forward and backward communication and the rest."""
     plt = _figure()
     meta, results = doc["meta"], doc["results"]
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = plt.subplots(figsize=(7, 4.4))
     names = [r["way"] for r in results]
     forward = [r["forward_comm_seconds"] for r in results]
     backward = [r["backward_comm_seconds"] for r in results]
@@ -72,9 +72,10 @@ def plot_steps(doc: dict, path: str) -> None:
     for i, r in enumerate(results):
         ax.text(r["step_seconds"], i, f" {r['step_seconds']:.2f} s", va="center", fontsize=8)
     ax.invert_yaxis()
+    ax.set_xlim(0, 1.15 * max(r["step_seconds"] for r in results))
     ax.set_xlabel("seconds per training step (slowest rank, median)")
     ax.set_title(f"FSDP2 step on {meta['hosts']} hosts, {meta['link_bits_per_s'] / 1e6:g} Mbit/s")
-    ax.legend(fontsize=7, loc="lower right")
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
