@@ -136,7 +136,7 @@ class Overlap:
 
     def stats(self) -> dict:
         """Seconds the training thread spent posting and waiting on collectives, its CPU time
-        in them, and the number of each (backend "overcast" only; zeros otherwise)."""
+        in them, and the number of each, since overlap()."""
         return self.times.as_dict()
 
     def timeline(self) -> dict | None:

@@ -61,6 +61,9 @@ def summarize(way: str, per_rank: list[dict], warmup: int, switch_cpu: float | N
         "rx_bytes_per_host_per_step": statistics.fmean(r["rx_bytes"] for r in per_rank) / steps,
         "collectives_per_step": {k: v / steps for k, v in per_rank[0]["comm"].items()
                                  if k in ("allgathers", "reduce_scatters")},
+        # the training thread's own CPU in the collective hooks: posting, and waiting
+        "comm_thread_cpu_seconds_per_step": statistics.fmean(
+            r["comm"]["thread_cpu_seconds"] for r in per_rank) / steps,
         "aggregator_cpu_seconds_per_step": switch_cpu / steps if switch_cpu is not None
         else None,
     }

@@ -19,7 +19,8 @@ def table(doc: dict) -> Table:
                     f"{meta['link_bits_per_s'] / 1e6:g} Mbit/s per direction; median of steps "
                     f"{meta['warmup'] + 1}-{meta['steps']}")
     for name in ("way", "step s", f"speedup vs {PEER}", "fwd comm s", "bwd comm s",
-                 "tx/host/step", "rx/host/step", "cpu s/rank", "max |loss diff|"):
+                 "tx/host/step", "rx/host/step", "cpu s/rank", "comm cpu ms (thread)",
+                 "max |loss diff|"):
         t.add_column(name, justify="left" if name == "way" else "right")
     key = "speedup_vs_" + PEER.replace("-", "_")
     for r in doc["results"]:
@@ -28,7 +29,9 @@ def table(doc: dict) -> Table:
                   f"{r['forward_comm_seconds']:.3f}", f"{r['backward_comm_seconds']:.3f}",
                   human_bytes(r["tx_bytes_per_host_per_step"]),
                   human_bytes(r["rx_bytes_per_host_per_step"]),
-                  f"{r['cpu_seconds_per_rank']:.3f}", f"{r['max_loss_difference']:.2e}")
+                  f"{r['cpu_seconds_per_rank']:.3f}",
+                  f"{r['comm_thread_cpu_seconds_per_step'] * 1e3:.1f}",
+                  f"{r['max_loss_difference']:.2e}")
     return t
 
 
