@@ -156,7 +156,8 @@ class Overlap:
             module.set_custom_all_gather(ag)
             module.set_custom_reduce_scatter(rs)
         if self._rs_group is not None:
-            _release_reduce_scatter_group(self.model, self._rs_group)
+            group, self._rs_group = self._rs_group, None  # ours must not be the last reference
+            _release_reduce_scatter_group(self.model, group)
         if self._owns_comm and self.comm is not None:
             self.comm.close()
         if self._switch_proc is not None:
@@ -170,9 +171,10 @@ class Overlap:
 
 
 def _release_reduce_scatter_group(model, group: dist.ProcessGroup) -> None:
-    """Undo set_separate_reduce_scatter_group and destroy its process group while every rank
-    is still here (see docs/fsdp.md: exiting with it alive aborts gloo ranks)."""
-    dist.barrier(group=group)
+    """Undo set_separate_reduce_scatter_group so that FSDP drops its references to the group,
+    then destroy it: it is freed now, its gloo threads joined while the interpreter is alive,
+    not at exit, where they abort the process (docs/fsdp.md). No barrier: a barrier's Work,
+    freed later on a gloo thread, is itself a way to abort at exit."""
     model.set_separate_reduce_scatter_group(False)
     dist.destroy_process_group(group)
 
