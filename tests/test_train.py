@@ -85,3 +85,20 @@ def test_overcast_train_compares_four_ways(tmp_path):
 
 def _overlap(a: dict, b: dict) -> float:
     return min(a["ts"] + a["dur"], b["ts"] + b["dur"]) - max(a["ts"], b["ts"])
+
+
+@root_only
+@pytest.mark.parametrize("flags,words", [
+    (["--ways", "gloo,nccl"], "unknown way nccl"), (["--hosts", "1"], "--hosts must be at least 2"),
+    (["--steps", "1", "--warmup", "1"], "must be more than --warmup"),
+    (["--link-mbit", "0"], "--link-mbit must be a rate above 0"),
+    (["--link-mbit", "-5"], "--link-mbit must be a rate above 0"),
+    (["--blocks", "0"], "--blocks (0)"), (["--dim", "30"], "--dim must be a positive multiple"),
+    (["--lr", "0"], "--lr must be above 0")])
+def test_train_flags_checked_before_anything_is_built(flags, words, tmp_path):
+    proc = subprocess.run(CLI + ["train", "--out", str(tmp_path / "out"), *flags],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert words in proc.stderr and "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "out").exists()

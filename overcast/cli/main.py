@@ -65,8 +65,8 @@ def _train(args) -> int:
 
     console = Console(width=None if sys.stdout.isatty() else 200)
     ways = _csv(args.ways)
-    check_request(ways, args.hosts, args.steps, args.warmup)
     cfg = GPTConfig(blocks=args.blocks, dim=args.dim, batch_per_rank=args.batch)
+    check_request(ways, args.hosts, args.steps, args.warmup, args.link_mbit * 1e6, cfg, args.lr)
     os.makedirs(args.out, exist_ok=True)
     bar, progress = _progress(console)
     with bar:

@@ -22,7 +22,8 @@ from overcast.train.worker import OVERCAST_WAYS, WAYS, train_rank
 PEER = "gloo-separate"
 
 
-def check_request(ways: list[str], hosts: int, steps: int, warmup: int) -> None:
+def check_request(ways: list[str], hosts: int, steps: int, warmup: int,
+                  link_bits: float = 1e8, cfg: GPTConfig = GPTConfig(), lr: float = 1e-3) -> None:
     """Raise ValueError naming what is wrong, before any cluster is built."""
     unknown = [w for w in ways if w not in WAYS]
     if unknown or not ways:
@@ -33,6 +34,16 @@ def check_request(ways: list[str], hosts: int, steps: int, warmup: int) -> None:
     if warmup < 0 or steps <= warmup:
         raise ValueError(f"--steps ({steps}) must be more than --warmup ({warmup}), which must "
                          f"be 0 or more")
+    if not link_bits > 0:
+        raise ValueError(f"--link-mbit must be a rate above 0, not {link_bits / 1e6:g}")
+    if cfg.blocks < 1 or cfg.batch_per_rank < 1:
+        raise ValueError(f"--blocks ({cfg.blocks}) and --batch ({cfg.batch_per_rank}) must be 1 "
+                         f"or more")
+    if cfg.dim < cfg.heads or cfg.dim % cfg.heads:
+        raise ValueError(f"--dim must be a positive multiple of {cfg.heads} (the attention "
+                         f"heads), not {cfg.dim}")
+    if not lr > 0:
+        raise ValueError(f"--lr must be above 0, not {lr:g}")
 
 
 def summarize(way: str, per_rank: list[dict], warmup: int, switch_cpu: float | None) -> dict:
@@ -84,7 +95,7 @@ def run_training(hosts: int, link_bits: int, ways: list[str], steps: int, warmup
                  progress=None) -> dict:
     """Train every way on one cluster; return {"meta": ..., "results": [...]} and, with
     `out_dir`, write the backward-step timelines of the overcast ways there."""
-    check_request(ways, hosts, steps, warmup)
+    check_request(ways, hosts, steps, warmup, link_bits, cfg, lr)
     import torch  # imported once here so that forked hosts start fast
 
     results, timelines = [], []
