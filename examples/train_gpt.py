@@ -2,7 +2,7 @@
 overlapped by overcast. One process per rank, started by any torchrun-style launcher:
 
     overcast cluster run --hosts 4 --link-mbit 100 -- python examples/train_gpt.py
-    OVERCAST_LINK_BITS_PER_S=1e9 torchrun --standalone --nproc-per-node 4 examples/train_gpt.py
+    OVERCAST_LINK_BITS_PER_S=10e9 torchrun --standalone --nproc-per-node 4 examples/train_gpt.py
 
 `--backend torch` trains the same way through the process group's own collectives (gloo here,
 NCCL on GPUs) with ReduceScatter on a group of its own; `--allgather ring --reduce-scatter ring`

@@ -99,10 +99,24 @@ def test_one_step_equals_unsharded_reference(world, backend, allgather, reduce_s
                         args=(backend, allgather, reduce_scatter), timeout=120)
     for r in results:
         assert r["grad"] < 1e-6 and r["param"] < 1e-6, r
-        # 5 AllGathers forward (root, 3 blocks with prefetch... each unit once) and 3 more for
-        # the resharded blocks in backward; one ReduceScatter per unit.
+        # 4 AllGathers forward (root and 3 blocks) and 3 more for the blocks resharded after
+        # forward; one ReduceScatter per unit.
         assert r["stats"]["allgathers"] == 7 and r["stats"]["reduce_scatters"] == 4, r
-        assert r["stats"]["wait_seconds"] > 0
+
+
+def post_forward_subgroup(rank):
+    mesh = start()
+    try:
+        overcast.fsdp.overlap(shard_model(small_model(), mesh, reshard_after_forward=2))
+    except overcast.InvalidArgumentError as err:
+        return str(err)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_reshard_to_a_subgroup_is_refused():
+    for message in run_ranks(post_forward_subgroup, loopback_placements(4, LINK), timeout=60):
+        assert "reshard_after_forward=<int>" in message
 
 
 def mixed_precision(rank, steps):

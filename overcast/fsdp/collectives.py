@@ -36,6 +36,7 @@ class CommTime:
     thread_cpu_seconds: float = 0.0    # CPU time of the training thread in both
     allgathers: int = 0
     reduce_scatters: int = 0
+    keep_labels: bool = False          # only for timelines: one entry per collective
     labels: dict[int, str] = field(default_factory=dict)  # collective seq -> "AG blocks.3"
 
     def as_dict(self) -> dict:
@@ -71,6 +72,9 @@ class TimedWork(dist.Work):
         self._work, self._times = work, times
 
     def wait(self, timeout=None) -> bool:
+        """As torch's: a timeout of None or zero waits for as long as it takes."""
+        if timeout is not None and not timeout.total_seconds():
+            timeout = None
         with _Clock(self._times, "wait"):
             if isinstance(self._work, dist.Work):
                 return self._work.wait() if timeout is None else self._work.wait(timeout)
@@ -100,7 +104,7 @@ class _Hook:
                 self.times.allgathers += 1
             else:
                 self.times.reduce_scatters += 1
-            if isinstance(work, Work):
+            if self.times.keep_labels and isinstance(work, Work):
                 self.times.labels[work.seq] = f"{kind} {self.label}"
         timed = TimedWork(work, self.times)
         if async_op:

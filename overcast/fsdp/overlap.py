@@ -12,6 +12,7 @@ block i-1 are being gathered.
 
 from __future__ import annotations
 
+import datetime
 import itertools
 import os
 import secrets as secrets_module
@@ -23,9 +24,9 @@ from torch.distributed.fsdp._fully_shard._fsdp_common import HSDPMeshInfo
 
 from overcast.buffers import DTYPES, as_array
 from overcast.comm import ALGORITHMS, Communicator
-from overcast.errors import InvalidArgumentError
+from overcast.errors import InvalidArgumentError, OvercastError
 from overcast.fsdp.collectives import CommTime, TimedAllGather, TimedReduceScatter
-from overcast.switch.launch import start_switch, stop_switch
+from overcast.switch.launch import SwitchStartError, start_switch, stop_switch
 from overcast.transport.rendezvous import local_address
 
 BACKENDS = ("overcast", "torch")
@@ -62,6 +63,11 @@ def _shard_group(modules) -> dist.ProcessGroup:
                     f"module {name!r} is sharded over a {info.mesh.ndim}-D mesh "
                     f"{tuple(info.mesh.shape)}; overlap() needs one flat shard dimension "
                     f"(init_device_mesh('cpu', (world_size,))); HSDP is not supported")
+            if pg._use_post_forward_mesh:
+                raise InvalidArgumentError(
+                    f"module {name!r} reshards to a smaller group after forward "
+                    f"(reshard_after_forward=<int>), whose AllGathers run on a subgroup; "
+                    f"overlap() supports reshard_after_forward=True or False")
             these = dist.get_process_group_ranks(info.shard_process_group)
             if ranks is None:
                 group, ranks = info.shard_process_group, these
@@ -127,11 +133,10 @@ class Overlap:
     """What `overlap()` set up: the communicator (backend "overcast"), the training thread's
     communication time, and `close()` to undo it (also as a context manager)."""
 
-    def __init__(self, model, modules, backend: str, comm, owns_comm: bool, times: CommTime,
-                 switch_proc=None, saved=None, rs_group=None):
-        self.model, self.modules, self.backend = model, modules, backend
-        self.comm, self._owns_comm, self.times = comm, owns_comm, times
-        self._switch_proc, self._saved, self._rs_group = switch_proc, saved or {}, rs_group
+    def __init__(self, model, comm, owns_comm: bool, times: CommTime, switch=None, saved=None,
+                 rs_group=None):
+        self.model, self.comm, self._owns_comm, self.times = model, comm, owns_comm, times
+        self._switch, self._saved, self._rs_group = switch, saved or {}, rs_group
         self._closed = False
 
     def stats(self) -> dict:
@@ -158,10 +163,12 @@ class Overlap:
         if self._rs_group is not None:
             group, self._rs_group = self._rs_group, None  # ours must not be the last reference
             _release_reduce_scatter_group(self.model, group)
-        if self._owns_comm and self.comm is not None:
-            self.comm.close()
-        if self._switch_proc is not None:
-            stop_switch(self._switch_proc)
+        try:
+            if self._owns_comm and self.comm is not None:
+                self.comm.close()
+        finally:
+            if self._switch is not None:
+                self._switch.close(self.comm.rank if self.comm else 0)
 
     def __enter__(self) -> "Overlap":
         return self
@@ -184,35 +191,70 @@ def _job_store():
     return dist.distributed_c10d._get_default_store()
 
 
+# How long rank 0 waits, at close, for the other ranks to close before stopping the aggregator
+# it started (a rank that died never says so).
+CLOSE_WAIT_SECONDS = 10.0
+
+
+class _JobSwitch:
+    """An aggregator rank 0 started for this job: the others learn its address (or why it did
+    not start) through the store, and tell rank 0 when they closed, so that it is not stopped
+    while a peer still waits for a result."""
+
+    def __init__(self, store, key: str, world: int, proc=None):
+        self.store, self.key, self.world, self.proc = store, key, world, proc
+
+    def close(self, rank: int) -> None:
+        if self.proc is None:
+            self.store.set(f"{self.key}closed/{rank}", b"1")
+            return
+        try:
+            self.store.wait([f"{self.key}closed/{r}" for r in range(1, self.world)],
+                            datetime.timedelta(seconds=CLOSE_WAIT_SECONDS))
+        except RuntimeError:  # torch's DistStoreError on timeout
+            pass  # a rank that died or hangs: stop it anyway
+        finally:
+            stop_switch(self.proc)
+
+
 def _communicator(group: dist.ProcessGroup, reduce_scatter: str, trace: bool):
     """An overcast Communicator over `group`'s ranks, meeting through the job's store. With no
     OVERCAST_SWITCH and in-network reduction asked for, rank 0 starts an aggregator beside
-    itself and tells the others where it is. Returns (communicator, aggregator process)."""
+    itself and tells the others where it is. Returns (communicator, _JobSwitch or None)."""
     store, rank, world = _job_store(), group.rank(), group.size()
-    name = f"fsdp-{next(_names)}"
+    name = f"fsdp-{group.group_name}-{next(_names)}"  # unique per group and per overlap() call
     key = f"overcast/{name}/"
     secret_hex = os.environ.get("OVERCAST_SECRET")
-    proc, switch = None, os.environ.get("OVERCAST_SWITCH")
+    switch = os.environ.get("OVERCAST_SWITCH")
+    job_switch = None
+    if not switch and reduce_scatter == "innetwork" and world > 1:
+        job_switch = _JobSwitch(store, key, world)
     if rank == 0:
         if not secret_hex:
             secret_hex = secrets_module.token_hex(32)
             store.set(key + "secret", secret_hex)
-        if not switch and reduce_scatter == "innetwork" and world > 1:
-            host = local_address(os.environ.get("MASTER_ADDR", "127.0.0.1"))
-            proc, switch = start_switch(host, 0, secrets=[secret_hex])
+        if job_switch is not None:
+            try:
+                host = local_address(os.environ.get("MASTER_ADDR", "127.0.0.1"))
+                job_switch.proc, switch = start_switch(host, 0, secrets=[secret_hex])
+            except (SwitchStartError, OSError) as err:
+                store.set(key + "switch", f"error: rank 0 could not start an aggregator: {err}")
+                raise
         store.set(key + "switch", switch or "")
     else:
         if not secret_hex:
             secret_hex = bytes(store.get(key + "secret")).decode()
         switch = bytes(store.get(key + "switch")).decode() or None
+        if switch and switch.startswith("error: "):
+            raise OvercastError(switch[len("error: "):])
     try:
         comm = Communicator(rank, world, name=name, store=store,
                             secret=bytes.fromhex(secret_hex), switch=switch or "", trace=trace)
     except BaseException:
-        if proc is not None:
-            stop_switch(proc)
+        if job_switch is not None and job_switch.proc is not None:
+            stop_switch(job_switch.proc)
         raise
-    return comm, proc
+    return comm, job_switch
 
 
 def overlap(model, *, comm: Communicator | None = None, backend: str = "overcast",
@@ -237,7 +279,7 @@ def overlap(model, *, comm: Communicator | None = None, backend: str = "overcast
     group = _shard_group(modules)
     root = model
     blocks = [m for _, m in modules if m is not root]
-    times = CommTime()
+    times = CommTime(keep_labels=trace)
     if backend == "torch":
         if comm is not None:
             raise InvalidArgumentError("comm= is for backend='overcast'; backend='torch' uses "
@@ -248,8 +290,7 @@ def overlap(model, *, comm: Communicator | None = None, backend: str = "overcast
         saved = _install(modules, None, None, None, times)
         model._set_unshard_async_op(True)
         _set_prefetch(blocks, root, prefetch)
-        return Overlap(model, modules, backend, None, False, times, saved=saved,
-                       rs_group=rs_group)
+        return Overlap(model, None, False, times, saved=saved, rs_group=rs_group)
 
     _check_choice("allgather", allgather, ALGORITHMS["all_gather"])
     _check_choice("reduce_scatter", reduce_scatter, ALGORITHMS["reduce_scatter"])
@@ -259,22 +300,20 @@ def overlap(model, *, comm: Communicator | None = None, backend: str = "overcast
             f"the communicator is rank {comm.rank} of {comm.world_size}, but the FSDP mesh "
             f"makes this process rank {group.rank()} of {group.size()}; create it over the "
             f"mesh's ranks")
-    proc, owns = None, comm is None
+    job_switch, owns = None, comm is None
     if owns:
-        comm, proc = _communicator(group, reduce_scatter, trace)
+        comm, job_switch = _communicator(group, reduce_scatter, trace)
+    handle = Overlap(model, comm, owns, times, job_switch)
     try:
         comm.check_algorithm("all_gather", allgather)
         comm.check_algorithm("reduce_scatter", reduce_scatter)
-    except InvalidArgumentError:
-        if owns:
-            comm.close()
-            if proc is not None:
-                stop_switch(proc)
+        handle._saved = _install(modules, comm, allgather, reduce_scatter, times)
+        model._set_unshard_async_op(True)
+        _set_prefetch(blocks, root, prefetch)
+    except BaseException:
+        handle.close()
         raise
-    saved = _install(modules, comm, allgather, reduce_scatter, times)
-    model._set_unshard_async_op(True)
-    _set_prefetch(blocks, root, prefetch)
-    return Overlap(model, modules, backend, comm, owns, times, proc, saved)
+    return handle
 
 
 def timed(model) -> Overlap:
@@ -282,8 +321,7 @@ def timed(model) -> Overlap:
     same terms as overlap()'s (handle.stats())."""
     modules = _fsdp_modules(model)
     times = CommTime()
-    return Overlap(model, modules, "torch", None, False, times,
-                   saved=_install(modules, None, None, None, times))
+    return Overlap(model, None, False, times, saved=_install(modules, None, None, None, times))
 
 
 __all__ = ["overlap", "timed", "Overlap", "BACKENDS"]

@@ -18,8 +18,11 @@ class SwitchStartError(RuntimeError):
     """The aggregator process did not come up; the message has its first line of output."""
 
 
+_prctl = ctypes.CDLL(None).prctl  # looked up here: the forked child must not dlopen
+
+
 def _die_with_parent() -> None:
-    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    _prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 def start_switch(host: str, port: int = 0, *, secrets: list[str], slots: int = 256,
