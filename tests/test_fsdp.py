@@ -263,3 +263,22 @@ def test_rank_killed_mid_step_fails_the_others():
     for r in info.value.results[:2]:
         assert r["error"] == "PeerFailureError", r
         assert "rank 2" in r["message"] and r["seconds"] < r["timeout"], r
+
+
+def aggregator_fails(rank):
+    mesh = start()
+    try:
+        overcast.fsdp.overlap(shard_model(small_model(), mesh))
+    except overcast.OvercastError as err:
+        return str(err)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_an_aggregator_that_cannot_start_is_named_on_every_rank():
+    """Rank 0 starts the aggregator on an address this machine does not have: every rank gets
+    the reason, none waits for an address that never comes."""
+    placements = loopback_placements(3, LINK)
+    placements[0].env["OVERCAST_ADDR"] = "198.18.254.254"
+    for message in run_ranks(aggregator_fails, placements, timeout=60):
+        assert "the aggregator did not start" in message, message

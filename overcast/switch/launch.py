@@ -13,8 +13,10 @@ import signal
 import subprocess
 import sys
 
+from overcast.errors import OvercastError
 
-class SwitchStartError(RuntimeError):
+
+class SwitchStartError(OvercastError):
     """The aggregator process did not come up; the message has its first line of output."""
 
 
