@@ -64,13 +64,17 @@ def start():
     return init_device_mesh("cpu", (dist.get_world_size(),))
 
 
-def one_step(rank, backend, allgather, reduce_scatter):
+def one_step(rank, backend, allgather, reduce_scatter, mixed=False):
     """One forward, backward and SGD step, sharded through overcast.fsdp and unsharded in this
-    process; the largest differences of the local gradient and parameter shards."""
+    process; the largest differences of the local gradient and parameter shards. `mixed` adds
+    an int16 parameter to a block, so FSDP2 gathers that block as uint8 bytes."""
     mesh = start()
     world = dist.get_world_size()
     try:
         ref = small_model()
+        if mixed:
+            ref[2].register_parameter("count", nn.Parameter(
+                torch.arange(5, dtype=torch.int16) * 1000, requires_grad=False))
         model = shard_model(copy.deepcopy(ref), mesh)
         options = {} if backend == "torch" else {"allgather": allgather,
                                                  "reduce_scatter": reduce_scatter}
@@ -80,7 +84,8 @@ def one_step(rank, backend, allgather, reduce_scatter):
                                    local_rows(y, rank, world)).backward()
             nn.functional.mse_loss(ref(x), y).backward()
             grad_diff = max(max_diff(p.grad.to_local(), my_shard(q.grad, rank, world))
-                            for p, q in zip(model.parameters(), ref.parameters()))
+                            for p, q in zip(model.parameters(), ref.parameters())
+                            if q.requires_grad)
             for m in (model, ref):
                 torch.optim.SGD(m.parameters(), lr=0.5).step()
             param_diff = max(max_diff(p.to_local(), my_shard(q.detach(), rank, world))
@@ -102,6 +107,12 @@ def test_one_step_equals_unsharded_reference(world, backend, allgather, reduce_s
         # 4 AllGathers forward (root and 3 blocks) and 3 more for the blocks resharded after
         # forward; one ReduceScatter per unit.
         assert r["stats"]["allgathers"] == 7 and r["stats"]["reduce_scatters"] == 4, r
+
+
+def test_mixed_dtypes_travel_as_bytes():
+    for r in run_ranks(one_step, loopback_placements(3, LINK),
+                       args=("overcast", "multicast", "innetwork", True), timeout=120):
+        assert r["grad"] < 1e-6 and r["param"] < 1e-6, r
 
 
 def post_forward_subgroup(rank):
@@ -186,7 +197,13 @@ def bad_arguments(rank):
         swapped.close()
         two_d = init_device_mesh("cpu", (1, 2), mesh_dim_names=("replicate", "shard"))
         attempt("hsdp", lambda: overcast.fsdp.overlap(shard_model(small_model(), two_d)))
-        odd = small_model()
+        mixed = small_model()  # gathered as uint8 bytes with the float32 weight: carried
+        mixed[1].register_parameter("count", nn.Parameter(torch.zeros(4, dtype=torch.int16),
+                                                          requires_grad=False))
+        attempt("mixed dtypes", lambda: overcast.fsdp.overlap(
+            shard_model(mixed, mesh), allgather="ring", reduce_scatter="ring").close())
+        odd = small_model()  # a unit of int16 alone is gathered as int16: not carried
+        odd[1] = nn.Module()
         odd[1].register_parameter("count", nn.Parameter(torch.zeros(4, dtype=torch.int16),
                                                         requires_grad=False))
         attempt("dtype", lambda: overcast.fsdp.overlap(shard_model(odd, mesh)))
@@ -206,6 +223,7 @@ def test_wrong_arguments_get_named_errors():
               "hsdp": "2-D mesh", "dtype": "torch.int16"}
     for name, words in expect.items():
         assert first[name] is not None and words in first[name], (name, first[name])
+    assert first["mixed dtypes"] is None
 
 
 def test_multicast_without_a_link_rate_is_named_on_every_rank():

@@ -81,22 +81,28 @@ def _shard_group(modules) -> dist.ProcessGroup:
 
 
 def _check_dtypes(modules) -> None:
-    """Every dtype FSDP will hand the collectives: parameters as gathered (the mixed-precision
-    param_dtype for floating-point ones) and gradients as reduced (reduce_dtype)."""
+    """The dtypes FSDP2 will hand the collectives, as it chooses them: a parameter group is
+    gathered in its one dtype (the mixed-precision param_dtype for floating-point parameters),
+    or as uint8 bytes when its dtypes differ; gradients of the parameters that have them are
+    reduced in reduce_dtype (or the gathered dtype)."""
     for name, module in modules:
         for pg in _param_groups(module):
             policy = pg.mp_policy
+            gathered, reduced = set(), set()
             for p in pg.fsdp_params:
                 orig = p.sharded_param.dtype
-                gathered = policy.param_dtype if policy.param_dtype and orig.is_floating_point \
+                dtype = policy.param_dtype if policy.param_dtype and orig.is_floating_point \
                     else orig
-                for what, dtype in (("parameter", gathered),
-                                    ("gradient reduction", policy.reduce_dtype or gathered)):
-                    if not _torch_dtype_ok(dtype):
-                        raise InvalidArgumentError(
-                            f"module {name!r} has {what} dtype {dtype}, which overcast cannot "
-                            f"carry; supported: float32, float64, float16, bfloat16, int8, "
-                            f"int32, int64, uint8")
+                gathered.add(dtype)
+                if p.sharded_param.requires_grad:
+                    reduced.add(policy.reduce_dtype or dtype)
+            wire = [("parameter", gathered.pop())] if len(gathered) == 1 else []
+            for what, dtype in wire + [("gradient reduction", d) for d in sorted(reduced, key=str)]:
+                if not _torch_dtype_ok(dtype):
+                    raise InvalidArgumentError(
+                        f"module {name!r} has {what} dtype {dtype}, which overcast cannot "
+                        f"carry; supported: float32, float64, float16, bfloat16, int8, int32, "
+                        f"int64, uint8")
 
 
 def _check_choice(what: str, value, allowed) -> None:
@@ -267,7 +273,8 @@ def overlap(model, *, comm: Communicator | None = None, backend: str = "overcast
     rank. backend="overcast" routes FSDP2's collectives through `comm` (by default a new
     Communicator over the FSDP mesh's ranks, meeting through the job's store) with the given
     AllGather ("multicast" or "ring") and ReduceScatter ("innetwork" or "ring") algorithms.
-    backend="torch" keeps the process group's collectives and gives ReduceScatter its own group.
+    backend="torch" keeps the process group's collectives and gives ReduceScatter its own group
+    (`allgather`, `reduce_scatter` and `trace` apply to backend="overcast" only).
     `prefetch` is how many blocks ahead FSDP gathers (forward) and behind (backward); 0 turns
     explicit prefetching off. `trace` records the communicator's timeline (see timeline()).
     """
