@@ -53,7 +53,7 @@ def summarize(way: str, per_rank: list[dict], warmup: int, switch_cpu: float | N
     def slowest(key):
         return statistics.median(max(r["steps"][k][key] for r in per_rank) for k in timed)
 
-    def mean(key):
+    def median_of_means(key):
         return statistics.median(statistics.fmean(r["steps"][k][key] for r in per_rank)
                                  for k in timed)
     return {
@@ -64,8 +64,8 @@ def summarize(way: str, per_rank: list[dict], warmup: int, switch_cpu: float | N
         "forward_comm_seconds": slowest("forward_comm_seconds"),
         "backward_comm_seconds": slowest("backward_comm_seconds"),
         "backward_seconds": slowest("backward_seconds"),
-        "cpu_seconds_per_rank": mean("cpu_seconds"),
-        "training_thread_cpu_seconds_per_rank": mean("thread_cpu_seconds"),
+        "cpu_seconds_per_rank": median_of_means("cpu_seconds"),
+        "training_thread_cpu_seconds_per_rank": median_of_means("thread_cpu_seconds"),
         "losses": [statistics.fmean(r["steps"][k]["loss"] for r in per_rank)
                    for k in range(steps)],
         "tx_bytes_per_host_per_step": statistics.fmean(r["tx_bytes"] for r in per_rank) / steps,
