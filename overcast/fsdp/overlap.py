@@ -97,7 +97,8 @@ def _check_dtypes(modules) -> None:
                 if p.sharded_param.requires_grad:
                     reduced.add(policy.reduce_dtype or dtype)
             wire = [("parameter", gathered.pop())] if len(gathered) == 1 else []
-            for what, dtype in wire + [("gradient reduction", d) for d in sorted(reduced, key=str)]:
+            wire += [("gradient reduction", d) for d in sorted(reduced, key=str)]
+            for what, dtype in wire:
                 if not _torch_dtype_ok(dtype):
                     raise InvalidArgumentError(
                         f"module {name!r} has {what} dtype {dtype}, which overcast cannot "
