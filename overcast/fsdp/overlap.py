@@ -108,7 +108,8 @@ def _check_dtypes(modules) -> None:
 
 def _check_choice(what: str, value, allowed) -> None:
     if value not in allowed:
-        raise InvalidArgumentError(f"{what}={value!r} is not one of {', '.join(map(repr, allowed))}")
+        raise InvalidArgumentError(f"{what}={value!r} is not one of "
+                                   f"{', '.join(map(repr, allowed))}")
 
 
 def _set_prefetch(blocks: list[FSDPModule], root: FSDPModule | None, prefetch: int) -> None:
