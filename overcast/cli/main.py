@@ -21,12 +21,18 @@ def _csv(text: str) -> list[str]:
 
 def _bench(args) -> int:
     from overcast.bench.report import plot_busbw, print_table
-    from overcast.bench.run import check_request, parse_size, run_bench
+    from overcast.bench.run import check_flags, check_request, parse_size, run_bench
 
     console = Console(width=None if sys.stdout.isatty() else 200)
     sizes = [parse_size(s) for s in _csv(args.sizes)]
     check_request(_csv(args.collectives), _csv(args.algorithms))
-    roots = [None if r == "all" else int(r) for r in _csv(args.roots)]
+    try:
+        roots = [None if r == "all" else int(r) for r in _csv(args.roots)]
+    except ValueError:
+        raise ValueError(f"--roots takes 'all' or whole numbers, comma-separated, not "
+                         f"{args.roots!r}") from None
+    check_flags(args.hosts, args.link_mbit * 1e6, args.reps, args.warmup, args.mtu, roots,
+                args.loss, args.loss_burst, args.slots)
     bar, progress = _progress(console)
     with bar:
         doc = run_bench(args.hosts, int(args.link_mbit * 1e6), sizes, _csv(args.collectives),

@@ -150,6 +150,11 @@ class Cluster:
                  service: bool = True):
         if hosts < 1:
             raise ClusterError("a cluster needs at least one host")
+        if not link_bits_per_s > 0:
+            raise ClusterError(f"the link rate must be above 0 bit/s, not {link_bits_per_s:g} "
+                               f"(--link-mbit {link_bits_per_s / 1e6:g})")
+        if not 68 <= mtu <= 65535:
+            raise ClusterError(f"--mtu must be between 68 (IPv4's least) and 65535, not {mtu}")
         self.hosts, self.link_bits_per_s, self.mtu = hosts, link_bits_per_s, mtu
         self.switch_queue_bytes = switch_queue_bytes
         self.fabric_bits_per_s = fabric_bits_per_s
