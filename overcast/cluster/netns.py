@@ -21,7 +21,6 @@ import secrets
 import shutil
 import signal
 import subprocess
-import sys
 import threading
 from dataclasses import dataclass
 

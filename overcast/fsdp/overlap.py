@@ -112,10 +112,10 @@ def _check_choice(what: str, value, allowed) -> None:
                                    f"{', '.join(map(repr, allowed))}")
 
 
-def _set_prefetch(blocks: list[FSDPModule], root: FSDPModule | None, prefetch: int) -> None:
+def _set_prefetch(blocks: list[FSDPModule], root: FSDPModule, prefetch: int) -> None:
     """Forward: each module prefetches the next `prefetch` blocks (the root, the first ones);
     backward: each block prefetches the `prefetch` blocks before it, nearest first."""
-    if root is not None and blocks:
+    if blocks:
         root.set_modules_to_forward_prefetch(blocks[:prefetch])
     for i, block in enumerate(blocks):
         block.set_modules_to_forward_prefetch(blocks[i + 1:i + 1 + prefetch])
@@ -176,7 +176,7 @@ class Overlap:
                 self.comm.close()
         finally:
             if self._switch is not None:
-                self._switch.close(self.comm.rank if self.comm else 0)
+                self._switch.close(self.comm.rank)
 
     def __enter__(self) -> "Overlap":
         return self
@@ -286,39 +286,37 @@ def overlap(model, *, comm: Communicator | None = None, backend: str = "overcast
         raise InvalidArgumentError(f"prefetch must be a whole number of blocks >= 0, not "
                                    f"{prefetch!r}")
     group = _shard_group(modules)
-    root = model
-    blocks = [m for _, m in modules if m is not root]
+    blocks = [m for _, m in modules if m is not model]
     times = CommTime(keep_labels=trace)
     if backend == "torch":
         if comm is not None:
             raise InvalidArgumentError("comm= is for backend='overcast'; backend='torch' uses "
                                        "the process group's own collectives")
+        allgather = reduce_scatter = None  # the process group's own
         model.set_separate_reduce_scatter_group(True)
         rs_group = next(pg.mesh_info.reduce_scatter_process_group for _, m in modules
                         for pg in _param_groups(m))
-        saved = _install(modules, None, None, None, times)
-        model._set_unshard_async_op(True)
-        _set_prefetch(blocks, root, prefetch)
-        return Overlap(model, None, False, times, saved=saved, rs_group=rs_group)
-
-    _check_choice("allgather", allgather, ALGORITHMS["all_gather"])
-    _check_choice("reduce_scatter", reduce_scatter, ALGORITHMS["reduce_scatter"])
-    _check_dtypes(modules)
-    if comm is not None and (comm.rank, comm.world_size) != (group.rank(), group.size()):
-        raise InvalidArgumentError(
-            f"the communicator is rank {comm.rank} of {comm.world_size}, but the FSDP mesh "
-            f"makes this process rank {group.rank()} of {group.size()}; create it over the "
-            f"mesh's ranks")
-    job_switch, owns = None, comm is None
-    if owns:
-        comm, job_switch = _communicator(group, reduce_scatter, trace)
-    handle = Overlap(model, comm, owns, times, job_switch)
+        handle = Overlap(model, None, False, times, rs_group=rs_group)
+    else:
+        _check_choice("allgather", allgather, ALGORITHMS["all_gather"])
+        _check_choice("reduce_scatter", reduce_scatter, ALGORITHMS["reduce_scatter"])
+        _check_dtypes(modules)
+        if comm is not None and (comm.rank, comm.world_size) != (group.rank(), group.size()):
+            raise InvalidArgumentError(
+                f"the communicator is rank {comm.rank} of {comm.world_size}, but the FSDP mesh "
+                f"makes this process rank {group.rank()} of {group.size()}; create it over "
+                f"the mesh's ranks")
+        job_switch, owns = None, comm is None
+        if owns:
+            comm, job_switch = _communicator(group, reduce_scatter, trace)
+        handle = Overlap(model, comm, owns, times, job_switch)
     try:
-        comm.check_algorithm("all_gather", allgather)
-        comm.check_algorithm("reduce_scatter", reduce_scatter)
+        if comm is not None:
+            comm.check_algorithm("all_gather", allgather)
+            comm.check_algorithm("reduce_scatter", reduce_scatter)
         handle._saved = _install(modules, comm, allgather, reduce_scatter, times)
         model._set_unshard_async_op(True)
-        _set_prefetch(blocks, root, prefetch)
+        _set_prefetch(blocks, model, prefetch)
     except BaseException:
         handle.close()
         raise

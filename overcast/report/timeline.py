@@ -21,7 +21,7 @@ WINDOWS = 40
 def last_run(trace: dict) -> list[dict]:
     """The spans of the last timed run: the last collectives issued that are not barriers,
     as many as were issued together (those that overlap the very last one)."""
-    spans = [s for s in trace["spans"] if s["name"] != BARRIER and s["end"] is not None]
+    spans = every_span(trace)
     if not spans:
         return []
     last = spans[-1]

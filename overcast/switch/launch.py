@@ -28,15 +28,15 @@ def _die_with_parent() -> None:
 
 
 def start_switch(host: str, port: int = 0, *, secrets: list[str], slots: int = 256,
-                 stats_path: str | None = None, prefix: tuple[str, ...] = (),
-                 env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
+                 stats_path: str | None = None,
+                 prefix: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str]:
     """Start the aggregator for the jobs whose secrets (hex) are given, listening on
     `host`:`port` (0: any free port); return the process and its "host:port" once it listens."""
     argv = [*prefix, sys.executable, "-m", "overcast.cli.main", "switch", "--host", host,
             "--port", str(port), "--slots", str(slots)]
     if stats_path:
         argv += ["--stats", stats_path]
-    full_env = {**os.environ, **(env or {}), "OVERCAST_SECRETS": ",".join(secrets)}
+    full_env = {**os.environ, "OVERCAST_SECRETS": ",".join(secrets)}
     proc = subprocess.Popen(argv, env=full_env, stdout=subprocess.PIPE, text=True,
                             preexec_fn=_die_with_parent)
     line = proc.stdout.readline()

@@ -48,26 +48,26 @@ def check_request(ways: list[str], hosts: int, steps: int, warmup: int,
 
 def summarize(way: str, per_rank: list[dict], warmup: int, switch_cpu: float | None) -> dict:
     steps = len(per_rank[0]["steps"])
-    timed = range(warmup, steps)
+
+    def per_step(key, over_ranks=max):
+        """Each step's value of `key` across ranks (the slowest, by default)."""
+        return [over_ranks(r["steps"][k][key] for r in per_rank) for k in range(steps)]
 
     def slowest(key):
-        return statistics.median(max(r["steps"][k][key] for r in per_rank) for k in timed)
+        return statistics.median(per_step(key)[warmup:])
 
     def median_of_means(key):
-        return statistics.median(statistics.fmean(r["steps"][k][key] for r in per_rank)
-                                 for k in timed)
+        return statistics.median(per_step(key, statistics.fmean)[warmup:])
     return {
         "way": way, "description": WAYS[way],
         "step_seconds": slowest("seconds"),
-        "step_seconds_all": [max(r["steps"][k]["seconds"] for r in per_rank)
-                             for k in range(steps)],
+        "step_seconds_all": per_step("seconds"),
         "forward_comm_seconds": slowest("forward_comm_seconds"),
         "backward_comm_seconds": slowest("backward_comm_seconds"),
         "backward_seconds": slowest("backward_seconds"),
         "cpu_seconds_per_rank": median_of_means("cpu_seconds"),
         "training_thread_cpu_seconds_per_rank": median_of_means("thread_cpu_seconds"),
-        "losses": [statistics.fmean(r["steps"][k]["loss"] for r in per_rank)
-                   for k in range(steps)],
+        "losses": per_step("loss", statistics.fmean),
         "tx_bytes_per_host_per_step": statistics.fmean(r["tx_bytes"] for r in per_rank) / steps,
         "rx_bytes_per_host_per_step": statistics.fmean(r["rx_bytes"] for r in per_rank) / steps,
         "collectives_per_step": {k: v / steps for k, v in per_rank[0]["comm"].items()
@@ -124,13 +124,8 @@ def run_training(hosts: int, link_bits: int, ways: list[str], steps: int, warmup
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "hosts": hosts, "link_bits_per_s": link_bits, "steps": steps, "warmup": warmup,
             "lr": lr, "model": cfg.as_dict(),
-            "parameters": sum(p.numel() for p in _model_parameters(cfg)),
+            "parameters": cfg.parameters(),
             "block_parameters": cfg.block_parameters(), "timelines": timelines,
             "machine": machine(), "torch": torch.__version__}
     return {"meta": meta, "results": results}
-
-
-def _model_parameters(cfg: GPTConfig):
-    from overcast.train.gpt import TinyGPT
-    return TinyGPT(cfg).parameters()
 

@@ -26,6 +26,11 @@ class GPTConfig:
     def block_parameters(self) -> int:
         return 12 * self.dim * self.dim + 13 * self.dim  # attention 4d^2+4d, MLP 8d^2+5d, norms 4d
 
+    def parameters(self) -> int:
+        """The whole model's: embeddings, blocks, final norm and head."""
+        return (self.vocab + self.seq) * self.dim + self.blocks * self.block_parameters() \
+            + 2 * self.dim + self.dim * self.vocab
+
 
 class Block(nn.Module):
     """Pre-norm causal self-attention and MLP."""
