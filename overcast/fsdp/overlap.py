@@ -199,8 +199,8 @@ def _job_store():
     return dist.distributed_c10d._get_default_store()
 
 
-# How long rank 0 waits, at close, for the other ranks to close before stopping the aggregator
-# it started (a rank that died never says so).
+# How long rank 0 waits for the other ranks, before stopping the aggregator it started or before
+# failing when it could not start one (a rank that died never answers).
 CLOSE_WAIT_SECONDS = 10.0
 
 
@@ -212,15 +212,21 @@ class _JobSwitch:
     def __init__(self, store, key: str, world: int, proc=None):
         self.store, self.key, self.world, self.proc = store, key, world, proc
 
+    def wait_for_others(self, what: str) -> None:
+        """Until every other rank has said `what`, or CLOSE_WAIT_SECONDS: rank 0 serves the
+        store, so it must not leave before they have read what they need from it."""
+        try:
+            self.store.wait([f"{self.key}{what}/{r}" for r in range(1, self.world)],
+                            datetime.timedelta(seconds=CLOSE_WAIT_SECONDS))
+        except RuntimeError:  # torch's DistStoreError on timeout: a rank that died or hangs
+            pass
+
     def close(self, rank: int) -> None:
         if self.proc is None:
             self.store.set(f"{self.key}closed/{rank}", b"1")
             return
         try:
-            self.store.wait([f"{self.key}closed/{r}" for r in range(1, self.world)],
-                            datetime.timedelta(seconds=CLOSE_WAIT_SECONDS))
-        except RuntimeError:  # torch's DistStoreError on timeout
-            pass  # a rank that died or hangs: stop it anyway
+            self.wait_for_others("closed")
         finally:
             stop_switch(self.proc)
 
@@ -247,6 +253,7 @@ def _communicator(group: dist.ProcessGroup, reduce_scatter: str, trace: bool):
                 job_switch.proc, switch = start_switch(host, 0, secrets=[secret_hex])
             except (SwitchStartError, OSError) as err:
                 store.set(key + "switch", f"error: rank 0 could not start an aggregator: {err}")
+                job_switch.wait_for_others("read")
                 raise
         store.set(key + "switch", switch or "")
     else:
@@ -254,6 +261,7 @@ def _communicator(group: dist.ProcessGroup, reduce_scatter: str, trace: bool):
             secret_hex = bytes(store.get(key + "secret")).decode()
         switch = bytes(store.get(key + "switch")).decode() or None
         if switch and switch.startswith("error: "):
+            store.set(f"{key}read/{rank}", b"1")  # rank 0 waits for this before it leaves
             raise OvercastError(switch[len("error: "):])
     try:
         comm = Communicator(rank, world, name=name, store=store,
