@@ -211,6 +211,18 @@ class Communicator:
         own counts (chunks multicast, repaired, repair bytes...)."""
         return self._engine.counters()
 
+    def memory(self) -> dict:
+        """Bytes this communicator holds now, by kind: kernel socket buffers, its read and send
+        buffers, the bookkeeping of collectives in flight, and what the aggregator may hold
+        for it (its slots of one chunk per rank). Collectives read and write the caller's
+        buffers in place: of all this, only the bookkeeping grows with a collective's size,
+        by a byte or so per chunk."""
+        held = self._engine.memory()
+        if self._switch_error is None:
+            held["aggregator_slot_bytes"] = self._switch_slots * self.world_size * \
+                self.chunk_bytes
+        return held
+
     def trace(self) -> dict | None:
         """The recorded timeline (see overcast.engine.trace), if tracing is on."""
         return self._engine.trace.to_dict() if self._engine.trace else None

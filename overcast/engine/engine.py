@@ -322,6 +322,24 @@ class Engine:
             d.close()
 
     # -- introspection ---------------------------------------------------------------------
+    def memory(self) -> dict:
+        """What this engine holds now: the kernel's socket buffers (send and receive, as the
+        kernel sized them), its own read buffers, and the bookkeeping of the collectives in
+        flight. Read from any thread: the containers are copied first (atomic in CPython)."""
+        streams = list(self.streams.copy().values())
+        sockets = [s.sock for s in streams] + [d.sock for d in self._datagram_sockets]
+        kernel = 0
+        for sock in sockets:
+            if sock.fileno() >= 0:
+                kernel += sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) + \
+                    sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
+        active = list(self.session.active.copy().values())
+        return {"socket_buffer_bytes": kernel,
+                "read_buffer_bytes": sum(s.buffer_bytes() for s in streams) +
+                sum(d.buffer_bytes() for d in self._datagram_sockets),
+                "collectives_in_flight": len(active),
+                "collective_state_bytes": sum(c.state_bytes() for c in active)}
+
     def counters(self) -> dict:
         streams = list(self.streams.values())
         return {

@@ -9,7 +9,9 @@ while the engine thread drives it and, beside it, the AllGather FSDP prefetched 
 before: that is the overlap. The same objects can call the process group's collectives instead,
 so that FSDP2's own path is timed the same way.
 
-The training thread only posts and waits; `CommTime` counts how long it spends doing each.
+The training thread only posts and waits; `CommTime` counts how long it spends doing each. Each
+collective is also a `torch.profiler` range ("overcast AllGather blocks.1 (multicast)") from its
+post to the end of its wait, so the overlap shows in the traces users already take.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch.autograd.profiler import record_function
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
 from overcast.engine.engine import Work
@@ -38,6 +41,9 @@ class CommTime:
     reduce_scatters: int = 0
     keep_labels: bool = False          # only for timelines: one entry per collective
     labels: dict[int, str] = field(default_factory=dict)  # collective seq -> "AG blocks.3"
+    # with keep_labels: (kind "AG"/"RS", label, posted, waited) per collective, perf_counter
+    # seconds; the time each was in flight as the training thread saw it, either backend
+    spans: list[tuple[str, str, float, float]] = field(default_factory=list)
 
     def as_dict(self) -> dict:
         return {"post_seconds": self.post_seconds, "wait_seconds": self.wait_seconds,
@@ -63,13 +69,32 @@ class _Clock:
         self.times.thread_cpu_seconds += time.thread_time() - self.cpu0
 
 
+class _InFlight:
+    """One collective from post to the end of its wait: a profiler range, and a span in
+    `CommTime` if it keeps them."""
+
+    def __init__(self, times: CommTime, kind: str, label: str, name: str):
+        self.times, self.kind, self.label = times, kind, label
+        self.range = record_function(name)
+        self.range.__enter__()
+        self.posted = time.perf_counter()
+
+    def end(self) -> None:
+        if self.range is None:
+            return
+        self.range.__exit__(None, None, None)
+        self.range = None
+        if self.times.keep_labels:
+            self.times.spans.append((self.kind, self.label, self.posted, time.perf_counter()))
+
+
 class TimedWork(dist.Work):
     """A collective in flight, overcast's or torch's, seen as a torch.distributed Work (so that
     FSDP2 waits on it), its wait timed into `CommTime`."""
 
-    def __init__(self, work, times: CommTime):
+    def __init__(self, work, times: CommTime, in_flight: _InFlight):
         super().__init__()
-        self._work, self._times = work, times
+        self._work, self._times, self._in_flight = work, times, in_flight
 
     def wait(self, timeout=None) -> bool:
         """As torch's: a timeout of None or zero waits for as long as it takes."""
@@ -77,11 +102,17 @@ class TimedWork(dist.Work):
             timeout = None
         with _Clock(self._times, "wait"):
             if isinstance(self._work, dist.Work):
-                return self._work.wait() if timeout is None else self._work.wait(timeout)
-            return self._work.wait(None if timeout is None else timeout.total_seconds())
+                done = self._work.wait() if timeout is None else self._work.wait(timeout)
+            else:
+                done = self._work.wait(None if timeout is None else timeout.total_seconds())
+        self._in_flight.end()  # both raise if the collective is not done
+        return done
 
     def is_completed(self) -> bool:
         return self._work.is_completed()
+
+
+_NAMES = {"AG": "AllGather", "RS": "ReduceScatter"}
 
 
 class _Hook:
@@ -98,15 +129,21 @@ class _Hook:
         return torch.empty(*size, dtype=dtype, device=device)
 
     def _post(self, kind: str, issue, async_op: bool):
+        name = f"overcast {_NAMES[kind]} {self.label} ({self.algorithm or 'process group'})"
         with _Clock(self.times, "post"):
-            work = issue()
+            in_flight = _InFlight(self.times, kind, self.label, name)
+            try:
+                work = issue()
+            except BaseException:
+                in_flight.end()
+                raise
             if kind == "AG":
                 self.times.allgathers += 1
             else:
                 self.times.reduce_scatters += 1
             if self.times.keep_labels and isinstance(work, Work):
                 self.times.labels[work.seq] = f"{kind} {self.label}"
-        timed = TimedWork(work, self.times)
+        timed = TimedWork(work, self.times, in_flight)
         if async_op:
             return timed
         timed.wait()
@@ -128,20 +165,30 @@ class TimedAllGather(_Hook, AllGather):
         return self._post("AG", issue, async_op)
 
 
-def reduce_op(op) -> tuple[str, float | None]:
-    """FSDP2's ReduceOp as (overcast op, factor to multiply the input by first), or a named
+def premultiplied(op, tensor: torch.Tensor, group: dist.ProcessGroup | None):
+    """The op to reduce `tensor` with. ReduceOp.PREMUL_SUM(factor), which FSDP2 uses for a
+    gradient divide factor, becomes SUM after multiplying `tensor` by the factor here, as
+    NCCL's PreMulSum does, wherever the reduction has no PREMUL_SUM of its own: overcast's
+    (group None) and gloo's."""
+    factor = getattr(op, "factor", None)
+    if getattr(op, "op", None) != RedOpType.PREMUL_SUM or \
+            (group is not None and dist.get_backend(group) == "nccl"):
+        return op
+    if not isinstance(factor, float):
+        raise InvalidArgumentError("ReduceOp.PREMUL_SUM with a tensor factor is not supported; "
+                                   "give set_gradient_divide_factor a number")
+    tensor.mul_(factor)
+    return RedOpType.SUM
+
+
+def reduce_op(op) -> str:
+    """FSDP2's ReduceOp (after `premultiplied`) as overcast's op name, or a named
     InvalidArgumentError for an op overcast does not reduce with."""
     kind = op if isinstance(op, RedOpType) else getattr(op, "op", None)
     if kind == RedOpType.SUM:
-        return "sum", None
+        return "sum"
     if kind == RedOpType.AVG:
-        return "avg", None
-    if kind == RedOpType.PREMUL_SUM:
-        factor = getattr(op, "factor", None)
-        if isinstance(factor, float):
-            return "sum", factor
-        raise InvalidArgumentError("ReduceOp.PREMUL_SUM with a tensor factor is not supported; "
-                                   "give set_gradient_divide_factor a number")
+        return "avg"
     name = getattr(kind, "name", str(op))
     raise InvalidArgumentError(f"overcast cannot reduce gradients with ReduceOp.{name}; it "
                                f"reduces with SUM, AVG and PREMUL_SUM (what FSDP2 uses)")
@@ -154,12 +201,11 @@ class TimedReduceScatter(_Hook, ReduceScatter):
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                  group: dist.ProcessGroup, op, async_op: bool = False):
         if self.comm is None:
+            op = premultiplied(op, input_tensor, group)
             issue = lambda: dist.reduce_scatter_single(output_tensor, input_tensor,  # noqa
                                                        group=group, op=op, async_op=True)
             return self._post("RS", issue, async_op)
-        name, factor = reduce_op(op)
-        if factor is not None:  # as NCCL's PreMulSum: scale each rank's input, then sum
-            input_tensor.mul_(factor)
+        name = reduce_op(premultiplied(op, input_tensor, None))
         issue = lambda: self.comm.reduce_scatter(output_tensor, input_tensor,  # noqa: E731
                                                  op=name, async_op=True,
                                                  algorithm=self.algorithm)

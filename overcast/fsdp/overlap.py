@@ -19,8 +19,8 @@ import secrets as secrets_module
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.fsdp._fully_shard._fsdp_common import HSDPMeshInfo
 
 from overcast.buffers import DTYPES, as_array
 from overcast.comm import ALGORITHMS, Communicator
@@ -41,33 +41,39 @@ def _torch_dtype_ok(dtype: torch.dtype) -> bool:
 
 
 def _fsdp_modules(model) -> list[tuple[str, FSDPModule]]:
+    """Every FSDPModule in `model`, the model (the FSDP root) first."""
     if not isinstance(model, FSDPModule):
+        inner = isinstance(model, nn.Module) and any(isinstance(m, FSDPModule)
+                                                     for m in model.modules())
         raise InvalidArgumentError(
+            f"overlap() needs the model's root to be sharded too; {type(model).__name__} "
+            f"holds fully_shard()-ed modules but is not one: each is then an FSDP root of "
+            f"its own, FSDP2 does not prefetch across roots, and nothing would overlap. Call "
+            f"fully_shard(model) on the root as well (it may hold no parameters of its own)"
+            if inner else
             f"overlap() needs a model that fully_shard() has been applied to (an FSDPModule); "
             f"got {type(model).__name__}. Call fully_shard on each block, then on the root")
-    return [(name or "root", m) for name, m in model.named_modules() if isinstance(m, FSDPModule)]
+    return [(name or "root", m) for name, m in model.named_modules()
+            if isinstance(m, FSDPModule)]
 
 
 def _param_groups(module: FSDPModule):
     return module._get_fsdp_state()._fsdp_param_groups
 
 
-def _shard_group(modules) -> dist.ProcessGroup:
-    """The one flat shard process group every module's parameters are sharded over."""
+def _shard_group(modules, backend: str) -> dist.ProcessGroup:
+    """The one shard process group every module's parameters are sharded over (with HSDP, the
+    replica group this rank is in); FSDP2 gathers and reduce-scatters over it."""
     group, ranks = None, None
     for name, module in modules:
         for pg in _param_groups(module):
             info = pg.mesh_info
-            if isinstance(info, HSDPMeshInfo) or info.mesh.ndim != 1:
-                raise InvalidArgumentError(
-                    f"module {name!r} is sharded over a {info.mesh.ndim}-D mesh "
-                    f"{tuple(info.mesh.shape)}; overlap() needs one flat shard dimension "
-                    f"(init_device_mesh('cpu', (world_size,))); HSDP is not supported")
-            if pg._use_post_forward_mesh:
+            if backend == "overcast" and pg._use_post_forward_mesh:
                 raise InvalidArgumentError(
                     f"module {name!r} reshards to a smaller group after forward "
-                    f"(reshard_after_forward=<int>), whose AllGathers run on a subgroup; "
-                    f"overlap() supports reshard_after_forward=True or False")
+                    f"(reshard_after_forward=<int>), whose AllGathers run on a subgroup "
+                    f"overcast has no communicator for; use reshard_after_forward=True or "
+                    f"False, or backend='torch'")
             these = dist.get_process_group_ranks(info.shard_process_group)
             if ranks is None:
                 group, ranks = info.shard_process_group, these
@@ -151,6 +157,17 @@ class Overlap:
         """Seconds the training thread spent posting and waiting on collectives, its CPU time
         in them, and the number of each, since overlap()."""
         return self.times.as_dict()
+
+    def spans(self) -> list[tuple[str, str, float, float]]:
+        """With trace=True, each collective as (kind "AG"/"RS", module, posted, waited) in
+        time.perf_counter() seconds: when the training thread had it in flight, either backend."""
+        return list(self.times.spans)
+
+    def memory(self) -> dict:
+        """Bytes overcast holds for this model besides FSDP2's own buffers (see
+        Communicator.memory()); zeros for backend="torch", whose buffers are the process
+        group's."""
+        return self.comm.memory() if self.comm is not None else {}
 
     def timeline(self) -> dict | None:
         """The communicator's trace (if it was made with trace=True), spans named by module."""
@@ -284,16 +301,17 @@ def overlap(model, *, comm: Communicator | None = None, backend: str = "overcast
     Communicator over the FSDP mesh's ranks, meeting through the job's store) with the given
     AllGather ("multicast" or "ring") and ReduceScatter ("innetwork" or "ring") algorithms.
     backend="torch" keeps the process group's collectives and gives ReduceScatter its own group
-    (`allgather`, `reduce_scatter` and `trace` apply to backend="overcast" only).
+    (`allgather` and `reduce_scatter` apply to backend="overcast" only).
     `prefetch` is how many blocks ahead FSDP gathers (forward) and behind (backward); 0 turns
-    explicit prefetching off. `trace` records the communicator's timeline (see timeline()).
+    explicit prefetching off. `trace` records each collective's span (spans()) and, for
+    backend="overcast", the communicator's timeline (timeline()).
     """
     modules = _fsdp_modules(model)
     _check_choice("backend", backend, BACKENDS)
     if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
         raise InvalidArgumentError(f"prefetch must be a whole number of blocks >= 0, not "
                                    f"{prefetch!r}")
-    group = _shard_group(modules)
+    group = _shard_group(modules, backend)
     blocks = [m for _, m in modules if m is not model]
     times = CommTime(keep_labels=trace)
     if backend == "torch":

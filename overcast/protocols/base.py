@@ -105,6 +105,12 @@ class Collective:
         """What the collective still waits for, for timeout messages."""
         return "data"
 
+    def state_bytes(self) -> int:
+        """Bytes of bookkeeping this collective owns (its own arrays, not the caller's buffers
+        it reads and writes in place)."""
+        return sum(v.nbytes for v in vars(self).values()
+                   if isinstance(v, np.ndarray) and v.base is None)
+
     # -- outbox ----------------------------------------------------------------------------
     def queue(self, route: tuple[int, int], msg: Outgoing) -> None:
         box = self.outbox.get(route)

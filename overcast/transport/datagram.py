@@ -94,6 +94,10 @@ class Datagrams:
     def fileno(self) -> int:
         return self.sock.fileno()
 
+    def buffer_bytes(self) -> int:
+        """User-space bytes held: the read buffer and datagrams queued to send."""
+        return len(self._buf) + sum(len(d) for d, _ in self._out.copy())
+
     @property
     def queued(self) -> int:
         return len(self._out)

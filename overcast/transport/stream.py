@@ -43,6 +43,10 @@ class Stream:
     def fileno(self) -> int:
         return self.sock.fileno()
 
+    def buffer_bytes(self) -> int:
+        """User-space bytes held: the read buffer and frames queued to send."""
+        return len(self._rbuf) + self.queued_bytes
+
     # -- reading ---------------------------------------------------------------------------
     def read(self, on_message) -> None:
         """Read what is available and call on_message(header, payload) per authentic frame.
