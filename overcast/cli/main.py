@@ -71,7 +71,9 @@ def _train(args) -> int:
 
     console = Console(width=None if sys.stdout.isatty() else 200)
     ways = _csv(args.ways)
-    cfg = GPTConfig(blocks=args.blocks, dim=args.dim, batch_per_rank=args.batch)
+    cfg = GPTConfig(blocks=args.blocks, dim=args.dim, batch_per_rank=args.batch,
+                    micro_steps=args.micro_steps,
+                    activation_checkpointing=args.activation_checkpointing)
     check_request(ways, args.hosts, args.steps, args.warmup, args.link_mbit * 1e6, cfg, args.lr)
     os.makedirs(args.out, exist_ok=True)
     bar, progress = _progress(console)
@@ -167,7 +169,13 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--warmup", type=int, default=1, help="first steps left out of the times")
     t.add_argument("--blocks", type=int, default=4, help="transformer blocks")
     t.add_argument("--dim", type=int, default=256, help="model width")
-    t.add_argument("--batch", type=int, default=4, help="sequences per rank per step")
+    t.add_argument("--batch", type=int, default=4,
+                   help="sequences per rank per micro-step")
+    t.add_argument("--micro-steps", type=int, default=1,
+                   help="gradient accumulation: micro-batches per optimizer step, gradients "
+                        "reduced on the last only (set_requires_gradient_sync)")
+    t.add_argument("--activation-checkpointing", action="store_true",
+                   help="recompute each block's activations in backward (checkpoint_wrapper)")
     t.add_argument("--lr", type=float, default=1e-3)
     t.add_argument("--out", default="out/train", help="folder for results, plots and traces")
     t.set_defaults(func=_train)

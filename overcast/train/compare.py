@@ -36,9 +36,9 @@ def check_request(ways: list[str], hosts: int, steps: int, warmup: int,
                          f"be 0 or more")
     if not link_bits > 0:
         raise ValueError(f"--link-mbit must be a rate above 0, not {link_bits / 1e6:g}")
-    if cfg.blocks < 1 or cfg.batch_per_rank < 1:
-        raise ValueError(f"--blocks ({cfg.blocks}) and --batch ({cfg.batch_per_rank}) must be 1 "
-                         f"or more")
+    if cfg.blocks < 1 or cfg.batch_per_rank < 1 or cfg.micro_steps < 1:
+        raise ValueError(f"--blocks ({cfg.blocks}), --batch ({cfg.batch_per_rank}) and "
+                         f"--micro-steps ({cfg.micro_steps}) must be 1 or more")
     if cfg.dim < cfg.heads or cfg.dim % cfg.heads:
         raise ValueError(f"--dim must be a positive multiple of {cfg.heads} (the attention "
                          f"heads), not {cfg.dim}")

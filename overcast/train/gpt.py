@@ -19,6 +19,8 @@ class GPTConfig:
     seq: int = 64
     batch_per_rank: int = 4
     seed: int = 0
+    micro_steps: int = 1                    # gradient accumulation: batches per optimizer step
+    activation_checkpointing: bool = False  # recompute each block's activations in backward
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -101,8 +103,13 @@ def rank_batch(cfg: GPTConfig, step: int, rank: int, world: int):
 
 def shard(model: TinyGPT, mesh, **fully_shard_kwargs) -> TinyGPT:
     """fully_shard every block, then the root (embeddings, final norm and head). The last block
-    keeps its parameters after forward, as torchtitan does: backward needs them at once."""
+    keeps its parameters after forward, as torchtitan does: backward needs them at once. With
+    activation checkpointing each block is wrapped first, as torchtitan does."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     from torch.distributed.fsdp import fully_shard
+    if model.cfg.activation_checkpointing:
+        for i, block in enumerate(model.blocks):
+            model.blocks[i] = checkpoint_wrapper(block)
     last = len(model.blocks) - 1
     for i, block in enumerate(model.blocks):
         fully_shard(block, mesh=mesh, reshard_after_forward=i < last, **fully_shard_kwargs)

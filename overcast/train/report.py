@@ -14,8 +14,10 @@ from overcast.train.compare import PEER
 def table(doc: dict) -> Table:
     meta = doc["meta"]
     m = meta["model"]
+    recipe = (f", {m['micro_steps']} micro-steps" if m.get("micro_steps", 1) > 1 else "") + \
+        (", activation checkpointing" if m.get("activation_checkpointing") else "")
     t = Table(title=f"GPT ({meta['parameters'] / 1e6:.2f} M parameters, {m['blocks']} blocks, "
-                    f"dim {m['dim']}) with FSDP2 on {meta['hosts']} hosts, "
+                    f"dim {m['dim']}{recipe}) with FSDP2 on {meta['hosts']} hosts, "
                     f"{meta['link_bits_per_s'] / 1e6:g} Mbit/s per direction; median of steps "
                     f"{meta['warmup'] + 1}-{meta['steps']}")
     for name in ("way", "step s", f"speedup vs {PEER}", "fwd comm s", "bwd comm s",

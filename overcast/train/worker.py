@@ -62,22 +62,34 @@ def train_rank(rank: int, way: str, config: dict, steps: int, lr: float, trace: 
             rows = []
             dist.barrier()
             nic0 = read_nic_counters()
+            micro = cfg.micro_steps
             for step in range(steps):
-                inputs, targets = rank_batch(cfg, step, rank, world)
                 t0, cpu0, thread0 = time.perf_counter(), time.process_time(), time.thread_time()
-                comm0 = times.post_seconds + times.wait_seconds
-                loss = model(inputs, targets)
-                backward_start, comm1 = time.monotonic(), times.post_seconds + times.wait_seconds
-                loss.backward()
-                backward_end, comm2 = time.monotonic(), times.post_seconds + times.wait_seconds
+                losses, forward_comm, backward_comm, backward_seconds = [], 0.0, 0.0, 0.0
+                for m in range(micro):  # gradient accumulation: only the last one reduces
+                    if micro > 1:
+                        model.set_requires_gradient_sync(m == micro - 1)
+                    inputs, targets = rank_batch(cfg, step * micro + m, rank, world)
+                    comm0 = times.post_seconds + times.wait_seconds
+                    loss = model(inputs, targets)
+                    backward_start, comm1 = time.monotonic(), times.post_seconds + \
+                        times.wait_seconds
+                    (loss / micro).backward()
+                    backward_end, comm2 = time.monotonic(), times.post_seconds + \
+                        times.wait_seconds
+                    losses.append(loss.item())
+                    forward_comm += comm1 - comm0
+                    backward_comm += comm2 - comm1
+                    backward_seconds += backward_end - backward_start
                 optimizer.step()
                 optimizer.zero_grad()
-                rows.append({"loss": loss.item(), "seconds": time.perf_counter() - t0,
-                             "forward_comm_seconds": comm1 - comm0,
-                             "backward_comm_seconds": comm2 - comm1,
-                             "backward_seconds": backward_end - backward_start,
+                rows.append({"loss": sum(losses) / micro, "seconds": time.perf_counter() - t0,
+                             "forward_comm_seconds": forward_comm,
+                             "backward_comm_seconds": backward_comm,
+                             "backward_seconds": backward_seconds,
                              "cpu_seconds": time.process_time() - cpu0,
                              "thread_cpu_seconds": time.thread_time() - thread0,
+                             # the last micro-step's: the one that reduces gradients
                              "backward_window": [backward_start, backward_end]})
             nic = read_nic_counters() - nic0
             timeline = handle.timeline()
