@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import overcast
+from conftest import root_only
 from overcast.cluster.launch import RankError, loopback_placements, run_ranks
 from overcast.wire.auth import Sealer, derive_key
 from overcast.wire.header import Kind
@@ -164,3 +165,64 @@ def test_forged_foreign_and_replayed_datagrams_are_dropped_and_counted():
     counters = run_ranks(with_comm(body), loopback_placements(2), timeout=60)[0]
     assert counters["drops"] == {"malformed": 1, "bad_mac": 1, "foreign": 1, "replayed": 2}
     assert counters["stale"] == 1
+
+
+# Mismatched calls of the datagram algorithms on the emulated cluster: (what every rank issues,
+# what rank 1 issues instead), as (kind, algorithm, count, dtype or root).
+MISMATCHES = {
+    "multicast size": (("ag", "multicast", 20_000, np.float32),
+                       ("ag", "multicast", 20_100, np.float32)),
+    "multicast dtype": (("ag", "multicast", 20_000, np.float32),
+                        ("ag", "multicast", 20_000, np.int32)),
+    "broadcast root": (("bcast", "multicast", 20_000, 0), ("bcast", "multicast", 20_000, 2)),
+    "innetwork size": (("rs", "innetwork", 20_000, np.float32),
+                       ("rs", "innetwork", 20_100, np.float32)),
+    "pair order": (("pair", "ag,rs", 20_000, np.float32), ("pair", "rs,ag", 20_000, np.float32)),
+}
+
+
+def _issue(comm, kind, algorithm, count, param):
+    world = comm.world_size
+    if kind == "ag":
+        comm.all_gather(np.empty(world * count, param), np.zeros(count, param),
+                        algorithm=algorithm)
+    elif kind == "bcast":
+        comm.broadcast(np.zeros(count, np.float32), root=param)
+    elif kind == "rs":
+        comm.reduce_scatter(np.empty(count, param), np.ones(world * count, param),
+                            algorithm=algorithm)
+    else:  # the overlapped pair, in flight at once
+        ag = lambda: comm.all_gather(np.empty(world * count, param),  # noqa: E731
+                                     np.zeros(count, param), algorithm="multicast",
+                                     async_op=True)
+        rs = lambda: comm.reduce_scatter(np.empty(count, param),  # noqa: E731
+                                         np.ones(world * count, param),
+                                         algorithm="innetwork", async_op=True)
+        first, second = (ag, rs) if algorithm == "ag,rs" else (rs, ag)
+        works = [first(), second()]
+        for work in works:
+            work.wait()
+
+
+def mismatches(rank, trials):
+    outcomes = {}
+    for name, (same, odd) in MISMATCHES.items():
+        for trial in range(trials):
+            with overcast.Communicator(name=f"{name}-{trial}", timeout=20) as comm:
+                call = odd if rank == 1 else same
+                outcomes[f"{name}/{trial}"] = outcome(lambda: _issue(comm, *call))[:2]
+    return outcomes
+
+
+@root_only
+def test_mismatches_of_datagram_algorithms_are_named_on_every_rank_on_the_cluster():
+    from overcast.cluster.netns import Cluster
+    with Cluster(4, 400_000_000) as cluster:
+        switch = cluster.start_switch()
+        results = cluster.run(mismatches, args=(3,), timeout=600)
+        cluster.stop_switch(switch)
+    for rank, outcomes in enumerate(results):
+        assert len(outcomes) == 3 * len(MISMATCHES)
+        for trial, (name, message) in outcomes.items():
+            assert name == "CollectiveMismatchError", (rank, trial, message)
+            assert "differs across ranks" in message, (rank, trial, message)

@@ -77,6 +77,11 @@ class Collective:
     when every byte they need is in place.
     """
 
+    # Whether the collective may finish only once every peer's DESCRIBE has matched. A ring's
+    # data passes every rank on the streams behind the DESCRIBEs, so a mismatch always shows
+    # first; datagram protocols need the check, or a rank could finish a mismatched call.
+    verify_every_peer = False
+
     def __init__(self, seq: int, rank: int, world: int, desc: Descriptor):
         self.seq, self.rank, self.world, self.desc = seq, rank, world, desc
         self.outbox: dict[tuple[int, int], collections.deque[Outgoing]] = {}

@@ -42,6 +42,8 @@ ACK_DELAY_SECONDS = 0.002
 
 
 class InNetworkReduceScatter(Collective):
+    verify_every_peer = True
+
     def __init__(self, seq: int, rank: int, world: int, desc: Descriptor, output: np.ndarray,
                  input: np.ndarray, *, chunk_bytes: int, slots: int, budget: LinkBudget):
         super().__init__(seq, rank, world, desc)

@@ -46,6 +46,8 @@ class MulticastGather(Collective):
     share of the receivers' links that in-network reductions in flight need for their results.
     """
 
+    verify_every_peer = True
+
     def __init__(self, seq: int, rank: int, world: int, desc: Descriptor, buffer: np.ndarray,
                  segments: list[tuple[int, int, int]], *, source: np.ndarray | None,
                  roots: int, chunk_bytes: int, budget: LinkBudget):

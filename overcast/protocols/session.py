@@ -55,6 +55,8 @@ class Session:
         self.early_dropped = 0
         self._early_datagram_bytes = 0
         self.stats: collections.Counter = collections.Counter()
+        # collectives that verify every peer: seq -> peers whose DESCRIBE has not matched yet
+        self.unverified: dict[int, set[int]] = {}
         self._rr = 0
 
     # -- posting and finishing -----------------------------------------------------------
@@ -76,8 +78,12 @@ class Session:
         self.active[coll.seq] = coll
         self.last_progress[coll.seq] = now
         if self.world > 1:
-            self._send_control(Kind.DESCRIBE, coll.seq, (self.rank + 1) % self.world,
-                               coll.desc.pack())
+            peers = [p for p in range(self.world) if p != self.rank] \
+                if coll.verify_every_peer else [(self.rank + 1) % self.world]
+            for peer in peers:
+                self._send_control(Kind.DESCRIBE, coll.seq, peer, coll.desc.pack())
+            if coll.verify_every_peer:
+                self.unverified[coll.seq] = set(peers)
         self._guard(coll, coll.start, now)
         for hdr, payload in self.early.pop(coll.seq, ()):
             if hdr.kind in _DATAGRAM_KINDS:
@@ -86,7 +92,12 @@ class Session:
         self._settle(coll)
 
     def _settle(self, coll: Collective) -> None:
-        if (coll.done or coll.error is not None) and coll.seq in self.active:
+        """Finish `coll` if it failed, or if it is done and every DESCRIBE it waits for has
+        matched."""
+        if coll.error is None and (not coll.done or self.unverified.get(coll.seq)):
+            return
+        if coll.seq in self.active:
+            self.unverified.pop(coll.seq, None)
             del self.active[coll.seq]
             del self.last_progress[coll.seq]
             self.history[coll.seq] = coll.desc
@@ -126,7 +137,12 @@ class Session:
         try:
             coll.receive(hdr, payload, now)
         except ProtocolError as err:
-            self.abort(err)
+            if kind in _DATAGRAM_KINDS:
+                # A datagram proves only that some rank sent it once, to someone: one that does
+                # not fit is dropped and counted. A mismatched call is named by its DESCRIBE.
+                self.stats["misfit_datagrams"] += 1
+            else:
+                self.abort(err)
         self._settle(coll)
 
     def _receive_control(self, hdr, payload, now: float) -> None:
@@ -146,6 +162,9 @@ class Session:
                 self.abort(CollectiveMismatchError(
                     f"collective #{hdr.seq} differs across ranks: rank {hdr.src} issued "
                     f"{theirs}, rank {self.rank} issued {mine}"))
+            elif coll is not None and hdr.seq in self.unverified:
+                self.unverified[hdr.seq].discard(hdr.src)
+                self._settle(coll)
         elif hdr.kind == Kind.ABORT:
             code = _ABORT.unpack_from(payload)[0] if len(payload) >= 1 else 0
             cls = _ERROR_CLASSES[code] if code < len(_ERROR_CLASSES) else OvercastError
@@ -223,12 +242,20 @@ class Session:
                 self.abort(CollectiveTimeoutError(
                     f"{coll.desc} #{seq} on rank {self.rank} made no progress for "
                     f"{self.timeout:.1f} s; waiting for "
-                    f"{coll.waiting_for() if not coll.received_all else 'its sends to drain'}"))
+                    f"{self._waiting_for(coll)}"))
                 return
             t = coll.get_timer()
             if t is not None and now >= t:
                 self._guard(coll, coll.handle_timer, now)
                 self._settle(coll)
+
+    def _waiting_for(self, coll: Collective) -> str:
+        if not coll.received_all:
+            return coll.waiting_for()
+        if coll.done:
+            return "the DESCRIBE of " + ", ".join(
+                f"rank {p}" for p in sorted(self.unverified.get(coll.seq, ())))
+        return "its sends to drain"
 
     # -- sending ---------------------------------------------------------------------------
     def _send_control(self, kind: int, seq: int, peer: int, payload: bytes) -> None:

@@ -1,0 +1,105 @@
+"""Mismatched calls across ranks, sans I/O, over a lossy and reordering fabric: whatever the
+timing, every rank fails with the same CollectiveMismatchError naming both calls. The datagrams
+of a mismatched call race the DESCRIBEs that name it; they are dropped and counted, never taken
+as a broken peer."""
+
+import numpy as np
+import pytest
+
+from fabric import Fabric
+from overcast.errors import CollectiveMismatchError
+from overcast.protocols.base import Descriptor
+from overcast.protocols.budget import LinkBudget
+from overcast.protocols.innetwork import InNetworkReduceScatter
+from overcast.protocols.multicast import MulticastGather
+from overcast.schedules.chains import concurrent_senders
+from overcast.switch.aggregator import Aggregator
+
+WORLD, CHUNK, RATE = 4, 64, 1e6
+U8, F32 = np.dtype(np.uint8), np.dtype(np.float32)
+
+
+def all_gather(seq, rank, n=128, dtype=U8):
+    desc = Descriptor("all_gather", "multicast", dtype, n, param=WORLD)
+    size = n * dtype.itemsize
+    return MulticastGather(seq, rank, WORLD, desc, np.empty(WORLD * n, dtype),
+                           [(q, q * size, size) for q in range(WORLD)],
+                           source=np.full(n, rank, dtype), roots=WORLD, chunk_bytes=CHUNK,
+                           budget=LinkBudget(RATE * concurrent_senders(WORLD, WORLD)))
+
+
+def broadcast(seq, rank, n=300, root=0):
+    desc = Descriptor("broadcast", "multicast", U8, n, param=root)
+    buf = np.full(n, 7 if rank == root else 0, np.uint8)
+    return MulticastGather(seq, rank, WORLD, desc, buf, [(root, 0, n)], source=None, roots=1,
+                           chunk_bytes=CHUNK, budget=LinkBudget(RATE))
+
+
+def reduce_scatter(seq, rank, n=100, dtype=F32, op="sum"):
+    desc = Descriptor("reduce_scatter", "innetwork", dtype, n, op)
+    return InNetworkReduceScatter(seq, rank, WORLD, desc, np.empty(n, dtype),
+                                  np.ones(WORLD * n, dtype), chunk_bytes=CHUNK, slots=8,
+                                  budget=LinkBudget(RATE))
+
+
+# What every rank issues, and what rank 1 issues instead: (seq, rank) -> collective
+CASES = {
+    "all_gather size": (lambda s, r: all_gather(s, r), lambda s, r: all_gather(s, r, n=129)),
+    "all_gather dtype": (lambda s, r: all_gather(s, r, n=32, dtype=F32),
+                         lambda s, r: all_gather(s, r, n=128)),  # the same bytes
+    "broadcast root": (lambda s, r: broadcast(s, r), lambda s, r: broadcast(s, r, root=2)),
+    "broadcast size": (lambda s, r: broadcast(s, r), lambda s, r: broadcast(s, r, n=301)),
+    "reduce_scatter size": (lambda s, r: reduce_scatter(s, r),
+                            lambda s, r: reduce_scatter(s, r, n=101)),
+    "reduce_scatter op": (lambda s, r: reduce_scatter(s, r),
+                          lambda s, r: reduce_scatter(s, r, op="avg")),
+    "reduce_scatter dtype": (lambda s, r: reduce_scatter(s, r),
+                             lambda s, r: reduce_scatter(s, r, dtype=np.dtype(np.int32))),
+}
+
+
+def pair(seq, rank, swapped=False):
+    """The overlapped pair: AllGather and ReduceScatter in flight at once (rank 1 swaps
+    their order)."""
+    first, second = (reduce_scatter, all_gather) if swapped else (all_gather, reduce_scatter)
+    return [first(seq, rank), second(seq + 1, rank)]
+
+
+def run(seed, make):
+    fabric = Fabric(WORLD, seed=seed, loss=0.02, duplicate=0.02, reorder=True,
+                    aggregator=Aggregator())
+    colls = []
+    for r in range(WORLD):
+        for coll in make(r):
+            colls.append(coll)
+            fabric.post(r, coll)
+    fabric.run()
+    return colls, fabric
+
+
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("seed", range(40))
+def test_one_call_mismatched(case, seed):
+    same, odd = CASES[case]
+    colls, fabric = run(seed, lambda r: [(odd if r == 1 else same)(0, r)])
+    expect = (str(same(0, 0).desc), str(odd(0, 1).desc))
+    for c in colls:
+        assert isinstance(c.error, CollectiveMismatchError), (c.rank, c.error)
+        assert all(d in str(c.error) for d in expect), c.error
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_overlapped_pair_issued_in_another_order(seed):
+    colls, fabric = run(seed, lambda r: pair(0, r, swapped=r == 1))
+    for c in colls:
+        assert isinstance(c.error, CollectiveMismatchError), (c.rank, c.seq, c.error)
+
+
+def test_misfit_datagrams_are_counted():
+    """A mismatched size sends chunks that fit no receiver: they are dropped and counted."""
+    same, odd = CASES["all_gather size"]
+    counted = 0
+    for seed in range(10):
+        colls, fabric = run(seed, lambda r: [(odd if r == 1 else same)(0, r)])
+        counted += sum(s.stats["misfit_datagrams"] for s in fabric.sessions)
+    assert counted > 0
