@@ -45,6 +45,11 @@ class CommTime:
     # seconds; the time each was in flight as the training thread saw it, either backend
     spans: list[tuple[str, str, float, float]] = field(default_factory=list)
 
+    @property
+    def seconds(self) -> float:
+        """Posting and waiting so far."""
+        return self.post_seconds + self.wait_seconds
+
     def as_dict(self) -> dict:
         return {"post_seconds": self.post_seconds, "wait_seconds": self.wait_seconds,
                 "thread_cpu_seconds": self.thread_cpu_seconds, "allgathers": self.allgathers,

@@ -165,8 +165,8 @@ class Overlap:
 
     def memory(self) -> dict:
         """Bytes overcast holds for this model besides FSDP2's own buffers (see
-        Communicator.memory()); zeros for backend="torch", whose buffers are the process
-        group's."""
+        Communicator.memory()); an empty dict for backend="torch", whose buffers are the
+        process group's."""
         return self.comm.memory() if self.comm is not None else {}
 
     def timeline(self) -> dict | None:

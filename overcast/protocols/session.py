@@ -78,12 +78,13 @@ class Session:
         self.active[coll.seq] = coll
         self.last_progress[coll.seq] = now
         if self.world > 1:
-            peers = [p for p in range(self.world) if p != self.rank] \
-                if coll.verify_every_peer else [(self.rank + 1) % self.world]
-            for peer in peers:
-                self._send_control(Kind.DESCRIBE, coll.seq, peer, coll.desc.pack())
+            described = coll.desc.pack()
             if coll.verify_every_peer:
-                self.unverified[coll.seq] = set(peers)
+                peers = self.unverified[coll.seq] = set(range(self.world)) - {self.rank}
+            else:
+                peers = {(self.rank + 1) % self.world}
+            for peer in sorted(peers):
+                self._send_control(Kind.DESCRIBE, coll.seq, peer, described)
         self._guard(coll, coll.start, now)
         for hdr, payload in self.early.pop(coll.seq, ()):
             if hdr.kind in _DATAGRAM_KINDS:

@@ -70,13 +70,11 @@ def train_rank(rank: int, way: str, config: dict, steps: int, lr: float, trace: 
                     if micro > 1:
                         model.set_requires_gradient_sync(m == micro - 1)
                     inputs, targets = rank_batch(cfg, step * micro + m, rank, world)
-                    comm0 = times.post_seconds + times.wait_seconds
+                    comm0 = times.seconds
                     loss = model(inputs, targets)
-                    backward_start, comm1 = time.monotonic(), times.post_seconds + \
-                        times.wait_seconds
+                    backward_start, comm1 = time.monotonic(), times.seconds
                     (loss / micro).backward()
-                    backward_end, comm2 = time.monotonic(), times.post_seconds + \
-                        times.wait_seconds
+                    backward_end, comm2 = time.monotonic(), times.seconds
                     losses.append(loss.item())
                     forward_comm += comm1 - comm0
                     backward_comm += comm2 - comm1
