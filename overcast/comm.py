@@ -11,16 +11,18 @@ from overcast.buffers import as_array, check_dtype, check_reduce
 from overcast.engine.engine import Engine, Work
 from overcast.engine.trace import Trace
 from overcast.errors import InvalidArgumentError, OvercastError
+from overcast.limits import check_count, check_link_rate, check_positive, check_roots, require
 from overcast.protocols.base import Descriptor
 from overcast.protocols.multicast import MulticastGather
 from overcast.protocols.ring import RingAllGather, RingReduceScatter
 from overcast.protocols.session import Session
 from overcast.protocols.budget import LinkBudget
-from overcast.protocols.innetwork import CONTRIB_PREFIX, InNetworkReduceScatter
+from overcast.protocols.innetwork import InNetworkReduceScatter
 from overcast.transport.datagram import MAX_DATAGRAM
 from overcast.transport.loss import LossSpec
 from overcast.transport.rendezvous import rendezvous
 from overcast.wire.header import IP_UDP_BYTES, OVERHEAD_BYTES
+from overcast.wire.messages import CONTRIB_PREFIX
 
 DEFAULT_FRAME_BYTES = 128 * 1024
 # The share of a receiver's link the multicast streams may fill together; the rest is headroom
@@ -59,6 +61,16 @@ class Communicator:
         self.name, self.timeout, self.frame_bytes = name, timeout, frame_bytes
         if link_bits_per_s is None and os.environ.get("OVERCAST_LINK_BITS_PER_S"):
             link_bits_per_s = float(os.environ["OVERCAST_LINK_BITS_PER_S"])
+        check_count("world_size", self.world_size, 1, "WORLD_SIZE, world_size")
+        require(isinstance(self.rank, int) and 0 <= self.rank < self.world_size, "the rank",
+                f"between 0 and world_size - 1 ({self.world_size - 1})", self.rank, "RANK, rank")
+        check_positive("the timeout", timeout, "timeout", " seconds")
+        check_count("the ring frame size", frame_bytes, 8, "frame_bytes")
+        if link_bits_per_s is not None:
+            check_link_rate(link_bits_per_s)
+        check_roots(roots, self.world_size)
+        require(0 < pacing_share <= 1, "the pacing share", "a fraction above 0, at most 1",
+                pacing_share, "pacing_share")
         self.link_bits_per_s = link_bits_per_s
         self.roots = self.world_size if roots is None else roots
         self.pacing_share = pacing_share
@@ -72,7 +84,7 @@ class Communicator:
         self._multicast_error = links.multicast_error
         self._switch_error, self._switch_slots = links.switch_error, links.switch_slots
         self._uplink = LinkBudget(link_bits_per_s / 8 * pacing_share if link_bits_per_s else None)
-        self._engine = Engine(links, Session(self.rank, self.world_size, timeout), self.loss,
+        self._engine = Engine(links, Session(self.rank, self.world_size, timeout, links.drops), self.loss,
                               Trace() if trace else None)
         self._lock = threading.Lock()
         self._seq = 0

@@ -1,29 +1,67 @@
-"""Errors overcast raises into user code. Every one names what went wrong and where."""
+"""Errors overcast raises into user code. Every one names what went wrong and where.
+
+Each class has its own `abort_code`: an ABORT message carries it, so that every rank raises the
+class the detecting rank raised.
+"""
 
 
 class OvercastError(RuntimeError):
     """Base of every error a collective or communicator raises."""
 
+    abort_code = 0
+
 
 class InvalidArgumentError(OvercastError, ValueError):
-    """A call overcast cannot carry out as asked: buffer type, dtype, layout, size, op."""
+    """A call or a setting overcast cannot carry out as asked: buffer type, dtype, layout, size,
+    op, link rate, port..."""
+
+    abort_code = 6
 
 
 class CollectiveMismatchError(OvercastError):
     """Ranks issued different collectives (kind, size, dtype, op, order) at one sequence number."""
 
+    abort_code = 1
+
 
 class PeerFailureError(OvercastError):
     """A peer rank died, closed early or aborted; the communicator cannot continue."""
+
+    abort_code = 3
 
 
 class CollectiveTimeoutError(OvercastError, TimeoutError):
     """A collective made no progress within the communicator's timeout."""
 
+    abort_code = 4
+
 
 class ProtocolError(OvercastError):
     """An authenticated peer sent something the protocol cannot accept (a bug or a mismatch)."""
 
+    abort_code = 2
+
+
+class Rejected(ProtocolError):
+    """A message that does not fit the protocol's state, with the reason it is counted under
+    (unexpected_kind, wrong_sender, wrong_phase, out_of_range, wrong_length, malformed). From a
+    datagram it is dropped and counted; from a peer's authenticated stream it aborts."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
+
 
 class CommunicatorClosedError(OvercastError):
     """The communicator was closed before or while the collective ran."""
+
+    abort_code = 5
+
+
+def error_class(abort_code: int) -> type[OvercastError]:
+    """The class an ABORT's code names (OvercastError for a code this version does not know)."""
+    for cls in (CollectiveMismatchError, ProtocolError, PeerFailureError, CollectiveTimeoutError,
+                CommunicatorClosedError, InvalidArgumentError):
+        if cls.abort_code == abort_code:
+            return cls
+    return OvercastError

@@ -6,7 +6,7 @@ import pytest
 
 from fabric import Fabric
 from overcast.errors import CollectiveTimeoutError
-from overcast.protocols.base import Descriptor
+from overcast.protocols.base import Descriptor, Phase
 from overcast.protocols.budget import LinkBudget
 from overcast.protocols.multicast import MulticastGather
 from overcast.schedules.chains import chains, concurrent_senders
@@ -112,7 +112,7 @@ def test_roots_multicast_in_chains_never_more_at_once_than_roots():
     sending_at_once = 0
     while True:
         fabric.run()
-        active = sum(1 for c in colls if c.active and c.next_chunk < c.k)
+        active = sum(1 for c in colls if c.phase is Phase.SENDING)
         sending_at_once = max(sending_at_once, active)
         timers = [t for s in fabric.sessions if (t := s.get_timer()) is not None]
         if not timers:

@@ -108,10 +108,11 @@ def _overlap(a: dict, b: dict) -> float:
 
 @root_only
 @pytest.mark.parametrize("flags,words", [
-    (["--ways", "gloo,nccl"], "unknown way nccl"), (["--hosts", "1"], "--hosts must be at least 2"),
+    (["--ways", "gloo,nccl"], "unknown way nccl"), (["--hosts", "1"],
+     "the number of hosts must be between 2 and 65279, not 1 (--hosts, hosts)"),
     (["--steps", "1", "--warmup", "1"], "must be more than --warmup"),
-    (["--link-mbit", "0"], "--link-mbit must be a rate above 0"),
-    (["--link-mbit", "-5"], "--link-mbit must be a rate above 0"),
+    (["--link-mbit", "0"], "the link rate must be above 0 Mbit/s, not 0 (--link-mbit"),
+    (["--link-mbit", "-5"], "the link rate must be above 0 Mbit/s, not -5 (--link-mbit"),
     (["--blocks", "0"], "--blocks (0)"), (["--dim", "30"], "--dim must be a positive multiple"),
     (["--micro-steps", "0"], "--micro-steps (0)"),
     (["--lr", "0"], "--lr must be above 0")])

@@ -15,8 +15,10 @@ import statistics
 from overcast.report.timeline import write_timeline
 from overcast.bench.worker import DTYPE, run_point
 from overcast.cluster.netns import Cluster
+from overcast.limits import (check_count, check_hosts, check_link_rate, check_loss, check_mtu,
+                             check_roots, check_size, check_slots)
 from overcast.schedules import cost
-from overcast.wire.header import IP_UDP_BYTES, OVERHEAD_BYTES
+from overcast.wire.header import OVERHEAD_BYTES
 
 COLLECTIVES = ("allgather", "reduce_scatter", "overlap")
 ALGORITHMS = {"allgather": ("ring", "multicast", "gloo"),
@@ -61,26 +63,22 @@ def check_request(collectives: list[str], algorithms: list[str]) -> None:
                          f"{', '.join(collectives)} (available: {known})")
 
 
-def check_flags(hosts: int, link_bits: float, reps: int, warmup: int, mtu: int,
-                roots: list[int | None], loss: float, loss_burst: float, slots: int) -> None:
-    """Raise ValueError naming the first value that cannot run and what is allowed, before any
-    cluster is built."""
-    lowest_mtu = IP_UDP_BYTES + OVERHEAD_BYTES + 16  # one chunk of 8 bytes after its prefix
-    problems = [
-        (hosts >= 2, f"--hosts must be 2 or more, not {hosts}"),
-        (link_bits > 0, f"--link-mbit must be a rate above 0, not {link_bits / 1e6:g}"),
-        (reps >= 1, f"--reps must be 1 or more, not {reps}"),
-        (warmup >= 0, f"--warmup must be 0 or more, not {warmup}"),
-        (lowest_mtu <= mtu <= 65535, f"--mtu must be between {lowest_mtu} (the smallest that "
-                                      f"carries a chunk) and 65535, not {mtu}"),
-        (0 <= loss < 1, f"--loss must be a fraction from 0 up to (not including) 1, not {loss:g}"),
-        (loss_burst >= 1, f"--loss-burst must be 1 or more datagrams, not {loss_burst:g}"),
-        (1 <= slots <= 65535, f"--slots must be between 1 and 65535, not {slots}"),
-    ] + [(r is None or 1 <= r <= hosts, f"--roots must be 'all' or between 1 and --hosts "
-                                        f"({hosts}), not {r}") for r in roots]
-    for ok, message in problems:
-        if not ok:
-            raise ValueError(message)
+def check_flags(hosts: int, link_bits: float, sizes: list[int], reps: int, warmup: int,
+                mtu: int, roots: list[int | None], loss: float, loss_burst: float,
+                slots: int) -> None:
+    """Raise InvalidArgumentError naming the first value that cannot run and what is allowed,
+    before any cluster is built."""
+    check_hosts(hosts)
+    check_link_rate(link_bits)
+    for nbytes in sizes:
+        check_size(nbytes)
+    check_count("timed runs", reps, 1, "--reps, reps")
+    check_count("warm-up runs", warmup, 0, "--warmup, warmup")
+    check_mtu(mtu)
+    for r in roots:
+        check_roots(r, hosts)
+    check_loss(loss, loss_burst)
+    check_slots(slots)
 
 
 def summarize(collective: str, algorithm: str, hosts: int, nbytes: int, link_bits: int,
@@ -149,7 +147,8 @@ def run_bench(hosts: int, link_bits: int, sizes: list[int], collectives: list[st
     none of it. With `timeline`, the last run of the largest overlap point of overcast and ring
     is written as `<timeline>-<algorithm>.json` (Chrome trace) and `.png`."""
     check_request(collectives, algorithms)
-    check_flags(hosts, link_bits, reps, warmup, mtu, list(roots), loss, loss_burst, switch_slots)
+    check_flags(hosts, link_bits, sizes, reps, warmup, mtu, list(roots), loss, loss_burst,
+                switch_slots)
     points = [(c, a, s, r) for c in collectives for a in algorithms if a in ALGORITHMS[c]
               for r in (roots if a in ("multicast", "overcast") else (None,)) for s in sizes]
     import torch  # imported once here so that forked hosts start fast

@@ -31,8 +31,8 @@ def _bench(args) -> int:
     except ValueError:
         raise ValueError(f"--roots takes 'all' or whole numbers, comma-separated, not "
                          f"{args.roots!r}") from None
-    check_flags(args.hosts, args.link_mbit * 1e6, args.reps, args.warmup, args.mtu, roots,
-                args.loss, args.loss_burst, args.slots)
+    check_flags(args.hosts, args.link_mbit * 1e6, sizes, args.reps, args.warmup, args.mtu,
+                roots, args.loss, args.loss_burst, args.slots)
     bar, progress = _progress(console)
     with bar:
         doc = run_bench(args.hosts, int(args.link_mbit * 1e6), sizes, _csv(args.collectives),
@@ -114,8 +114,11 @@ def _cluster(args) -> int:
 
 
 def _switch(args) -> int:
+    from overcast.limits import check_port, check_slots
     from overcast.switch.service import run
 
+    check_port(args.port)
+    check_slots(args.slots)
     given = os.environ.get("OVERCAST_SECRETS", "") or os.environ.get("OVERCAST_SECRET", "")
     secrets = [bytes.fromhex(x) for x in _csv(given)]
     if not secrets:

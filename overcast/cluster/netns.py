@@ -25,6 +25,7 @@ import threading
 from dataclasses import dataclass
 
 from overcast.cluster.launch import Placement, run_ranks
+from overcast.limits import check_hosts, check_link_rate, check_mtu
 from overcast.switch.launch import SwitchStartError, start_switch, stop_switch
 from overcast.wire.registration import DEFAULT_SWITCH_PORT
 
@@ -147,13 +148,9 @@ class Cluster:
     def __init__(self, hosts: int, link_bits_per_s: int, *, mtu: int = 9000,
                  switch_queue_bytes: int = 512 * 1024, fabric_bits_per_s: int | None = None,
                  service: bool = True):
-        if hosts < 1:
-            raise ClusterError("a cluster needs at least one host")
-        if not link_bits_per_s > 0:
-            raise ClusterError(f"the link rate must be above 0 bit/s, not {link_bits_per_s:g} "
-                               f"(--link-mbit {link_bits_per_s / 1e6:g})")
-        if not 68 <= mtu <= 65535:
-            raise ClusterError(f"--mtu must be between 68 (IPv4's least) and 65535, not {mtu}")
+        check_hosts(hosts, least=1)
+        check_link_rate(link_bits_per_s)
+        check_mtu(mtu)
         self.hosts, self.link_bits_per_s, self.mtu = hosts, link_bits_per_s, mtu
         self.switch_queue_bytes = switch_queue_bytes
         self.fabric_bits_per_s = fabric_bits_per_s

@@ -10,13 +10,15 @@ loss, reordering and timeouts are tested deterministically and the same code run
 from __future__ import annotations
 
 import collections
+import enum
 import struct
 from dataclasses import dataclass
 
 import numpy as np
 
 from overcast.buffers import dtype_code, dtype_from_code
-from overcast.errors import ProtocolError
+from overcast.errors import ProtocolError, Rejected
+from overcast.wire.header import AGGREGATOR, Kind
 
 # Routes: where a message goes. (channel, peer); peer is a rank, or -1 for the multicast group
 # or the aggregator.
@@ -70,32 +72,104 @@ class Outgoing:
     dst: int
 
 
+class Phase(enum.Enum):
+    """Where a collective is in its life. Each protocol says in which phases it takes each kind
+    of message; `Collective.enter` allows only the transitions in `_NEXT`."""
+
+    POSTED = "posted"
+    WAITING = "waiting for its turn to send"
+    SENDING = "sending its own data"
+    RECEIVING = "receiving"
+    DRAINING = "every byte in place; its last messages queued"
+    DONE = "done"
+    FAILED = "failed"
+
+
+_NEXT = {
+    Phase.POSTED: {Phase.WAITING, Phase.SENDING, Phase.RECEIVING, Phase.DRAINING, Phase.FAILED},
+    Phase.WAITING: {Phase.SENDING, Phase.RECEIVING, Phase.FAILED},
+    Phase.SENDING: {Phase.RECEIVING, Phase.FAILED},
+    Phase.RECEIVING: {Phase.DRAINING, Phase.FAILED},
+    Phase.DRAINING: {Phase.DONE, Phase.FAILED},
+    Phase.DONE: set(),
+    Phase.FAILED: set(),
+}
+LIVE = frozenset((Phase.WAITING, Phase.SENDING, Phase.RECEIVING, Phase.DRAINING))
+
+
+@dataclass(frozen=True, slots=True)
+class Accept:
+    """One row of a protocol's table of incoming messages: the method that handles the kind,
+    the attribute that names who may send it (a rank, or a frozenset of ranks), and the phases
+    in which it may arrive."""
+
+    handler: str
+    sender: str
+    phases: frozenset = LIVE
+
+
 class Collective:
     """Base of a collective's state machine.
 
-    Subclasses fill `self.outbox[route]` and call `self._check_done()`; they set `received_all`
-    when every byte they need is in place.
+    Subclasses list the messages they take in `ACCEPTS` (kind -> Accept), fill
+    `self.outbox[route]`, move through `Phase`s with `enter`, and call `self._check_done()`.
+    Whatever does not fit is rejected with `reject(reason, message)`: one line per check.
     """
 
     # Whether the collective may finish only once every peer's DESCRIBE has matched. A ring's
     # data passes every rank on the streams behind the DESCRIBEs, so a mismatch always shows
     # first; datagram protocols need the check, or a rank could finish a mismatched call.
     verify_every_peer = False
+    ACCEPTS: dict[int, Accept] = {}
 
     def __init__(self, seq: int, rank: int, world: int, desc: Descriptor):
         self.seq, self.rank, self.world, self.desc = seq, rank, world, desc
         self.outbox: dict[tuple[int, int], collections.deque[Outgoing]] = {}
-        self.received_all = False
-        self.done = False
+        self.phase = Phase.POSTED
         self.error: BaseException | None = None
         self.stats: collections.Counter = collections.Counter()
+
+    @property
+    def received_all(self) -> bool:
+        return self.phase in (Phase.DRAINING, Phase.DONE)
+
+    @property
+    def done(self) -> bool:
+        return self.phase is Phase.DONE
+
+    def enter(self, phase: Phase) -> None:
+        """Move to `phase`; a move the lifecycle does not allow is a bug in the protocol."""
+        if phase not in _NEXT[self.phase]:
+            raise RuntimeError(f"{type(self).__name__} #{self.seq} on rank {self.rank}: "
+                               f"{self.phase.name} -> {phase.name} is not a transition")
+        self.phase = phase
+
+    def reject(self, reason: str, message: str):
+        raise Rejected(reason, f"{self.desc} #{self.seq} on rank {self.rank}: {message}")
 
     # -- the sans-I/O contract -------------------------------------------------------------
     def start(self, now: float) -> None:
         """Called once when the session posts the collective."""
 
     def receive(self, hdr, payload: memoryview, now: float) -> None:
-        raise NotImplementedError
+        """Check the message against `ACCEPTS` (kind, sender, phase) and hand it on."""
+        rule = self.ACCEPTS.get(hdr.kind)
+        name = Kind(hdr.kind).name
+        if rule is None:
+            self.reject("unexpected_kind", f"{name} from rank {hdr.src} is not part of "
+                                           f"this protocol")
+        allowed = getattr(self, rule.sender)
+        if not (hdr.src in allowed if isinstance(allowed, frozenset) else hdr.src == allowed):
+            self.reject("wrong_sender", f"{name} from rank {hdr.src}; only {rule.sender} "
+                                        f"({_ranks(allowed)}) sends it")
+        if self.phase not in rule.phases:
+            self.reject("wrong_phase", f"{name} from rank {hdr.src} while "
+                                       f"{self.phase.value}")
+        getattr(self, rule.handler)(hdr, payload, now)
+        self.after_receive(now)
+
+    def after_receive(self, now: float) -> None:
+        """Called after every message a handler took."""
 
     def get_timer(self) -> float | None:
         return None
@@ -141,10 +215,19 @@ class Collective:
         return box
 
     def _check_done(self) -> None:
-        if self.received_all and not self.outbox:
-            self.done = True
+        if self.phase is Phase.DRAINING and not self.outbox:
+            self.enter(Phase.DONE)
 
     def fail(self, error: BaseException) -> None:
-        if not self.done and self.error is None:
+        if self.phase not in (Phase.DONE, Phase.FAILED):
+            self.enter(Phase.FAILED)
             self.error = error
             self.outbox.clear()
+
+
+def _ranks(allowed) -> str:
+    if allowed is None:
+        return "nobody"
+    if isinstance(allowed, frozenset):
+        return "ranks " + ", ".join(map(str, sorted(allowed))) if allowed else "nobody"
+    return "the aggregator" if allowed == AGGREGATOR else f"rank {allowed}"

@@ -18,23 +18,17 @@ says every chunk of every block is released, so nobody can need its contribution
 from __future__ import annotations
 
 import collections
-import struct
 
 import numpy as np
 
 from overcast.buffers import add_into, divide_into, dtype_code
-from overcast.errors import ProtocolError
-from overcast.protocols.base import DATAGRAM, Collective, Descriptor, Outgoing
+from overcast.protocols.base import DATAGRAM, Accept, Collective, Descriptor, Outgoing, Phase
 from overcast.protocols.budget import LinkBudget
 from overcast.schedules.chains import chunk_count
-from overcast.wire.header import AGGREGATOR, Kind, datagram_link_bytes
+from overcast.wire.header import AGGREGATOR, Kind, MalformedError, datagram_link_bytes
+from overcast.wire.messages import CONTRIB_PREFIX, pack_acks, pack_contribution_prefix, \
+    pack_credit, unpack_credit
 
-# Every contribution starts with what the aggregator needs to sum it, so no other message has to
-# arrive first: dtype code, world size, and the number of chunks in the whole input.
-CONTRIB_PREFIX = struct.Struct("<BBHI")
-# CREDIT from the aggregator: chunks released (all g below are done), then chunks to resend.
-# CREDIT from a rank (asking for it): the next chunk it has not sent yet.
-CREDIT = struct.Struct("<I")
 RETRY_SECONDS = 0.05
 # Results are acknowledged in batches of this many, or after ACK_DELAY_SECONDS.
 ACK_BATCH = 16
@@ -43,6 +37,11 @@ ACK_DELAY_SECONDS = 0.002
 
 class InNetworkReduceScatter(Collective):
     verify_every_peer = True
+    # Results and credit may come until the last chunk is released; copies sent again by the
+    # aggregator may still come after (they are acknowledged again).
+    ACCEPTS = {Kind.RESULT: Accept("_on_result", "aggregator"),
+               Kind.CREDIT: Accept("_on_credit", "aggregator")}
+    aggregator = AGGREGATOR
 
     def __init__(self, seq: int, rank: int, world: int, desc: Descriptor, output: np.ndarray,
                  input: np.ndarray, *, chunk_bytes: int, slots: int, budget: LinkBudget):
@@ -55,7 +54,7 @@ class InNetworkReduceScatter(Collective):
         self.total = world * self.k
         self.slots, self.budget = slots, budget
         self.route = (DATAGRAM, AGGREGATOR)
-        self.prefix = CONTRIB_PREFIX.pack(dtype_code(desc.dtype), 0, world, self.total)
+        self.prefix = pack_contribution_prefix(dtype_code(desc.dtype), world, self.total)
         self.credit = 0
         self.cursor = 0  # next chunk to contribute for the first time
         self.resend: collections.deque[int] = collections.deque()
@@ -81,6 +80,8 @@ class InNetworkReduceScatter(Collective):
     def _skip_own(self) -> None:
         if self.cursor % self.world == self.rank:
             self.cursor += 1
+        if self.cursor >= self.total and self.phase is Phase.SENDING:
+            self.enter(Phase.RECEIVING)
 
     # -- the contract ----------------------------------------------------------------------
     def start(self, now: float) -> None:
@@ -88,11 +89,12 @@ class InNetworkReduceScatter(Collective):
             self.output[:] = self.input[:self.desc.count]
             if self.desc.op == "avg":
                 divide_into(self.output, self.world)
-            self.received_all = True
+            self.enter(Phase.DRAINING)
             self._check_done()
             return
         self.budget.reductions_in_flight += 1
         self.counted = True
+        self.enter(Phase.SENDING)
         self._skip_own()
         self.probe_at = now + RETRY_SECONDS
         self._pump(now)
@@ -111,26 +113,18 @@ class InNetworkReduceScatter(Collective):
             self._flush_acks()
         if self.probe_at is not None and now >= self.probe_at:
             # The credit has stalled: ask for it (the answer also carries any resend requests).
-            self.queue(self.route, Outgoing(Kind.CREDIT, self.seq, 0, CREDIT.pack(self.cursor),
+            self.queue(self.route, Outgoing(Kind.CREDIT, self.seq, 0, pack_credit(self.cursor),
                                             AGGREGATOR))
             self.stats["credit_probes"] += 1
             self.probe_at = now + RETRY_SECONDS
         self._pump(now)
 
-    def receive(self, hdr, payload: memoryview, now: float) -> None:
-        if hdr.src != AGGREGATOR:
-            raise ProtocolError(f"in-network reduction message from rank {hdr.src}")
-        if hdr.kind == Kind.RESULT:
-            self._on_result(hdr.chunk, payload, now)
-        elif hdr.kind == Kind.CREDIT:
-            self._on_credit(payload, now)
-        else:
-            raise ProtocolError(f"unexpected message kind {hdr.kind} from the aggregator")
+    def after_receive(self, now: float) -> None:
         self._pump(now)
         if self.results == self.k:
             self._flush_acks()
-            if self.credit >= self.total:
-                self.received_all = True
+            if self.credit >= self.total and self.phase is Phase.RECEIVING:
+                self.enter(Phase.DRAINING)
                 self.probe_at = self.pump_at = None
         self._check_done()
 
@@ -139,14 +133,15 @@ class InNetworkReduceScatter(Collective):
                 f"{self.total} chunks")
 
     # -- results and credit ----------------------------------------------------------------
-    def _on_result(self, g: int, payload, now: float) -> None:
+    def _on_result(self, hdr, payload, now: float) -> None:
+        g = hdr.chunk
         if g % self.world != self.rank or g >= self.total:
-            raise ProtocolError(f"result for chunk {g}, not in rank {self.rank}'s block")
+            self.reject("out_of_range", f"result for chunk {g}, not in rank {self.rank}'s block")
         c = g // self.world
         mine = self.input[self._elements(g)]
         if len(payload) != mine.nbytes:
-            raise ProtocolError(f"result for chunk {g} has {len(payload)} bytes, not "
-                                f"{mine.nbytes}")
+            self.reject("wrong_length", f"result for chunk {g} has {len(payload)} bytes, not "
+                                        f"{mine.nbytes}")
         if not self.have[c]:
             start = c * self.chunk_elems
             out = self.output[start:start + len(mine)]
@@ -168,22 +163,22 @@ class InNetworkReduceScatter(Collective):
     def _flush_acks(self) -> None:
         if self.acks:
             self.queue(self.route, Outgoing(Kind.RESULT_ACK, self.seq, len(self.acks),
-                                            struct.pack(f"<{len(self.acks)}I", *self.acks),
-                                            AGGREGATOR))
+                                            pack_acks(self.acks), AGGREGATOR))
             self.acks = []
         self.ack_at = None
 
-    def _on_credit(self, payload, now: float) -> None:
-        if len(payload) < CREDIT.size or (len(payload) - CREDIT.size) % 4:
-            raise ProtocolError(f"credit message of {len(payload)} bytes")
-        released = CREDIT.unpack_from(payload)[0]
+    def _on_credit(self, hdr, payload, now: float) -> None:
+        try:
+            released, again = unpack_credit(payload)
+        except MalformedError as err:
+            self.reject("malformed", str(err))
         if released > self.total:
-            raise ProtocolError(f"credit {released} beyond {self.total} chunks")
+            self.reject("out_of_range", f"credit {released} beyond {self.total} chunks")
         if released > self.credit:
             self.credit = released
             self.probe_at = now + RETRY_SECONDS
         pending = set(self.resend)
-        for (g,) in struct.iter_unpack("<I", payload[CREDIT.size:]):
+        for g in again:
             if g % self.world == self.rank or g >= self.cursor:
                 continue  # not ours to send, or not sent yet anyway
             if g not in pending:

@@ -15,15 +15,14 @@ acknowledgements.
 
 from __future__ import annotations
 
-import struct
-
 import numpy as np
 
-from overcast.errors import ProtocolError
-from overcast.protocols.base import MULTICAST, STREAM, Collective, Descriptor, Outgoing
+from overcast.protocols.base import MULTICAST, STREAM, Accept, Collective, Descriptor, Outgoing, \
+    Phase
 from overcast.protocols.budget import LinkBudget
 from overcast.schedules.chains import chain_position, chunk_count, concurrent_senders
-from overcast.wire.header import ANY, Kind, datagram_link_bytes
+from overcast.wire.header import ANY, Kind, MalformedError, datagram_link_bytes
+from overcast.wire.messages import pack_ranges, unpack_ranges
 
 MISSING, REQUESTED, HAVE = 0, 1, 2
 # A gap this many chunks behind the newest chunk seen from its root is taken as lost.
@@ -33,8 +32,9 @@ TAIL_GRACE_SECONDS = 0.002
 # After a stall, a sender may catch up by at most this much time's worth of datagrams at once.
 MAX_BURST_SECONDS = 0.005
 REPAIR_FRAME_BYTES = 128 * 1024
-_RANGE = struct.Struct("<II")
 _RANGES_PER_REQUEST = 512
+# Phases in which a rank may still be asked for chunks, told a root has ended, or get the FIN.
+_BEFORE_DRAINING = frozenset((Phase.WAITING, Phase.SENDING, Phase.RECEIVING))
 
 
 class MulticastGather(Collective):
@@ -47,6 +47,14 @@ class MulticastGather(Collective):
     """
 
     verify_every_peer = True
+    ACCEPTS = {
+        Kind.MCAST_DATA: Accept("_on_chunk", "roots"),
+        Kind.REPAIR_DATA: Accept("_on_repair", "successor"),
+        Kind.REPAIR_REQUEST: Accept("_on_repair_request", "predecessor", _BEFORE_DRAINING),
+        Kind.ACTIVATE: Accept("_on_activate", "chain_prev", frozenset((Phase.WAITING,))),
+        Kind.MCAST_END: Accept("_on_end", "other_roots", _BEFORE_DRAINING),
+        Kind.FIN: Accept("_on_fin", "predecessor", _BEFORE_DRAINING),
+    }
 
     def __init__(self, seq: int, rank: int, world: int, desc: Descriptor, buffer: np.ndarray,
                  segments: list[tuple[int, int, int]], *, source: np.ndarray | None,
@@ -65,12 +73,14 @@ class MulticastGather(Collective):
         self.gaps: list[list[tuple[int, int]]] = [[] for _ in segments]  # skipped, not yet lost
         self.tail_due: dict[int, float] = {}
         self.segment_of_root = {root: s for s, (root, _, _) in enumerate(segments)}
+        self.roots = frozenset(self.segment_of_root)
+        self.other_roots = self.roots - {rank}
+        self.ended: set[int] = set()  # roots whose end-of-multicast notice came
         self.mine = self.segment_of_root.get(rank)
-        self.ends_awaited = len(segments) - (self.mine is not None)  # every other root's
         head, self.chain_next = chain_position(world, roots, rank) if self.mine is not None \
             and len(segments) > 1 else (True, None)
+        self.head = head
         self.chain_prev = rank - 1 if self.mine is not None and not head else None
-        self.active = self.mine is not None and head
         self.next_chunk = 0 if self.mine is not None else self.k
         self.next_send: float | None = None
         self.budget = budget
@@ -103,15 +113,21 @@ class MulticastGather(Collective):
             self.missing = [0] * len(self.segments)
             self.next_chunk = 0
             self.fin_from_predecessor = self.sent_fin = True
-            self.ends_awaited = 0
-        if self.active:
+            self.ended = set(self.other_roots)
+            self.enter(Phase.RECEIVING)
+        elif self.mine is None:
+            self.enter(Phase.RECEIVING)
+        elif self.head:
+            self.enter(Phase.SENDING)
             self.next_send = now
+        else:
+            self.enter(Phase.WAITING)
         self._pump(now)
         self._progress(now)
 
     def get_timer(self) -> float | None:
         times = list(self.tail_due.values())
-        if self.active and self.next_chunk < self.k:
+        if self.phase is Phase.SENDING:
             times.append(self.next_send)
         return min(times, default=None)
 
@@ -124,40 +140,38 @@ class MulticastGather(Collective):
                 self._request(s, 0, self.k)
         self._progress(now)
 
-    def receive(self, hdr, payload: memoryview, now: float) -> None:
-        kind = hdr.kind
-        if kind == Kind.MCAST_DATA:
-            self._on_chunk(hdr, payload)
-        elif kind == Kind.REPAIR_DATA:
-            self._on_repair(hdr, payload)
-        elif kind == Kind.REPAIR_REQUEST:
-            self._expect_from(hdr, self.predecessor)
-            if len(payload) % _RANGE.size:
-                raise ProtocolError(f"repair request of {len(payload)} bytes")
-            for first, count in _RANGE.iter_unpack(payload):
-                self._check_range(first, count)
-                if (self.state[first:first + count] == HAVE).all():
-                    self._serve(first, count)
-                else:  # served once this rank's own repair has filled the range
-                    self.deferred.append((first, count))
-                    self.stats["repair_deferrals"] += 1
-        elif kind == Kind.ACTIVATE:
-            self._expect_from(hdr, self.chain_prev)
-            self.active = True
-            self.next_send = now
-            self._pump(now)
-        elif kind == Kind.MCAST_END:
-            s = self.segment_of_root.get(hdr.src)
-            if s is None or s == self.mine:
-                raise ProtocolError(f"end-of-multicast from rank {hdr.src}, not a root here")
-            self.tail_due[s] = now + TAIL_GRACE_SECONDS
-            self.ends_awaited -= 1
-        elif kind == Kind.FIN:
-            self._expect_from(hdr, self.predecessor)
-            self.fin_from_predecessor = True
-        else:
-            raise ProtocolError(f"unexpected message kind {kind} from rank {hdr.src}")
+    def after_receive(self, now: float) -> None:
         self._progress(now)
+
+    def _on_repair_request(self, hdr, payload, now: float) -> None:
+        try:
+            ranges = unpack_ranges(payload)
+        except MalformedError as err:
+            self.reject("malformed", str(err))
+        for first, count in ranges:
+            self._check_range(first, count)
+        for first, count in ranges:
+            if (self.state[first:first + count] == HAVE).all():
+                self._serve(first, count)
+            else:  # served once this rank's own repair has filled the range
+                self.deferred.append((first, count))
+                self.stats["repair_deferrals"] += 1
+
+    def _on_activate(self, hdr, payload, now: float) -> None:
+        self.enter(Phase.SENDING)
+        self.next_send = now
+        self._pump(now)
+
+    def _on_end(self, hdr, payload, now: float) -> None:
+        if hdr.src in self.ended:
+            self.reject("duplicate", f"a second end-of-multicast from rank {hdr.src}")
+        self.ended.add(hdr.src)
+        self.tail_due[self.segment_of_root[hdr.src]] = now + TAIL_GRACE_SECONDS
+
+    def _on_fin(self, hdr, payload, now: float) -> None:
+        if self.fin_from_predecessor:
+            self.reject("duplicate", f"a second FIN from rank {hdr.src}")
+        self.fin_from_predecessor = True
 
     def waiting_for(self) -> str:
         gaps = {self.segments[s][0]: m for s, m in enumerate(self.missing) if m}
@@ -165,21 +179,24 @@ class MulticastGather(Collective):
         if gaps:
             parts.append("chunks from " + ", ".join(f"rank {r} ({m} of {self.k} missing)"
                                                     for r, m in gaps.items()))
-        if self.mine is not None and self.next_chunk < self.k:
-            parts.append(f"activation by rank {self.chain_prev}" if not self.active
-                         else "its own multicast to finish")
+        if self.phase is Phase.WAITING:
+            parts.append(f"activation by rank {self.chain_prev}")
+        elif self.phase is Phase.SENDING:
+            parts.append("its own multicast to finish")
         if not self.fin_from_predecessor:
             parts.append(f"the FIN of rank {self.predecessor}")
-        if self.ends_awaited:
-            parts.append(f"{self.ends_awaited} roots' end-of-multicast notices")
+        if len(self.ended) < len(self.other_roots):
+            parts.append(f"{len(self.other_roots) - len(self.ended)} roots' end-of-multicast "
+                         f"notices")
         return "; ".join(parts) or "its sends to drain"
 
     # -- receiving data --------------------------------------------------------------------
-    def _on_chunk(self, hdr, payload) -> None:
+    def _on_chunk(self, hdr, payload, now: float) -> None:
         gid = hdr.chunk
-        s = self.segment_of_root.get(hdr.src)
-        if s is None or not s * self.k <= gid < (s + 1) * self.k:
-            raise ProtocolError(f"multicast chunk {gid} from rank {hdr.src} is not its to send")
+        s = self.segment_of_root[hdr.src]
+        if not s * self.k <= gid < (s + 1) * self.k:
+            self.reject("out_of_range", f"multicast chunk {gid} from rank {hdr.src} is not its "
+                                        f"to send")
         if self._store(gid, payload):
             self.stats["multicast_chunks"] += 1
         else:
@@ -194,15 +211,14 @@ class MulticastGather(Collective):
             while gaps and gaps[0][1] - 1 + REORDER_SLACK <= k:
                 self._request(s, *gaps.pop(0))
 
-    def _on_repair(self, hdr, payload) -> None:
-        self._expect_from(hdr, self.successor)
+    def _on_repair(self, hdr, payload, now: float) -> None:
         first = hdr.chunk
         count = chunk_count(len(payload), self.chunk_bytes)
         self._check_range(first, max(count, 1))
         start, end = self._span(first, count)
         if end - start != len(payload):
-            raise ProtocolError(f"repair of chunks {first}+{count} carries {len(payload)} bytes, "
-                                f"not {end - start}")
+            self.reject("wrong_length", f"repair of chunks {first}+{count} carries "
+                                        f"{len(payload)} bytes, not {end - start}")
         fresh = 0
         for i in range(count):
             a, b = self._span(first + i)
@@ -214,7 +230,8 @@ class MulticastGather(Collective):
         """Put a chunk in place; False if it was already there."""
         start, end = self._span(gid)
         if len(payload) != end - start:
-            raise ProtocolError(f"chunk {gid} has {len(payload)} bytes, expected {end - start}")
+            self.reject("wrong_length", f"chunk {gid} has {len(payload)} bytes, expected "
+                                        f"{end - start}")
         if self.state[gid] == HAVE:
             return False
         self.bytes[start:end] = payload
@@ -223,14 +240,9 @@ class MulticastGather(Collective):
         return True
 
     def _check_range(self, first: int, count: int) -> None:
-        if count < 1 or first // self.k != (first + count - 1) // self.k or \
-                first + count > len(self.state):
-            raise ProtocolError(f"chunk range {first}+{count} is not within one segment")
-
-    def _expect_from(self, hdr, rank: int | None) -> None:
-        if hdr.src != rank:
-            raise ProtocolError(f"{Kind(hdr.kind).name} from rank {hdr.src}, expected only from "
-                                f"rank {rank}")
+        if count < 1 or first + count > len(self.state) or \
+                first // self.k != (first + count - 1) // self.k:
+            self.reject("out_of_range", f"chunk range {first}+{count} is not within one segment")
 
     # -- repair ----------------------------------------------------------------------------
     def _request(self, s: int, lo: int, hi: int) -> None:
@@ -247,7 +259,7 @@ class MulticastGather(Collective):
         ends = idx[np.r_[breaks - 1, len(idx) - 1]] + 1
         ranges = [(base + lo + int(a), int(b - a)) for a, b in zip(starts, ends)]
         for i in range(0, len(ranges), _RANGES_PER_REQUEST):
-            body = b"".join(_RANGE.pack(*r) for r in ranges[i:i + _RANGES_PER_REQUEST])
+            body = pack_ranges(ranges[i:i + _RANGES_PER_REQUEST])
             self.queue((STREAM, self.successor),
                        Outgoing(Kind.REPAIR_REQUEST, self.seq, 0, body, self.successor))
         self.stats["repair_requests"] += len(ranges)
@@ -274,7 +286,7 @@ class MulticastGather(Collective):
     # -- sending ---------------------------------------------------------------------------
     def _pump(self, now: float) -> None:
         """Release the datagrams this rank's pace allows by `now`."""
-        if not self.active or self.next_chunk >= self.k:
+        if self.phase is not Phase.SENDING:
             return
         self.next_send = max(self.next_send, now - MAX_BURST_SECONDS)
         base = self.mine * self.k
@@ -295,6 +307,7 @@ class MulticastGather(Collective):
             if self.chain_next is not None:
                 self.queue((STREAM, self.chain_next),
                            Outgoing(Kind.ACTIVATE, self.seq, 0, b"", self.chain_next))
+            self.enter(Phase.RECEIVING)
 
     def stream_rate(self) -> float:
         """Link bytes per second of this rank's stream: what receivers can take, shared among
@@ -311,7 +324,7 @@ class MulticastGather(Collective):
             self.sent_fin = True
             self.queue((STREAM, self.successor), Outgoing(Kind.FIN, self.seq, 0, b"",
                                                           self.successor))
-        if complete and self.fin_from_predecessor and self.next_chunk >= self.k \
-                and not self.ends_awaited:
-            self.received_all = True
+        if complete and self.fin_from_predecessor and self.phase is Phase.RECEIVING \
+                and len(self.ended) == len(self.other_roots):
+            self.enter(Phase.DRAINING)
         self._check_done()

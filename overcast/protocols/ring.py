@@ -5,14 +5,15 @@ from __future__ import annotations
 import numpy as np
 
 from overcast.buffers import add_into, divide_into
-from overcast.errors import ProtocolError
-from overcast.protocols.base import STREAM, Collective, Descriptor, Outgoing
+from overcast.protocols.base import STREAM, Accept, Collective, Descriptor, Outgoing, Phase
 from overcast.schedules import ring as schedule
 from overcast.wire.header import Kind
 
 
 class _RingStream(Collective):
     """Frame bookkeeping shared by both ring collectives: step s, frame j of block b."""
+
+    ACCEPTS = {Kind.RING_DATA: Accept("_on_data", "predecessor", frozenset((Phase.RECEIVING,)))}
 
     def __init__(self, seq: int, rank: int, world: int, desc: Descriptor, frame_bytes: int):
         super().__init__(seq, rank, world, desc)
@@ -28,8 +29,9 @@ class _RingStream(Collective):
     def start(self, now: float) -> None:
         self.begin()
         if self.expected == 0:
-            self.received_all = True
+            self.enter(Phase.DRAINING)
         else:
+            self.enter(Phase.RECEIVING)
             for j in range(self.frames_per_block):
                 self.send_frame(0, j, self.first_payload(j))
         self._check_done()
@@ -38,21 +40,18 @@ class _RingStream(Collective):
         self.queue(self.route, Outgoing(Kind.RING_DATA, self.seq, step * self.frames_per_block + j,
                                         payload, self.successor))
 
-    def receive(self, hdr, payload: memoryview, now: float) -> None:
-        if hdr.kind != Kind.RING_DATA or hdr.src != self.predecessor:
-            raise ProtocolError(f"{self.desc.collective} #{self.seq}: unexpected kind {hdr.kind} "
-                                f"from rank {hdr.src}")
+    def _on_data(self, hdr, payload: memoryview, now: float) -> None:
         if hdr.chunk >= self.expected:
-            raise ProtocolError(f"{self.desc.collective} #{self.seq}: frame {hdr.chunk} from rank "
-                                f"{hdr.src} is beyond the {self.expected} expected")
+            self.reject("out_of_range", f"frame {hdr.chunk} is beyond the {self.expected} "
+                                        f"expected")
         step, j = divmod(hdr.chunk, self.frames_per_block)
         if len(payload) != self.layout[j][1]:
-            raise ProtocolError(f"{self.desc.collective} #{self.seq}: frame {hdr.chunk} has "
-                                f"{len(payload)} bytes, expected {self.layout[j][1]}")
+            self.reject("wrong_length", f"frame {hdr.chunk} has {len(payload)} bytes, expected "
+                                        f"{self.layout[j][1]}")
         self.on_frame(step, j, payload)
         self.arrived += 1
         if self.arrived == self.expected:
-            self.received_all = True
+            self.enter(Phase.DRAINING)
         self._check_done()
 
     def waiting_for(self) -> str:

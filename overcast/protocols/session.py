@@ -7,13 +7,13 @@ Fed authenticated messages and the clock by the engine; gives back messages to s
 from __future__ import annotations
 
 import collections
-import struct
 
 from overcast.errors import (CollectiveMismatchError, CollectiveTimeoutError,
                              CommunicatorClosedError, OvercastError, PeerFailureError,
-                             ProtocolError)
+                             ProtocolError, Rejected, error_class)
 from overcast.protocols.base import STREAM, Collective, Descriptor, Outgoing
-from overcast.wire.header import AGGREGATOR, Kind
+from overcast.wire.header import AGGREGATOR, ANY, Kind, MalformedError
+from overcast.wire.messages import pack_abort, pack_goodbye, unpack_abort, unpack_goodbye
 
 _CONTROL = (Kind.DESCRIBE, Kind.ABORT, Kind.GOODBYE)
 # Messages that come by datagram may be dropped when they arrive before their collective is
@@ -21,11 +21,6 @@ _CONTROL = (Kind.DESCRIBE, Kind.ABORT, Kind.GOODBYE)
 _DATAGRAM_KINDS = frozenset((Kind.MCAST_DATA, Kind.CONTRIB, Kind.RESULT, Kind.RESULT_ACK,
                              Kind.CREDIT))
 EARLY_DATAGRAM_BYTES = 16 * 1024 * 1024
-_ABORT = struct.Struct("<B")
-_GOODBYE = struct.Struct("<I")
-# Errors an ABORT carries, so every rank raises the class the detecting rank raised.
-_ERROR_CLASSES = (OvercastError, CollectiveMismatchError, ProtocolError, PeerFailureError,
-                  CollectiveTimeoutError)
 # How many finished collectives keep their descriptor, to check a DESCRIBE that arrives late.
 _HISTORY = 1024
 
@@ -38,8 +33,12 @@ class Session:
     Finished collectives (done or failed) are appended to `finished` for the engine to report.
     """
 
-    def __init__(self, rank: int, world: int, timeout: float):
+    def __init__(self, rank: int, world: int, timeout: float,
+                 drops: collections.Counter | None = None):
         self.rank, self.world, self.timeout = rank, world, timeout
+        # Datagrams that do not fit, by reason (misdirected, wrong_sender, out_of_range...):
+        # the transport's own drop counter when the engine passes it, so one place counts all.
+        self.drops = collections.Counter() if drops is None else drops
         self.active: dict[int, Collective] = {}
         self.last_progress: dict[int, float] = {}
         self.next_seq = 0
@@ -118,6 +117,14 @@ class Session:
     # -- receiving -------------------------------------------------------------------------
     def receive(self, hdr, payload: memoryview, now: float) -> None:
         kind = hdr.kind
+        if hdr.dst != self.rank and hdr.dst != ANY:
+            if kind in _DATAGRAM_KINDS:
+                self.drops["misdirected"] += 1
+            else:
+                self.abort(Rejected("misdirected", f"rank {hdr.src} sent {Kind(kind).name} for "
+                                                   f"rank {hdr.dst} over its stream to rank "
+                                                   f"{self.rank}"))
+            return
         if kind in _CONTROL:
             self._receive_control(hdr, payload, now)
             return
@@ -137,11 +144,11 @@ class Session:
         self.last_progress[hdr.seq] = now
         try:
             coll.receive(hdr, payload, now)
-        except ProtocolError as err:
+        except Rejected as err:
             if kind in _DATAGRAM_KINDS:
                 # A datagram proves only that some rank sent it once, to someone: one that does
                 # not fit is dropped and counted. A mismatched call is named by its DESCRIBE.
-                self.stats["misfit_datagrams"] += 1
+                self.drops[err.reason] += 1
             else:
                 self.abort(err)
         self._settle(coll)
@@ -167,12 +174,17 @@ class Session:
                 self.unverified[hdr.seq].discard(hdr.src)
                 self._settle(coll)
         elif hdr.kind == Kind.ABORT:
-            code = _ABORT.unpack_from(payload)[0] if len(payload) >= 1 else 0
-            cls = _ERROR_CLASSES[code] if code < len(_ERROR_CLASSES) else OvercastError
-            reason = bytes(payload[1:]).decode("utf-8", "replace")
-            self.fail(cls(f"{reason} (reported by rank {hdr.src})"))
+            try:
+                code, reason = unpack_abort(payload)
+            except MalformedError:
+                code, reason = OvercastError.abort_code, "an abort without a reason"
+            self.fail(error_class(code)(f"{reason} (reported by rank {hdr.src})"))
         elif hdr.kind == Kind.GOODBYE:
-            count = _GOODBYE.unpack_from(payload)[0] if len(payload) >= 4 else 0
+            try:
+                count = unpack_goodbye(payload)
+            except MalformedError as err:
+                self.abort(Rejected("malformed", f"rank {hdr.src}: {err}"))
+                return
             self.closed_peers[hdr.src] = count
             for coll in list(self.active.values()):
                 if coll.seq >= count:
@@ -195,11 +207,10 @@ class Session:
     def abort(self, error: OvercastError) -> None:
         """Fail locally and tell every peer why, so the error surfaces on every rank."""
         if self.error is None:
-            code = max(i for i, c in enumerate(_ERROR_CLASSES) if isinstance(error, c))
-            reason = str(error).encode()[:4000]
+            message = pack_abort(error.abort_code, str(error))
             for peer in range(self.world):
                 if peer != self.rank and peer not in self.closed_peers:
-                    self._send_control(Kind.ABORT, 0, peer, _ABORT.pack(code) + reason)
+                    self._send_control(Kind.ABORT, 0, peer, message)
         self.fail(error)
 
     def peer_lost(self, peer: int) -> None:
@@ -226,7 +237,7 @@ class Session:
             self._settle(coll)
         for peer in range(self.world):
             if peer != self.rank and peer not in self.closed_peers:
-                self._send_control(Kind.GOODBYE, 0, peer, _GOODBYE.pack(self.next_seq))
+                self._send_control(Kind.GOODBYE, 0, peer, pack_goodbye(self.next_seq))
 
     # -- timers ----------------------------------------------------------------------------
     def get_timer(self) -> float | None:

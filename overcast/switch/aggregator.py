@@ -16,15 +16,16 @@ again. Memory is the pool's, whatever the message size.
 from __future__ import annotations
 
 import collections
-import struct
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from overcast.buffers import accumulator_dtype, dtype_from_code
+from overcast.limits import check_slots
 from overcast.protocols.base import Outgoing
-from overcast.protocols.innetwork import CONTRIB_PREFIX, CREDIT
-from overcast.wire.header import AGGREGATOR, ANY, Kind
+from overcast.wire.header import AGGREGATOR, ANY, Kind, MalformedError
+from overcast.wire.messages import pack_credit, unpack_acks, unpack_contribution, \
+    unpack_credit_probe
 
 NACK_SECONDS = 0.02
 RESEND_SECONDS = 0.05
@@ -83,13 +84,25 @@ class CommState:
 
 class Aggregator:
     """Feed it authenticated messages (`receive`) and the clock (`handle_timer`); take what it
-    wants sent from `outbox`: (communicator key, destination rank, Outgoing)."""
+    wants sent from `outbox`: (communicator key, destination rank, Outgoing).
 
-    def __init__(self, slots: int = 256):
+    Whatever does not fit is dropped and counted in `drops` by reason (one line each): any rank
+    of a communicator can be impersonated by a replay, so nothing here raises.
+    """
+
+    # What ranks send the aggregator: kind -> (payload parser, handler). Any rank of the
+    # communicator may send each; whether it fits the reduction's state is the handler's check.
+    HANDLERS = {Kind.CONTRIB: (unpack_contribution, "_on_contribution"),
+                Kind.RESULT_ACK: (unpack_acks, "_on_acks"),
+                Kind.CREDIT: (unpack_credit_probe, "_on_credit_probe")}
+
+    def __init__(self, slots: int = 256, drops: collections.Counter | None = None):
+        check_slots(slots)
         self.slots = slots
         self.comms: dict[object, CommState] = {}
         self.outbox: collections.deque[tuple[object, int, Outgoing]] = collections.deque()
         self.stats: collections.Counter = collections.Counter()
+        self.drops = collections.Counter() if drops is None else drops
         self.pool_bytes = 0       # contribution rows alive, in slots or kept for reuse
         self.peak_pool_bytes = 0
         self.next_tick: float | None = None
@@ -113,27 +126,38 @@ class Aggregator:
     # -- the contract ----------------------------------------------------------------------
     def receive(self, key, hdr, payload: memoryview, now: float) -> None:
         comm = self.comms.get(key)
+        row = self.HANDLERS.get(hdr.kind)
         if comm is None:
-            self.stats["unregistered"] += 1
-            return
-        if not 0 <= hdr.src < comm.world:
-            self.stats["bad_source"] += 1
-            return
-        if hdr.kind == Kind.CONTRIB:
-            self._on_contribution(key, comm, hdr, payload, now)
-        elif hdr.kind == Kind.RESULT_ACK:
-            red = comm.reductions.get(hdr.seq)
-            if red is not None and len(payload) % 4 == 0:
-                for (g,) in struct.iter_unpack("<I", payload):
-                    self._on_ack(key, red, hdr.src, g)
-        elif hdr.kind == Kind.CREDIT:  # a rank's credit has stalled: say what it still owes
-            red = comm.reductions.get(hdr.seq)
-            sent_below = CREDIT.unpack_from(payload)[0] if len(payload) >= CREDIT.size else 0
-            owed = self._owed(red, hdr.src, sent_below) if red is not None else []
-            self.stats["nacks"] += len(owed)
-            self._answer_credit(key, comm, hdr.seq, hdr.src, owed)
+            self.drops["unregistered"] += 1
+        elif hdr.dst != AGGREGATOR:
+            self.drops["misdirected"] += 1
+        elif not 0 <= hdr.src < comm.world:
+            self.drops["wrong_sender"] += 1
+        elif row is None:
+            self.drops["unexpected_kind"] += 1
         else:
-            self.stats["unexpected_kind"] += 1
+            parse, handler = row
+            try:
+                message = parse(payload)
+            except MalformedError:
+                self.drops["malformed"] += 1
+                return
+            getattr(self, handler)(key, comm, hdr, message, now)
+
+    def _on_acks(self, key, comm: CommState, hdr, chunks: list[int], now: float) -> None:
+        red = comm.reductions.get(hdr.seq)
+        if red is None:
+            self.drops["stale"] += 1
+            return
+        for g in chunks:
+            self._on_ack(key, red, hdr.src, g)
+
+    def _on_credit_probe(self, key, comm: CommState, hdr, sent_below: int, now: float) -> None:
+        """A rank's credit has stalled: say what it still owes."""
+        red = comm.reductions.get(hdr.seq)
+        owed = self._owed(red, hdr.src, sent_below) if red is not None else []
+        self.stats["nacks"] += len(owed)
+        self._answer_credit(key, comm, hdr.seq, hdr.src, owed)
 
     def get_timer(self) -> float | None:
         if self.next_tick is None and any(c.reductions for c in self.comms.values()):
@@ -172,12 +196,8 @@ class Aggregator:
                     self.stats["nacks"] += len(gs)
 
     # -- contributions ---------------------------------------------------------------------
-    def _on_contribution(self, key, comm: CommState, hdr, payload, now: float) -> None:
-        if len(payload) < CONTRIB_PREFIX.size:
-            self.stats["malformed"] += 1
-            return
-        code, _, world, total = CONTRIB_PREFIX.unpack_from(payload)
-        data = payload[CONTRIB_PREFIX.size:]
+    def _on_contribution(self, key, comm: CommState, hdr, contribution, now: float) -> None:
+        code, world, total, data = contribution
         red = comm.reductions.get(hdr.seq)
         if red is None:
             if hdr.seq in comm.finished:
@@ -186,28 +206,34 @@ class Aggregator:
             try:
                 dtype = dtype_from_code(code)
             except ValueError:
-                self.stats["malformed"] += 1
+                self.drops["malformed"] += 1
                 return
-            if world != comm.world or total % world or len(comm.reductions) >= MAX_REDUCTIONS:
+            if world != comm.world or total % world:
+                self.drops["inconsistent"] += 1
+                return
+            if len(comm.reductions) >= MAX_REDUCTIONS:  # the rank will try again
                 self.stats["refused"] += 1
                 return
             red = comm.reductions[hdr.seq] = Reduction(hdr.seq, world, dtype, code, total,
                                                        comm.slots, passed=[-1] * world)
         g = hdr.chunk
         if world != red.world or total != red.total or code != red.code \
-                or g >= red.total or len(data) % red.dtype.itemsize:
-            self.stats["inconsistent"] += 1
+                or len(data) % red.dtype.itemsize:
+            self.drops["inconsistent"] += 1
+            return
+        if g >= red.total:
+            self.drops["out_of_range"] += 1
             return
         owner = g % red.world
         if owner == hdr.src:
-            self.stats["inconsistent"] += 1
+            self.drops["wrong_sender"] += 1
             return
         if g < red.released:  # done already: the sender missed the credit
             self.stats["late_contributions"] += 1
             self._answer_credit(key, comm, hdr.seq, hdr.src, [])
             return
         if g >= red.released + red.window:
-            self.stats["beyond_window"] += 1
+            self.drops["beyond_window"] += 1
             return
         red.passed[hdr.src] = max(red.passed[hdr.src], g)
         slot = red.slots.get(g)
@@ -218,7 +244,7 @@ class Aggregator:
             red.holes.pop(g, None)
             red.highest = max(red.highest, g)
         elif slot.rows.shape[1] != elems:
-            self.stats["inconsistent"] += 1
+            self.drops["wrong_length"] += 1
             return
         bit = 1 << hdr.src
         if slot.have & bit or slot.result is not None:
@@ -270,7 +296,7 @@ class Aggregator:
     def _on_ack(self, key, red: Reduction, src: int, g: int) -> None:
         slot = red.slots.get(g)
         if slot is None or slot.result is None or g % red.world != src:
-            self.stats["stray_acks"] += 1
+            self.drops["stray_acks"] += 1
             return
         slot.acked = True
         while (head := red.slots.get(red.released)) is not None and head.acked:
@@ -316,11 +342,11 @@ class Aggregator:
             self._credit(key, red, rank, gs)
         elif seq in comm.finished:
             self.outbox.append((key, rank, Outgoing(Kind.CREDIT, seq, 0,
-                                                    CREDIT.pack(comm.finished[seq]), rank)))
+                                                    pack_credit(comm.finished[seq]), rank)))
 
     def _credit(self, key, red: Reduction, rank: int, resend: list[int]) -> None:
-        body = CREDIT.pack(red.released) + struct.pack(f"<{len(resend)}I", *resend)
-        self.outbox.append((key, rank, Outgoing(Kind.CREDIT, red.seq, 0, body, rank)))
+        self.outbox.append((key, rank, Outgoing(Kind.CREDIT, red.seq, 0,
+                                                pack_credit(red.released, resend), rank)))
 
 
 __all__ = ["Aggregator", "AGGREGATOR"]

@@ -1,9 +1,10 @@
 """`overcast switch`: the aggregator as a service on the network, standing in the switch.
 
-One TCP port takes registrations: each rank of a communicator connects, sends a HELLO sealed under
-its communicator key (the aggregator derives that key from the job secret it was given and the
-salt in the HELLO, so a HELLO it can verify comes from the job), and keeps the connection open:
-when the service dies, every rank sees it at once. One UDP port, the same number, carries the
+One TCP port takes registrations: each rank of a communicator connects, gets a fresh nonce, sends
+a HELLO that carries it, sealed under its communicator key (the aggregator derives that key from
+the job secret it was given and the salt in the HELLO, so a HELLO it can verify comes from the
+job, and from this connection), and keeps the connection open: when the service dies, every rank
+sees it at once. A connection that has not registered within REGISTRATION_SECONDS is closed. One UDP port, the same number, carries the
 contributions, results, acknowledgements and credit, all authenticated per communicator and
 replay-checked like every other overcast datagram. The reduction itself is Aggregator's.
 """
@@ -12,11 +13,13 @@ from __future__ import annotations
 
 import json
 import resource
+import secrets
 import selectors
 import signal
 import socket
 import time
 
+from overcast.limits import check_port
 from overcast.switch.aggregator import Aggregator
 from overcast.transport.datagram import (DATAGRAM_TRUESIZE, MAX_DATAGRAM, WINDOW,
                                          enlarge_receive_buffer, multicast_group,
@@ -24,7 +27,10 @@ from overcast.transport.datagram import (DATAGRAM_TRUESIZE, MAX_DATAGRAM, WINDOW
 from overcast.wire.auth import Drops, Opener, ReplayWindow, Sealer, derive_key, job_id_of
 from overcast.wire.header import (AGGREGATOR, ANY, HEADER_BYTES, Kind, MalformedError,
                                   unpack_header)
-from overcast.wire.registration import HELLO, WELCOME
+from overcast.wire.registration import (HELLO, NONCE_BYTES, SWITCH_CHALLENGE, SWITCH_MAGIC,
+                                        WELCOME)
+
+REGISTRATION_SECONDS = 10.0
 
 
 
@@ -53,17 +59,20 @@ class _Comm:
 class _Registration:
     """A TCP connection from a rank, before and after its HELLO."""
 
-    def __init__(self, sock: socket.socket):
+    def __init__(self, sock: socket.socket, due: float):
         self.sock = sock
         self.buf = bytearray()
         self.comm_key: tuple[int, int] | None = None
+        self.nonce = secrets.token_bytes(NONCE_BYTES)
+        self.due = due  # until when it may take to register
 
 
 class SwitchService:
     def __init__(self, host: str, port: int, secrets: list[bytes], slots: int = 256):
+        check_port(port)
         self.secrets = {job_id_of(s): s for s in secrets}
-        self.aggregator = Aggregator(slots)
         self.drops = Drops()
+        self.aggregator = Aggregator(slots, self.drops)
         self.comms: dict[tuple[int, int], _Comm] = {}
         self.listener = socket.create_server((host, port), backlog=256)
         self.listener.setblocking(False)
@@ -79,6 +88,7 @@ class SwitchService:
         self.selector.register(self.udp, selectors.EVENT_READ, "udp")
         self._buf = bytearray(MAX_DATAGRAM + 1)
         self.datagrams_in = self.datagrams_out = 0
+        self.unregistered: set[_Registration] = set()
         self.stopped = False
 
     # -- registration ----------------------------------------------------------------------
@@ -87,8 +97,20 @@ class SwitchService:
             sock, _ = self.listener.accept()
         except BlockingIOError:
             return
+        reg = _Registration(sock, time.monotonic() + REGISTRATION_SECONDS)
+        try:  # a few bytes into an empty socket buffer: never blocks
+            sock.sendall(SWITCH_CHALLENGE.pack(SWITCH_MAGIC, reg.nonce))
+        except OSError:
+            sock.close()
+            return
         sock.setblocking(False)
-        self.selector.register(sock, selectors.EVENT_READ, _Registration(sock))
+        self.selector.register(sock, selectors.EVENT_READ, reg)
+        self.unregistered.add(reg)
+
+    def _expire_registrations(self, now: float) -> None:
+        for reg in [r for r in self.unregistered if now >= r.due]:
+            self.drops["registration_timeout"] += 1
+            self._disconnect(reg)
 
     def _on_registration(self, reg: _Registration) -> None:
         try:
@@ -122,13 +144,17 @@ class SwitchService:
         if secret is None or hdr.kind != Kind.HELLO or hdr.length != HELLO.size:
             self.drops["foreign"] += 1
             return False
-        salt, world, udp_port, ip, hears_group = HELLO.unpack_from(frame, HEADER_BYTES)
+        salt, world, udp_port, ip, hears_group, nonce, theirs = HELLO.unpack_from(frame,
+                                                                                  HEADER_BYTES)
         if hdr.comm != int.from_bytes(salt[:4], "little") or not 0 <= hdr.src < world:
             self.drops["foreign"] += 1
             return False
         key = derive_key(secret, salt, b"comm")
         opened = Opener(key, hdr.job, hdr.comm, self.drops).open(frame, window=ReplayWindow(0))
         if opened is None:
+            return False
+        if nonce != reg.nonce:  # an authentic HELLO, from another connection: replayed
+            self.drops["replayed"] += 1
             return False
         comm_key = (hdr.job, hdr.comm)
         comm = self.comms.get(comm_key)
@@ -142,11 +168,13 @@ class SwitchService:
         comm.hears_group[hdr.src] = bool(hears_group)
         comm.conns.add(reg.sock)
         reg.comm_key = comm_key
+        self.unregistered.discard(reg)
         reg.sock.sendall(comm.sealer.seal(Kind.HELLO, 0, hdr.src, 0,
-                                          WELCOME.pack(slots, self.port)))
+                                          WELCOME.pack(slots, self.port, theirs)))
         return True
 
     def _disconnect(self, reg: _Registration) -> None:
+        self.unregistered.discard(reg)
         self.selector.unregister(reg.sock)
         reg.sock.close()
         comm = self.comms.get(reg.comm_key) if reg.comm_key else None
@@ -214,6 +242,7 @@ class SwitchService:
                 self.aggregator.handle_timer(now)
                 timer = self.aggregator.get_timer()
             self._send()
+            self._expire_registrations(now)
             wait = 0.5 if timer is None else min(0.5, max(0.0, timer - now))
             for key, _ in self.selector.select(wait):
                 now = time.monotonic()
@@ -227,6 +256,12 @@ class SwitchService:
 
     def stop(self, *_) -> None:
         self.stopped = True
+
+    def close(self) -> None:
+        """Close every socket: the listener, the datagram port, every rank's connection."""
+        for key in list(self.selector.get_map().values()):
+            key.fileobj.close()
+        self.selector.close()
 
     def report(self) -> dict:
         agg = self.aggregator
@@ -251,3 +286,4 @@ def run(host: str, port: int, secrets: list[bytes], slots: int, stats_path: str 
         if stats_path:
             with open(stats_path, "w") as f:
                 json.dump(service.report(), f, indent=1)
+        service.close()

@@ -13,6 +13,7 @@ import statistics
 
 from overcast.bench.run import machine, process_cpu_seconds
 from overcast.cluster.netns import Cluster
+from overcast.limits import check_hosts, check_link_rate
 from overcast.report.timeline import every_span, write_timeline
 from overcast.train.gpt import GPTConfig
 from overcast.train.worker import OVERCAST_WAYS, WAYS, train_rank
@@ -29,13 +30,11 @@ def check_request(ways: list[str], hosts: int, steps: int, warmup: int,
     if unknown or not ways:
         raise ValueError(f"unknown way {', '.join(unknown) or '(none)'}; available: "
                          f"{', '.join(WAYS)}")
-    if hosts < 2:
-        raise ValueError(f"--hosts must be at least 2, not {hosts}")
+    check_hosts(hosts)
     if warmup < 0 or steps <= warmup:
         raise ValueError(f"--steps ({steps}) must be more than --warmup ({warmup}), which must "
                          f"be 0 or more")
-    if not link_bits > 0:
-        raise ValueError(f"--link-mbit must be a rate above 0, not {link_bits / 1e6:g}")
+    check_link_rate(link_bits)
     if cfg.blocks < 1 or cfg.batch_per_rank < 1 or cfg.micro_steps < 1:
         raise ValueError(f"--blocks ({cfg.blocks}), --batch ({cfg.batch_per_rank}) and "
                          f"--micro-steps ({cfg.micro_steps}) must be 1 or more")

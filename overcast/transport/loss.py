@@ -11,6 +11,8 @@ import os
 import random
 from dataclasses import dataclass
 
+from overcast.limits import check_loss
+
 
 @dataclass(frozen=True)
 class LossSpec:
@@ -19,10 +21,7 @@ class LossSpec:
     seed: int = 0
 
     def __post_init__(self):
-        if not 0.0 <= self.rate <= 1.0:
-            raise ValueError(f"loss rate {self.rate} is not a fraction between 0 and 1")
-        if self.burst < 1.0:
-            raise ValueError(f"mean loss burst {self.burst} is shorter than one datagram")
+        check_loss(self.rate, self.burst)
 
     @classmethod
     def from_env(cls) -> "LossSpec":

@@ -7,13 +7,18 @@ The job secret comes from the caller or OVERCAST_SECRET (hex); without one, rank
 shares it through the store, which then must be trusted as torchrun's TCPStore is.
 
 Then every pair of ranks opens one TCP connection (the higher rank connects) and both sides prove
-who they are with an authenticated HELLO frame before anything else crosses.
+who they are before anything else crosses, challenge-response: the accepting rank sends a fresh
+nonce, the connecting rank answers with it and a nonce of its own under the communicator key's MAC,
+the accepting rank replies with the second nonce. A HELLO captured in one handshake is worth
+nothing in another. A rank serves the connections it accepts all at once, each with its own
+short deadline, so a connection that says nothing delays no one.
 """
 
 from __future__ import annotations
 
 import os
 import secrets
+import selectors
 import socket
 import time
 from dataclasses import dataclass
@@ -23,8 +28,13 @@ from overcast.transport.datagram import (multicast_group, open_multicast, path_m
 from overcast.transport.store import StoreClient, StoreError, StoreServer, connect_until
 from overcast.wire.auth import Drops, Opener, ReplayWindow, Sealer, derive_key, frame_length, \
     job_id_of
-from overcast.wire.header import AGGREGATOR, HEADER_BYTES, Kind, MalformedError
-from overcast.wire.registration import DEFAULT_SWITCH_PORT, HELLO, WELCOME
+from overcast.wire.header import (AGGREGATOR, ANY, HEADER_BYTES, TAG_BYTES, Kind, MalformedError,
+                                  unpack_header)
+from overcast.wire.registration import (ANSWER, CHALLENGE, DEFAULT_SWITCH_PORT, HELLO,
+                                        NONCE_BYTES, SWITCH_CHALLENGE, SWITCH_MAGIC, WELCOME)
+
+# How long an accepted connection has to answer the challenge.
+HANDSHAKE_SECONDS = 5.0
 
 
 class RendezvousError(RuntimeError):
@@ -88,33 +98,131 @@ def local_address(peer_host: str) -> str:
         return probe.getsockname()[0]
 
 
+def _read_exact(sock: socket.socket, n: int, deadline: float) -> bytes:
+    buf = b""
+    while len(buf) < n:
+        sock.settimeout(max(0.01, deadline - time.monotonic()))
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            raise ConnectionError("closed during handshake")
+        buf += chunk
+    return buf
+
+
 def _read_frame(sock: socket.socket, deadline: float) -> bytes:
-    def exact(n: int) -> bytes:
-        buf = b""
-        while len(buf) < n:
-            sock.settimeout(max(0.01, deadline - time.monotonic()))
-            chunk = sock.recv(n - len(buf))
-            if not chunk:
-                raise ConnectionError("closed during handshake")
-            buf += chunk
-        return buf
-
-    head = exact(HEADER_BYTES)
-    return head + exact(frame_length(head) - HEADER_BYTES)
+    head = _read_exact(sock, HEADER_BYTES, deadline)
+    return head + _read_exact(sock, frame_length(head) - HEADER_BYTES, deadline)
 
 
-def _hello(sock: socket.socket, links_opener: Opener, sealer: Sealer, peer: int | None,
-           deadline: float) -> int:
-    """Exchange HELLO frames; return the authenticated peer rank or raise."""
-    sock.sendall(sealer.seal(Kind.HELLO, 0, 0xFFFF if peer is None else peer, 0))
-    frame = memoryview(_read_frame(sock, deadline))
-    opened = links_opener.open(frame, window=ReplayWindow(0))
-    if opened is None or opened[0].kind != Kind.HELLO:
-        raise ConnectionError("handshake failed authentication")
-    src = opened[0].src
-    if peer is not None and src != peer:
-        raise ConnectionError(f"expected rank {peer}, rank {src} answered")
-    return src
+def _open_hello(frame: bytes, opener: Opener, window: ReplayWindow, src: int,
+                size: int) -> memoryview | None:
+    """The payload of an authentic HELLO from `src` of `size` bytes, or None."""
+    opened = opener.open(memoryview(frame), window=window)
+    if opened is None or opened[0].kind != Kind.HELLO or opened[0].src != src \
+            or len(opened[1]) != size:
+        return None
+    return opened[1]
+
+
+def _connect_handshake(sock: socket.socket, opener: Opener, sealer: Sealer, peer: int,
+                       deadline: float) -> None:
+    """The connecting side: answer `peer`'s challenge with it and a nonce of ours; accept only a
+    reply that carries ours back."""
+    window = ReplayWindow(0)
+    challenge = _open_hello(_read_frame(sock, deadline), opener, window, peer, CHALLENGE.size)
+    if challenge is None:
+        raise ConnectionError(f"rank {peer}'s challenge did not authenticate")
+    mine = secrets.token_bytes(NONCE_BYTES)
+    sock.sendall(sealer.seal(Kind.HELLO, 0, peer, 0, ANSWER.pack(bytes(challenge), mine)))
+    reply = _open_hello(_read_frame(sock, deadline), opener, window, peer, NONCE_BYTES)
+    if reply is None or bytes(reply) != mine:
+        raise ConnectionError(f"rank {peer}'s reply is not to this handshake")
+
+
+class _Accepted:
+    """A connection this rank accepted and challenged, until it answers."""
+
+    __slots__ = ("nonce", "due", "buf")
+
+    def __init__(self, nonce: bytes, due: float):
+        self.nonce, self.due, self.buf = nonce, due, bytearray()
+
+
+def _accept_peers(listener: socket.socket, rank: int, world: int, opener: Opener,
+                  sealer: Sealer, deadline: float, streams: dict[int, socket.socket]) -> None:
+    """Take the connections of every higher rank, handshaking with all of them at once."""
+    answer_frame = HEADER_BYTES + ANSWER.size + TAG_BYTES
+    selector = selectors.DefaultSelector()
+    listener.setblocking(False)
+    selector.register(listener, selectors.EVENT_READ)
+    pending: dict[socket.socket, _Accepted] = {}
+
+    def drop(sock: socket.socket, reason: str) -> None:
+        opener.drops[reason] += 1
+        selector.unregister(sock)
+        del pending[sock]
+        sock.close()
+
+    try:
+        while len(streams) < world - 1:
+            now = time.monotonic()
+            if now >= deadline:
+                missing = sorted(set(range(world)) - set(streams) - {rank})
+                raise RendezvousError(f"rank {rank} timed out waiting for ranks {missing} to "
+                                      f"connect")
+            for sock in [s for s, a in pending.items() if now >= a.due]:
+                drop(sock, "handshake_timeout")
+            wake = min([deadline, *(a.due for a in pending.values())])
+            for key, _ in selector.select(max(0.0, wake - now)):
+                if key.fileobj is listener:
+                    try:
+                        sock, _ = listener.accept()
+                    except OSError:
+                        continue
+                    nonce = secrets.token_bytes(NONCE_BYTES)
+                    try:  # a few bytes into an empty socket buffer: never blocks
+                        sock.sendall(sealer.seal(Kind.HELLO, 0, ANY, 0, CHALLENGE.pack(nonce)))
+                    except OSError:
+                        sock.close()
+                        continue
+                    sock.setblocking(False)
+                    pending[sock] = _Accepted(nonce, now + HANDSHAKE_SECONDS)
+                    selector.register(sock, selectors.EVENT_READ)
+                    continue
+                sock = key.fileobj
+                accepted = pending[sock]
+                try:
+                    data = sock.recv(answer_frame)
+                except BlockingIOError:
+                    continue
+                except OSError:
+                    data = b""
+                if not data:
+                    drop(sock, "handshake_failed")
+                    continue
+                accepted.buf += data
+                if len(accepted.buf) < answer_frame:
+                    continue
+                try:
+                    src = unpack_header(accepted.buf).src
+                except MalformedError:
+                    drop(sock, "handshake_failed")
+                    continue
+                answer = _open_hello(bytes(accepted.buf), opener, ReplayWindow(0), src,
+                                     ANSWER.size)
+                if answer is None or not rank < src < world or src in streams or \
+                        ANSWER.unpack(answer)[0] != accepted.nonce:
+                    drop(sock, "handshake_failed")  # forged, replayed, or a rank twice
+                    continue
+                selector.unregister(sock)
+                del pending[sock]
+                sock.setblocking(True)
+                sock.sendall(sealer.seal(Kind.HELLO, 0, src, 0, ANSWER.unpack(answer)[1]))
+                streams[src] = sock
+    finally:
+        for sock in pending:
+            sock.close()
+        selector.close()
 
 
 def rendezvous(rank: int, world: int, *, name: str = "default", store=None,
@@ -168,27 +276,14 @@ def rendezvous(rank: int, world: int, *, name: str = "default", store=None,
             except OSError as err:
                 raise RendezvousError(f"rank {rank} cannot connect to rank {peer} at "
                                       f"{host}:{port}: {err}") from None
-            _hello(sock, opener, sealer, peer, deadline)
+            try:
+                _connect_handshake(sock, opener, sealer, peer, deadline)
+            except (OSError, ConnectionError, MalformedError) as err:
+                sock.close()
+                raise RendezvousError(f"rank {rank} could not handshake with rank {peer} at "
+                                      f"{host}:{port}: {err}") from None
             streams[peer] = sock
-        listener.settimeout(1.0)
-        while len(streams) < world - 1:
-            if time.monotonic() >= deadline:
-                missing = sorted(set(range(world)) - set(streams) - {rank})
-                raise RendezvousError(f"rank {rank} timed out waiting for ranks {missing} to "
-                                      f"connect")
-            try:
-                sock, _ = listener.accept()
-            except socket.timeout:
-                continue
-            try:
-                src = _hello(sock, opener, sealer, None, deadline)
-            except (OSError, ConnectionError, MalformedError):
-                sock.close()
-                continue
-            if src <= rank or src >= world or src in streams:
-                sock.close()
-                continue
-            streams[src] = sock
+        _accept_peers(listener, rank, world, opener, sealer, deadline, streams)
     except BaseException:
         for sock in streams.values():
             sock.close()
@@ -226,15 +321,21 @@ def register_with_switch(links: Links, spec: str, salt: bytes, timeout: float) -
         links.switch_error = f"cannot reach the aggregator at {host}:{port}: {err}"
         return
     try:
+        deadline = time.monotonic() + timeout
+        magic, challenge = SWITCH_CHALLENGE.unpack(_read_exact(sock, SWITCH_CHALLENGE.size,
+                                                               deadline))
+        if magic != SWITCH_MAGIC:
+            raise ConnectionError("it did not greet as an overcast aggregator")
+        mine = secrets.token_bytes(NONCE_BYTES)
         hello = HELLO.pack(salt, links.world, links.udp.getsockname()[1],
-                           socket.inet_aton(links.address), links.multicast is not None)
+                           socket.inet_aton(links.address), links.multicast is not None,
+                           challenge, mine)
         sock.sendall(links.sealer.seal(Kind.HELLO, 0, AGGREGATOR, 0, hello))
-        opened = links.opener.open(memoryview(_read_frame(sock, time.monotonic() + timeout)),
-                                   window=ReplayWindow(0))
-        if opened is None or opened[0].kind != Kind.HELLO or opened[0].src != AGGREGATOR \
-                or len(opened[1]) != WELCOME.size:
+        welcome = _open_hello(_read_frame(sock, deadline), links.opener, ReplayWindow(0),
+                              AGGREGATOR, WELCOME.size)
+        if welcome is None or WELCOME.unpack(welcome)[2] != mine:
             raise ConnectionError("its answer did not authenticate (another job's aggregator?)")
-        slots, udp_port = WELCOME.unpack(opened[1])
+        slots, udp_port, _ = WELCOME.unpack(welcome)
     except (OSError, ConnectionError, MalformedError) as err:
         sock.close()
         links.switch_error = f"registration with the aggregator at {host}:{port} failed: {err}"

@@ -1,0 +1,84 @@
+"""The settings users give, checked alike on the command line and in the Python API.
+
+Each check raises InvalidArgumentError (a ValueError) in one line: what must hold, the value
+given, and the names it goes by (the flag, then the keyword). The commands run them before
+anything is built; `Cluster`, `Communicator`, `LossSpec`, the aggregator and `run_bench` run the
+same ones, so a script gets the words a shell user gets.
+"""
+
+from __future__ import annotations
+
+import math
+
+from overcast.errors import InvalidArgumentError
+from overcast.wire.header import IP_UDP_BYTES, OVERHEAD_BYTES
+from overcast.wire.messages import CONTRIB_PREFIX
+
+# 198.18.0.0/16 less the switch's and the service's addresses
+MAX_HOSTS = 65279
+# One 8-byte chunk of an in-network contribution, after its prefix, in one datagram.
+LOWEST_MTU = IP_UDP_BYTES + OVERHEAD_BYTES + CONTRIB_PREFIX.size + 8
+MAX_SLOTS = 65535
+
+
+def require(ok: bool, what: str, allowed: str, value, names: str) -> None:
+    if not ok:
+        raise InvalidArgumentError(f"{what} must be {allowed}, not {value:g} ({names})"
+                                   if isinstance(value, float) else
+                                   f"{what} must be {allowed}, not {value} ({names})")
+
+
+def _whole(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_hosts(hosts: int, least: int = 2) -> None:
+    require(_whole(hosts) and least <= hosts <= MAX_HOSTS, "the number of hosts",
+            f"between {least} and {MAX_HOSTS}", hosts, "--hosts, hosts")
+
+
+def check_link_rate(bits_per_s: float) -> None:
+    require(math.isfinite(bits_per_s) and bits_per_s > 0, "the link rate",
+            "above 0 Mbit/s", bits_per_s / 1e6, "--link-mbit, link_bits_per_s / 1e6")
+
+
+def check_count(what: str, value: int, least: int, names: str) -> None:
+    require(_whole(value) and value >= least, what, f"{least} or more", value, names)
+
+
+def check_loss(rate: float, burst: float) -> None:
+    require(0 <= rate < 1, "the loss rate", "a fraction from 0 up to (not including) 1", rate,
+            "--loss, loss")
+    require(1 <= burst < math.inf, "the mean loss burst", "1 or more datagrams", burst,
+            "--loss-burst, loss_burst")
+
+
+def check_mtu(mtu: int) -> None:
+    require(_whole(mtu) and LOWEST_MTU <= mtu <= 65535, "the MTU",
+            f"between {LOWEST_MTU} (the smallest that carries a chunk) and 65535", mtu,
+            "--mtu, mtu")
+
+
+def check_roots(roots: int | None, hosts: int) -> None:
+    """None means every rank."""
+    require(roots is None or _whole(roots) and 1 <= roots <= hosts, "the multicast roots",
+            f"'all' or between 1 and the number of ranks ({hosts})", roots, "--roots, roots")
+
+
+def check_slots(slots: int) -> None:
+    require(_whole(slots) and 1 <= slots <= MAX_SLOTS, "the aggregator's slots",
+            f"between 1 and {MAX_SLOTS}", slots, "--slots, slots")
+
+
+def check_port(port: int) -> None:
+    require(_whole(port) and 0 <= port <= 65535, "the port",
+            "between 0 (any free port) and 65535", port, "--port, port")
+
+
+def check_size(nbytes: int) -> None:
+    require(_whole(nbytes) and nbytes >= 1, "a size", "1 byte or more", nbytes,
+            "--sizes, sizes")
+
+
+def check_positive(what: str, value: float, names: str, unit: str = "") -> None:
+    require(math.isfinite(value) and value > 0, what, f"above 0{unit}", value, names)

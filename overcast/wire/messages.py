@@ -1,0 +1,101 @@
+"""Payload formats of the messages that ranks and the aggregator exchange after the header.
+
+Each `unpack_*` checks lengths and raises MalformedError, so a receiver rejects a message that
+does not parse in one line, whoever sent it.
+"""
+
+from __future__ import annotations
+
+import struct
+
+from overcast.wire.header import MalformedError
+
+# CONTRIB (rank -> aggregator): what the aggregator needs to sum it, so no other message has to
+# arrive first: dtype code, a reserved byte, world size, chunks in the whole input; then data.
+CONTRIB_PREFIX = struct.Struct("<BBHI")
+# CREDIT (aggregator -> rank): chunks released (every chunk below is done), then chunks the rank
+# must send again. CREDIT (rank -> aggregator, when its credit stalls): the next chunk it has not
+# sent yet, and nothing after.
+_U32 = struct.Struct("<I")
+# REPAIR_REQUEST (rank -> rank): (first chunk, count) ranges.
+REPAIR_RANGE = struct.Struct("<II")
+# ABORT: the error class's abort code, then the reason in UTF-8.
+_ABORT = struct.Struct("<B")
+ABORT_REASON_BYTES = 4000
+# GOODBYE: how many collectives the closing rank issued.
+_GOODBYE = _U32
+
+
+def _u32_list(payload, what: str) -> list[int]:
+    if len(payload) % 4:
+        raise MalformedError(f"{what} of {len(payload)} bytes, not a whole number of chunks")
+    return [g for (g,) in _U32.iter_unpack(payload)]
+
+
+def pack_contribution_prefix(dtype_code: int, world: int, total: int) -> bytes:
+    return CONTRIB_PREFIX.pack(dtype_code, 0, world, total)
+
+
+def unpack_contribution(payload) -> tuple[int, int, int, memoryview]:
+    """(dtype code, world, total chunks, data)."""
+    if len(payload) < CONTRIB_PREFIX.size:
+        raise MalformedError(f"contribution of {len(payload)} bytes, shorter than its prefix")
+    code, _, world, total = CONTRIB_PREFIX.unpack_from(payload)
+    return code, world, total, memoryview(payload)[CONTRIB_PREFIX.size:]
+
+
+def pack_credit(released: int, resend=()) -> bytes:
+    return _U32.pack(released) + struct.pack(f"<{len(resend)}I", *resend)
+
+
+def unpack_credit(payload) -> tuple[int, list[int]]:
+    """(chunks released, or the next chunk unsent for a rank's probe; chunks to send again)."""
+    if len(payload) < _U32.size:
+        raise MalformedError(f"credit of {len(payload)} bytes")
+    return _U32.unpack_from(payload)[0], _u32_list(payload[_U32.size:], "credit")
+
+
+def unpack_credit_probe(payload) -> int:
+    """A rank's CREDIT: exactly the next chunk it has not sent."""
+    if len(payload) != _U32.size:
+        raise MalformedError(f"credit probe of {len(payload)} bytes, not {_U32.size}")
+    return _U32.unpack(payload)[0]
+
+
+def pack_acks(chunks: list[int]) -> bytes:
+    return struct.pack(f"<{len(chunks)}I", *chunks)
+
+
+def unpack_acks(payload) -> list[int]:
+    return _u32_list(payload, "acknowledgement")
+
+
+def pack_ranges(ranges) -> bytes:
+    return b"".join(REPAIR_RANGE.pack(first, count) for first, count in ranges)
+
+
+def unpack_ranges(payload) -> list[tuple[int, int]]:
+    if not payload or len(payload) % REPAIR_RANGE.size:
+        raise MalformedError(f"repair request of {len(payload)} bytes")
+    return list(REPAIR_RANGE.iter_unpack(payload))
+
+
+def pack_abort(code: int, reason: str) -> bytes:
+    return _ABORT.pack(code) + reason.encode()[:ABORT_REASON_BYTES]
+
+
+def unpack_abort(payload) -> tuple[int, str]:
+    if len(payload) < _ABORT.size:
+        raise MalformedError("empty abort")
+    return _ABORT.unpack_from(payload)[0], bytes(payload[_ABORT.size:]).decode("utf-8",
+                                                                               "replace")
+
+
+def pack_goodbye(collectives: int) -> bytes:
+    return _GOODBYE.pack(collectives)
+
+
+def unpack_goodbye(payload) -> int:
+    if len(payload) != _GOODBYE.size:
+        raise MalformedError(f"goodbye of {len(payload)} bytes, not {_GOODBYE.size}")
+    return _GOODBYE.unpack(payload)[0]

@@ -1,0 +1,127 @@
+"""Every flag of every command is checked before anything is built: one line saying what is
+wrong and what is allowed, exit 2, no traceback, no namespace left; and the Python API
+(run_bench, Cluster, Communicator, LossSpec, the aggregator) raises InvalidArgumentError with the
+same words."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from overcast.bench.run import run_bench
+from overcast.cluster.netns import Cluster, list_namespaces
+from overcast.comm import Communicator
+from overcast.errors import InvalidArgumentError
+from overcast.switch.service import SwitchService
+from overcast.transport.loss import LossSpec
+
+CLI = [sys.executable, "-m", "overcast.cli.main"]
+
+
+def bench(**kw):
+    args = dict(hosts=2, link_bits=10**8, sizes=[1024], collectives=["allgather"],
+                algorithms=["ring"])
+    args.update(kw)
+    run_bench(**args)
+
+
+def communicator(**kw):
+    args = dict(rank=0, world_size=2, store=object())
+    args.update(kw)
+    Communicator(**args)
+
+
+HOSTS = "the number of hosts must be between 2 and 65279, not {} (--hosts, hosts)"
+RATE = "the link rate must be above 0 Mbit/s, not {} (--link-mbit, link_bits_per_s / 1e6)"
+MTU = "the MTU must be between 96 (the smallest that carries a chunk) and 65535, not {} " \
+      "(--mtu, mtu)"
+LOSS = "the loss rate must be a fraction from 0 up to (not including) 1, not {} (--loss, loss)"
+BURST = "the mean loss burst must be 1 or more datagrams, not {} (--loss-burst, loss_burst)"
+ROOTS = "the multicast roots must be 'all' or between 1 and the number of ranks ({}), not {} " \
+        "(--roots, roots)"
+SLOTS = "the aggregator's slots must be between 1 and 65535, not {} (--slots, slots)"
+PORT = "the port must be between 0 (any free port) and 65535, not {} (--port, port)"
+
+# (command line, the same through the API, the line both say)
+CASES = {
+    "bench --hosts 1": (["bench", "--hosts", "1"], lambda: bench(hosts=1), HOSTS.format(1)),
+    "bench --hosts 70000": (["bench", "--hosts", "70000"], lambda: bench(hosts=70000),
+                            HOSTS.format(70000)),
+    "bench --link-mbit 0": (["bench", "--link-mbit", "0"], lambda: bench(link_bits=0),
+                            RATE.format(0)),
+    "bench --link-mbit -5": (["bench", "--link-mbit", "-5"], lambda: bench(link_bits=-5e6),
+                             RATE.format(-5)),
+    "bench --link-mbit inf": (["bench", "--link-mbit", "inf"],
+                              lambda: bench(link_bits=float("inf")), RATE.format("inf")),
+    "bench --sizes 0": (["bench", "--sizes", "64KiB,0"], lambda: bench(sizes=[65536, 0]),
+                        "a size must be 1 byte or more, not 0 (--sizes, sizes)"),
+    "bench --reps 0": (["bench", "--reps", "0"], lambda: bench(reps=0),
+                       "timed runs must be 1 or more, not 0 (--reps, reps)"),
+    "bench --warmup -1": (["bench", "--warmup", "-1"], lambda: bench(warmup=-1),
+                          "warm-up runs must be 0 or more, not -1 (--warmup, warmup)"),
+    "bench --loss 1.5": (["bench", "--loss", "1.5"], lambda: bench(loss=1.5),
+                         LOSS.format(1.5)),
+    "bench --loss 1": (["bench", "--loss", "1"], lambda: LossSpec(1.0), LOSS.format(1)),
+    "bench --loss -0.1": (["bench", "--loss", "-0.1"], lambda: LossSpec(-0.1),
+                          LOSS.format(-0.1)),
+    "bench --loss-burst 0.5": (["bench", "--loss-burst", "0.5"], lambda: LossSpec(0.1, 0.5),
+                               BURST.format(0.5)),
+    "bench --mtu 50": (["bench", "--mtu", "50"], lambda: bench(mtu=50), MTU.format(50)),
+    "bench --mtu 70000": (["bench", "--mtu", "70000"], lambda: bench(mtu=70000),
+                          MTU.format(70000)),
+    "bench --roots 9": (["bench", "--hosts", "8", "--roots", "2,9"],
+                        lambda: bench(hosts=8, roots=[2, 9]), ROOTS.format(8, 9)),
+    "bench --roots 0": (["bench", "--hosts", "8", "--roots", "0"],
+                        lambda: communicator(roots=0, world_size=8), ROOTS.format(8, 0)),
+    "bench --slots 0": (["bench", "--slots", "0"], lambda: bench(switch_slots=0),
+                        SLOTS.format(0)),
+    "bench --slots 70000": (["bench", "--slots", "70000"], lambda: bench(switch_slots=70000),
+                            SLOTS.format(70000)),
+    "cluster --hosts 0": (["cluster", "run", "--hosts", "0", "--", "true"],
+                          lambda: Cluster(0, 10**8),
+                          "the number of hosts must be between 1 and 65279, not 0 "
+                          "(--hosts, hosts)"),
+    "cluster --link-mbit 0": (["cluster", "run", "--link-mbit", "0", "--", "true"],
+                              lambda: Cluster(2, 0), RATE.format(0)),
+    "cluster --mtu 50": (["cluster", "up", "--mtu", "50"], lambda: Cluster(2, 10**8, mtu=50),
+                         MTU.format(50)),
+    "switch --port 70000": (["switch", "--port", "70000"],
+                            lambda: SwitchService("127.0.0.1", 70000, [b"s"]),
+                            PORT.format(70000)),
+    "switch --port -1": (["switch", "--port", "-1"],
+                         lambda: SwitchService("127.0.0.1", -1, [b"s"]), PORT.format(-1)),
+    "switch --slots 0": (["switch", "--slots", "0"],
+                         lambda: SwitchService("127.0.0.1", 0, [b"s"], slots=0),
+                         SLOTS.format(0)),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_flag_out_of_range_is_one_line_on_the_command_line_and_in_the_api(case):
+    argv, api, line = CASES[case]
+    before = set(list_namespaces()) if os.geteuid() == 0 else set()
+    env = dict(os.environ, OVERCAST_SECRET="00" * 32)
+    out = subprocess.run(CLI + argv, capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr == f"overcast: {line}\n"
+    if os.geteuid() == 0:
+        assert set(list_namespaces()) == before
+    with pytest.raises(InvalidArgumentError) as err:
+        api()
+    assert str(err.value) == line
+
+
+@pytest.mark.parametrize("kwargs,line", [
+    (dict(rank=2), "the rank must be between 0 and world_size - 1 (1), not 2 (RANK, rank)"),
+    (dict(world_size=0), "world_size must be 1 or more, not 0 (WORLD_SIZE, world_size)"),
+    (dict(timeout=0.0), "the timeout must be above 0 seconds, not 0 (timeout)"),
+    (dict(frame_bytes=4), "the ring frame size must be 8 or more, not 4 (frame_bytes)"),
+    (dict(link_bits_per_s=-1e6), RATE.format(-1)),
+    (dict(pacing_share=1.5), "the pacing share must be a fraction above 0, at most 1, not 1.5 "
+                             "(pacing_share)")])
+def test_communicator_settings_are_checked_before_rendezvous(kwargs, line):
+    """The store given is not one: were rendezvous reached, it would fail otherwise."""
+    with pytest.raises(InvalidArgumentError) as err:
+        communicator(**kwargs)
+    assert str(err.value) == line

@@ -1,0 +1,134 @@
+"""Handshakes are challenge-response and served at once: a connection that says nothing, or a
+HELLO captured from another handshake and replayed, neither delays a rendezvous nor takes a
+rank's place; the same at the aggregator's registration."""
+
+import os
+import socket
+import threading
+import time
+
+from overcast.transport.rendezvous import HANDSHAKE_SECONDS, rendezvous
+from overcast.transport.store import StoreClient, StoreServer
+from overcast.switch.service import SwitchService
+from overcast.wire.auth import Sealer, derive_key, job_id_of
+from overcast.wire.header import AGGREGATOR, Kind
+from overcast.wire.registration import ANSWER, HELLO, NONCE_BYTES, SWITCH_CHALLENGE
+
+WORLD, TIMEOUT = 3, 30.0
+
+
+def captured_hello(secret: bytes, salt: bytes, src: int, dst: int, payload: bytes) -> bytes:
+    """A HELLO as rank `src` sealed it in another handshake of this communicator: authentic,
+    but carrying that handshake's nonces."""
+    sealer = Sealer(derive_key(secret, salt, b"comm"), job_id_of(secret),
+                    int.from_bytes(salt[:4], "little"), src)
+    return sealer.seal(Kind.HELLO, 0, dst, 0, payload)
+
+
+def close(links) -> None:
+    for sock in [*links.streams.values(), links.udp, links.multicast, links.switch]:
+        if sock is not None:
+            sock.close()
+
+
+class Ranks:
+    """Ranks of one communicator, each rendezvousing in a thread of its own."""
+
+    def __init__(self, secret: bytes, switch: str | None = None):
+        self.server = StoreServer("127.0.0.1", 0)
+        self.secret, self.switch = secret, switch
+        self.links: dict[int, object] = {}
+        self.errors: dict[int, BaseException] = {}
+        self.threads: list[threading.Thread] = []
+
+    def start(self, rank: int) -> None:
+        def run():
+            try:
+                self.links[rank] = rendezvous(rank, WORLD, store=self.store(), secret=self.secret,
+                                              timeout=TIMEOUT, switch=self.switch)
+            except BaseException as err:  # reported by the test
+                self.errors[rank] = err
+        thread = threading.Thread(target=run)
+        thread.start()
+        self.threads.append(thread)
+
+    def store(self) -> StoreClient:
+        return StoreClient("127.0.0.1", self.server.port, TIMEOUT)
+
+    def join(self) -> None:
+        for thread in self.threads:
+            thread.join()
+        for links in self.links.values():
+            close(links)
+        self.server.close()
+
+
+def test_a_silent_connection_and_a_replayed_hello_neither_delay_nor_join_the_rendezvous():
+    ranks = Ranks(os.urandom(32))
+    began = time.monotonic()
+    ranks.start(0)
+    store = ranks.store()
+    host, port, _ = bytes(store.get("overcast/default/addr/0")).decode().split()
+    salt = bytes(store.get("overcast/default/salt"))
+    store.close()
+    silent = socket.create_connection((host, int(port)))
+    replay = socket.create_connection((host, int(port)))
+    replay.sendall(captured_hello(ranks.secret, salt, 1, 0, ANSWER.pack(
+        os.urandom(NONCE_BYTES), os.urandom(NONCE_BYTES))))
+    for rank in range(1, WORLD):
+        ranks.start(rank)
+    for thread in ranks.threads:
+        thread.join()
+    took = time.monotonic() - began
+    try:
+        assert not ranks.errors, ranks.errors
+        assert sorted(ranks.links) == list(range(WORLD))
+        for rank, links in ranks.links.items():
+            assert sorted(links.streams) == sorted(set(range(WORLD)) - {rank})
+        # rank 0 challenged the replay, found its own nonce missing, and hung up
+        assert ranks.links[0].drops["handshake_failed"] == 1
+        replay.settimeout(TIMEOUT)
+        assert replay.recv(4096)  # the challenge
+        assert replay.recv(4096) == b""  # then nothing: closed
+        # the silent connection held no one up: the rendezvous ended before its deadline
+        assert took < HANDSHAKE_SECONDS, took
+    finally:
+        silent.close()
+        replay.close()
+        ranks.join()
+
+
+def test_the_aggregator_takes_no_replayed_registration_and_drops_a_silent_one(monkeypatch):
+    monkeypatch.setattr("overcast.switch.service.REGISTRATION_SECONDS", 0.2)
+    service = SwitchService("127.0.0.1", 0, [secret := os.urandom(32)])
+    serving = threading.Thread(target=service.serve)
+    serving.start()
+    silent = socket.create_connection(("127.0.0.1", service.port))
+    ranks = Ranks(secret, switch=f"127.0.0.1:{service.port}")
+    try:
+        for rank in range(WORLD):
+            ranks.start(rank)
+        for thread in ranks.threads:
+            thread.join()
+        assert not ranks.errors, ranks.errors
+        assert all(links.switch_error is None for links in ranks.links.values())
+        links = ranks.links[1]
+        salt = bytes(ranks.store().get("overcast/default/salt"))
+        replay = socket.create_connection(("127.0.0.1", service.port))
+        replay.settimeout(TIMEOUT)
+        assert len(replay.recv(SWITCH_CHALLENGE.size)) == SWITCH_CHALLENGE.size
+        hello = HELLO.pack(salt, WORLD, links.udp.getsockname()[1], socket.inet_aton("127.0.0.1"),
+                           True, os.urandom(NONCE_BYTES), os.urandom(NONCE_BYTES))
+        replay.sendall(captured_hello(secret, salt, 1, AGGREGATOR, hello))
+        assert replay.recv(4096) == b""  # closed, no WELCOME
+        replay.close()
+        silent.settimeout(TIMEOUT)
+        assert len(silent.recv(SWITCH_CHALLENGE.size)) == SWITCH_CHALLENGE.size
+        assert silent.recv(4096) == b""  # closed once its registration time was up
+        assert service.drops["replayed"] == 1 and service.drops["registration_timeout"] == 1
+    finally:
+        silent.close()
+        ranks.join()
+        service.stop()
+        serving.join()
+        service.close()

@@ -1,0 +1,280 @@
+"""Every rejection path, sans I/O: each message that does not fit a protocol's table (kind,
+sender, phase) or its state (range, length, format) is one named reason. From a datagram it is
+dropped and counted, and the collective still finishes bit-exact; from a peer's authenticated
+stream it is ProtocolError on every rank. The aggregator drops and counts, never raises."""
+
+import numpy as np
+import pytest
+
+from fabric import Fabric
+from overcast.buffers import dtype_code
+from overcast.errors import (CollectiveMismatchError, CollectiveTimeoutError,
+                             CommunicatorClosedError, InvalidArgumentError, OvercastError,
+                             PeerFailureError, ProtocolError, Rejected, error_class)
+from overcast.protocols.base import Descriptor, Phase
+from overcast.protocols.ring import RingAllGather
+from overcast.switch.aggregator import Aggregator
+from overcast.wire.header import AGGREGATOR, ANY, Header, Kind
+from overcast.wire.messages import (pack_abort, pack_acks, pack_contribution_prefix,
+                                    pack_credit, pack_goodbye, pack_ranges)
+from test_mismatch import U8, WORLD, all_gather, broadcast, reduce_scatter
+
+F32 = np.dtype(np.float32)
+CHUNK_BYTES = 64
+CONTRIBUTION = pack_contribution_prefix(dtype_code(F32), WORLD, 28) + bytes(64)
+
+
+def ring(seq, rank, n=128):
+    desc = Descriptor("all_gather", "ring", U8, n)
+    return RingAllGather(seq, rank, WORLD, desc, np.empty(WORLD * n, np.uint8),
+                         np.full(n, rank, np.uint8), frame_bytes=CHUNK_BYTES)
+
+
+MAKERS = {
+    "all_gather": lambda r: all_gather(0, r),             # 2 chunks of 64 B per root
+    "all_gather in chains": lambda r: all_gather(0, r, roots=2),  # chains [0, 1], [2, 3]
+    "broadcast": lambda r: broadcast(0, r),                # root 0, 5 chunks
+    "reduce_scatter": lambda r: reduce_scatter(0, r),      # 28 chunks, rank 1 owns g % 4 == 1
+    "ring": lambda r: ring(0, r),                          # 6 frames of 64 B to receive
+}
+
+
+def expected(name, rank):
+    if name.startswith("all_gather") or name == "ring":
+        return np.repeat(np.arange(WORLD, dtype=np.uint8), 128)
+    if name == "broadcast":
+        return np.full(300, 7, np.uint8)
+    return np.full(100, WORLD, np.float32)
+
+
+def result(coll):
+    return coll.buffer if hasattr(coll, "buffer") else coll.output
+
+
+def start(name):
+    fabric = Fabric(WORLD, aggregator=Aggregator())
+    colls = [MAKERS[name](r) for r in range(WORLD)]
+    for r, coll in enumerate(colls):
+        fabric.post(r, coll)
+    return fabric, colls
+
+
+def inject(fabric, rank, kind, src, payload=b"", chunk=0, dst=None):
+    hdr = Header(kind, 0, 0, 0, src, rank if dst is None else dst, chunk, len(payload), 0)
+    fabric.sessions[rank].receive(hdr, memoryview(payload), fabric.now)
+
+
+# (collective, kind, src, chunk, payload, dst) -> the reason rank 1 drops it
+DATAGRAMS = {
+    "chunk of another root's segment": ("all_gather", Kind.MCAST_DATA, 0, 5, bytes(64), None,
+                                        "out_of_range"),
+    "chunk of the wrong length": ("all_gather", Kind.MCAST_DATA, 0, 0, bytes(10), None,
+                                  "wrong_length"),
+    "chunk for another rank": ("all_gather", Kind.MCAST_DATA, 0, 0, bytes(64), 2, "misdirected"),
+    "chunk from a rank that is not the root": ("broadcast", Kind.MCAST_DATA, 2, 0, bytes(64),
+                                               ANY, "wrong_sender"),
+    "contribution replayed to a rank": ("reduce_scatter", Kind.CONTRIB, 0, 2, CONTRIBUTION,
+                                        AGGREGATOR, "misdirected"),
+    "contribution addressed to a rank": ("reduce_scatter", Kind.CONTRIB, 0, 2, CONTRIBUTION,
+                                         None, "unexpected_kind"),
+    "multicast chunk to an in-network reduction": ("reduce_scatter", Kind.MCAST_DATA, 0, 0,
+                                                   bytes(64), ANY, "unexpected_kind"),
+    "result from a rank": ("reduce_scatter", Kind.RESULT, 0, 1, bytes(64), None,
+                           "wrong_sender"),
+    "result for another rank's block": ("reduce_scatter", Kind.RESULT, AGGREGATOR, 2,
+                                        bytes(64), None, "out_of_range"),
+    "result past the last chunk": ("reduce_scatter", Kind.RESULT, AGGREGATOR, 29, bytes(64),
+                                   None, "out_of_range"),
+    "result of the wrong length": ("reduce_scatter", Kind.RESULT, AGGREGATOR, 1, bytes(10),
+                                   None, "wrong_length"),
+    "credit too short": ("reduce_scatter", Kind.CREDIT, AGGREGATOR, 0, bytes(3), ANY,
+                         "malformed"),
+    "credit with a torn resend list": ("reduce_scatter", Kind.CREDIT, AGGREGATOR, 0, bytes(6),
+                                       None, "malformed"),
+    "credit beyond the input": ("reduce_scatter", Kind.CREDIT, AGGREGATOR, 0, pack_credit(29),
+                                ANY, "out_of_range"),
+}
+
+
+@pytest.mark.parametrize("case", list(DATAGRAMS))
+def test_a_datagram_that_does_not_fit_is_dropped_and_counted(case):
+    name, kind, src, chunk, payload, dst, reason = DATAGRAMS[case]
+    fabric, colls = start(name)
+    inject(fabric, 1, kind, src, payload, chunk, dst)
+    fabric.run_timed()
+    assert fabric.sessions[1].drops == {reason: 1}
+    for r, coll in enumerate(colls):
+        assert coll.error is None and coll.done, (r, coll.error)
+        assert result(coll).tobytes() == expected(name, r).tobytes()
+
+
+# (collective, [(kind, src, chunk, payload, dst), ...]) -> the reason rank 1 aborts with
+STREAMS = {
+    "activation from a rank not before it in its chain": (
+        "all_gather in chains", [(Kind.ACTIVATE, 2, 0, b"", None)], "wrong_sender"),
+    "activation twice": (
+        "all_gather in chains", [(Kind.ACTIVATE, 0, 0, b"", None)] * 2, "wrong_phase"),
+    "FIN twice": ("all_gather", [(Kind.FIN, 0, 0, b"", None)] * 2, "duplicate"),
+    "FIN from a rank that is not the predecessor": (
+        "all_gather", [(Kind.FIN, 3, 0, b"", None)], "wrong_sender"),
+    "repair request from a rank that is not the predecessor": (
+        "all_gather", [(Kind.REPAIR_REQUEST, 3, 0, pack_ranges([(0, 1)]), None)],
+        "wrong_sender"),
+    "torn repair request": ("all_gather", [(Kind.REPAIR_REQUEST, 0, 0, bytes(5), None)],
+                            "malformed"),
+    "empty repair request": ("all_gather", [(Kind.REPAIR_REQUEST, 0, 0, b"", None)],
+                             "malformed"),
+    "repair request across segments": (
+        "all_gather", [(Kind.REPAIR_REQUEST, 0, 0, pack_ranges([(1, 2)]), None)],
+        "out_of_range"),
+    "repair request beyond the buffer": (
+        "all_gather", [(Kind.REPAIR_REQUEST, 0, 0, pack_ranges([(7, 5)]), None)],
+        "out_of_range"),
+    "repair request of no chunks": (
+        "all_gather", [(Kind.REPAIR_REQUEST, 0, 0, pack_ranges([(0, 0)]), None)],
+        "out_of_range"),
+    "repair data of the wrong length": (
+        "all_gather", [(Kind.REPAIR_DATA, 2, 0, bytes(10), None)], "wrong_length"),
+    "repair data past the buffer": (
+        "all_gather", [(Kind.REPAIR_DATA, 2, 8, bytes(64), None)], "out_of_range"),
+    "repair data from a rank that is not the successor": (
+        "all_gather", [(Kind.REPAIR_DATA, 3, 0, bytes(64), None)], "wrong_sender"),
+    "end-of-multicast from a rank that is not a root": (
+        "broadcast", [(Kind.MCAST_END, 2, 0, b"", None)], "wrong_sender"),
+    "end-of-multicast twice": ("all_gather", [(Kind.MCAST_END, 0, 0, b"", None)] * 2,
+                               "duplicate"),
+    "ring frame to a multicast collective": (
+        "all_gather", [(Kind.RING_DATA, 0, 0, bytes(64), None)], "unexpected_kind"),
+    "ring frame from a rank that is not the predecessor": (
+        "ring", [(Kind.RING_DATA, 2, 0, bytes(64), None)], "wrong_sender"),
+    "ring frame beyond those expected": (
+        "ring", [(Kind.RING_DATA, 0, 6, bytes(64), None)], "out_of_range"),
+    "ring frame of the wrong length": (
+        "ring", [(Kind.RING_DATA, 0, 0, bytes(10), None)], "wrong_length"),
+    "stream frame for another rank": ("all_gather", [(Kind.FIN, 0, 0, b"", 2)], "misdirected"),
+    "torn goodbye": ("all_gather", [(Kind.GOODBYE, 0, 0, bytes(3), None)], "malformed"),
+}
+
+
+@pytest.mark.parametrize("case", list(STREAMS))
+def test_a_stream_frame_that_does_not_fit_is_a_protocol_error_on_every_rank(case):
+    name, messages, reason = STREAMS[case]
+    fabric, colls = start(name)
+    for kind, src, chunk, payload, dst in messages:
+        inject(fabric, 1, kind, src, payload, chunk, dst)
+    fabric.run_timed()
+    error = colls[1].error
+    assert isinstance(error, Rejected) and error.reason == reason, error
+    assert "\n" not in str(error)
+    for r, coll in enumerate(colls):
+        assert isinstance(coll.error, ProtocolError), (r, coll.error)
+        if r != 1:
+            assert "(reported by rank 1)" in str(coll.error)
+    assert not fabric.sessions[1].drops
+
+
+def test_a_ring_frame_after_every_frame_arrived_is_in_the_wrong_phase():
+    fabric, colls = start("ring")
+    for step in range(WORLD - 1):  # what rank 0 forwards to rank 1, before anyone moves
+        for j in range(2):
+            inject(fabric, 1, Kind.RING_DATA, 0, bytes(64), step * 2 + j)
+    assert colls[1].phase is Phase.DRAINING  # its own frames are still queued
+    inject(fabric, 1, Kind.RING_DATA, 0, bytes(64), 0)
+    assert isinstance(colls[1].error, Rejected) and colls[1].error.reason == "wrong_phase"
+
+
+def test_an_illegal_phase_change_is_a_bug_not_a_rejection():
+    coll = all_gather(0, 1)
+    with pytest.raises(RuntimeError, match="POSTED -> DONE is not a transition"):
+        coll.enter(Phase.DONE)
+
+
+@pytest.mark.parametrize("cls", [OvercastError, CollectiveMismatchError, ProtocolError,
+                                 PeerFailureError, CollectiveTimeoutError,
+                                 CommunicatorClosedError, InvalidArgumentError, Rejected])
+def test_an_abort_carries_the_class_of_the_error_by_its_code(cls):
+    error = cls("unreachable", "why") if cls is Rejected else cls("why")
+    fabric, colls = start("all_gather")
+    fabric.sessions[0].abort(error)
+    fabric.run_timed()
+    for coll in colls[1:]:
+        assert type(coll.error) is (ProtocolError if cls is Rejected else cls), coll.error
+        assert str(coll.error) == "why (reported by rank 0)"
+    assert len({c.abort_code for c in (OvercastError, CollectiveMismatchError, ProtocolError,
+                                       PeerFailureError, CollectiveTimeoutError,
+                                       CommunicatorClosedError, InvalidArgumentError)}) == 7
+    assert error_class(200) is OvercastError
+
+
+def test_an_abort_without_a_code_is_still_an_error():
+    fabric, colls = start("all_gather")
+    inject(fabric, 1, Kind.ABORT, 0, b"")
+    assert isinstance(colls[1].error, OvercastError)
+    assert "an abort without a reason (reported by rank 0)" in str(colls[1].error)
+    assert pack_abort(2, "x" * 5000)[1:] == b"x" * 4000
+
+
+# --- the aggregator ----------------------------------------------------------------------------
+
+def contribution(g, src, world=WORLD, total=8, elems=4, code=None, dst=AGGREGATOR,
+                 kind=Kind.CONTRIB, seq=0):
+    payload = pack_contribution_prefix(dtype_code(F32) if code is None else code, world,
+                                       total) + np.ones(elems, F32).tobytes()
+    return Header(kind, 0, 0, seq, src, dst, g, len(payload), 0), payload
+
+
+def message(kind, src, payload, g=0, seq=0, dst=AGGREGATOR):
+    return Header(kind, 0, 0, seq, src, dst, g, len(payload), 0), payload
+
+
+AGGREGATOR_CASES = {
+    "an unregistered communicator": ("other", contribution(1, 0), "unregistered"),
+    "a datagram for a rank": ("comm", contribution(1, 0, dst=1), "misdirected"),
+    "a sender outside the world": ("comm", contribution(1, 9), "wrong_sender"),
+    "a kind ranks never send it": ("comm", message(Kind.RESULT, 0, bytes(16)),
+                                   "unexpected_kind"),
+    "a contribution shorter than its prefix": ("comm", message(Kind.CONTRIB, 0, bytes(3)),
+                                               "malformed"),
+    "a contribution of an unknown dtype": ("comm", contribution(1, 0, code=250, seq=1),
+                                           "malformed"),
+    "a contribution for another world": ("comm", contribution(1, 0, world=5, total=10),
+                                         "inconsistent"),
+    "a contribution past the last chunk": ("comm", contribution(8, 0), "out_of_range"),
+    "a contribution from the chunk's owner": ("comm", contribution(1, 1), "wrong_sender"),
+    "a contribution beyond the window": ("comm", contribution(7, 0), "beyond_window"),
+    "acknowledgements torn": ("comm", message(Kind.RESULT_ACK, 1, bytes(5)), "malformed"),
+    "acknowledgements of no reduction": ("comm", message(Kind.RESULT_ACK, 1, pack_acks([1]),
+                                                         seq=3), "stale"),
+    "an acknowledgement of a chunk with no result": (
+        "comm", message(Kind.RESULT_ACK, 1, pack_acks([1])), "stray_acks"),
+    "a credit probe of the wrong length": ("comm", message(Kind.CREDIT, 1, pack_credit(0, [1])),
+                                           "malformed"),
+}
+
+
+@pytest.mark.parametrize("case", list(AGGREGATOR_CASES))
+def test_the_aggregator_drops_and_counts_what_does_not_fit(case):
+    key, (hdr, payload), reason = AGGREGATOR_CASES[case]
+    agg = Aggregator(slots=4)
+    agg.register("comm", WORLD)
+    # a reduction in flight, chunk 1 holding rank 0's contribution, so later ones meet state
+    agg.receive("comm", *contribution(1, 0), 0.0)
+    before = dict(agg.stats)
+    agg.receive(key, hdr, memoryview(payload), 0.0)
+    assert agg.drops == {reason: 1}
+    assert dict(agg.stats) == before and not agg.outbox
+
+
+def test_the_aggregator_drops_a_contribution_whose_length_differs_from_its_slot():
+    agg = Aggregator(slots=4)
+    agg.register("comm", WORLD)
+    agg.receive("comm", *contribution(1, 0), 0.0)
+    agg.receive("comm", *contribution(1, 2, elems=3), 0.0)
+    assert agg.drops == {"wrong_length": 1}
+    assert agg.stats["contributions"] == 1
+
+
+def test_a_goodbye_carries_a_count():
+    fabric, colls = start("all_gather")
+    inject(fabric, 1, Kind.GOODBYE, 0, pack_goodbye(0))
+    assert isinstance(colls[1].error, PeerFailureError)
