@@ -47,7 +47,7 @@ class Rejected(ProtocolError):
     (unexpected_kind, wrong_sender, wrong_phase, out_of_range, wrong_length, malformed). From a
     datagram it is dropped and counted; from a peer's authenticated stream it aborts."""
 
-    def __init__(self, reason: str, message: str):
+    def __init__(self, message: str, reason: str = "rejected"):
         super().__init__(message)
         self.reason = reason
 

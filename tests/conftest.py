@@ -5,6 +5,11 @@ import pytest
 
 from overcast.cluster.netns import list_namespaces
 
+def pytest_addoption(parser):
+    parser.addoption("--fuzz-scale", type=int, default=1,
+                     help="tests/test_fuzz.py throws this many times its 100,000 messages")
+
+
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")
 
 

@@ -37,6 +37,8 @@ class Fabric:
             collections.deque)
         self.datagrams: dict[tuple[int, int], list] = collections.defaultdict(list)
         self.silent: set[int] = set()
+        # what an eavesdropper saw go by, as it was sent: (header, payload, by datagram)
+        self.seen: collections.deque = collections.deque(maxlen=4096)
         self.dropped = self.duplicated = self.delivered = 0
 
     def post(self, rank: int, coll) -> None:
@@ -59,6 +61,7 @@ class Fabric:
             for _, dst, msg in mine:
                 payload = bytes(msg.payload)
                 hdr = Header(msg.kind, 0, 0, msg.seq, AGGREGATOR, dst, msg.chunk, len(payload), 0)
+                self.seen.append((hdr, payload, True))
                 for rank in range(self.world) if dst == ANY else [dst]:
                     self._lossy(AGGREGATOR, rank, hdr, payload)
         for src, session in enumerate(self.sessions):
@@ -71,6 +74,7 @@ class Fabric:
                     hdr = Header(msg.kind, 0, 0, msg.seq, src, msg.dst, msg.chunk,
                                  len(payload), 0)
                     channel, peer = route
+                    self.seen.append((hdr, payload, channel != STREAM))
                     if channel == STREAM:
                         self.streams[(src, peer)].append((hdr, payload))
                         continue
@@ -96,7 +100,7 @@ class Fabric:
             if AGGREGATOR not in self.silent:
                 self.aggregator.receive(self.key, hdr, memoryview(payload), self.now)
         elif dst not in self.silent:
-            self.sessions[dst].receive(hdr, memoryview(payload), self.now)
+            self.sessions[dst].receive(hdr, memoryview(payload), self.now, what == "d")
         self.delivered += 1
         return True
 

@@ -149,7 +149,7 @@ def test_forged_foreign_and_replayed_datagrams_are_dropped_and_counted():
             # so no nonce is reused): authentic, but for collective 0, long finished.
             valid = Sealer(links.key, links.job, links.comm, 1)
             valid.counter = 1 << 40
-            valid = valid.seal(Kind.RING_DATA, 0, 0, 0, b"x" * 64)
+            valid = valid.seal(Kind.MCAST_DATA, 0, 0, 0, b"x" * 64)
             forged = Sealer(derive_key(b"wrong", b"salt", b"comm"), links.job, links.comm,
                             1).seal(Kind.RING_DATA, 0, 0, 0, b"x" * 64)
             foreign = Sealer(links.key, links.job ^ 1, links.comm, 1).seal(

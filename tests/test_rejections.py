@@ -12,7 +12,10 @@ from overcast.errors import (CollectiveMismatchError, CollectiveTimeoutError,
                              CommunicatorClosedError, InvalidArgumentError, OvercastError,
                              PeerFailureError, ProtocolError, Rejected, error_class)
 from overcast.protocols.base import Descriptor, Phase
+from overcast.protocols.budget import LinkBudget
+from overcast.protocols.multicast import MulticastGather
 from overcast.protocols.ring import RingAllGather
+from overcast.protocols.session import DATAGRAM_KINDS
 from overcast.switch.aggregator import Aggregator
 from overcast.wire.header import AGGREGATOR, ANY, Header, Kind
 from overcast.wire.messages import (pack_abort, pack_acks, pack_contribution_prefix,
@@ -59,9 +62,11 @@ def start(name):
     return fabric, colls
 
 
-def inject(fabric, rank, kind, src, payload=b"", chunk=0, dst=None):
+def inject(fabric, rank, kind, src, payload=b"", chunk=0, dst=None, datagram=None):
+    """Give rank `rank` a message, by datagram if its kind goes so (unless told otherwise)."""
     hdr = Header(kind, 0, 0, 0, src, rank if dst is None else dst, chunk, len(payload), 0)
-    fabric.sessions[rank].receive(hdr, memoryview(payload), fabric.now)
+    datagram = kind in DATAGRAM_KINDS if datagram is None else datagram
+    fabric.sessions[rank].receive(hdr, memoryview(payload), fabric.now, datagram)
 
 
 # (collective, kind, src, chunk, payload, dst) -> the reason rank 1 drops it
@@ -96,11 +101,12 @@ DATAGRAMS = {
 }
 
 
-@pytest.mark.parametrize("case", list(DATAGRAMS))
+@pytest.mark.parametrize("case", list(DATAGRAMS) + ["a stream frame sent by datagram"])
 def test_a_datagram_that_does_not_fit_is_dropped_and_counted(case):
-    name, kind, src, chunk, payload, dst, reason = DATAGRAMS[case]
+    name, kind, src, chunk, payload, dst, reason = DATAGRAMS.get(case) or (
+        "all_gather", Kind.FIN, 0, 0, b"", None, "wrong_channel")
     fabric, colls = start(name)
-    inject(fabric, 1, kind, src, payload, chunk, dst)
+    inject(fabric, 1, kind, src, payload, chunk, dst, datagram=True)
     fabric.run_timed()
     assert fabric.sessions[1].drops == {reason: 1}
     for r, coll in enumerate(colls):
@@ -154,6 +160,9 @@ STREAMS = {
     "stream frame for another rank": ("all_gather", [(Kind.FIN, 0, 0, b"", 2)], "misdirected"),
     "torn goodbye": ("all_gather", [(Kind.GOODBYE, 0, 0, bytes(3), None)], "malformed"),
 }
+# a peer sending on its stream what goes by datagram
+STREAMS["a datagram kind on a stream"] = ("all_gather", [(Kind.MCAST_DATA, 0, 0, bytes(64),
+                                                           None)], "wrong_channel")
 
 
 @pytest.mark.parametrize("case", list(STREAMS))
@@ -161,7 +170,7 @@ def test_a_stream_frame_that_does_not_fit_is_a_protocol_error_on_every_rank(case
     name, messages, reason = STREAMS[case]
     fabric, colls = start(name)
     for kind, src, chunk, payload, dst in messages:
-        inject(fabric, 1, kind, src, payload, chunk, dst)
+        inject(fabric, 1, kind, src, payload, chunk, dst, datagram=False)
     fabric.run_timed()
     error = colls[1].error
     assert isinstance(error, Rejected) and error.reason == reason, error
@@ -193,7 +202,7 @@ def test_an_illegal_phase_change_is_a_bug_not_a_rejection():
                                  PeerFailureError, CollectiveTimeoutError,
                                  CommunicatorClosedError, InvalidArgumentError, Rejected])
 def test_an_abort_carries_the_class_of_the_error_by_its_code(cls):
-    error = cls("unreachable", "why") if cls is Rejected else cls("why")
+    error = cls("why")
     fabric, colls = start("all_gather")
     fabric.sessions[0].abort(error)
     fabric.run_timed()
@@ -278,3 +287,41 @@ def test_a_goodbye_carries_a_count():
     fabric, colls = start("all_gather")
     inject(fabric, 1, Kind.GOODBYE, 0, pack_goodbye(0))
     assert isinstance(colls[1].error, PeerFailureError)
+
+
+def done_but_unverified():
+    """Rank 1 of 2 with its multicast AllGather done, waiting only for rank 0's DESCRIBE."""
+    fabric = Fabric(2)
+    coll = MulticastGather(0, 1, 2, Descriptor("all_gather", "multicast", U8, 64, param=2),
+                           np.empty(128, np.uint8), [(0, 0, 64), (1, 64, 64)],
+                           source=np.ones(64, np.uint8), roots=2, chunk_bytes=CHUNK_BYTES,
+                           budget=LinkBudget(1e6))
+    fabric.post(1, coll)
+    inject(fabric, 1, Kind.MCAST_DATA, 0, bytes(64), 0, ANY)
+    inject(fabric, 1, Kind.MCAST_END, 0)
+    inject(fabric, 1, Kind.FIN, 0)
+    session = fabric.sessions[1]
+    for route in list(session.pending_routes()):
+        session.drain(route)
+    assert coll.phase is Phase.DONE and coll in session.active.values()
+    return fabric, session, coll
+
+
+def test_a_repair_that_crossed_its_chunk_is_taken_after_done():
+    fabric, session, coll = done_but_unverified()
+    inject(fabric, 1, Kind.REPAIR_DATA, 0, bytes(64), 0)  # rank 0 is also rank 1's successor
+    assert session.error is None and coll.stats["repaired_chunks"] == 0
+    inject(fabric, 1, Kind.DESCRIBE, 0, coll.desc.pack())
+    assert coll in session.finished and coll.error is None
+
+
+def test_an_abort_fails_a_collective_done_but_not_yet_verified():
+    fabric, session, coll = done_but_unverified()
+    session.abort(ProtocolError("broken"))
+    assert coll in session.finished and isinstance(coll.error, ProtocolError)
+    assert not session.active and session.get_timer() is None
+
+
+def test_a_rejection_is_raised_again_from_its_message_as_work_wait_does():
+    again = type(Rejected("frame 9 is beyond the 6 expected", "out_of_range"))("again")
+    assert isinstance(again, ProtocolError) and str(again) == "again"

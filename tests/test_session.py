@@ -142,7 +142,7 @@ def test_out_of_range_frame_is_a_protocol_error_not_a_crash():
     fabric = Fabric(2)
     colls, _, _ = gather(fabric, 10, np.int32, 64)
     bogus = Header(Kind.RING_DATA, 0, 0, 0, 1, 0, 99, 4, 0)
-    fabric.sessions[0].receive(bogus, memoryview(b"\0" * 4), 0.0)
+    fabric.sessions[0].receive(bogus, memoryview(b"\0" * 4), 0.0, False)
     assert isinstance(colls[0].error, ProtocolError)
     fabric.run()
     assert isinstance(colls[1].error, ProtocolError)  # told by rank 0's abort
@@ -154,5 +154,5 @@ def test_messages_after_completion_are_counted_stale():
     fabric.run()
     assert all(c.done for c in colls)
     late = Header(Kind.RING_DATA, 0, 0, 0, 1, 0, 0, 40, 0)
-    fabric.sessions[0].receive(late, memoryview(b"\0" * 40), 0.0)
+    fabric.sessions[0].receive(late, memoryview(b"\0" * 40), 0.0, False)
     assert fabric.sessions[0].stale == 1

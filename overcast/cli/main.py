@@ -54,6 +54,34 @@ def _bench(args) -> int:
     return 0 if all(r["correct"] for r in doc["results"]) else 1
 
 
+def _soak(args) -> int:
+    from overcast.bench.run import parse_size
+    from overcast.bench.soak import plot, run_soak, summary_table
+
+    console = Console(width=None if sys.stdout.isatty() else 200)
+    nbytes = parse_size(args.size)
+    try:
+        marks = [int(m) for m in _csv(args.marks)]
+    except ValueError:
+        raise ValueError(f"--marks takes whole numbers, comma-separated, not {args.marks!r}") \
+            from None
+    bar, progress = _progress(console)
+    with bar:  # run_soak checks every setting before it builds anything
+        doc = run_soak(args.hosts, int(args.link_mbit * 1e6), args.pairs, nbytes, args.loss,
+                       args.loss_burst, marks, progress=progress)
+    doc["meta"]["command"] = "overcast " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    console.print(summary_table(doc))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=1)
+        console.print(f"results: {args.json}")
+    png = args.png or (os.path.splitext(args.json)[0] + ".png" if args.json else None)
+    if png:
+        plot(doc, png)
+        console.print(f"plot: {png}")
+    return 0 if doc["summary"]["pairs_exact"] == args.pairs else 1
+
+
 def _progress(console: Console):
     """A transient progress bar, and the callback (done, total, what) that moves it."""
     bar = Progress(TextColumn("{task.description}"), BarColumn(),
@@ -183,6 +211,24 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--out", default="out/train", help="folder for results, plots and traces")
     t.set_defaults(func=_train)
 
+    s = sub.add_parser("soak", help="many overlapped pairs under bursty loss: exact results, "
+                                    "flat memory, no drift, nothing left behind")
+    s.add_argument("--hosts", type=int, default=8)
+    s.add_argument("--link-mbit", type=float, default=400.0,
+                   help="link rate per direction, Mbit/s")
+    s.add_argument("--pairs", type=int, default=1000,
+                   help="overlapped pairs (multicast AllGather + in-network ReduceScatter)")
+    s.add_argument("--size", default="256KiB", help="bytes per rank of each collective")
+    s.add_argument("--loss", type=float, default=0.01,
+                   help="fraction of received datagrams each host drops")
+    s.add_argument("--loss-burst", type=float, default=4.0,
+                   help="mean length of a loss burst, in datagrams")
+    s.add_argument("--marks", default="100",
+                   help="pairs after which memory is read (the last pair always is)")
+    s.add_argument("--json", help="write results here")
+    s.add_argument("--png", help="per-pair time plot (default: beside --json)")
+    s.set_defaults(func=_soak)
+
     c = sub.add_parser("cluster", help="the emulated cluster of network namespaces")
     c.add_argument("action", choices=("up", "run", "clean"),
                    help="up: build and hold until Ctrl-C; run: run a command on every host; "
@@ -216,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
         argv, command = argv[:cut], argv[cut + 1:]
     args = parser().parse_args(argv)
     args.command = command
-    if args.cmd in ("bench", "cluster", "train"):
+    if args.cmd in ("bench", "cluster", "train", "soak"):
         # Not root: become root of a user namespace of our own, where the kernel allows it.
         from overcast.cluster.userns import reexec
         reexec(["-m", "overcast.cli.main", *sys.argv[1:]])

@@ -102,6 +102,8 @@ def run_ranks(fn, placements: list[Placement], args=(), timeout: float = 600.0) 
             pid = os.fork()
             if pid == 0:
                 os.close(read_fd)
+                for _, earlier in procs.values():  # the other ranks' pipes are not its own
+                    os.close(earlier)
                 _child(fn, rank, placement, args, write_fd)
             os.close(write_fd)
             procs[rank] = (pid, read_fd)

@@ -158,7 +158,7 @@ class Engine:
             if self._close_deadline is not None:
                 wait = 0.05 if wait is None else min(wait, 0.05)
             events = self._selector.select(wait)
-            deliver = self._deliverer(time.monotonic())
+            deliver = self._deliverer(time.monotonic(), datagram=True)
             # Datagrams first: a root's end-of-multicast notice on its stream must not overtake
             # its last chunks already waiting in the socket.
             for key, mask in events:
@@ -201,20 +201,21 @@ class Engine:
         except BlockingIOError:
             pass
 
-    def _deliverer(self, now: float):
-        """What hands each authentic message to the session, counting it if tracing."""
+    def _deliverer(self, now: float, datagram: bool):
+        """What hands each authentic message to the session, saying which channel it came by,
+        counting it if tracing."""
         session, trace = self.session, self.trace
         if trace is None:
-            return lambda hdr, payload: session.receive(hdr, payload, now)
+            return lambda hdr, payload: session.receive(hdr, payload, now, datagram)
 
         def deliver(hdr, payload):
             trace.count("rx", hdr.seq, datagram_link_bytes(len(payload)), now)
-            session.receive(hdr, payload, now)
+            session.receive(hdr, payload, now, datagram)
         return deliver
 
     def _read(self, stream: Stream) -> None:
         try:
-            stream.read(self._deliverer(time.monotonic()))
+            stream.read(self._deliverer(time.monotonic(), datagram=False))
         except StreamClosed:
             self._drop_stream(stream)
             self.session.peer_lost(stream.peer)

@@ -91,10 +91,14 @@ _NEXT = {
     Phase.SENDING: {Phase.RECEIVING, Phase.FAILED},
     Phase.RECEIVING: {Phase.DRAINING, Phase.FAILED},
     Phase.DRAINING: {Phase.DONE, Phase.FAILED},
-    Phase.DONE: set(),
+    # Done here, but the session holds it until every peer's DESCRIBE has matched: an abort
+    # meanwhile still fails it.
+    Phase.DONE: {Phase.FAILED},
     Phase.FAILED: set(),
 }
-LIVE = frozenset((Phase.WAITING, Phase.SENDING, Phase.RECEIVING, Phase.DRAINING))
+# Every phase after start: copies of data already in place (a repair that crossed a multicast
+# chunk, a result sent again) may come until the session lets the collective go.
+STARTED = frozenset((Phase.WAITING, Phase.SENDING, Phase.RECEIVING, Phase.DRAINING, Phase.DONE))
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,7 +109,7 @@ class Accept:
 
     handler: str
     sender: str
-    phases: frozenset = LIVE
+    phases: frozenset = STARTED
 
 
 class Collective:
@@ -145,7 +149,7 @@ class Collective:
         self.phase = phase
 
     def reject(self, reason: str, message: str):
-        raise Rejected(reason, f"{self.desc} #{self.seq} on rank {self.rank}: {message}")
+        raise Rejected(f"{self.desc} #{self.seq} on rank {self.rank}: {message}", reason)
 
     # -- the sans-I/O contract -------------------------------------------------------------
     def start(self, now: float) -> None:
@@ -219,7 +223,7 @@ class Collective:
             self.enter(Phase.DONE)
 
     def fail(self, error: BaseException) -> None:
-        if self.phase not in (Phase.DONE, Phase.FAILED):
+        if self.phase is not Phase.FAILED:
             self.enter(Phase.FAILED)
             self.error = error
             self.outbox.clear()

@@ -18,7 +18,7 @@ from overcast.wire.messages import pack_abort, pack_goodbye, unpack_abort, unpac
 _CONTROL = (Kind.DESCRIBE, Kind.ABORT, Kind.GOODBYE)
 # Messages that come by datagram may be dropped when they arrive before their collective is
 # posted and too many bytes are held already: the protocols repair such losses anyway.
-_DATAGRAM_KINDS = frozenset((Kind.MCAST_DATA, Kind.CONTRIB, Kind.RESULT, Kind.RESULT_ACK,
+DATAGRAM_KINDS = frozenset((Kind.MCAST_DATA, Kind.CONTRIB, Kind.RESULT, Kind.RESULT_ACK,
                              Kind.CREDIT))
 EARLY_DATAGRAM_BYTES = 16 * 1024 * 1024
 # How many finished collectives keep their descriptor, to check a DESCRIBE that arrives late.
@@ -86,9 +86,10 @@ class Session:
                 self._send_control(Kind.DESCRIBE, coll.seq, peer, described)
         self._guard(coll, coll.start, now)
         for hdr, payload in self.early.pop(coll.seq, ()):
-            if hdr.kind in _DATAGRAM_KINDS:
+            datagram = hdr.kind in DATAGRAM_KINDS  # checked against the channel on arrival
+            if datagram:
                 self._early_datagram_bytes -= len(payload)
-            self.receive(hdr, payload, now)
+            self.receive(hdr, payload, now, datagram)
         self._settle(coll)
 
     def _settle(self, coll: Collective) -> None:
@@ -115,15 +116,25 @@ class Session:
             self.abort(err)
 
     # -- receiving -------------------------------------------------------------------------
-    def receive(self, hdr, payload: memoryview, now: float) -> None:
+    def receive(self, hdr, payload: memoryview, now: float, datagram: bool) -> None:
+        """Take an authentic message that came by datagram or on a peer's stream."""
         kind = hdr.kind
+        if datagram != (kind in DATAGRAM_KINDS):
+            # A stream frame lifted off the wire and sent to the datagram port, or a peer that
+            # sends on its stream what goes by datagram.
+            if datagram:
+                self.drops["wrong_channel"] += 1
+            else:
+                self.abort(Rejected(f"rank {hdr.src} sent {Kind(kind).name} on its stream",
+                                    "wrong_channel"))
+            return
         if hdr.dst != self.rank and hdr.dst != ANY:
-            if kind in _DATAGRAM_KINDS:
+            if datagram:
                 self.drops["misdirected"] += 1
             else:
-                self.abort(Rejected("misdirected", f"rank {hdr.src} sent {Kind(kind).name} for "
-                                                   f"rank {hdr.dst} over its stream to rank "
-                                                   f"{self.rank}"))
+                self.abort(Rejected(f"rank {hdr.src} sent {Kind(kind).name} for rank "
+                                    f"{hdr.dst} over its stream to rank {self.rank}",
+                                    "misdirected"))
             return
         if kind in _CONTROL:
             self._receive_control(hdr, payload, now)
@@ -132,7 +143,7 @@ class Session:
         if coll is None:
             if hdr.seq < self.next_seq or self.error is not None:
                 self.stale += 1
-            elif kind in _DATAGRAM_KINDS:
+            elif datagram:
                 if self._early_datagram_bytes + len(payload) > EARLY_DATAGRAM_BYTES:
                     self.early_dropped += 1
                 else:
@@ -145,7 +156,7 @@ class Session:
         try:
             coll.receive(hdr, payload, now)
         except Rejected as err:
-            if kind in _DATAGRAM_KINDS:
+            if datagram:
                 # A datagram proves only that some rank sent it once, to someone: one that does
                 # not fit is dropped and counted. A mismatched call is named by its DESCRIBE.
                 self.drops[err.reason] += 1
@@ -183,7 +194,7 @@ class Session:
             try:
                 count = unpack_goodbye(payload)
             except MalformedError as err:
-                self.abort(Rejected("malformed", f"rank {hdr.src}: {err}"))
+                self.abort(Rejected(f"rank {hdr.src}: {err}", "malformed"))
                 return
             self.closed_peers[hdr.src] = count
             for coll in list(self.active.values()):

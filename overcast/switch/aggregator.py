@@ -243,12 +243,12 @@ class Aggregator:
             slot = red.slots[g] = Slot(g, block, block[:, :elems], first_seen=now)
             red.holes.pop(g, None)
             red.highest = max(red.highest, g)
-        elif slot.rows.shape[1] != elems:
-            self.drops["wrong_length"] += 1
-            return
         bit = 1 << hdr.src
         if slot.have & bit or slot.result is not None:
             self.stats["duplicate_contributions"] += 1
+            return
+        if slot.rows.shape[1] != elems:
+            self.drops["wrong_length"] += 1
             return
         slot.rows[hdr.src] = np.frombuffer(data, red.dtype)
         slot.have |= bit

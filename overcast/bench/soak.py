@@ -1,0 +1,217 @@
+"""`overcast soak`: many overlapped pairs (multicast AllGather with in-network ReduceScatter) on
+the emulated cluster under bursty loss, to show what a long training run needs: every result
+bit-exact, memory flat on every rank and at the aggregator, per-pair time without drift, and no
+socket, thread or aggregator slot left behind when the communicator closes."""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import json
+import os
+import statistics
+import tempfile
+import threading
+import time
+
+import numpy as np
+
+from overcast.bench.run import machine
+from overcast.bench.worker import expected_sum, pattern, shard
+from overcast.cluster.netns import Cluster
+from overcast.limits import check_count, check_hosts, check_link_rate, check_loss, check_size
+
+DTYPE = np.float32
+
+
+def _status_bytes(pid: int | str, field: str) -> int:
+    """A memory figure (VmRSS, VmHWM) of a process, from /proc, in bytes."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+def _held() -> dict:
+    """Open file descriptors and threads of this process, once the garbage is collected (so
+    that an object closed by the collector is not counted by chance)."""
+    gc.collect()
+    return {"fds": len(os.listdir("/proc/self/fd")), "threads": threading.active_count()}
+
+
+def soak_rank(rank: int, pairs: int, nbytes: int, marks: list[int], switch_pid: int,
+              progress_path: str) -> dict:
+    """Run `pairs` overlapped pairs; report per-pair seconds, memory at each mark, and what is
+    held before the communicator opens and after it closes."""
+    import overcast
+
+    # Rank 0 serves the rendezvous store for the rest of the process (as torchrun's agent
+    # does), from its first communicator on: open and close one first, so that what the soak's
+    # communicator holds is measured alone.
+    overcast.Communicator(name="soak-warmup").close()
+    before = _held()
+    count = max(1, nbytes // np.dtype(DTYPE).itemsize)
+    seconds, exact, at_marks = [], 0, {}
+    with overcast.Communicator(name="soak", timeout=60) as comm:
+        world = comm.world_size
+        mine, grads = shard(rank, count), pattern(rank, count, world)
+        gathered = np.concatenate([shard(r, count) for r in range(world)])
+        reduced = expected_sum(rank, count, world)
+        out_ag, out_rs = np.empty(world * count, DTYPE), np.empty(count, DTYPE)
+        for i in range(1, pairs + 1):
+            t0 = time.perf_counter()
+            works = [comm.all_gather(out_ag, mine, algorithm="multicast", async_op=True),
+                     comm.reduce_scatter(out_rs, grads, algorithm="innetwork", async_op=True)]
+            for work in works:
+                work.wait()
+            seconds.append(time.perf_counter() - t0)
+            exact += bool(np.array_equal(out_ag, gathered) and np.array_equal(out_rs, reduced))
+            out_ag.fill(0)
+            out_rs.fill(0)
+            if i in marks:
+                at_marks[i] = {"rss_bytes": _status_bytes("self", "VmRSS"),
+                               "peak_rss_bytes": _status_bytes("self", "VmHWM"),
+                               "memory": comm.memory(), **_held()}
+                at_marks[i]["switch_rss_bytes"] = _status_bytes(switch_pid, "VmRSS")
+            if rank == 0 and i % 10 == 0:
+                with open(progress_path, "w") as f:
+                    f.write(str(i))
+        counters = comm.counters()
+    return {"seconds": seconds, "exact": exact, "marks": at_marks, "before": before,
+            "after": _held(), "counters": counters}
+
+
+def run_soak(hosts: int, link_bits: int, pairs: int, nbytes: int, loss: float,
+             loss_burst: float, marks: list[int], progress=None) -> dict:
+    """Soak on a fresh cluster; {"meta": ..., "summary": ..., "ranks": [...]}."""
+    check_hosts(hosts)
+    check_link_rate(link_bits)
+    check_count("pairs", pairs, 1, "--pairs, pairs")
+    check_size(nbytes)
+    check_loss(loss, loss_burst)
+    marks = sorted({m for m in marks if m <= pairs} | {pairs})
+    with tempfile.TemporaryDirectory() as tmp, Cluster(hosts, link_bits) as cluster:
+        switch = cluster.start_switch(stats_path=os.path.join(tmp, "switch.json"))
+        progress_path = os.path.join(tmp, "progress")
+        stop = threading.Event()
+        if progress:
+            threading.Thread(target=_report_progress, daemon=True,
+                             args=(progress_path, pairs, progress, stop)).start()
+        try:
+            ranks = cluster.run(soak_rank, timeout=24 * 3600,
+                                env={"OVERCAST_LOSS": str(loss),
+                                     "OVERCAST_LOSS_BURST": str(loss_burst)},
+                                args=(pairs, nbytes, marks, switch.pid, progress_path))
+        finally:
+            stop.set()
+        cluster.stop_switch(switch)
+        with open(os.path.join(tmp, "switch.json")) as f:
+            switch_report = json.load(f)
+    meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "hosts": hosts, "link_bits_per_s": link_bits, "pairs": pairs,
+            "bytes_per_rank": nbytes, "loss": loss, "loss_burst": loss_burst, "marks": marks,
+            "machine": machine()}
+    return {"meta": meta, "summary": summarize(ranks, switch_report, marks), "ranks": ranks,
+            "switch": switch_report}
+
+
+def _report_progress(path: str, pairs: int, progress, stop: threading.Event) -> None:
+    while not stop.wait(0.5):
+        try:
+            with open(path) as f:
+                done = int(f.read() or 0)
+        except (OSError, ValueError):
+            done = 0
+        progress(done, pairs, f"pair {done} of {pairs}")
+
+
+def summarize(ranks: list[dict], switch: dict, marks: list[int]) -> dict:
+    """The soak's verdict: exact pairs, memory at each mark, drift, what was left behind."""
+    pair_seconds = [max(r["seconds"][i] for r in ranks) for i in range(len(ranks[0]["seconds"]))]
+    n = len(pair_seconds)
+    window = max(1, min(100, n // 10))
+    first, last = statistics.median(pair_seconds[:window]), statistics.median(pair_seconds[-window:])
+    slope = float(np.polyfit(np.arange(n), pair_seconds, 1)[0]) if n > 1 else 0.0
+    return {
+        "pairs_exact": min(r["exact"] for r in ranks), "pairs": n,
+        "pair_seconds_median": statistics.median(pair_seconds),
+        "pair_seconds_first": first, "pair_seconds_last": last, "drift_window": window,
+        "drift_seconds_per_1000_pairs": slope * 1000,
+        "rank_rss_bytes_max": {m: max(r["marks"][str(m)]["rss_bytes"] for r in ranks)
+                               for m in marks},
+        "rank_peak_rss_bytes_max": {m: max(r["marks"][str(m)]["peak_rss_bytes"] for r in ranks)
+                                    for m in marks},
+        "switch_rss_bytes": {m: ranks[0]["marks"][str(m)]["switch_rss_bytes"] for m in marks},
+        "switch_peak_rss_bytes": switch.get("max_rss_bytes"),
+        "switch_pool_bytes_after": switch.get("pool_bytes"),
+        "switch_peak_pool_bytes": switch.get("peak_pool_bytes"),
+        "switch_communicators_after": switch.get("communicators"),
+        # more fds or threads after the soak's communicator closed than before it opened (rank
+        # 0 may have fewer: the store's connections from the warm-up close on their own time)
+        "left_behind": {f"rank {i}": {k: max(0, r["after"][k] - r["before"][k])
+                                      for k in r["before"]} for i, r in enumerate(ranks)},
+        "injected_losses": sum(r["counters"]["injected_losses"] for r in ranks),
+        "repaired_chunks": sum(r["counters"].get("repaired_chunks", 0) for r in ranks),
+        "contributions_resent": sum(r["counters"].get("contributions_resent", 0)
+                                    for r in ranks),
+    }
+
+
+def summary_table(doc: dict):
+    """The verdict as a table for the terminal."""
+    from rich.table import Table
+
+    from overcast.bench.report import human_bytes
+
+    meta, s = doc["meta"], doc["summary"]
+    t = Table(title=f"soak: {s['pairs']} overlapped pairs, {meta['hosts']} hosts, "
+                    f"{meta['link_bits_per_s'] / 1e6:g} Mbit/s, "
+                    f"{human_bytes(meta['bytes_per_rank'])} per rank, loss {meta['loss']:g} "
+                    f"(bursts of {meta['loss_burst']:g})")
+    t.add_column("what")
+    t.add_column("value", justify="right")
+    t.add_row("pairs bit-exact", f"{s['pairs_exact']} of {s['pairs']}")
+    t.add_row("pair time, median", f"{s['pair_seconds_median'] * 1e3:.1f} ms")
+    t.add_row(f"pair time, first / last {s['drift_window']} (median)",
+              f"{s['pair_seconds_first'] * 1e3:.1f} / {s['pair_seconds_last'] * 1e3:.1f} ms")
+    t.add_row("drift (fitted)", f"{s['drift_seconds_per_1000_pairs'] * 1e3:+.2f} ms per 1000")
+    for m in meta["marks"]:
+        t.add_row(f"RSS after pair {m}: ranks (max) / aggregator",
+                  f"{human_bytes(s['rank_rss_bytes_max'][str(m)])} / "
+                  f"{human_bytes(s['switch_rss_bytes'][str(m)])}")
+    t.add_row("aggregator: peak pool, pool and communicators after",
+              f"{human_bytes(s['switch_peak_pool_bytes'])}, "
+              f"{human_bytes(s['switch_pool_bytes_after'])}, {s['switch_communicators_after']}")
+    left = {k: v for rank in s["left_behind"].values() for k, v in rank.items() if v}
+    t.add_row("fds, threads left behind on any rank", str(left or "none"))
+    t.add_row("losses injected / chunks repaired / contributions resent",
+              f"{s['injected_losses']} / {s['repaired_chunks']} / "
+              f"{s['contributions_resent']}")
+    return t
+
+
+def plot(doc: dict, path: str) -> None:
+    """Per-pair time (the slowest rank's) against pair number, with a running median."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ranks, meta = doc["ranks"], doc["meta"]
+    seconds = np.array([max(r["seconds"][i] for r in ranks)
+                        for i in range(len(ranks[0]["seconds"]))]) * 1e3
+    window = doc["summary"]["drift_window"]
+    running = [float(np.median(seconds[max(0, i - window + 1):i + 1]))
+               for i in range(len(seconds))]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    ax.plot(np.arange(1, len(seconds) + 1), seconds, ".", ms=2, alpha=0.4, label="each pair")
+    ax.plot(np.arange(1, len(seconds) + 1), running, label=f"running median of {window}")
+    ax.set_xlabel("pair")
+    ax.set_ylabel("ms (slowest rank)")
+    ax.set_ylim(0, float(np.percentile(seconds, 99)) * 1.3)
+    ax.set_title(f"overcast soak: {meta['hosts']} hosts, {meta['link_bits_per_s'] / 1e6:g} "
+                 f"Mbit/s, loss {meta['loss']:g} in bursts of {meta['loss_burst']:g}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,31 @@
+"""A short soak on the emulated cluster (`overcast soak` at small scale): overlapped pairs under
+bursty loss stay bit-exact, the communicator's own memory report stays the same from pair to
+pair, and closing it leaves no socket, thread or aggregator slot behind. The long run, with its
+memory and drift figures, is in docs/results.md."""
+
+from conftest import root_only
+from overcast.bench.soak import run_soak
+
+pytestmark = root_only
+PAIRS, MARK = 60, 20
+
+
+def test_a_short_soak_is_exact_and_flat_and_leaves_nothing_behind():
+    doc = run_soak(4, 400_000_000, PAIRS, 64 * 1024, 0.01, 4.0, [MARK])
+    summary = doc["summary"]
+    assert summary["pairs_exact"] == PAIRS
+    assert summary["injected_losses"] > 0
+    assert summary["repaired_chunks"] + summary["contributions_resent"] > 0
+    for rank in doc["ranks"]:
+        early, late = rank["marks"][str(MARK)], rank["marks"][str(PAIRS)]
+        assert early["memory"]["collectives_in_flight"] == 0
+        for key in ("collectives_in_flight", "collective_state_bytes", "aggregator_slot_bytes"):
+            assert early["memory"][key] == late["memory"][key], key
+        assert late["fds"] <= early["fds"] and early["threads"] == late["threads"]
+        # rank 0 may hold fewer after than before: the rendezvous store it serves closes the
+        # warm-up's connections on their own time
+        assert rank["after"]["threads"] <= rank["before"]["threads"]
+        assert rank["after"]["fds"] <= rank["before"]["fds"]
+    assert not any(v for left in summary["left_behind"].values() for v in left.values())
+    assert summary["switch_pool_bytes_after"] == 0
+    assert summary["switch_communicators_after"] == 0
