@@ -7,7 +7,8 @@ from overcast.cluster.netns import list_namespaces
 
 def pytest_addoption(parser):
     parser.addoption("--fuzz-scale", type=int, default=1,
-                     help="tests/test_fuzz.py throws this many times its 100,000 messages")
+                     help="tests/test_fuzz.py throws this many times its 170,000 messages")
+    parser.addoption("--fuzz-report", help="tests/test_fuzz.py writes its tallies here (JSON)")
 
 
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")

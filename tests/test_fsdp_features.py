@@ -286,6 +286,13 @@ def test_collectives_appear_in_torch_profiler_traces(backend, algorithms, tmp_pa
     assert overlapped(spans), spans
 
 
+def quiet(handle) -> None:
+    """Let the engine settle before a snapshot: a barrier after the step's collectives, so the
+    engine thread holds the same (a finished barrier) at every snapshot, then a collection."""
+    handle.comm.barrier()
+    gc.collect()
+
+
 def held_memory(rank, steps, compare_from):
     """What the communicator holds after each step, and what Python allocated in overcast's
     code and still holds, between step `compare_from` and the last."""
@@ -299,13 +306,13 @@ def held_memory(rank, steps, compare_from):
         with overcast.fsdp.overlap(model) as handle:
             for step in range(steps):
                 if step == compare_from:
-                    gc.collect()
+                    quiet(handle)
                     before = tracemalloc.take_snapshot().filter_traces(only)
                 mse_step(model, step, rank, 2)
                 opt.step()
                 opt.zero_grad()
                 held.append(json.dumps(handle.memory()))  # kept as text: not in overcast's code
-            gc.collect()
+            quiet(handle)
             after = tracemalloc.take_snapshot().filter_traces(only)
             grown = [(str(d.traceback), d.size_diff)
                      for d in after.compare_to(before, "lineno") if d.size_diff > 0]

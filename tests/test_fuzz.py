@@ -3,10 +3,12 @@ streams), at the protocols mid-collective and at the aggregator's reduction engi
 nothing is accepted that should not be, and the collectives running beside stay bit-exact.
 
 170,000 messages per run (50,000 at the datagram opener, 20,000 into streams, 60,000 replays and
-40,000 generated datagrams mid-collective); `pytest --fuzz-scale N` throws N times as many.
+40,000 generated datagrams mid-collective); `pytest --fuzz-scale N` throws N times as many, and
+`--fuzz-report FILE` writes what was thrown, by target, kind and outcome, as JSON.
 """
 
 import collections
+import json
 import random
 import socket
 
@@ -14,6 +16,7 @@ import numpy as np
 import pytest
 
 from fabric import Fabric
+from overcast.errors import CollectiveTimeoutError
 from overcast.protocols.base import Descriptor
 from overcast.protocols.budget import LinkBudget
 from overcast.protocols.innetwork import InNetworkReduceScatter
@@ -51,13 +54,15 @@ def mutated(rng: random.Random, message: bytes, other: bytes) -> bytes:
     return spliced if spliced != message else spliced + b"\0"
 
 
-def test_the_datagram_opener_takes_each_authentic_message_once_and_nothing_else(fuzz_scale):
+def test_the_datagram_opener_takes_each_authentic_message_once_and_nothing_else(fuzz_scale,
+                                                                               fuzz_report):
     rng = random.Random(1)
     senders = [Sealer(KEY, JOB, COMM, r) for r in range(WORLD)]
     drops = Drops()
     opener, windows = Opener(KEY, JOB, COMM, drops), {}
     captured: list[bytes] = []
     fresh = thrown = 0
+    tally = fuzz_report["datagram opener"]
     for _ in range(50_000 * fuzz_scale):
         roll = rng.random()
         thrown += 1
@@ -67,23 +72,29 @@ def test_the_datagram_opener_takes_each_authentic_message_once_and_nothing_else(
             assert opened is not None and bytes(opened[1]) == message[HEADER_BYTES:-16]
             captured = (captured + [message])[-256:]
             fresh += 1
+            tally["authentic, first time: accepted"] += 1
             continue
         if roll < 0.5:
-            message = rng.choice(captured)  # replayed as it was
+            message, what = rng.choice(captured), "replayed"
         elif roll < 0.85:
             message = mutated(rng, rng.choice(captured), rng.choice(captured))
+            what = "mutated"
         else:
-            message = rng.randbytes(rng.randrange(200))
-        assert opener.open(memoryview(message), windows=windows, window_width=1024) is None
+            message, what = rng.randbytes(rng.randrange(200)), "random bytes"
+        accepted = opener.open(memoryview(message), windows=windows, window_width=1024)
+        tally[f"{what}: {'ACCEPTED' if accepted else 'dropped'}"] += 1
+        assert accepted is None
     assert sum(drops.values()) == thrown - fresh
     assert thrown >= 50_000 and set(drops) <= {"malformed", "foreign", "bad_mac", "replayed"}
 
 
-def test_a_stream_delivers_its_authentic_frames_in_order_and_drops_the_rest(fuzz_scale):
+def test_a_stream_delivers_its_authentic_frames_in_order_and_drops_the_rest(fuzz_scale,
+                                                                          fuzz_report):
     """Frames with a bad tag are dropped and the stream goes on; a header that cannot be a frame
     ends the stream (StreamClosed), never anything else."""
     rng = random.Random(2)
     thrown = 0
+    tally = fuzz_report["stream"]
     listener = socket.create_server(("127.0.0.1", 0))
     while thrown < 20_000 * fuzz_scale:
         a = socket.create_connection(listener.getsockname())
@@ -97,11 +108,14 @@ def test_a_stream_delivers_its_authentic_frames_in_order_and_drops_the_rest(fuzz
                 roll = rng.random()
                 if roll < 0.6:
                     sent.append(message[HEADER_BYTES:-16])
+                    tally["authentic frame"] += 1
                 elif roll < 0.9:  # the same length, another tag: dropped, the stream goes on
                     message = message[:-16] + rng.randbytes(16)
+                    tally["frame with another tag"] += 1
                 else:  # garbage where a header should be: the stream ends here
                     message = rng.randbytes(HEADER_BYTES + rng.randrange(64))
                     ended = True
+                    tally["garbage where a header belongs"] += 1
                 a.sendall(message)
                 thrown += 1
                 try:
@@ -112,6 +126,7 @@ def test_a_stream_delivers_its_authentic_frames_in_order_and_drops_the_rest(fuzz
                 if ended:  # garbage that parsed as a header: the next read may end it
                     break
             assert got == sent[:len(got)]
+            tally["authentic frames delivered, in order"] += len(got)
             if not ended:
                 assert got == sent
         finally:
@@ -142,11 +157,12 @@ def expected_pair(rank: int):
     return gathered, reduced
 
 
-def under_fire(seed: int, budget: int, make_hostile):
+def under_fire(seed: int, budget: int, make_hostile, tally):
     """Run the pair over a lossy, reordering fabric, throwing up to `budget` hostile messages
     at random ranks and the aggregator between deliveries; `make_hostile(rng, seen)` makes
-    one from what went by on the network (some of it not delivered yet). Returns the fabric,
-    the collectives (ag, rs per rank) and how many were thrown."""
+    one from what went by on the network (some of it not delivered yet), counted in `tally` by
+    kind and outcome. Returns the fabric, the collectives (ag, rs per rank) and how many were
+    thrown."""
     rng = random.Random(seed)
     fabric = Fabric(WORLD, seed=seed, loss=0.02, duplicate=0.02, reorder=True,
                     aggregator=Aggregator(slots=8))
@@ -155,23 +171,48 @@ def under_fire(seed: int, budget: int, make_hostile):
         for coll in pair(r):
             colls.append(coll)
             fabric.post(r, coll)
-    thrown = 0
+    thrown = steps = 0
     while True:
         while fabric.step():
+            steps += 1
+            assert steps < 2_000_000, f"seed {seed}: messages still going round at " \
+                                      f"{fabric.now:.1f} s"
             if fabric.seen and thrown < budget and rng.random() < 0.5:
                 hdr, payload, datagram = make_hostile(rng, fabric.seen)
                 target = rng.randrange(WORLD + 1)
+                machine = fabric.aggregator if target == WORLD else fabric.sessions[target]
+                before = snapshot(machine)
                 if target == WORLD:
-                    fabric.aggregator.receive(fabric.key, hdr, memoryview(payload), fabric.now)
+                    machine.receive(fabric.key, hdr, memoryview(payload), fabric.now)
                 else:
-                    fabric.sessions[target].receive(hdr, memoryview(payload), fabric.now,
-                                                    datagram)
+                    machine.receive(hdr, memoryview(payload), fabric.now, datagram)
+                where = "aggregator" if target == WORLD else "rank"
+                tally[f"{Kind(hdr.kind).name} to a {where}: "
+                      f"{outcome(before, snapshot(machine))}"] += 1
                 thrown += 1
         timers = [t for m in fabric._machines() if (t := m.get_timer()) is not None]
         if fabric.done() or not timers:
             return fabric, colls, thrown
         fabric.now = max(fabric.now, min(timers))
         fabric._fire()
+
+
+def snapshot(machine) -> collections.Counter:
+    """What a rank's session or the aggregator has counted so far."""
+    counts = collections.Counter({f"dropped: {k}": v for k, v in machine.drops.items()})
+    if hasattr(machine, "stale"):  # a session
+        counts["dropped: stale (its collective finished)"] = machine.stale
+        counts["dropped: early_dropped"] = machine.early_dropped
+        counts["held for a collective not posted yet"] = sum(map(len, machine.early.values()))
+    else:
+        counts["taken as a duplicate"] = machine.stats["duplicate_contributions"] + \
+            machine.stats["late_contributions"]
+    return counts
+
+
+def outcome(before: collections.Counter, after: collections.Counter) -> str:
+    changed = [k for k in after if after[k] > before[k]]
+    return changed[0] if changed else "taken"
 
 
 def replayed(rng, seen):
@@ -182,10 +223,13 @@ def replayed(rng, seen):
     return hdr, payload, True
 
 
-def test_replayed_messages_mid_collective_are_dropped_and_the_pair_stays_bit_exact(fuzz_scale):
+def test_replayed_messages_mid_collective_are_dropped_and_the_pair_stays_bit_exact(fuzz_scale,
+                                                                                 fuzz_report):
+    """Whatever a replay is not dropped for is a copy of data already in place (taken as a
+    duplicate): the pair's results, checked bit for bit, are what they would be without it."""
     thrown, seed, drops = 0, 0, collections.Counter()
     while thrown < 60_000 * fuzz_scale:
-        fabric, colls, n = under_fire(seed, 3_000, replayed)
+        fabric, colls, n = under_fire(seed, 3_000, replayed, fuzz_report["replayed, mid-pair"])
         for r in range(WORLD):
             ag, rs = colls[2 * r], colls[2 * r + 1]
             gathered, reduced = expected_pair(r)
@@ -214,18 +258,49 @@ def generated(rng, seen):
     return fields._replace(length=len(body)), body, True
 
 
-def test_generated_datagrams_never_raise_or_abort(fuzz_scale):
-    """Datagrams with any header a keyed sender could write: they may be taken if they fit (the
-    MAC is the boundary), so results are not checked here; nothing raises, no rank aborts."""
-    thrown, seed = 0, 1000
+def test_generated_datagrams_never_raise_and_every_run_ends(fuzz_scale, fuzz_report):
+    """Datagrams with any header a keyed sender could write. They may be taken if they fit (the
+    MAC is the boundary), so results are not checked here, and a contribution of the wrong width
+    can hold an aggregator slot for good: each run ends done, or with CollectiveTimeoutError on
+    its ranks within the timeout. Nothing raises out of a receive; no loop goes on without
+    end."""
+    thrown, seed, timed_out = 0, 1000, 0
     while thrown < 40_000 * fuzz_scale:
-        fabric, colls, n = under_fire(seed, 3_000, generated)
-        assert all(s.error is None for s in fabric.sessions), \
-            [str(s.error) for s in fabric.sessions]
+        fabric, colls, n = under_fire(seed, 3_000, generated,
+                                      fuzz_report["generated by a keyed sender, mid-pair"])
+        errors = [s.error for s in fabric.sessions if s.error is not None]
+        assert all(isinstance(e, CollectiveTimeoutError) for e in errors), errors
+        assert fabric.now < 3 * fabric.sessions[0].timeout
+        timed_out += bool(errors)
         thrown += n
         seed += 1
+    fuzz_report["generated by a keyed sender, mid-pair"]["runs ended by the timeout"] += \
+        timed_out
+
+
+def test_retransmissions_going_round_do_not_keep_a_stuck_collective_alive():
+    """Seed 1154 forges a contribution of the wrong width into an aggregator slot: the slot
+    never completes, and the aggregator asks for the same chunk again and again. The timeout
+    counts steps toward the result, not messages, so every rank fails in bounded time."""
+    fabric, colls, _ = under_fire(1154, 3_000, generated, collections.Counter())
+    assert all(isinstance(s.error, CollectiveTimeoutError) for s in fabric.sessions)
+    assert "made no progress for 10.0 s" in str(fabric.sessions[0].error)
+    assert fabric.now < 2 * fabric.sessions[0].timeout
 
 
 @pytest.fixture
 def fuzz_scale(request) -> int:
     return request.config.getoption("--fuzz-scale")
+
+
+@pytest.fixture(scope="module")
+def fuzz_report(request):
+    """Tallies by target, then by what was thrown and what came of it; written as JSON at the
+    end if --fuzz-report names a file."""
+    report = collections.defaultdict(collections.Counter)
+    yield report
+    path = request.config.getoption("--fuzz-report")
+    if path:
+        with open(path, "w") as f:
+            json.dump({target: dict(sorted(c.items())) for target, c in report.items()}, f,
+                      indent=1)

@@ -33,6 +33,13 @@ def _status_bytes(pid: int | str, field: str) -> int:
     raise KeyError(field)
 
 
+def cpu_steal_seconds() -> float:
+    """CPU time the hypervisor gave to others while this machine wanted it (all CPUs)."""
+    with open("/proc/stat") as f:
+        fields = f.readline().split()
+    return int(fields[8]) / os.sysconf("SC_CLK_TCK")
+
+
 def _held() -> dict:
     """Open file descriptors and threads of this process, once the garbage is collected (so
     that an object closed by the collector is not counted by chance)."""
@@ -91,6 +98,7 @@ def run_soak(hosts: int, link_bits: int, pairs: int, nbytes: int, loss: float,
     check_size(nbytes)
     check_loss(loss, loss_burst)
     marks = sorted({m for m in marks if m <= pairs} | {pairs})
+    steal = cpu_steal_seconds()
     with tempfile.TemporaryDirectory() as tmp, Cluster(hosts, link_bits) as cluster:
         switch = cluster.start_switch(stats_path=os.path.join(tmp, "switch.json"))
         progress_path = os.path.join(tmp, "progress")
@@ -111,7 +119,7 @@ def run_soak(hosts: int, link_bits: int, pairs: int, nbytes: int, loss: float,
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "hosts": hosts, "link_bits_per_s": link_bits, "pairs": pairs,
             "bytes_per_rank": nbytes, "loss": loss, "loss_burst": loss_burst, "marks": marks,
-            "machine": machine()}
+            "cpu_steal_seconds": cpu_steal_seconds() - steal, "machine": machine()}
     return {"meta": meta, "summary": summarize(ranks, switch_report, marks), "ranks": ranks,
             "switch": switch_report}
 
@@ -138,11 +146,11 @@ def summarize(ranks: list[dict], switch: dict, marks: list[int]) -> dict:
         "pair_seconds_median": statistics.median(pair_seconds),
         "pair_seconds_first": first, "pair_seconds_last": last, "drift_window": window,
         "drift_seconds_per_1000_pairs": slope * 1000,
-        "rank_rss_bytes_max": {m: max(r["marks"][str(m)]["rss_bytes"] for r in ranks)
+        "rank_rss_bytes_max": {str(m): max(r["marks"][str(m)]["rss_bytes"] for r in ranks)
                                for m in marks},
-        "rank_peak_rss_bytes_max": {m: max(r["marks"][str(m)]["peak_rss_bytes"] for r in ranks)
+        "rank_peak_rss_bytes_max": {str(m): max(r["marks"][str(m)]["peak_rss_bytes"] for r in ranks)
                                     for m in marks},
-        "switch_rss_bytes": {m: ranks[0]["marks"][str(m)]["switch_rss_bytes"] for m in marks},
+        "switch_rss_bytes": {str(m): ranks[0]["marks"][str(m)]["switch_rss_bytes"] for m in marks},
         "switch_peak_rss_bytes": switch.get("max_rss_bytes"),
         "switch_pool_bytes_after": switch.get("pool_bytes"),
         "switch_peak_pool_bytes": switch.get("peak_pool_bytes"),

@@ -130,6 +130,10 @@ class Collective:
         self.seq, self.rank, self.world, self.desc = seq, rank, world, desc
         self.outbox: dict[tuple[int, int], collections.deque[Outgoing]] = {}
         self.phase = Phase.POSTED
+        # Steps toward the result (data stored, own data sent, a notice or credit taken), not
+        # messages: the session's timeout runs from the last step, so copies and retransmissions
+        # going round without end cannot keep a stuck collective alive.
+        self.progress = 0
         self.error: BaseException | None = None
         self.stats: collections.Counter = collections.Counter()
 

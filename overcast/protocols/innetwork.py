@@ -150,6 +150,7 @@ class InNetworkReduceScatter(Collective):
                 divide_into(out, self.world)
             self.have[c] = True
             self.results += 1
+            self.progress += 1
             self.stats["results"] += 1
         else:
             self.stats["duplicate_results"] += 1
@@ -176,6 +177,7 @@ class InNetworkReduceScatter(Collective):
             self.reject("out_of_range", f"credit {released} beyond {self.total} chunks")
         if released > self.credit:
             self.credit = released
+            self.progress += 1
             self.probe_at = now + RETRY_SECONDS
         pending = set(self.resend)
         for g in again:
@@ -208,4 +210,5 @@ class InNetworkReduceScatter(Collective):
                 self.resend.popleft()
             else:
                 self.cursor += 1
+                self.progress += 1
                 self._skip_own()

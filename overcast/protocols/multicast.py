@@ -158,6 +158,7 @@ class MulticastGather(Collective):
                 self.stats["repair_deferrals"] += 1
 
     def _on_activate(self, hdr, payload, now: float) -> None:
+        self.progress += 1
         self.enter(Phase.SENDING)
         self.next_send = now
         self._pump(now)
@@ -166,12 +167,14 @@ class MulticastGather(Collective):
         if hdr.src in self.ended:
             self.reject("duplicate", f"a second end-of-multicast from rank {hdr.src}")
         self.ended.add(hdr.src)
+        self.progress += 1
         self.tail_due[self.segment_of_root[hdr.src]] = now + TAIL_GRACE_SECONDS
 
     def _on_fin(self, hdr, payload, now: float) -> None:
         if self.fin_from_predecessor:
             self.reject("duplicate", f"a second FIN from rank {hdr.src}")
         self.fin_from_predecessor = True
+        self.progress += 1
 
     def waiting_for(self) -> str:
         gaps = {self.segments[s][0]: m for s, m in enumerate(self.missing) if m}
@@ -235,6 +238,7 @@ class MulticastGather(Collective):
         if self.state[gid] == HAVE:
             return False
         self.bytes[start:end] = payload
+        self.progress += 1
         self.state[gid] = HAVE
         self.missing[gid // self.k] -= 1
         return True
@@ -300,6 +304,7 @@ class MulticastGather(Collective):
             self.budget.take(wire, now)
             self.next_send += wire / rate
             self.next_chunk += 1
+            self.progress += 1
         if self.next_chunk == self.k:
             for peer in range(self.world):
                 if peer != self.rank:

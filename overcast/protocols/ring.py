@@ -50,6 +50,7 @@ class _RingStream(Collective):
                                         f"{self.layout[j][1]}")
         self.on_frame(step, j, payload)
         self.arrived += 1
+        self.progress += 1
         if self.arrived == self.expected:
             self.enter(Phase.DRAINING)
         self._check_done()

@@ -152,7 +152,7 @@ class Session:
             else:
                 self.early[hdr.seq].append((hdr, bytes(payload)))
             return
-        self.last_progress[hdr.seq] = now
+        steps = coll.progress
         try:
             coll.receive(hdr, payload, now)
         except Rejected as err:
@@ -162,6 +162,8 @@ class Session:
                 self.drops[err.reason] += 1
             else:
                 self.abort(err)
+        if coll.progress != steps:
+            self.last_progress[hdr.seq] = now
         self._settle(coll)
 
     def _receive_control(self, hdr, payload, now: float) -> None:
@@ -183,6 +185,7 @@ class Session:
                     f"{theirs}, rank {self.rank} issued {mine}"))
             elif coll is not None and hdr.seq in self.unverified:
                 self.unverified[hdr.seq].discard(hdr.src)
+                self.last_progress[hdr.seq] = now
                 self._settle(coll)
         elif hdr.kind == Kind.ABORT:
             try:
@@ -269,7 +272,10 @@ class Session:
                 return
             t = coll.get_timer()
             if t is not None and now >= t:
+                steps = coll.progress
                 self._guard(coll, coll.handle_timer, now)
+                if coll.progress != steps:
+                    self.last_progress[seq] = now
                 self._settle(coll)
 
     def _waiting_for(self, coll: Collective) -> str:
