@@ -84,8 +84,8 @@ class Communicator:
         self._multicast_error = links.multicast_error
         self._switch_error, self._switch_slots = links.switch_error, links.switch_slots
         self._uplink = LinkBudget(link_bits_per_s / 8 * pacing_share if link_bits_per_s else None)
-        self._engine = Engine(links, Session(self.rank, self.world_size, timeout, links.drops), self.loss,
-                              Trace() if trace else None)
+        session = Session(self.rank, self.world_size, timeout, links.drops)
+        self._engine = Engine(links, session, self.loss, Trace() if trace else None)
         self._lock = threading.Lock()
         self._seq = 0
         self._closed = False

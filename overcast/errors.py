@@ -44,8 +44,9 @@ class ProtocolError(OvercastError):
 
 class Rejected(ProtocolError):
     """A message that does not fit the protocol's state, with the reason it is counted under
-    (unexpected_kind, wrong_sender, wrong_phase, out_of_range, wrong_length, malformed). From a
-    datagram it is dropped and counted; from a peer's authenticated stream it aborts."""
+    (misdirected, wrong_channel, unexpected_kind, wrong_sender, wrong_phase, out_of_range,
+    wrong_length, malformed, duplicate). From a datagram it is dropped and counted; from a
+    peer's authenticated stream it aborts."""
 
     def __init__(self, message: str, reason: str = "rejected"):
         super().__init__(message)

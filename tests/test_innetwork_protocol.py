@@ -152,3 +152,21 @@ def test_each_rank_receives_only_its_shard():
     for c in colls:
         assert c.stats["results"] == 20  # one result per chunk of its own block, no more
     assert agg.stats["contributions"] == world * (world - 1) * 20
+
+
+def test_more_reductions_at_once_than_the_aggregator_takes_all_finish():
+    """The aggregator keeps MAX_REDUCTIONS of a communicator in flight and refuses the
+    contributions of more; their ranks' credit stalls, their probes are answered with what to
+    send again, and each is taken once there is room."""
+    from overcast.switch.aggregator import MAX_REDUCTIONS
+    world, count = 3, 50
+    fabric = Fabric(world, timeout=5.0, aggregator=Aggregator(slots=4))
+    runs = [reduce_scatter(fabric, count, np.int64, slots=4, seq=seq)
+            for seq in range(MAX_REDUCTIONS + 2)]
+    fabric.run_timed()
+    assert fabric.aggregator.stats["refused"] > 0
+    for colls, outs, inputs in runs:
+        check_done(colls)
+        total = np.sum(inputs, axis=0)
+        for r in range(world):
+            assert np.array_equal(outs[r], total[r * count:(r + 1) * count])

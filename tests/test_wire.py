@@ -95,3 +95,30 @@ def test_header_parse_never_raises_other_than_malformed():
             unpack_header(junk)
         except MalformedError:
             pass
+
+
+def test_a_stream_closes_on_a_frame_from_anyone_but_its_peer():
+    """Every rank holds the communicator key, so a frame sealed by rank 2 authenticates on rank
+    1's stream too; the stream takes only its peer's."""
+    import select
+    import socket
+
+    from overcast.transport.stream import Stream, StreamClosed
+    listener = socket.create_server(("127.0.0.1", 0))
+    a = socket.create_connection(listener.getsockname())
+    b, _ = listener.accept()
+    drops = Drops()
+    stream = Stream(b, 1, Opener(KEY, JOB, 7, drops))
+    got = []
+    try:
+        a.sendall(Sealer(KEY, JOB, 7, 1).seal(Kind.FIN, 0, 0, 0) +
+                  Sealer(KEY, JOB, 7, 2).seal(Kind.FIN, 0, 0, 0))
+        with pytest.raises(StreamClosed, match="rank 2 spoke on rank 1's stream"):
+            for _ in range(1000):  # each read takes what has arrived, and returns when none has
+                select.select([b], [], [], 1.0)
+                stream.read(lambda hdr, payload: got.append(hdr.src))
+        assert got == [1] and drops == {"wrong_sender": 1}
+    finally:
+        a.close()
+        b.close()
+        listener.close()

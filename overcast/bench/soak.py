@@ -97,7 +97,7 @@ def run_soak(hosts: int, link_bits: int, pairs: int, nbytes: int, loss: float,
     check_count("pairs", pairs, 1, "--pairs, pairs")
     check_size(nbytes)
     check_loss(loss, loss_burst)
-    marks = sorted({m for m in marks if m <= pairs} | {pairs})
+    marks = sorted({m for m in marks if 1 <= m <= pairs} | {pairs})
     steal = cpu_steal_seconds()
     with tempfile.TemporaryDirectory() as tmp, Cluster(hosts, link_bits) as cluster:
         switch = cluster.start_switch(stats_path=os.path.join(tmp, "switch.json"))
@@ -139,7 +139,8 @@ def summarize(ranks: list[dict], switch: dict, marks: list[int]) -> dict:
     pair_seconds = [max(r["seconds"][i] for r in ranks) for i in range(len(ranks[0]["seconds"]))]
     n = len(pair_seconds)
     window = max(1, min(100, n // 10))
-    first, last = statistics.median(pair_seconds[:window]), statistics.median(pair_seconds[-window:])
+    first = statistics.median(pair_seconds[:window])
+    last = statistics.median(pair_seconds[-window:])
     slope = float(np.polyfit(np.arange(n), pair_seconds, 1)[0]) if n > 1 else 0.0
     return {
         "pairs_exact": min(r["exact"] for r in ranks), "pairs": n,

@@ -87,7 +87,7 @@ class Phase(enum.Enum):
 
 _NEXT = {
     Phase.POSTED: {Phase.WAITING, Phase.SENDING, Phase.RECEIVING, Phase.DRAINING, Phase.FAILED},
-    Phase.WAITING: {Phase.SENDING, Phase.RECEIVING, Phase.FAILED},
+    Phase.WAITING: {Phase.SENDING, Phase.FAILED},
     Phase.SENDING: {Phase.RECEIVING, Phase.FAILED},
     Phase.RECEIVING: {Phase.DRAINING, Phase.FAILED},
     Phase.DRAINING: {Phase.DONE, Phase.FAILED},
@@ -162,16 +162,15 @@ class Collective:
     def receive(self, hdr, payload: memoryview, now: float) -> None:
         """Check the message against `ACCEPTS` (kind, sender, phase) and hand it on."""
         rule = self.ACCEPTS.get(hdr.kind)
-        name = Kind(hdr.kind).name
         if rule is None:
-            self.reject("unexpected_kind", f"{name} from rank {hdr.src} is not part of "
-                                           f"this protocol")
+            self.reject("unexpected_kind", f"{Kind(hdr.kind).name} from rank {hdr.src} is not "
+                                           f"part of this protocol")
         allowed = getattr(self, rule.sender)
         if not (hdr.src in allowed if isinstance(allowed, frozenset) else hdr.src == allowed):
-            self.reject("wrong_sender", f"{name} from rank {hdr.src}; only {rule.sender} "
-                                        f"({_ranks(allowed)}) sends it")
+            self.reject("wrong_sender", f"{Kind(hdr.kind).name} from rank {hdr.src}; only "
+                                        f"{rule.sender} ({_ranks(allowed)}) sends it")
         if self.phase not in rule.phases:
-            self.reject("wrong_phase", f"{name} from rank {hdr.src} while "
+            self.reject("wrong_phase", f"{Kind(hdr.kind).name} from rank {hdr.src} while "
                                        f"{self.phase.value}")
         getattr(self, rule.handler)(hdr, payload, now)
         self.after_receive(now)

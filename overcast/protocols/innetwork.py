@@ -27,7 +27,7 @@ from overcast.protocols.budget import LinkBudget
 from overcast.schedules.chains import chunk_count
 from overcast.wire.header import AGGREGATOR, Kind, MalformedError, datagram_link_bytes
 from overcast.wire.messages import CONTRIB_PREFIX, pack_acks, pack_contribution_prefix, \
-    pack_credit, unpack_credit
+    pack_credit_probe, unpack_credit
 
 RETRY_SECONDS = 0.05
 # Results are acknowledged in batches of this many, or after ACK_DELAY_SECONDS.
@@ -113,8 +113,8 @@ class InNetworkReduceScatter(Collective):
             self._flush_acks()
         if self.probe_at is not None and now >= self.probe_at:
             # The credit has stalled: ask for it (the answer also carries any resend requests).
-            self.queue(self.route, Outgoing(Kind.CREDIT, self.seq, 0, pack_credit(self.cursor),
-                                            AGGREGATOR))
+            self.queue(self.route, Outgoing(Kind.CREDIT, self.seq, 0,
+                                            pack_credit_probe(self.cursor), AGGREGATOR))
             self.stats["credit_probes"] += 1
             self.probe_at = now + RETRY_SECONDS
         self._pump(now)

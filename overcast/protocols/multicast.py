@@ -215,6 +215,8 @@ class MulticastGather(Collective):
                 self._request(s, *gaps.pop(0))
 
     def _on_repair(self, hdr, payload, now: float) -> None:
+        if not payload:
+            self.reject("wrong_length", f"repair of chunk {hdr.chunk} carries nothing")
         first = hdr.chunk
         count = chunk_count(len(payload), self.chunk_bytes)
         self._check_range(first, max(count, 1))
@@ -278,6 +280,7 @@ class MulticastGather(Collective):
         self.deferred = still
 
     def _serve(self, first: int, count: int) -> None:
+        self.progress += 1  # the predecessor's wait is this rank's too: it awaits its FIN
         per_frame = max(1, REPAIR_FRAME_BYTES // self.chunk_bytes)
         for gid in range(first, first + count, per_frame):
             n = min(per_frame, first + count - gid)

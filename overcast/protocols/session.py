@@ -16,8 +16,9 @@ from overcast.wire.header import AGGREGATOR, ANY, Kind, MalformedError
 from overcast.wire.messages import pack_abort, pack_goodbye, unpack_abort, unpack_goodbye
 
 _CONTROL = (Kind.DESCRIBE, Kind.ABORT, Kind.GOODBYE)
-# Messages that come by datagram may be dropped when they arrive before their collective is
-# posted and too many bytes are held already: the protocols repair such losses anyway.
+# The kinds that travel by datagram; every other kind goes on a peer's stream, and arriving by
+# the other channel is a misfit. Datagrams may also be dropped when they arrive before their
+# collective is posted and too many bytes are held already: the protocols repair such losses.
 DATAGRAM_KINDS = frozenset((Kind.MCAST_DATA, Kind.CONTRIB, Kind.RESULT, Kind.RESULT_ACK,
                              Kind.CREDIT))
 EARLY_DATAGRAM_BYTES = 16 * 1024 * 1024
@@ -162,7 +163,7 @@ class Session:
                 self.drops[err.reason] += 1
             else:
                 self.abort(err)
-        if coll.progress != steps:
+        if coll.progress != steps and hdr.seq in self.last_progress:
             self.last_progress[hdr.seq] = now
         self._settle(coll)
 
@@ -274,7 +275,7 @@ class Session:
             if t is not None and now >= t:
                 steps = coll.progress
                 self._guard(coll, coll.handle_timer, now)
-                if coll.progress != steps:
+                if coll.progress != steps and seq in self.last_progress:
                     self.last_progress[seq] = now
                 self._settle(coll)
 

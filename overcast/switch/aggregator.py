@@ -153,11 +153,21 @@ class Aggregator:
             self._on_ack(key, red, hdr.src, g)
 
     def _on_credit_probe(self, key, comm: CommState, hdr, sent_below: int, now: float) -> None:
-        """A rank's credit has stalled: say what it still owes."""
+        """A rank's credit has stalled: say what it still owes. A reduction that is neither in
+        flight nor finished was refused (MAX_REDUCTIONS were in flight): the rank sends its
+        first window again, and it is taken once there is room."""
         red = comm.reductions.get(hdr.seq)
-        owed = self._owed(red, hdr.src, sent_below) if red is not None else []
+        if red is not None:
+            owed = self._owed(red, hdr.src, sent_below)
+            self._credit(key, red, hdr.src, owed)
+        elif hdr.seq in comm.finished:
+            owed = []
+            self._answer_credit(key, comm, hdr.seq, hdr.src, owed)
+        else:
+            owed = [g for g in range(min(sent_below, comm.slots)) if g % comm.world != hdr.src]
+            self.outbox.append((key, hdr.src, Outgoing(Kind.CREDIT, hdr.seq, 0,
+                                                       pack_credit(0, owed), hdr.src)))
         self.stats["nacks"] += len(owed)
-        self._answer_credit(key, comm, hdr.seq, hdr.src, owed)
 
     def get_timer(self) -> float | None:
         if self.next_tick is None and any(c.reductions for c in self.comms.values()):
@@ -211,7 +221,7 @@ class Aggregator:
             if world != comm.world or total % world:
                 self.drops["inconsistent"] += 1
                 return
-            if len(comm.reductions) >= MAX_REDUCTIONS:  # the rank will try again
+            if len(comm.reductions) >= MAX_REDUCTIONS:  # sent again when the rank's credit stalls
                 self.stats["refused"] += 1
                 return
             red = comm.reductions[hdr.seq] = Reduction(hdr.seq, world, dtype, code, total,

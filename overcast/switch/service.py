@@ -4,9 +4,10 @@ One TCP port takes registrations: each rank of a communicator connects, gets a f
 a HELLO that carries it, sealed under its communicator key (the aggregator derives that key from
 the job secret it was given and the salt in the HELLO, so a HELLO it can verify comes from the
 job, and from this connection), and keeps the connection open: when the service dies, every rank
-sees it at once. A connection that has not registered within REGISTRATION_SECONDS is closed. One UDP port, the same number, carries the
-contributions, results, acknowledgements and credit, all authenticated per communicator and
-replay-checked like every other overcast datagram. The reduction itself is Aggregator's.
+sees it at once. A connection that has not registered within REGISTRATION_SECONDS is closed.
+One UDP port, the same number, carries the contributions, results, acknowledgements and credit,
+all authenticated per communicator and replay-checked like every other overcast datagram. The
+reduction itself is Aggregator's.
 """
 
 from __future__ import annotations
@@ -68,9 +69,9 @@ class _Registration:
 
 
 class SwitchService:
-    def __init__(self, host: str, port: int, secrets: list[bytes], slots: int = 256):
+    def __init__(self, host: str, port: int, job_secrets: list[bytes], slots: int = 256):
         check_port(port)
-        self.secrets = {job_id_of(s): s for s in secrets}
+        self.secrets = {job_id_of(s): s for s in job_secrets}
         self.drops = Drops()
         self.aggregator = Aggregator(slots, self.drops)
         self.comms: dict[tuple[int, int], _Comm] = {}
@@ -169,8 +170,11 @@ class SwitchService:
         comm.conns.add(reg.sock)
         reg.comm_key = comm_key
         self.unregistered.discard(reg)
-        reg.sock.sendall(comm.sealer.seal(Kind.HELLO, 0, hdr.src, 0,
-                                          WELCOME.pack(slots, self.port, theirs)))
+        try:  # a few bytes into a socket it has only read from: it blocks only if broken
+            reg.sock.sendall(comm.sealer.seal(Kind.HELLO, 0, hdr.src, 0,
+                                              WELCOME.pack(slots, self.port, theirs)))
+        except OSError:
+            return False
         return True
 
     def _disconnect(self, reg: _Registration) -> None:
@@ -273,9 +277,9 @@ class SwitchService:
                 "datagrams_out": self.datagrams_out, "communicators": len(self.comms)}
 
 
-def run(host: str, port: int, secrets: list[bytes], slots: int, stats_path: str | None,
+def run(host: str, port: int, job_secrets: list[bytes], slots: int, stats_path: str | None,
         ready=print) -> None:
-    service = SwitchService(host, port, secrets, slots)
+    service = SwitchService(host, port, job_secrets, slots)
     signal.signal(signal.SIGTERM, service.stop)
     signal.signal(signal.SIGINT, service.stop)
     ready(f"overcast switch listening on {host}:{service.port} (tcp and udp), "

@@ -217,7 +217,12 @@ def _accept_peers(listener: socket.socket, rank: int, world: int, opener: Opener
                 selector.unregister(sock)
                 del pending[sock]
                 sock.setblocking(True)
-                sock.sendall(sealer.seal(Kind.HELLO, 0, src, 0, ANSWER.unpack(answer)[1]))
+                try:
+                    sock.sendall(sealer.seal(Kind.HELLO, 0, src, 0, ANSWER.unpack(answer)[1]))
+                except OSError:  # it hung up after answering: it may connect again
+                    opener.drops["handshake_failed"] += 1
+                    sock.close()
+                    continue
                 streams[src] = sock
     finally:
         for sock in pending:

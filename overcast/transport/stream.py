@@ -77,6 +77,9 @@ class Stream:
             except MalformedError as err:
                 self.opener.drops["malformed"] += 1
                 raise StreamClosed(f"corrupt stream from rank {self.peer}: {err}") from None
+            if hdr.src != self.peer:  # every rank holds the key: only the peer speaks here
+                self.opener.drops["wrong_sender"] += 1
+                raise StreamClosed(f"rank {hdr.src} spoke on rank {self.peer}'s stream")
             total = hdr.frame_bytes()
             if filled - pos < total:
                 break

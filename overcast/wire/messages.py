@@ -55,6 +55,10 @@ def unpack_credit(payload) -> tuple[int, list[int]]:
     return _U32.unpack_from(payload)[0], _u32_list(payload[_U32.size:], "credit")
 
 
+def pack_credit_probe(next_unsent: int) -> bytes:
+    return _U32.pack(next_unsent)
+
+
 def unpack_credit_probe(payload) -> int:
     """A rank's CREDIT: exactly the next chunk it has not sent."""
     if len(payload) != _U32.size:
