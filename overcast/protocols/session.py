@@ -123,19 +123,13 @@ class Session:
         if datagram != (kind in DATAGRAM_KINDS):
             # A stream frame lifted off the wire and sent to the datagram port, or a peer that
             # sends on its stream what goes by datagram.
-            if datagram:
-                self.drops["wrong_channel"] += 1
-            else:
-                self.abort(Rejected(f"rank {hdr.src} sent {Kind(kind).name} on its stream",
-                                    "wrong_channel"))
+            self._misfit(datagram, "wrong_channel",
+                         lambda: f"rank {hdr.src} sent {Kind(kind).name} on its stream")
             return
         if hdr.dst != self.rank and hdr.dst != ANY:
-            if datagram:
-                self.drops["misdirected"] += 1
-            else:
-                self.abort(Rejected(f"rank {hdr.src} sent {Kind(kind).name} for rank "
-                                    f"{hdr.dst} over its stream to rank {self.rank}",
-                                    "misdirected"))
+            self._misfit(datagram, "misdirected",
+                         lambda: f"rank {hdr.src} sent {Kind(kind).name} for rank {hdr.dst} "
+                                 f"over its stream to rank {self.rank}")
             return
         if kind in _CONTROL:
             self._receive_control(hdr, payload, now)
@@ -157,15 +151,19 @@ class Session:
         try:
             coll.receive(hdr, payload, now)
         except Rejected as err:
-            if datagram:
-                # A datagram proves only that some rank sent it once, to someone: one that does
-                # not fit is dropped and counted. A mismatched call is named by its DESCRIBE.
-                self.drops[err.reason] += 1
-            else:
-                self.abort(err)
+            self._misfit(datagram, err.reason, err.__str__)
         if coll.progress != steps and hdr.seq in self.last_progress:
             self.last_progress[hdr.seq] = now
         self._settle(coll)
+
+    def _misfit(self, datagram: bool, reason: str, message) -> None:
+        """A message that does not fit. A datagram proves only that some rank sent it once, to
+        someone: it is dropped and counted (a mismatched call is named by its DESCRIBE). A
+        peer's authenticated stream is evidence: the communicator aborts with `message()`."""
+        if datagram:
+            self.drops[reason] += 1
+        else:
+            self.abort(Rejected(message(), reason))
 
     def _receive_control(self, hdr, payload, now: float) -> None:
         if hdr.kind == Kind.DESCRIBE:

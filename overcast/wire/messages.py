@@ -22,8 +22,13 @@ REPAIR_RANGE = struct.Struct("<II")
 # ABORT: the error class's abort code, then the reason in UTF-8.
 _ABORT = struct.Struct("<B")
 ABORT_REASON_BYTES = 4000
-# GOODBYE: how many collectives the closing rank issued.
-_GOODBYE = _U32
+# GOODBYE: how many collectives the closing rank issued (one u32, as a rank's credit probe).
+
+
+def _one_u32(payload, what: str) -> int:
+    if len(payload) != _U32.size:
+        raise MalformedError(f"{what} of {len(payload)} bytes, not {_U32.size}")
+    return _U32.unpack(payload)[0]
 
 
 def _u32_list(payload, what: str) -> list[int]:
@@ -61,9 +66,7 @@ def pack_credit_probe(next_unsent: int) -> bytes:
 
 def unpack_credit_probe(payload) -> int:
     """A rank's CREDIT: exactly the next chunk it has not sent."""
-    if len(payload) != _U32.size:
-        raise MalformedError(f"credit probe of {len(payload)} bytes, not {_U32.size}")
-    return _U32.unpack(payload)[0]
+    return _one_u32(payload, "credit probe")
 
 
 def pack_acks(chunks: list[int]) -> bytes:
@@ -96,10 +99,8 @@ def unpack_abort(payload) -> tuple[int, str]:
 
 
 def pack_goodbye(collectives: int) -> bytes:
-    return _GOODBYE.pack(collectives)
+    return _U32.pack(collectives)
 
 
 def unpack_goodbye(payload) -> int:
-    if len(payload) != _GOODBYE.size:
-        raise MalformedError(f"goodbye of {len(payload)} bytes, not {_GOODBYE.size}")
-    return _GOODBYE.unpack(payload)[0]
+    return _one_u32(payload, "goodbye")
