@@ -134,9 +134,14 @@ def _report_progress(path: str, pairs: int, progress, stop: threading.Event) -> 
         progress(done, pairs, f"pair {done} of {pairs}")
 
 
+def slowest_rank_seconds(ranks: list[dict]) -> list[float]:
+    """Each pair's time: its slowest rank's."""
+    return [max(times) for times in zip(*(r["seconds"] for r in ranks))]
+
+
 def summarize(ranks: list[dict], switch: dict, marks: list[int]) -> dict:
     """The soak's verdict: exact pairs, memory at each mark, drift, what was left behind."""
-    pair_seconds = [max(r["seconds"][i] for r in ranks) for i in range(len(ranks[0]["seconds"]))]
+    pair_seconds = slowest_rank_seconds(ranks)
     n = len(pair_seconds)
     window = max(1, min(100, n // 10))
     first = statistics.median(pair_seconds[:window])
@@ -207,8 +212,7 @@ def plot(doc: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     ranks, meta = doc["ranks"], doc["meta"]
-    seconds = np.array([max(r["seconds"][i] for r in ranks)
-                        for i in range(len(ranks[0]["seconds"]))]) * 1e3
+    seconds = np.array(slowest_rank_seconds(ranks)) * 1e3
     window = doc["summary"]["drift_window"]
     running = [float(np.median(seconds[max(0, i - window + 1):i + 1]))
                for i in range(len(seconds))]

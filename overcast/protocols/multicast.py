@@ -219,7 +219,7 @@ class MulticastGather(Collective):
             self.reject("wrong_length", f"repair of chunk {hdr.chunk} carries nothing")
         first = hdr.chunk
         count = chunk_count(len(payload), self.chunk_bytes)
-        self._check_range(first, max(count, 1))
+        self._check_range(first, count)
         start, end = self._span(first, count)
         if end - start != len(payload):
             self.reject("wrong_length", f"repair of chunks {first}+{count} carries "

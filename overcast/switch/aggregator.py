@@ -157,16 +157,13 @@ class Aggregator:
         flight nor finished was refused (MAX_REDUCTIONS were in flight): the rank sends its
         first window again, and it is taken once there is room."""
         red = comm.reductions.get(hdr.seq)
-        if red is not None:
-            owed = self._owed(red, hdr.src, sent_below)
-            self._credit(key, red, hdr.src, owed)
-        elif hdr.seq in comm.finished:
-            owed = []
-            self._answer_credit(key, comm, hdr.seq, hdr.src, owed)
-        else:
+        if red is None and hdr.seq not in comm.finished:  # refused
             owed = [g for g in range(min(sent_below, comm.slots)) if g % comm.world != hdr.src]
             self.outbox.append((key, hdr.src, Outgoing(Kind.CREDIT, hdr.seq, 0,
                                                        pack_credit(0, owed), hdr.src)))
+        else:
+            owed = self._owed(red, hdr.src, sent_below) if red is not None else []
+            self._answer_credit(key, comm, hdr.seq, hdr.src, owed)
         self.stats["nacks"] += len(owed)
 
     def get_timer(self) -> float | None:

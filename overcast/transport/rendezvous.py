@@ -148,10 +148,52 @@ class _Accepted:
         self.nonce, self.due, self.buf = nonce, due, bytearray()
 
 
+_ANSWER_FRAME = HEADER_BYTES + ANSWER.size + TAG_BYTES
+
+
+def _challenge(listener: socket.socket, sealer: Sealer, due: float):
+    """Accept a connection and send it a fresh nonce: (socket, _Accepted), or None."""
+    try:
+        sock, _ = listener.accept()
+    except OSError:
+        return None
+    nonce = secrets.token_bytes(NONCE_BYTES)
+    try:  # a few bytes into an empty socket buffer: never blocks
+        sock.sendall(sealer.seal(Kind.HELLO, 0, ANY, 0, CHALLENGE.pack(nonce)))
+    except OSError:
+        sock.close()
+        return None
+    sock.setblocking(False)
+    return sock, _Accepted(nonce, due)
+
+
+def _answer(sock: socket.socket, accepted: _Accepted, opener: Opener):
+    """(rank, its nonce) once the whole answer is in and carries our nonce; None while it is
+    not. ConnectionError if the connection ended or the answer is forged or replayed."""
+    try:
+        data = sock.recv(_ANSWER_FRAME)
+    except BlockingIOError:
+        return None
+    except OSError:
+        data = b""
+    if not data:
+        raise ConnectionError("closed during handshake")
+    accepted.buf += data
+    if len(accepted.buf) < _ANSWER_FRAME:
+        return None
+    try:
+        src = unpack_header(accepted.buf).src
+    except MalformedError:
+        raise ConnectionError("not an overcast frame") from None
+    answer = _open_hello(bytes(accepted.buf), opener, ReplayWindow(0), src, ANSWER.size)
+    if answer is None or ANSWER.unpack(answer)[0] != accepted.nonce:
+        raise ConnectionError("forged or replayed")
+    return src, ANSWER.unpack(answer)[1]
+
+
 def _accept_peers(listener: socket.socket, rank: int, world: int, opener: Opener,
                   sealer: Sealer, deadline: float, streams: dict[int, socket.socket]) -> None:
     """Take the connections of every higher rank, handshaking with all of them at once."""
-    answer_frame = HEADER_BYTES + ANSWER.size + TAG_BYTES
     selector = selectors.DefaultSelector()
     listener.setblocking(False)
     selector.register(listener, selectors.EVENT_READ)
@@ -175,50 +217,28 @@ def _accept_peers(listener: socket.socket, rank: int, world: int, opener: Opener
             wake = min([deadline, *(a.due for a in pending.values())])
             for key, _ in selector.select(max(0.0, wake - now)):
                 if key.fileobj is listener:
-                    try:
-                        sock, _ = listener.accept()
-                    except OSError:
-                        continue
-                    nonce = secrets.token_bytes(NONCE_BYTES)
-                    try:  # a few bytes into an empty socket buffer: never blocks
-                        sock.sendall(sealer.seal(Kind.HELLO, 0, ANY, 0, CHALLENGE.pack(nonce)))
-                    except OSError:
-                        sock.close()
-                        continue
-                    sock.setblocking(False)
-                    pending[sock] = _Accepted(nonce, now + HANDSHAKE_SECONDS)
-                    selector.register(sock, selectors.EVENT_READ)
+                    challenged = _challenge(listener, sealer, now + HANDSHAKE_SECONDS)
+                    if challenged is not None:
+                        pending[challenged[0]] = challenged[1]
+                        selector.register(challenged[0], selectors.EVENT_READ)
                     continue
                 sock = key.fileobj
-                accepted = pending[sock]
                 try:
-                    data = sock.recv(answer_frame)
-                except BlockingIOError:
-                    continue
-                except OSError:
-                    data = b""
-                if not data:
+                    answered = _answer(sock, pending[sock], opener)
+                except ConnectionError:
                     drop(sock, "handshake_failed")
                     continue
-                accepted.buf += data
-                if len(accepted.buf) < answer_frame:
+                if answered is None:
                     continue
-                try:
-                    src = unpack_header(accepted.buf).src
-                except MalformedError:
-                    drop(sock, "handshake_failed")
-                    continue
-                answer = _open_hello(bytes(accepted.buf), opener, ReplayWindow(0), src,
-                                     ANSWER.size)
-                if answer is None or not rank < src < world or src in streams or \
-                        ANSWER.unpack(answer)[0] != accepted.nonce:
-                    drop(sock, "handshake_failed")  # forged, replayed, or a rank twice
+                src, theirs = answered
+                if not rank < src < world or src in streams:
+                    drop(sock, "handshake_failed")  # not a higher rank, or a rank twice
                     continue
                 selector.unregister(sock)
                 del pending[sock]
                 sock.setblocking(True)
                 try:
-                    sock.sendall(sealer.seal(Kind.HELLO, 0, src, 0, ANSWER.unpack(answer)[1]))
+                    sock.sendall(sealer.seal(Kind.HELLO, 0, src, 0, theirs))
                 except OSError:  # it hung up after answering: it may connect again
                     opener.drops["handshake_failed"] += 1
                     sock.close()
