@@ -18,13 +18,13 @@ from overcast.protocols.ring import RingAllGather, RingReduceScatter
 from overcast.protocols.session import Session
 from overcast.protocols.budget import LinkBudget
 from overcast.protocols.innetwork import InNetworkReduceScatter
+from overcast.schedules.ring import DEFAULT_FRAME_BYTES
 from overcast.transport.datagram import MAX_DATAGRAM
 from overcast.transport.loss import LossSpec
 from overcast.transport.rendezvous import rendezvous
 from overcast.wire.header import IP_UDP_BYTES, OVERHEAD_BYTES
 from overcast.wire.messages import CONTRIB_PREFIX
 
-DEFAULT_FRAME_BYTES = 128 * 1024
 # The share of a receiver's link the multicast streams may fill together; the rest is headroom
 # for acknowledgements, repairs and the jitter of a shared CPU.
 DEFAULT_PACING_SHARE = 0.95

@@ -82,3 +82,16 @@ def check_size(nbytes: int) -> None:
 
 def check_positive(what: str, value: float, names: str, unit: str = "") -> None:
     require(math.isfinite(value) and value > 0, what, f"above 0{unit}", value, names)
+
+
+def check_algorithms(collectives, algorithms, table: dict) -> None:
+    """Every collective named is in `table` and every algorithm runs one of them."""
+    for c in collectives:
+        if c not in table:
+            raise InvalidArgumentError(f"unknown collective {c!r}; available: "
+                                       f"{', '.join(table)}")
+    unknown = set(algorithms) - {a for c in collectives for a in table[c]}
+    if unknown:
+        known = "; ".join(f"{c}: {', '.join(table[c])}" for c in collectives)
+        raise InvalidArgumentError(f"no algorithm {', '.join(sorted(unknown))} for "
+                                   f"{', '.join(collectives)} (available: {known})")

@@ -15,7 +15,7 @@ import statistics
 from overcast.report.timeline import write_timeline
 from overcast.bench.worker import DTYPE, run_point
 from overcast.cluster.netns import Cluster
-from overcast.limits import (check_count, check_hosts, check_link_rate, check_loss, check_mtu,
+from overcast.limits import (check_algorithms, check_count, check_hosts, check_link_rate, check_loss, check_mtu,
                              check_roots, check_size, check_slots)
 from overcast.schedules import cost
 from overcast.wire.header import OVERHEAD_BYTES
@@ -52,15 +52,8 @@ def parse_size(text: str) -> int:
 
 
 def check_request(collectives: list[str], algorithms: list[str]) -> None:
-    """Raise ValueError naming what is unknown, before any cluster is built."""
-    for c in collectives:
-        if c not in COLLECTIVES:
-            raise ValueError(f"unknown collective {c!r}; available: {', '.join(COLLECTIVES)}")
-    unknown = set(algorithms) - {a for c in collectives for a in ALGORITHMS[c]}
-    if unknown:
-        known = "; ".join(f"{c}: {', '.join(ALGORITHMS[c])}" for c in collectives)
-        raise ValueError(f"no algorithm {', '.join(sorted(unknown))} for "
-                         f"{', '.join(collectives)} (available: {known})")
+    """Raise InvalidArgumentError naming what is unknown, before any cluster is built."""
+    check_algorithms(collectives, algorithms, ALGORITHMS)
 
 
 def check_flags(hosts: int, link_bits: float, sizes: list[int], reps: int, warmup: int,

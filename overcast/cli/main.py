@@ -1,5 +1,5 @@
-"""The `overcast` command: train (the main job), bench, the emulated cluster (up, run, clean)
-and the aggregator (switch)."""
+"""The `overcast` command: train (the main job), bench, soak, simulate and plan (at scale,
+without a network), the emulated cluster (up, run, clean) and the aggregator (switch)."""
 
 from __future__ import annotations
 
@@ -39,18 +39,10 @@ def _bench(args) -> int:
                         _csv(args.algorithms), reps=args.reps, warmup=args.warmup, mtu=args.mtu,
                         roots=roots, loss=args.loss, loss_burst=args.loss_burst,
                         timeline=args.timeline, switch_slots=args.slots, progress=progress)
-    doc["meta"]["command"] = "overcast " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     print_table(doc, console)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(doc, f, indent=1)
-        console.print(f"results: {args.json}")
+    _save(doc, console, args.json, _png(args), plot_busbw)
     for path in doc["meta"]["timelines"]:
         console.print(f"timeline: {path}.json, {path}.png")
-    png = args.png or (os.path.splitext(args.json)[0] + ".png" if args.json else None)
-    if png:
-        plot_busbw(doc, png)
-        console.print(f"plot: {png}")
     return 0 if all(r["correct"] for r in doc["results"]) else 1
 
 
@@ -69,17 +61,59 @@ def _soak(args) -> int:
     with bar:  # run_soak checks every setting before it builds anything
         doc = run_soak(args.hosts, int(args.link_mbit * 1e6), args.pairs, nbytes, args.loss,
                        args.loss_burst, marks, progress=progress)
-    doc["meta"]["command"] = "overcast " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     console.print(summary_table(doc))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(doc, f, indent=1)
-        console.print(f"results: {args.json}")
-    png = args.png or (os.path.splitext(args.json)[0] + ".png" if args.json else None)
-    if png:
-        plot(doc, png)
-        console.print(f"plot: {png}")
+    _save(doc, console, args.json, _png(args), plot)
     return 0 if doc["summary"]["pairs_exact"] == args.pairs else 1
+
+
+def _simulate(args) -> int:
+    from overcast.bench.run import parse_size
+    from overcast.report.simulate import plot_simulate, simulate_table
+    from overcast.sim.engine import engine
+    from overcast.sim.run import sweep
+
+    console = Console(width=None if sys.stdout.isatty() else 200)
+    model = engine(args.engine)
+    if args.cores is not None:
+        model = model.with_cores(args.cores)
+    bar, progress = _progress(console)
+    with bar:  # sweep checks every setting before the first run
+        doc = sweep(_ints(args.nodes, "--nodes"), args.topology,
+                    [float(g) * 1e9 for g in _csv(args.link_gbit)],
+                    [parse_size(s) for s in _csv(args.bytes_per_rank)],
+                    _csv(args.collectives), _csv(args.algorithms), radix=args.radix,
+                    oversubscription=[float(o) for o in _csv(args.oversubscription)],
+                    levels=args.levels, roots=None if args.roots == "all" else
+                    _ints(args.roots, "--roots")[0], engine=model, place=args.placement,
+                    latency=args.latency_us * 1e-6, progress=progress)
+    console.print(simulate_table(doc))
+    _save(doc, console, args.json, args.plot, plot_simulate)
+    return 0
+
+
+def _ints(text: str, flag: str) -> list[int]:
+    try:
+        return [int(x) for x in _csv(text)]
+    except ValueError:
+        raise ValueError(f"{flag} takes whole numbers, comma-separated, not {text!r}") from None
+
+
+def _png(args) -> str | None:
+    """--png, or beside --json."""
+    return args.png or (os.path.splitext(args.json)[0] + ".png" if args.json else None)
+
+
+def _save(doc: dict, console: Console, json_path: str | None, png_path: str | None,
+          plot) -> None:
+    """Stamp the command line on the results; write them, and their plot, where asked."""
+    doc["meta"]["command"] = "overcast " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(doc, f, indent=1)
+        console.print(f"results: {json_path}")
+    if png_path:
+        plot(doc, png_path)
+        console.print(f"plot: {png_path}")
 
 
 def _progress(console: Console):
@@ -228,6 +262,34 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--json", help="write results here")
     s.add_argument("--png", help="per-pair time plot (default: beside --json)")
     s.set_defaults(func=_soak)
+
+    m = sub.add_parser("simulate", help="predict collectives on a large cluster (flow-level "
+                                        "simulator); nothing is run on the network")
+    m.add_argument("--nodes", default="8,64,188,1024", help="ranks (one per host), "
+                                                            "comma-separated")
+    m.add_argument("--topology", default="fat-tree", help="star (one switch) or fat-tree")
+    m.add_argument("--radix", type=int, default=32, help="fat tree: ports per switch")
+    m.add_argument("--levels", type=int, help="fat tree: switch levels (default: the fewest "
+                                              "that hold the nodes)")
+    m.add_argument("--oversubscription", default="1",
+                   help="fat tree: down over up ports, one per level from the leaves up, or one "
+                        "for all")
+    m.add_argument("--placement", default="contiguous",
+                   help="contiguous (rank r on leaf r // hosts per leaf) or strided")
+    m.add_argument("--link-gbit", default="100", help="link rate per direction, Gbit/s, "
+                                                      "comma-separated")
+    m.add_argument("--latency-us", type=float, default=1.0, help="latency per link, us")
+    m.add_argument("--bytes-per-rank", default="64MiB", help="N, comma-separated")
+    m.add_argument("--collectives", default="allgather,reduce_scatter,overlap")
+    m.add_argument("--algorithms", default="ring,multicast,innetwork,overcast")
+    m.add_argument("--roots", default="all", help="multicast roots sending at once, or 'all'")
+    m.add_argument("--engine", default="ideal",
+                   help="ideal (links only), python (overcast's engine as measured, one core "
+                        "per host) or offload (the paper's SmartNIC engine)")
+    m.add_argument("--cores", type=float, help="engine cores per host (default: the engine's)")
+    m.add_argument("--json", help="write {meta, results} here")
+    m.add_argument("--plot", help="write time/floor and link traffic against nodes here (PNG)")
+    m.set_defaults(func=_simulate)
 
     c = sub.add_parser("cluster", help="the emulated cluster of network namespaces")
     c.add_argument("action", choices=("up", "run", "clean"),

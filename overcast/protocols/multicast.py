@@ -20,7 +20,8 @@ import numpy as np
 from overcast.protocols.base import MULTICAST, STREAM, Accept, Collective, Descriptor, Outgoing, \
     Phase
 from overcast.protocols.budget import LinkBudget
-from overcast.schedules.chains import chain_position, chunk_count, concurrent_senders
+from overcast.schedules.chains import chain_position, chunk_count, concurrent_senders, \
+    stream_rate
 from overcast.wire.header import ANY, Kind, MalformedError, datagram_link_bytes
 from overcast.wire.messages import pack_ranges, unpack_ranges
 
@@ -318,11 +319,9 @@ class MulticastGather(Collective):
             self.enter(Phase.RECEIVING)
 
     def stream_rate(self) -> float:
-        """Link bytes per second of this rank's stream: what receivers can take, shared among
-        the streams they take at once; while in-network reductions run, their results get 1/P
-        of each receiver's link (the AllGather's receive is P-1 times the reduction's)."""
-        share = (self.world - 1) / self.world if self.budget.reductions_in_flight else 1.0
-        return self.budget.rate * share / self.concurrent
+        """Link bytes per second of this rank's stream (see schedules.chains.stream_rate)."""
+        return stream_rate(self.budget.rate, self.world, self.concurrent,
+                           bool(self.budget.reductions_in_flight))
 
     def _progress(self, now: float) -> None:
         if self.deferred:

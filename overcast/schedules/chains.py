@@ -35,5 +35,13 @@ def concurrent_senders(world: int, roots: int) -> int:
     return max(1, min(roots, world - 1))
 
 
+def stream_rate(budget: float, world: int, concurrent: int, reductions: bool) -> float:
+    """Link bytes per second of one root's multicast stream, from its host's uplink budget:
+    what receivers can take, shared among the `concurrent` streams they take at once; while
+    in-network reductions run, their results get 1/P of each receiver's link (the AllGather's
+    receive is P-1 times the reduction's)."""
+    return budget * ((world - 1) / world if reductions else 1.0) / concurrent
+
+
 def chunk_count(nbytes: int, chunk_bytes: int) -> int:
     return -(-nbytes // chunk_bytes)

@@ -1,0 +1,88 @@
+"""What moving bytes costs the engine that moves them: CPU per datagram and per stream byte,
+headers on the wire, and the pacing share.
+
+An engine is the thing on each host that runs the protocol: overcast's Python progress engine
+on the host CPU, or an offloaded one (the paper's SmartNIC data-path accelerator). It spends
+`us_per_datagram` of one core on every datagram a host sends or receives, and
+`stream_s_per_gib` per GiB a ring's TCP stream sends or receives. The simulator turns that
+into a constraint per host (`cores` core-seconds per second), so a run says when the CPU, not
+the link, is the floor, and how many cores the link rate asks for.
+
+`IDEAL` costs nothing and adds no headers: the closed forms hold exactly under it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from overcast.errors import InvalidArgumentError
+from overcast.wire.header import ETHERNET_BYTES, IP_UDP_BYTES, OVERHEAD_BYTES
+
+GIB = 1 << 30
+# TCP/IP and Ethernet headers per 1448-byte segment of a ring's stream (MTU 1500; the
+# emulated cluster's MTU 9000 carries 8948 per segment).
+TCP_SEGMENT_HEADERS = 20 + 32 + ETHERNET_BYTES
+
+
+@dataclass(frozen=True)
+class Engine:
+    name: str
+    chunk_bytes: int = 8920                 # payload per datagram
+    us_per_datagram: float = 0.0            # CPU per datagram sent or received, per host
+    stream_s_per_gib: float = 0.0           # CPU per GiB a ring stream sends or receives
+    switch_us_per_datagram: float = 0.0     # the aggregator's CPU per datagram (if software)
+    datagram_headers: int = 0               # wire bytes per datagram beyond its payload
+    stream_headers_per_byte: float = 0.0    # wire bytes per stream payload byte, beyond it
+    pacing_share: float = 1.0               # the share of a link datagram senders may fill
+    cores: float = math.inf                 # engine cores per host
+    note: str = ""
+
+    @property
+    def datagram_wire(self) -> float:
+        """Wire bytes per datagram payload byte."""
+        return 1 + self.datagram_headers / self.chunk_bytes
+
+    @property
+    def stream_wire(self) -> float:
+        return 1 + self.stream_headers_per_byte
+
+    def cpu_per_byte(self, datagram: bool) -> float:
+        """Core-seconds per payload byte sent or received."""
+        if datagram:
+            return self.us_per_datagram * 1e-6 / self.chunk_bytes
+        return self.stream_s_per_gib / GIB
+
+    def with_cores(self, cores: float) -> "Engine":
+        return replace(self, cores=cores)
+
+
+IDEAL = Engine("ideal", note="no CPU cost, no headers, senders may fill the whole link")
+
+# Measured with `overcast bench` on the emulated cluster (8 hosts, 400 Mbit/s, 4 MiB, MTU 9000;
+# docs/results.md, "Calibrating the simulator"): CPU per rank over the datagrams each rank sent
+# and received, the aggregator's over the datagrams it handled, the ring's over its bytes.
+PYTHON = Engine(
+    "python", chunk_bytes=8920, us_per_datagram=35.0, stream_s_per_gib=2.6,
+    switch_us_per_datagram=22.0,
+    datagram_headers=OVERHEAD_BYTES + IP_UDP_BYTES + ETHERNET_BYTES,
+    stream_headers_per_byte=TCP_SEGMENT_HEADERS / 8948, pacing_share=0.95, cores=1.0,
+    note="overcast's Python engine today, one core per host, as measured by overcast bench")
+
+# The paper (SC24, arXiv 2408.13356): a SmartNIC data-path accelerator sustains line rate at
+# 1.6 Tbit/s with 4 KiB chunks: 4096 B / 200 GB/s = 20.5 ns per chunk in one direction.
+OFFLOAD = Engine(
+    "offload", chunk_bytes=4096, us_per_datagram=4096 / 200e9 * 1e6,
+    datagram_headers=OVERHEAD_BYTES + IP_UDP_BYTES + ETHERNET_BYTES,
+    stream_headers_per_byte=TCP_SEGMENT_HEADERS / 1448, pacing_share=1.0, cores=math.inf,
+    note="the paper's offloaded engine: one keeps up with 1.6 Tbit/s of 4 KiB chunks")
+
+ENGINES = {e.name: e for e in (IDEAL, PYTHON, OFFLOAD)}
+
+
+def engine(name: str) -> Engine:
+    try:
+        return ENGINES[name]
+    except KeyError:
+        raise InvalidArgumentError(f"unknown engine {name!r}; available: "
+                                   f"{', '.join(ENGINES)}") from None
