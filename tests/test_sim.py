@@ -14,6 +14,7 @@ import pytest
 from overcast.schedules import cost
 from overcast.sim.engine import Engine
 from overcast.sim.fairness import max_min_rates
+from overcast.sim.plan import Model, plan_point
 from overcast.sim.run import simulate
 from overcast.sim.topology import fat_tree, placement, star
 
@@ -204,6 +205,61 @@ def test_simulate_writes_the_json_contract(tmp_path):
 ])
 def test_simulate_refuses_bad_settings_in_one_line(flags, message):
     done = overcast("simulate", "--nodes", "64", *flags)
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], done.stderr
+
+
+@pytest.mark.parametrize("p", [4, 8])
+@pytest.mark.parametrize("dtype,reduce_dtype", [("bf16", None), ("bf16", "fp32")])
+def test_plan_speedup_meets_its_closed_form(p, dtype, reduce_dtype):
+    """Forward: one AllGather per layer either way, N(P-1)/B. Backward: rings send the
+    AllGather and the ReduceScatter one after the other, (N + M)(P-1)/B; overcast's pair takes
+    max(N + M(P-1), N(P-1) + M)/B, for gathered shard N and reduced shard M."""
+    model = Model.uniform(64 * MIB * p, 4, dtype=dtype, reduce_dtype=reduce_dtype,
+                          micro_steps=2)
+    point = plan_point(model, star(p, 10e9), host_cores=8)
+    n = 16 * MIB * 2
+    m = n * (2 if reduce_dtype else 1)
+    rings = (n * (p - 1) + (n + m) * (p - 1))
+    ours = n * (p - 1) + max(n + m * (p - 1), n * (p - 1) + m)
+    assert point["speedup_over_rings"] == pytest.approx(rings / ours, rel=0.01)
+    assert point["ways"]["overcast"]["seconds"] == pytest.approx(2 * 4 * ours / 1.25e9, rel=0.01)
+    assert point["ways"]["rings-separate"]["seconds"] == pytest.approx(
+        point["ways"]["rings"]["seconds"], rel=0.01)
+
+
+def test_plan_says_when_the_host_cpu_cannot_keep_up():
+    model = Model.uniform(1e9, 8)
+    slow = plan_point(model, star(8, 100e9), host_cores=8)
+    assert slow["choice"] == "overcast-offloaded"
+    assert slow["ways"]["overcast"]["engine_cores_python"] > 8
+    assert slow["ways"]["overcast"]["seconds_on_host_cores"] > slow["ways"]["overcast"]["seconds"]
+    fast = plan_point(model, star(8, 100e6), host_cores=8)
+    assert fast["choice"] == "overcast"
+    assert fast["ways"]["overcast"]["seconds_on_host_cores"] == fast["ways"]["overcast"]["seconds"]
+
+
+def test_plan_command_writes_a_table_a_choice_and_a_plot(tmp_path):
+    done = overcast("plan", "--preset", "emulated", "--params", "350M", "--layers", "24",
+                    "--json", str(tmp_path / "plan.json"), "--plot", str(tmp_path / "plan.png"))
+    assert done.returncode == 0, done.stderr
+    doc = json.loads((tmp_path / "plan.json").read_text())
+    (point,) = doc["results"]
+    assert point["nodes"] == 8 and point["choice"] == "overcast"
+    assert "8 nodes, 0.1 Gbit/s: overcast:" in done.stdout
+    assert (tmp_path / "plan.png").stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--params", "lots"], "--params takes counts such as 7B"),
+    (["--dtype", "int8"], "unknown dtype 'int8'"),
+    (["--layers", "0"], "the layer count must be 1 or more"),
+    (["--preset", "moon"], "unknown preset 'moon'"),
+    (["--micro-steps", "0"], "micro-steps must be 1 or more"),
+])
+def test_plan_refuses_bad_settings_in_one_line(flags, message):
+    done = overcast("plan", "--nodes", "8", *flags)
     assert done.returncode == 2
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], done.stderr

@@ -91,6 +91,37 @@ def _simulate(args) -> int:
     return 0
 
 
+def _plan(args) -> int:
+    from overcast.report.simulate import plan_table, plot_plan
+    from overcast.sim.plan import PRESETS, Model, parse_count, plan
+
+    console = Console(width=None if sys.stdout.isatty() else 200)
+    kind, radix, nodes, gbits = args.topology, args.radix, args.nodes, args.link_gbit
+    if args.preset:
+        if args.preset not in PRESETS:
+            raise ValueError(f"unknown preset {args.preset!r}; available: {', '.join(PRESETS)}")
+        kind, radix, nodes, gbits = PRESETS[args.preset]
+        nodes, gbits = ",".join(map(str, nodes)), ",".join(map(str, gbits))
+    options = {"dtype": args.dtype, "reduce_dtype": args.reduce_dtype,
+               "micro_steps": args.micro_steps}
+    if args.layer_params:
+        model = Model(tuple(parse_count(x, "--layer-params") for x in _csv(args.layer_params)),
+                      **options)
+    else:
+        model = Model.uniform(parse_count(args.params, "--params"), args.layers, **options)
+    bar, progress = _progress(console)
+    with bar:  # plan checks the model and the cluster before the first run
+        doc = plan(model, kind, _ints(nodes, "--nodes"), [float(g) * 1e9 for g in _csv(gbits)],
+                   radix=radix, oversubscription=[float(o) for o in _csv(args.oversubscription)],
+                   host_cores=args.host_cores, progress=progress)
+    console.print(plan_table(doc))
+    for p in doc["results"]:
+        console.print(f"{p['nodes']} nodes, {p['link_bits_per_s'] / 1e9:g} Gbit/s: "
+                      f"[bold]{p['choice']}[/]: {p['why']}", highlight=False)
+    _save(doc, console, args.json, args.plot, plot_plan)
+    return 0
+
+
 def _ints(text: str, flag: str) -> list[int]:
     try:
         return [int(x) for x in _csv(text)]
@@ -290,6 +321,28 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("--json", help="write {meta, results} here")
     m.add_argument("--plot", help="write time/floor and link traffic against nodes here (PNG)")
     m.set_defaults(func=_simulate)
+
+    n = sub.add_parser("plan", help="a training step's communication on a cluster, rings "
+                                    "against overcast, and which to use (simulated)")
+    n.add_argument("--preset", help="a cluster by name: emulated, ethernet-fat-tree, rail-400g "
+                                    "(instead of --nodes, --link-gbit, --topology, --radix)")
+    n.add_argument("--nodes", default="8,64,188,1024", help="comma-separated")
+    n.add_argument("--link-gbit", default="100,400,1600", help="comma-separated")
+    n.add_argument("--topology", default="fat-tree", help="star or fat-tree")
+    n.add_argument("--radix", type=int, default=32)
+    n.add_argument("--oversubscription", default="1")
+    n.add_argument("--params", default="7B", help="the model's parameter count (7B, 350M, 1.3e9)")
+    n.add_argument("--layers", type=int, default=32, help="FSDP units (one per block)")
+    n.add_argument("--layer-params", help="each unit's parameter count, comma-separated "
+                                          "(instead of --params and --layers)")
+    n.add_argument("--dtype", default="bf16", help="the gathered dtype (FSDP2's param_dtype)")
+    n.add_argument("--reduce-dtype", help="the gradients' dtype (default: --dtype)")
+    n.add_argument("--micro-steps", type=int, default=1, help="gradient accumulation steps")
+    n.add_argument("--host-cores", type=float, default=8.0,
+                   help="cores per host the communication engine may use")
+    n.add_argument("--json", help="write {meta, results} here")
+    n.add_argument("--plot", help="write the speedup against nodes and link rate here (PNG)")
+    n.set_defaults(func=_plan)
 
     c = sub.add_parser("cluster", help="the emulated cluster of network namespaces")
     c.add_argument("action", choices=("up", "run", "clean"),

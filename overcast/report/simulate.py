@@ -72,3 +72,55 @@ def plot_simulate(doc: dict, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def plan_table(doc: dict) -> Table:
+    meta = doc["meta"]
+    t = Table(title=f"plan: {meta['params'] / 1e9:.2f}B parameters in {meta['layers']} layers, "
+                    f"{meta['dtype']} gathered, {meta['reduce_dtype']} reduced, "
+                    f"{meta['micro_steps']} micro-step(s); communication per step")
+    for name in ("nodes", "link", "rings", "rings-separate", "overcast", "speedup",
+                 "cores (python)", "engines (offload)", "use"):
+        t.add_column(name, justify="left" if name == "use" else "right")
+    for p in doc["results"]:
+        ways = p["ways"]
+        t.add_row(str(p["nodes"]), rate_text(p["link_bits_per_s"]),
+                  *(seconds_text(ways[w]["seconds"]) for w in ("rings", "rings-separate",
+                                                                "overcast")),
+                  f"{p['speedup_over_rings']:.2f}x",
+                  f"{ways['overcast']['engine_cores_python']:.1f}",
+                  f"{ways['overcast']['engine_cores_offload']:.2f}", p["choice"])
+    return t
+
+
+def plot_plan(doc: dict, path: str) -> None:
+    """The speedup of overcast over rings (one group), against nodes for each link rate (left)
+    and against the link rate for each node count (right)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    rows = doc["results"]
+    for rate in sorted({p["link_bits_per_s"] for p in rows}):
+        pts = sorted((p["nodes"], p["speedup_over_rings"]) for p in rows
+                     if p["link_bits_per_s"] == rate)
+        left.plot(*zip(*pts), marker="o", label=rate_text(rate))
+    for nodes in sorted({p["nodes"] for p in rows}):
+        pts = sorted((p["link_bits_per_s"] / 1e9, p["speedup_over_rings"]) for p in rows
+                     if p["nodes"] == nodes)
+        right.plot(*zip(*pts), marker="o", label=f"{nodes} nodes")
+    for ax, what in ((left, "nodes"), (right, "link rate per direction, Gbit/s")):
+        ax.set_xscale("log", base=2 if ax is left else 10)
+        ax.set_xlabel(what)
+        ax.set_ylabel("step communication: rings / overcast")
+        ax.axhline(1, color="grey", linewidth=0.8)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    meta = doc["meta"]
+    fig.suptitle(f"overcast plan: {meta['params'] / 1e9:.2f}B parameters, {meta['layers']} "
+                 f"layers, {meta['topology']}" + (f" radix {meta['radix']}" if meta["radix"]
+                                                   else ""))
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -25,8 +25,15 @@ def floor_seconds(collective: str, n: int, p: int, link_bytes_per_s: float) -> f
     """The least time any algorithm needs on full-duplex links of B bytes/s per direction:
     N(P-1)/B for AllGather or ReduceScatter alone, NP/B for the two overlapped."""
     if collective == "overlap":
-        return n * p / link_bytes_per_s
+        return pair_floor_seconds(n, n, p, link_bytes_per_s)
     return n * (p - 1) / link_bytes_per_s
+
+
+def pair_floor_seconds(gather: int, scatter: int, p: int, link_bytes_per_s: float) -> float:
+    """AllGather of `gather` bytes per rank beside ReduceScatter of `scatter` bytes out per rank
+    (sizes differ when gradients are reduced in a wider dtype): a rank must send
+    gather + (P-1)·scatter and receive (P-1)·gather + scatter, whichever way it is done."""
+    return max(gather + (p - 1) * scatter, (p - 1) * gather + scatter) / link_bytes_per_s
 
 
 def algbw(n: int, p: int, seconds: float) -> float:

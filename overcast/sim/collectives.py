@@ -2,8 +2,8 @@
 (overcast.schedules), placed on a topology.
 
 - ring: every rank streams P-1 blocks to its successor (schedules.ring's send blocks), one flow
-  per rank along the unicast route; the pipeline adds a frame and a hop per step when a block
-  is shorter than a frame's way.
+  per rank along the unicast route; the pipeline adds, per step, what a frame's way across a
+  hop takes beyond a block's time on the link.
 - multicast AllGather: the chains of schedules.chains; each root's flow covers its replication
   tree, paced at schedules.chains.stream_rate, and starts when its chain predecessor's ends
   (plus the activation's way).
@@ -39,17 +39,19 @@ def ring_flows(lane: str, topo: Topology, hosts: list[int], n: int, engine: Engi
     send_block = {"allgather": ring.allgather_send_block,
                   "reduce_scatter": ring.reduce_scatter_send_block}[lane]
     p = len(hosts)
-    frame = ring.frames(n, frame_bytes, 1)[0][1]
+    frame = ring.frames(n, frame_bytes, 1)[0][1] * engine.stream_wire
+    routes = [topo.route(hosts[r], hosts[(r + 1) % p]) for r in range(p)]
+    ways = [topo.path_latency(links) for links in routes]
+    rate = min(float(topo.rate[links].min()) for links in routes)
+    # Each step's first frame must have arrived before it is forwarded: when a block takes less
+    # time to send than a frame takes to cross a hop (on average over the ring), every step
+    # waits the difference.
+    stall = max(0.0, frame / rate + sum(ways) / p - n * engine.stream_wire / rate)
     flows = []
-    for r in range(p):
+    for r, links in enumerate(routes):
         blocks = [send_block(r, p, step) for step in range(p - 1)]
-        links = topo.route(hosts[r], hosts[(r + 1) % p])
-        rate, way = float(topo.rate[links].min()), topo.path_latency(links)
-        # Each step's first frame must have arrived before it is forwarded: when a block takes
-        # less time to send than a frame's way, the ring waits the difference every step.
-        stall = max(0.0, frame * engine.stream_wire / rate + way - n * engine.stream_wire / rate)
         flows.append(Flow(lane, n * len(blocks), np.asarray(links, dtype=np.int64), (hosts[r],),
-                          (hosts[(r + 1) % p],), tail=(p - 1) * stall + way,
+                          (hosts[(r + 1) % p],), tail=(p - 1) * stall + max(ways),
                           wire=engine.stream_wire))
     return flows
 
@@ -90,13 +92,16 @@ def innetwork_flows(lane: str, topo: Topology, hosts: list[int], n: int,
 
 
 def collective_flows(collective: str, algorithm: str, topo: Topology, hosts: list[int], n: int,
-                     engine: Engine, roots: int | None = None) -> list[Flow]:
-    """Every flow of one collective; lanes are "allgather" and "reduce_scatter"."""
+                     engine: Engine, roots: int | None = None,
+                     reduce_bytes: int | None = None) -> list[Flow]:
+    """Every flow of one collective; lanes are "allgather" and "reduce_scatter". In a pair the
+    ReduceScatter's shard may be `reduce_bytes` (gradients in another dtype), else n."""
     check_request([collective], [algorithm])
     if collective == "overlap":
         gather, scatter = PAIRS[algorithm]
         return (_half("allgather", gather, topo, hosts, n, engine, roots, True)
-                + _half("reduce_scatter", scatter, topo, hosts, n, engine, roots, True))
+                + _half("reduce_scatter", scatter, topo, hosts,
+                        n if reduce_bytes is None else reduce_bytes, engine, roots, True))
     return _half(collective, algorithm, topo, hosts, n, engine, roots, False)
 
 

@@ -60,19 +60,23 @@ def engine_constraints(flows: list[Flow], topo: Topology, hosts: list[int], engi
 
 def simulate(collective: str, algorithm: str, topo: Topology, bytes_per_rank: int, *,
              roots: int | None = None, engine: Engine = IDEAL, place: str = "contiguous",
-             shared_cores: float | None = None) -> dict:
-    """Run one collective over every host of `topo` (one rank per host) and report it."""
+             shared_cores: float | None = None, reduce_bytes: int | None = None) -> dict:
+    """Run one collective over every host of `topo` (one rank per host) and report it. In a
+    pair, the ReduceScatter's shard may be `reduce_bytes` instead of bytes_per_rank."""
     began = time.perf_counter()
     p = topo.hosts
     hosts = placement(place, p, topo)
-    flows = collective_flows(collective, algorithm, topo, hosts, bytes_per_rank, engine, roots)
+    flows = collective_flows(collective, algorithm, topo, hosts, bytes_per_rank, engine, roots,
+                             reduce_bytes)
     constraints, cpu = engine_constraints(flows, topo, hosts, engine, shared_cores)
     out = run_flows(topo.rate, flows, constraints)
     seconds = float(out.delivered.max())
     lanes = {lane: float(max(d for d, f in zip(out.delivered, flows) if f.lane == lane))
              for lane in dict.fromkeys(f.lane for f in flows)}
     link_bits = float(topo.rate[topo.uplink].min() * 8)
-    floor = cost.floor_seconds(collective, bytes_per_rank, p, link_bits / 8)
+    floor = cost.floor_seconds(collective, bytes_per_rank, p, link_bits / 8) \
+        if reduce_bytes is None else \
+        cost.pair_floor_seconds(bytes_per_rank, reduce_bytes, p, link_bits / 8)
     tx, rx = out.link_bytes[topo.uplink[hosts]], out.link_bytes[topo.downlink[hosts]]
     cpu_seconds = cpu @ np.array([f.payload for f in flows])
     busiest = int(np.argmax(out.link_bytes))
