@@ -192,24 +192,6 @@ def test_simulate_writes_the_json_contract(tmp_path):
     assert (tmp_path / "sim.png").stat().st_size > 10_000
 
 
-@pytest.mark.parametrize("flags,message", [
-    (["--nodes", "1"], "the number of hosts must be between 2"),
-    (["--link-gbit", "0"], "the link rate must be above 0"),
-    (["--topology", "ring"], "unknown topology 'ring'"),
-    (["--radix", "7"], "the radix must be an even whole number"),
-    (["--nodes", "9000", "--radix", "32"], "9000 hosts need more than three levels"),
-    (["--oversubscription", "40"], "an oversubscription must be between 1 and 16"),
-    (["--algorithms", "gloo"], "no algorithm gloo"),
-    (["--engine", "fpga"], "unknown engine 'fpga'"),
-    (["--placement", "strided", "--nodes", "40"], "a multiple of the hosts per leaf (16)"),
-])
-def test_simulate_refuses_bad_settings_in_one_line(flags, message):
-    done = overcast("simulate", "--nodes", "64", *flags)
-    assert done.returncode == 2
-    lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and message in lines[0], done.stderr
-
-
 @pytest.mark.parametrize("p", [4, 8])
 @pytest.mark.parametrize("dtype,reduce_dtype", [("bf16", None), ("bf16", "fp32")])
 def test_plan_speedup_meets_its_closed_form(p, dtype, reduce_dtype):
@@ -251,15 +233,29 @@ def test_plan_command_writes_a_table_a_choice_and_a_plot(tmp_path):
     assert (tmp_path / "plan.png").stat().st_size > 10_000
 
 
+SIMULATE = ["simulate", "--nodes", "64"]
+PLAN = ["plan", "--nodes", "8"]
+
+
 @pytest.mark.parametrize("flags,message", [
-    (["--params", "lots"], "--params takes counts such as 7B"),
-    (["--dtype", "int8"], "unknown dtype 'int8'"),
-    (["--layers", "0"], "the layer count must be 1 or more"),
-    (["--preset", "moon"], "unknown preset 'moon'"),
-    (["--micro-steps", "0"], "micro-steps must be 1 or more"),
+    (SIMULATE + ["--nodes", "1"], "the number of hosts must be between 2"),
+    (SIMULATE + ["--link-gbit", "0"], "the link rate must be above 0"),
+    (SIMULATE + ["--topology", "ring"], "unknown topology 'ring'"),
+    (SIMULATE + ["--radix", "7"], "the radix must be an even whole number"),
+    (SIMULATE + ["--nodes", "9000", "--radix", "32"], "9000 hosts need more than three levels"),
+    (SIMULATE + ["--oversubscription", "40"], "an oversubscription must be between 1 and 16"),
+    (SIMULATE + ["--algorithms", "gloo"], "no algorithm gloo"),
+    (SIMULATE + ["--engine", "fpga"], "unknown engine 'fpga'"),
+    (SIMULATE + ["--placement", "strided", "--nodes", "40"],
+     "a multiple of the hosts per leaf (16)"),
+    (PLAN + ["--params", "lots"], "--params takes counts such as 7B"),
+    (PLAN + ["--dtype", "int8"], "unknown dtype 'int8'"),
+    (PLAN + ["--layers", "0"], "the layer count must be 1 or more"),
+    (PLAN + ["--preset", "moon"], "unknown preset 'moon'"),
+    (PLAN + ["--micro-steps", "0"], "micro-steps must be 1 or more"),
 ])
-def test_plan_refuses_bad_settings_in_one_line(flags, message):
-    done = overcast("plan", "--nodes", "8", *flags)
+def test_bad_settings_are_refused_in_one_line(flags, message):
+    done = overcast(*flags)
     assert done.returncode == 2
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], done.stderr

@@ -14,15 +14,22 @@ def human_bytes(n: float) -> str:
     return f"{n} B"
 
 
+def columns(title: str, names: tuple[str, ...], left=("collective", "algorithm")) -> Table:
+    """A table of right-aligned columns but the `left` ones (names)."""
+    t = Table(title=title)
+    for name in names:
+        t.add_column(name, justify="left" if name in left else "right")
+    return t
+
+
 def table(doc: dict) -> Table:
     meta = doc["meta"]
-    t = Table(title=f"{meta['hosts']} hosts, {meta['link_bits_per_s'] / 1e6:g} Mbit/s per "
-                    f"direction, MTU {meta['mtu']}, {meta['dtype']}, median of "
-                    f"{meta['repetitions']} runs")
-    for name in ("collective", "algorithm", "size/rank", "time ms", "x floor", "algbw MB/s",
+    t = columns(f"{meta['hosts']} hosts, {meta['link_bits_per_s'] / 1e6:g} Mbit/s per "
+                f"direction, MTU {meta['mtu']}, {meta['dtype']}, median of "
+                f"{meta['repetitions']} runs",
+                ("collective", "algorithm", "size/rank", "time ms", "x floor", "algbw MB/s",
                  "busbw MB/s", "tx/host", "rx/host", "tx/payload", "rx/payload", "cpu s/rank",
-                 "machine cpu", "correct"):
-        t.add_column(name, justify="left" if name in ("collective", "algorithm") else "right")
+                 "cpu us/pkt", "cpu s/GiB", "machine cpu", "correct"))
     for r in doc["results"]:
         algorithm = r["algorithm"] + (f" x{r['roots']}" if r.get("roots") else "") + \
             (f" loss {r['loss']:g}" if r.get("loss") else "")
@@ -31,9 +38,14 @@ def table(doc: dict) -> Table:
                   f"{r['algbw_bytes_per_s'] / 1e6:.1f}", f"{r['busbw_bytes_per_s'] / 1e6:.1f}",
                   human_bytes(r["tx_bytes_per_host"]), human_bytes(r["rx_bytes_per_host"]),
                   f"{r['tx_over_payload']:.3f}", f"{r['rx_over_payload']:.3f}",
-                  f"{r['cpu_seconds_per_rank']:.3f}", f"{r['machine_cpu_busy']:.0%}",
+                  f"{r['cpu_seconds_per_rank']:.3f}", _maybe(r.get("cpu_us_per_packet"), ".1f"),
+                  _maybe(r.get("cpu_seconds_per_gib"), ".2f"), f"{r['machine_cpu_busy']:.0%}",
                   "yes" if r["correct"] else "[bold red]NO[/]")
     return t
+
+
+def _maybe(value, spec: str) -> str:
+    return "" if value is None else format(value, spec)
 
 
 def print_table(doc: dict, console: Console | None = None) -> None:

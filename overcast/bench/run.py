@@ -88,6 +88,8 @@ def summarize(collective: str, algorithm: str, hosts: int, nbytes: int, link_bit
     sent, received = cost.traffic(collective, algorithm, n, hosts)
     tx = statistics.fmean(r["tx_bytes"] for r in per_rank)
     rx = statistics.fmean(r["rx_bytes"] for r in per_rank)
+    packets = statistics.fmean(r["tx_packets"] + r["rx_packets"] for r in per_rank)
+    cpu = statistics.median(statistics.fmean(x["cpu_seconds"] for x in run) for run in runs)
     return {
         "collective": collective, "algorithm": algorithm, "hosts": hosts,
         "bytes_per_rank": n, "link_bits_per_s": link_bits,
@@ -103,8 +105,10 @@ def summarize(collective: str, algorithm: str, hosts: int, nbytes: int, link_bit
         "payload_sent_per_host": sent, "payload_received_per_host": received,
         "tx_over_payload": tx / sent if sent else None,
         "rx_over_payload": rx / received if received else None,
-        "cpu_seconds_per_rank": statistics.median(
-            statistics.fmean(x["cpu_seconds"] for x in run) for run in runs),
+        "cpu_seconds_per_rank": cpu,
+        # The cost apart from the link rate: per packet the NIC counted, per GiB it moved.
+        "cpu_us_per_packet": 1e6 * cpu / packets if packets else None,
+        "cpu_seconds_per_gib": cpu / ((tx + rx) / 2**30) if tx + rx else None,
         "machine_cpu_busy": statistics.median(run[0]["machine_busy"] for run in runs),
         "repetitions": reps,
         "roots": (roots or hosts) if algorithm in ("multicast", "overcast") else None,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from rich.table import Table
 
-from overcast.bench.report import human_bytes
+from overcast.bench.report import columns, human_bytes
 
 
 def rate_text(bits_per_s: float) -> str:
@@ -15,13 +15,11 @@ def rate_text(bits_per_s: float) -> str:
 def simulate_table(doc: dict) -> Table:
     meta = doc["meta"]
     shape = meta["topology"] + (f", radix {meta['radix']}" if meta.get("radix") else "")
-    t = Table(title=f"simulated: {shape}, {meta['placement']} placement, engine "
-                    f"{meta['engine']['name']}")
-    for name in ("collective", "algorithm", "nodes", "link", "size/rank", "time", "x floor",
+    t = columns(f"simulated: {shape}, {meta['placement']} placement, engine "
+                f"{meta['engine']['name']}",
+                ("collective", "algorithm", "nodes", "link", "size/rank", "time", "x floor",
                  "busbw GB/s", "link traffic", "busiest link", "tx/NIC", "rx/NIC",
-                 "engine cores"):
-        t.add_column(name, justify="left" if name in ("collective", "algorithm",
-                                                       "busiest link") else "right")
+                 "engine cores"), left=("collective", "algorithm", "busiest link"))
     for r in doc["results"]:
         t.add_row(r["collective"], r["algorithm"] + (f" x{r['roots']}" if r["roots"] else ""),
                   str(r["nodes"]), rate_text(r["link_bits_per_s"]),
@@ -76,12 +74,11 @@ def plot_simulate(doc: dict, path: str) -> None:
 
 def plan_table(doc: dict) -> Table:
     meta = doc["meta"]
-    t = Table(title=f"plan: {meta['params'] / 1e9:.2f}B parameters in {meta['layers']} layers, "
-                    f"{meta['dtype']} gathered, {meta['reduce_dtype']} reduced, "
-                    f"{meta['micro_steps']} micro-step(s); communication per step")
-    for name in ("nodes", "link", "rings", "rings-separate", "overcast", "speedup",
-                 "cores (python)", "engines (offload)", "use"):
-        t.add_column(name, justify="left" if name == "use" else "right")
+    t = columns(f"plan: {meta['params'] / 1e9:.2f}B parameters in {meta['layers']} layers, "
+                f"{meta['dtype']} gathered, {meta['reduce_dtype']} reduced, "
+                f"{meta['micro_steps']} micro-step(s); communication per step",
+                ("nodes", "link", "rings", "rings-separate", "overcast", "speedup",
+                 "cores (python)", "engines (offload)", "use"), left=("use",))
     for p in doc["results"]:
         ways = p["ways"]
         t.add_row(str(p["nodes"]), rate_text(p["link_bits_per_s"]),
