@@ -15,7 +15,7 @@ from overcast.schedules import cost
 from overcast.sim.engine import Engine
 from overcast.sim.fairness import max_min_rates
 from overcast.sim.plan import Model, plan_point
-from overcast.sim.run import simulate
+from overcast.sim.run import compare, simulate
 from overcast.sim.topology import fat_tree, placement, star
 
 MIB = 1 << 20
@@ -259,3 +259,27 @@ def test_bad_settings_are_refused_in_one_line(flags, message):
     assert done.returncode == 2
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], done.stderr
+
+
+def test_a_shared_machine_bounds_every_host_and_the_aggregator_together():
+    """The emulated cluster's hosts and aggregator share one machine's cores: the in-network
+    ReduceScatter then takes (all ranks' CPU + the aggregator's) / cores when that exceeds the
+    link's time."""
+    e = Engine("shared", chunk_bytes=1000, us_per_datagram=10.0, switch_us_per_datagram=5.0)
+    p, n = 4, MIB
+    row = simulate("reduce_scatter", "innetwork", star(p, 100e9), n, engine=e, shared_cores=2)
+    datagrams = n / 1000
+    ranks = p * (p - 1 + 1) * datagrams * 10e-6      # each rank sends P-1 blocks, receives 1
+    aggregator = p * (p - 1 + 1) * datagrams * 5e-6  # per block: P-1 contributions in, 1 out
+    assert row["seconds"] == pytest.approx((ranks + aggregator) / 2, rel=0.01)
+
+
+def test_compare_puts_measured_runs_beside_the_prediction():
+    doc = {"results": [simulate("allgather", "ring", star(8, 100e6), 4 * MIB)]}
+    bench = [{"results": [{"collective": "allgather", "algorithm": "ring", "hosts": 8,
+                           "bytes_per_rank": 4 * MIB, "link_bits_per_s": 100_000_000,
+                           "seconds": s}]} for s in (2.40, 2.50, 2.45)]
+    compare(doc, bench)
+    (row,) = doc["results"]
+    assert row["measured_seconds"] == 2.45 and row["measured_seconds_range"] == [2.40, 2.50]
+    assert row["prediction_error"] == pytest.approx(row["seconds"] / 2.45 - 1)

@@ -70,7 +70,7 @@ def _simulate(args) -> int:
     from overcast.bench.run import parse_size
     from overcast.report.simulate import plot_simulate, simulate_table
     from overcast.sim.engine import engine
-    from overcast.sim.run import sweep
+    from overcast.sim.run import compare, sweep
 
     console = Console(width=None if sys.stdout.isatty() else 200)
     model = engine(args.engine)
@@ -85,7 +85,14 @@ def _simulate(args) -> int:
                     oversubscription=[float(o) for o in _csv(args.oversubscription)],
                     levels=args.levels, roots=None if args.roots == "all" else
                     _ints(args.roots, "--roots")[0], engine=model, place=args.placement,
-                    latency=args.latency_us * 1e-6, progress=progress)
+                    latency=args.latency_us * 1e-6, shared_cores=args.machine_cores,
+                    progress=progress)
+    if args.compare:
+        measured = []
+        for path in _csv(args.compare):
+            with open(path) as f:
+                measured.append(json.load(f))
+        compare(doc, measured)
     console.print(simulate_table(doc))
     _save(doc, console, args.json, args.plot, plot_simulate)
     return 0
@@ -318,6 +325,11 @@ def parser() -> argparse.ArgumentParser:
                    help="ideal (links only), python (overcast's engine as measured, one core "
                         "per host) or offload (the paper's SmartNIC engine)")
     m.add_argument("--cores", type=float, help="engine cores per host (default: the engine's)")
+    m.add_argument("--machine-cores", type=float,
+                   help="every host and the aggregator share this many cores, as the emulated "
+                        "cluster's one machine does")
+    m.add_argument("--compare", help="overcast bench JSON files (comma-separated, one per run): "
+                                     "put their measured times beside the predictions")
     m.add_argument("--json", help="write {meta, results} here")
     m.add_argument("--plot", help="write time/floor and link traffic against nodes here (PNG)")
     m.set_defaults(func=_simulate)

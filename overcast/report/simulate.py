@@ -15,11 +15,13 @@ def rate_text(bits_per_s: float) -> str:
 def simulate_table(doc: dict) -> Table:
     meta = doc["meta"]
     shape = meta["topology"] + (f", radix {meta['radix']}" if meta.get("radix") else "")
+    measured = any("measured_seconds" in r for r in doc["results"])
     t = columns(f"simulated: {shape}, {meta['placement']} placement, engine "
                 f"{meta['engine']['name']}",
                 ("collective", "algorithm", "nodes", "link", "size/rank", "time", "x floor",
                  "busbw GB/s", "link traffic", "busiest link", "tx/NIC", "rx/NIC",
-                 "engine cores"), left=("collective", "algorithm", "busiest link"))
+                 "engine cores") + (("measured", "error") if measured else ()),
+                left=("collective", "algorithm", "busiest link"))
     for r in doc["results"]:
         t.add_row(r["collective"], r["algorithm"] + (f" x{r['roots']}" if r["roots"] else ""),
                   str(r["nodes"]), rate_text(r["link_bits_per_s"]),
@@ -27,7 +29,9 @@ def simulate_table(doc: dict) -> Table:
                   f"{r['ratio_to_floor']:.3f}", f"{r['busbw_bytes_per_s'] / 1e9:.2f}",
                   human_bytes(r["link_bytes_total"]), r["busiest_link"],
                   human_bytes(r["tx_bytes_per_nic_max"]), human_bytes(r["rx_bytes_per_nic_max"]),
-                  f"{r['engine_cores_busy']:.2f}")
+                  f"{r['engine_cores_busy']:.2f}",
+                  *((seconds_text(r["measured_seconds"]), f"{r['prediction_error']:+.1%}")
+                    if "measured_seconds" in r else ("", "") if measured else ()))
     return t
 
 

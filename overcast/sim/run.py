@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import datetime
 import math
+import statistics
 import time
 from dataclasses import asdict
 
 import numpy as np
 
-from overcast.limits import check_hosts, check_link_rate, check_roots, check_size
+from overcast.limits import check_hosts, check_link_rate, check_positive, check_roots, \
+    check_size
 from overcast.schedules import cost
 from overcast.sim.collectives import ALGORITHMS, check_request, collective_flows
 from overcast.sim.engine import IDEAL, Engine
@@ -24,9 +26,9 @@ from overcast.sim.topology import DEFAULT_LATENCY_S, Topology, build, placement
 def engine_constraints(flows: list[Flow], topo: Topology, hosts: list[int], engine: Engine,
                        shared_cores: float | None = None) -> tuple[list[Constraint], np.ndarray]:
     """Each host's pacing budget (datagram senders fill `pacing_share` of its uplink) and its
-    engine's CPU (`engine.cores` core-seconds per second); a software aggregator's one core;
-    or, with `shared_cores`, one CPU for every host and the aggregator together, as on the
-    emulated cluster's one machine.
+    engine's CPU (`engine.cores` core-seconds per second). Or, with `shared_cores`, the emulated
+    cluster: one machine's cores for every host and the software aggregator together, and one
+    core at most for the aggregator. Otherwise switches sum in hardware, at no CPU cost.
 
     Also returns each host's CPU-seconds per byte/s of each flow (hosts x flows)."""
     index = np.empty(topo.hosts, dtype=np.int64)
@@ -48,10 +50,10 @@ def engine_constraints(flows: list[Flow], topo: Topology, hosts: list[int], engi
         rates = topo.rate[topo.uplink[hosts]] * engine.pacing_share
         out += [Constraint(f"budget h{h}", rates[i], budget[i])
                 for i, h in enumerate(hosts) if budget[i].any()]
-    if switch.any():  # the aggregator is one process: one core at most
-        out.append(Constraint("aggregator cpu", 1.0, switch))
     if shared_cores is not None:
         out.append(Constraint("machine cpu", shared_cores, cpu.sum(axis=0) + switch))
+        if switch.any():  # the aggregator is one process: one core at most
+            out.append(Constraint("aggregator cpu", 1.0, switch))
     elif np.isfinite(engine.cores):
         out += [Constraint(f"cpu h{h}", engine.cores, cpu[i])
                 for i, h in enumerate(hosts) if cpu[i].any()]
@@ -110,9 +112,12 @@ def sweep(nodes: list[int], kind: str, link_bits: list[float], sizes: list[int],
           collectives: list[str], algorithms: list[str], *, radix: int | None = None,
           oversubscription=(1.0,), levels: int | None = None, roots: int | None = None,
           engine: Engine = IDEAL, place: str = "contiguous",
-          latency: float = DEFAULT_LATENCY_S, progress=None) -> dict:
+          latency: float = DEFAULT_LATENCY_S, shared_cores: float | None = None,
+          progress=None) -> dict:
     """Every combination asked for, as `{"meta": ..., "results": [row, ...]}`. Settings are
-    checked before the first run; `progress(done, total, what)` is called after each row."""
+    checked before the first run; `progress(done, total, what)` is called after each row.
+    `shared_cores`: every host and the aggregator share that many cores (the emulated
+    cluster's one machine)."""
     check_request(collectives, algorithms)
     for n in nodes:
         check_hosts(n)
@@ -121,6 +126,8 @@ def sweep(nodes: list[int], kind: str, link_bits: list[float], sizes: list[int],
         check_link_rate(b)
     for size in sizes:
         check_size(size)
+    if shared_cores is not None:
+        check_positive("the machine's cores", shared_cores, "--machine-cores, shared_cores")
     topologies = {(n, b): build(kind, n, b, radix=radix, oversubscription=oversubscription,
                                 levels=levels, latency=latency)
                   for n in nodes for b in link_bits}
@@ -131,7 +138,7 @@ def sweep(nodes: list[int], kind: str, link_bits: list[float], sizes: list[int],
     rows = []
     for c, a, n, b, size in points:
         rows.append(simulate(c, a, topologies[(n, b)], size, roots=roots, engine=engine,
-                             place=place))
+                             place=place, shared_cores=shared_cores))
         if progress:
             progress(len(rows), len(points), f"{c} {a}, {n} nodes")
     meta = {"simulator": "overcast.sim (flow level, max-min fair)", "topology": kind,
@@ -140,3 +147,21 @@ def sweep(nodes: list[int], kind: str, link_bits: list[float], sizes: list[int],
             "engine": {k: v if v != math.inf else None for k, v in asdict(engine).items()},
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     return {"meta": meta, "results": rows}
+
+
+def compare(doc: dict, measured: list[dict]) -> None:
+    """Put measured times beside the predicted ones: for each row, the `overcast bench` rows of
+    the same collective, algorithm, hosts, size and link rate in `measured` (one document per
+    run), their median and range, and the prediction's error against the median."""
+    for row in doc["results"]:
+        key = (row["collective"], row["algorithm"], row["nodes"], row["bytes_per_rank"],
+               round(row["link_bits_per_s"]))
+        times = [r["seconds"] for m in measured for r in m["results"]
+                 if (r["collective"], r["algorithm"], r["hosts"], r["bytes_per_rank"],
+                     round(r["link_bits_per_s"])) == key]
+        if times:
+            median = statistics.median(times)
+            row["measured_seconds"] = median
+            row["measured_seconds_range"] = [min(times), max(times)]
+            row["measured_runs"] = len(times)
+            row["prediction_error"] = row["seconds"] / median - 1
