@@ -26,7 +26,7 @@ def simulate_table(doc: dict) -> Table:
         t.add_row(r["collective"], r["algorithm"] + (f" x{r['roots']}" if r["roots"] else ""),
                   str(r["nodes"]), rate_text(r["link_bits_per_s"]),
                   human_bytes(r["bytes_per_rank"]), seconds_text(r["seconds"]),
-                  f"{r['ratio_to_floor']:.3f}", f"{r['busbw_bytes_per_s'] / 1e9:.2f}",
+                  f"{r['ratio_to_floor']:.3f}", f"{r['busbw_bytes_per_s'] / 1e9:.3g}",
                   human_bytes(r["link_bytes_total"]), r["busiest_link"],
                   human_bytes(r["tx_bytes_per_nic_max"]), human_bytes(r["rx_bytes_per_nic_max"]),
                   f"{r['engine_cores_busy']:.2f}",
@@ -40,34 +40,43 @@ def seconds_text(s: float) -> str:
 
 
 def plot_simulate(doc: dict, path: str) -> None:
-    """Time over its floor (left) and total link traffic (right) against nodes, one line per
-    (collective, algorithm, link rate, size)."""
+    """Against nodes, one line per (collective, algorithm, link rate, size): time over its floor;
+    total link traffic; and that traffic over the least any algorithm of the collective moved at
+    the same point (ring over multicast, say)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     series: dict[tuple, list[dict]] = {}
+    least: dict[tuple, float] = {}
     for r in doc["results"]:
+        point = (r["collective"], r["nodes"], r["link_bits_per_s"], r["bytes_per_rank"])
+        least[point] = min(least.get(point, float("inf")), r["link_bytes_total"])
         series.setdefault((r["collective"], r["algorithm"], r["link_bits_per_s"],
                            r["bytes_per_rank"]), []).append(r)
     many_rates = len({k[2] for k in series}) > 1
     many_sizes = len({k[3] for k in series}) > 1
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, (time_ax, bytes_ax, ratio_ax) = plt.subplots(1, 3, figsize=(16, 4.5))
     for (collective, algorithm, rate, size), rows in sorted(series.items()):
         rows.sort(key=lambda r: r["nodes"])
         label = f"{collective} {algorithm}" + (f", {rate_text(rate)}" if many_rates else "") \
             + (f", {human_bytes(size)}" if many_sizes else "")
         nodes = [r["nodes"] for r in rows]
-        left.plot(nodes, [r["ratio_to_floor"] for r in rows], marker="o", label=label)
-        right.plot(nodes, [r["link_bytes_total"] / 2**30 for r in rows], marker="o", label=label)
+        time_ax.plot(nodes, [r["ratio_to_floor"] for r in rows], marker="o", label=label)
+        bytes_ax.plot(nodes, [r["link_bytes_total"] / 2**30 for r in rows], marker="o",
+                      label=label)
+        ratio_ax.plot(nodes, [r["link_bytes_total"] / least[(collective, r["nodes"], rate, size)]
+                              for r in rows], marker="o", label=label)
     meta = doc["meta"]
-    for ax, what in ((left, "time / floor"), (right, "total link traffic, GiB")):
+    for ax, what in ((time_ax, "time / floor"), (bytes_ax, "total link traffic, GiB"),
+                     (ratio_ax, "link traffic / the collective's least")):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("nodes")
         ax.set_ylabel(what)
         ax.grid(alpha=0.3)
-    right.set_yscale("log")
-    left.legend(fontsize=8)
+        ax.ticklabel_format(axis="y", useOffset=False) if ax is not bytes_ax else None
+    bytes_ax.set_yscale("log")
+    time_ax.legend(fontsize=8)
     fig.suptitle(f"overcast simulate: {meta['topology']}"
                  + (f" radix {meta['radix']}" if meta.get("radix") else "")
                  + f", engine {meta['engine']['name']}")
