@@ -207,3 +207,23 @@ def test_without_privilege_it_says_what_to_do():
     assert out.returncode != 0
     assert "ClusterError" in out.stderr and "needs root" in out.stderr
     assert "unshare --user --map-root-user" in out.stderr
+
+
+def gather_mib(rank):
+    with overcast.Communicator(name="snoop", timeout=60) as comm:
+        out = np.empty(comm.world_size << 20, np.uint8)
+        comm.all_gather(out, np.full(1 << 20, rank, np.uint8), algorithm="multicast")
+        comm.barrier()
+        return bool(all((out[r << 20:(r + 1) << 20] == r).all() for r in range(comm.world_size)))
+
+
+def test_the_switch_forwards_multicast_only_to_ports_that_joined():
+    """IGMP snooping: the hosts' multicast AllGather (3 MiB out in all) reaches every host, and
+    not the aggregator's attachment, which never joined the group."""
+    with Cluster(3, 1_000_000_000) as cluster:
+        before = [cluster.counters(h) for h in (0, 1, 2, None)]
+        assert cluster.run(gather_mib, timeout=120) == [True] * 3
+        after = [cluster.counters(h) for h in (0, 1, 2, None)]
+    received = [a.rx_bytes - b.rx_bytes for a, b in zip(after, before)]
+    assert all(r > 2 << 20 for r in received[:3])
+    assert received[3] < 64 << 10  # queries and neighbour discovery, not 3 MiB of shards

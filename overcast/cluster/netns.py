@@ -22,6 +22,7 @@ import shutil
 import signal
 import subprocess
 import threading
+import time
 from dataclasses import dataclass
 
 from overcast.cluster.launch import Placement, run_ranks
@@ -33,6 +34,8 @@ PREFIX = "oc-"
 RUN_DIR = "/run/overcast"
 MULTICAST_NET = "239.0.0.0/8"
 SERVICE_ADDR = "198.18.255.1"
+QUERIER_ADDR = "198.18.255.254"  # the bridge's own, for its IGMP queries
+QUERY_RESPONSE_SECONDS = 0.5
 MASTER_PORT = 29500
 
 
@@ -188,8 +191,19 @@ class Cluster:
             f.write(f"{os.getpid()}\n")
         self._netns(self.switch_ns)
         sw = ["-n", self.switch_ns]
+        # IGMP snooping, as a real switch does it: multicast goes only to the ports whose hosts
+        # joined the group (not the aggregator's). The bridge is the querier, from an address
+        # of its own, so that memberships are refreshed and never age out in a long run.
+        # The bridge floods until its querier has waited one response interval (the kernel
+        # shows no state for it), so the interval is short and up() waits it out at the end.
+        # IGMPv3, so that no host holds back its report on hearing another's.
+        centis = str(round(QUERY_RESPONSE_SECONDS * 100))
         _ip(*sw, "link", "add", "br0", "mtu", str(self.mtu), "type", "bridge",
-            "mcast_snooping", "0")
+            "mcast_snooping", "1", "mcast_igmp_version", "3",
+            "mcast_query_response_interval", centis, "mcast_startup_query_interval", centis)
+        _ip(*sw, "link", "set", "br0", "type", "bridge", "mcast_querier", "1")
+        snooping_from = time.monotonic() + QUERY_RESPONSE_SECONDS
+        _ip(*sw, "addr", "add", f"{QUERIER_ADDR}/16", "dev", "br0")
         _ip(*sw, "link", "set", "br0", "up")
         _ip(*sw, "link", "set", "lo", "up")
         rate = self.link_bits_per_s
@@ -198,6 +212,7 @@ class Cluster:
         if self.service:
             self._attach(self.service_ns, "svc", SERVICE_ADDR, self.fabric_bits_per_s,
                          self.fabric_bits_per_s)
+        time.sleep(max(0.0, snooping_from - time.monotonic()))
 
     def _netns(self, name: str) -> None:
         _ip("netns", "add", name)
@@ -294,9 +309,11 @@ class Cluster:
         stop_switch(proc)
         self.switch = None
 
-    def counters(self, host: int) -> NicCounters:
-        """Host `host`'s eth0 counters, read from outside its namespace."""
-        out = _ip("-n", self.host_ns[host], "-s", "-j", "link", "show", "dev", "eth0").stdout
+    def counters(self, host: int | None) -> NicCounters:
+        """Host `host`'s eth0 counters (None: the service attachment's), read from outside its
+        namespace."""
+        ns = self.service_ns if host is None else self.host_ns[host]
+        out = _ip("-n", ns, "-s", "-j", "link", "show", "dev", "eth0").stdout
         stats = json.loads(out)[0]["stats64"]
         return NicCounters(stats["tx"]["bytes"], stats["rx"]["bytes"], stats["tx"]["packets"],
                            stats["rx"]["packets"])
