@@ -19,7 +19,7 @@ from overcast.protocols.session import Session
 from overcast.protocols.budget import LinkBudget
 from overcast.protocols.innetwork import InNetworkReduceScatter
 from overcast.schedules.ring import DEFAULT_FRAME_BYTES
-from overcast.transport.datagram import MAX_DATAGRAM
+from overcast.transport.datagram import MAX_DATAGRAM, PACE_BATCH
 from overcast.transport.loss import LossSpec
 from overcast.transport.rendezvous import rendezvous
 from overcast.wire.header import IP_UDP_BYTES, OVERHEAD_BYTES
@@ -83,7 +83,8 @@ class Communicator:
         self.chunk_bytes -= self.chunk_bytes % 8
         self._multicast_error = links.multicast_error
         self._switch_error, self._switch_slots = links.switch_error, links.switch_slots
-        self._uplink = LinkBudget(link_bits_per_s / 8 * pacing_share if link_bits_per_s else None)
+        self._uplink = LinkBudget(link_bits_per_s / 8 * pacing_share if link_bits_per_s else None,
+                                  batch=PACE_BATCH)
         session = Session(self.rank, self.world_size, timeout, links.drops)
         self._engine = Engine(links, session, self.loss, Trace() if trace else None)
         self._lock = threading.Lock()

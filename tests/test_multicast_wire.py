@@ -61,7 +61,8 @@ def test_multicast_bit_exact_under_loss(world, roots, big):
 
 
 def big_at_root(rank, nbytes):
-    """The root dies by SIGKILL after its 200th datagram of a broadcast in flight."""
+    """The root dies by SIGKILL at its 200th send (a datagram or a batch) of a broadcast in
+    flight."""
     comm = overcast.Communicator(timeout=30)
     try:
         comm.barrier()
@@ -69,10 +70,10 @@ def big_at_root(rank, nbytes):
             datagrams = comm._engine.datagrams
             send, sent = datagrams.send, itertools.count(1)
 
-            def send_then_die(datagram, address):
+            def send_then_die(*args):
                 if next(sent) == 200:
                     os.kill(os.getpid(), signal.SIGKILL)
-                send(datagram, address)
+                send(*args)
 
             datagrams.send = send_then_die
         buf = np.zeros(nbytes, np.uint8)

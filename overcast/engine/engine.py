@@ -16,11 +16,12 @@ import time
 from overcast.errors import CommunicatorClosedError, OvercastError
 from overcast.protocols.base import DATAGRAM, MULTICAST, STREAM, Collective
 from overcast.protocols.session import Session
-from overcast.transport.datagram import Datagrams
+from overcast.transport.datagram import GSO_MAX_BYTES, GSO_MAX_SEGMENTS, Datagrams
 from overcast.transport.loss import LossModel, LossSpec
 from overcast.transport.rendezvous import Links
 from overcast.engine.trace import Trace
 from overcast.transport.stream import Stream, StreamClosed
+from overcast.wire.auth import sealed_bytes
 from overcast.wire.header import AGGREGATOR, ETHERNET_BYTES, IP_UDP_BYTES, datagram_link_bytes
 
 # Bytes sealed ahead into a stream's queue: enough to keep the socket busy, small enough that
@@ -80,6 +81,7 @@ class Engine:
         self.multicast = None if links.multicast is None else \
             Datagrams(links.multicast, links.opener, links.rank, windows, model)
         self._datagram_sockets = [d for d in (self.datagrams, self.multicast) if d is not None]
+        self._batch = bytearray(GSO_MAX_BYTES)  # datagrams sealed back to back for one send
         for d in self._datagram_sockets:
             self._selector.register(d, selectors.EVENT_READ, d)
         self._datagram_mask = selectors.EVENT_READ
@@ -239,19 +241,14 @@ class Engine:
     def _fill_and_flush(self) -> None:
         """Seal what the session has for each route and write until the sockets are full.
         Datagrams go out as soon as the protocols release them: pacing is theirs."""
-        session, seal, seal_parts = self.session, self.sealer.seal, self.sealer.seal_parts
+        session, seal_parts = self.session, self.sealer.seal_parts
         for channel, peer in session.pending_routes():
             if channel != STREAM:
                 if self.datagrams.queued:
                     continue
-                address, send = self._addresses[(channel, peer)], self.datagrams.send
                 try:
-                    for msg in session.drain((channel, peer)):
-                        datagram = seal(msg.kind, msg.seq, msg.dst, msg.chunk, msg.payload)
-                        if self.trace:
-                            self.trace.count("tx", msg.seq, len(datagram) + IP_UDP_BYTES +
-                                             ETHERNET_BYTES, time.monotonic())
-                        send(datagram, address)
+                    self._send_datagrams(session.drain((channel, peer)),
+                                         self._addresses[(channel, peer)])
                 except OSError as err:
                     self._datagram_failure(err)
                 self._flush_datagrams()
@@ -271,6 +268,27 @@ class Engine:
                     break
                 self._flush(stream)
                 stream = self.streams.get(peer)
+
+    def _send_datagrams(self, messages, address: tuple[str, int]) -> None:
+        """Seal the messages back to back into batches of equal-sized datagrams (the last of a
+        batch may be shorter) and send each batch in one call."""
+        buf, seal_into, send = self._batch, self.sealer.seal_into, self.datagrams.send
+        start = end = size = 0
+        for msg in messages:
+            length = sealed_bytes(msg.payload)
+            if end > start and (length > size or end + length > len(buf)
+                                or end - start >= size * (GSO_MAX_SEGMENTS - 1)
+                                or (end - start) % size):
+                send(memoryview(buf)[start:end], address, size)
+                start = end = 0
+            if end == start:
+                size = length
+            end = seal_into(buf, end, msg.kind, msg.seq, msg.dst, msg.chunk, msg.payload)
+            if self.trace:
+                self.trace.count("tx", msg.seq, length + IP_UDP_BYTES + ETHERNET_BYTES,
+                                 time.monotonic())
+        if end > start:
+            send(memoryview(buf)[start:end], address, size)
 
     def _datagram_failure(self, err: OSError) -> None:
         self.datagrams.clear()

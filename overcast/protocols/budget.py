@@ -11,8 +11,11 @@ from __future__ import annotations
 
 
 class LinkBudget:
-    def __init__(self, bytes_per_s: float | None, burst_seconds: float = 0.005):
+    """`batch`: datagrams a pacer releases per wake-up (the engine sends them in one call)."""
+
+    def __init__(self, bytes_per_s: float | None, burst_seconds: float = 0.005, batch: int = 1):
         self.rate = bytes_per_s
+        self.batch = batch
         self.burst = (bytes_per_s or 0) * burst_seconds
         self.tokens = self.burst
         self.updated: float | None = None

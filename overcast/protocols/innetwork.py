@@ -202,7 +202,7 @@ class InNetworkReduceScatter(Collective):
             data = self._bytes(g)
             wire = datagram_link_bytes(len(data) + CONTRIB_PREFIX.size)
             if not self.budget.try_take(wire, now):
-                self.pump_at = self.budget.ready_at(wire, now)
+                self.pump_at = self.budget.ready_at(wire * self.budget.batch, now)
                 return
             self.queue(self.route, Outgoing(Kind.CONTRIB, self.seq, g, (self.prefix, data),
                                             AGGREGATOR))

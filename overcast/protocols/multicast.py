@@ -132,6 +132,12 @@ class MulticastGather(Collective):
             times.append(self.next_send)
         return min(times, default=None)
 
+    def _lead(self) -> float:
+        """How far ahead of its time a chunk may go: at each wake-up the chunk that is due
+        leaves with the rest of the budget's batch, so batches, not chunks, are paced."""
+        return (self.budget.batch - 1) * datagram_link_bytes(self.chunk_bytes) / \
+            self.stream_rate() if self.budget.rate else 0.0
+
     def handle_timer(self, now: float) -> None:
         self._pump(now)
         for s, due in list(self.tail_due.items()):
@@ -298,8 +304,8 @@ class MulticastGather(Collective):
             return
         self.next_send = max(self.next_send, now - MAX_BURST_SECONDS)
         base = self.mine * self.k
-        rate = self.stream_rate()
-        while self.next_chunk < self.k and self.next_send <= now:
+        rate, due = self.stream_rate(), now + self._lead()
+        while self.next_chunk < self.k and self.next_send <= due:
             gid = base + self.next_chunk
             start, end = self._span(gid)
             self.queue((MULTICAST, -1), Outgoing(Kind.MCAST_DATA, self.seq, gid,

@@ -3,11 +3,18 @@
 Datagrams never exceed the path MTU (IP_PMTUDISC_DO makes an oversized send fail rather than
 fragment). Injected loss, when configured, drops received datagrams before anything else looks
 at them, as a lossy link would.
+
+Batches, where the kernel offers them: a sender lays several datagrams back to back and sends
+them in one call (UDP GSO: the kernel, or the NIC, cuts them apart); a receiver reads what the
+kernel coalesced in one call (UDP GRO) and cuts it at the segment size the kernel reports. Each
+datagram keeps its own header and tag, so loss, authentication and repair stay per datagram. A
+device that refuses GSO turns it off for that socket, and the batch goes out one by one.
 """
 
 from __future__ import annotations
 
 import collections
+import errno
 import socket
 import struct
 
@@ -24,6 +31,19 @@ _SO_RCVBUFFORCE = 33
 # the packet sits in, not just its bytes).
 DATAGRAM_TRUESIZE = 16 * 1024
 _IP_MTU_DISCOVER, _IP_PMTUDISC_DO, _IP_MTU = 10, 2, 14
+# linux/udp.h; Python 3.11 has no names for them.
+SOL_UDP, UDP_SEGMENT, UDP_GRO = 17, 103, 104
+# What one GSO send may carry: 64 segments (UDP_MAX_SEGMENTS) in one UDP payload.
+GSO_MAX_SEGMENTS, GSO_MAX_BYTES = 64, MAX_DATAGRAM
+# Datagrams a paced sender releases at once, to go out in one send: four jumbo frames fit the
+# emulated links' token bucket at 100 Mbit/s and more, so a batch stays whole to the receiver.
+PACE_BATCH = 4
+# A GRO read holds at most one IP packet's worth.
+GRO_READ_BYTES = 1 << 16
+_SEGMENT = struct.Struct("=H")
+_GRO_ANCILLARY = socket.CMSG_SPACE(4)
+# errnos a device answers a GSO send with when it cannot segment
+_NO_GSO = {errno.EIO, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOPROTOOPT}
 
 
 def path_mtu(local: str, peer: str) -> int:
@@ -68,6 +88,45 @@ def enlarge_receive_buffer(sock: socket.socket, nbytes: int = RECV_BUFFER_BYTES)
     return sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) // 2  # the kernel doubles it
 
 
+def enable_gro(sock: socket.socket) -> bool:
+    """Ask the kernel to hand over coalesced datagrams; False where it cannot."""
+    try:
+        sock.setsockopt(SOL_UDP, UDP_GRO, 1)
+    except OSError:
+        return False
+    return True
+
+
+def receive(sock: socket.socket, buf: bytearray, gro: bool, on_datagram,
+            reads: int) -> tuple[int, int]:
+    """Read up to `reads` times; call on_datagram(view) for each datagram, cutting a coalesced
+    read at its segment size. Returns the reads that took something, and how many segments
+    were cut off by a read that did not fit `buf` (the kernel sets MSG_TRUNC): lost, as on a
+    link."""
+    view, truncated, took = memoryview(buf), 0, 0
+    for _ in range(reads):
+        try:
+            if gro:
+                n, ancillary, flags, _ = sock.recvmsg_into([buf], _GRO_ANCILLARY)
+            else:
+                n, ancillary, flags = sock.recv_into(buf), (), 0
+        except (BlockingIOError, InterruptedError):
+            break
+        except OSError:
+            continue  # an ICMP error for an earlier send: nothing to act on here
+        took += 1
+        size = n
+        for level, kind, data in ancillary:
+            if level == SOL_UDP and kind == UDP_GRO:
+                size = int.from_bytes(data[:4], "little")
+        if flags & socket.MSG_TRUNC:
+            truncated += 1  # the segment the buffer cut; any after it were never copied
+            n -= n % size if size < n else n
+        for start in range(0, n, size):
+            on_datagram(view[start:min(start + size, n)])
+    return took, truncated
+
+
 def prepare_sender(sock: socket.socket, local: str, loop: bool) -> None:
     """Send multicast out of `local`'s interface, one hop, and never fragment."""
     sock.setsockopt(socket.IPPROTO_IP, _IP_MTU_DISCOVER, _IP_PMTUDISC_DO)
@@ -77,26 +136,29 @@ def prepare_sender(sock: socket.socket, local: str, loop: bool) -> None:
 
 
 class Datagrams:
-    """One UDP socket: reads authentic datagrams, queues sends the socket could not take."""
+    """One UDP socket: reads authentic datagrams (coalesced where the kernel can), sends
+    batches (segmented by the kernel where it can), queues sends the socket could not take."""
 
     def __init__(self, sock: socket.socket, opener: Opener, own_rank: int, windows: dict,
-                 loss: LossModel | None = None):
+                 loss: LossModel | None = None, read_bytes: int = GRO_READ_BYTES):
         sock.setblocking(False)
         enlarge_receive_buffer(sock)
         self.sock, self.opener, self.own_rank = sock, opener, own_rank
         self._windows = windows
         self.loss = loss
-        self._buf = bytearray(MAX_DATAGRAM + 1)
-        self._out: collections.deque[tuple[bytes, tuple[str, int]]] = collections.deque()
+        self.gro = enable_gro(sock)
+        self.gso = True  # until a device refuses it
+        self._buf = bytearray(read_bytes)
+        self._out: collections.deque[tuple[bytes, int, tuple[str, int]]] = collections.deque()
         self.datagrams_in = self.datagrams_out = self.bytes_in = self.bytes_out = 0
-        self.injected_losses = 0
+        self.reads = self.sends = self.injected_losses = self.truncated = 0
 
     def fileno(self) -> int:
         return self.sock.fileno()
 
     def buffer_bytes(self) -> int:
         """User-space bytes held: the read buffer and datagrams queued to send."""
-        return len(self._buf) + sum(len(d) for d, _ in self._out.copy())
+        return len(self._buf) + sum(len(d) for d, _, _ in self._out.copy())
 
     @property
     def queued(self) -> int:
@@ -105,43 +167,76 @@ class Datagrams:
     def read(self, on_message) -> None:
         """Take the datagrams waiting; call on_message(header, payload) for each authentic one
         from another rank. The payload view is valid during the call only."""
-        view = memoryview(self._buf)
-        for _ in range(_READS_PER_EVENT):
-            try:
-                n = self.sock.recv_into(self._buf)
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError:
-                continue  # an ICMP error for an earlier send: nothing to act on here
+        def take(datagram):
             self.datagrams_in += 1
-            self.bytes_in += n
+            self.bytes_in += len(datagram)
             if self.loss is not None and self.loss.drop():
                 self.injected_losses += 1
-                continue
-            msg = self.opener.open(view[:n], windows=self._windows, window_width=WINDOW)
+                return
+            msg = self.opener.open(datagram, windows=self._windows, window_width=WINDOW)
             if msg is not None and msg[0].src != self.own_rank:
                 on_message(*msg)
 
-    def _sendto(self, datagram, address: tuple[str, int]) -> bool:
-        try:
-            n = self.sock.sendto(datagram, address)
-        except BlockingIOError:
-            return False
-        except OSError as err:
-            raise OSError(f"cannot send a {len(datagram)}-byte datagram to {address}: "
-                          f"{err.strerror}") from None
-        self.datagrams_out += 1
-        self.bytes_out += n
-        return True
+        reads, cut = receive(self.sock, self._buf, self.gro, take, _READS_PER_EVENT)
+        self.reads += reads
+        if cut:
+            self.truncated += cut
+            self.opener.drops["truncated"] += cut
 
-    def send(self, datagram, address: tuple[str, int]) -> None:
-        """Send now, or queue behind what the socket could not take yet."""
-        if self._out or not self._sendto(datagram, address):
-            self._out.append((datagram, address))
+    def _sent(self, nbytes: int, segments: int) -> None:
+        self.sends += 1
+        self.datagrams_out += segments
+        self.bytes_out += nbytes
+
+    def _send_some(self, data, size: int, address: tuple[str, int]) -> int:
+        """Send the datagrams of `data` (each `size` bytes but the last) until the socket is
+        full; return how many bytes went."""
+        view = memoryview(data)
+        if len(view) > size and self.gso:
+            try:
+                n = self.sock.sendmsg([view], [(SOL_UDP, UDP_SEGMENT, _SEGMENT.pack(size))], 0,
+                                      address)
+            except BlockingIOError:
+                return 0
+            except OSError as err:
+                if err.errno not in _NO_GSO:
+                    raise OSError(f"cannot send {len(view)} bytes of datagrams to {address}: "
+                                  f"{err.strerror}") from None
+                self.gso = False  # this device cannot segment: one by one from now on
+            else:
+                self._sent(n, -(-n // size))
+                return n
+        sent = 0
+        while sent < len(view):
+            datagram = view[sent:sent + size]
+            try:
+                n = self.sock.sendto(datagram, address)
+            except BlockingIOError:
+                break
+            except OSError as err:
+                raise OSError(f"cannot send a {len(datagram)}-byte datagram to {address}: "
+                              f"{err.strerror}") from None
+            self._sent(n, 1)
+            sent += len(datagram)
+        return sent
+
+    def send(self, data, address: tuple[str, int], size: int | None = None) -> None:
+        """Send one datagram, or a batch of them laid back to back, each `size` bytes but the
+        last; now, or queued behind what the socket could not take yet."""
+        size = size or len(data)
+        sent = 0 if self._out else self._send_some(data, size, address)
+        if sent < len(data):
+            self._out.append((bytes(memoryview(data)[sent:]), size, address))
 
     def flush(self) -> None:
         """Send what is queued until the socket is full."""
-        while self._out and self._sendto(*self._out[0]):
+        while self._out:
+            data, size, address = self._out[0]
+            sent = self._send_some(data, size, address)
+            if sent < len(data):
+                if sent:
+                    self._out[0] = (data[sent:], size, address)
+                return
             self._out.popleft()
 
     def clear(self) -> None:

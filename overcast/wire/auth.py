@@ -92,10 +92,36 @@ class Sealer:
                                      dst, chunk, n, self.counter), *parts))
         return data, self._aead.encrypt(_NONCE.pack(self.src, 0, self.counter), b"", data)
 
-    def seal(self, kind: int, seq: int, dst: int, chunk: int, payload=b"") -> bytes:
+    def seal(self, kind: int, seq: int, dst: int, chunk: int, payload=b"") -> bytearray:
         """A whole message in one buffer: header, payload, tag."""
-        data, tag = self.seal_parts(kind, seq, dst, chunk, payload)
-        return data + tag
+        buf = bytearray(sealed_bytes(payload))
+        self.seal_into(buf, 0, kind, seq, dst, chunk, payload)
+        return buf
+
+    def seal_into(self, buf: bytearray, offset: int, kind: int, seq: int, dst: int, chunk: int,
+                  payload=b"") -> int:
+        """Write the whole message (header, payload, tag) into `buf` at `offset`, copying the
+        payload once, so that several can lie back to back for one send; returns its end."""
+        parts = [memoryview(p).cast("B") for p in payload] if isinstance(payload, tuple) \
+            else [memoryview(payload).cast("B")]
+        n = sum(p.nbytes for p in parts)
+        self.counter += 1
+        HEADER.pack_into(buf, offset, MAGIC, VERSION, kind, self.job, self.comm, seq, self.src,
+                         dst, chunk, n, self.counter)
+        at = offset + HEADER_BYTES
+        for p in parts:
+            buf[at:at + p.nbytes] = p
+            at += p.nbytes
+        view = memoryview(buf)
+        view[at:at + TAG_BYTES] = self._aead.encrypt(_NONCE.pack(self.src, 0, self.counter), b"",
+                                                     view[offset:at])
+        return at + TAG_BYTES
+
+
+def sealed_bytes(payload=b"") -> int:
+    """The length of a sealed message carrying `payload` (a buffer, or a tuple of them)."""
+    parts = payload if isinstance(payload, tuple) else (payload,)
+    return HEADER_BYTES + sum(memoryview(p).nbytes for p in parts) + TAG_BYTES
 
 
 class Opener:
@@ -151,4 +177,4 @@ def frame_length(prefix) -> int:
 
 
 __all__ = ["Drops", "Header", "Opener", "ReplayWindow", "Sealer", "derive_key", "frame_length",
-           "job_id_of"]
+           "job_id_of", "sealed_bytes"]
