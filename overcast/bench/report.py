@@ -29,7 +29,7 @@ def table(doc: dict) -> Table:
                 f"{meta['repetitions']} runs",
                 ("collective", "algorithm", "size/rank", "time ms", "x floor", "algbw MB/s",
                  "busbw MB/s", "tx/host", "rx/host", "tx/payload", "rx/payload", "cpu s/rank",
-                 "cpu us/pkt", "cpu s/GiB", "machine cpu", "correct"))
+                 "cpu us/dgram", "cpu s/GiB", "machine cpu", "correct"))
     for r in doc["results"]:
         algorithm = r["algorithm"] + (f" x{r['roots']}" if r.get("roots") else "") + \
             (f" loss {r['loss']:g}" if r.get("loss") else "")
@@ -38,7 +38,7 @@ def table(doc: dict) -> Table:
                   f"{r['algbw_bytes_per_s'] / 1e6:.1f}", f"{r['busbw_bytes_per_s'] / 1e6:.1f}",
                   human_bytes(r["tx_bytes_per_host"]), human_bytes(r["rx_bytes_per_host"]),
                   f"{r['tx_over_payload']:.3f}", f"{r['rx_over_payload']:.3f}",
-                  f"{r['cpu_seconds_per_rank']:.3f}", _maybe(r.get("cpu_us_per_packet"), ".1f"),
+                  f"{r['cpu_seconds_per_rank']:.3f}", _maybe(r.get("cpu_us_per_datagram"), ".1f"),
                   _maybe(r.get("cpu_seconds_per_gib"), ".2f"), f"{r['machine_cpu_busy']:.0%}",
                   "yes" if r["correct"] else "[bold red]NO[/]")
     return t

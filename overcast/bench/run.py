@@ -88,7 +88,9 @@ def summarize(collective: str, algorithm: str, hosts: int, nbytes: int, link_bit
     sent, received = cost.traffic(collective, algorithm, n, hosts)
     tx = statistics.fmean(r["tx_bytes"] for r in per_rank)
     rx = statistics.fmean(r["rx_bytes"] for r in per_rank)
-    packets = statistics.fmean(r["tx_packets"] + r["rx_packets"] for r in per_rank)
+    datagrams = statistics.fmean(r["protocol"].get("datagrams_in", 0) +
+                                 r["protocol"].get("datagrams_out", 0) for r in per_rank) \
+        if algorithm in DATAGRAM_ALGORITHMS else 0
     cpu = statistics.median(statistics.fmean(x["cpu_seconds"] for x in run) for run in runs)
     return {
         "collective": collective, "algorithm": algorithm, "hosts": hosts,
@@ -106,8 +108,9 @@ def summarize(collective: str, algorithm: str, hosts: int, nbytes: int, link_bit
         "tx_over_payload": tx / sent if sent else None,
         "rx_over_payload": rx / received if received else None,
         "cpu_seconds_per_rank": cpu,
-        # The cost apart from the link rate: per packet the NIC counted, per GiB it moved.
-        "cpu_us_per_packet": 1e6 * cpu / packets if packets else None,
+        # The cost apart from the link rate: per datagram sent or received (datagram
+        # algorithms), per GiB through the NIC (every algorithm).
+        "cpu_us_per_datagram": 1e6 * cpu / datagrams if datagrams else None,
         "cpu_seconds_per_gib": cpu / ((tx + rx) / 2**30) if tx + rx else None,
         "machine_cpu_busy": statistics.median(run[0]["machine_busy"] for run in runs),
         "repetitions": reps,

@@ -15,7 +15,8 @@ DTYPE = np.float32
 # Per-run protocol counts reported beside the NIC counters.
 PROTOCOL_COUNTERS = ("injected_losses", "multicast_chunks", "duplicate_chunks", "repaired_chunks",
                      "repair_bytes", "repair_requests", "results", "duplicate_results",
-                     "contributions_resent", "credit_probes")
+                     "contributions_resent", "credit_probes", "datagrams_in", "datagrams_out",
+                     "datagram_reads", "datagram_sends")
 GLOO_PORT_OFFSET = 1
 
 

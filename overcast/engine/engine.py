@@ -16,7 +16,7 @@ import time
 from overcast.errors import CommunicatorClosedError, OvercastError
 from overcast.protocols.base import DATAGRAM, MULTICAST, STREAM, Collective
 from overcast.protocols.session import Session
-from overcast.transport.datagram import GSO_MAX_BYTES, GSO_MAX_SEGMENTS, Datagrams
+from overcast.transport.datagram import GSO_MAX_BYTES, Datagrams, seal_batches
 from overcast.transport.loss import LossModel, LossSpec
 from overcast.transport.rendezvous import Links
 from overcast.engine.trace import Trace
@@ -269,26 +269,16 @@ class Engine:
                 self._flush(stream)
                 stream = self.streams.get(peer)
 
-    def _send_datagrams(self, messages, address: tuple[str, int]) -> None:
-        """Seal the messages back to back into batches of equal-sized datagrams (the last of a
-        batch may be shorter) and send each batch in one call."""
-        buf, seal_into, send = self._batch, self.sealer.seal_into, self.datagrams.send
-        start = end = size = 0
-        for msg in messages:
-            length = sealed_bytes(msg.payload)
-            if end > start and (length > size or end + length > len(buf)
-                                or end - start >= size * (GSO_MAX_SEGMENTS - 1)
-                                or (end - start) % size):
-                send(memoryview(buf)[start:end], address, size)
-                start = end = 0
-            if end == start:
-                size = length
-            end = seal_into(buf, end, msg.kind, msg.seq, msg.dst, msg.chunk, msg.payload)
-            if self.trace:
-                self.trace.count("tx", msg.seq, length + IP_UDP_BYTES + ETHERNET_BYTES,
-                                 time.monotonic())
-        if end > start:
-            send(memoryview(buf)[start:end], address, size)
+    def _send_datagrams(self, messages: list, address: tuple[str, int]) -> None:
+        """Seal the messages back to back and send each run of equal-sized datagrams in one
+        call (see transport.datagram.seal_batches)."""
+        if self.trace:
+            now = time.monotonic()
+            for msg in messages:
+                self.trace.count("tx", msg.seq, sealed_bytes(msg.payload) + IP_UDP_BYTES +
+                                 ETHERNET_BYTES, now)
+        for view, size in seal_batches(self.sealer, messages, self._batch):
+            self.datagrams.send(view, address, size)
 
     def _datagram_failure(self, err: OSError) -> None:
         self.datagrams.clear()
@@ -367,6 +357,8 @@ class Engine:
             "early_dropped": self.session.early_dropped,
             "datagrams_in": sum(d.datagrams_in for d in self._datagram_sockets),
             "datagrams_out": self.datagrams.datagrams_out,
+            "datagram_reads": sum(d.reads for d in self._datagram_sockets),
+            "datagram_sends": self.datagrams.sends,
             "datagram_bytes_out": self.datagrams.bytes_out,
             "injected_losses": sum(d.injected_losses for d in self._datagram_sockets),
             **self.session.stats,

@@ -22,9 +22,10 @@ import time
 
 from overcast.limits import check_port
 from overcast.switch.aggregator import Aggregator
-from overcast.transport.datagram import (DATAGRAM_TRUESIZE, MAX_DATAGRAM, WINDOW,
-                                         enlarge_receive_buffer, multicast_group,
-                                         prepare_sender)
+from overcast.transport.datagram import (DATAGRAM_TRUESIZE, GRO_READ_BYTES, GSO_MAX_BYTES,
+                                         WINDOW, enable_gro, enlarge_receive_buffer,
+                                         multicast_group, prepare_sender, receive,
+                                         seal_batches, send_segments)
 from overcast.wire.auth import Drops, Opener, ReplayWindow, Sealer, derive_key, job_id_of
 from overcast.wire.header import (AGGREGATOR, ANY, HEADER_BYTES, Kind, MalformedError,
                                   unpack_header)
@@ -87,8 +88,10 @@ class SwitchService:
         self.selector = selectors.DefaultSelector()
         self.selector.register(self.listener, selectors.EVENT_READ, "accept")
         self.selector.register(self.udp, selectors.EVENT_READ, "udp")
-        self._buf = bytearray(MAX_DATAGRAM + 1)
-        self.datagrams_in = self.datagrams_out = 0
+        self.gro, self.gso = enable_gro(self.udp), True
+        self._buf = bytearray(GRO_READ_BYTES)
+        self._batch = bytearray(GSO_MAX_BYTES)  # datagrams sealed back to back for one send
+        self.datagrams_in = self.datagrams_out = self.reads = self.sends = 0
         self.unregistered: set[_Registration] = set()
         self.stopped = False
 
@@ -190,33 +193,34 @@ class SwitchService:
 
     # -- datagrams -------------------------------------------------------------------------
     def _on_datagrams(self, now: float) -> None:
-        view = memoryview(self._buf)
-        for _ in range(256):
-            try:
-                n = self.udp.recv_into(self._buf)
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError:
-                continue
+        def take(datagram: memoryview) -> None:
             self.datagrams_in += 1
             try:
-                hdr = unpack_header(view[:n])
+                hdr = unpack_header(datagram)
             except MalformedError:
                 self.drops["malformed"] += 1
-                continue
+                return
             comm = self.comms.get((hdr.job, hdr.comm))
             if comm is None:
                 self.drops["foreign"] += 1
-                continue
-            opened = comm.opener.open(view[:n], windows=comm.windows, window_width=WINDOW,
+                return
+            opened = comm.opener.open(datagram, windows=comm.windows, window_width=WINDOW,
                                       hdr=hdr)
             if opened is not None:
                 self.aggregator.receive((hdr.job, hdr.comm), opened[0], opened[1], now)
 
+        reads, cut = receive(self.udp, self._buf, self.gro, take, 256)
+        self.reads += reads
+        if cut:
+            self.drops["truncated"] += cut
+
     def _send(self) -> None:
-        outbox = self.aggregator.outbox
+        """Send what the aggregator wants sent: per destination, in order, in batches."""
+        outbox, routes = self.aggregator.outbox, {}
         while outbox:
             key, rank, msg = outbox.popleft()
+            routes.setdefault((key, rank), []).append(msg)
+        for (key, rank), messages in routes.items():
             comm = self.comms.get(key)
             if comm is None:
                 continue
@@ -226,15 +230,18 @@ class SwitchService:
                 addresses = [comm.addresses[rank]] if rank in comm.addresses else []
             if not addresses:
                 continue
-            datagram = comm.sealer.seal(msg.kind, msg.seq, msg.dst, msg.chunk, msg.payload)
-            for address in addresses:
-                try:
-                    self.udp.sendto(datagram, address)
-                    self.datagrams_out += 1
-                except BlockingIOError:
-                    self.drops["send_buffer_full"] += 1  # as a switch port would: retried
-                except OSError:
-                    self.drops["send_error"] += 1
+            for view, size in seal_batches(comm.sealer, messages, self._batch):
+                for address in addresses:
+                    try:
+                        sent, calls, self.gso = send_segments(self.udp, view, size, address,
+                                                              self.gso)
+                    except OSError:
+                        self.drops["send_error"] += 1
+                        continue
+                    self.sends += calls
+                    self.datagrams_out += -(-sent // size)
+                    if sent < len(view):  # as a switch port would: the ranks retry
+                        self.drops["send_buffer_full"] += -(-(len(view) - sent) // size)
 
     # -- the loop --------------------------------------------------------------------------
     def serve(self) -> None:
@@ -274,7 +281,8 @@ class SwitchService:
                 "pool_bytes": agg.pool_bytes, "peak_pool_bytes": agg.peak_pool_bytes,
                 "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                 "cpu_seconds": time.process_time(), "datagrams_in": self.datagrams_in,
-                "datagrams_out": self.datagrams_out, "communicators": len(self.comms)}
+                "datagrams_out": self.datagrams_out, "reads": self.reads, "sends": self.sends,
+                "communicators": len(self.comms)}
 
 
 def run(host: str, port: int, job_secrets: list[bytes], slots: int, stats_path: str | None,

@@ -19,7 +19,7 @@ import socket
 import struct
 
 from overcast.transport.loss import LossModel
-from overcast.wire.auth import Opener
+from overcast.wire.auth import Opener, sealed_bytes
 
 # The replay window per sender: datagrams may arrive out of order, but never this far.
 WINDOW = 1 << 14
@@ -127,6 +127,56 @@ def receive(sock: socket.socket, buf: bytearray, gro: bool, on_datagram,
     return took, truncated
 
 
+def send_segments(sock: socket.socket, view: memoryview, size: int, address: tuple[str, int],
+                  gso: bool) -> tuple[int, int, bool]:
+    """Send the datagrams laid back to back in `view` (each `size` bytes but the last): in one
+    call with GSO if `gso`, else one by one, until the socket is full. Returns (bytes sent,
+    calls made, whether GSO still works on this socket): a device that refuses to segment
+    turns GSO off and the batch goes one by one at once."""
+    if len(view) > size and gso:
+        try:
+            n = sock.sendmsg([view], [(SOL_UDP, UDP_SEGMENT, _SEGMENT.pack(size))], 0, address)
+        except BlockingIOError:
+            return 0, 1, True
+        except OSError as err:
+            if err.errno not in _NO_GSO:
+                raise OSError(f"cannot send {len(view)} bytes of datagrams to {address}: "
+                              f"{err.strerror}") from None
+            gso = False
+        else:
+            return n, 1, True
+    sent = calls = 0
+    while sent < len(view):
+        datagram = view[sent:sent + size]
+        calls += 1
+        try:
+            sent += sock.sendto(datagram, address)
+        except BlockingIOError:
+            break
+        except OSError as err:
+            raise OSError(f"cannot send a {len(datagram)}-byte datagram to {address}: "
+                          f"{err.strerror}") from None
+    return sent, calls, gso
+
+
+def seal_batches(sealer, messages, buf: bytearray):
+    """Seal `messages` (each with kind, seq, dst, chunk, payload) back to back into `buf`, and
+    yield each run of equal-sized datagrams (the last may be shorter) as (view, size): one send.
+    A view is valid until the next is asked for."""
+    start = end = size = 0
+    for msg in messages:
+        length = sealed_bytes(msg.payload)
+        if end > start and (length > size or end + length > len(buf) or (end - start) % size
+                            or end - start >= size * (GSO_MAX_SEGMENTS - 1)):
+            yield memoryview(buf)[start:end], size
+            start = end = 0
+        if end == start:
+            size = length
+        end = sealer.seal_into(buf, end, msg.kind, msg.seq, msg.dst, msg.chunk, msg.payload)
+    if end > start:
+        yield memoryview(buf)[start:end], size
+
+
 def prepare_sender(sock: socket.socket, local: str, loop: bool) -> None:
     """Send multicast out of `local`'s interface, one hop, and never fragment."""
     sock.setsockopt(socket.IPPROTO_IP, _IP_MTU_DISCOVER, _IP_PMTUDISC_DO)
@@ -183,41 +233,13 @@ class Datagrams:
             self.truncated += cut
             self.opener.drops["truncated"] += cut
 
-    def _sent(self, nbytes: int, segments: int) -> None:
-        self.sends += 1
-        self.datagrams_out += segments
-        self.bytes_out += nbytes
-
     def _send_some(self, data, size: int, address: tuple[str, int]) -> int:
-        """Send the datagrams of `data` (each `size` bytes but the last) until the socket is
-        full; return how many bytes went."""
-        view = memoryview(data)
-        if len(view) > size and self.gso:
-            try:
-                n = self.sock.sendmsg([view], [(SOL_UDP, UDP_SEGMENT, _SEGMENT.pack(size))], 0,
-                                      address)
-            except BlockingIOError:
-                return 0
-            except OSError as err:
-                if err.errno not in _NO_GSO:
-                    raise OSError(f"cannot send {len(view)} bytes of datagrams to {address}: "
-                                  f"{err.strerror}") from None
-                self.gso = False  # this device cannot segment: one by one from now on
-            else:
-                self._sent(n, -(-n // size))
-                return n
-        sent = 0
-        while sent < len(view):
-            datagram = view[sent:sent + size]
-            try:
-                n = self.sock.sendto(datagram, address)
-            except BlockingIOError:
-                break
-            except OSError as err:
-                raise OSError(f"cannot send a {len(datagram)}-byte datagram to {address}: "
-                              f"{err.strerror}") from None
-            self._sent(n, 1)
-            sent += len(datagram)
+        """Send until the socket is full; return how many bytes went."""
+        sent, calls, self.gso = send_segments(self.sock, memoryview(data), size, address,
+                                              self.gso)
+        self.sends += calls
+        self.datagrams_out += -(-sent // size)
+        self.bytes_out += sent
         return sent
 
     def send(self, data, address: tuple[str, int], size: int | None = None) -> None:
