@@ -248,6 +248,7 @@ class Aggregator:
         if slot is None:
             block = self._block(red, elems)
             slot = red.slots[g] = Slot(g, block, block[:, :elems], first_seen=now)
+            slot.rows[owner] = 0  # the owner adds its own: its row counts nothing in the sum
             red.holes.pop(g, None)
             red.highest = max(red.highest, g)
         bit = 1 << hdr.src
@@ -261,8 +262,7 @@ class Aggregator:
         slot.have |= bit
         self.stats["contributions"] += 1
         if slot.have == ((1 << red.world) - 1) & ~(1 << owner):
-            total_sum = np.delete(slot.rows, owner, axis=0).sum(
-                axis=0, dtype=accumulator_dtype(red.dtype))
+            total_sum = slot.rows.sum(axis=0, dtype=accumulator_dtype(red.dtype))
             slot.result = total_sum.astype(red.dtype, copy=False).tobytes()
             self._recycle(red, slot)
             self._send_result(key, red, slot, now)
