@@ -101,3 +101,43 @@ def test_a_forged_datagram_inside_a_batch_costs_only_itself():
     assert [c for c, _ in got] == [0, 1, 3, 4]
     assert [p for _, p in got] == [data[i].tobytes() for i in (0, 1, 3, 4)]
     assert drops["bad_mac"] == 1
+
+
+PORT = 47000
+OVER_MTU = 9500  # a datagram the emulated links' 9000-byte MTU cannot carry whole
+
+
+def refused_batch(rank):
+    """Rank 1 listens and says so; rank 0 sends a batch the kernel refuses to segment (each
+    datagram exceeds the device's MTU: EINVAL), so it goes one datagram at a time (each
+    fragmented by IP, as this socket allows)."""
+    from overcast.cluster.netns import host_address
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sock.bind((host_address(rank), PORT))
+    me = Datagrams(sock, Opener(KEY, JOB, COMM, Drops()), rank, {})
+    peer = (host_address(1 - rank), PORT)
+    data = [np.full(OVER_MTU, i, np.uint8) for i in range(5)]
+    if rank == 1:
+        got = []
+        with selectors.DefaultSelector() as sel:
+            sel.register(me, selectors.EVENT_READ)
+            while len(got) < 5:
+                me.send(b"ready", peer)
+                if sel.select(timeout=0.2):
+                    me.read(lambda hdr, payload: got.append(bytes(payload)))
+        return [p == d.tobytes() for p, d in zip(got, data)]
+    with selectors.DefaultSelector() as sel:
+        sel.register(sock, selectors.EVENT_READ)
+        assert sel.select(timeout=30), "rank 1 never said it was ready"
+    buf, size = batch(data)
+    me.send(memoryview(buf), peer, size)
+    return [me.gso, me.sends, me.datagrams_out]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")
+def test_a_batch_the_kernel_refuses_to_segment_goes_one_datagram_at_a_time():
+    from overcast.cluster.netns import Cluster
+    with Cluster(2, 1_000_000_000, service=False) as cluster:
+        sender, receiver = cluster.run(refused_batch, timeout=60)
+    assert sender == [False, 1 + 5, 5]  # the refused GSO call, then five sends
+    assert receiver == [True] * 5

@@ -42,8 +42,9 @@ PACE_BATCH = 4
 GRO_READ_BYTES = 1 << 16
 _SEGMENT = struct.Struct("=H")
 _GRO_ANCILLARY = socket.CMSG_SPACE(4)
-# errnos a device answers a GSO send with when it cannot segment
-_NO_GSO = {errno.EIO, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOPROTOOPT}
+# errnos a GSO send fails with when the kernel or device will not segment it (EMSGSIZE: a
+# segment over the device's MTU; sent one by one, a datagram then says for itself what is wrong)
+_NO_GSO = {errno.EIO, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOPROTOOPT, errno.EMSGSIZE}
 
 
 def path_mtu(local: str, peer: str) -> int:
@@ -133,19 +134,20 @@ def send_segments(sock: socket.socket, view: memoryview, size: int, address: tup
     call with GSO if `gso`, else one by one, until the socket is full. Returns (bytes sent,
     calls made, whether GSO still works on this socket): a device that refuses to segment
     turns GSO off and the batch goes one by one at once."""
+    sent = calls = 0
     if len(view) > size and gso:
+        calls += 1
         try:
             n = sock.sendmsg([view], [(SOL_UDP, UDP_SEGMENT, _SEGMENT.pack(size))], 0, address)
         except BlockingIOError:
-            return 0, 1, True
+            return 0, calls, True
         except OSError as err:
             if err.errno not in _NO_GSO:
                 raise OSError(f"cannot send {len(view)} bytes of datagrams to {address}: "
                               f"{err.strerror}") from None
             gso = False
         else:
-            return n, 1, True
-    sent = calls = 0
+            return n, calls, True
     while sent < len(view):
         datagram = view[sent:sent + size]
         calls += 1
