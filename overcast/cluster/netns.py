@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from overcast.cluster.launch import Placement, run_ranks
 from overcast.limits import check_hosts, check_link_rate, check_mtu
 from overcast.switch.launch import SwitchStartError, start_switch, stop_switch
+from overcast.transport.datagram import PACE_BATCH
 from overcast.wire.registration import DEFAULT_SWITCH_PORT
 
 PREFIX = "oc-"
@@ -76,8 +77,10 @@ def check_privileges() -> None:
 
 
 def _tbf(rate_bits: int, mtu: int, queue_bytes: int) -> list[str]:
-    """tbf arguments: a bucket of 1 ms at line rate (never less than 4 frames) and a queue."""
-    burst = max(4 * (mtu + 14), rate_bits // 8 // 1000)
+    """tbf arguments: a bucket of 1 ms at line rate, never less than a batch of datagrams and
+    one frame more (tbf cuts a batch larger than its bucket into single packets, which the
+    receiver then reads one by one), and a queue."""
+    burst = max((PACE_BATCH + 1) * (mtu + 14), rate_bits // 8 // 1000)
     return ["tbf", "rate", f"{rate_bits}bit", "burst", str(burst), "limit", str(queue_bytes)]
 
 

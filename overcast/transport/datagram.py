@@ -42,6 +42,7 @@ PACE_BATCH = 4
 GRO_READ_BYTES = 1 << 16
 _SEGMENT = struct.Struct("=H")
 _GRO_ANCILLARY = socket.CMSG_SPACE(4)
+_MSG_TRUNC = int(socket.MSG_TRUNC)  # a plain int: an enum's & costs microseconds per read
 # errnos a GSO send fails with when the kernel or device will not segment it (EMSGSIZE: a
 # segment over the device's MTU; sent one by one, a datagram then says for itself what is wrong)
 _NO_GSO = {errno.EIO, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOPROTOOPT, errno.EMSGSIZE}
@@ -120,7 +121,7 @@ def receive(sock: socket.socket, buf: bytearray, gro: bool, on_datagram,
         for level, kind, data in ancillary:
             if level == SOL_UDP and kind == UDP_GRO:
                 size = int.from_bytes(data[:4], "little")
-        if flags & socket.MSG_TRUNC:
+        if flags & _MSG_TRUNC:
             truncated += 1  # the segment the buffer cut; any after it were never copied
             n -= n % size if size < n else n
         for start in range(0, n, size):

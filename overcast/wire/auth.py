@@ -45,10 +45,11 @@ class Drops(collections.Counter):
 class ReplayWindow:
     """Accepts each counter value at most once; `width` 0 demands strictly increasing counters."""
 
-    __slots__ = ("width", "top", "bits")
+    __slots__ = ("width", "mask", "top", "bits")
 
     def __init__(self, width: int):
         self.width = width
+        self.mask = (1 << width) - 1  # made once: a 16384-bit int is costly to build
         self.top = -1
         self.bits = 0
 
@@ -58,7 +59,7 @@ class ReplayWindow:
             if shift >= self.width:
                 self.bits = 1
             else:
-                self.bits = ((self.bits << shift) | 1) & ((1 << self.width) - 1)
+                self.bits = ((self.bits << shift) | 1) & self.mask
             self.top = counter
             return True
         age = self.top - counter
