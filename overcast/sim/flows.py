@@ -9,7 +9,7 @@ occupies every link of its path or tree once, at one rate; the switches replicat
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -50,12 +50,10 @@ class Constraint:
 
 @dataclass
 class Outcome:
-    start: np.ndarray
-    end: np.ndarray          # last byte sent
-    delivered: np.ndarray    # last byte delivered: end + tail
+    end: np.ndarray          # each flow's last byte sent
+    delivered: np.ndarray    # and delivered: end + tail
     link_bytes: np.ndarray   # wire bytes per directed link
-    events: int
-    constraint_names: list[str] = field(default_factory=list)
+    events: int              # rate computations: one per start or end
 
 
 def run_flows(link_rate: np.ndarray, flows: list[Flow],
@@ -105,4 +103,4 @@ def run_flows(link_rate: np.ndarray, flows: list[Flow],
     for f in flows:
         link_bytes[f.links] += f.payload * f.wire
     tail = np.array([f.tail for f in flows])
-    return Outcome(start, end, end + tail, link_bytes, events, [c.name for c in constraints])
+    return Outcome(end, end + tail, link_bytes, events)

@@ -18,7 +18,6 @@ fat tree of Al-Fares et al.).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 import numpy as np
 
 from overcast.errors import InvalidArgumentError
@@ -29,38 +28,46 @@ PLACEMENTS = ("contiguous", "strided")
 DEFAULT_LATENCY_S = 1e-6
 
 
-@dataclass
-class Topology:
-    """Directed links (index i: `names[i]`, `rate[i]` bytes/s, `latency[i]` s); hosts 0..H-1.
+class Cabling:
+    """Full-duplex cables between nodes, as they are laid: each is two directed links, made
+    in pairs so that link i ^ 1 is link i's other direction."""
 
-    `uplink[h]` and `downlink[h]` are host h's NIC links (host to switch, switch to host)."""
+    def __init__(self, rate: float, latency: float):
+        self.rate, self.latency = rate, latency
+        self.index: dict[tuple, int] = {}
+        self.names: list[str] = []
 
-    kind: str
-    hosts: int
-    names: list[str] = field(default_factory=list)
-    rate: np.ndarray | None = None
-    latency: np.ndarray | None = None
-    uplink: np.ndarray | None = None
-    downlink: np.ndarray | None = None
-    radix: int | None = None
-    levels: int = 1
-    oversubscription: tuple[float, ...] = ()
-    _index: dict = field(default_factory=dict, repr=False)
-
-    def _link(self, a, b, rate: float, latency: float) -> None:
+    def cable(self, a, b) -> None:
         for x, y in ((a, b), (b, a)):
-            self._index[(x, y)] = len(self.names)
+            self.index[(x, y)] = len(self.names)
             self.names.append(f"{_name(x)}>{_name(y)}")
-            self._rates.append(rate)
-            self._latencies.append(latency)
+
+
+class Topology:
+    """Directed links (index i: `names[i]`, `rate[i]` bytes/s, `latency[i]` s) and hosts
+    0..H-1, host h on leaf h // hosts_per_leaf. `uplink[h]` and `downlink[h]` are host h's NIC
+    links (host to switch, switch to host). Above the leaves: `up_ports` uplinks per switch
+    at each level, `pod_leaves` leaves per pod (three levels)."""
+
+    def __init__(self, kind: str, hosts: int, cabling: Cabling, hosts_per_leaf: int, *,
+                 levels: int = 1, pod_leaves: int = 1, up_ports: tuple[int, ...] = (),
+                 radix: int | None = None, oversubscription: tuple[float, ...] = ()):
+        self.kind, self.hosts, self.levels, self.radix = kind, hosts, levels, radix
+        self.oversubscription = oversubscription
+        self.hosts_per_leaf, self.pod_leaves, self.up_ports = hosts_per_leaf, pod_leaves, up_ports
+        self.names, self._index = cabling.names, cabling.index
+        self.rate = np.full(len(self.names), cabling.rate)
+        self.latency = np.full(len(self.names), cabling.latency)
+        self.reverse = np.arange(len(self.names)) ^ 1
+        self.uplink = np.array([self._index[(("h", h), ("e", h // hosts_per_leaf))]
+                                for h in range(hosts)])
+        self.downlink = self.reverse[self.uplink]
+        self.key_period = int(np.prod(up_ports)) if up_ports else 1
+        self._ways: dict[tuple, tuple[np.ndarray, float]] = {}
 
     def links_of(self, path: list) -> list[int]:
         """Directed link indices along a path of nodes."""
         return [self._index[(a, b)] for a, b in zip(path, path[1:])]
-
-    @property
-    def link_count(self) -> int:
-        return len(self.names)
 
     def route(self, src: int, dst: int, key: int | None = None) -> list[int]:
         """The directed links from host src to host dst; `key` picks the uplinks (default dst)."""
@@ -104,19 +111,6 @@ class Topology:
             way = self._ways[slot] = (links, self.path_latency(links))
         return way
 
-    # --- building ---
-
-    def _finish(self) -> None:
-        self.rate = np.asarray(self._rates, dtype=np.float64)
-        self.latency = np.asarray(self._latencies, dtype=np.float64)
-        self.reverse = np.arange(self.link_count) ^ 1  # links are made in pairs
-        self.uplink = np.array([self._index[(("h", h), ("e", h // self.hosts_per_leaf))]
-                                for h in range(self.hosts)])
-        self.downlink = self.reverse[self.uplink]
-        self.key_period = int(np.prod(self.up_ports)) if self.up_ports else 1
-        self._ways = {}
-        del self._rates, self._latencies
-
 
 def _name(node) -> str:
     kind, *ix = node
@@ -141,13 +135,10 @@ def star(hosts: int, link_bits_per_s: float, latency: float = DEFAULT_LATENCY_S)
     """One switch with a port per host, as the emulated cluster's bridge."""
     check_hosts(hosts)
     check_link_rate(link_bits_per_s)
-    t = Topology("star", hosts)
-    t._rates, t._latencies = [], []
-    t.hosts_per_leaf, t.pod_leaves, t.up_ports = hosts, 1, ()
+    cabling = Cabling(link_bits_per_s / 8, latency)
     for h in range(hosts):
-        t._link(("h", h), ("e", 0), link_bits_per_s / 8, latency)
-    t._finish()
-    return t
+        cabling.cable(("h", h), ("e", 0))
+    return Topology("star", hosts, cabling, hosts_per_leaf=hosts)
 
 
 def fat_tree(hosts: int, link_bits_per_s: float, radix: int, oversubscription=(1.0,),
@@ -179,29 +170,26 @@ def fat_tree(hosts: int, link_bits_per_s: float, radix: int, oversubscription=(1
     require(len(over) == max(1, levels - 1) or levels == 1, "the oversubscriptions given",
             f"one, or one per level above the hosts ({levels - 1})", len(over),
             "--oversubscription, oversubscription")
-    t = Topology("fat-tree", hosts, radix=radix, levels=levels, oversubscription=over)
-    t._rates, t._latencies = [], []
-    rate = link_bits_per_s / 8
+    cabling = Cabling(link_bits_per_s / 8, latency)
     per_leaf = radix if levels == 1 else half
     leaves = -(-hosts // per_leaf)
     up_ports = tuple(max(1, int(half // o)) for o in over[:levels - 1])
-    t.hosts_per_leaf, t.pod_leaves, t.up_ports = per_leaf, half, up_ports
     for h in range(hosts):
-        t._link(("h", h), ("e", h // per_leaf), rate, latency)
+        cabling.cable(("h", h), ("e", h // per_leaf))
     if levels == 2:
         for leaf in range(leaves):
             for j in range(up_ports[0]):
-                t._link(("e", leaf), ("s", j), rate, latency)
+                cabling.cable(("e", leaf), ("s", j))
     elif levels == 3:
         for leaf in range(leaves):
             for j in range(up_ports[0]):
-                t._link(("e", leaf), ("a", leaf // half, j), rate, latency)
+                cabling.cable(("e", leaf), ("a", leaf // half, j))
         for pod in range(-(-leaves // half)):
             for j in range(up_ports[0]):
                 for m in range(up_ports[1]):
-                    t._link(("a", pod, j), ("c", j, m), rate, latency)
-    t._finish()
-    return t
+                    cabling.cable(("a", pod, j), ("c", j, m))
+    return Topology("fat-tree", hosts, cabling, per_leaf, levels=levels, pod_leaves=half,
+                    up_ports=up_ports, radix=radix, oversubscription=over)
 
 
 def build(kind: str, hosts: int, link_bits_per_s: float, *, radix: int | None = None,
