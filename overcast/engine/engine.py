@@ -241,7 +241,7 @@ class Engine:
     def _fill_and_flush(self) -> None:
         """Seal what the session has for each route and write until the sockets are full.
         Datagrams go out as soon as the protocols release them: pacing is theirs."""
-        session, seal_parts = self.session, self.sealer.seal_parts
+        session, seal = self.session, self.sealer.seal
         for channel, peer in session.pending_routes():
             if channel != STREAM:
                 if self.datagrams.queued:
@@ -262,8 +262,8 @@ class Engine:
                     msg = session.pop((channel, peer))
                     if msg is None:
                         break
-                    stream.enqueue(seal_parts(msg.kind, msg.seq, msg.dst, msg.chunk,
-                                              msg.payload), msg.seq)
+                    stream.enqueue((seal(msg.kind, msg.seq, msg.dst, msg.chunk, msg.payload),),
+                                   msg.seq)
                 if not stream.queued_bytes:
                     break
                 self._flush(stream)

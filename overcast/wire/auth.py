@@ -80,19 +80,6 @@ class Sealer:
         self.job, self.comm, self.src = job, comm, src
         self.counter = 0
 
-    def seal_parts(self, kind: int, seq: int, dst: int, chunk: int,
-                   payload=b"") -> tuple[bytes, bytes]:
-        """(header and payload, tag): a message in two buffers, for a socket that sends
-        several at once. The payload is a contiguous byte buffer, or a tuple of them sent one
-        after the other; it is copied."""
-        parts = [memoryview(p) for p in payload] if isinstance(payload, tuple) \
-            else [memoryview(payload)]
-        n = sum(p.nbytes for p in parts)
-        self.counter += 1
-        data = b"".join((HEADER.pack(MAGIC, VERSION, kind, self.job, self.comm, seq, self.src,
-                                     dst, chunk, n, self.counter), *parts))
-        return data, self._aead.encrypt(_NONCE.pack(self.src, 0, self.counter), b"", data)
-
     def seal(self, kind: int, seq: int, dst: int, chunk: int, payload=b"") -> bytearray:
         """A whole message in one buffer: header, payload, tag."""
         buf = bytearray(sealed_bytes(payload))
