@@ -16,7 +16,7 @@ import time
 from overcast.errors import CommunicatorClosedError, OvercastError
 from overcast.protocols.base import DATAGRAM, MULTICAST, STREAM, Collective
 from overcast.protocols.session import Session
-from overcast.transport.datagram import GSO_MAX_BYTES, Datagrams, seal_batches
+from overcast.transport.datagram import Datagrams, seal_batches
 from overcast.transport.loss import LossModel, LossSpec
 from overcast.transport.rendezvous import Links
 from overcast.engine.trace import Trace
@@ -81,7 +81,6 @@ class Engine:
         self.multicast = None if links.multicast is None else \
             Datagrams(links.multicast, links.opener, links.rank, windows, model)
         self._datagram_sockets = [d for d in (self.datagrams, self.multicast) if d is not None]
-        self._batch = bytearray(GSO_MAX_BYTES)  # datagrams sealed back to back for one send
         for d in self._datagram_sockets:
             self._selector.register(d, selectors.EVENT_READ, d)
         self._datagram_mask = selectors.EVENT_READ
@@ -277,7 +276,7 @@ class Engine:
             for msg in messages:
                 self.trace.count("tx", msg.seq, sealed_bytes(msg.payload) + IP_UDP_BYTES +
                                  ETHERNET_BYTES, now)
-        for view, size in seal_batches(self.sealer, messages, self._batch):
+        for view, size in seal_batches(self.sealer, messages, self.datagrams.seal_buffer):
             self.datagrams.send(view, address, size)
 
     def _datagram_failure(self, err: OSError) -> None:

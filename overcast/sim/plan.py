@@ -122,13 +122,11 @@ def plan_point(model: Model, topo: Topology, host_cores: float) -> dict:
 
 def _layer(topo: Topology, gather: int, reduce: int) -> dict:
     """(forward s, backward s, stream bytes, datagram bytes through a NIC) per way, one layer."""
-    def run(collective, algorithm, n, **kw):
-        return simulate(collective, algorithm, topo, n, **kw)
-
-    ag_ring, ag_mcast = run("allgather", "ring", gather), run("allgather", "multicast", gather)
-    rs_ring = run("reduce_scatter", "ring", reduce)
-    pair_ring = run("overlap", "ring", gather, reduce_bytes=reduce)
-    pair = run("overlap", "overcast", gather, reduce_bytes=reduce)
+    ag_ring = simulate("allgather", "ring", topo, gather)
+    ag_mcast = simulate("allgather", "multicast", topo, gather)
+    rs_ring = simulate("reduce_scatter", "ring", topo, reduce)
+    pair_ring = simulate("overlap", "ring", topo, gather, reduce_bytes=reduce)
+    pair = simulate("overlap", "overcast", topo, gather, reduce_bytes=reduce)
 
     def nic(*rows):
         return sum(r["tx_bytes_per_nic_max"] + r["rx_bytes_per_nic_max"] for r in rows)

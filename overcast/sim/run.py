@@ -37,9 +37,9 @@ def engine_constraints(flows: list[Flow], topo: Topology, hosts: list[int], engi
     budget = np.zeros((len(hosts), len(flows)))
     switch = np.zeros(len(flows))
     for f, flow in enumerate(flows):
-        senders = index[list(flow.senders)]
-        cpu[senders, f] += engine.cpu_per_byte(flow.datagram)
-        cpu[index[list(flow.receivers)], f] += engine.cpu_per_byte(flow.datagram)
+        senders, per_byte = index[list(flow.senders)], engine.cpu_per_byte(flow.datagram)
+        cpu[senders, f] += per_byte
+        cpu[index[list(flow.receivers)], f] += per_byte
         if flow.datagram:
             budget[senders, f] = flow.wire
             if len(senders) > 1:  # a reduction: every contribution in, the sum out

@@ -22,10 +22,9 @@ import time
 
 from overcast.limits import check_port
 from overcast.switch.aggregator import Aggregator
-from overcast.transport.datagram import (DATAGRAM_TRUESIZE, GRO_READ_BYTES, GSO_MAX_BYTES,
-                                         WINDOW, enable_gro, enlarge_receive_buffer,
-                                         multicast_group, prepare_sender, receive,
-                                         seal_batches, send_segments)
+from overcast.transport.datagram import (DATAGRAM_TRUESIZE, WINDOW, UdpPort,
+                                         enlarge_receive_buffer, multicast_group,
+                                         prepare_sender, seal_batches)
 from overcast.wire.auth import Drops, Opener, ReplayWindow, Sealer, derive_key, job_id_of
 from overcast.wire.header import (AGGREGATOR, ANY, HEADER_BYTES, Kind, MalformedError,
                                   unpack_header)
@@ -84,14 +83,10 @@ class SwitchService:
         self.udp.bind((host, self.port))
         if host != "0.0.0.0":
             prepare_sender(self.udp, host, loop=False)
-        self.udp.setblocking(False)
+        self.datagrams = UdpPort(self.udp, self.drops)
         self.selector = selectors.DefaultSelector()
         self.selector.register(self.listener, selectors.EVENT_READ, "accept")
         self.selector.register(self.udp, selectors.EVENT_READ, "udp")
-        self.gro, self.gso = enable_gro(self.udp), True
-        self._buf = bytearray(GRO_READ_BYTES)
-        self._batch = bytearray(GSO_MAX_BYTES)  # datagrams sealed back to back for one send
-        self.datagrams_in = self.datagrams_out = self.reads = self.sends = 0
         self.unregistered: set[_Registration] = set()
         self.stopped = False
 
@@ -194,7 +189,6 @@ class SwitchService:
     # -- datagrams -------------------------------------------------------------------------
     def _on_datagrams(self, now: float) -> None:
         def take(datagram: memoryview) -> None:
-            self.datagrams_in += 1
             try:
                 hdr = unpack_header(datagram)
             except MalformedError:
@@ -209,10 +203,7 @@ class SwitchService:
             if opened is not None:
                 self.aggregator.receive((hdr.job, hdr.comm), opened[0], opened[1], now)
 
-        reads, cut = receive(self.udp, self._buf, self.gro, take, 256)
-        self.reads += reads
-        if cut:
-            self.drops["truncated"] += cut
+        self.datagrams.receive(take)
 
     def _send(self) -> None:
         """Send what the aggregator wants sent: per destination, in order, in batches."""
@@ -230,16 +221,14 @@ class SwitchService:
                 addresses = [comm.addresses[rank]] if rank in comm.addresses else []
             if not addresses:
                 continue
-            for view, size in seal_batches(comm.sealer, messages, self._batch):
+            port = self.datagrams
+            for view, size in seal_batches(comm.sealer, messages, port.seal_buffer):
                 for address in addresses:
                     try:
-                        sent, calls, self.gso = send_segments(self.udp, view, size, address,
-                                                              self.gso)
+                        sent = port.send_some(view, size, address)
                     except OSError:
                         self.drops["send_error"] += 1
                         continue
-                    self.sends += calls
-                    self.datagrams_out += -(-sent // size)
                     if sent < len(view):  # as a switch port would: the ranks retry
                         self.drops["send_buffer_full"] += -(-(len(view) - sent) // size)
 
@@ -280,8 +269,9 @@ class SwitchService:
                 "receive_buffer_bytes": self.receive_buffer,
                 "pool_bytes": agg.pool_bytes, "peak_pool_bytes": agg.peak_pool_bytes,
                 "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-                "cpu_seconds": time.process_time(), "datagrams_in": self.datagrams_in,
-                "datagrams_out": self.datagrams_out, "reads": self.reads, "sends": self.sends,
+                "cpu_seconds": time.process_time(), "datagrams_in": self.datagrams.datagrams_in,
+                "datagrams_out": self.datagrams.datagrams_out, "reads": self.datagrams.reads,
+                "sends": self.datagrams.sends,
                 "communicators": len(self.comms)}
 
 

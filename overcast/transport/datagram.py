@@ -19,7 +19,7 @@ import socket
 import struct
 
 from overcast.transport.loss import LossModel
-from overcast.wire.auth import Opener, sealed_bytes
+from overcast.wire.auth import Opener
 
 # The replay window per sender: datagrams may arrive out of order, but never this far.
 WINDOW = 1 << 14
@@ -99,85 +99,118 @@ def enable_gro(sock: socket.socket) -> bool:
     return True
 
 
-def receive(sock: socket.socket, buf: bytearray, gro: bool, on_datagram,
-            reads: int) -> tuple[int, int]:
-    """Read up to `reads` times; call on_datagram(view) for each datagram, cutting a coalesced
-    read at its segment size. Returns the reads that took something, and how many segments
-    were cut off by a read that did not fit `buf` (the kernel sets MSG_TRUNC): lost, as on a
-    link."""
-    view, truncated, took = memoryview(buf), 0, 0
-    for _ in range(reads):
-        try:
-            if gro:
-                n, ancillary, flags, _ = sock.recvmsg_into([buf], _GRO_ANCILLARY)
-            else:
-                n, ancillary, flags = sock.recv_into(buf), (), 0
-        except (BlockingIOError, InterruptedError):
-            break
-        except OSError:
-            continue  # an ICMP error for an earlier send: nothing to act on here
-        took += 1
-        size = n
-        for level, kind, data in ancillary:
-            if level == SOL_UDP and kind == UDP_GRO:
-                size = int.from_bytes(data[:4], "little")
-        if flags & _MSG_TRUNC:
-            truncated += 1  # the segment the buffer cut; any after it were never copied
-            n -= n % size if size < n else n
-        for start in range(0, n, size):
-            on_datagram(view[start:min(start + size, n)])
-    return took, truncated
-
-
-def send_segments(sock: socket.socket, view: memoryview, size: int, address: tuple[str, int],
-                  gso: bool) -> tuple[int, int, bool]:
-    """Send the datagrams laid back to back in `view` (each `size` bytes but the last): in one
-    call with GSO if `gso`, else one by one, until the socket is full. Returns (bytes sent,
-    calls made, whether GSO still works on this socket): a device that refuses to segment
-    turns GSO off and the batch goes one by one at once."""
-    sent = calls = 0
-    if len(view) > size and gso:
-        calls += 1
-        try:
-            n = sock.sendmsg([view], [(SOL_UDP, UDP_SEGMENT, _SEGMENT.pack(size))], 0, address)
-        except BlockingIOError:
-            return 0, calls, True
-        except OSError as err:
-            if err.errno not in _NO_GSO:
-                raise OSError(f"cannot send {len(view)} bytes of datagrams to {address}: "
-                              f"{err.strerror}") from None
-            gso = False
-        else:
-            return n, calls, True
-    while sent < len(view):
-        datagram = view[sent:sent + size]
-        calls += 1
-        try:
-            sent += sock.sendto(datagram, address)
-        except BlockingIOError:
-            break
-        except OSError as err:
-            raise OSError(f"cannot send a {len(datagram)}-byte datagram to {address}: "
-                          f"{err.strerror}") from None
-    return sent, calls, gso
-
-
 def seal_batches(sealer, messages, buf: bytearray):
-    """Seal `messages` (each with kind, seq, dst, chunk, payload) back to back into `buf`, and
-    yield each run of equal-sized datagrams (the last may be shorter) as (view, size): one send.
-    A view is valid until the next is asked for."""
+    """Seal `messages` (each with kind, seq, dst, chunk, payload) back to back into `buf` (room
+    for two of the largest sends), and yield each run of equal-sized datagrams (the last may be
+    shorter) as (view, size): one send. Each message is sealed once, in place; a view is valid
+    until the next is asked for."""
     start = end = size = 0
+    room = len(buf) - MAX_DATAGRAM
     for msg in messages:
-        length = sealed_bytes(msg.payload)
-        if end > start and (length > size or end + length > len(buf) or (end - start) % size
-                            or end - start >= size * (GSO_MAX_SEGMENTS - 1)):
+        if end > room:  # a message might not fit after this run: send it, start over
             yield memoryview(buf)[start:end], size
             start = end = 0
+        sealed = sealer.seal_into(buf, end, msg.kind, msg.seq, msg.dst, msg.chunk, msg.payload)
+        length = sealed - end
+        if end > start and (length > size or (end - start) % size or sealed - start >
+                            GSO_MAX_BYTES or (end - start) // size >= GSO_MAX_SEGMENTS):
+            yield memoryview(buf)[start:end], size
+            start = end  # the new message, in place, starts the next run
         if end == start:
             size = length
-        end = sealer.seal_into(buf, end, msg.kind, msg.seq, msg.dst, msg.chunk, msg.payload)
+        end = sealed
     if end > start:
         yield memoryview(buf)[start:end], size
+
+
+class UdpPort:
+    """One UDP socket's batches, and their counts: reads what the kernel coalesced (GRO) and
+    cuts it at the segment size it reports; sends a run of datagrams in one call (GSO), one by
+    one where the kernel or device will not segment it. A read the buffer cuts short counts in
+    `drops` as truncated: lost, as on a link."""
+
+    def __init__(self, sock: socket.socket, drops, read_bytes: int = GRO_READ_BYTES):
+        sock.setblocking(False)
+        self.sock, self.drops = sock, drops
+        self.gro = enable_gro(sock)
+        self.gso = True  # until the kernel refuses it
+        self._buf = bytearray(read_bytes)
+        self.seal_buffer = bytearray(2 * GSO_MAX_BYTES)  # for seal_batches
+        self.datagrams_in = self.datagrams_out = self.bytes_in = self.bytes_out = 0
+        self.reads = self.sends = self.truncated = 0
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def receive(self, on_datagram, reads: int = _READS_PER_EVENT) -> None:
+        """Read up to `reads` times; call on_datagram(view) for each datagram, valid during the
+        call only."""
+        sock, buf, gro = self.sock, self._buf, self.gro
+        view = memoryview(buf)
+        for _ in range(reads):
+            try:
+                if gro:
+                    n, ancillary, flags, _ = sock.recvmsg_into([buf], _GRO_ANCILLARY)
+                else:
+                    n, ancillary, flags = sock.recv_into(buf), (), 0
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                continue  # an ICMP error for an earlier send: nothing to act on here
+            self.reads += 1
+            size = n
+            for level, kind, data in ancillary:
+                if level == SOL_UDP and kind == UDP_GRO:
+                    size = int.from_bytes(data[:4], "little")
+            if flags & _MSG_TRUNC:  # the segment the buffer cut; any after it never came
+                self.truncated += 1
+                self.drops["truncated"] += 1
+                n -= n % size if size < n else n
+            for start in range(0, n, size):
+                datagram = view[start:min(start + size, n)]
+                self.datagrams_in += 1
+                self.bytes_in += len(datagram)
+                on_datagram(datagram)
+
+    def send_some(self, view: memoryview, size: int, address: tuple[str, int]) -> int:
+        """Send the datagrams laid back to back in `view` (each `size` bytes but the last)
+        until the socket is full; return how many bytes went."""
+        sent = 0
+        if len(view) > size and self.gso:
+            self.sends += 1
+            try:
+                sent = self.sock.sendmsg([view], [(SOL_UDP, UDP_SEGMENT, _SEGMENT.pack(size))],
+                                         0, address)
+            except BlockingIOError:
+                return 0
+            except OSError as err:
+                if err.errno not in _NO_GSO:
+                    raise OSError(f"cannot send {len(view)} bytes of datagrams to {address}: "
+                                  f"{err.strerror}") from None
+                self.gso = False  # one by one from now on
+            else:
+                self._count(sent, size)
+                return sent
+        while sent < len(view):
+            datagram = view[sent:sent + size]
+            self.sends += 1
+            try:
+                n = self.sock.sendto(datagram, address)
+            except BlockingIOError:
+                break
+            except OSError as err:
+                raise OSError(f"cannot send a {len(datagram)}-byte datagram to {address}: "
+                              f"{err.strerror}") from None
+            self._count(n, size)
+            sent += n
+        return sent
+
+    def _count(self, nbytes: int, size: int) -> None:
+        self.datagrams_out += -(-nbytes // size)
+        self.bytes_out += nbytes
+
+    def close(self) -> None:
+        self.sock.close()
 
 
 def prepare_sender(sock: socket.socket, local: str, loop: bool) -> None:
@@ -188,26 +221,19 @@ def prepare_sender(sock: socket.socket, local: str, loop: bool) -> None:
     sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_LOOP, int(loop))
 
 
-class Datagrams:
-    """One UDP socket: reads authentic datagrams (coalesced where the kernel can), sends
-    batches (segmented by the kernel where it can), queues sends the socket could not take."""
+class Datagrams(UdpPort):
+    """A rank's UDP socket: reads authentic datagrams from other ranks, and queues what the
+    socket could not take yet."""
 
     def __init__(self, sock: socket.socket, opener: Opener, own_rank: int, windows: dict,
                  loss: LossModel | None = None, read_bytes: int = GRO_READ_BYTES):
-        sock.setblocking(False)
+        super().__init__(sock, opener.drops, read_bytes)
         enlarge_receive_buffer(sock)
-        self.sock, self.opener, self.own_rank = sock, opener, own_rank
+        self.opener, self.own_rank = opener, own_rank
         self._windows = windows
         self.loss = loss
-        self.gro = enable_gro(sock)
-        self.gso = True  # until a device refuses it
-        self._buf = bytearray(read_bytes)
         self._out: collections.deque[tuple[bytes, int, tuple[str, int]]] = collections.deque()
-        self.datagrams_in = self.datagrams_out = self.bytes_in = self.bytes_out = 0
-        self.reads = self.sends = self.injected_losses = self.truncated = 0
-
-    def fileno(self) -> int:
-        return self.sock.fileno()
+        self.injected_losses = 0
 
     def buffer_bytes(self) -> int:
         """User-space bytes held: the read buffer and datagrams queued to send."""
@@ -221,8 +247,6 @@ class Datagrams:
         """Take the datagrams waiting; call on_message(header, payload) for each authentic one
         from another rank. The payload view is valid during the call only."""
         def take(datagram):
-            self.datagrams_in += 1
-            self.bytes_in += len(datagram)
             if self.loss is not None and self.loss.drop():
                 self.injected_losses += 1
                 return
@@ -230,26 +254,13 @@ class Datagrams:
             if msg is not None and msg[0].src != self.own_rank:
                 on_message(*msg)
 
-        reads, cut = receive(self.sock, self._buf, self.gro, take, _READS_PER_EVENT)
-        self.reads += reads
-        if cut:
-            self.truncated += cut
-            self.opener.drops["truncated"] += cut
-
-    def _send_some(self, data, size: int, address: tuple[str, int]) -> int:
-        """Send until the socket is full; return how many bytes went."""
-        sent, calls, self.gso = send_segments(self.sock, memoryview(data), size, address,
-                                              self.gso)
-        self.sends += calls
-        self.datagrams_out += -(-sent // size)
-        self.bytes_out += sent
-        return sent
+        self.receive(take)
 
     def send(self, data, address: tuple[str, int], size: int | None = None) -> None:
         """Send one datagram, or a batch of them laid back to back, each `size` bytes but the
         last; now, or queued behind what the socket could not take yet."""
         size = size or len(data)
-        sent = 0 if self._out else self._send_some(data, size, address)
+        sent = 0 if self._out else self.send_some(memoryview(data), size, address)
         if sent < len(data):
             self._out.append((bytes(memoryview(data)[sent:]), size, address))
 
@@ -257,7 +268,7 @@ class Datagrams:
         """Send what is queued until the socket is full."""
         while self._out:
             data, size, address = self._out[0]
-            sent = self._send_some(data, size, address)
+            sent = self.send_some(memoryview(data), size, address)
             if sent < len(data):
                 if sent:
                     self._out[0] = (data[sent:], size, address)
@@ -266,6 +277,3 @@ class Datagrams:
 
     def clear(self) -> None:
         self._out.clear()
-
-    def close(self) -> None:
-        self.sock.close()
