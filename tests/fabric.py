@@ -3,6 +3,8 @@ on a clock the test controls.
 
 Stream routes stay in order per pair of ranks, as TCP keeps them. Datagram and multicast routes
 may lose, duplicate and reorder, from a seeded generator; multicast goes to every other rank.
+With `runs` above 1, datagrams that one sender queued back to back are delivered up to that
+many at once, as a run (overcast.wire.runs), as a GRO read hands them on.
 An aggregator (overcast.switch.aggregator), if given, is reached by datagram as peer AGGREGATOR;
 several fabrics (communicators) may share one, each under its own key.
 """
@@ -12,17 +14,20 @@ from __future__ import annotations
 import collections
 import random
 
+import numpy as np
+
 from overcast.protocols.base import MULTICAST, STREAM
 from overcast.protocols.session import Session
 from overcast.transport.loss import LossModel, LossSpec
 from overcast.wire.header import AGGREGATOR, ANY, Header
+from overcast.wire.runs import Run
 
 
 class Fabric:
     def __init__(self, world: int, timeout: float = 10.0, seed: int = 0, loss: float = 0.0,
                  burst: int = 1, duplicate: float = 0.0, reorder: bool = False,
-                 aggregator=None, key="comm"):
-        self.world = world
+                 aggregator=None, key="comm", runs: int = 1):
+        self.world, self.runs = world, runs
         self.aggregator, self.key = aggregator, key
         if aggregator is not None:
             aggregator.register(key, world)
@@ -92,16 +97,22 @@ class Fabric:
             return False
         what, (src, dst) = self.rng.choice(pairs)
         if what == "s":
-            hdr, payload = self.streams[(src, dst)].popleft()
+            run = Run.one(*self.streams[(src, dst)].popleft())
         else:
             queue = self.datagrams[(src, dst)]
-            hdr, payload = queue.pop(self.rng.randrange(len(queue)) if self.reorder else 0)
+            i = self.rng.randrange(len(queue)) if self.reorder else 0
+            batch = [queue.pop(i)]
+            while len(batch) < self.runs and i < len(queue) and _joins(batch[-1][0], queue[i][0]):
+                batch.append(queue.pop(i))
+            run = Run([hdr for hdr, _ in batch],
+                      np.frombuffer(b"".join(payload for _, payload in batch), np.uint8), 0,
+                      batch[0][0].length)
         if dst == AGGREGATOR:
             if AGGREGATOR not in self.silent:
-                self.aggregator.receive(self.key, hdr, memoryview(payload), self.now)
+                self.aggregator.receive_run(self.key, run, self.now)
         elif dst not in self.silent:
-            self.sessions[dst].receive(hdr, memoryview(payload), self.now, what == "d")
-        self.delivered += 1
+            self.sessions[dst].receive_run(run, self.now, what == "d")
+        self.delivered += len(run)
         return True
 
     def run(self, limit: int = 10_000_000) -> None:
@@ -142,3 +153,9 @@ class Fabric:
         """Nothing in flight and no collective left on any rank."""
         return all(not s.active for s in self.sessions) and not any(
             q for q in self.streams.values()) and not any(q for q in self.datagrams.values())
+
+
+def _joins(last, hdr) -> bool:
+    """Whether a datagram may follow `last` in a run."""
+    return (hdr.kind, hdr.seq, hdr.src, hdr.dst, hdr.length) == \
+        (last.kind, last.seq, last.src, last.dst, last.length) and hdr.chunk > last.chunk

@@ -51,13 +51,22 @@ def chunks(count: int, last: int = CHUNK) -> list[np.ndarray]:
             for i in range(count)]
 
 
-def receive_all(receiver: Datagrams, expected: int) -> list[tuple[int, bytes]]:
-    """Read until `expected` messages came (each read waits for the socket to be readable)."""
+def receive_all(receiver: Datagrams, expected: int, runs: list | None = None) \
+        -> list[tuple[int, bytes]]:
+    """Read until `expected` messages came (each read waits for the socket to be readable);
+    the chunks of each run handed on go to `runs`."""
     got = []
+
+    def take(run):
+        got.extend((hdr.chunk, bytes(payload)) for hdr, payload in run.messages())
+        assert [bytes(row) for row in run.rows()] == [p for _, p in got[-len(run):]]
+        if runs is not None:
+            runs.append([hdr.chunk for hdr in run.headers])
+
     with selectors.DefaultSelector() as sel:
         sel.register(receiver, selectors.EVENT_READ)
         while len(got) < expected and sel.select(timeout=5):
-            receiver.read(lambda hdr, payload: got.append((hdr.chunk, bytes(payload))))
+            receiver.read(take)
     return got
 
 
@@ -67,10 +76,15 @@ def test_a_batch_arrives_whole_each_datagram_authentic(count, last):
     data = chunks(count, last)
     buf, size = batch(data)
     sender.send(memoryview(buf), address, size)
-    got = receive_all(receiver, count)
+    runs = []
+    got = receive_all(receiver, count, runs)
     assert [c for c, _ in got] == list(range(count))
     assert [p for _, p in got] == [d.tobytes() for d in data]
     assert sender.datagrams_out == count and sender.sends == 1  # one call for the batch
+    if receiver.gro and receiver.reads == 1:
+        # coalesced into one read: one run, but a shorter last datagram runs on its own
+        assert runs == ([list(range(count))] if last == CHUNK or count == 1
+                        else [list(range(count - 1)), [count - 1]])
     if receiver.gro and count > 1:
         assert receiver.reads < count  # coalesced: fewer reads than datagrams
     assert sum(drops.values()) == 0
@@ -97,10 +111,13 @@ def test_a_forged_datagram_inside_a_batch_costs_only_itself():
     buf, size = batch(data)
     buf[2 * size + size // 2] ^= 0x40  # a bit of the third datagram's payload
     sender.send(memoryview(buf), address, size)
-    got = receive_all(receiver, 4)
+    runs = []
+    got = receive_all(receiver, 4, runs)
     assert [c for c, _ in got] == [0, 1, 3, 4]
     assert [p for _, p in got] == [data[i].tobytes() for i in (0, 1, 3, 4)]
     assert drops["bad_mac"] == 1
+    if receiver.gro and receiver.reads == 1:
+        assert runs == [[0, 1], [3, 4]]  # the forged one ends a run: the rest go on
 
 
 PORT = 47000
@@ -124,7 +141,7 @@ def refused_batch(rank):
             while len(got) < 5:
                 me.send(b"ready", peer)
                 if sel.select(timeout=0.2):
-                    me.read(lambda hdr, payload: got.append(bytes(payload)))
+                    me.read(lambda run: got.extend(bytes(p) for _, p in run.messages()))
         return [p == d.tobytes() for p, d in zip(got, data)]
     with selectors.DefaultSelector() as sel:
         sel.register(sock, selectors.EVENT_READ)

@@ -47,10 +47,11 @@ def check_done(colls):
 @pytest.mark.parametrize("world", [2, 3, 5, 8])
 @pytest.mark.parametrize("loss,burst", [(0.0, 1), (0.01, 1), (0.10, 1), (0.05, 8)])
 @pytest.mark.parametrize("dtype", [np.int32, np.int64])
-def test_integer_sums_are_exact_under_loss(world, loss, burst, dtype):
+@pytest.mark.parametrize("runs", [1, 4])
+def test_integer_sums_are_exact_under_loss(world, loss, burst, dtype, runs):
     agg = Aggregator(slots=16)
     fabric = Fabric(world, seed=world, loss=loss, burst=burst, duplicate=0.02, reorder=True,
-                    aggregator=agg)
+                    aggregator=agg, runs=runs)
     count = 300 + world
     colls, outs, inputs = reduce_scatter(fabric, count, dtype)
     fabric.run_timed()

@@ -26,7 +26,8 @@ def all_gather(fabric, nbytes, roots=2, seq=0):
         coll = MulticastGather(seq, r, world, desc, outs[r],
                                [(q, q * nbytes, nbytes) for q in range(world)], source=shards[r],
                                roots=roots, chunk_bytes=CHUNK,
-                               budget=LinkBudget(RATE * concurrent_senders(world, roots)))
+                               budget=LinkBudget(RATE * concurrent_senders(world, roots),
+                                                 batch=fabric.runs))
         colls.append(coll)
         fabric.post(r, coll)
     return colls, outs, np.concatenate(shards)
@@ -56,9 +57,10 @@ def check(colls, outs, expect):
 
 @pytest.mark.parametrize("world", [2, 3, 5, 8])
 @pytest.mark.parametrize("loss,burst", [(0.0, 1), (0.01, 1), (0.10, 1), (0.05, 8)])
-def test_all_gather_bit_exact_under_loss(world, loss, burst):
+@pytest.mark.parametrize("runs", [1, 4])
+def test_all_gather_bit_exact_under_loss(world, loss, burst, runs):
     fabric = Fabric(world, seed=world * 7 + int(loss * 100), loss=loss, burst=burst,
-                    duplicate=0.02, reorder=True)
+                    duplicate=0.02, reorder=True, runs=runs)
     colls, outs, expect = all_gather(fabric, 20000 + 37 * world)
     fabric.run_timed()
     check(colls, outs, expect)

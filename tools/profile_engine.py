@@ -92,6 +92,8 @@ def main() -> int:
     p.add_argument("--link-mbit", type=float, default=100.0)
     p.add_argument("--size", default="4MiB")
     p.add_argument("--pairs", type=int, default=3)
+    p.add_argument("--top", type=int, default=0, help="also list the N functions that took the "
+                   "most time of their own")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         path = f"{tmp}/engine.prof"
@@ -99,6 +101,8 @@ def main() -> int:
             cluster.start_switch()
             cpu = cluster.run(pairs, args=(parse_size(args.size), args.pairs, path))
         busy = shares(path)
+        if args.top:
+            pstats.Stats(path).sort_stats("tottime").print_stats(args.top)
     total = sum(busy.values())
     print(f"{args.hosts} hosts, {args.link_mbit:g} Mbit/s, {args.size} pairs x {args.pairs}: "
           f"CPU per rank per pair {np.median([c[0] for c in cpu]) / args.pairs:.3f} s "

@@ -23,6 +23,7 @@ from overcast.engine.trace import Trace
 from overcast.transport.stream import Stream, StreamClosed
 from overcast.wire.auth import sealed_bytes
 from overcast.wire.header import AGGREGATOR, ETHERNET_BYTES, IP_UDP_BYTES, datagram_link_bytes
+from overcast.wire.runs import Run
 
 # Bytes sealed ahead into a stream's queue: enough to keep the socket busy, small enough that
 # the session, not the queue, decides the interleaving of collectives.
@@ -203,20 +204,21 @@ class Engine:
             pass
 
     def _deliverer(self, now: float, datagram: bool):
-        """What hands each authentic message to the session, saying which channel it came by,
-        counting it if tracing."""
+        """What hands each run of authentic messages (wire.runs) to the session, saying which
+        channel it came by, counting it if tracing."""
         session, trace = self.session, self.trace
         if trace is None:
-            return lambda hdr, payload: session.receive(hdr, payload, now, datagram)
+            return lambda run: session.receive_run(run, now, datagram)
 
-        def deliver(hdr, payload):
-            trace.count("rx", hdr.seq, datagram_link_bytes(len(payload)), now)
-            session.receive(hdr, payload, now, datagram)
+        def deliver(run):
+            trace.count("rx", run.hdr.seq, len(run) * datagram_link_bytes(run.length), now)
+            session.receive_run(run, now, datagram)
         return deliver
 
     def _read(self, stream: Stream) -> None:
+        deliver = self._deliverer(time.monotonic(), datagram=False)
         try:
-            stream.read(self._deliverer(time.monotonic(), datagram=False))
+            stream.read(lambda hdr, payload: deliver(Run.one(hdr, payload)))
         except StreamClosed:
             self._drop_stream(stream)
             self.session.peer_lost(stream.peer)

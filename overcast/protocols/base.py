@@ -1,9 +1,9 @@
 """What every collective protocol shares: its descriptor, its outbox, and the sans-I/O contract.
 
-A protocol is a state machine. The session feeds it authenticated messages and the clock
-(`receive(hdr, payload, now)`, `handle_timer(now)`); it says what it wants to send by filling
-per-route queues that the engine drains at the rate the network allows (`pop(route)`), and when
-it wants to be woken (`get_timer()`). It never touches a socket, a thread or the real clock, so
+A protocol is a state machine. The session feeds it authenticated messages, in runs from one
+sender (`receive(run, now)`, see wire.runs), and the clock (`handle_timer(now)`); it says what
+it wants to send by filling per-route queues that the engine drains at the rate the network
+allows (`pop(route)`), and when it wants to be woken (`get_timer()`). It never touches a socket, a thread or the real clock, so
 loss, reordering and timeouts are tested deterministically and the same code runs on the wire.
 """
 
@@ -19,6 +19,7 @@ import numpy as np
 from overcast.buffers import dtype_code, dtype_from_code
 from overcast.errors import ProtocolError, Rejected
 from overcast.wire.header import AGGREGATOR, Kind
+from overcast.wire.runs import Run
 
 # Routes: where a message goes. (channel, peer); peer is a rank, or -1 for the multicast group
 # or the aggregator.
@@ -104,12 +105,14 @@ STARTED = frozenset((Phase.WAITING, Phase.SENDING, Phase.RECEIVING, Phase.DRAINI
 @dataclass(frozen=True, slots=True)
 class Accept:
     """One row of a protocol's table of incoming messages: the method that handles the kind,
-    the attribute that names who may send it (a rank, or a frozenset of ranks), and the phases
-    in which it may arrive."""
+    the attribute that names who may send it (a rank, or a frozenset of ranks), the phases in
+    which it may arrive, and whether the handler takes a whole run (wire.runs) at once rather
+    than (header, payload) one message at a time."""
 
     handler: str
     sender: str
     phases: frozenset = STARTED
+    runs: bool = False
 
 
 class Collective:
@@ -159,8 +162,10 @@ class Collective:
     def start(self, now: float) -> None:
         """Called once when the session posts the collective."""
 
-    def receive(self, hdr, payload: memoryview, now: float) -> None:
-        """Check the message against `ACCEPTS` (kind, sender, phase) and hand it on."""
+    def receive(self, run: Run, now: float) -> None:
+        """Check a run of messages (wire.runs: one kind, one sender) against `ACCEPTS` (kind,
+        sender, phase) once, and hand it on."""
+        hdr = run.hdr
         rule = self.ACCEPTS.get(hdr.kind)
         if rule is None:
             self.reject("unexpected_kind", f"{Kind(hdr.kind).name} from rank {hdr.src} is not "
@@ -172,7 +177,12 @@ class Collective:
         if self.phase not in rule.phases:
             self.reject("wrong_phase", f"{Kind(hdr.kind).name} from rank {hdr.src} while "
                                        f"{self.phase.value}")
-        getattr(self, rule.handler)(hdr, payload, now)
+        handler = getattr(self, rule.handler)
+        if rule.runs:
+            handler(run, now)
+        else:
+            for hdr, payload in run.messages():
+                handler(hdr, payload, now)
         self.after_receive(now)
 
     def after_receive(self, now: float) -> None:

@@ -77,12 +77,6 @@ class InNetworkReduceScatter(Collective):
         span = self._elements(g)
         return self.input_bytes[span.start * self.itemsize:span.stop * self.itemsize]
 
-    def _skip_own(self) -> None:
-        if self.cursor % self.world == self.rank:
-            self.cursor += 1
-        if self.cursor >= self.total and self.phase is Phase.SENDING:
-            self.enter(Phase.RECEIVING)
-
     # -- the contract ----------------------------------------------------------------------
     def start(self, now: float) -> None:
         if self.world == 1 or self.k == 0:
@@ -95,7 +89,7 @@ class InNetworkReduceScatter(Collective):
         self.budget.reductions_in_flight += 1
         self.counted = True
         self.enter(Phase.SENDING)
-        self._skip_own()
+        self.cursor = int(self.rank == 0)  # chunk 0 is rank 0's own
         self.probe_at = now + RETRY_SECONDS
         self._pump(now)
 
@@ -190,25 +184,31 @@ class InNetworkReduceScatter(Collective):
 
     # -- sending ---------------------------------------------------------------------------
     def _pump(self, now: float) -> None:
-        """Send what the credit window and the uplink budget allow."""
+        """Send what the credit window and the uplink budget allow, a batch at a time: the
+        budget's batch leaves together (the engine sends it in one call, the receiver reads it
+        in one), or waits until the budget holds it all."""
         self.pump_at = None
         while True:
-            if self.resend:
-                g = self.resend[0]
-            elif self.cursor < self.total and self.cursor < self.credit + self.slots:
-                g = self.cursor
-            else:
+            resends = min(len(self.resend), self.budget.batch)
+            chunks = [self.resend[i] for i in range(resends)]
+            after = self.cursor  # the next chunk not yet sent once
+            while len(chunks) < self.budget.batch and after < self.total and \
+                    after < self.credit + self.slots:
+                chunks.append(after)
+                after += 1 + ((after + 1) % self.world == self.rank)  # never its own block
+            if not chunks:
                 return
-            data = self._bytes(g)
-            wire = datagram_link_bytes(len(data) + CONTRIB_PREFIX.size)
+            data = [self._bytes(g) for g in chunks]
+            wire = sum(datagram_link_bytes(len(d) + CONTRIB_PREFIX.size) for d in data)
             if not self.budget.try_take(wire, now):
-                self.pump_at = self.budget.ready_at(wire * self.budget.batch, now)
+                self.pump_at = self.budget.ready_at(wire, now)
                 return
-            self.queue(self.route, Outgoing(Kind.CONTRIB, self.seq, g, (self.prefix, data),
-                                            AGGREGATOR))
-            if self.resend and self.resend[0] == g:
+            for g, d in zip(chunks, data):
+                self.queue(self.route, Outgoing(Kind.CONTRIB, self.seq, g, (self.prefix, d),
+                                                AGGREGATOR))
+            for _ in range(resends):
                 self.resend.popleft()
-            else:
-                self.cursor += 1
-                self.progress += 1
-                self._skip_own()
+            self.progress += len(chunks) - resends
+            self.cursor = after
+            if self.cursor >= self.total and self.phase is Phase.SENDING:
+                self.enter(Phase.RECEIVING)

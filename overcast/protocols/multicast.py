@@ -49,7 +49,7 @@ class MulticastGather(Collective):
 
     verify_every_peer = True
     ACCEPTS = {
-        Kind.MCAST_DATA: Accept("_on_chunk", "roots"),
+        Kind.MCAST_DATA: Accept("_on_chunks", "roots", runs=True),
         Kind.REPAIR_DATA: Accept("_on_repair", "successor"),
         Kind.REPAIR_REQUEST: Accept("_on_repair_request", "predecessor", _BEFORE_DRAINING),
         Kind.ACTIVATE: Accept("_on_activate", "chain_prev", frozenset((Phase.WAITING,))),
@@ -201,24 +201,43 @@ class MulticastGather(Collective):
         return "; ".join(parts) or "its sends to drain"
 
     # -- receiving data --------------------------------------------------------------------
-    def _on_chunk(self, hdr, payload, now: float) -> None:
-        gid = hdr.chunk
-        s = self.segment_of_root[hdr.src]
-        if not s * self.k <= gid < (s + 1) * self.k:
-            self.reject("out_of_range", f"multicast chunk {gid} from rank {hdr.src} is not its "
-                                        f"to send")
-        if self._store(gid, payload):
-            self.stats["multicast_chunks"] += 1
-        else:
-            self.stats["duplicate_chunks"] += 1
-        k = gid - s * self.k
+    def _on_chunks(self, run, now: float) -> None:
+        """A run of chunks from one root. Whole consecutive chunks none of which is here yet go
+        into place in one copy; any other run, one chunk at a time."""
+        first, last = run.hdr.chunk, run.headers[-1].chunk
+        s = self.segment_of_root[run.hdr.src]
+        if not (s * self.k <= first and last < (s + 1) * self.k):
+            self.reject("out_of_range", f"multicast chunks {first}..{last} from rank "
+                                        f"{run.hdr.src} are not its to send")
+        count = len(run)
+        start, end = self._span(first, count)
+        if count > 1 and last - first + 1 == count and run.length == self.chunk_bytes and \
+                end - start == count * run.length and \
+                not (self.state[first:last + 1] == HAVE).any():
+            self.buffer[start:end].reshape(count, run.length)[:] = run.rows()
+            self.state[first:last + 1] = HAVE
+            self.missing[s] -= count
+            self.progress += count
+            self.stats["multicast_chunks"] += count
+            self._advance(s, first - s * self.k, last - s * self.k)
+            return
+        for i, hdr in enumerate(run.headers):
+            if self._store(hdr.chunk, run.payload(i)):
+                self.stats["multicast_chunks"] += 1
+            else:
+                self.stats["duplicate_chunks"] += 1
+            self._advance(s, hdr.chunk - s * self.k, hdr.chunk - s * self.k)
+
+    def _advance(self, s: int, first: int, last: int) -> None:
+        """Chunks first..last of segment s came: a skip before them is a gap, and a gap far
+        enough behind the newest chunk is asked for."""
         newest = self.newest[s]
-        if k > newest:
+        if last > newest:
             gaps = self.gaps[s]
-            if k > newest + 1:
-                gaps.append((newest + 1, k))
-            self.newest[s] = k
-            while gaps and gaps[0][1] - 1 + REORDER_SLACK <= k:
+            if first > newest + 1:
+                gaps.append((newest + 1, first))
+            self.newest[s] = last
+            while gaps and gaps[0][1] - 1 + REORDER_SLACK <= last:
                 self._request(s, *gaps.pop(0))
 
     def _on_repair(self, hdr, payload, now: float) -> None:

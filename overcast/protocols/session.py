@@ -14,6 +14,7 @@ from overcast.errors import (CollectiveMismatchError, CollectiveTimeoutError,
 from overcast.protocols.base import STREAM, Collective, Descriptor, Outgoing
 from overcast.wire.header import AGGREGATOR, ANY, Kind, MalformedError
 from overcast.wire.messages import pack_abort, pack_goodbye, unpack_abort, unpack_goodbye
+from overcast.wire.runs import Run
 
 _CONTROL = (Kind.DESCRIBE, Kind.ABORT, Kind.GOODBYE)
 # The kinds that travel by datagram; every other kind goes on a peer's stream, and arriving by
@@ -119,6 +120,12 @@ class Session:
     # -- receiving -------------------------------------------------------------------------
     def receive(self, hdr, payload: memoryview, now: float, datagram: bool) -> None:
         """Take an authentic message that came by datagram or on a peer's stream."""
+        self.receive_run(Run.one(hdr, payload), now, datagram)
+
+    def receive_run(self, run: Run, now: float, datagram: bool) -> None:
+        """Take a run of authentic messages (wire.runs): what is checked of one is checked of
+        all, so the run is checked once and fits or misfits whole."""
+        hdr = run.hdr
         kind = hdr.kind
         if datagram != (kind in DATAGRAM_KINDS):
             # A stream frame lifted off the wire and sent to the datagram port, or a peer that
@@ -132,34 +139,41 @@ class Session:
                                  f"over its stream to rank {self.rank}")
             return
         if kind in _CONTROL:
-            self._receive_control(hdr, payload, now)
+            for hdr, payload in run.messages():
+                self._receive_control(hdr, payload, now)
             return
         coll = self.active.get(hdr.seq)
         if coll is None:
-            if hdr.seq < self.next_seq or self.error is not None:
-                self.stale += 1
-            elif datagram:
-                if self._early_datagram_bytes + len(payload) > EARLY_DATAGRAM_BYTES:
-                    self.early_dropped += 1
-                else:
-                    self._early_datagram_bytes += len(payload)
-                    self.early[hdr.seq].append((hdr, bytes(payload)))
-            else:
-                self.early[hdr.seq].append((hdr, bytes(payload)))
+            for hdr, payload in run.messages():
+                self._hold(hdr, payload, datagram)
             return
         steps = coll.progress
         try:
-            coll.receive(hdr, payload, now)
+            coll.receive(run, now)
         except Rejected as err:
             self._misfit(datagram, err.reason, err.__str__)
         if coll.progress != steps and hdr.seq in self.last_progress:
             self.last_progress[hdr.seq] = now
         self._settle(coll)
 
+    def _hold(self, hdr, payload, datagram: bool) -> None:
+        """A message for a collective not posted here yet (or finished already)."""
+        if hdr.seq < self.next_seq or self.error is not None:
+            self.stale += 1
+        elif datagram:
+            if self._early_datagram_bytes + len(payload) > EARLY_DATAGRAM_BYTES:
+                self.early_dropped += 1
+            else:
+                self._early_datagram_bytes += len(payload)
+                self.early[hdr.seq].append((hdr, bytes(payload)))
+        else:
+            self.early[hdr.seq].append((hdr, bytes(payload)))
+
     def _misfit(self, datagram: bool, reason: str, message) -> None:
-        """A message that does not fit. A datagram proves only that some rank sent it once, to
-        someone: it is dropped and counted (a mismatched call is named by its DESCRIBE). A
-        peer's authenticated stream is evidence: the communicator aborts with `message()`."""
+        """A message (or a run of them) that does not fit. A datagram proves only that some rank
+        sent it once, to someone: it is dropped and counted, a run once (a mismatched call is
+        named by its DESCRIBE). A peer's authenticated stream is evidence: the communicator
+        aborts with `message()`."""
         if datagram:
             self.drops[reason] += 1
         else:

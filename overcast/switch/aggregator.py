@@ -4,10 +4,12 @@ nodes, SwitchML's software stand-in), for many communicators at once.
 Per reduction (one communicator's in-network ReduceScatter) it keeps a pool of `slots` slots.
 Chunk g belongs to the block of rank g mod P (overcast.protocols.innetwork numbers them so).
 Chunk g may occupy a slot once every chunk below g - slots has been released; a rank never sends
-beyond that window. A slot holds one row per rank, so contributions are kept as they arrive, a
-retransmitted one is recognised by the contributor bitmap and never counted twice, and the sum is
-taken in rank order once all P-1 contributors (every rank but the block's owner) are in: the same
-bits whatever the arrival order. 16-bit floats are summed in float32. The sum goes to the owner;
+beyond that window, so chunk g can have slot g mod `slots`. A slot holds one row per rank, so
+contributions are kept as they arrive, a retransmitted one is recognised by the contributor
+bitmap and never counted twice, and the sum is taken in rank order once all P-1 contributors
+(every rank but the block's owner) are in: the same bits whatever the arrival order. The pool is
+one array (slot, rank, element): a run of contributions from one rank (wire.runs) lands with one
+numpy call, and the slots it completes are summed with one more. 16-bit floats are summed in float32. The sum goes to the owner;
 the slot is released when the owner acknowledges it, and the release is announced to every rank
 as credit. Slots waiting on contributors ask them again (NACK); unacknowledged results are sent
 again. Memory is the pool's, whatever the message size.
@@ -24,8 +26,9 @@ from overcast.buffers import accumulator_dtype, dtype_from_code
 from overcast.limits import check_slots
 from overcast.protocols.base import Outgoing
 from overcast.wire.header import AGGREGATOR, ANY, Kind, MalformedError
-from overcast.wire.messages import pack_credit, unpack_acks, unpack_contribution, \
+from overcast.wire.messages import CONTRIB_PREFIX, pack_credit, unpack_acks, \
     unpack_credit_probe
+from overcast.wire.runs import Run
 
 NACK_SECONDS = 0.02
 RESEND_SECONDS = 0.05
@@ -45,8 +48,7 @@ TOMBSTONES = 64
 @dataclass
 class Slot:
     g: int
-    block: np.ndarray           # a pool block: (world, largest chunk) rows
-    rows: np.ndarray            # its first `elements` columns: the contributions, by rank
+    elems: int                  # elements per contribution (row g mod window of the pool)
     have: int = 0               # bitmap of ranks whose contribution is in
     first_seen: float = 0.0
     nacked: float = 0.0
@@ -70,7 +72,7 @@ class Reduction:
     passed: list[int] = field(default_factory=list)  # per rank: the highest chunk it sent
     slots: dict[int, Slot] = field(default_factory=dict)
     holes: dict[int, float] = field(default_factory=dict)  # chunk -> when it was last asked for
-    free_rows: list[np.ndarray] = field(default_factory=list)
+    pool: np.ndarray | None = None  # (window, world, widest chunk): the contributions, by slot
 
 
 class CommState:
@@ -90,10 +92,10 @@ class Aggregator:
     of a communicator can be impersonated by a replay, so nothing here raises.
     """
 
-    # What ranks send the aggregator: kind -> (payload parser, handler). Any rank of the
-    # communicator may send each; whether it fits the reduction's state is the handler's check.
-    HANDLERS = {Kind.CONTRIB: (unpack_contribution, "_on_contribution"),
-                Kind.RESULT_ACK: (unpack_acks, "_on_acks"),
+    # What ranks send the aggregator besides contributions (taken a run at a time, by
+    # _on_contributions): kind -> (payload parser, handler). Any rank of the communicator may
+    # send each; whether it fits the reduction's state is the handler's check.
+    HANDLERS = {Kind.RESULT_ACK: (unpack_acks, "_on_acks"),
                 Kind.CREDIT: (unpack_credit_probe, "_on_credit_probe")}
 
     def __init__(self, slots: int = 256, drops: collections.Counter | None = None):
@@ -125,24 +127,33 @@ class Aggregator:
 
     # -- the contract ----------------------------------------------------------------------
     def receive(self, key, hdr, payload: memoryview, now: float) -> None:
+        """Take one authentic message."""
+        self.receive_run(key, Run.one(hdr, payload), now)
+
+    def receive_run(self, key, run: Run, now: float) -> None:
+        """Take a run of authentic messages from one rank (wire.runs); a run that does not fit
+        is dropped whole, each of its messages counted."""
+        hdr = run.hdr
         comm = self.comms.get(key)
-        row = self.HANDLERS.get(hdr.kind)
         if comm is None:
-            self.drops["unregistered"] += 1
+            self.drops["unregistered"] += len(run)
         elif hdr.dst != AGGREGATOR:
-            self.drops["misdirected"] += 1
+            self.drops["misdirected"] += len(run)
         elif not 0 <= hdr.src < comm.world:
-            self.drops["wrong_sender"] += 1
-        elif row is None:
-            self.drops["unexpected_kind"] += 1
+            self.drops["wrong_sender"] += len(run)
+        elif hdr.kind == Kind.CONTRIB:
+            self._on_contributions(key, comm, run, now)
+        elif hdr.kind not in self.HANDLERS:
+            self.drops["unexpected_kind"] += len(run)
         else:
-            parse, handler = row
-            try:
-                message = parse(payload)
-            except MalformedError:
-                self.drops["malformed"] += 1
-                return
-            getattr(self, handler)(key, comm, hdr, message, now)
+            parse, handler = self.HANDLERS[hdr.kind]
+            for hdr, payload in run.messages():
+                try:
+                    message = parse(payload)
+                except MalformedError:
+                    self.drops["malformed"] += 1
+                    continue
+                getattr(self, handler)(key, comm, hdr, message, now)
 
     def _on_acks(self, key, comm: CommState, hdr, chunks: list[int], now: float) -> None:
         red = comm.reductions.get(hdr.seq)
@@ -203,8 +214,19 @@ class Aggregator:
                     self.stats["nacks"] += len(gs)
 
     # -- contributions ---------------------------------------------------------------------
-    def _on_contribution(self, key, comm: CommState, hdr, contribution, now: float) -> None:
-        code, world, total, data = contribution
+    def _on_contributions(self, key, comm: CommState, run: Run, now: float) -> None:
+        """A run of contributions from one rank, to one reduction: checked once, each chunk's
+        slot found, their rows put in the pool with one numpy call, and the slots they complete
+        summed with one more."""
+        hdr, count = run.hdr, len(run)
+        if run.length < CONTRIB_PREFIX.size:
+            self.drops["malformed"] += count
+            return
+        prefixes = run.rows()[:, :CONTRIB_PREFIX.size]
+        if count > 1 and not (prefixes == prefixes[0]).all():  # one collective, one prefix
+            self.drops["inconsistent"] += count
+            return
+        code, _, world, total = CONTRIB_PREFIX.unpack_from(run.payload(0))
         red = comm.reductions.get(hdr.seq)
         if red is None:
             if hdr.seq in comm.finished:
@@ -213,84 +235,104 @@ class Aggregator:
             try:
                 dtype = dtype_from_code(code)
             except ValueError:
-                self.drops["malformed"] += 1
+                self.drops["malformed"] += count
                 return
             if world != comm.world or total % world:
-                self.drops["inconsistent"] += 1
+                self.drops["inconsistent"] += count
                 return
             if len(comm.reductions) >= MAX_REDUCTIONS:  # sent again when the rank's credit stalls
-                self.stats["refused"] += 1
+                self.stats["refused"] += count
                 return
             red = comm.reductions[hdr.seq] = Reduction(hdr.seq, world, dtype, code, total,
                                                        comm.slots, passed=[-1] * world)
-        g = hdr.chunk
+        data = run.length - CONTRIB_PREFIX.size
         if world != red.world or total != red.total or code != red.code \
-                or len(data) % red.dtype.itemsize:
-            self.drops["inconsistent"] += 1
+                or data % red.dtype.itemsize:
+            self.drops["inconsistent"] += count
             return
-        if g >= red.total:
-            self.drops["out_of_range"] += 1
+        elems = data // red.dtype.itemsize
+        pool = self._pool(red, elems)
+        src, bit = hdr.src, 1 << hdr.src
+        everyone = (1 << red.world) - 1
+        taken, places, complete = [], [], []
+        late = False
+        for i, h in enumerate(run.headers):
+            g = h.chunk
+            if g >= red.total:
+                self.drops["out_of_range"] += 1
+                continue
+            owner = g % red.world
+            if owner == src:
+                self.drops["wrong_sender"] += 1
+                continue
+            if g < red.released:  # done already: the sender missed the credit
+                self.stats["late_contributions"] += 1
+                late = True
+                continue
+            if g >= red.released + red.window:
+                self.drops["beyond_window"] += 1
+                continue
+            if g > red.passed[src]:
+                red.passed[src] = g
+            slot = red.slots.get(g)
+            if slot is None:
+                slot = red.slots[g] = Slot(g, elems, first_seen=now)
+                red.holes.pop(g, None)
+                red.highest = max(red.highest, g)
+            if slot.have & bit or slot.result is not None:
+                self.stats["duplicate_contributions"] += 1
+                continue
+            if slot.elems != elems:
+                self.drops["wrong_length"] += 1
+                continue
+            slot.have |= bit
+            taken.append(i)
+            places.append(g % red.window)
+            if slot.have == everyone & ~(1 << owner):
+                complete.append(slot)
+        if late:
+            self._answer_credit(key, comm, hdr.seq, src, [])
+        if not taken:
             return
-        owner = g % red.world
-        if owner == hdr.src:
-            self.drops["wrong_sender"] += 1
-            return
-        if g < red.released:  # done already: the sender missed the credit
-            self.stats["late_contributions"] += 1
-            self._answer_credit(key, comm, hdr.seq, hdr.src, [])
-            return
-        if g >= red.released + red.window:
-            self.drops["beyond_window"] += 1
-            return
-        red.passed[hdr.src] = max(red.passed[hdr.src], g)
-        slot = red.slots.get(g)
-        elems = len(data) // red.dtype.itemsize
-        if slot is None:
-            block = self._block(red, elems)
-            slot = red.slots[g] = Slot(g, block, block[:, :elems], first_seen=now)
-            slot.rows[owner] = 0  # the owner adds its own: its row counts nothing in the sum
-            red.holes.pop(g, None)
-            red.highest = max(red.highest, g)
-        bit = 1 << hdr.src
-        if slot.have & bit or slot.result is not None:
-            self.stats["duplicate_contributions"] += 1
-            return
-        if slot.rows.shape[1] != elems:
-            self.drops["wrong_length"] += 1
-            return
-        slot.rows[hdr.src] = np.frombuffer(data, red.dtype)
-        slot.have |= bit
-        self.stats["contributions"] += 1
-        if slot.have == ((1 << red.world) - 1) & ~(1 << owner):
-            total_sum = slot.rows.sum(axis=0, dtype=accumulator_dtype(red.dtype))
-            slot.result = total_sum.astype(red.dtype, copy=False).tobytes()
-            self._recycle(red, slot)
-            self._send_result(key, red, slot, now)
-            self.stats["results"] += 1
+        rows = run.rows(CONTRIB_PREFIX.size).view(red.dtype)
+        pool[_index(places), src, :elems] = rows[_index(taken)]
+        self.stats["contributions"] += len(taken)
+        if complete:
+            self._sum(red, pool, complete, elems, now)
+            for slot in complete:
+                self._send_result(key, red, slot, now)
 
-    def _block(self, red: Reduction, elems: int) -> np.ndarray:
-        """A block of contribution rows with room for `elems` per rank, from the pool. Every
-        block has the largest chunk's width, so the pool never holds more than one block per
-        slot."""
-        while red.free_rows:
-            block = red.free_rows.pop()
-            if block.shape[1] >= elems:
-                return block
-            self.pool_bytes -= block.nbytes  # narrower than a chunk seen now: let it go
-        block = np.empty((red.world, elems), red.dtype)
-        self.pool_bytes += block.nbytes
-        self.peak_pool_bytes = max(self.peak_pool_bytes, self.pool_bytes)
-        return block
+    def _sum(self, red: Reduction, pool: np.ndarray, slots: list[Slot], elems: int,
+             now: float) -> None:
+        """Each slot's sum, in rank order, every slot with one numpy call. The owner adds its
+        own contribution: its row counts nothing."""
+        places = [slot.g % red.window for slot in slots]
+        pool[places, [slot.g % red.world for slot in slots], :elems] = 0
+        sums = pool[_index(places), :, :elems].sum(axis=1, dtype=accumulator_dtype(red.dtype))
+        sums = sums.astype(red.dtype, copy=False)
+        for slot, result in zip(slots, sums):
+            slot.result = result.tobytes()
+        self.stats["results"] += len(slots)
 
-    def _recycle(self, red: Reduction, slot: Slot) -> None:
-        """The slot's sum is taken: its rows go back to the pool."""
-        red.free_rows.append(slot.block)
-        slot.block = slot.rows = slot.block[:0]
+    def _pool(self, red: Reduction, elems: int) -> np.ndarray:
+        """The reduction's pool, wide enough for `elems` per contribution. It is made as wide as
+        the first contribution and made wider, keeping its rows, if a wider one comes (ranks
+        send their widest chunks first, so that is rare)."""
+        pool = red.pool
+        if pool is None or pool.shape[2] < elems:
+            wider = np.empty((red.window, red.world, elems), red.dtype)
+            self.pool_bytes += wider.nbytes
+            self.peak_pool_bytes = max(self.peak_pool_bytes, self.pool_bytes)
+            if pool is not None:
+                wider[:, :, :pool.shape[2]] = pool
+                self.pool_bytes -= pool.nbytes
+            pool = red.pool = wider
+        return pool
 
     def _free(self, red: Reduction) -> None:
-        self.pool_bytes -= sum(b.nbytes for b in red.free_rows)
-        self.pool_bytes -= sum(s.block.nbytes for s in red.slots.values())
-        red.free_rows.clear()
+        if red.pool is not None:
+            self.pool_bytes -= red.pool.nbytes
+            red.pool = None
         red.slots.clear()
 
     def _send_result(self, key, red: Reduction, slot: Slot, now: float) -> None:
@@ -354,6 +396,15 @@ class Aggregator:
     def _credit(self, key, red: Reduction, rank: int, resend: list[int]) -> None:
         self.outbox.append((key, rank, Outgoing(Kind.CREDIT, red.seq, 0,
                                                 pack_credit(red.released, resend), rank)))
+
+
+def _index(positions: list[int]):
+    """Rising `positions` (they may wrap round once) as an index: a slice where they are
+    consecutive (a view, and a cheaper copy), else the list."""
+    first = positions[0]
+    if positions[-1] - first == len(positions) - 1:
+        return slice(first, first + len(positions))
+    return positions
 
 
 __all__ = ["Aggregator", "AGGREGATOR"]

@@ -24,7 +24,7 @@ from overcast.limits import check_port
 from overcast.switch.aggregator import Aggregator
 from overcast.transport.datagram import (DATAGRAM_TRUESIZE, WINDOW, UdpPort,
                                          enlarge_receive_buffer, multicast_group,
-                                         prepare_sender, seal_batches)
+                                         prepare_sender, read_runs, seal_batches)
 from overcast.wire.auth import Drops, Opener, ReplayWindow, Sealer, derive_key, job_id_of
 from overcast.wire.header import (AGGREGATOR, ANY, HEADER_BYTES, Kind, MalformedError,
                                   unpack_header)
@@ -188,20 +188,23 @@ class SwitchService:
 
     # -- datagrams -------------------------------------------------------------------------
     def _on_datagrams(self, now: float) -> None:
-        def take(datagram: memoryview) -> None:
+        def open_one(datagram: memoryview):
             try:
                 hdr = unpack_header(datagram)
             except MalformedError:
                 self.drops["malformed"] += 1
-                return
+                return None
             comm = self.comms.get((hdr.job, hdr.comm))
             if comm is None:
                 self.drops["foreign"] += 1
-                return
+                return None
             opened = comm.opener.open(datagram, windows=comm.windows, window_width=WINDOW,
                                       hdr=hdr)
-            if opened is not None:
-                self.aggregator.receive((hdr.job, hdr.comm), opened[0], opened[1], now)
+            return None if opened is None else hdr
+
+        def take(datagrams: memoryview, size: int) -> None:
+            for run in read_runs(datagrams, size, open_one):
+                self.aggregator.receive_run((run.hdr.job, run.hdr.comm), run, now)
 
         self.datagrams.receive(take)
 

@@ -8,7 +8,9 @@ Batches, where the kernel offers them: a sender lays several datagrams back to b
 them in one call (UDP GSO: the kernel, or the NIC, cuts them apart); a receiver reads what the
 kernel coalesced in one call (UDP GRO) and cuts it at the segment size the kernel reports. Each
 datagram keeps its own header and tag, so loss, authentication and repair stay per datagram. A
-device that refuses GSO turns it off for that socket, and the batch goes out one by one.
+device that refuses GSO turns it off for that socket, and the batch goes out one by one. What
+one read brings is authenticated datagram by datagram, then handed on in runs (wire.runs): a
+receiver checks a run once and moves its payloads in one numpy call.
 """
 
 from __future__ import annotations
@@ -18,8 +20,12 @@ import errno
 import socket
 import struct
 
+import numpy as np
+
 from overcast.transport.loss import LossModel
 from overcast.wire.auth import Opener
+from overcast.wire.header import HEADER_BYTES
+from overcast.wire.runs import Run
 
 # The replay window per sender: datagrams may arrive out of order, but never this far.
 WINDOW = 1 << 14
@@ -123,6 +129,28 @@ def seal_batches(sealer, messages, buf: bytearray):
         yield memoryview(buf)[start:end], size
 
 
+def read_runs(datagrams: memoryview, size: int, open_one) -> list[Run]:
+    """Open each datagram of one read (`open_one(view)` gives its header if it is authentic and
+    for this receiver, else None, having counted why) and group the authentic ones into runs
+    (see wire.runs): neighbours in the read with the same kind, job, communicator, collective,
+    sender, destination and length, and rising chunks. A datagram that fails ends the run."""
+    runs: list[Run] = []
+    run, key, n = None, None, len(datagrams)
+    buffer = np.frombuffer(datagrams, np.uint8)
+    for start in range(0, n, size):
+        hdr = open_one(datagrams[start:start + size])
+        if hdr is None:
+            run = None
+            continue
+        same = (hdr.kind, hdr.job, hdr.comm, hdr.seq, hdr.src, hdr.dst, hdr.length)
+        if run is not None and same == key and hdr.chunk > run.headers[-1].chunk:
+            run.headers.append(hdr)
+        else:
+            run, key = Run([hdr], buffer, start + HEADER_BYTES, size), same
+            runs.append(run)
+    return runs
+
+
 class UdpPort:
     """One UDP socket's batches, and their counts: reads what the kernel coalesced (GRO) and
     cuts it at the segment size it reports; sends a run of datagrams in one call (GSO), one by
@@ -142,9 +170,10 @@ class UdpPort:
     def fileno(self) -> int:
         return self.sock.fileno()
 
-    def receive(self, on_datagram, reads: int = _READS_PER_EVENT) -> None:
-        """Read up to `reads` times; call on_datagram(view) for each datagram, valid during the
-        call only."""
+    def receive(self, on_read, reads: int = _READS_PER_EVENT) -> None:
+        """Read up to `reads` times; for each read call on_read(datagrams, size): `datagrams`,
+        the bytes of one or more datagrams laid back to back, each `size` bytes but the last,
+        valid during the call only."""
         sock, buf, gro = self.sock, self._buf, self.gro
         view = memoryview(buf)
         for _ in range(reads):
@@ -166,11 +195,10 @@ class UdpPort:
                 self.truncated += 1
                 self.drops["truncated"] += 1
                 n -= n % size if size < n else n
-            for start in range(0, n, size):
-                datagram = view[start:min(start + size, n)]
-                self.datagrams_in += 1
-                self.bytes_in += len(datagram)
-                on_datagram(datagram)
+            if n:
+                self.datagrams_in += -(-n // size)
+                self.bytes_in += n
+                on_read(view[:n], size)
 
     def send_some(self, view: memoryview, size: int, address: tuple[str, int]) -> int:
         """Send the datagrams laid back to back in `view` (each `size` bytes but the last)
@@ -243,16 +271,19 @@ class Datagrams(UdpPort):
     def queued(self) -> int:
         return len(self._out)
 
-    def read(self, on_message) -> None:
-        """Take the datagrams waiting; call on_message(header, payload) for each authentic one
-        from another rank. The payload view is valid during the call only."""
-        def take(datagram):
+    def read(self, on_run) -> None:
+        """Take the datagrams waiting; call on_run(run) for each run (see wire.runs) of
+        authentic ones from other ranks. A run is valid during the call only."""
+        def open_one(datagram):
             if self.loss is not None and self.loss.drop():
                 self.injected_losses += 1
-                return
+                return None
             msg = self.opener.open(datagram, windows=self._windows, window_width=WINDOW)
-            if msg is not None and msg[0].src != self.own_rank:
-                on_message(*msg)
+            return msg[0] if msg is not None and msg[0].src != self.own_rank else None
+
+        def take(datagrams, size):
+            for run in read_runs(datagrams, size, open_one):
+                on_run(run)
 
         self.receive(take)
 
