@@ -14,8 +14,6 @@ from __future__ import annotations
 import collections
 import random
 
-import numpy as np
-
 from overcast.protocols.base import MULTICAST, STREAM
 from overcast.protocols.session import Session
 from overcast.transport.loss import LossModel, LossSpec
@@ -105,7 +103,7 @@ class Fabric:
             while len(batch) < self.runs and i < len(queue) and _joins(batch[-1][0], queue[i][0]):
                 batch.append(queue.pop(i))
             run = Run([hdr for hdr, _ in batch],
-                      np.frombuffer(b"".join(payload for _, payload in batch), np.uint8), 0,
+                      memoryview(b"".join(payload for _, payload in batch)), 0,
                       batch[0][0].length)
         if dst == AGGREGATOR:
             if AGGREGATOR not in self.silent:

@@ -18,6 +18,7 @@ from overcast.protocols.ring import RingAllGather
 from overcast.protocols.session import DATAGRAM_KINDS
 from overcast.switch.aggregator import Aggregator
 from overcast.wire.header import AGGREGATOR, ANY, Header, Kind
+from overcast.wire.runs import Run
 from overcast.wire.messages import (pack_abort, pack_acks, pack_contribution_prefix,
                                     pack_credit, pack_goodbye, pack_ranges)
 from test_mismatch import U8, WORLD, all_gather, broadcast, reduce_scatter
@@ -325,3 +326,41 @@ def test_an_abort_fails_a_collective_done_but_not_yet_verified():
 def test_a_rejection_is_raised_again_from_its_message_as_work_wait_does():
     again = type(Rejected("frame 9 is beyond the 6 expected", "out_of_range"))("again")
     assert isinstance(again, ProtocolError) and str(again) == "again"
+
+
+def run_of(messages):
+    """Contributions laid back to back, as one read hands a run on."""
+    return Run([hdr for hdr, _ in messages], memoryview(b"".join(p for _, p in messages)), 0,
+               messages[0][0].length)
+
+
+def test_a_run_of_contributions_is_taken_as_its_messages_one_by_one_would_be():
+    """Each rank sends its contributions to chunks 3, 5, 6 and 7 (owned by ranks 3, 1, 2 and
+    3) as one run; the last two runs complete two slots each: one sum each, the same bits as
+    one message at a time."""
+    results = []
+    for as_runs in (False, True):
+        agg = Aggregator(slots=8)
+        agg.register("comm", WORLD)
+        for src in range(WORLD):
+            messages = [contribution(g, src) for g in (3, 5, 6, 7) if g % WORLD != src]
+            if as_runs:
+                agg.receive_run("comm", run_of(messages), 0.0)
+            else:
+                for hdr, payload in messages:
+                    agg.receive("comm", hdr, memoryview(payload), 0.0)
+        assert not agg.drops and agg.stats["contributions"] == 4 * (WORLD - 1)
+        results.append(sorted((msg.chunk, dst, bytes(msg.payload)) for _, dst, msg in agg.outbox
+                              if msg.kind == Kind.RESULT))
+    assert [(g, dst) for g, dst, _ in results[1]] == [(3, 3), (5, 1), (6, 2), (7, 3)]
+    assert results[0] == results[1]
+    assert all(np.frombuffer(p, F32).tolist() == [WORLD - 1] * 4 for _, _, p in results[1])
+
+
+def test_a_run_whose_contributions_disagree_is_dropped_whole():
+    agg = Aggregator(slots=8)
+    agg.register("comm", WORLD)
+    agg.receive_run("comm", run_of([contribution(1, 0), contribution(2, 0, world=5, total=10)]),
+                    0.0)
+    assert agg.drops == {"inconsistent": 2}
+    assert not agg.stats["contributions"] and not agg.comms["comm"].reductions

@@ -222,11 +222,13 @@ class Aggregator:
         if run.length < CONTRIB_PREFIX.size:
             self.drops["malformed"] += count
             return
-        prefixes = run.rows()[:, :CONTRIB_PREFIX.size]
-        if count > 1 and not (prefixes == prefixes[0]).all():  # one collective, one prefix
-            self.drops["inconsistent"] += count
+        data, at, stride, size = run.data, run.offset, run.stride, CONTRIB_PREFIX.size
+        prefix = data[at:at + size]
+        if any(data[i:i + size] != prefix for i in range(at + stride, at + count * stride,
+                                                         stride)):
+            self.drops["inconsistent"] += count  # one collective, one prefix
             return
-        code, _, world, total = CONTRIB_PREFIX.unpack_from(run.payload(0))
+        code, _, world, total = CONTRIB_PREFIX.unpack(prefix)
         red = comm.reductions.get(hdr.seq)
         if red is None:
             if hdr.seq in comm.finished:

@@ -20,8 +20,6 @@ import errno
 import socket
 import struct
 
-import numpy as np
-
 from overcast.transport.loss import LossModel
 from overcast.wire.auth import Opener
 from overcast.wire.header import HEADER_BYTES
@@ -136,7 +134,6 @@ def read_runs(datagrams: memoryview, size: int, open_one) -> list[Run]:
     sender, destination and length, and rising chunks. A datagram that fails ends the run."""
     runs: list[Run] = []
     run, key, n = None, None, len(datagrams)
-    buffer = np.frombuffer(datagrams, np.uint8)
     for start in range(0, n, size):
         hdr = open_one(datagrams[start:start + size])
         if hdr is None:
@@ -146,7 +143,7 @@ def read_runs(datagrams: memoryview, size: int, open_one) -> list[Run]:
         if run is not None and same == key and hdr.chunk > run.headers[-1].chunk:
             run.headers.append(hdr)
         else:
-            run, key = Run([hdr], buffer, start + HEADER_BYTES, size), same
+            run, key = Run([hdr], datagrams, start + HEADER_BYTES, size), same
             runs.append(run)
     return runs
 

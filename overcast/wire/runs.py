@@ -16,17 +16,17 @@ from overcast.wire.header import Header
 
 
 class Run:
-    __slots__ = ("headers", "buffer", "offset", "stride", "length")
+    __slots__ = ("headers", "data", "offset", "stride", "length")
 
-    def __init__(self, headers: list[Header], buffer: np.ndarray, offset: int, stride: int):
+    def __init__(self, headers: list[Header], data: memoryview, offset: int, stride: int):
         self.headers = headers
-        self.buffer = buffer  # uint8, holding every payload; valid during delivery only
+        self.data = data  # bytes holding every payload; valid during delivery only
         self.offset, self.stride = offset, stride  # the first payload's, and between payloads
         self.length = headers[0].length
 
     @classmethod
     def one(cls, hdr: Header, payload) -> "Run":
-        return cls([hdr], np.frombuffer(payload, np.uint8), 0, hdr.length)
+        return cls([hdr], memoryview(payload).cast("B"), 0, hdr.length)
 
     @property
     def hdr(self) -> Header:
@@ -38,13 +38,13 @@ class Run:
 
     def payload(self, i: int) -> memoryview:
         start = self.offset + i * self.stride
-        return memoryview(self.buffer[start:start + self.length])
+        return self.data[start:start + self.length]
 
     def rows(self, skip: int = 0, count: int | None = None) -> np.ndarray:
         """The first `count` payloads (all by default) as rows of a (count, length - skip)
         uint8 array, each row's first `skip` bytes left out: a view, no copy."""
         count = len(self.headers) if count is None else count
-        return np.ndarray((count, self.length - skip), np.uint8, self.buffer,
+        return np.ndarray((count, self.length - skip), np.uint8, self.data,
                           self.offset + skip, (self.stride, 1))
 
     def messages(self):
