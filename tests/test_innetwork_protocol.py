@@ -11,6 +11,7 @@ from overcast.errors import CollectiveTimeoutError
 from overcast.protocols.base import Descriptor
 from overcast.protocols.budget import LinkBudget
 from overcast.protocols.innetwork import InNetworkReduceScatter
+from overcast.schedules.reduction import chunk_place
 from overcast.switch.aggregator import Aggregator
 from overcast.wire.header import AGGREGATOR
 
@@ -32,10 +33,25 @@ def reduce_scatter(fabric, count, dtype, op="sum", slots=16, inputs=None, seq=0)
     for r in range(world):
         desc = Descriptor("reduce_scatter", "innetwork", np.dtype(dtype), count, op)
         coll = InNetworkReduceScatter(seq, r, world, desc, outs[r], inputs[r],
-                                      chunk_bytes=CHUNK, slots=slots, budget=LinkBudget(RATE))
+                                      chunk_bytes=CHUNK, slots=slots,
+                                      budget=LinkBudget(RATE, batch=fabric.runs))
         colls.append(coll)
         fabric.post(r, coll)
     return colls, outs, inputs
+
+
+@pytest.mark.parametrize("world,k,group", [(2, 1, 1), (3, 7, 1), (8, 19, 4), (5, 8, 4),
+                                           (4, 3, 4), (7, 30, 7)])
+def test_the_numbering_names_each_chunk_once_a_group_of_one_owner_at_a_time(world, k, group):
+    places = [chunk_place(g, world, k, group) for g in range(world * k)]
+    assert sorted(places) == [(b, c) for b in range(world) for c in range(k)]
+    if group == 1:
+        assert places == [(g % world, g // world) for g in range(world * k)]
+    turns = [places[i:i + group] for i in range(0, world * (k - k % group), group)]
+    assert all(len({b for b, _ in turn}) == 1 for turn in turns)  # a group: one owner
+    # every block advances in turn: rank b's chunks come in order, spread over the numbers
+    for b in range(world):
+        assert [c for block, c in places if block == b] == list(range(k))
 
 
 def check_done(colls):

@@ -25,7 +25,7 @@ from test_mismatch import U8, WORLD, all_gather, broadcast, reduce_scatter
 
 F32 = np.dtype(np.float32)
 CHUNK_BYTES = 64
-CONTRIBUTION = pack_contribution_prefix(dtype_code(F32), WORLD, 28) + bytes(64)
+CONTRIBUTION = pack_contribution_prefix(dtype_code(F32), 1, WORLD, 28) + bytes(64)
 
 
 def ring(seq, rank, n=128):
@@ -228,7 +228,7 @@ def test_an_abort_without_a_code_is_still_an_error():
 
 def contribution(g, src, world=WORLD, total=8, elems=4, code=None, dst=AGGREGATOR,
                  kind=Kind.CONTRIB, seq=0):
-    payload = pack_contribution_prefix(dtype_code(F32) if code is None else code, world,
+    payload = pack_contribution_prefix(dtype_code(F32) if code is None else code, 1, world,
                                        total) + np.ones(elems, F32).tobytes()
     return Header(kind, 0, 0, seq, src, dst, g, len(payload), 0), payload
 

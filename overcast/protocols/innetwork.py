@@ -1,11 +1,12 @@
 """In-network ReduceScatter, the rank's side (the switch's side is overcast.switch).
 
 The input's P blocks are cut into K chunks of one datagram each. Chunks are numbered across the
-blocks, g = c * P + block, so that the owner of chunk g is g mod P and a rank that streams its
-contributions in increasing g feeds every block at the same time: results then reach every
-owner at the same steady rate, each taking 1/P of its downlink. A rank sends in increasing g,
-skipping its own block, paced by the host's uplink budget, never more than `slots` chunks ahead
-of what the aggregator has released (its credit). The aggregator sums each chunk's P-1
+blocks a group at a time (schedules.reduction), the group being the budget's batch: a rank that
+streams its contributions in increasing g feeds every block in turn, so results reach every
+owner at the same steady rate, each taking 1/P of its downlink, and a batch of contributions is
+one owner's, so the results it completes go to that owner in one batch too. A rank sends in
+increasing g, skipping its own block, paced by the host's uplink budget a batch at a time, never
+more than `slots` chunks ahead of what the aggregator has released (its credit). The aggregator sums each chunk's P-1
 contributions and sends the sum to the block's owner, who adds its own contribution,
 acknowledges, and so frees the slot.
 
@@ -25,6 +26,7 @@ from overcast.buffers import add_into, divide_into, dtype_code
 from overcast.protocols.base import DATAGRAM, Accept, Collective, Descriptor, Outgoing, Phase
 from overcast.protocols.budget import LinkBudget
 from overcast.schedules.chains import chunk_count
+from overcast.schedules.reduction import chunk_place
 from overcast.wire.header import AGGREGATOR, Kind, MalformedError, datagram_link_bytes
 from overcast.wire.messages import CONTRIB_PREFIX, pack_acks, pack_contribution_prefix, \
     pack_credit_probe, unpack_credit
@@ -39,7 +41,7 @@ class InNetworkReduceScatter(Collective):
     verify_every_peer = True
     # Results and credit may come until the last chunk is released; copies sent again by the
     # aggregator may still come after (they are acknowledged again).
-    ACCEPTS = {Kind.RESULT: Accept("_on_result", "aggregator"),
+    ACCEPTS = {Kind.RESULT: Accept("_on_results", "aggregator", runs=True),
                Kind.CREDIT: Accept("_on_credit", "aggregator")}
     aggregator = AGGREGATOR
 
@@ -54,7 +56,9 @@ class InNetworkReduceScatter(Collective):
         self.total = world * self.k
         self.slots, self.budget = slots, budget
         self.route = (DATAGRAM, AGGREGATOR)
-        self.prefix = pack_contribution_prefix(dtype_code(desc.dtype), world, self.total)
+        self.group = budget.batch
+        self.prefix = pack_contribution_prefix(dtype_code(desc.dtype), self.group, world,
+                                               self.total)
         self.credit = 0
         self.cursor = 0  # next chunk to contribute for the first time
         self.resend: collections.deque[int] = collections.deque()
@@ -67,10 +71,20 @@ class InNetworkReduceScatter(Collective):
         self.counted = False
 
     # -- geometry --------------------------------------------------------------------------
+    def _place(self, g: int) -> tuple[int, int]:
+        """(block, chunk within the block) of chunk g."""
+        return chunk_place(g, self.world, self.k, self.group)
+
     def _elements(self, g: int) -> slice:
-        c, block = divmod(g, self.world)
+        block, c = self._place(g)
         start = block * self.desc.count + c * self.chunk_elems
         return slice(start, min(start + self.chunk_elems, (block + 1) * self.desc.count))
+
+    def _next_to_send(self, g: int) -> int:
+        """The first chunk from g on that is not of this rank's own block."""
+        while g < self.total and self._place(g)[0] == self.rank:
+            g += 1
+        return g
 
     def _bytes(self, g: int) -> memoryview:
         """Chunk g of this rank's input, as bytes."""
@@ -89,7 +103,7 @@ class InNetworkReduceScatter(Collective):
         self.budget.reductions_in_flight += 1
         self.counted = True
         self.enter(Phase.SENDING)
-        self.cursor = int(self.rank == 0)  # chunk 0 is rank 0's own
+        self.cursor = self._next_to_send(0)
         self.probe_at = now + RETRY_SECONDS
         self._pump(now)
 
@@ -127,29 +141,57 @@ class InNetworkReduceScatter(Collective):
                 f"{self.total} chunks")
 
     # -- results and credit ----------------------------------------------------------------
+    def _on_results(self, run, now: float) -> None:
+        """A run of results. Whole consecutive chunks of this rank's block none of which is
+        here yet are added with one numpy call; any other run, one result at a time."""
+        first, last, count = run.hdr.chunk, run.headers[-1].chunk, len(run)
+        if count > 1 and last - first + 1 == count and last < self.total:
+            (block, c), (last_block, last_c) = self._place(first), self._place(last)
+            start, span = c * self.chunk_elems, count * self.chunk_elems
+            if block == last_block == self.rank and last_c - c == count - 1 and \
+                    run.length == self.chunk_elems * self.itemsize and \
+                    start + span <= self.desc.count and not self.have[c:c + count].any():
+                mine = block * self.desc.count + start
+                self._add(self.output[start:start + span], run.rows().view(self.desc.dtype),
+                          self.input[mine:mine + span], count)
+                self.have[c:c + count] = True
+                self._acknowledge(range(first, last + 1), now)
+                return
+        for hdr, payload in run.messages():
+            self._on_result(hdr, payload, now)
+
     def _on_result(self, hdr, payload, now: float) -> None:
         g = hdr.chunk
-        if g % self.world != self.rank or g >= self.total:
+        if g >= self.total or self._place(g)[0] != self.rank:
             self.reject("out_of_range", f"result for chunk {g}, not in rank {self.rank}'s block")
-        c = g // self.world
+        c = self._place(g)[1]
         mine = self.input[self._elements(g)]
         if len(payload) != mine.nbytes:
             self.reject("wrong_length", f"result for chunk {g} has {len(payload)} bytes, not "
                                         f"{mine.nbytes}")
         if not self.have[c]:
             start = c * self.chunk_elems
-            out = self.output[start:start + len(mine)]
-            add_into(out, np.frombuffer(payload, self.desc.dtype), mine)
-            if self.desc.op == "avg":
-                divide_into(out, self.world)
+            self._add(self.output[start:start + len(mine)],
+                      np.frombuffer(payload, self.desc.dtype), mine, 1)
             self.have[c] = True
-            self.results += 1
-            self.progress += 1
-            self.stats["results"] += 1
         else:
             self.stats["duplicate_results"] += 1
-        # acknowledge every copy: the acknowledgement before may have been lost
-        self.acks.append(g)
+        self._acknowledge((g,), now)
+
+    def _add(self, out: np.ndarray, sums: np.ndarray, mine: np.ndarray, count: int) -> None:
+        """The aggregator's sums of `count` chunks plus this rank's own, into the output."""
+        shape = sums.shape
+        out, mine = out.reshape(shape), mine.reshape(shape)
+        add_into(out, sums, mine)
+        if self.desc.op == "avg":
+            divide_into(out, self.world)
+        self.results += count
+        self.progress += count
+        self.stats["results"] += count
+
+    def _acknowledge(self, chunks, now: float) -> None:
+        """Acknowledge every copy of a result: the acknowledgement before may have been lost."""
+        self.acks.extend(chunks)
         if len(self.acks) >= ACK_BATCH:
             self._flush_acks()
         elif self.ack_at is None:
@@ -175,8 +217,8 @@ class InNetworkReduceScatter(Collective):
             self.probe_at = now + RETRY_SECONDS
         pending = set(self.resend)
         for g in again:
-            if g % self.world == self.rank or g >= self.cursor:
-                continue  # not ours to send, or not sent yet anyway
+            if g >= self.cursor or self._place(g)[0] == self.rank:
+                continue  # not sent yet anyway, or not ours to send
             if g not in pending:
                 self.resend.append(g)
                 pending.add(g)
@@ -195,7 +237,7 @@ class InNetworkReduceScatter(Collective):
             while len(chunks) < self.budget.batch and after < self.total and \
                     after < self.credit + self.slots:
                 chunks.append(after)
-                after += 1 + ((after + 1) % self.world == self.rank)  # never its own block
+                after = self._next_to_send(after + 1)
             if not chunks:
                 return
             data = [self._bytes(g) for g in chunks]

@@ -2,15 +2,16 @@
 nodes, SwitchML's software stand-in), for many communicators at once.
 
 Per reduction (one communicator's in-network ReduceScatter) it keeps a pool of `slots` slots.
-Chunk g belongs to the block of rank g mod P (overcast.protocols.innetwork numbers them so).
-Chunk g may occupy a slot once every chunk below g - slots has been released; a rank never sends
-beyond that window, so chunk g can have slot g mod `slots`. A slot holds one row per rank, so
-contributions are kept as they arrive, a retransmitted one is recognised by the contributor
-bitmap and never counted twice, and the sum is taken in rank order once all P-1 contributors
-(every rank but the block's owner) are in: the same bits whatever the arrival order. The pool is
-one array (slot, rank, element): a run of contributions from one rank (wire.runs) lands with one
-numpy call, and the slots it completes are summed with one more. 16-bit floats are summed in float32. The sum goes to the owner;
-the slot is released when the owner acknowledges it, and the release is announced to every rank
+Chunk g belongs to the block its number says (overcast.schedules.reduction; the ranks name the
+numbering's group in every contribution). Chunk g may occupy a slot once every chunk below
+g - slots has been released; a rank never sends beyond that window, so chunk g can have slot
+g mod `slots`. A slot holds one row per rank, so contributions are kept as they arrive, a
+retransmitted one is recognised by the contributor bitmap and never counted twice, and the sum
+is taken in rank order once all P-1 contributors (every rank but the block's owner) are in: the
+same bits whatever the arrival order. 16-bit floats are summed in float32. The pool is one
+array (slot, rank, element): a run of contributions from one rank (wire.runs) lands with one
+numpy call, and the slots it completes are summed with one more. The sum goes to the owner; the
+slot is released when the owner acknowledges it, and the release is announced to every rank
 as credit. Slots waiting on contributors ask them again (NACK); unacknowledged results are sent
 again. Memory is the pool's, whatever the message size.
 """
@@ -25,6 +26,7 @@ import numpy as np
 from overcast.buffers import accumulator_dtype, dtype_from_code
 from overcast.limits import check_slots
 from overcast.protocols.base import Outgoing
+from overcast.schedules.reduction import chunk_owner
 from overcast.wire.header import AGGREGATOR, ANY, Kind, MalformedError
 from overcast.wire.messages import CONTRIB_PREFIX, pack_credit, unpack_acks, \
     unpack_credit_probe
@@ -64,6 +66,7 @@ class Reduction:
     world: int
     dtype: np.dtype
     code: int                   # the dtype's code on the wire
+    group: int                  # of the chunk numbering (schedules.reduction)
     total: int
     window: int                 # slots: chunks that may be in the aggregator at once
     released: int = 0
@@ -73,6 +76,10 @@ class Reduction:
     slots: dict[int, Slot] = field(default_factory=dict)
     holes: dict[int, float] = field(default_factory=dict)  # chunk -> when it was last asked for
     pool: np.ndarray | None = None  # (window, world, widest chunk): the contributions, by slot
+
+    def owner(self, g: int) -> int:
+        """The rank whose block chunk g is of: the one its sum goes to."""
+        return chunk_owner(g, self.world, self.total // self.world, self.group)
 
 
 class CommState:
@@ -169,7 +176,7 @@ class Aggregator:
         first window again, and it is taken once there is room."""
         red = comm.reductions.get(hdr.seq)
         if red is None and hdr.seq not in comm.finished:  # refused
-            owed = [g for g in range(min(sent_below, comm.slots)) if g % comm.world != hdr.src]
+            owed = list(range(min(sent_below, comm.slots)))  # the rank skips its own
             self.outbox.append((key, hdr.src, Outgoing(Kind.CREDIT, hdr.seq, 0,
                                                        pack_credit(0, owed), hdr.src)))
         else:
@@ -228,7 +235,7 @@ class Aggregator:
                                                          stride)):
             self.drops["inconsistent"] += count  # one collective, one prefix
             return
-        code, _, world, total = CONTRIB_PREFIX.unpack(prefix)
+        code, group, world, total = CONTRIB_PREFIX.unpack(prefix)
         red = comm.reductions.get(hdr.seq)
         if red is None:
             if hdr.seq in comm.finished:
@@ -239,17 +246,17 @@ class Aggregator:
             except ValueError:
                 self.drops["malformed"] += count
                 return
-            if world != comm.world or total % world:
+            if world != comm.world or total % world or not group:
                 self.drops["inconsistent"] += count
                 return
             if len(comm.reductions) >= MAX_REDUCTIONS:  # sent again when the rank's credit stalls
                 self.stats["refused"] += count
                 return
-            red = comm.reductions[hdr.seq] = Reduction(hdr.seq, world, dtype, code, total,
-                                                       comm.slots, passed=[-1] * world)
+            red = comm.reductions[hdr.seq] = Reduction(hdr.seq, world, dtype, code, group,
+                                                       total, comm.slots, passed=[-1] * world)
         data = run.length - CONTRIB_PREFIX.size
         if world != red.world or total != red.total or code != red.code \
-                or data % red.dtype.itemsize:
+                or group != red.group or data % red.dtype.itemsize:
             self.drops["inconsistent"] += count
             return
         elems = data // red.dtype.itemsize
@@ -263,7 +270,7 @@ class Aggregator:
             if g >= red.total:
                 self.drops["out_of_range"] += 1
                 continue
-            owner = g % red.world
+            owner = red.owner(g)
             if owner == src:
                 self.drops["wrong_sender"] += 1
                 continue
@@ -309,7 +316,7 @@ class Aggregator:
         """Each slot's sum, in rank order, every slot with one numpy call. The owner adds its
         own contribution: its row counts nothing."""
         places = [slot.g % red.window for slot in slots]
-        pool[places, [slot.g % red.world for slot in slots], :elems] = 0
+        pool[places, [red.owner(slot.g) for slot in slots], :elems] = 0
         sums = pool[_index(places), :, :elems].sum(axis=1, dtype=accumulator_dtype(red.dtype))
         sums = sums.astype(red.dtype, copy=False)
         for slot, result in zip(slots, sums):
@@ -338,7 +345,7 @@ class Aggregator:
         red.slots.clear()
 
     def _send_result(self, key, red: Reduction, slot: Slot, now: float) -> None:
-        owner = slot.g % red.world
+        owner = red.owner(slot.g)
         slot.sent_at = now
         self.outbox.append((key, owner, Outgoing(Kind.RESULT, red.seq, slot.g, slot.result,
                                                  owner)))
@@ -346,7 +353,7 @@ class Aggregator:
     # -- release and credit ----------------------------------------------------------------
     def _on_ack(self, key, red: Reduction, src: int, g: int) -> None:
         slot = red.slots.get(g)
-        if slot is None or slot.result is None or g % red.world != src:
+        if slot is None or slot.result is None or red.owner(g) != src:
             self.drops["stray_acks"] += 1
             return
         slot.acked = True
@@ -376,14 +383,14 @@ class Aggregator:
     def _missing(self, red: Reduction, g: int, have: int) -> list[int]:
         """Contributors to chunk g not in `have` that have sent chunks past g: ranks send in
         order, so theirs was lost (or is very late). Ranks not there yet are left alone."""
-        owner = g % red.world
+        owner = red.owner(g)
         return [r for r in range(red.world)
                 if r != owner and not have >> r & 1 and red.passed[r] > g]
 
     def _owed(self, red: Reduction, rank: int, sent_below: int) -> list[int]:
         """Chunks in the window below `sent_below` that `rank` has sent and that never came."""
         return [g for g in range(red.released, min(sent_below, red.released + red.window))
-                if g % red.world != rank and not (g in red.slots and
+                if red.owner(g) != rank and not (g in red.slots and
                                                (red.slots[g].have >> rank & 1 or
                                                 red.slots[g].result is not None))]
 

@@ -11,7 +11,8 @@ import struct
 from overcast.wire.header import MalformedError
 
 # CONTRIB (rank -> aggregator): what the aggregator needs to sum it, so no other message has to
-# arrive first: dtype code, a reserved byte, world size, chunks in the whole input; then data.
+# arrive first: dtype code, the group of its chunk numbering (schedules.reduction), world size,
+# chunks in the whole input; then data.
 CONTRIB_PREFIX = struct.Struct("<BBHI")
 # CREDIT (aggregator -> rank): chunks released (every chunk below is done), then chunks the rank
 # must send again. CREDIT (rank -> aggregator, when its credit stalls): the next chunk it has not
@@ -37,16 +38,8 @@ def _u32_list(payload, what: str) -> list[int]:
     return [g for (g,) in _U32.iter_unpack(payload)]
 
 
-def pack_contribution_prefix(dtype_code: int, world: int, total: int) -> bytes:
-    return CONTRIB_PREFIX.pack(dtype_code, 0, world, total)
-
-
-def unpack_contribution(payload) -> tuple[int, int, int, memoryview]:
-    """(dtype code, world, total chunks, data)."""
-    if len(payload) < CONTRIB_PREFIX.size:
-        raise MalformedError(f"contribution of {len(payload)} bytes, shorter than its prefix")
-    code, _, world, total = CONTRIB_PREFIX.unpack_from(payload)
-    return code, world, total, memoryview(payload)[CONTRIB_PREFIX.size:]
+def pack_contribution_prefix(dtype_code: int, group: int, world: int, total: int) -> bytes:
+    return CONTRIB_PREFIX.pack(dtype_code, group, world, total)
 
 
 def pack_credit(released: int, resend=()) -> bytes:
