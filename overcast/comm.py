@@ -19,10 +19,10 @@ from overcast.protocols.session import Session
 from overcast.protocols.budget import LinkBudget
 from overcast.protocols.innetwork import InNetworkReduceScatter
 from overcast.schedules.ring import DEFAULT_FRAME_BYTES
-from overcast.transport.datagram import MAX_DATAGRAM, PACE_BATCH
+from overcast.transport.datagram import MAX_DATAGRAM, pace_batch
 from overcast.transport.loss import LossSpec
 from overcast.transport.rendezvous import rendezvous
-from overcast.wire.header import IP_UDP_BYTES, OVERHEAD_BYTES
+from overcast.wire.header import IP_UDP_BYTES, OVERHEAD_BYTES, datagram_link_bytes
 from overcast.wire.messages import CONTRIB_PREFIX
 
 # The share of a receiver's link the multicast streams may fill together; the rest is headroom
@@ -83,8 +83,10 @@ class Communicator:
         self.chunk_bytes -= self.chunk_bytes % 8
         self._multicast_error = links.multicast_error
         self._switch_error, self._switch_slots = links.switch_error, links.switch_slots
-        self._uplink = LinkBudget(link_bits_per_s / 8 * pacing_share if link_bits_per_s else None,
-                                  batch=PACE_BATCH)
+        uplink = link_bits_per_s / 8 * pacing_share if link_bits_per_s else None
+        datagram = datagram_link_bytes(self.chunk_bytes)
+        self._uplink = LinkBudget(uplink, batch=pace_batch(uplink, datagram),
+                                  datagram_bytes=datagram)
         session = Session(self.rank, self.world_size, timeout, links.drops)
         self._engine = Engine(links, session, self.loss, Trace() if trace else None)
         self._lock = threading.Lock()

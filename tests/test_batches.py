@@ -12,7 +12,9 @@ import socket
 import numpy as np
 import pytest
 
-from overcast.transport.datagram import Datagrams
+from overcast.protocols.budget import LinkBudget
+from overcast.transport.datagram import BATCH_SECONDS, MAX_BATCH, MIN_BATCH, Datagrams, \
+    pace_batch
 from overcast.wire.auth import Drops, Opener, Sealer, sealed_bytes
 from overcast.wire.header import Kind
 
@@ -158,3 +160,17 @@ def test_a_batch_the_kernel_refuses_to_segment_goes_one_datagram_at_a_time():
         sender, receiver = cluster.run(refused_batch, timeout=60)
     assert sender == [False, 1 + 5, 5]  # the refused GSO call, then five sends
     assert receiver == [True] * 5
+
+
+def test_a_paced_batch_is_a_time_on_the_link_and_the_budget_holds_two():
+    frame = 9014
+    rates = [r * 1e6 / 8 for r in (10, 100, 400, 800, 10_000, 100_000)]
+    batches = [pace_batch(rate, frame) for rate in rates]
+    assert batches[:2] == [MIN_BATCH, MIN_BATCH] and batches[-1] == MAX_BATCH
+    assert batches == sorted(batches)
+    assert abs(batches[2] * frame / rates[2] - BATCH_SECONDS) < frame / rates[2]
+    assert pace_batch(None, frame) == MIN_BATCH
+    slow = LinkBudget(rates[1], batch=batches[1], datagram_bytes=frame)
+    assert slow.burst == 2 * batches[1] * frame > rates[1] * 0.005
+    fast = LinkBudget(rates[3], batch=batches[3], datagram_bytes=frame)
+    assert fast.burst >= 2 * batches[3] * frame

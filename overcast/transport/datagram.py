@@ -39,9 +39,11 @@ _IP_MTU_DISCOVER, _IP_PMTUDISC_DO, _IP_MTU = 10, 2, 14
 SOL_UDP, UDP_SEGMENT, UDP_GRO = 17, 103, 104
 # What one GSO send may carry: 64 segments (UDP_MAX_SEGMENTS) in one UDP payload.
 GSO_MAX_SEGMENTS, GSO_MAX_BYTES = 64, MAX_DATAGRAM
-# Datagrams a paced sender releases at once, to go out in one send: four jumbo frames fit the
-# emulated links' token bucket at 100 Mbit/s and more, so a batch stays whole to the receiver.
-PACE_BATCH = 4
+# A paced sender releases a batch of datagrams per wake-up, sent in as few calls as GSO allows
+# and read in as few as GRO coalesces: as many as its link carries in BATCH_SECONDS, so that the
+# CPU a wake-up costs is paid per time on the link, not per datagram, whatever the link's rate.
+BATCH_SECONDS = 0.0025
+MIN_BATCH, MAX_BATCH = 4, 64
 # A GRO read holds at most one IP packet's worth.
 GRO_READ_BYTES = 1 << 16
 _SEGMENT = struct.Struct("=H")
@@ -50,6 +52,13 @@ _MSG_TRUNC = int(socket.MSG_TRUNC)  # a plain int: an enum's & costs microsecond
 # errnos a GSO send fails with when the kernel or device will not segment it (EMSGSIZE: a
 # segment over the device's MTU; sent one by one, a datagram then says for itself what is wrong)
 _NO_GSO = {errno.EIO, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOPROTOOPT, errno.EMSGSIZE}
+
+
+def pace_batch(bytes_per_s: float | None, datagram_bytes: int) -> int:
+    """Datagrams of `datagram_bytes` on the link per paced batch at `bytes_per_s`."""
+    if not bytes_per_s:
+        return MIN_BATCH
+    return max(MIN_BATCH, min(MAX_BATCH, round(bytes_per_s * BATCH_SECONDS / datagram_bytes)))
 
 
 def path_mtu(local: str, peer: str) -> int:
