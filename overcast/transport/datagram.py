@@ -55,10 +55,16 @@ _NO_GSO = {errno.EIO, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOPROTOOPT, errno.E
 
 
 def pace_batch(bytes_per_s: float | None, datagram_bytes: int) -> int:
-    """Datagrams of `datagram_bytes` on the link per paced batch at `bytes_per_s`."""
+    """Datagrams of `datagram_bytes` on the link per paced batch at `bytes_per_s`: what the
+    link carries in BATCH_SECONDS, in whole sends (GSO takes up to 64 KiB per send) once that
+    is more than one send."""
     if not bytes_per_s:
         return MIN_BATCH
-    return max(MIN_BATCH, min(MAX_BATCH, round(bytes_per_s * BATCH_SECONDS / datagram_bytes)))
+    batch = bytes_per_s * BATCH_SECONDS / datagram_bytes
+    per_send = max(1, GSO_MAX_BYTES // datagram_bytes)
+    if batch < per_send:
+        return max(MIN_BATCH, round(batch))
+    return min(round(batch / per_send), MAX_BATCH // per_send) * per_send
 
 
 def path_mtu(local: str, peer: str) -> int:
