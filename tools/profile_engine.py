@@ -1,13 +1,24 @@
-"""Where a rank's engine spends its CPU in the overlapped pair, by kind of work.
+"""Where a rank's engine spends its CPU in the overlapped pair.
 
     .venv/bin/python tools/profile_engine.py --hosts 8 --link-mbit 100 --size 4MiB --pairs 3
+    .venv/bin/python tools/profile_engine.py --mode parts --link-mbit 100
+    .venv/bin/python tools/profile_engine.py --mode time --link-mbit 400
 
-Runs the pair (multicast AllGather beside in-network ReduceScatter, float32) on the emulated
-cluster with its aggregator, profiles rank 1's progress-engine thread with cProfile, and sorts
-the time its functions took into syscalls, authentication, protocol bookkeeping, numpy, the
-engine and transport's own Python, and the rest. cProfile measures wall time: on a shared
-machine a function's share includes the time it was preempted, so read the shares, not the
-seconds. Root only (it builds the cluster).
+Runs `--pairs` pairs (multicast AllGather beside in-network ReduceScatter, float32) on the
+emulated cluster with its aggregator, after one AllGather to warm up, and prints per pair the
+median rank's time and CPU and the aggregator's CPU (its whole life, start-up included, over
+pairs + 1). Then, by `--mode`:
+
+- profile: rank 1's progress-engine thread under cProfile, the time its functions took sorted
+  into syscalls, authentication, protocol bookkeeping, numpy, the engine and transport's own
+  Python, and the rest. cProfile measures wall time and adds a cost per call: on a shared
+  machine a function's share includes the time it was preempted, so read the shares.
+- parts: each engine thread times its own CPU in the parts of its loop (reading, sealing and
+  sending, timers, select...); rank 1's are printed.
+- time: nothing more, and nothing slowed: for comparisons of two configurations, run back to
+  back and interleaved, since a shared machine's speed drifts by tens of percent over minutes.
+
+Root only (it builds the cluster).
 """
 
 from __future__ import annotations
@@ -15,6 +26,7 @@ from __future__ import annotations
 import argparse
 import collections
 import cProfile
+import json
 import pstats
 import sys
 import tempfile
@@ -26,6 +38,8 @@ import overcast
 from overcast.bench.run import parse_size
 from overcast.cluster.netns import Cluster
 from overcast.engine import engine as engine_module
+from overcast.protocols.session import Session
+from overcast.transport.datagram import Datagrams
 
 CATEGORIES = ("syscalls (send, receive)", "authentication (AES-GMAC, replay window)",
               "protocol bookkeeping", "numpy (copies, sums)", "engine and transport (Python)",
@@ -58,32 +72,68 @@ def shares(path: str) -> dict[str, float]:
     return {k: seconds[k] for k in CATEGORIES}
 
 
-def pairs(rank: int, nbytes: int, count: int, profile_path: str) -> list[float]:
-    if rank == 1:
-        run = engine_module.Engine._run
+# (class, method) whose CPU time the parts mode measures on the engine thread
+PARTS = ((Datagrams, "read"), (engine_module.Engine, "_fill_and_flush"),
+         (Session, "handle_timer"), (Session, "get_timer"),
+         (engine_module.Engine, "_take_submissions"), (engine_module.Engine, "_report"),
+         (engine_module.Engine, "_read"), (engine_module.selectors.DefaultSelector, "select"))
 
-        def profiled(self):
-            profiler = cProfile.Profile()
-            profiler.enable()
+
+def time_parts(seconds: collections.Counter, calls: collections.Counter) -> None:
+    """Wrap PARTS to add up the CPU time and calls of each."""
+    def wrap(owner, name):
+        inner = getattr(owner, name)
+
+        def timed(*args, **kwargs):
+            start = time.thread_time()
             try:
-                run(self)
+                return inner(*args, **kwargs)
             finally:
-                profiler.disable()
-                profiler.dump_stats(profile_path)
-        engine_module.Engine._run = profiled
+                seconds[name] += time.thread_time() - start
+                calls[name] += 1
+        setattr(owner, name, timed)
+
+    for owner, name in PARTS:
+        wrap(owner, name)
+
+
+def profile_engine(profile_path: str) -> None:
+    """Run the engine thread under cProfile, its stats dumped to `profile_path` at the end."""
+    run = engine_module.Engine._run
+
+    def profiled(self):
+        profiler = cProfile.Profile()
+        profiler.enable()
+        try:
+            run(self)
+        finally:
+            profiler.disable()
+            profiler.dump_stats(profile_path)
+    engine_module.Engine._run = profiled
+
+
+def pairs(rank: int, nbytes: int, count: int, mode: str, profile_path: str):
+    seconds, calls = collections.Counter(), collections.Counter()
+    if mode == "parts":
+        time_parts(seconds, calls)
+    elif mode == "profile" and rank == 1:
+        profile_engine(profile_path)
     with overcast.Communicator(name="profile", timeout=120) as comm:
         n = nbytes // 4
         gathered, shard = np.empty(comm.world_size * n, np.float32), np.ones(n, np.float32)
         reduced, grads = np.empty(n, np.float32), np.ones(comm.world_size * n, np.float32)
         comm.all_gather(gathered, shard, algorithm="multicast")  # warm: pages, imports
         comm.barrier()
-        cpu = time.process_time()
+        seconds.clear()
+        calls.clear()
+        cpu, start = time.process_time(), time.perf_counter()
         for _ in range(count):
             ag = comm.all_gather(gathered, shard, algorithm="multicast", async_op=True)
             rs = comm.reduce_scatter(reduced, grads, algorithm="innetwork", async_op=True)
             ag.wait()
             rs.wait()
-        return [time.process_time() - cpu]
+        return ((time.process_time() - cpu) / count, (time.perf_counter() - start) / count,
+                {k: (seconds[k] / count, calls[k] / count) for k in seconds})
 
 
 def main() -> int:
@@ -92,23 +142,32 @@ def main() -> int:
     p.add_argument("--link-mbit", type=float, default=100.0)
     p.add_argument("--size", default="4MiB")
     p.add_argument("--pairs", type=int, default=3)
-    p.add_argument("--top", type=int, default=0, help="also list the N functions that took the "
-                   "most time of their own")
+    p.add_argument("--mode", choices=("profile", "parts", "time"), default="profile")
+    p.add_argument("--top", type=int, default=0, help="profile: also list the N functions that "
+                   "took the most time of their own")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        path = f"{tmp}/engine.prof"
+        path, stats = f"{tmp}/engine.prof", f"{tmp}/switch.json"
         with Cluster(args.hosts, int(args.link_mbit * 1e6)) as cluster:
-            cluster.start_switch()
-            cpu = cluster.run(pairs, args=(parse_size(args.size), args.pairs, path))
-        busy = shares(path)
-        if args.top:
-            pstats.Stats(path).sort_stats("tottime").print_stats(args.top)
-    total = sum(busy.values())
-    print(f"{args.hosts} hosts, {args.link_mbit:g} Mbit/s, {args.size} pairs x {args.pairs}: "
-          f"CPU per rank per pair {np.median([c[0] for c in cpu]) / args.pairs:.3f} s "
-          f"(median of the ranks; rank 1 profiled)")
-    for kind, seconds in sorted(busy.items(), key=lambda kv: -kv[1]):
-        print(f"  {kind:44s} {seconds / total:5.0%}  ({seconds:.3f} s profiled)")
+            switch = cluster.start_switch(stats_path=stats)
+            ranks = cluster.run(pairs, args=(parse_size(args.size), args.pairs, args.mode, path))
+            cluster.stop_switch(switch)
+        with open(stats) as f:
+            aggregator = json.load(f)["cpu_seconds"] / (args.pairs + 1)
+        print(f"{args.hosts} hosts, {args.link_mbit:g} Mbit/s, {args.size}, {args.pairs} pairs: "
+              f"per pair {np.median([r[1] for r in ranks]):.3f} s, CPU per rank "
+              f"{np.median([r[0] for r in ranks]):.3f} s (median of the ranks), aggregator "
+              f"{aggregator:.3f} s")
+        if args.mode == "profile":
+            if args.top:
+                pstats.Stats(path).sort_stats("tottime").print_stats(args.top)
+            busy = shares(path)
+            total = sum(busy.values())
+            for kind, seconds in sorted(busy.items(), key=lambda kv: -kv[1]):
+                print(f"  {kind:44s} {seconds / total:5.0%}  ({seconds:.3f} s profiled)")
+    for name, (seconds, calls) in sorted(ranks[1][2].items(), key=lambda kv: -kv[1][0]):
+        print(f"  {name:20s} {seconds * 1e3:7.1f} ms {calls:8.0f} calls "
+              f"{seconds / max(calls, 1) * 1e6:7.1f} us each")
     return 0
 
 
