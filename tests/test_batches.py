@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 
 from overcast.protocols.budget import LinkBudget
+from overcast.protocols.base import Outgoing
 from overcast.transport.datagram import BATCH_SECONDS, GSO_MAX_BYTES, MAX_BATCH, MIN_BATCH, \
-    Datagrams, pace_batch
+    Datagrams, pace_batch, seal_batches
 from overcast.wire.auth import Drops, Opener, Sealer, sealed_bytes
 from overcast.wire.header import Kind
 
@@ -176,3 +177,22 @@ def test_a_paced_batch_is_a_time_on_the_link_and_the_budget_holds_two():
     assert slow.burst == 2 * batches[1] * frame > rates[1] * 0.005
     fast = LinkBudget(rates[3], batch=batches[3], datagram_bytes=frame)
     assert fast.burst >= 2 * batches[3] * frame
+
+
+def test_messages_are_sealed_into_whole_sends():
+    """Datagrams of 8,952 bytes: seven fit one GSO send. A shorter one may end a send; the one
+    after it starts the next."""
+    lengths = [8900] * 16 + [100] + [8900] * 2
+    messages = [Outgoing(Kind.MCAST_DATA, 1, g, np.full(n, g, np.uint8), 1)
+                for g, n in enumerate(lengths)]
+    opener, windows, got, counts = Opener(KEY, JOB, COMM, Drops()), {}, [], []
+    buf = bytearray(2 * GSO_MAX_BYTES)
+    for view, size in seal_batches(Sealer(KEY, JOB, COMM, 0), messages, buf):
+        assert len(view) <= GSO_MAX_BYTES
+        counts.append(-(-len(view) // size))
+        for start in range(0, len(view), size):
+            hdr, payload = opener.open(view[start:start + size], windows=windows,
+                                       window_width=64)
+            got.append((hdr.chunk, bytes(payload)))
+    assert counts == [7, 7, 3, 2]
+    assert got == [(g, bytes([g]) * n) for g, n in enumerate(lengths)]

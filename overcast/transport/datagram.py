@@ -121,25 +121,24 @@ def enable_gro(sock: socket.socket) -> bool:
 def seal_batches(sealer, messages, buf: bytearray):
     """Seal `messages` (each with kind, seq, dst, chunk, payload) back to back into `buf` (room
     for two of the largest sends), and yield each run of equal-sized datagrams (the last may be
-    shorter) as (view, size): one send. Each message is sealed once, in place; a view is valid
-    until the next is asked for."""
-    start = end = size = 0
-    room = len(buf) - MAX_DATAGRAM
+    shorter) as (view, size): one send of as many as GSO takes. Each message is sealed once, in
+    place; a view is valid until the next is asked for. Every run starts at the buffer's
+    start: the message that begins the next one is moved there once this one is sent."""
+    view = memoryview(buf)
+    end = size = 0
     for msg in messages:
-        if end > room:  # a message might not fit after this run: send it, start over
-            yield memoryview(buf)[start:end], size
-            start = end = 0
         sealed = sealer.seal_into(buf, end, msg.kind, msg.seq, msg.dst, msg.chunk, msg.payload)
         length = sealed - end
-        if end > start and (length > size or (end - start) % size or sealed - start >
-                            GSO_MAX_BYTES or (end - start) // size >= GSO_MAX_SEGMENTS):
-            yield memoryview(buf)[start:end], size
-            start = end  # the new message, in place, starts the next run
-        if end == start:
+        if end and (length > size or end % size or sealed > GSO_MAX_BYTES or
+                    end // size >= GSO_MAX_SEGMENTS):
+            yield view[:end], size
+            view[:length] = view[end:sealed] if length <= end else bytes(view[end:sealed])
+            end = 0
+        if not end:
             size = length
-        end = sealed
-    if end > start:
-        yield memoryview(buf)[start:end], size
+        end += length
+    if end:
+        yield view[:end], size
 
 
 def read_runs(datagrams: memoryview, size: int, open_one) -> list[Run]:
