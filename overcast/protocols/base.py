@@ -3,8 +3,9 @@
 A protocol is a state machine. The session feeds it authenticated messages, in runs from one
 sender (`receive(run, now)`, see wire.runs), and the clock (`handle_timer(now)`); it says what
 it wants to send by filling per-route queues that the engine drains at the rate the network
-allows (`pop(route)`), and when it wants to be woken (`get_timer()`). It never touches a socket, a thread or the real clock, so
-loss, reordering and timeouts are tested deterministically and the same code runs on the wire.
+allows (`pop(route)`), and when it wants to be woken (`get_timer()`). It never touches a socket,
+a thread or the real clock, so loss, reordering and timeouts are tested deterministically and
+the same code runs on the wire.
 """
 
 from __future__ import annotations

@@ -6,9 +6,9 @@ streams its contributions in increasing g feeds every block in turn, so results 
 owner at the same steady rate, each taking 1/P of its downlink, and a batch of contributions is
 one owner's, so the results it completes go to that owner in one batch too. A rank sends in
 increasing g, skipping its own block, paced by the host's uplink budget a batch at a time, never
-more than `slots` chunks ahead of what the aggregator has released (its credit). The aggregator sums each chunk's P-1
-contributions and sends the sum to the block's owner, who adds its own contribution,
-acknowledges, and so frees the slot.
+more than `slots` chunks ahead of what the aggregator has released (its credit). The aggregator
+sums each chunk's P-1 contributions and sends the sum to the block's owner, who adds its own
+contribution, acknowledges, and so frees the slot.
 
 Loss in either direction is repaired by retransmission: the aggregator asks the ranks missing
 from a slot to send again (a NACK in its CREDIT message) and resends an unacknowledged result; a
@@ -151,9 +151,9 @@ class InNetworkReduceScatter(Collective):
             if block == last_block == self.rank and last_c - c == count - 1 and \
                     run.length == self.chunk_elems * self.itemsize and \
                     start + span <= self.desc.count and not self.have[c:c + count].any():
-                mine = block * self.desc.count + start
+                own = block * self.desc.count + start
                 self._add(self.output[start:start + span], run.rows().view(self.desc.dtype),
-                          self.input[mine:mine + span], count)
+                          self.input[own:own + span], count)
                 self.have[c:c + count] = True
                 self._acknowledge(range(first, last + 1), now)
                 return
@@ -162,9 +162,9 @@ class InNetworkReduceScatter(Collective):
 
     def _on_result(self, hdr, payload, now: float) -> None:
         g = hdr.chunk
-        if g >= self.total or self._place(g)[0] != self.rank:
+        block, c = self._place(g) if g < self.total else (None, 0)
+        if block != self.rank:
             self.reject("out_of_range", f"result for chunk {g}, not in rank {self.rank}'s block")
-        c = self._place(g)[1]
         mine = self.input[self._elements(g)]
         if len(payload) != mine.nbytes:
             self.reject("wrong_length", f"result for chunk {g} has {len(payload)} bytes, not "

@@ -254,12 +254,12 @@ class Aggregator:
                 return
             red = comm.reductions[hdr.seq] = Reduction(hdr.seq, world, dtype, code, group,
                                                        total, comm.slots, passed=[-1] * world)
-        data = run.length - CONTRIB_PREFIX.size
+        nbytes = run.length - CONTRIB_PREFIX.size
         if world != red.world or total != red.total or code != red.code \
-                or group != red.group or data % red.dtype.itemsize:
+                or group != red.group or nbytes % red.dtype.itemsize:
             self.drops["inconsistent"] += count
             return
-        elems = data // red.dtype.itemsize
+        elems = nbytes // red.dtype.itemsize
         pool = self._pool(red, elems)
         src, bit = hdr.src, 1 << hdr.src
         everyone = (1 << red.world) - 1
