@@ -228,7 +228,10 @@ class InNetworkReduceScatter(Collective):
     def _pump(self, now: float) -> None:
         """Send what the credit window and the uplink budget allow, a batch at a time: the
         budget's batch leaves together (the engine sends it in one call, the receiver reads it
-        in one), or waits until the budget holds it all."""
+        in one), or waits until the budget holds it all. Before the time set for that, nothing
+        can go: credit and resend requests only make the batch larger."""
+        if self.pump_at is not None and now < self.pump_at:
+            return
         self.pump_at = None
         while True:
             resends = min(len(self.resend), self.budget.batch)

@@ -210,17 +210,17 @@ class MulticastGather(Collective):
             self.reject("out_of_range", f"multicast chunks {first}..{last} from rank "
                                         f"{run.hdr.src} are not its to send")
         count = len(run)
-        start, end = self._span(first, count)
-        if count > 1 and last - first + 1 == count and run.length == self.chunk_bytes and \
-                end - start == count * run.length and \
-                not (self.state[first:last + 1] == HAVE).any():
-            self.buffer[start:end].reshape(count, run.length)[:] = run.rows()
-            self.state[first:last + 1] = HAVE
-            self.missing[s] -= count
-            self.progress += count
-            self.stats["multicast_chunks"] += count
-            self._advance(s, first - s * self.k, last - s * self.k)
-            return
+        if count > 1 and last - first + 1 == count and run.length == self.chunk_bytes:
+            start, end = self._span(first, count)
+            if end - start == count * run.length and \
+                    not (self.state[first:last + 1] == HAVE).any():
+                self.buffer[start:end].reshape(count, run.length)[:] = run.rows()
+                self.state[first:last + 1] = HAVE
+                self.missing[s] -= count
+                self.progress += count
+                self.stats["multicast_chunks"] += count
+                self._advance(s, first - s * self.k, last - s * self.k)
+                return
         for i, hdr in enumerate(run.headers):
             if self._store(hdr.chunk, run.payload(i)):
                 self.stats["multicast_chunks"] += 1

@@ -24,7 +24,7 @@ from overcast.limits import check_port
 from overcast.switch.aggregator import Aggregator
 from overcast.transport.datagram import (DATAGRAM_TRUESIZE, WINDOW, UdpPort,
                                          enlarge_receive_buffer, multicast_group,
-                                         prepare_sender, read_runs, seal_batches)
+                                         prepare_sender, seal_batches)
 from overcast.wire.auth import Drops, Opener, ReplayWindow, Sealer, derive_key, job_id_of
 from overcast.wire.header import (AGGREGATOR, ANY, HEADER_BYTES, Kind, MalformedError,
                                   unpack_header)
@@ -198,15 +198,13 @@ class SwitchService:
             if comm is None:
                 self.drops["foreign"] += 1
                 return None
-            opened = comm.opener.open(datagram, windows=comm.windows, window_width=WINDOW,
+            return comm.opener.verify(datagram, windows=comm.windows, window_width=WINDOW,
                                       hdr=hdr)
-            return None if opened is None else hdr
 
-        def take(datagrams: memoryview, size: int) -> None:
-            for run in read_runs(datagrams, size, open_one):
-                self.aggregator.receive_run((run.hdr.job, run.hdr.comm), run, now)
+        def take(run) -> None:
+            self.aggregator.receive_run((run.hdr.job, run.hdr.comm), run, now)
 
-        self.datagrams.receive(take)
+        self.datagrams.receive(open_one, take)
 
     def _send(self) -> None:
         """Send what the aggregator wants sent: per destination, in order, in batches."""

@@ -181,10 +181,10 @@ class UdpPort:
     def fileno(self) -> int:
         return self.sock.fileno()
 
-    def receive(self, on_read, reads: int = _READS_PER_EVENT) -> None:
-        """Read up to `reads` times; for each read call on_read(datagrams, size): `datagrams`,
-        the bytes of one or more datagrams laid back to back, each `size` bytes but the last,
-        valid during the call only."""
+    def receive(self, open_one, on_run, reads: int = _READS_PER_EVENT) -> None:
+        """Read up to `reads` times; open the datagrams of each read with `open_one` and call
+        on_run(run) for each run of authentic ones (see read_runs). A run is valid during the
+        call only."""
         sock, buf, gro = self.sock, self._buf, self.gro
         view = memoryview(buf)
         for _ in range(reads):
@@ -209,7 +209,8 @@ class UdpPort:
             if n:
                 self.datagrams_in += -(-n // size)
                 self.bytes_in += n
-                on_read(view[:n], size)
+                for run in read_runs(view[:n], size, open_one):
+                    on_run(run)
 
     def send_some(self, view: memoryview, size: int, address: tuple[str, int]) -> int:
         """Send the datagrams laid back to back in `view` (each `size` bytes but the last)
@@ -289,14 +290,10 @@ class Datagrams(UdpPort):
             if self.loss is not None and self.loss.drop():
                 self.injected_losses += 1
                 return None
-            msg = self.opener.open(datagram, windows=self._windows, window_width=WINDOW)
-            return msg[0] if msg is not None and msg[0].src != self.own_rank else None
+            hdr = self.opener.verify(datagram, windows=self._windows, window_width=WINDOW)
+            return hdr if hdr is not None and hdr.src != self.own_rank else None
 
-        def take(datagrams, size):
-            for run in read_runs(datagrams, size, open_one):
-                on_run(run)
-
-        self.receive(take)
+        self.receive(open_one, on_run)
 
     def send(self, data, address: tuple[str, int], size: int | None = None) -> None:
         """Send one datagram, or a batch of them laid back to back, each `size` bytes but the

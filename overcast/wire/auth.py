@@ -125,7 +125,14 @@ class Opener:
 
     def open(self, buf: memoryview, window: ReplayWindow | None = None,
              windows: dict | None = None, window_width: int = 0, hdr: Header | None = None):
-        """Return (header, payload view) or None.
+        """Return (header, payload view) or None; see `verify`."""
+        hdr = self.verify(buf, window, windows, window_width, hdr)
+        return None if hdr is None else (hdr, buf[HEADER_BYTES:HEADER_BYTES + hdr.length])
+
+    def verify(self, buf: memoryview, window: ReplayWindow | None = None,
+               windows: dict | None = None, window_width: int = 0,
+               hdr: Header | None = None) -> Header | None:
+        """Return the header of an authentic message seen for the first time, or None.
 
         Pass `window` for a channel with one known sender (a stream), or `windows`, a dict from
         sender to ReplayWindow filled on demand, for a datagram socket shared by many senders.
@@ -156,7 +163,7 @@ class Opener:
         if not window.accept(hdr.counter):
             self.drops["replayed"] += 1
             return None
-        return hdr, buf[HEADER_BYTES:end]
+        return hdr
 
 
 def frame_length(prefix) -> int:

@@ -40,11 +40,10 @@ class Run:
         start = self.offset + i * self.stride
         return self.data[start:start + self.length]
 
-    def rows(self, skip: int = 0, count: int | None = None) -> np.ndarray:
-        """The first `count` payloads (all by default) as rows of a (count, length - skip)
-        uint8 array, each row's first `skip` bytes left out: a view, no copy."""
-        count = len(self.headers) if count is None else count
-        return np.ndarray((count, self.length - skip), np.uint8, self.data,
+    def rows(self, skip: int = 0) -> np.ndarray:
+        """The payloads as rows of a (messages, length - skip) uint8 array, each row's first
+        `skip` bytes left out: a view, no copy."""
+        return np.ndarray((len(self.headers), self.length - skip), np.uint8, self.data,
                           self.offset + skip, (self.stride, 1))
 
     def messages(self):
