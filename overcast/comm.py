@@ -19,7 +19,7 @@ from overcast.protocols.session import Session
 from overcast.protocols.budget import LinkBudget
 from overcast.protocols.innetwork import InNetworkReduceScatter
 from overcast.schedules.ring import DEFAULT_FRAME_BYTES
-from overcast.transport.datagram import MAX_DATAGRAM, pace_batch
+from overcast.transport.datagram import MAX_DATAGRAM, pace_batch, reduction_batch
 from overcast.transport.loss import LossSpec
 from overcast.transport.rendezvous import rendezvous
 from overcast.wire.header import IP_UDP_BYTES, OVERHEAD_BYTES, datagram_link_bytes
@@ -86,7 +86,8 @@ class Communicator:
         uplink = link_bits_per_s / 8 * pacing_share if link_bits_per_s else None
         datagram = datagram_link_bytes(self.chunk_bytes)
         self._uplink = LinkBudget(uplink, batch=pace_batch(uplink, datagram),
-                                  datagram_bytes=datagram)
+                                  datagram_bytes=datagram,
+                                  reduction_batch=reduction_batch(uplink, datagram))
         session = Session(self.rank, self.world_size, timeout, links.drops)
         self._engine = Engine(links, session, self.loss, Trace() if trace else None)
         self._lock = threading.Lock()

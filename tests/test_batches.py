@@ -15,7 +15,7 @@ import pytest
 from overcast.protocols.budget import LinkBudget
 from overcast.protocols.base import Outgoing
 from overcast.transport.datagram import BATCH_SECONDS, GSO_MAX_BYTES, MAX_BATCH, MIN_BATCH, \
-    Datagrams, pace_batch, seal_batches
+    REDUCTION_BATCH_SECONDS, Datagrams, pace_batch, reduction_batch, seal_batches
 from overcast.wire.auth import Drops, Opener, Sealer, sealed_bytes
 from overcast.wire.header import Kind
 
@@ -177,6 +177,16 @@ def test_a_paced_batch_is_a_time_on_the_link_and_the_budget_holds_two():
     assert slow.burst == 2 * batches[1] * frame > rates[1] * 0.005
     fast = LinkBudget(rates[3], batch=batches[3], datagram_bytes=frame)
     assert fast.burst >= 2 * batches[3] * frame
+    # contributions: REDUCTION_BATCH_SECONDS on the link, up to two whole sends, never fewer
+    # than a multicast batch
+    reductions = [reduction_batch(rate, frame) for rate in rates]
+    assert reductions == [MIN_BATCH, 2 * per_send, 2 * per_send] + batches[3:]
+    assert abs(reductions[1] * frame / rates[1] - REDUCTION_BATCH_SECONDS) < \
+        per_send * frame / rates[1] / 2
+    budget = LinkBudget(rates[1], batch=batches[1], datagram_bytes=frame,
+                        reduction_batch=reductions[1])
+    assert (budget.batch, budget.reduction_batch) == (batches[1], reductions[1])
+    assert budget.burst == 2 * reductions[1] * frame
 
 
 def test_messages_are_sealed_into_whole_sends():

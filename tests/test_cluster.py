@@ -14,7 +14,7 @@ import pytest
 import overcast
 from conftest import root_only
 from overcast.cluster.netns import Cluster, list_namespaces, read_nic_counters
-from overcast.transport.datagram import pace_batch
+from overcast.transport.datagram import reduction_batch
 
 pytestmark = root_only
 CLI = [sys.executable, "-m", "overcast.cli.main"]
@@ -54,8 +54,10 @@ def test_hosts_links_shaping_and_environment():
             # shaped on both ends: the host's send direction and the switch port toward it
             for q in (qdisc(ns, "eth0"), qdisc(cluster.switch_ns, f"h{rank}")):
                 assert q["kind"] == "tbf" and q["options"]["rate"] == 12_500_000
-                # the bucket takes a paced batch whole, and about a frame more (tc rounds it)
-                assert q["options"]["burst"] >= 0.99 * (pace_batch(12_500_000, 9014) + 1) * 9014
+                # the bucket takes the largest paced batch whole, and about a frame more (tc
+                # rounds it)
+                batch = reduction_batch(12_500_000, 9014)
+                assert q["options"]["burst"] >= 0.99 * (batch + 1) * 9014
         # the service attachment is the switch's fabric: not shaped by default
         assert qdisc(cluster.service_ns, "eth0")["kind"] != "tbf"
     assert not names & set(list_namespaces())

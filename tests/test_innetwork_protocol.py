@@ -13,7 +13,7 @@ from overcast.protocols.budget import LinkBudget
 from overcast.protocols.innetwork import InNetworkReduceScatter
 from overcast.schedules.reduction import chunk_place
 from overcast.switch.aggregator import Aggregator
-from overcast.wire.header import AGGREGATOR
+from overcast.wire.header import AGGREGATOR, Kind
 
 CHUNK = 64
 RATE = 1e6
@@ -79,6 +79,30 @@ def test_integer_sums_are_exact_under_loss(world, loss, burst, dtype, runs):
         assert fabric.dropped > 0
     if loss >= 0.05:  # enough loss that contributions and results, not just credit, were hit
         assert agg.stats["nacks"] + agg.stats["results_resent"] > 0
+
+
+def test_acknowledgements_and_credit_ride_at_the_end_of_a_batch():
+    """A rank's acknowledgements leave as the last datagram of its next batch of contributions,
+    and the aggregator's credit to an owner as the last of each batch of results to it: the
+    engine seals a route's messages back to back, so neither costs a send or a read of its own."""
+    world = 4
+    agg = Aggregator(slots=16)
+    fabric = Fabric(world, seed=1, aggregator=agg, runs=4)
+    colls, outs, inputs = reduce_scatter(fabric, 300, np.int32)
+    fabric.run_timed()
+    check_done(colls)
+    sent = [(h.src, h.dst, h.kind) for h, _, datagram in fabric.seen if datagram]
+    for r in range(world):
+        kinds = [kind for src, _, kind in sent if src == r]
+        last_contribution = max(i for i, kind in enumerate(kinds) if kind == Kind.CONTRIB)
+        riding = [kinds[i - 1] for i, kind in enumerate(kinds[:last_contribution])
+                  if kind == Kind.RESULT_ACK]
+        assert riding and set(riding) == {Kind.CONTRIB}
+    for owner in range(world):
+        kinds = [kind for src, dst, kind in sent if src == AGGREGATOR and dst == owner]
+        ends = [i for i, kind in enumerate(kinds)
+                if kind == Kind.RESULT and (i + 1 == len(kinds) or kinds[i + 1] != Kind.RESULT)]
+        assert ends and all(i + 1 < len(kinds) and kinds[i + 1] == Kind.CREDIT for i in ends)
 
 
 @pytest.mark.parametrize("world", [2, 5, 8])

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from overcast.cluster.launch import Placement, run_ranks
 from overcast.limits import check_hosts, check_link_rate, check_mtu
 from overcast.switch.launch import SwitchStartError, start_switch, stop_switch
-from overcast.transport.datagram import pace_batch
+from overcast.transport.datagram import reduction_batch
 from overcast.wire.registration import DEFAULT_SWITCH_PORT
 
 PREFIX = "oc-"
@@ -77,12 +77,13 @@ def check_privileges() -> None:
 
 
 def _tbf(rate_bits: int, mtu: int, queue_bytes: int) -> list[str]:
-    """tbf arguments: a bucket of 1 ms at line rate, never less than a paced batch of datagrams
-    and one frame more, and a queue. A NIC sends a batch back to back at its line rate, and the
-    receiver's GRO takes it in whole; tbf cuts a batch larger than its bucket into single
-    packets, which the receiver then reads one by one."""
+    """tbf arguments: a bucket of 1 ms at line rate, never less than the largest paced batch of
+    datagrams (transport.datagram.reduction_batch) and one frame more, and a queue. A NIC sends
+    a batch back to back at its line rate, and the receiver's GRO takes it in whole; tbf cuts a
+    batch larger than its bucket into single packets, which the receiver then reads one by
+    one."""
     frame = mtu + 14
-    burst = max((pace_batch(rate_bits / 8, frame) + 1) * frame, rate_bits // 8 // 1000)
+    burst = max((reduction_batch(rate_bits / 8, frame) + 1) * frame, rate_bits // 8 // 1000)
     return ["tbf", "rate", f"{rate_bits}bit", "burst", str(burst), "limit", str(queue_bytes)]
 
 

@@ -11,17 +11,19 @@ from __future__ import annotations
 
 
 class LinkBudget:
-    """`batch`: datagrams a pacer releases per wake-up (the engine sends them in one call).
-    The bucket holds `burst_seconds` at the rate, and at least two batches of datagrams of
+    """`batch`: datagrams a multicast pacer releases per wake-up (the engine sends them in one
+    call); `reduction_batch` (at least `batch`): what an in-network sender releases. The bucket
+    holds `burst_seconds` at the rate, and at least two of the larger batches of datagrams of
     `datagram_bytes` on the link: a sender that waits for a whole batch must find one while the
     multicast streams take their pace."""
 
     def __init__(self, bytes_per_s: float | None, burst_seconds: float = 0.005, batch: int = 1,
-                 datagram_bytes: int = 0):
+                 datagram_bytes: int = 0, reduction_batch: int = 0):
         self.rate = bytes_per_s
         self.batch = batch
+        self.reduction_batch = max(batch, reduction_batch)
         self.burst = max((bytes_per_s or 0) * burst_seconds,
-                         2 * batch * datagram_bytes if bytes_per_s else 0)
+                         2 * self.reduction_batch * datagram_bytes if bytes_per_s else 0)
         self.tokens = self.burst
         self.updated: float | None = None
         self.reductions_in_flight = 0

@@ -1,14 +1,15 @@
 """In-network ReduceScatter, the rank's side (the switch's side is overcast.switch).
 
 The input's P blocks are cut into K chunks of one datagram each. Chunks are numbered across the
-blocks a group at a time (schedules.reduction), the group being the budget's batch: a rank that
-streams its contributions in increasing g feeds every block in turn, so results reach every
-owner at the same steady rate, each taking 1/P of its downlink, and a batch of contributions is
-one owner's, so the results it completes go to that owner in one batch too. A rank sends in
-increasing g, skipping its own block, paced by the host's uplink budget a batch at a time, never
-more than `slots` chunks ahead of what the aggregator has released (its credit). The aggregator
-sums each chunk's P-1 contributions and sends the sum to the block's owner, who adds its own
-contribution, acknowledges, and so frees the slot.
+blocks a group at a time (schedules.reduction), the group being the budget's reduction batch
+(transport.datagram.reduction_batch): a rank that streams its contributions in increasing g
+feeds every block in turn, so results reach every owner at the same steady rate, each taking
+1/P of its downlink, and a batch of contributions is one owner's, so the results it completes
+go to that owner in one batch too. A rank sends in increasing g, skipping its own block, paced
+by the host's uplink budget a batch at a time, never more than `slots` chunks ahead of what the
+aggregator has released (its credit). The aggregator sums each chunk's P-1 contributions and
+sends the sum to the block's owner, with the credit; the owner adds its own contribution and
+acknowledges with its next batch of contributions, which frees the slot.
 
 Loss in either direction is repaired by retransmission: the aggregator asks the ranks missing
 from a slot to send again (a NACK in its CREDIT message) and resends an unacknowledged result; a
@@ -32,9 +33,11 @@ from overcast.wire.messages import CONTRIB_PREFIX, pack_acks, pack_contribution_
     pack_credit_probe, unpack_credit
 
 RETRY_SECONDS = 0.05
-# Results are acknowledged in batches of this many, or after ACK_DELAY_SECONDS.
-ACK_BATCH = 16
-ACK_DELAY_SECONDS = 0.002
+# Results are acknowledged with the next batch of contributions (the acknowledgement is that
+# send's last datagram, so it costs neither a send nor a read of its own), or after
+# ACK_DELAY_SECONDS if none leaves by then, or at once when ACK_BATCH are waiting.
+ACK_BATCH = 64
+ACK_DELAY_SECONDS = 0.005
 
 
 class InNetworkReduceScatter(Collective):
@@ -56,7 +59,7 @@ class InNetworkReduceScatter(Collective):
         self.total = world * self.k
         self.slots, self.budget = slots, budget
         self.route = (DATAGRAM, AGGREGATOR)
-        self.group = budget.batch
+        self.group = budget.reduction_batch
         self.prefix = pack_contribution_prefix(dtype_code(desc.dtype), self.group, world,
                                                self.total)
         self.credit = 0
@@ -234,10 +237,10 @@ class InNetworkReduceScatter(Collective):
             return
         self.pump_at = None
         while True:
-            resends = min(len(self.resend), self.budget.batch)
+            resends = min(len(self.resend), self.group)
             chunks = [self.resend[i] for i in range(resends)]
             after = self.cursor  # the next chunk not yet sent once
-            while len(chunks) < self.budget.batch and after < self.total and \
+            while len(chunks) < self.group and after < self.total and \
                     after < self.credit + self.slots:
                 chunks.append(after)
                 after = self._next_to_send(after + 1)
@@ -251,6 +254,7 @@ class InNetworkReduceScatter(Collective):
             for g, d in zip(chunks, data):
                 self.queue(self.route, Outgoing(Kind.CONTRIB, self.seq, g, (self.prefix, d),
                                                 AGGREGATOR))
+            self._flush_acks()
             for _ in range(resends):
                 self.resend.popleft()
             self.progress += len(chunks) - resends

@@ -12,8 +12,9 @@ same bits whatever the arrival order. 16-bit floats are summed in float32. The p
 array (slot, rank, element): a run of contributions from one rank (wire.runs) lands with one
 numpy call, and the slots it completes are summed with one more. The sum goes to the owner; the
 slot is released when the owner acknowledges it, and the release is announced to every rank
-as credit. Slots waiting on contributors ask them again (NACK); unacknowledged results are sent
-again. Memory is the pool's, whatever the message size.
+as credit now and then, and to an owner with every batch of results (as that send's last
+datagram: no send or read of its own). Slots waiting on contributors ask them again (NACK);
+unacknowledged results are sent again. Memory is the pool's, whatever the message size.
 """
 
 from __future__ import annotations
@@ -39,8 +40,9 @@ RESEND_SECONDS = 0.05
 MAX_BACKOFF = 8
 # Slots are checked for overdue contributions and acknowledgements this often.
 TICK_SECONDS = 0.01
-# Announce the credit after this fraction of the pool has been released since the last time.
-CREDIT_EVERY = 1 / 8
+# Announce the credit to every rank after this fraction of the pool has been released since
+# the last time (owners hear it with their results in between).
+CREDIT_EVERY = 1 / 4
 # Reductions of one communicator in flight at once; contributions for more wait for a retry.
 MAX_REDUCTIONS = 4
 # Finished reductions remembered, to answer late retransmissions with the final credit.
@@ -310,6 +312,8 @@ class Aggregator:
             self._sum(red, pool, complete, elems, now)
             for slot in complete:
                 self._send_result(key, red, slot, now)
+            for owner in dict.fromkeys(red.owner(slot.g) for slot in complete):
+                self._credit(key, red, owner, [])
 
     def _sum(self, red: Reduction, pool: np.ndarray, slots: list[Slot], elems: int,
              now: float) -> None:
