@@ -60,12 +60,13 @@ class Engine:
 IDEAL = Engine("ideal", note="no CPU cost, no headers, senders may fill the whole link")
 
 # Measured with `overcast bench` on the emulated cluster (8 hosts, 400 Mbit/s, 4 MiB, MTU 9000,
-# medians of three runs; docs/results.md, "Calibrating the simulator"): the overlapped pair's
-# CPU per rank over the packets each rank sent and received, the aggregator's over the
-# datagrams it handled, the ring pair's per GiB sent and received.
+# medians of three runs; docs/results.md, "Calibrating the simulator"), on the batched datapath
+# (GSO and GRO, 14 datagrams a batch): the overlapped pair's CPU per rank over the datagrams
+# each rank sent and received, the aggregator's over the P²·K datagrams it handled, the ring
+# pair's per GiB sent and received.
 PYTHON = Engine(
-    "python", chunk_bytes=8920, us_per_datagram=32.5, stream_s_per_gib=2.57,
-    switch_us_per_datagram=21.1,
+    "python", chunk_bytes=8920, us_per_datagram=18.3, stream_s_per_gib=1.45,
+    switch_us_per_datagram=14.2,
     datagram_headers=OVERHEAD_BYTES + IP_UDP_BYTES + ETHERNET_BYTES,
     stream_headers_per_byte=TCP_SEGMENT_HEADERS / 8948, pacing_share=0.95, cores=1.0,
     note="overcast's Python engine today, one core per host, as measured by overcast bench")
