@@ -56,7 +56,7 @@ class Slot:
     have: int = 0               # bitmap of ranks whose contribution is in
     first_seen: float = 0.0
     nacked: float = 0.0
-    result: bytes | None = None
+    result: np.ndarray | None = None  # the sum's bytes: a row of its run's sums, not a copy
     sent_at: float = 0.0
     resends: int = 0
     acked: bool = False
@@ -318,13 +318,14 @@ class Aggregator:
     def _sum(self, red: Reduction, pool: np.ndarray, slots: list[Slot], elems: int,
              now: float) -> None:
         """Each slot's sum, in rank order, every slot with one numpy call. The owner adds its
-        own contribution: its row counts nothing."""
+        own contribution: its row counts nothing. A slot keeps its row of the sums, not a copy:
+        sealing copies it once, into the datagram."""
         places = [slot.g % red.window for slot in slots]
         pool[places, [red.owner(slot.g) for slot in slots], :elems] = 0
         sums = pool[_index(places), :, :elems].sum(axis=1, dtype=accumulator_dtype(red.dtype))
         sums = sums.astype(red.dtype, copy=False)
-        for slot, result in zip(slots, sums):
-            slot.result = result.tobytes()
+        for slot, result in zip(slots, sums.view(np.uint8)):
+            slot.result = result
         self.stats["results"] += len(slots)
 
     def _pool(self, red: Reduction, elems: int) -> np.ndarray:
