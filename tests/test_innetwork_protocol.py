@@ -6,14 +6,15 @@ import numpy as np
 import pytest
 
 from fabric import Fabric
-from overcast.buffers import BFLOAT16
+from overcast.buffers import BFLOAT16, dtype_code
 from overcast.errors import CollectiveTimeoutError
 from overcast.protocols.base import Descriptor
 from overcast.protocols.budget import LinkBudget
 from overcast.protocols.innetwork import InNetworkReduceScatter
 from overcast.schedules.reduction import chunk_place
-from overcast.switch.aggregator import Aggregator
-from overcast.wire.header import AGGREGATOR, Kind
+from overcast.switch.aggregator import MAX_RESEND_SECONDS, RESEND_SECONDS, Aggregator
+from overcast.wire.header import AGGREGATOR, Header, Kind
+from overcast.wire.messages import pack_acks, pack_contribution_prefix
 
 CHUNK = 64
 RATE = 1e6
@@ -103,6 +104,39 @@ def test_acknowledgements_and_credit_ride_at_the_end_of_a_batch():
         ends = [i for i, kind in enumerate(kinds)
                 if kind == Kind.RESULT and (i + 1 == len(kinds) or kinds[i + 1] != Kind.RESULT)]
         assert ends and all(i + 1 < len(kinds) and kinds[i + 1] == Kind.CREDIT for i in ends)
+
+
+def test_results_are_sent_again_after_the_measured_round_trip_not_before():
+    """Acknowledgements that come 80 ms after their results raise the resend timeout above
+    80 ms (RFC 6298's estimator); a result is then not sent again at 60 ms, where the floor of
+    50 ms would have sent it, but is once the timeout has passed."""
+    agg = Aggregator(slots=8)
+    agg.register("comm", 2)
+
+    def contribute(g, now):  # rank 0's contribution completes chunk g: rank 1 owns odd g
+        payload = pack_contribution_prefix(dtype_code(np.dtype(np.int32)), 1, 2, 8) + \
+            np.full(4, g, np.int32).tobytes()
+        agg.receive("comm", Header(Kind.CONTRIB, 0, 0, 0, 0, AGGREGATOR, g, len(payload), 0),
+                    memoryview(payload), now)
+
+    def acknowledge(g, now):
+        payload = pack_acks([g])
+        agg.receive("comm", Header(Kind.RESULT_ACK, 0, 0, 0, 1, AGGREGATOR, 1, len(payload), 0),
+                    memoryview(payload), now)
+
+    for g in (1, 3, 5):
+        contribute(g, g / 10)
+        acknowledge(g, g / 10 + 0.08)
+    timeout = agg.comms["comm"].round_trip.timeout()
+    assert 0.08 < timeout < MAX_RESEND_SECONDS and timeout > 2 * RESEND_SECONDS
+    contribute(7, 1.0)
+    agg.outbox.clear()
+    agg.handle_timer(1.06)
+    assert agg.stats["results_resent"] == 0
+    agg.handle_timer(1.0 + timeout + 0.001)
+    assert agg.stats["results_resent"] == 1
+    assert [(dst, msg.kind, msg.chunk) for _, dst, msg in agg.outbox if msg.kind == Kind.RESULT] \
+        == [(1, Kind.RESULT, 7)]
 
 
 @pytest.mark.parametrize("world", [2, 5, 8])

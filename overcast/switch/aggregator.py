@@ -34,7 +34,12 @@ from overcast.wire.messages import CONTRIB_PREFIX, pack_credit, unpack_acks, \
 from overcast.wire.runs import Run
 
 NACK_SECONDS = 0.02
+# A result not acknowledged within the round trip's timeout is sent again. The timeout follows
+# the round trip from a result to its acknowledgement, as TCP's does (RFC 6298): the smoothed
+# time plus four times its variation, within [RESEND_SECONDS, MAX_RESEND_SECONDS]. Ranks or an
+# aggregator slowed by their CPU then do not resend results that are only late.
 RESEND_SECONDS = 0.05
+MAX_RESEND_SECONDS = 1.0
 # Each further resend of the same result waits twice as long: an overloaded path is not made
 # worse by its own retries.
 MAX_BACKOFF = 8
@@ -84,11 +89,37 @@ class Reduction:
         return chunk_owner(g, self.world, self.total // self.world, self.group)
 
 
+class RoundTrip:
+    """The round trip from a result to its acknowledgement (RFC 6298's estimator). Only results
+    sent once are sampled (Karn's rule): an acknowledgement does not say which copy it answers."""
+
+    __slots__ = ("smoothed", "variation")
+
+    def __init__(self):
+        self.smoothed: float | None = None
+        self.variation = 0.0
+
+    def sample(self, seconds: float) -> None:
+        if self.smoothed is None:
+            self.smoothed, self.variation = seconds, seconds / 2
+        else:
+            self.variation += (abs(self.smoothed - seconds) - self.variation) / 4
+            self.smoothed += (seconds - self.smoothed) / 8
+
+    def timeout(self) -> float:
+        if self.smoothed is None:
+            return RESEND_SECONDS
+        return min(MAX_RESEND_SECONDS,
+                   max(RESEND_SECONDS, self.smoothed + 4 * self.variation))
+
+
 class CommState:
-    """One registered communicator: its world, and its reductions."""
+    """One registered communicator: its world, its reductions, and the round trip to its ranks
+    (one estimate: they share the switch)."""
 
     def __init__(self, world: int, slots: int):
         self.world, self.slots = world, slots
+        self.round_trip = RoundTrip()
         self.reductions: dict[int, Reduction] = {}
         self.finished: collections.OrderedDict[int, int] = collections.OrderedDict()
 
@@ -170,7 +201,7 @@ class Aggregator:
             self.drops["stale"] += 1
             return
         for g in chunks:
-            self._on_ack(key, red, hdr.src, g)
+            self._on_ack(key, comm, red, hdr.src, g, now)
 
     def _on_credit_probe(self, key, comm: CommState, hdr, sent_below: int, now: float) -> None:
         """A rank's credit has stalled: say what it still owes. A reduction that is neither in
@@ -196,11 +227,12 @@ class Aggregator:
         busy = any(c.reductions for c in self.comms.values())
         self.next_tick = now + TICK_SECONDS if busy else None
         for key, comm in self.comms.items():
+            timeout = comm.round_trip.timeout()
             for red in list(comm.reductions.values()):
                 nacks: dict[int, list[int]] = collections.defaultdict(list)
                 for slot in red.slots.values():
                     if slot.result is not None:
-                        wait = RESEND_SECONDS * (1 << min(slot.resends, MAX_BACKOFF))
+                        wait = timeout * (1 << min(slot.resends, MAX_BACKOFF))
                         if not slot.acked and now >= slot.sent_at + wait:
                             slot.resends += 1
                             self._send_result(key, red, slot, now)
@@ -356,11 +388,14 @@ class Aggregator:
                                                  owner)))
 
     # -- release and credit ----------------------------------------------------------------
-    def _on_ack(self, key, red: Reduction, src: int, g: int) -> None:
+    def _on_ack(self, key, comm: CommState, red: Reduction, src: int, g: int,
+                now: float) -> None:
         slot = red.slots.get(g)
         if slot is None or slot.result is None or red.owner(g) != src:
             self.drops["stray_acks"] += 1
             return
+        if not slot.acked and not slot.resends:
+            comm.round_trip.sample(now - slot.sent_at)
         slot.acked = True
         while (head := red.slots.get(red.released)) is not None and head.acked:
             del red.slots[red.released]
