@@ -41,8 +41,9 @@ NACK_SECONDS = 0.02
 RESEND_SECONDS = 0.05
 MAX_RESEND_SECONDS = 1.0
 # Each further resend of the same result waits twice as long: an overloaded path is not made
-# worse by its own retries.
+# worse by its own retries. A wait never exceeds LONGEST_RESEND_WAIT, whatever the round trip.
 MAX_BACKOFF = 8
+LONGEST_RESEND_WAIT = RESEND_SECONDS * (1 << MAX_BACKOFF)
 # Slots are checked for overdue contributions and acknowledgements this often.
 TICK_SECONDS = 0.01
 # Announce the credit to every rank after this fraction of the pool has been released since
@@ -232,7 +233,8 @@ class Aggregator:
                 nacks: dict[int, list[int]] = collections.defaultdict(list)
                 for slot in red.slots.values():
                     if slot.result is not None:
-                        wait = timeout * (1 << min(slot.resends, MAX_BACKOFF))
+                        wait = min(timeout * (1 << min(slot.resends, MAX_BACKOFF)),
+                                   LONGEST_RESEND_WAIT)
                         if not slot.acked and now >= slot.sent_at + wait:
                             slot.resends += 1
                             self._send_result(key, red, slot, now)
