@@ -27,7 +27,7 @@ import numpy as np
 from overcast.buffers import accumulator_dtype, dtype_from_code
 from overcast.limits import check_slots
 from overcast.protocols.base import Outgoing
-from overcast.schedules.reduction import chunk_owner
+from overcast.schedules.reduction import chunk_owner, owner_span
 from overcast.wire.header import AGGREGATOR, ANY, Kind, MalformedError
 from overcast.wire.messages import CONTRIB_PREFIX, pack_credit, unpack_acks, \
     unpack_credit_probe
@@ -88,6 +88,10 @@ class Reduction:
     def owner(self, g: int) -> int:
         """The rank whose block chunk g is of: the one its sum goes to."""
         return chunk_owner(g, self.world, self.total // self.world, self.group)
+
+    def owner_span(self, g: int) -> tuple[int, int, int]:
+        """(owner, first, end): g's owner, and the chunks first to end - 1 that are all its."""
+        return owner_span(g, self.world, self.total // self.world, self.group)
 
 
 class RoundTrip:
@@ -301,39 +305,45 @@ class Aggregator:
         everyone = (1 << red.world) - 1
         taken, places, complete = [], [], []
         late = False
+        # this loop runs per contribution: what it reads of the reduction is read once
+        total, released, window, slots = red.total, red.released, red.window, red.slots
+        drops, stats = self.drops, self.stats
+        owner = want = first = end = -1  # chunks first to end - 1 are owner's; want: their set
         for i, h in enumerate(run.headers):
             g = h.chunk
-            if g >= red.total:
-                self.drops["out_of_range"] += 1
+            if g >= total:
+                drops["out_of_range"] += 1
                 continue
-            owner = red.owner(g)
+            if not first <= g < end:
+                owner, first, end = red.owner_span(g)
+                want = everyone & ~(1 << owner)
             if owner == src:
-                self.drops["wrong_sender"] += 1
+                drops["wrong_sender"] += 1
                 continue
-            if g < red.released:  # done already: the sender missed the credit
-                self.stats["late_contributions"] += 1
+            if g < released:  # done already: the sender missed the credit
+                stats["late_contributions"] += 1
                 late = True
                 continue
-            if g >= red.released + red.window:
-                self.drops["beyond_window"] += 1
+            if g >= released + window:
+                drops["beyond_window"] += 1
                 continue
             if g > red.passed[src]:
                 red.passed[src] = g
-            slot = red.slots.get(g)
+            slot = slots.get(g)
             if slot is None:
-                slot = red.slots[g] = Slot(g, elems, first_seen=now)
+                slot = slots[g] = Slot(g, elems, first_seen=now)
                 red.holes.pop(g, None)
                 red.highest = max(red.highest, g)
             if slot.have & bit or slot.result is not None:
-                self.stats["duplicate_contributions"] += 1
+                stats["duplicate_contributions"] += 1
                 continue
             if slot.elems != elems:
-                self.drops["wrong_length"] += 1
+                drops["wrong_length"] += 1
                 continue
             slot.have |= bit
             taken.append(i)
-            places.append(g % red.window)
-            if slot.have == everyone & ~(1 << owner):
+            places.append(g % window)
+            if slot.have == want:
                 complete.append(slot)
         if late:
             self._answer_credit(key, comm, hdr.seq, src, [])
