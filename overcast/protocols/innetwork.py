@@ -27,7 +27,7 @@ from overcast.buffers import add_into, divide_into, dtype_code
 from overcast.protocols.base import DATAGRAM, Accept, Collective, Descriptor, Outgoing, Phase
 from overcast.protocols.budget import LinkBudget
 from overcast.schedules.chains import chunk_count
-from overcast.schedules.reduction import chunk_place
+from overcast.schedules.reduction import chunk_place, owner_span
 from overcast.wire.header import AGGREGATOR, Kind, MalformedError, datagram_link_bytes
 from overcast.wire.messages import CONTRIB_PREFIX, pack_acks, pack_contribution_prefix, \
     pack_credit_probe, unpack_credit
@@ -84,9 +84,13 @@ class InNetworkReduceScatter(Collective):
         return slice(start, min(start + self.chunk_elems, (block + 1) * self.desc.count))
 
     def _next_to_send(self, g: int) -> int:
-        """The first chunk from g on that is not of this rank's own block."""
-        while g < self.total and self._place(g)[0] == self.rank:
-            g += 1
+        """The first chunk from g on that is not of this rank's own block: a span of its own
+        chunks is skipped whole."""
+        while g < self.total:
+            owner, _, end = owner_span(g, self.world, self.k, self.group)
+            if owner != self.rank:
+                return g
+            g = end
         return g
 
     def _bytes(self, g: int) -> memoryview:

@@ -29,9 +29,7 @@ def chunk_owner(g: int, world: int, k: int, group: int) -> int:
 def owner_span(g: int, world: int, k: int, group: int) -> tuple[int, int, int]:
     """(owner, first, end) of chunk g: its owner, and the consecutive chunk numbers around g,
     first to end - 1, that are all that owner's (g's group, or the last round's rest)."""
+    block, c = chunk_place(g, world, k, group)
     whole = k - k % group
-    if g < whole * world:
-        first = g - g % group
-        return g % (world * group) // group, first, first + group
-    block, j = divmod(g - whole * world, k - whole)
-    return block, g - j, g - j + k - whole
+    j, size = (c % group, group) if c < whole else (c - whole, k - whole)
+    return block, g - j, g - j + size

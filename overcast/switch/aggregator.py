@@ -241,7 +241,7 @@ class Aggregator:
                                    LONGEST_RESEND_WAIT)
                         if not slot.acked and now >= slot.sent_at + wait:
                             slot.resends += 1
-                            self._send_result(key, red, slot, now)
+                            self._send_result(key, red, slot, red.owner(slot.g), now)
                             self.stats["results_resent"] += 1
                     elif now >= max(slot.first_seen, slot.nacked) + NACK_SECONDS:
                         slot.nacked = now
@@ -303,7 +303,7 @@ class Aggregator:
         pool = self._pool(red, elems)
         src, bit = hdr.src, 1 << hdr.src
         everyone = (1 << red.world) - 1
-        taken, places, complete = [], [], []
+        taken, places, complete, owners = [], [], [], []  # owners: of the complete slots
         late = False
         # this loop runs per contribution: what it reads of the reduction is read once
         total, released, window, slots = red.total, red.released, red.window, red.slots
@@ -345,6 +345,7 @@ class Aggregator:
             places.append(g % window)
             if slot.have == want:
                 complete.append(slot)
+                owners.append(owner)
         if late:
             self._answer_credit(key, comm, hdr.seq, src, [])
         if not taken:
@@ -353,19 +354,19 @@ class Aggregator:
         pool[_index(places), src, :elems] = rows[_index(taken)]
         self.stats["contributions"] += len(taken)
         if complete:
-            self._sum(red, pool, complete, elems, now)
-            for slot in complete:
-                self._send_result(key, red, slot, now)
-            for owner in dict.fromkeys(red.owner(slot.g) for slot in complete):
+            self._sum(red, pool, complete, owners, elems)
+            for slot, owner in zip(complete, owners):
+                self._send_result(key, red, slot, owner, now)
+            for owner in dict.fromkeys(owners):
                 self._credit(key, red, owner, [])
 
-    def _sum(self, red: Reduction, pool: np.ndarray, slots: list[Slot], elems: int,
-             now: float) -> None:
+    def _sum(self, red: Reduction, pool: np.ndarray, slots: list[Slot], owners: list[int],
+             elems: int) -> None:
         """Each slot's sum, in rank order, every slot with one numpy call. The owner adds its
         own contribution: its row counts nothing. A slot keeps its row of the sums, not a copy:
         sealing copies it once, into the datagram."""
         places = [slot.g % red.window for slot in slots]
-        pool[places, [red.owner(slot.g) for slot in slots], :elems] = 0
+        pool[places, owners, :elems] = 0
         sums = pool[_index(places), :, :elems].sum(axis=1, dtype=accumulator_dtype(red.dtype))
         sums = sums.astype(red.dtype, copy=False)
         for slot, result in zip(slots, sums.view(np.uint8)):
@@ -393,8 +394,7 @@ class Aggregator:
             red.pool = None
         red.slots.clear()
 
-    def _send_result(self, key, red: Reduction, slot: Slot, now: float) -> None:
-        owner = red.owner(slot.g)
+    def _send_result(self, key, red: Reduction, slot: Slot, owner: int, now: float) -> None:
         slot.sent_at = now
         self.outbox.append((key, owner, Outgoing(Kind.RESULT, red.seq, slot.g, slot.result,
                                                  owner)))
