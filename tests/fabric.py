@@ -102,7 +102,7 @@ class Fabric:
             batch = [queue.pop(i)]
             while len(batch) < self.runs and i < len(queue) and _joins(batch[-1][0], queue[i][0]):
                 batch.append(queue.pop(i))
-            run = Run([hdr for hdr, _ in batch],
+            run = Run(batch[0][0], [hdr.chunk for hdr, _ in batch],
                       memoryview(b"".join(payload for _, payload in batch)), 0,
                       batch[0][0].length)
         if dst == AGGREGATOR:

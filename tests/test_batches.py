@@ -64,7 +64,7 @@ def receive_all(receiver: Datagrams, expected: int, runs: list | None = None) \
         got.extend((hdr.chunk, bytes(payload)) for hdr, payload in run.messages())
         assert [bytes(row) for row in run.rows()] == [p for _, p in got[-len(run):]]
         if runs is not None:
-            runs.append([hdr.chunk for hdr in run.headers])
+            runs.append(list(run.chunks))
 
     with selectors.DefaultSelector() as sel:
         sel.register(receiver, selectors.EVENT_READ)

@@ -122,3 +122,48 @@ def test_a_stream_closes_on_a_frame_from_anyone_but_its_peer():
         a.close()
         b.close()
         listener.close()
+
+
+def read_of(*frames) -> memoryview:
+    """Datagrams laid back to back as one GRO read hands them over."""
+    return memoryview(b"".join(bytes(f) for f in frames))
+
+
+def test_a_read_is_opened_datagram_by_datagram_and_grouped_into_runs():
+    """Runs break where the sender, the collective or the chunk order changes, at a datagram
+    that fails (another communicator's, a forged or replayed one: each counted, the others
+    taken) and before a shorter last datagram."""
+    sealer, opener, drops = make(src=1)
+    other_rank = Sealer(KEY, JOB, 7, 2)
+    stranger = Sealer(KEY, JOB, 8, 1)
+
+    def seal(s, chunk, seq=1, size=100):
+        return bytes(s.seal(Kind.MCAST_DATA, seq, 0, chunk, bytes([chunk]) * size))
+    first = [seal(sealer, g) for g in range(3)]
+    forged = bytearray(seal(sealer, 3))
+    forged[HEADER_BYTES] ^= 1
+    frames = first + [seal(other_rank, 10), seal(other_rank, 11), seal(stranger, 4),
+                      seal(sealer, 5), seal(sealer, 6, seq=2), seal(sealer, 2), forged,
+                      first[1], seal(sealer, 7), seal(sealer, 8, size=40)]
+    from overcast.wire.auth import open_datagrams
+    size = len(first[0])
+    runs = open_datagrams(read_of(*frames), size, opener.chooser({}, 64), drops)
+    assert [(r.hdr.src, r.hdr.seq, r.chunks) for r in runs] == [
+        (1, 1, [0, 1, 2]), (2, 1, [10, 11]), (1, 1, [5]), (1, 2, [6]), (1, 1, [2]), (1, 1, [7]),
+        (1, 1, [8])]
+    assert drops == {"foreign": 1, "bad_mac": 1, "replayed": 1}
+    assert [bytes(row[:1]) for row in runs[0].rows()] == [b"\0", b"\1", b"\2"]
+    assert runs[-1].length == 40 and bytes(runs[-1].payload(0)) == bytes([8]) * 40
+    assert [hdr.chunk for hdr, _ in runs[1].messages()] == [10, 11]
+
+
+def test_a_read_may_lose_datagrams_before_they_are_looked_at_and_an_empty_one_is_malformed():
+    from overcast.wire.auth import open_datagrams
+    sealer, opener, drops = make()
+    frames = [sealer.seal(Kind.MCAST_DATA, 1, 0, g, b"x" * 50) for g in range(4)]
+    fate = iter([False, True, False, False])
+    runs = open_datagrams(read_of(*frames), len(frames[0]), opener.chooser({}, 64), drops,
+                          lose=lambda: next(fate))
+    assert [r.chunks for r in runs] == [[0], [2, 3]] and not drops
+    assert open_datagrams(memoryview(b""), 1, opener.chooser({}, 64), drops) == []
+    assert drops == {"malformed": 1}

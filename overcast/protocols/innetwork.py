@@ -151,7 +151,7 @@ class InNetworkReduceScatter(Collective):
     def _on_results(self, run, now: float) -> None:
         """A run of results. Whole consecutive chunks of this rank's block none of which is
         here yet are added with one numpy call; any other run, one result at a time."""
-        first, last, count = run.hdr.chunk, run.headers[-1].chunk, len(run)
+        first, last, count = run.chunks[0], run.chunks[-1], len(run)
         if count > 1 and last - first + 1 == count and last < self.total:
             (block, c), (last_block, last_c) = self._place(first), self._place(last)
             start, span = c * self.chunk_elems, count * self.chunk_elems

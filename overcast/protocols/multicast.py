@@ -204,7 +204,7 @@ class MulticastGather(Collective):
     def _on_chunks(self, run, now: float) -> None:
         """A run of chunks from one root. Whole consecutive chunks none of which is here yet go
         into place in one copy; any other run, one chunk at a time."""
-        first, last = run.hdr.chunk, run.headers[-1].chunk
+        first, last = run.chunks[0], run.chunks[-1]
         s = self.segment_of_root[run.hdr.src]
         if not (s * self.k <= first and last < (s + 1) * self.k):
             self.reject("out_of_range", f"multicast chunks {first}..{last} from rank "
@@ -221,12 +221,12 @@ class MulticastGather(Collective):
                 self.stats["multicast_chunks"] += count
                 self._advance(s, first - s * self.k, last - s * self.k)
                 return
-        for i, hdr in enumerate(run.headers):
-            if self._store(hdr.chunk, run.payload(i)):
+        for i, g in enumerate(run.chunks):
+            if self._store(g, run.payload(i)):
                 self.stats["multicast_chunks"] += 1
             else:
                 self.stats["duplicate_chunks"] += 1
-            self._advance(s, hdr.chunk - s * self.k, hdr.chunk - s * self.k)
+            self._advance(s, g - s * self.k, g - s * self.k)
 
     def _advance(self, s: int, first: int, last: int) -> None:
         """Chunks first..last of segment s came: a skip before them is a gap, and a gap far

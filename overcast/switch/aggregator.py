@@ -309,8 +309,7 @@ class Aggregator:
         total, released, window, slots = red.total, red.released, red.window, red.slots
         drops, stats = self.drops, self.stats
         owner = want = first = end = -1  # chunks first to end - 1 are owner's; want: their set
-        for i, h in enumerate(run.headers):
-            g = h.chunk
+        for i, g in enumerate(run.chunks):
             if g >= total:
                 drops["out_of_range"] += 1
                 continue

@@ -44,7 +44,7 @@ class _Comm:
         # Nonces must never repeat under a key, even across restarts of this service.
         self.sealer.counter = time.time_ns()
         self.opener = Opener(key, job, comm, drops)
-        self.windows: dict = {}
+        self.choose = self.opener.chooser({}, WINDOW)
         self.addresses: dict[int, tuple[str, int]] = {}
         self.hears_group: dict[int, bool] = {}
         self.group = multicast_group(comm)
@@ -188,23 +188,19 @@ class SwitchService:
 
     # -- datagrams -------------------------------------------------------------------------
     def _on_datagrams(self, now: float) -> None:
-        def open_one(datagram: memoryview):
-            try:
-                hdr = unpack_header(datagram)
-            except MalformedError:
-                self.drops["malformed"] += 1
-                return None
-            comm = self.comms.get((hdr.job, hdr.comm))
-            if comm is None:
-                self.drops["foreign"] += 1
-                return None
-            return comm.opener.verify(datagram, windows=comm.windows, window_width=WINDOW,
-                                      hdr=hdr)
-
         def take(run) -> None:
             self.aggregator.receive_run((run.hdr.job, run.hdr.comm), run, now)
 
-        self.datagrams.receive(open_one, take)
+        self.datagrams.receive(self._choose, take)
+
+    def _choose(self, job: int, comm: int, src: int):
+        """The opener and replay window of a datagram's communicator (wire.auth.open_datagrams);
+        None for one not registered here."""
+        registered = self.comms.get((job, comm))
+        if registered is None:
+            self.drops["foreign"] += 1
+            return None
+        return registered.choose(job, comm, src)
 
     def _send(self) -> None:
         """Send what the aggregator wants sent: per destination, in order, in batches."""

@@ -21,9 +21,7 @@ import socket
 import struct
 
 from overcast.transport.loss import LossModel
-from overcast.wire.auth import Opener
-from overcast.wire.header import HEADER_BYTES
-from overcast.wire.runs import Run
+from overcast.wire.auth import Opener, open_datagrams
 
 # The replay window per sender: datagrams may arrive out of order, but never this far.
 WINDOW = 1 << 14
@@ -163,27 +161,6 @@ def seal_batches(sealer, messages, buf: bytearray):
         yield view[:end], size
 
 
-def read_runs(datagrams: memoryview, size: int, open_one) -> list[Run]:
-    """Open each datagram of one read (`open_one(view)` gives its header if it is authentic and
-    for this receiver, else None, having counted why) and group the authentic ones into runs
-    (see wire.runs): neighbours in the read with the same kind, job, communicator, collective,
-    sender, destination and length, and rising chunks. A datagram that fails ends the run."""
-    runs: list[Run] = []
-    run, key, n = None, None, len(datagrams)
-    for start in range(0, n, size):
-        hdr = open_one(datagrams[start:start + size])
-        if hdr is None:
-            run = None
-            continue
-        same = (hdr.kind, hdr.job, hdr.comm, hdr.seq, hdr.src, hdr.dst, hdr.length)
-        if run is not None and same == key and hdr.chunk > run.headers[-1].chunk:
-            run.headers.append(hdr)
-        else:
-            run, key = Run([hdr], datagrams, start + HEADER_BYTES, size), same
-            runs.append(run)
-    return runs
-
-
 class UdpPort:
     """One UDP socket's batches, and their counts: reads what the kernel coalesced (GRO) and
     cuts it at the segment size it reports; sends a run of datagrams in one call (GSO), one by
@@ -203,10 +180,10 @@ class UdpPort:
     def fileno(self) -> int:
         return self.sock.fileno()
 
-    def receive(self, open_one, on_run, reads: int = _READS_PER_EVENT) -> None:
-        """Read up to `reads` times; open the datagrams of each read with `open_one` and call
-        on_run(run) for each run of authentic ones (see read_runs). A run is valid during the
-        call only."""
+    def receive(self, choose, on_run, lose=None, reads: int = _READS_PER_EVENT) -> None:
+        """Read up to `reads` times; open the datagrams of each read (wire.auth.open_datagrams,
+        with `choose` and `lose`) and call on_run(run) for each run of authentic ones. A run is
+        valid during the call only."""
         sock, buf, gro = self.sock, self._buf, self.gro
         view = memoryview(buf)
         for _ in range(reads):
@@ -231,7 +208,7 @@ class UdpPort:
             if n:
                 self.datagrams_in += -(-n // size)
                 self.bytes_in += n
-                for run in read_runs(view[:n], size, open_one):
+                for run in open_datagrams(view[:n], size, choose, self.drops, lose):
                     on_run(run)
 
     def send_some(self, view: memoryview, size: int, address: tuple[str, int]) -> int:
@@ -292,7 +269,7 @@ class Datagrams(UdpPort):
         super().__init__(sock, opener.drops, read_bytes)
         enlarge_receive_buffer(sock)
         self.opener, self.own_rank = opener, own_rank
-        self._windows = windows
+        self._choose = opener.chooser(windows, WINDOW, exclude=own_rank)
         self.loss = loss
         self._out: collections.deque[tuple[bytes, int, tuple[str, int]]] = collections.deque()
         self.injected_losses = 0
@@ -308,14 +285,13 @@ class Datagrams(UdpPort):
     def read(self, on_run) -> None:
         """Take the datagrams waiting; call on_run(run) for each run (see wire.runs) of
         authentic ones from other ranks. A run is valid during the call only."""
-        def open_one(datagram):
-            if self.loss is not None and self.loss.drop():
-                self.injected_losses += 1
-                return None
-            hdr = self.opener.verify(datagram, windows=self._windows, window_width=WINDOW)
-            return hdr if hdr is not None and hdr.src != self.own_rank else None
+        self.receive(self._choose, on_run, self._lose if self.loss is not None else None)
 
-        self.receive(open_one, on_run)
+    def _lose(self) -> bool:
+        if self.loss.drop():
+            self.injected_losses += 1
+            return True
+        return False
 
     def send(self, data, address: tuple[str, int], size: int | None = None) -> None:
         """Send one datagram, or a batch of them laid back to back, each `size` bytes but the

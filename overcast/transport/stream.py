@@ -83,7 +83,7 @@ class Stream:
             total = hdr.frame_bytes()
             if filled - pos < total:
                 break
-            msg = self.opener.open(view[pos:pos + total], window=self._window, hdr=hdr)
+            msg = self.opener.open(view[pos:pos + total], window=self._window)
             if msg is not None:
                 on_message(*msg)
             pos += total

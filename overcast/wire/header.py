@@ -58,7 +58,7 @@ class Kind(enum.IntEnum):
     CREDIT = 33
 
 
-_KINDS = frozenset(int(k) for k in Kind)
+KINDS = frozenset(int(k) for k in Kind)
 
 
 class Header(NamedTuple):
@@ -93,7 +93,7 @@ def unpack_header(buf) -> Header:
         raise MalformedError("bad magic")
     if fields[1] != VERSION:
         raise MalformedError(f"version {fields[1]}")
-    if fields[2] not in _KINDS:
+    if fields[2] not in KINDS:
         raise MalformedError(f"unknown kind {fields[2]}")
     if fields[9] > MAX_PAYLOAD:
         raise MalformedError("oversized payload")

@@ -16,25 +16,22 @@ from overcast.wire.header import Header
 
 
 class Run:
-    __slots__ = ("headers", "data", "offset", "stride", "length")
+    __slots__ = ("hdr", "chunks", "data", "offset", "stride", "length")
 
-    def __init__(self, headers: list[Header], data: memoryview, offset: int, stride: int):
-        self.headers = headers
+    def __init__(self, hdr: Header, chunks: list[int], data: memoryview, offset: int,
+                 stride: int):
+        self.hdr = hdr  # the first message's: kind, collective, sender and destination of all
+        self.chunks = chunks  # each message's chunk, rising
         self.data = data  # bytes holding every payload; valid during delivery only
         self.offset, self.stride = offset, stride  # the first payload's, and between payloads
-        self.length = headers[0].length
+        self.length = hdr.length
 
     @classmethod
     def one(cls, hdr: Header, payload) -> "Run":
-        return cls([hdr], memoryview(payload).cast("B"), 0, hdr.length)
-
-    @property
-    def hdr(self) -> Header:
-        """The first message's header: kind, collective, sender and destination of them all."""
-        return self.headers[0]
+        return cls(hdr, [hdr.chunk], memoryview(payload).cast("B"), 0, hdr.length)
 
     def __len__(self) -> int:
-        return len(self.headers)
+        return len(self.chunks)
 
     def payload(self, i: int) -> memoryview:
         start = self.offset + i * self.stride
@@ -43,9 +40,13 @@ class Run:
     def rows(self, skip: int = 0) -> np.ndarray:
         """The payloads as rows of a (messages, length - skip) uint8 array, each row's first
         `skip` bytes left out: a view, no copy."""
-        return np.ndarray((len(self.headers), self.length - skip), np.uint8, self.data,
+        return np.ndarray((len(self.chunks), self.length - skip), np.uint8, self.data,
                           self.offset + skip, (self.stride, 1))
 
     def messages(self):
-        """(header, payload) of each message, for handlers that take one at a time."""
-        return ((hdr, self.payload(i)) for i, hdr in enumerate(self.headers))
+        """(header, payload) of each message, for handlers that take one at a time. A header is
+        the first's with the message's own chunk: the counters were spent on the replay check
+        and are not kept."""
+        hdr = self.hdr
+        return ((hdr if g == hdr.chunk else hdr._replace(chunk=g), self.payload(i))
+                for i, g in enumerate(self.chunks))
