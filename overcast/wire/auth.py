@@ -192,8 +192,8 @@ def open_datagrams(datagrams: memoryview, size: int, choose, drops: Drops,
             drops["malformed"] += 1
             run = None
             continue
-        f = unpack(datagrams, start)  # magic, version, kind, job, comm, seq, src, dst, chunk,
-        #                               length, counter
+        # f: magic, version, kind, job, comm, seq, src, dst, chunk, length, counter
+        f = unpack(datagrams, start)
         if f[0] != MAGIC or f[1] != VERSION or f[2] not in KINDS or \
                 f[9] + OVERHEAD_BYTES != end - start:
             drops["malformed"] += 1
