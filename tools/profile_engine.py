@@ -164,8 +164,9 @@ def main() -> int:
                 pstats.Stats(path).sort_stats("tottime").print_stats(args.top)
             busy = shares(path)
             total = sum(busy.values())
+            width = max(map(len, CATEGORIES))
             for kind, seconds in sorted(busy.items(), key=lambda kv: -kv[1]):
-                print(f"  {kind:{max(map(len, CATEGORIES))}s} {seconds / total:5.0%}  ({seconds:.3f} s profiled)")
+                print(f"  {kind:{width}s} {seconds / total:5.0%}  ({seconds:.3f} s profiled)")
     for name, (seconds, calls) in sorted(ranks[1][2].items(), key=lambda kv: -kv[1][0]):
         print(f"  {name:20s} {seconds * 1e3:7.1f} ms {calls:8.0f} calls "
               f"{seconds / max(calls, 1) * 1e6:7.1f} us each")
