@@ -330,8 +330,9 @@ def test_a_rejection_is_raised_again_from_its_message_as_work_wait_does():
 
 def run_of(messages):
     """Contributions laid back to back, as one read hands a run on."""
-    return Run(messages[0][0], [hdr.chunk for hdr, _ in messages], memoryview(b"".join(p for _, p in messages)), 0,
-               messages[0][0].length)
+    first = messages[0][0]
+    return Run(first, [hdr.chunk for hdr, _ in messages],
+               memoryview(b"".join(p for _, p in messages)), 0, first.length)
 
 
 def test_a_run_of_contributions_is_taken_as_its_messages_one_by_one_would_be():
