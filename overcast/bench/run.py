@@ -15,8 +15,8 @@ import statistics
 from overcast.report.timeline import write_timeline
 from overcast.bench.worker import DTYPE, run_point
 from overcast.cluster.netns import Cluster
-from overcast.limits import (check_algorithms, check_count, check_hosts, check_link_rate, check_loss, check_mtu,
-                             check_roots, check_size, check_slots)
+from overcast.limits import (check_algorithms, check_count, check_hosts, check_link_rate,
+                             check_loss, check_mtu, check_roots, check_size, check_slots)
 from overcast.schedules import cost
 from overcast.wire.header import OVERHEAD_BYTES
 

@@ -151,8 +151,9 @@ def _choose(point: dict, host_cores: float) -> tuple[str, str]:
                             f"overcast's Python engine needs {oc['engine_cores_python']:.1f} "
                             f"cores per host at this rate (of {host_cores:g})")
     return "overcast-offloaded", (
-        f"communication {gain:.2f}x faster than {best_ring} with an offloaded engine (or NCCL's NVLS + "
-        f"CollNet/SHARP), which needs {oc['engine_cores_offload']:.2f} engines per host; "
+        f"communication {gain:.2f}x faster than {best_ring} with an offloaded engine "
+        f"(or NCCL's NVLS + CollNet/SHARP), which needs {oc['engine_cores_offload']:.2f} "
+        f"engines per host; "
         f"overcast's Python engine would need {oc['engine_cores_python']:.0f} cores per host "
         f"(of {host_cores:g}) and take {oc['seconds_on_host_cores'] / rings['seconds']:.1f}x "
         f"the rings' time")
