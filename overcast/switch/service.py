@@ -43,8 +43,7 @@ class _Comm:
         self.sealer = Sealer(key, job, comm, AGGREGATOR)
         # Nonces must never repeat under a key, even across restarts of this service.
         self.sealer.counter = time.time_ns()
-        self.opener = Opener(key, job, comm, drops)
-        self.choose = self.opener.chooser({}, WINDOW)
+        self.choose = Opener(key, job, comm, drops).chooser({}, WINDOW)
         self.addresses: dict[int, tuple[str, int]] = {}
         self.hears_group: dict[int, bool] = {}
         self.group = multicast_group(comm)

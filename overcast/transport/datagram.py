@@ -268,9 +268,9 @@ class Datagrams(UdpPort):
                  loss: LossModel | None = None, read_bytes: int = GRO_READ_BYTES):
         super().__init__(sock, opener.drops, read_bytes)
         enlarge_receive_buffer(sock)
-        self.opener, self.own_rank = opener, own_rank
         self._choose = opener.chooser(windows, WINDOW, exclude=own_rank)
         self.loss = loss
+        self._lost = None if loss is None else self._lose  # open_datagrams' `lose`
         self._out: collections.deque[tuple[bytes, int, tuple[str, int]]] = collections.deque()
         self.injected_losses = 0
 
@@ -285,7 +285,7 @@ class Datagrams(UdpPort):
     def read(self, on_run) -> None:
         """Take the datagrams waiting; call on_run(run) for each run (see wire.runs) of
         authentic ones from other ranks. A run is valid during the call only."""
-        self.receive(self._choose, on_run, self._lose if self.loss is not None else None)
+        self.receive(self._choose, on_run, self._lost)
 
     def _lose(self) -> bool:
         if self.loss.drop():

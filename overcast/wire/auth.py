@@ -173,8 +173,9 @@ def open_datagrams(datagrams: memoryview, size: int, choose, drops: Drops,
     choose(job, comm, src) (an Opener's `chooser`; None: not for this receiver, counted there);
     its tag; its counter, against the window. Rejects are counted in `drops`, never raised.
     `lose()`, if given, says whether each datagram is to be taken as lost before anything looks
-    at it (injected loss). One loop for a whole read, no call per datagram but the MAC's: this
-    is the receive path of every datagram."""
+    at it (injected loss). One loop for a whole read, with no Header made and no Python
+    function called per datagram but the replay window's (and `lose`): this is the receive path
+    of every datagram."""
     n = len(datagrams)
     if not n:
         drops["malformed"] += 1
