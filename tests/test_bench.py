@@ -8,6 +8,8 @@ import sys
 
 from conftest import root_only
 
+from overcast.bench.run import sweep_summary
+
 pytestmark = root_only
 
 
@@ -69,9 +71,59 @@ def test_overlap_bench_and_timeline(tmp_path):
         assert png[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_a_sweep_runs_every_point_on_a_cluster_of_each_rate(tmp_path):
+    out = tmp_path / "sweep.json"
+    run = subprocess.run([sys.executable, "-m", "overcast.cli.main", "bench", "--hosts", "2",
+                          "--link-mbit", "200,50", "--sizes", "1MiB", "--collectives", "overlap",
+                          "--algorithms", "overcast,ring", "--reps", "2", "--warmup", "1",
+                          "--within", "1.5", "--timeline", str(tmp_path / "tl"),
+                          "--json", str(out)],
+                         check=True, capture_output=True, text=True, timeout=600)
+    doc = json.loads(out.read_text())
+    meta = doc["meta"]
+    assert meta["link_bits_per_s"] is None and meta["within"] == 1.5
+    assert meta["link_rates_bits_per_s"] == [200_000_000, 50_000_000]
+    rows = {(r["algorithm"], r["link_bits_per_s"]): r for r in doc["results"]}
+    assert set(rows) == {(a, b) for a in ("overcast", "ring") for b in (200e6, 50e6)}
+    assert all(r["correct"] for r in rows.values())
+    for algorithm in ("overcast", "ring"):
+        # each rate had its own links: a quarter of the rate, at least twice the time
+        assert rows[(algorithm, 50e6)]["seconds"] > 2 * rows[(algorithm, 200e6)]["seconds"]
+        for mbit in (50, 200):
+            trace = json.loads((tmp_path / f"tl-{algorithm}-{mbit}mbit.json").read_text())
+            assert trace["traceEvents"]
+    assert rows[("overcast", 50e6)]["switch_cpu_seconds_per_run"] > 0
+    assert [(p["algorithm"], p["ratio_to_floor"]) for p in doc["sweep"]] == \
+        [(a, [[b, rows[(a, b)]["ratio_to_floor"]] for b in (50_000_000, 200_000_000)])
+         for a in ("overcast", "ring")]
+    assert doc["sweep"] == sweep_summary(doc["results"], 1.5)
+    for p in doc["sweep"]:
+        assert f"overlap {p['algorithm']}" in run.stdout and "of its floor" in run.stdout
+    assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_sweep_names_the_highest_rate_held_at_every_rate_below_it():
+    def rows(ratios):
+        return [{"collective": "overlap", "algorithm": "overcast", "bytes_per_rank": 4 << 20,
+                 "roots": 8, "loss": 0.0, "link_bits_per_s": mbit * 10**6,
+                 "ratio_to_floor": x} for mbit, x in ratios]
+
+    def held(ratios, within=1.15):
+        [p] = sweep_summary(rows(ratios), within)
+        return p["holds_up_to_bits_per_s"], p["fails_at_bits_per_s"]
+
+    # in any order; a rate held again above the first that failed does not count
+    assert held([(350, 1.26), (250, 1.09), (300, 1.10), (400, 1.12)]) == (300e6, 350e6)
+    assert held([(100, 1.07), (200, 1.15)]) == (200e6, None)
+    assert held([(100, 1.2), (200, 1.1)]) == (None, 100e6)
+    assert held([(100, 1.2), (200, 1.3)], within=1.25) == (100e6, 200e6)
+
+
 def test_bench_names_what_it_does_not_know():
     for argv, needle in ((["--collectives", "allreduce"], "unknown collective 'allreduce'"),
                          (["--algorithms", "tree"], "no algorithm tree"),
+                         (["--link-mbit", "100,fast"],
+                          "--link-mbit takes numbers, comma-separated, not '100,fast'"),
                          (["--sizes", "4 parsecs"], "cannot read size")):
         out = subprocess.run([sys.executable, "-m", "overcast.cli.main", "bench", *argv],
                              capture_output=True, text=True, timeout=60)

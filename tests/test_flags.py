@@ -54,6 +54,15 @@ CASES = {
                              RATE.format(-5)),
     "bench --link-mbit inf": (["bench", "--link-mbit", "inf"],
                               lambda: bench(link_bits=float("inf")), RATE.format("inf")),
+    "bench --link-mbit 100,0": (["bench", "--link-mbit", "100,0"],
+                                lambda: bench(link_bits=[10**8, 0]), RATE.format(0)),
+    "bench --link-mbit ,": (["bench", "--link-mbit", ","], lambda: bench(link_bits=[]),
+                            "the link rates must be at least one, not none "
+                            "(--link-mbit, link_bits)"),
+    "bench --within 0.5": (["bench", "--link-mbit", "100,200", "--within", "0.5"],
+                           lambda: bench(link_bits=[10**8, 2 * 10**8], within=0.5),
+                           "the sweep's bar must be 1 or more times the floor, not 0.5 "
+                           "(--within, within)"),
     "bench --sizes 0": (["bench", "--sizes", "64KiB,0"], lambda: bench(sizes=[65536, 0]),
                         "a size must be 1 byte or more, not 0 (--sizes, sizes)"),
     "bench --reps 0": (["bench", "--reps", "0"], lambda: bench(reps=0),

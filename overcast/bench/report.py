@@ -24,24 +24,57 @@ def columns(title: str, names: tuple[str, ...], left=("collective", "algorithm")
 
 def table(doc: dict) -> Table:
     meta = doc["meta"]
-    t = columns(f"{meta['hosts']} hosts, {meta['link_bits_per_s'] / 1e6:g} Mbit/s per "
-                f"direction, MTU {meta['mtu']}, {meta['dtype']}, median of "
-                f"{meta['repetitions']} runs",
-                ("collective", "algorithm", "size/rank", "time ms", "x floor", "algbw MB/s",
-                 "busbw MB/s", "tx/host", "rx/host", "tx/payload", "rx/payload", "cpu s/rank",
-                 "cpu us/dgram", "cpu s/GiB", "machine cpu", "correct"))
+    rates = meta.get("link_rates_bits_per_s") or [meta["link_bits_per_s"]]
+    sweep = len(rates) > 1
+    t = columns(f"{meta['hosts']} hosts, {mbit_text(rates)} Mbit/s per direction, MTU "
+                f"{meta['mtu']}, {meta['dtype']}, median of {meta['repetitions']} runs",
+                ("collective", "algorithm", *(("link Mbit/s",) if sweep else ()), "size/rank",
+                 "time ms", "x floor", "algbw MB/s", "busbw MB/s", "tx/host", "rx/host",
+                 "tx/payload", "rx/payload", "cpu s/rank", "cpu us/dgram", "cpu s/GiB",
+                 "agg cpu s", "machine cpu", "correct"))
     for r in doc["results"]:
-        algorithm = r["algorithm"] + (f" x{r['roots']}" if r.get("roots") else "") + \
-            (f" loss {r['loss']:g}" if r.get("loss") else "")
-        t.add_row(r["collective"], algorithm, human_bytes(r["bytes_per_rank"]),
+        t.add_row(r["collective"], algorithm_label(r),
+                  *((f"{r['link_bits_per_s'] / 1e6:g}",) if sweep else ()),
+                  human_bytes(r["bytes_per_rank"]),
                   f"{r['seconds'] * 1e3:.1f}", f"{r['ratio_to_floor']:.3f}",
                   f"{r['algbw_bytes_per_s'] / 1e6:.1f}", f"{r['busbw_bytes_per_s'] / 1e6:.1f}",
                   human_bytes(r["tx_bytes_per_host"]), human_bytes(r["rx_bytes_per_host"]),
                   f"{r['tx_over_payload']:.3f}", f"{r['rx_over_payload']:.3f}",
                   f"{r['cpu_seconds_per_rank']:.3f}", _maybe(r.get("cpu_us_per_datagram"), ".1f"),
-                  _maybe(r.get("cpu_seconds_per_gib"), ".2f"), f"{r['machine_cpu_busy']:.0%}",
-                  "yes" if r["correct"] else "[bold red]NO[/]")
+                  _maybe(r.get("cpu_seconds_per_gib"), ".2f"),
+                  _maybe(r.get("switch_cpu_seconds_per_run"), ".3f"),
+                  f"{r['machine_cpu_busy']:.0%}", "yes" if r["correct"] else "[bold red]NO[/]")
     return t
+
+
+def algorithm_label(r: dict) -> str:
+    """A row's algorithm with its multicast roots and injected loss, where it has them."""
+    return r["algorithm"] + (f" x{r['roots']}" if r.get("roots") else "") + \
+        (f" loss {r['loss']:g}" if r.get("loss") else "")
+
+
+def mbit_text(rates: list[float]) -> str:
+    return ", ".join(f"{bits / 1e6:g}" for bits in rates)
+
+
+def sweep_lines(doc: dict) -> list[str]:
+    """Per point of a sweep: the highest rate it holds its bar at, and where it stops."""
+    lines = []
+    for p in doc.get("sweep", ()):
+        name = f"{p['collective']} {algorithm_label(p)}, {human_bytes(p['bytes_per_rank'])}"
+        ratio = dict((bits, x) for bits, x in p["ratio_to_floor"])
+        holds, fails, bar = p["holds_up_to_bits_per_s"], p["fails_at_bits_per_s"], p["within"]
+        if holds is None:
+            lines.append(f"{name}: not within {bar:g}x of its floor at any rate swept: "
+                         f"{ratio[fails]:.3f}x at {fails / 1e6:g} Mbit/s")
+        elif fails is None:
+            lines.append(f"{name}: within {bar:g}x of its floor at every rate swept, up to "
+                         f"{holds / 1e6:g} Mbit/s ({ratio[holds]:.3f}x)")
+        else:
+            lines.append(f"{name}: within {bar:g}x of its floor up to {holds / 1e6:g} Mbit/s "
+                         f"({ratio[holds]:.3f}x), not at {fails / 1e6:g} Mbit/s "
+                         f"({ratio[fails]:.3f}x)")
+    return lines
 
 
 def _maybe(value, spec: str) -> str:
@@ -49,7 +82,10 @@ def _maybe(value, spec: str) -> str:
 
 
 def print_table(doc: dict, console: Console | None = None) -> None:
-    (console or Console()).print(table(doc))
+    console = console or Console()
+    console.print(table(doc))
+    for line in sweep_lines(doc):
+        console.print(line, highlight=False)
 
 
 def plot_busbw(doc: dict, path: str) -> None:
@@ -76,6 +112,43 @@ def plot_busbw(doc: dict, path: str) -> None:
     ax.set_title(f"{meta['hosts']} hosts, {meta['link_bits_per_s'] / 1e6:g} Mbit/s links")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_sweep(doc: dict, path: str) -> None:
+    """A sweep against the link rate: each point's time as a multiple of its floor, with the
+    bar, and the CPU it took per rank (and the aggregator's, where it ran)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    meta = doc["meta"]
+    fig, (ratio_ax, cpu_ax) = plt.subplots(1, 2, figsize=(11, 4.5))
+    series: dict[str, list[dict]] = {}
+    for r in doc["results"]:
+        name = f"{r['collective']} {r['algorithm']}, {human_bytes(r['bytes_per_rank'])}"
+        series.setdefault(name, []).append(r)
+    for name, rows in sorted(series.items()):
+        rows.sort(key=lambda r: r["link_bits_per_s"])
+        mbit = [r["link_bits_per_s"] / 1e6 for r in rows]
+        ratio_ax.plot(mbit, [r["ratio_to_floor"] for r in rows], marker="o", label=name)
+        line, = cpu_ax.plot(mbit, [r["cpu_seconds_per_rank"] for r in rows], marker="o",
+                            label=f"{name}: per rank")
+        if rows[0]["switch_cpu_seconds_per_run"] is not None:
+            cpu_ax.plot(mbit, [r["switch_cpu_seconds_per_run"] for r in rows], marker="s",
+                        linestyle="--", color=line.get_color(), label=f"{name}: aggregator")
+    ratio_ax.axhline(meta["within"], color="grey", linestyle="--",
+                     label=f"{meta['within']:g}x the floor")
+    ratio_ax.set_ylabel("time / floor")
+    cpu_ax.set_ylabel("CPU seconds per run")
+    for ax in (ratio_ax, cpu_ax):
+        ax.set_xlabel("link rate per direction (Mbit/s)")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"{meta['hosts']} hosts, links of {mbit_text(meta['link_rates_bits_per_s'])} "
+                 f"Mbit/s, median of {meta['repetitions']} runs")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -8,6 +8,7 @@ A run's time is the slowest rank's; a point's time is the median run's.
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import platform
 import statistics
@@ -16,7 +17,8 @@ from overcast.report.timeline import write_timeline
 from overcast.bench.worker import DTYPE, run_point
 from overcast.cluster.netns import Cluster
 from overcast.limits import (check_algorithms, check_count, check_hosts, check_link_rate,
-                             check_loss, check_mtu, check_roots, check_size, check_slots)
+                             check_loss, check_mtu, check_roots, check_size, check_slots,
+                             require)
 from overcast.schedules import cost
 from overcast.wire.header import OVERHEAD_BYTES
 
@@ -56,13 +58,14 @@ def check_request(collectives: list[str], algorithms: list[str]) -> None:
     check_algorithms(collectives, algorithms, ALGORITHMS)
 
 
-def check_flags(hosts: int, link_bits: float, sizes: list[int], reps: int, warmup: int,
+def check_flags(hosts: int, link_rates: list[float], sizes: list[int], reps: int, warmup: int,
                 mtu: int, roots: list[int | None], loss: float, loss_burst: float,
                 slots: int) -> None:
     """Raise InvalidArgumentError naming the first value that cannot run and what is allowed,
     before any cluster is built."""
     check_hosts(hosts)
-    check_link_rate(link_bits)
+    for bits in link_rates:
+        check_link_rate(bits)
     for nbytes in sizes:
         check_size(nbytes)
     check_count("timed runs", reps, 1, "--reps, reps")
@@ -136,33 +139,71 @@ def machine() -> dict:
             "python": platform.python_version()}
 
 
-def run_bench(hosts: int, link_bits: int, sizes: list[int], collectives: list[str],
+def run_bench(hosts: int, link_bits: int | list[int], sizes: list[int], collectives: list[str],
               algorithms: list[str], reps: int = 5, warmup: int = 1, mtu: int = 9000,
               roots: list[int | None] = (None,), loss: float = 0.0, loss_burst: float = 1.0,
-              timeline: str | None = None, switch_slots: int = 256, progress=None) -> dict:
-    """Run every requested point on one cluster; return {"meta": ..., "results": [...]}.
+              timeline: str | None = None, switch_slots: int = 256, within: float = 1.15,
+              progress=None) -> dict:
+    """Run every requested point on a cluster of `link_bits` (bits/s per direction); return
+    {"meta": ..., "results": [...]}.
 
     `roots` lists the multicast AllGather's numbers of concurrent roots to try (None: all
     ranks). `loss` is injected into every host's datagram receive path; TCP (ring, gloo) sees
     none of it. With `timeline`, the last run of the largest overlap point of overcast and ring
-    is written as `<timeline>-<algorithm>.json` (Chrome trace) and `.png`."""
+    is written as `<timeline>-<algorithm>.json` (Chrome trace) and `.png`.
+
+    A list of several link rates sweeps: every point runs on a cluster of each in turn, each
+    result carries its rate, meta["link_bits_per_s"] is None and meta["link_rates_bits_per_s"]
+    the list, and "sweep" names per point the highest rate at which it holds `within` times
+    its floor (sweep_summary). Everything is checked before the first cluster is built."""
+    rates = list(link_bits) if isinstance(link_bits, (list, tuple)) else [link_bits]
     check_request(collectives, algorithms)
-    check_flags(hosts, link_bits, sizes, reps, warmup, mtu, list(roots), loss, loss_burst,
+    check_flags(hosts, rates, sizes, reps, warmup, mtu, list(roots), loss, loss_burst,
                 switch_slots)
+    require(bool(rates), "the link rates", "at least one", "none", "--link-mbit, link_bits")
+    require(math.isfinite(within) and within >= 1, "the sweep's bar",
+            "1 or more times the floor", within, "--within, within")
     points = [(c, a, s, r) for c in collectives for a in algorithms if a in ALGORITHMS[c]
               for r in (roots if a in ("multicast", "overcast") else (None,)) for s in sizes]
     import torch  # imported once here so that forked hosts start fast
 
-    results = []
+    date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    results, timelines = [], []
+    for i, bits in enumerate(rates):
+        def step(done, total, what, i=i, bits=bits):
+            if progress:
+                progress(i * total + done, len(rates) * total,
+                         f"{bits / 1e6:g} Mbit/s: {what}" if len(rates) > 1 else what)
+        _run_points(hosts, bits, points, sizes, reps, warmup, mtu, loss, loss_burst, timeline,
+                    switch_slots, f"-{bits / 1e6:g}mbit" if len(rates) > 1 else "", step,
+                    results, timelines)
+    needs_switch = any((c, a) in NEEDS_SWITCH for c, a, _, _ in points)
+    meta = {
+        "date": date, "hosts": hosts, "link_bits_per_s": rates[0] if len(rates) == 1 else None,
+        "mtu": mtu, "dtype": str(DTYPE().dtype), "repetitions": reps, "warmup": warmup,
+        "header_overhead_bytes": OVERHEAD_BYTES, "loss": loss, "loss_burst": loss_burst,
+        "timelines": timelines, "switch_slots": switch_slots if needs_switch else None,
+        "machine": machine(), "torch": torch.__version__,
+    }
+    if len(rates) == 1:
+        return {"meta": meta, "results": results}
+    meta.update(link_rates_bits_per_s=rates, within=within)
+    return {"meta": meta, "results": results, "sweep": sweep_summary(results, within)}
+
+
+def _run_points(hosts: int, link_bits: int, points: list[tuple], sizes: list[int], reps: int,
+                warmup: int, mtu: int, loss: float, loss_burst: float, timeline: str | None,
+                switch_slots: int, suffix: str, progress, results: list[dict],
+                timelines: list[str]) -> None:
+    """Every point on one cluster of `link_bits`: its rows added to `results`, the timelines
+    it writes (their names end in `suffix`) to `timelines`."""
     env = {"OVERCAST_LOSS": str(loss), "OVERCAST_LOSS_BURST": str(loss_burst)}
-    timelines = []
     with Cluster(hosts, link_bits, mtu=mtu) as cluster:
         switch = cluster.start_switch(slots=switch_slots) \
             if any((c, a) in NEEDS_SWITCH for c, a, _, _ in points) else None
         for i, (collective, algorithm, nbytes, k) in enumerate(points):
-            if progress:
-                label = f" roots={k or hosts}" if algorithm in ("multicast", "overcast") else ""
-                progress(i, len(points), f"{collective} {algorithm}{label} {nbytes} B")
+            label = f" roots={k or hosts}" if algorithm in ("multicast", "overcast") else ""
+            progress(i, len(points), f"{collective} {algorithm}{label} {nbytes} B")
             trace = bool(timeline) and collective == "overlap" and algorithm != "gloo" \
                 and nbytes == max(sizes)
             switch_cpu = process_cpu_seconds(switch.pid) if switch else None
@@ -175,22 +216,36 @@ def run_bench(hosts: int, link_bits: int, sizes: list[int], collectives: list[st
             results.append(summarize(collective, algorithm, hosts, nbytes, link_bits, per_rank,
                                      k, loss, switch_cpu))
             if trace:
-                path = f"{timeline}-{algorithm}"
+                path = f"{timeline}-{algorithm}{suffix}"
                 write_timeline([r["trace"] for r in per_rank], path, link_bits,
                                f"{collective} {algorithm}, {hosts} hosts, "
                                f"{link_bits / 1e6:g} Mbit/s, {nbytes} B per rank")
                 timelines.append(path)
         if switch:
             cluster.stop_switch(switch)
-        if progress:
-            progress(len(points), len(points), "done")
-    meta = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "hosts": hosts, "link_bits_per_s": link_bits, "mtu": mtu, "dtype": str(DTYPE().dtype),
-        "repetitions": reps, "warmup": warmup, "header_overhead_bytes": OVERHEAD_BYTES,
-        "loss": loss, "loss_burst": loss_burst, "timelines": timelines,
-        "switch_slots": switch_slots if any((c, a) in NEEDS_SWITCH for c, a, _, _ in points)
-        else None,
-        "machine": machine(), "torch": torch.__version__,
-    }
-    return {"meta": meta, "results": results}
+        progress(len(points), len(points), "done")
+
+
+def sweep_summary(results: list[dict], within: float) -> list[dict]:
+    """Per point (collective, algorithm, size, roots, loss): the highest rate up to which it
+    holds `within` times its floor at every rate swept (None: not even at the lowest), the
+    first rate at which it does not (None: it held at every one), and its multiple at each."""
+    points: dict[tuple, list[dict]] = {}
+    for r in results:
+        key = (r["collective"], r["algorithm"], r["bytes_per_rank"], r["roots"], r["loss"])
+        points.setdefault(key, []).append(r)
+    summary = []
+    for (collective, algorithm, nbytes, roots, loss), rows in points.items():
+        rows.sort(key=lambda r: r["link_bits_per_s"])
+        holds = fails = None
+        for r in rows:
+            if r["ratio_to_floor"] > within:
+                fails = r["link_bits_per_s"]
+                break
+            holds = r["link_bits_per_s"]
+        summary.append({
+            "collective": collective, "algorithm": algorithm, "bytes_per_rank": nbytes,
+            "roots": roots, "loss": loss, "within": within,
+            "holds_up_to_bits_per_s": holds, "fails_at_bits_per_s": fails,
+            "ratio_to_floor": [[r["link_bits_per_s"], r["ratio_to_floor"]] for r in rows]})
+    return summary

@@ -20,27 +20,30 @@ def _csv(text: str) -> list[str]:
 
 
 def _bench(args) -> int:
-    from overcast.bench.report import plot_busbw, print_table
+    from overcast.bench.report import plot_busbw, plot_sweep, print_table
     from overcast.bench.run import check_flags, check_request, parse_size, run_bench
 
-    console = Console(width=None if sys.stdout.isatty() else 200)
+    console = Console(width=None if sys.stdout.isatty() else 240)
     sizes = [parse_size(s) for s in _csv(args.sizes)]
+    rates = [mbit * 1e6 for mbit in _floats(args.link_mbit, "--link-mbit")]
     check_request(_csv(args.collectives), _csv(args.algorithms))
     try:
         roots = [None if r == "all" else int(r) for r in _csv(args.roots)]
     except ValueError:
         raise ValueError(f"--roots takes 'all' or whole numbers, comma-separated, not "
                          f"{args.roots!r}") from None
-    check_flags(args.hosts, args.link_mbit * 1e6, sizes, args.reps, args.warmup, args.mtu,
-                roots, args.loss, args.loss_burst, args.slots)
+    check_flags(args.hosts, rates, sizes, args.reps, args.warmup, args.mtu, roots, args.loss,
+                args.loss_burst, args.slots)
     bar, progress = _progress(console)
     with bar:
-        doc = run_bench(args.hosts, int(args.link_mbit * 1e6), sizes, _csv(args.collectives),
+        doc = run_bench(args.hosts, [int(bits) for bits in rates], sizes, _csv(args.collectives),
                         _csv(args.algorithms), reps=args.reps, warmup=args.warmup, mtu=args.mtu,
                         roots=roots, loss=args.loss, loss_burst=args.loss_burst,
-                        timeline=args.timeline, switch_slots=args.slots, progress=progress)
+                        timeline=args.timeline, switch_slots=args.slots, within=args.within,
+                        progress=progress)
     print_table(doc, console)
-    _save(doc, console, args.json, _png(args), plot_busbw)
+    _save(doc, console, args.json, _png(args),
+          plot_busbw if doc["meta"]["link_bits_per_s"] else plot_sweep)
     for path in doc["meta"]["timelines"]:
         console.print(f"timeline: {path}.json, {path}.png")
     return 0 if all(r["correct"] for r in doc["results"]) else 1
@@ -79,10 +82,10 @@ def _simulate(args) -> int:
     bar, progress = _progress(console)
     with bar:  # sweep checks every setting before the first run
         doc = sweep(_ints(args.nodes, "--nodes"), args.topology,
-                    [float(g) * 1e9 for g in _csv(args.link_gbit)],
+                    [g * 1e9 for g in _floats(args.link_gbit, "--link-gbit")],
                     [parse_size(s) for s in _csv(args.bytes_per_rank)],
                     _csv(args.collectives), _csv(args.algorithms), radix=args.radix,
-                    oversubscription=[float(o) for o in _csv(args.oversubscription)],
+                    oversubscription=_floats(args.oversubscription, "--oversubscription"),
                     levels=args.levels, roots=None if args.roots == "all" else
                     _ints(args.roots, "--roots")[0], engine=model, place=args.placement,
                     latency=args.latency_us * 1e-6, shared_cores=args.machine_cores,
@@ -118,8 +121,9 @@ def _plan(args) -> int:
         model = Model.uniform(parse_count(args.params, "--params"), args.layers, **options)
     bar, progress = _progress(console)
     with bar:  # plan checks the model and the cluster before the first run
-        doc = plan(model, kind, _ints(nodes, "--nodes"), [float(g) * 1e9 for g in _csv(gbits)],
-                   radix=radix, oversubscription=[float(o) for o in _csv(args.oversubscription)],
+        doc = plan(model, kind, _ints(nodes, "--nodes"),
+                   [g * 1e9 for g in _floats(gbits, "--link-gbit")], radix=radix,
+                   oversubscription=_floats(args.oversubscription, "--oversubscription"),
                    host_cores=args.host_cores, progress=progress)
     console.print(plan_table(doc))
     for p in doc["results"]:
@@ -134,6 +138,13 @@ def _ints(text: str, flag: str) -> list[int]:
         return [int(x) for x in _csv(text)]
     except ValueError:
         raise ValueError(f"{flag} takes whole numbers, comma-separated, not {text!r}") from None
+
+
+def _floats(text: str, flag: str) -> list[float]:
+    try:
+        return [float(x) for x in _csv(text)]
+    except ValueError:
+        raise ValueError(f"{flag} takes numbers, comma-separated, not {text!r}") from None
 
 
 def _png(args) -> str | None:
@@ -236,8 +247,12 @@ def parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="benchmark collectives on the emulated cluster")
     b.add_argument("--hosts", type=int, default=8)
-    b.add_argument("--link-mbit", type=float, default=400.0,
-                   help="link rate per direction, Mbit/s")
+    b.add_argument("--link-mbit", default="400",
+                   help="link rate per direction, Mbit/s; several, comma-separated, sweep: "
+                        "every point runs on a cluster of each rate")
+    b.add_argument("--within", type=float, default=1.15,
+                   help="a sweep names, per point, the highest rate at which it takes at most "
+                        "this many times its floor")
     b.add_argument("--sizes", default="64KiB,1MiB,4MiB", help="bytes per rank, comma-separated")
     b.add_argument("--collectives", default="allgather,reduce_scatter")
     b.add_argument("--algorithms", default="ring,gloo")
