@@ -59,6 +59,10 @@ CASES = {
     "bench --link-mbit ,": (["bench", "--link-mbit", ","], lambda: bench(link_bits=[]),
                             "the link rates must be at least one, not none "
                             "(--link-mbit, link_bits)"),
+    "bench --link-mbit 100,100": (["bench", "--link-mbit", "100,100"],
+                                  lambda: bench(link_bits=[10**8, 10**8]),
+                                  "the link rates must be all different, not 100,100 "
+                                  "(--link-mbit, link_bits)"),
     "bench --within 0.5": (["bench", "--link-mbit", "100,200", "--within", "0.5"],
                            lambda: bench(link_bits=[10**8, 2 * 10**8], within=0.5),
                            "the sweep's bar must be 1 or more times the floor, not 0.5 "

@@ -128,7 +128,7 @@ def plot_sweep(doc: dict, path: str) -> None:
     fig, (ratio_ax, cpu_ax) = plt.subplots(1, 2, figsize=(11, 4.5))
     series: dict[str, list[dict]] = {}
     for r in doc["results"]:
-        name = f"{r['collective']} {r['algorithm']}, {human_bytes(r['bytes_per_rank'])}"
+        name = f"{r['collective']} {algorithm_label(r)}, {human_bytes(r['bytes_per_rank'])}"
         series.setdefault(name, []).append(r)
     for name, rows in sorted(series.items()):
         rows.sort(key=lambda r: r["link_bits_per_s"])

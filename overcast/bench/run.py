@@ -161,6 +161,8 @@ def run_bench(hosts: int, link_bits: int | list[int], sizes: list[int], collecti
     check_flags(hosts, rates, sizes, reps, warmup, mtu, list(roots), loss, loss_burst,
                 switch_slots)
     require(bool(rates), "the link rates", "at least one", "none", "--link-mbit, link_bits")
+    require(len(set(rates)) == len(rates), "the link rates", "all different",
+            ",".join(f"{bits / 1e6:g}" for bits in rates), "--link-mbit, link_bits")
     require(math.isfinite(within) and within >= 1, "the sweep's bar",
             "1 or more times the floor", within, "--within, within")
     points = [(c, a, s, r) for c in collectives for a in algorithms if a in ALGORITHMS[c]
