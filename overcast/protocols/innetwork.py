@@ -98,6 +98,14 @@ class InNetworkReduceScatter(Collective):
         span = self._elements(g)
         return self.input_bytes[span.start * self.itemsize:span.stop * self.itemsize]
 
+    def _consecutive_bytes(self, first: int, end: int) -> list[memoryview]:
+        """Chunks first .. end - 1, of one owner's span, as bytes: they lie back to back in
+        the input, so only the span's ends need the numbering's arithmetic."""
+        start = self._elements(first).start * self.itemsize
+        stop = self._elements(end - 1).stop * self.itemsize
+        step, data = self.chunk_elems * self.itemsize, self.input_bytes
+        return [data[a:min(a + step, stop)] for a in range(start, stop, step)]
+
     # -- the contract ----------------------------------------------------------------------
     def start(self, now: float) -> None:
         if self.world == 1 or self.k == 0:
@@ -243,15 +251,18 @@ class InNetworkReduceScatter(Collective):
         while True:
             resends = min(len(self.resend), self.group)
             chunks = [self.resend[i] for i in range(resends)]
-            after = self.cursor  # the next chunk not yet sent once
-            while len(chunks) < self.group and after < self.total and \
-                    after < self.credit + self.slots:
-                chunks.append(after)
-                after = self._next_to_send(after + 1)
+            data = [self._bytes(g) for g in chunks]
+            after = self.cursor  # the next chunk not yet sent once: never one of this rank's
+            limit = min(self.total, self.credit + self.slots)
+            while len(chunks) < self.group and after < limit:
+                _, _, end = owner_span(after, self.world, self.k, self.group)
+                take = min(end, limit, after + self.group - len(chunks))
+                chunks.extend(range(after, take))
+                data.extend(self._consecutive_bytes(after, take))
+                after = self._next_to_send(take)
             if not chunks:
                 return
-            data = [self._bytes(g) for g in chunks]
-            wire = sum(datagram_link_bytes(len(d) + CONTRIB_PREFIX.size) for d in data)
+            wire = sum(map(len, data)) + len(data) * datagram_link_bytes(CONTRIB_PREFIX.size)
             if not self.budget.try_take(wire, now):
                 self.pump_at = self.budget.ready_at(wire, now)
                 return

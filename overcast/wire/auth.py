@@ -90,27 +90,28 @@ class Sealer:
     def seal_into(self, buf: bytearray, offset: int, kind: int, seq: int, dst: int, chunk: int,
                   payload=b"") -> int:
         """Write the whole message (header, payload, tag) into `buf` at `offset`, copying the
-        payload once, so that several can lie back to back for one send; returns its end."""
-        parts = [memoryview(p).cast("B") for p in payload] if isinstance(payload, tuple) \
-            else [memoryview(payload).cast("B")]
-        n = sum(p.nbytes for p in parts)
+        payload once, so that several can lie back to back for one send; returns its end. The
+        payload is a buffer whose len() is its size in bytes (bytes, a byte memoryview, a 1-D
+        uint8 array), or a tuple of them. Every datagram sent is sealed here, so nothing is
+        called but the copies, the header's packing and the tag's."""
+        view = memoryview(buf)
+        start = at = offset + HEADER_BYTES
+        for part in payload if type(payload) is tuple else (payload,):
+            end = at + len(part)
+            view[at:end] = part
+            at = end
         self.counter += 1
         HEADER.pack_into(buf, offset, MAGIC, VERSION, kind, self.job, self.comm, seq, self.src,
-                         dst, chunk, n, self.counter)
-        at = offset + HEADER_BYTES
-        for p in parts:
-            buf[at:at + p.nbytes] = p
-            at += p.nbytes
-        view = memoryview(buf)
+                         dst, chunk, at - start, self.counter)
         view[at:at + TAG_BYTES] = self._aead.encrypt(_NONCE.pack(self.src, 0, self.counter), b"",
                                                      view[offset:at])
         return at + TAG_BYTES
 
 
 def sealed_bytes(payload=b"") -> int:
-    """The length of a sealed message carrying `payload` (a buffer, or a tuple of them)."""
-    parts = payload if isinstance(payload, tuple) else (payload,)
-    return HEADER_BYTES + sum(memoryview(p).nbytes for p in parts) + TAG_BYTES
+    """The length of a sealed message carrying `payload` (as Sealer.seal_into takes it)."""
+    parts = payload if type(payload) is tuple else (payload,)
+    return HEADER_BYTES + sum(map(len, parts)) + TAG_BYTES
 
 
 class Opener:
