@@ -88,3 +88,9 @@ def add_into(out: np.ndarray, a: np.ndarray, b: np.ndarray) -> None:
 def divide_into(out: np.ndarray, world: int) -> None:
     """Turn a finished sum into an average, in place."""
     np.divide(out, world, out=out, dtype=accumulator_dtype(out.dtype), casting="unsafe")
+
+
+def chunk_views(data: memoryview, start: int, stop: int, chunk_bytes: int) -> list[memoryview]:
+    """Bytes start .. stop - 1 of `data` as consecutive chunks of `chunk_bytes` (the last may be
+    shorter): one slice each, no copy, none of a protocol's numbering per chunk."""
+    return [data[at:min(at + chunk_bytes, stop)] for at in range(start, stop, chunk_bytes)]

@@ -210,10 +210,14 @@ class Collective:
 
     # -- outbox ----------------------------------------------------------------------------
     def queue(self, route: tuple[int, int], msg: Outgoing) -> None:
+        self.queue_all(route, (msg,))
+
+    def queue_all(self, route: tuple[int, int], msgs) -> None:
+        """Queue several messages for the route, in order (a batch: one call, not one each)."""
         box = self.outbox.get(route)
         if box is None:
             box = self.outbox[route] = collections.deque()
-        box.append(msg)
+        box.extend(msgs)
 
     def pop(self, route: tuple[int, int]) -> Outgoing | None:
         box = self.outbox.get(route)

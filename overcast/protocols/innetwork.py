@@ -23,7 +23,7 @@ import collections
 
 import numpy as np
 
-from overcast.buffers import add_into, divide_into, dtype_code
+from overcast.buffers import add_into, chunk_views, divide_into, dtype_code
 from overcast.protocols.base import DATAGRAM, Accept, Collective, Descriptor, Outgoing, Phase
 from overcast.protocols.budget import LinkBudget
 from overcast.schedules.chains import chunk_count
@@ -101,10 +101,9 @@ class InNetworkReduceScatter(Collective):
     def _consecutive_bytes(self, first: int, end: int) -> list[memoryview]:
         """Chunks first .. end - 1, of one owner's span, as bytes: they lie back to back in
         the input, so only the span's ends need the numbering's arithmetic."""
-        start = self._elements(first).start * self.itemsize
-        stop = self._elements(end - 1).stop * self.itemsize
-        step, data = self.chunk_elems * self.itemsize, self.input_bytes
-        return [data[a:min(a + step, stop)] for a in range(start, stop, step)]
+        return chunk_views(self.input_bytes, self._elements(first).start * self.itemsize,
+                           self._elements(end - 1).stop * self.itemsize,
+                           self.chunk_elems * self.itemsize)
 
     # -- the contract ----------------------------------------------------------------------
     def start(self, now: float) -> None:
@@ -266,9 +265,8 @@ class InNetworkReduceScatter(Collective):
             if not self.budget.try_take(wire, now):
                 self.pump_at = self.budget.ready_at(wire, now)
                 return
-            for g, d in zip(chunks, data):
-                self.queue(self.route, Outgoing(Kind.CONTRIB, self.seq, g, (self.prefix, d),
-                                                AGGREGATOR))
+            self.queue_all(self.route, [Outgoing(Kind.CONTRIB, self.seq, g, (self.prefix, d),
+                                                 AGGREGATOR) for g, d in zip(chunks, data)])
             self._flush_acks()
             for _ in range(resends):
                 self.resend.popleft()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from overcast.buffers import chunk_views
 from overcast.protocols.base import MULTICAST, STREAM, Accept, Collective, Descriptor, Outgoing, \
     Phase
 from overcast.protocols.budget import LinkBudget
@@ -321,19 +322,27 @@ class MulticastGather(Collective):
         """Release the datagrams this rank's pace allows by `now`."""
         if self.phase is not Phase.SENDING:
             return
-        self.next_send = max(self.next_send, now - MAX_BURST_SECONDS)
-        base = self.mine * self.k
+        next_send = max(self.next_send, now - MAX_BURST_SECONDS)
         rate, due = self.stream_rate(), now + self._lead()
-        while self.next_chunk < self.k and self.next_send <= due:
-            gid = base + self.next_chunk
-            start, end = self._span(gid)
-            self.queue((MULTICAST, -1), Outgoing(Kind.MCAST_DATA, self.seq, gid,
-                                                 self.bytes[start:end], ANY))
-            wire = datagram_link_bytes(end - start)
+        # each chunk is due at its own time; the ones due now leave as one batch
+        first, last = self.next_chunk, self.k - 1
+        full = datagram_link_bytes(self.chunk_bytes)
+        shortest = datagram_link_bytes(self.segment_bytes - last * self.chunk_bytes)
+        end, wire = first, 0
+        while end <= last and next_send <= due:
+            spent = full if end < last else shortest
+            wire += spent
+            next_send += spent / rate
+            end += 1
+        self.next_send = next_send
+        if end > first:
+            gid = self.mine * self.k + first
+            views = chunk_views(self.bytes, *self._span(gid, end - first), self.chunk_bytes)
+            self.queue_all((MULTICAST, -1), [Outgoing(Kind.MCAST_DATA, self.seq, gid + i, view,
+                                                      ANY) for i, view in enumerate(views)])
             self.budget.take(wire, now)
-            self.next_send += wire / rate
-            self.next_chunk += 1
-            self.progress += 1
+            self.next_chunk = end
+            self.progress += end - first
         if self.next_chunk == self.k:
             for peer in range(self.world):
                 if peer != self.rank:
