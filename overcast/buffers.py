@@ -93,4 +93,7 @@ def divide_into(out: np.ndarray, world: int) -> None:
 def chunk_views(data: memoryview, start: int, stop: int, chunk_bytes: int) -> list[memoryview]:
     """Bytes start .. stop - 1 of `data` as consecutive chunks of `chunk_bytes` (the last may be
     shorter): one slice each, no copy, none of a protocol's numbering per chunk."""
-    return [data[at:min(at + chunk_bytes, stop)] for at in range(start, stop, chunk_bytes)]
+    views = [data[at:at + chunk_bytes] for at in range(start, stop, chunk_bytes)]
+    if views:
+        views[-1] = data[start + (len(views) - 1) * chunk_bytes:stop]
+    return views

@@ -186,7 +186,9 @@ def open_datagrams(datagrams: memoryview, size: int, choose, drops: Drops,
     last = 0
     unpack, nonce = HEADER.unpack_from, _NONCE.pack
     for start in range(0, n, size):
-        end = min(start + size, n)
+        end = start + size
+        if end > n:
+            end = n
         if lose is not None and lose():
             run = None
             continue
