@@ -87,8 +87,8 @@ def test_a_sweep_runs_every_point_on_a_cluster_of_each_rate(tmp_path):
     assert set(rows) == {(a, b) for a in ("overcast", "ring") for b in (200e6, 50e6)}
     assert all(r["correct"] for r in rows.values())
     for algorithm in ("overcast", "ring"):
-        # each rate had its own links: a quarter of the rate, at least twice the time
-        assert rows[(algorithm, 50e6)]["seconds"] > 2 * rows[(algorithm, 200e6)]["seconds"]
+        # each rate had its own links: a quarter of the rate, well over half again the time
+        assert rows[(algorithm, 50e6)]["seconds"] > 1.5 * rows[(algorithm, 200e6)]["seconds"]
         for mbit in (50, 200):
             trace = json.loads((tmp_path / f"tl-{algorithm}-{mbit}mbit.json").read_text())
             assert trace["traceEvents"]
