@@ -12,7 +12,9 @@ pairs + 1). Then, by `--mode`:
 - profile: rank 1's progress-engine thread under cProfile, the time its functions took sorted
   into syscalls, authentication, protocol bookkeeping, numpy, the engine and transport's own
   Python, and the rest. cProfile measures wall time and adds a cost per call: on a shared
-  machine a function's share includes the time it was preempted, so read the shares.
+  machine a function's share includes the time it was preempted, so read the shares. The
+  number of calls does not depend on the machine: it is printed per datagram the rank sent
+  or received over its whole life (the warm-up included).
 - parts: each engine thread times its own CPU in the parts of its loop (reading, sealing and
   sending, timers, select...); rank 1's are printed.
 - time: nothing more, and nothing slowed: for comparisons of two configurations, run back to
@@ -133,8 +135,10 @@ def pairs(rank: int, nbytes: int, count: int, mode: str, profile_path: str):
             rs = comm.reduce_scatter(reduced, grads, algorithm="innetwork", async_op=True)
             ag.wait()
             rs.wait()
+        counters = comm.counters()
         return ((time.process_time() - cpu) / count, (time.perf_counter() - start) / count,
-                {k: (seconds[k] / count, calls[k] / count) for k in seconds})
+                {k: (seconds[k] / count, calls[k] / count) for k in seconds},
+                counters["datagrams_in"] + counters["datagrams_out"])
 
 
 def main() -> int:
@@ -162,6 +166,9 @@ def main() -> int:
         if args.mode == "profile":
             if args.top:
                 pstats.Stats(path).sort_stats("tottime").print_stats(args.top)
+            made = sum(ncalls for _, ncalls, _, _, _ in pstats.Stats(path).stats.values())
+            print(f"  rank 1's engine: {made:,} function calls, {made / ranks[1][3]:.1f} per "
+                  f"datagram sent or received ({ranks[1][3]:,})")
             busy = shares(path)
             total = sum(busy.values())
             width = max(map(len, CATEGORIES))
