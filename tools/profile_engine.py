@@ -66,9 +66,9 @@ def category(file: str, name: str) -> str | None:
     return CATEGORIES[5]
 
 
-def shares(path: str) -> dict[str, float]:
+def shares(stats: pstats.Stats) -> dict[str, float]:
     seconds = collections.Counter()
-    for (file, _, name), (_, _, own, _, _) in pstats.Stats(path).stats.items():
+    for (file, _, name), (_, _, own, _, _) in stats.stats.items():
         kind = category(file, name)
         if kind is not None:
             seconds[kind] += own
@@ -164,12 +164,13 @@ def main() -> int:
               f"{np.median([r[0] for r in ranks]):.3f} s (median of the ranks), aggregator "
               f"{aggregator:.3f} s")
         if args.mode == "profile":
+            stats = pstats.Stats(path)
             if args.top:
-                pstats.Stats(path).sort_stats("tottime").print_stats(args.top)
-            made = sum(ncalls for _, ncalls, _, _, _ in pstats.Stats(path).stats.values())
+                stats.sort_stats("tottime").print_stats(args.top)
+            made = sum(ncalls for _, ncalls, _, _, _ in stats.stats.values())
             print(f"  rank 1's engine: {made:,} function calls, {made / ranks[1][3]:.1f} per "
                   f"datagram sent or received ({ranks[1][3]:,})")
-            busy = shares(path)
+            busy = shares(stats)
             total = sum(busy.values())
             width = max(map(len, CATEGORIES))
             for kind, seconds in sorted(busy.items(), key=lambda kv: -kv[1]):

@@ -170,6 +170,7 @@ def run_bench(hosts: int, link_bits: int | list[int], sizes: list[int], collecti
     import torch  # imported once here so that forked hosts start fast
 
     date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    slots = switch_slots if any((c, a) in NEEDS_SWITCH for c, a, _, _ in points) else None
     results, timelines = [], []
     for i, bits in enumerate(rates):
         def step(done, total, what, i=i, bits=bits):
@@ -177,14 +178,13 @@ def run_bench(hosts: int, link_bits: int | list[int], sizes: list[int], collecti
                 progress(i * total + done, len(rates) * total,
                          f"{bits / 1e6:g} Mbit/s: {what}" if len(rates) > 1 else what)
         _run_points(hosts, bits, points, sizes, reps, warmup, mtu, loss, loss_burst, timeline,
-                    switch_slots, f"-{bits / 1e6:g}mbit" if len(rates) > 1 else "", step,
+                    slots, f"-{bits / 1e6:g}mbit" if len(rates) > 1 else "", step,
                     results, timelines)
-    needs_switch = any((c, a) in NEEDS_SWITCH for c, a, _, _ in points)
     meta = {
         "date": date, "hosts": hosts, "link_bits_per_s": rates[0] if len(rates) == 1 else None,
         "mtu": mtu, "dtype": str(DTYPE().dtype), "repetitions": reps, "warmup": warmup,
         "header_overhead_bytes": OVERHEAD_BYTES, "loss": loss, "loss_burst": loss_burst,
-        "timelines": timelines, "switch_slots": switch_slots if needs_switch else None,
+        "timelines": timelines, "switch_slots": slots,
         "machine": machine(), "torch": torch.__version__,
     }
     if len(rates) == 1:
@@ -195,14 +195,14 @@ def run_bench(hosts: int, link_bits: int | list[int], sizes: list[int], collecti
 
 def _run_points(hosts: int, link_bits: int, points: list[tuple], sizes: list[int], reps: int,
                 warmup: int, mtu: int, loss: float, loss_burst: float, timeline: str | None,
-                switch_slots: int, suffix: str, progress, results: list[dict],
+                switch_slots: int | None, suffix: str, progress, results: list[dict],
                 timelines: list[str]) -> None:
-    """Every point on one cluster of `link_bits`: its rows added to `results`, the timelines
-    it writes (their names end in `suffix`) to `timelines`."""
+    """Every point on one cluster of `link_bits`, with the aggregator if `switch_slots` says
+    how many slots it has: its rows added to `results`, the timelines it writes (their names
+    end in `suffix`) to `timelines`."""
     env = {"OVERCAST_LOSS": str(loss), "OVERCAST_LOSS_BURST": str(loss_burst)}
     with Cluster(hosts, link_bits, mtu=mtu) as cluster:
-        switch = cluster.start_switch(slots=switch_slots) \
-            if any((c, a) in NEEDS_SWITCH for c, a, _, _ in points) else None
+        switch = None if switch_slots is None else cluster.start_switch(slots=switch_slots)
         for i, (collective, algorithm, nbytes, k) in enumerate(points):
             label = f" roots={k or hosts}" if algorithm in ("multicast", "overcast") else ""
             progress(i, len(points), f"{collective} {algorithm}{label} {nbytes} B")

@@ -258,7 +258,7 @@ class InNetworkReduceScatter(Collective):
                 take = min(end, limit, after + self.group - len(chunks))
                 chunks.extend(range(after, take))
                 data.extend(self._consecutive_bytes(after, take))
-                after = self._next_to_send(take)
+                after = take if take < end else self._next_to_send(end)
             if not chunks:
                 return
             wire = sum(map(len, data)) + len(data) * datagram_link_bytes(CONTRIB_PREFIX.size)
