@@ -85,7 +85,8 @@ def test_integer_sums_are_exact_under_loss(world, loss, burst, dtype, runs):
     if loss:
         assert fabric.dropped > 0
     if loss >= 0.05:  # enough loss that contributions and results, not just credit, were hit
-        assert agg.stats["nacks"] + agg.stats["results_resent"] > 0
+        assert agg.stats["nacks"] + agg.stats["results_resent"] + \
+            agg.stats["results_resent_early"] > 0
 
 
 def test_acknowledgements_and_credit_ride_at_the_end_of_a_batch():
@@ -112,27 +113,38 @@ def test_acknowledgements_and_credit_ride_at_the_end_of_a_batch():
         assert ends and all(i + 1 < len(kinds) and kinds[i + 1] == Kind.CREDIT for i in ends)
 
 
-def test_results_are_sent_again_after_the_measured_round_trip_not_before():
-    """Acknowledgements that come 80 ms after their results raise the resend timeout above
-    80 ms (RFC 6298's estimator); a result is then not sent again at 60 ms, where the floor of
-    50 ms would have sent it, but is once the timeout has passed."""
+def two_rank_aggregator():
+    """An aggregator of a 2-rank communicator, 8 chunks in groups of 1 (rank 1 owns odd
+    chunks), and what completes chunk g (rank 0's contribution) and acknowledges results."""
     agg = Aggregator(slots=8)
     agg.register("comm", 2)
 
-    def contribute(g, now):  # rank 0's contribution completes chunk g: rank 1 owns odd g
+    def contribute(g, now):
         payload = pack_contribution_prefix(dtype_code(np.dtype(np.int32)), 1, 2, 8) + \
             np.full(4, g, np.int32).tobytes()
         agg.receive("comm", Header(Kind.CONTRIB, 0, 0, 0, 0, AGGREGATOR, g, len(payload), 0),
                     memoryview(payload), now)
 
-    def acknowledge(g, now):
-        payload = pack_acks([g])
-        agg.receive("comm", Header(Kind.RESULT_ACK, 0, 0, 0, 1, AGGREGATOR, 1, len(payload), 0),
-                    memoryview(payload), now)
+    def acknowledge(chunks, now, src=1):
+        payload = pack_acks(chunks)
+        agg.receive("comm", Header(Kind.RESULT_ACK, 0, 0, 0, src, AGGREGATOR, len(chunks),
+                                   len(payload), 0), memoryview(payload), now)
 
+    return agg, contribute, acknowledge
+
+
+def results_sent(agg):
+    return [(dst, msg.chunk) for _, dst, msg in agg.outbox if msg.kind == Kind.RESULT]
+
+
+def test_results_are_sent_again_after_the_measured_round_trip_not_before():
+    """Acknowledgements that come 80 ms after their results raise the resend timeout above
+    80 ms (RFC 6298's estimator); a result is then not sent again at 60 ms, where the floor of
+    50 ms would have sent it, but is once the timeout has passed."""
+    agg, contribute, acknowledge = two_rank_aggregator()
     for g in (1, 3, 5):
         contribute(g, g / 10)
-        acknowledge(g, g / 10 + 0.08)
+        acknowledge([g], g / 10 + 0.08)
     timeout = agg.comms["comm"].round_trip.timeout()
     assert 0.08 < timeout < MAX_RESEND_SECONDS and timeout > 2 * RESEND_SECONDS
     contribute(7, 1.0)
@@ -141,8 +153,35 @@ def test_results_are_sent_again_after_the_measured_round_trip_not_before():
     assert agg.stats["results_resent"] == 0
     agg.handle_timer(1.0 + timeout + 0.001)
     assert agg.stats["results_resent"] == 1
-    assert [(dst, msg.kind, msg.chunk) for _, dst, msg in agg.outbox if msg.kind == Kind.RESULT] \
-        == [(1, Kind.RESULT, 7)]
+    assert results_sent(agg) == [(1, 7)]
+    assert agg.stats["results_resent_early"] == 0  # every result was acknowledged in order
+
+
+def test_a_result_its_owner_acknowledged_a_later_one_past_is_sent_again_at_once():
+    """The path to an owner keeps order and the owner acknowledges every result it takes: an
+    acknowledgement of result 5 and not 1 or 3, sent before it, says those were lost. They go
+    again at once, not after the resend timeout. Evidence counts once per copy: an
+    acknowledgement of a result sent twice proves nothing of the others (it may answer the
+    first copy), nor does one from a rank that does not own the chunk."""
+    agg, contribute, acknowledge = two_rank_aggregator()
+    for g in (1, 3, 5):
+        contribute(g, 0.0)
+    contribute(7, 0.001)
+    agg.outbox.clear()
+    acknowledge([3], 0.002, src=0)  # not rank 0's to acknowledge: stray, no evidence
+    assert results_sent(agg) == [] and agg.drops["stray_acks"] == 1
+    acknowledge([5], 0.003)
+    assert results_sent(agg) == [(1, 1), (1, 3)]
+    assert agg.stats["results_resent_early"] == 2 and agg.stats["results_resent"] == 0
+    agg.outbox.clear()
+    acknowledge([1], 0.004)  # a copy sent twice: says nothing of result 3's second copy
+    assert results_sent(agg) == []
+    acknowledge([7], 0.005)  # sent once, after 3's first copy but before its second
+    assert results_sent(agg) == []
+    acknowledge([3], 0.006)
+    reduction = agg.comms["comm"].reductions[0]
+    assert reduction.released == 0  # chunk 0 (rank 0's) has had no contribution
+    assert agg.stats["results_resent_early"] == 2
 
 
 @pytest.mark.parametrize("world", [2, 5, 8])

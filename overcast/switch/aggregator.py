@@ -64,6 +64,7 @@ class Slot:
     nacked: float = 0.0
     result: np.ndarray | None = None  # the sum's bytes: a row of its run's sums, not a copy
     sent_at: float = 0.0
+    sent: int = 0               # the reduction's result sends when its last copy left
     resends: int = 0
     acked: bool = False
 
@@ -84,6 +85,10 @@ class Reduction:
     slots: dict[int, Slot] = field(default_factory=dict)
     holes: dict[int, float] = field(default_factory=dict)  # chunk -> when it was last asked for
     pool: np.ndarray | None = None  # (window, world, widest chunk): the contributions, by slot
+    results_sent: int = 0
+    # per owner: (sends so far, chunk) of each result sent it, in order, until acknowledged
+    unacked: collections.defaultdict = field(
+        default_factory=lambda: collections.defaultdict(collections.deque))
 
     def owner(self, g: int) -> int:
         """The rank whose block chunk g is of: the one its sum goes to."""
@@ -205,8 +210,34 @@ class Aggregator:
         if red is None:
             self.drops["stale"] += 1
             return
+        newest = 0  # the latest send among the results acknowledged that were sent once
         for g in chunks:
-            self._on_ack(key, comm, red, hdr.src, g, now)
+            sent = self._on_ack(key, comm, red, hdr.src, g, now)
+            if sent > newest:
+                newest = sent
+        if newest and hdr.seq in comm.reductions:
+            self._resend_overtaken(key, red, hdr.src, newest, now)
+
+    def _resend_overtaken(self, key, red: Reduction, owner: int, newest: int,
+                          now: float) -> None:
+        """Results to `owner` still unacknowledged that left before the result sent `newest`,
+        which the owner has acknowledged: the path to an owner keeps order, and an owner
+        acknowledges every result it takes, so these were lost. They go again at once (TCP's
+        fast retransmit), not after the resend timeout, which would hold the window's head, and
+        with it every rank's credit, for 50 ms or more."""
+        queue = red.unacked[owner]
+        while queue:
+            sent, g = queue[0]
+            slot = red.slots.get(g)
+            if slot is None or slot.acked or slot.sent != sent:  # released, or sent again since
+                queue.popleft()
+                continue
+            if sent > newest:
+                break
+            queue.popleft()
+            slot.resends += 1
+            self._send_result(key, red, slot, owner, now)
+            self.stats["results_resent_early"] += 1
 
     def _on_credit_probe(self, key, comm: CommState, hdr, sent_below: int, now: float) -> None:
         """A rank's credit has stalled: say what it still owes. A reduction that is neither in
@@ -395,18 +426,25 @@ class Aggregator:
 
     def _send_result(self, key, red: Reduction, slot: Slot, owner: int, now: float) -> None:
         slot.sent_at = now
+        red.results_sent += 1
+        slot.sent = red.results_sent
+        red.unacked[owner].append((slot.sent, slot.g))
         self.outbox.append((key, owner, Outgoing(Kind.RESULT, red.seq, slot.g, slot.result,
                                                  owner)))
 
     # -- release and credit ----------------------------------------------------------------
     def _on_ack(self, key, comm: CommState, red: Reduction, src: int, g: int,
-                now: float) -> None:
+                now: float) -> int:
+        """Returns when the result acknowledged left (the reduction's sends so far) if this is
+        the first acknowledgement of a result sent once, else 0."""
         slot = red.slots.get(g)
         if slot is None or slot.result is None or red.owner(g) != src:
             self.drops["stray_acks"] += 1
-            return
+            return 0
+        sent = 0
         if not slot.acked and not slot.resends:
             comm.round_trip.sample(now - slot.sent_at)
+            sent = slot.sent
         slot.acked = True
         while (head := red.slots.get(red.released)) is not None and head.acked:
             del red.slots[red.released]
@@ -415,6 +453,7 @@ class Aggregator:
             self._finish(key, red)
         elif red.released - red.announced >= max(1, int(red.window * CREDIT_EVERY)):
             self._announce(key, red)
+        return sent
 
     def _announce(self, key, red: Reduction) -> None:
         """Tell every rank the credit, in one message to the group."""
