@@ -14,7 +14,9 @@ numpy call, and the slots it completes are summed with one more. The sum goes to
 slot is released when the owner acknowledges it, and the release is announced to every rank
 as credit now and then, and to an owner with every batch of results (as that send's last
 datagram: no send or read of its own). Slots waiting on contributors ask them again (NACK);
-unacknowledged results are sent again. Memory is the pool's, whatever the message size.
+unacknowledged results are sent again: at once when their owner acknowledges a result sent
+after them, else after the round trip's timeout. Memory is the pool's, whatever the message
+size.
 """
 
 from __future__ import annotations
