@@ -53,6 +53,11 @@ def algorithm_label(r: dict) -> str:
         (f" loss {r['loss']:g}" if r.get("loss") else "")
 
 
+def point_label(r: dict) -> str:
+    """A point of a bench, whatever its link rate: collective, algorithm and size."""
+    return f"{r['collective']} {algorithm_label(r)}, {human_bytes(r['bytes_per_rank'])}"
+
+
 def mbit_text(rates: list[float]) -> str:
     return ", ".join(f"{bits / 1e6:g}" for bits in rates)
 
@@ -61,8 +66,8 @@ def sweep_lines(doc: dict) -> list[str]:
     """Per point of a sweep: the highest rate it holds its bar at, and where it stops."""
     lines = []
     for p in doc.get("sweep", ()):
-        name = f"{p['collective']} {algorithm_label(p)}, {human_bytes(p['bytes_per_rank'])}"
-        ratio = dict((bits, x) for bits, x in p["ratio_to_floor"])
+        name = point_label(p)
+        ratio = dict(p["ratio_to_floor"])
         holds, fails, bar = p["holds_up_to_bits_per_s"], p["fails_at_bits_per_s"], p["within"]
         if holds is None:
             lines.append(f"{name}: not within {bar:g}x of its floor at any rate swept: "
@@ -128,8 +133,7 @@ def plot_sweep(doc: dict, path: str) -> None:
     fig, (ratio_ax, cpu_ax) = plt.subplots(1, 2, figsize=(11, 4.5))
     series: dict[str, list[dict]] = {}
     for r in doc["results"]:
-        name = f"{r['collective']} {algorithm_label(r)}, {human_bytes(r['bytes_per_rank'])}"
-        series.setdefault(name, []).append(r)
+        series.setdefault(point_label(r), []).append(r)
     for name, rows in sorted(series.items()):
         rows.sort(key=lambda r: r["link_bits_per_s"])
         mbit = [r["link_bits_per_s"] / 1e6 for r in rows]

@@ -60,12 +60,17 @@ def check_request(collectives: list[str], algorithms: list[str]) -> None:
 
 def check_flags(hosts: int, link_rates: list[float], sizes: list[int], reps: int, warmup: int,
                 mtu: int, roots: list[int | None], loss: float, loss_burst: float,
-                slots: int) -> None:
+                slots: int, within: float = 1.15) -> None:
     """Raise InvalidArgumentError naming the first value that cannot run and what is allowed,
     before any cluster is built."""
     check_hosts(hosts)
     for bits in link_rates:
         check_link_rate(bits)
+    require(bool(link_rates), "the link rates", "at least one", "none", "--link-mbit, link_bits")
+    require(len(set(link_rates)) == len(link_rates), "the link rates", "all different",
+            ",".join(f"{bits / 1e6:g}" for bits in link_rates), "--link-mbit, link_bits")
+    require(math.isfinite(within) and within >= 1, "the sweep's bar",
+            "1 or more times the floor", within, "--within, within")
     for nbytes in sizes:
         check_size(nbytes)
     check_count("timed runs", reps, 1, "--reps, reps")
@@ -159,12 +164,7 @@ def run_bench(hosts: int, link_bits: int | list[int], sizes: list[int], collecti
     rates = list(link_bits) if isinstance(link_bits, (list, tuple)) else [link_bits]
     check_request(collectives, algorithms)
     check_flags(hosts, rates, sizes, reps, warmup, mtu, list(roots), loss, loss_burst,
-                switch_slots)
-    require(bool(rates), "the link rates", "at least one", "none", "--link-mbit, link_bits")
-    require(len(set(rates)) == len(rates), "the link rates", "all different",
-            ",".join(f"{bits / 1e6:g}" for bits in rates), "--link-mbit, link_bits")
-    require(math.isfinite(within) and within >= 1, "the sweep's bar",
-            "1 or more times the floor", within, "--within, within")
+                switch_slots, within)
     points = [(c, a, s, r) for c in collectives for a in algorithms if a in ALGORITHMS[c]
               for r in (roots if a in ("multicast", "overcast") else (None,)) for s in sizes]
     import torch  # imported once here so that forked hosts start fast

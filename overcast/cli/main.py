@@ -33,7 +33,7 @@ def _bench(args) -> int:
         raise ValueError(f"--roots takes 'all' or whole numbers, comma-separated, not "
                          f"{args.roots!r}") from None
     check_flags(args.hosts, rates, sizes, args.reps, args.warmup, args.mtu, roots, args.loss,
-                args.loss_burst, args.slots)
+                args.loss_burst, args.slots, args.within)
     bar, progress = _progress(console)
     with bar:
         doc = run_bench(args.hosts, [int(bits) for bits in rates], sizes, _csv(args.collectives),
