@@ -83,6 +83,26 @@ def test_replay_window_edges():
     assert strict.accept(1) and strict.accept(5) and not strict.accept(5) and not strict.accept(4)
 
 
+
+def test_replay_window_matches_its_definition_across_word_boundaries():
+    """Against the definition, a set of what was taken: a counter is taken if it is above the
+    highest taken, or less than `width` below it and not taken before. Widths around the
+    bitmap's 64-bit words; steps of one (the common case), jumps past the window, old ones."""
+    import random
+    rng = random.Random(5)
+    for width in (0, 1, 4, 63, 64, 65, 128, 1000):
+        window, taken, top, base = ReplayWindow(width), set(), -1, 0
+        for _ in range(20000):
+            r = rng.random()
+            base += rng.randrange(0, 3) if r < 0.6 else \
+                rng.randrange(0, 5 * width + 200) if r < 0.62 else 0
+            counter = max(0, base - rng.randrange(0, 2 * width + 3))
+            expected = counter > top or (top - counter < width and counter not in taken)
+            assert window.accept(counter) == expected, (width, counter, top)
+            if expected:
+                taken.add(counter)
+                top = max(top, counter)
+
 def test_header_parse_never_raises_other_than_malformed():
     import random
     rng = random.Random(1)

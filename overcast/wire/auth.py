@@ -44,32 +44,39 @@ class Drops(collections.Counter):
 
 
 class ReplayWindow:
-    """Accepts each counter value at most once; `width` 0 demands strictly increasing counters."""
+    """Accepts each counter value at most once, and none `width` or more below the highest
+    accepted; `width` 0 demands strictly increasing counters. The bitmap is a ring of 64-bit
+    words (as RFC 6479 keeps it): taking the next counter touches one word, where shifting a
+    `width`-bit integer copied the whole bitmap for every datagram."""
 
-    __slots__ = ("width", "mask", "top", "bits")
+    __slots__ = ("width", "top", "words")
 
     def __init__(self, width: int):
         self.width = width
-        self.mask = (1 << width) - 1  # made once: a 16384-bit int is costly to build
         self.top = -1
-        self.bits = 0
+        self.words = [0] * ((width - 1) // 64 + 2) if width else []  # any counter < width old
 
     def accept(self, counter: int) -> bool:
-        if counter > self.top:
-            shift = counter - self.top
-            if shift >= self.width:
-                self.bits = 1
-            else:
-                self.bits = ((self.bits << shift) | 1) & self.mask
+        top = self.top
+        if counter > top:
             self.top = counter
+            words = self.words
+            if words:
+                n, word = len(words), counter >> 6
+                if word - (top >> 6) >= n:
+                    self.words = words = [0] * n
+                else:
+                    for w in range((top >> 6) + 1, word + 1):  # words the top moves past
+                        words[w % n] = 0
+                words[word % n] |= 1 << (counter & 63)
             return True
-        age = self.top - counter
-        if age >= self.width:
+        if top - counter >= self.width:
             return False
-        mask = 1 << age
-        if self.bits & mask:
+        words = self.words
+        i, bit = (counter >> 6) % len(words), 1 << (counter & 63)
+        if words[i] & bit:
             return False
-        self.bits |= mask
+        words[i] |= bit
         return True
 
 
