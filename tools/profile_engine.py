@@ -19,6 +19,11 @@ pairs + 1). Then, by `--mode`:
   sending, timers, select...); rank 1's are printed.
 - time: nothing more, and nothing slowed: for comparisons of two configurations, run back to
   back and interleaved, since a shared machine's speed drifts by tens of percent over minutes.
+- perf: the whole machine sampled on CPU by Linux perf (`perf record -a`) while the ranks run,
+  warm-up included; each rank's and the aggregator's samples sorted by where the CPU was: the
+  Python interpreter, AES-GMAC, numpy, payload copies, the kernel's other work (network stack,
+  syscalls, scheduling), the rest. Unlike cProfile this counts CPU, not wall time, and slows
+  nothing; it cannot name Python functions (Python 3.11 has no perf support).
 
 Root only (it builds the cluster).
 """
@@ -29,7 +34,12 @@ import argparse
 import collections
 import cProfile
 import json
+import os
 import pstats
+import re
+import shutil
+import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -138,7 +148,75 @@ def pairs(rank: int, nbytes: int, count: int, mode: str, profile_path: str):
         counters = comm.counters()
         return ((time.process_time() - cpu) / count, (time.perf_counter() - start) / count,
                 {k: (seconds[k] / count, calls[k] / count) for k in seconds},
-                counters["datagrams_in"] + counters["datagrams_out"])
+                counters["datagrams_in"] + counters["datagrams_out"], os.getpid())
+
+
+SAMPLING_HZ = 999
+WHERE = ("Python interpreter", "AES-GMAC (cryptography)", "numpy", "payload copies (user, kernel)",
+         "kernel: network stack, syscalls, scheduling", "other (malloc, struct, socket module)")
+_SAMPLE = re.compile(r"^\s*(\d+)\s+\S+\s+(.*?)\s+\((.*)\)$")
+
+
+def where(sym: str, dso: str) -> str:
+    """Which of WHERE a CPU sample in function `sym` of object `dso` belongs to."""
+    name = dso.rsplit("/", 1)[-1]
+    if "memmove" in sym or "memcpy" in sym or sym in ("_copy_to_iter", "_copy_from_iter"):
+        return WHERE[3]
+    if name.startswith("libpython"):
+        return WHERE[0]
+    if name.startswith(("_rust.abi3", "libcrypto")):
+        return WHERE[1]
+    if "numpy" in dso or name.startswith("_multiarray_umath"):
+        return WHERE[2]
+    if name == "[kernel.kallsyms]":
+        return WHERE[4]
+    return WHERE[5]
+
+
+def sample_machine(path: str) -> subprocess.Popen:
+    """Start sampling every CPU into `path`; stop with stop_sampling."""
+    if shutil.which("perf") is None:
+        raise SystemExit("--mode perf needs Linux perf (the perf command) on PATH")
+    return subprocess.Popen(["perf", "record", "-a", "-q", "-F", str(SAMPLING_HZ), "-o", path],
+                            stdout=subprocess.DEVNULL)
+
+
+def stop_sampling(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGINT)
+    proc.wait(timeout=60)
+
+
+def machine_profile(path: str, ranks: list[int], aggregator: int, pairs: int) -> None:
+    """Print, per pair, the CPU of a rank (the mean of the ranks) and of the aggregator by
+    WHERE, from the samples in `path`."""
+    out = subprocess.run(["perf", "script", "-i", path, "-F", "pid,ip,sym,dso"],
+                         capture_output=True, text=True, check=True).stdout
+    counts = {role: collections.Counter() for role in ("rank", "aggregator")}
+    total = busy = 0
+    for line in out.splitlines():
+        m = _SAMPLE.match(line)
+        if m is None:
+            continue
+        total += 1
+        pid = int(m[1])
+        busy += pid != 0
+        role = "rank" if pid in ranks else "aggregator" if pid == aggregator else None
+        if role is not None:
+            counts[role][where(m[2], m[3])] += 1
+    per_pair = {"rank": 1e3 / (SAMPLING_HZ * pairs * len(ranks)),
+                "aggregator": 1e3 / (SAMPLING_HZ * pairs)}
+    print(f"  machine sampled: {busy / max(total, 1):.0%} busy; "
+          f"ranks {sum(counts['rank'].values()) / max(total, 1):.0%}, "
+          f"aggregator {sum(counts['aggregator'].values()) / max(total, 1):.0%} of all samples")
+    width = max(map(len, WHERE))
+    print(f"  {'CPU per pair (warm-up included)':{width}s}   a rank (mean)     aggregator")
+    for kind in (*WHERE, None):
+        row = []
+        for role in ("rank", "aggregator"):
+            n = sum(counts[role].values()) if kind is None else counts[role][kind]
+            share = n / max(sum(counts[role].values()), 1)
+            row.append(f"{n * per_pair[role]:6.1f} ms {share:4.0%}")
+        print(f"  {kind or 'all':{width}s}   {row[0]}   {row[1]}")
 
 
 def main() -> int:
@@ -147,7 +225,7 @@ def main() -> int:
     p.add_argument("--link-mbit", type=float, default=100.0)
     p.add_argument("--size", default="4MiB")
     p.add_argument("--pairs", type=int, default=3)
-    p.add_argument("--mode", choices=("profile", "parts", "time"), default="profile")
+    p.add_argument("--mode", choices=("profile", "parts", "time", "perf"), default="profile")
     p.add_argument("--top", type=int, default=0, help="profile: also list the N functions that "
                    "took the most time of their own")
     args = p.parse_args()
@@ -155,7 +233,13 @@ def main() -> int:
         path, stats = f"{tmp}/engine.prof", f"{tmp}/switch.json"
         with Cluster(args.hosts, int(args.link_mbit * 1e6)) as cluster:
             switch = cluster.start_switch(stats_path=stats)
-            ranks = cluster.run(pairs, args=(parse_size(args.size), args.pairs, args.mode, path))
+            sampler = sample_machine(f"{tmp}/perf.data") if args.mode == "perf" else None
+            try:
+                ranks = cluster.run(pairs, args=(parse_size(args.size), args.pairs, args.mode,
+                                                 path))
+            finally:
+                if sampler is not None:
+                    stop_sampling(sampler)
             cluster.stop_switch(switch)
         with open(stats) as f:
             aggregator = json.load(f)["cpu_seconds"] / (args.pairs + 1)
@@ -175,6 +259,8 @@ def main() -> int:
             width = max(map(len, CATEGORIES))
             for kind, seconds in sorted(busy.items(), key=lambda kv: -kv[1]):
                 print(f"  {kind:{width}s} {seconds / total:5.0%}  ({seconds:.3f} s profiled)")
+        if args.mode == "perf":
+            machine_profile(f"{tmp}/perf.data", [r[4] for r in ranks], switch.pid, args.pairs + 1)
     for name, (seconds, calls) in sorted(ranks[1][2].items(), key=lambda kv: -kv[1][0]):
         print(f"  {name:20s} {seconds * 1e3:7.1f} ms {calls:8.0f} calls "
               f"{seconds / max(calls, 1) * 1e6:7.1f} us each")
