@@ -83,7 +83,6 @@ def test_replay_window_edges():
     assert strict.accept(1) and strict.accept(5) and not strict.accept(5) and not strict.accept(4)
 
 
-
 def test_replay_window_matches_its_definition_across_word_boundaries():
     """Against the definition, a set of what was taken: a counter is taken if it is above the
     highest taken, or less than `width` below it and not taken before. Widths around the
@@ -102,6 +101,7 @@ def test_replay_window_matches_its_definition_across_word_boundaries():
             if expected:
                 taken.add(counter)
                 top = max(top, counter)
+
 
 def test_header_parse_never_raises_other_than_malformed():
     import random

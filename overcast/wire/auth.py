@@ -54,7 +54,8 @@ class ReplayWindow:
     def __init__(self, width: int):
         self.width = width
         self.top = -1
-        self.words = [0] * ((width - 1) // 64 + 2) if width else []  # any counter < width old
+        # words enough to hold every counter less than `width` below the top
+        self.words = [0] * ((width - 1) // 64 + 2) if width else []
 
     def accept(self, counter: int) -> bool:
         top = self.top
