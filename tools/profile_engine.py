@@ -205,17 +205,17 @@ def machine_profile(path: str, ranks: list[int], aggregator: int, pairs: int) ->
             counts[role][where(m[2], m[3])] += 1
     per_pair = {"rank": 1e3 / (SAMPLING_HZ * pairs * len(ranks)),
                 "aggregator": 1e3 / (SAMPLING_HZ * pairs)}
-    print(f"  machine sampled: {busy / max(total, 1):.0%} busy; "
-          f"ranks {sum(counts['rank'].values()) / max(total, 1):.0%}, "
-          f"aggregator {sum(counts['aggregator'].values()) / max(total, 1):.0%} of all samples")
+    whole = {role: sum(c.values()) for role, c in counts.items()}
+    total = max(total, 1)
+    print(f"  machine sampled: {busy / total:.0%} busy; ranks {whole['rank'] / total:.0%}, "
+          f"aggregator {whole['aggregator'] / total:.0%} of all samples")
     width = max(map(len, WHERE))
     print(f"  {'CPU per pair (warm-up included)':{width}s}   a rank (mean)     aggregator")
     for kind in (*WHERE, None):
         row = []
         for role in ("rank", "aggregator"):
-            n = sum(counts[role].values()) if kind is None else counts[role][kind]
-            share = n / max(sum(counts[role].values()), 1)
-            row.append(f"{n * per_pair[role]:6.1f} ms {share:4.0%}")
+            n = whole[role] if kind is None else counts[role][kind]
+            row.append(f"{n * per_pair[role]:6.1f} ms {n / max(whole[role], 1):4.0%}")
         print(f"  {kind or 'all':{width}s}   {row[0]}   {row[1]}")
 
 
