@@ -145,7 +145,7 @@ def test_results_are_sent_again_after_the_measured_round_trip_not_before():
     for g in (1, 3, 5):
         contribute(g, g / 10)
         acknowledge([g], g / 10 + 0.08)
-    timeout = agg.comms["comm"].round_trip.timeout()
+    timeout = agg.resend_timeout("comm")
     assert 0.08 < timeout < MAX_RESEND_SECONDS and timeout > 2 * RESEND_SECONDS
     contribute(7, 1.0)
     agg.outbox.clear()
@@ -179,8 +179,7 @@ def test_a_result_its_owner_acknowledged_a_later_one_past_is_sent_again_at_once(
     acknowledge([7], 0.005)  # sent once, after 3's first copy but before its second
     assert results_sent(agg) == []
     acknowledge([3], 0.006)
-    reduction = agg.comms["comm"].reductions[0]
-    assert reduction.released == 0  # chunk 0 (rank 0's) has had no contribution
+    assert agg.reductions("comm") == {0: 0}  # chunk 0 (rank 0's) has had no contribution
     assert agg.stats["results_resent_early"] == 2
 
 
@@ -222,7 +221,7 @@ def test_the_pool_bounds_the_aggregator_for_a_message_larger_than_the_pool():
     message = world * count * 4
     assert agg.peak_pool_bytes <= (slots + 1) * world * CHUNK
     assert agg.peak_pool_bytes < message / 10
-    assert agg.pool_bytes == 0 and not agg.comms["comm"].reductions
+    assert agg.pool_bytes == 0 and not agg.reductions("comm")
 
 
 def test_two_communicators_share_one_aggregator_and_stay_apart():

@@ -20,7 +20,7 @@ from overcast.switch.aggregator import Aggregator
 from overcast.wire.header import AGGREGATOR, ANY, Header, Kind
 from overcast.wire.runs import Run
 from overcast.wire.messages import (pack_abort, pack_acks, pack_contribution_prefix,
-                                    pack_credit, pack_goodbye, pack_ranges)
+                                    pack_credit, pack_goodbye, pack_ranges, unpack_credit)
 from test_mismatch import U8, WORLD, all_gather, broadcast, reduce_scatter
 
 F32 = np.dtype(np.float32)
@@ -364,4 +364,18 @@ def test_a_run_whose_contributions_disagree_is_dropped_whole():
     agg.receive_run("comm", run_of([contribution(1, 0), contribution(2, 0, world=5, total=10)]),
                     0.0)
     assert agg.drops == {"inconsistent": 2}
-    assert not agg.stats["contributions"] and not agg.comms["comm"].reductions
+    assert not agg.stats["contributions"] and not agg.reductions("comm")
+
+
+def test_a_credit_probe_past_the_last_chunk_is_answered_with_what_is_owed():
+    """A keyed rank's probe may name any chunk as its next unsent one: what it is told to send
+    again stops at the reduction's last chunk (the numbering has nothing past it)."""
+    agg = Aggregator(slots=8)
+    agg.register("comm", WORLD)
+    agg.receive("comm", *contribution(1, 0), 0.0)  # 28 chunks, chunk 1 holding rank 0's
+    agg.receive("comm", *message(Kind.CREDIT, 2, pack_credit((1 << 32) - 1)), 0.0)
+    (_, dst, msg), = agg.outbox
+    released, again = unpack_credit(msg.payload)
+    assert dst == 2 and released == 0
+    assert again == [g for g in range(8) if g % WORLD != 2]  # the window: 8 slots
+    assert not agg.drops

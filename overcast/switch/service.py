@@ -6,8 +6,12 @@ the job secret it was given and the salt in the HELLO, so a HELLO it can verify 
 job, and from this connection), and keeps the connection open: when the service dies, every rank
 sees it at once. A connection that has not registered within REGISTRATION_SECONDS is closed.
 One UDP port, the same number, carries the contributions, results, acknowledgements and credit,
-all authenticated per communicator and replay-checked like every other overcast datagram. The
-reduction itself is Aggregator's.
+all authenticated per communicator and replay-checked like every other overcast datagram.
+
+The datagrams never reach Python: the native core (overcast/native/service.h) reads them in GRO
+batches, opens, reduces and seals them, and sends in GSO batches, with the GIL released, until a
+registration connection has something to say; this loop then handles it and hands the socket
+back. The reduction itself is the native engine's (overcast/native/aggregator.h).
 """
 
 from __future__ import annotations
@@ -15,45 +19,29 @@ from __future__ import annotations
 import json
 import resource
 import secrets
-import selectors
 import signal
 import socket
 import time
 
 from overcast.limits import check_port
 from overcast.switch.aggregator import Aggregator
-from overcast.transport.datagram import (DATAGRAM_TRUESIZE, WINDOW, UdpPort,
-                                         enlarge_receive_buffer, multicast_group,
-                                         prepare_sender, seal_batches)
-from overcast.wire.auth import Drops, Opener, ReplayWindow, Sealer, derive_key, job_id_of
-from overcast.wire.header import (AGGREGATOR, ANY, HEADER_BYTES, Kind, MalformedError,
-                                  unpack_header)
+from overcast.transport.datagram import (DATAGRAM_TRUESIZE, enlarge_receive_buffer,
+                                         multicast_group, prepare_sender)
+from overcast.wire.auth import Drops, Opener, ReplayWindow, derive_key, job_id_of
+from overcast.wire.header import HEADER_BYTES, Kind, MalformedError, unpack_header
 from overcast.wire.registration import (HELLO, NONCE_BYTES, SWITCH_CHALLENGE, SWITCH_MAGIC,
                                         WELCOME)
 
 REGISTRATION_SECONDS = 10.0
 
 
-
 class _Comm:
-    """A registered communicator: its keys, its ranks' datagram addresses, its connections."""
+    """A registered communicator: its handle in the engine, the slots its reductions were
+    granted, its ranks' connections."""
 
-    def __init__(self, key: bytes, job: int, comm: int, world: int, drops: Drops):
-        self.world = world
-        self.sealer = Sealer(key, job, comm, AGGREGATOR)
-        # Nonces must never repeat under a key, even across restarts of this service.
-        self.sealer.counter = time.time_ns()
-        self.choose = Opener(key, job, comm, drops).chooser({}, WINDOW)
-        self.addresses: dict[int, tuple[str, int]] = {}
-        self.hears_group: dict[int, bool] = {}
-        self.group = multicast_group(comm)
+    def __init__(self, handle: int, world: int, slots: int):
+        self.handle, self.world, self.slots = handle, world, slots
         self.conns: set[socket.socket] = set()
-
-    def everyone(self) -> list[tuple[str, int]]:
-        """Where a message for every rank goes: the group if all ranks hear it."""
-        if len(self.hears_group) == self.world and all(self.hears_group.values()):
-            return [self.group]
-        return list(self.addresses.values())
 
 
 class _Registration:
@@ -71,8 +59,8 @@ class SwitchService:
     def __init__(self, host: str, port: int, job_secrets: list[bytes], slots: int = 256):
         check_port(port)
         self.secrets = {job_id_of(s): s for s in job_secrets}
-        self.drops = Drops()
-        self.aggregator = Aggregator(slots, self.drops)
+        self.drops = Drops()  # the registrations'; the data path counts its own
+        self.aggregator = Aggregator(slots)
         self.comms: dict[tuple[int, int], _Comm] = {}
         self.listener = socket.create_server((host, port), backlog=256)
         self.listener.setblocking(False)
@@ -82,10 +70,8 @@ class SwitchService:
         self.udp.bind((host, self.port))
         if host != "0.0.0.0":
             prepare_sender(self.udp, host, loop=False)
-        self.datagrams = UdpPort(self.udp, self.drops)
-        self.selector = selectors.DefaultSelector()
-        self.selector.register(self.listener, selectors.EVENT_READ, "accept")
-        self.selector.register(self.udp, selectors.EVENT_READ, "udp")
+        self.aggregator.engine.attach(self.udp.fileno())
+        self.connections: dict[socket.socket, _Registration] = {}
         self.unregistered: set[_Registration] = set()
         self.stopped = False
 
@@ -102,7 +88,7 @@ class SwitchService:
             sock.close()
             return
         sock.setblocking(False)
-        self.selector.register(sock, selectors.EVENT_READ, reg)
+        self.connections[sock] = reg
         self.unregistered.add(reg)
 
     def _expire_registrations(self, now: float) -> None:
@@ -156,27 +142,33 @@ class SwitchService:
             return False
         comm_key = (hdr.job, hdr.comm)
         comm = self.comms.get(comm_key)
+        engine = self.aggregator.engine
         if comm is None or comm.world != world:
-            comm = self.comms[comm_key] = _Comm(key, hdr.job, hdr.comm, world, self.drops)
-        # A window no deeper than the receive buffer holds for all ranks at once: a slow
-        # aggregator then slows the senders (they wait for credit) instead of losing datagrams.
-        slots = self.aggregator.register(comm_key, world,
-                                         self.receive_buffer // (world * DATAGRAM_TRUESIZE))
-        comm.addresses[hdr.src] = (socket.inet_ntoa(ip), udp_port)
-        comm.hears_group[hdr.src] = bool(hears_group)
+            # A window no deeper than the receive buffer holds for all ranks at once: a slow
+            # aggregator then slows the senders (they wait for credit) instead of losing
+            # datagrams. Nonces must never repeat under a key, even across restarts of this
+            # service: its counter starts at the clock in nanoseconds.
+            slots = self.aggregator.register(comm_key, world,
+                                             self.receive_buffer // (world * DATAGRAM_TRUESIZE),
+                                             ids=comm_key, secret_key=key,
+                                             counter=time.time_ns())
+            comm = self.comms[comm_key] = _Comm(self.aggregator.handle(comm_key), world, slots)
+            group, port = multicast_group(hdr.comm)
+            engine.set_group(comm.handle, socket.inet_aton(group), port)
+        engine.set_address(comm.handle, hdr.src, ip, udp_port, bool(hears_group))
         comm.conns.add(reg.sock)
         reg.comm_key = comm_key
         self.unregistered.discard(reg)
         try:  # a few bytes into a socket it has only read from: it blocks only if broken
-            reg.sock.sendall(comm.sealer.seal(Kind.HELLO, 0, hdr.src, 0,
-                                              WELCOME.pack(slots, self.port, theirs)))
+            reg.sock.sendall(engine.seal(comm.handle, Kind.HELLO, 0, hdr.src, 0,
+                                         WELCOME.pack(comm.slots, self.port, theirs)))
         except OSError:
             return False
         return True
 
     def _disconnect(self, reg: _Registration) -> None:
         self.unregistered.discard(reg)
-        self.selector.unregister(reg.sock)
+        del self.connections[reg.sock]
         reg.sock.close()
         comm = self.comms.get(reg.comm_key) if reg.comm_key else None
         if comm is not None:
@@ -185,89 +177,47 @@ class SwitchService:
                 del self.comms[reg.comm_key]
                 self.aggregator.unregister(reg.comm_key)
 
-    # -- datagrams -------------------------------------------------------------------------
-    def _on_datagrams(self, now: float) -> None:
-        def take(run) -> None:
-            self.aggregator.receive_run((run.hdr.job, run.hdr.comm), run, now)
-
-        self.datagrams.receive(self._choose, take)
-
-    def _choose(self, job: int, comm: int, src: int):
-        """The opener and replay window of a datagram's communicator (wire.auth.open_datagrams);
-        None for one not registered here."""
-        registered = self.comms.get((job, comm))
-        if registered is None:
-            self.drops["foreign"] += 1
-            return None
-        return registered.choose(job, comm, src)
-
-    def _send(self) -> None:
-        """Send what the aggregator wants sent: per destination, in order, in batches."""
-        outbox, routes = self.aggregator.outbox, {}
-        while outbox:
-            key, rank, msg = outbox.popleft()
-            routes.setdefault((key, rank), []).append(msg)
-        for (key, rank), messages in routes.items():
-            comm = self.comms.get(key)
-            if comm is None:
-                continue
-            if rank == ANY:
-                addresses = comm.everyone()
-            else:
-                addresses = [comm.addresses[rank]] if rank in comm.addresses else []
-            if not addresses:
-                continue
-            port = self.datagrams
-            for view, size in seal_batches(comm.sealer, messages, port.seal_buffer):
-                for address in addresses:
-                    try:
-                        sent = port.send_some(view, size, address)
-                    except OSError:
-                        self.drops["send_error"] += 1
-                        continue
-                    if sent < len(view):  # as a switch port would: the ranks retry
-                        self.drops["send_buffer_full"] += -(-(len(view) - sent) // size)
-
     # -- the loop --------------------------------------------------------------------------
     def serve(self) -> None:
-        """Run until stop() or SIGTERM/SIGINT."""
+        """Run until stop() or SIGTERM/SIGINT: the native data path until a registration
+        connection is readable, a signal comes, or a registration's time is up."""
+        engine = self.aggregator.engine
         while not self.stopped:
             now = time.monotonic()
-            timer = self.aggregator.get_timer()
-            if timer is not None and now >= timer:
-                self.aggregator.handle_timer(now)
-                timer = self.aggregator.get_timer()
-            self._send()
             self._expire_registrations(now)
-            wait = 0.5 if timer is None else min(0.5, max(0.0, timer - now))
-            for key, _ in self.selector.select(wait):
-                now = time.monotonic()
-                if key.data == "accept":
-                    self._accept()
-                elif key.data == "udp":
-                    self._on_datagrams(now)
-                else:
-                    self._on_registration(key.data)
-                self._send()
+            due = min((r.due for r in self.unregistered), default=now + 0.5)
+            control = [self.listener, *self.connections]
+            ready = engine.serve(control, min(due, now + 0.5))
+            if ready == 0:
+                self._accept()
+            elif ready > 0:
+                self._on_registration(self.connections[control[ready]])
 
     def stop(self, *_) -> None:
         self.stopped = True
 
     def close(self) -> None:
         """Close every socket: the listener, the datagram port, every rank's connection."""
-        for key in list(self.selector.get_map().values()):
-            key.fileobj.close()
-        self.selector.close()
+        for sock in [self.listener, self.udp, *self.connections]:
+            sock.close()
+        self.connections.clear()
 
     def report(self) -> dict:
         agg = self.aggregator
-        return {"drops": dict(self.drops), "stats": dict(agg.stats), "slots": agg.slots,
+        io = agg.engine.io()
+        stats = agg.stats
+        contributions = stats["contributions"]
+        return {"drops": dict(self.drops + agg.drops), "stats": dict(stats), "slots": agg.slots,
                 "receive_buffer_bytes": self.receive_buffer,
                 "pool_bytes": agg.pool_bytes, "peak_pool_bytes": agg.peak_pool_bytes,
                 "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-                "cpu_seconds": time.process_time(), "datagrams_in": self.datagrams.datagrams_in,
-                "datagrams_out": self.datagrams.datagrams_out, "reads": self.datagrams.reads,
-                "sends": self.datagrams.sends,
+                "cpu_seconds": time.process_time(),
+                "data_path_cpu_seconds": io["serve_cpu_seconds"],
+                "cpu_us_per_contribution": io["serve_cpu_seconds"] / contributions * 1e6
+                if contributions else None,
+                "datagrams_in": io["datagrams_in"], "datagrams_out": io["datagrams_out"],
+                "reads": io["reads"], "sends": io["sends"], "wakeups": io["wakeups"],
+                "gro": bool(io["gro"]), "gso": bool(io["gso"]),
                 "communicators": len(self.comms)}
 
 

@@ -1,0 +1,131 @@
+/* The aggregator's reduction engine, sans I/O: what a switch that sums does, for many
+ * communicators at once. Fed authentic messages or sealed datagrams and the clock; it leaves
+ * what it wants sent in its outbox and says when to wake it. No socket, thread or clock here
+ * (overcast/native/service.h owns those), so tests drive it on an in-memory fabric with a fake
+ * clock.
+ *
+ * Protocol (docs/protocols.md): per reduction a window of `slots` slots; chunk g may occupy slot
+ * g mod window once every chunk below g - window is released. A slot keeps one row per rank; a
+ * contribution lands in its sender's row once (a bitmap of contributors), and when all P-1 are
+ * in, the rows are summed in rank order into the owner's row (the owner contributes nothing),
+ * which is the result: the same bits whatever the arrival order. The result goes to the owner;
+ * its acknowledgement releases the slot; releases are announced to every rank as credit now and
+ * then, and to an owner after every batch of results. Slots waiting on contributors ask them
+ * again (NACK); unacknowledged results go again at once when their owner acknowledges one sent
+ * after them (the path keeps order), else after the round trip's timeout (RFC 6298), doubling
+ * per resend. Whatever does not fit is dropped and counted by reason, never raised.
+ *
+ * Memory and lifetime: the engine owns everything it points to. A reduction's pool (window x
+ * world x widest row) is allocated with its first contribution and freed when the reduction
+ * finishes, when its communicator is unregistered or registered again with another world, and
+ * in oc_agg_free. Payloads are copied into the engine (rows, outbox), so the caller's buffers
+ * may be freed or reused as soon as a call returns; the outbox holds its own copies until
+ * oc_agg_flush or oc_agg_outbox_clear. A rank that dies mid-reduction leaves its slots
+ * incomplete: they ask again (bounded by the window) until the communicator is unregistered
+ * (its last connection closes), which frees them. The engine is not thread-safe: one thread at
+ * a time, which in the service is the one running oc_serve. */
+#ifndef OVERCAST_NATIVE_AGGREGATOR_H
+#define OVERCAST_NATIVE_AGGREGATOR_H
+
+#include <netinet/in.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "wire.h"
+
+/* Reductions of one communicator in flight at once; contributions for more wait for a retry. */
+#define OC_MAX_REDUCTIONS 4
+/* A result's resend timeout stays within these, whatever the round trip (seconds). */
+#define OC_RESEND_SECONDS 0.05
+#define OC_MAX_RESEND_SECONDS 1.0
+#define OC_TOMBSTONES 64
+#define OC_REPLAY_WIDTH (1u << 14)
+
+/* Counters, by the names overcast's reports use. */
+#define OC_DROPS(X) X(malformed) X(foreign) X(bad_mac) X(replayed) X(truncated)            \
+    X(unregistered) X(misdirected) X(wrong_sender) X(unexpected_kind) X(stale)              \
+    X(inconsistent) X(out_of_range) X(beyond_window) X(wrong_length) X(stray_acks)          \
+    X(send_error) X(send_buffer_full)
+#define OC_STATS(X) X(contributions) X(results) X(results_resent) X(results_resent_early)    \
+    X(nacks) X(refused) X(late_contributions) X(duplicate_contributions) X(reductions)
+#define OC_ENUM_DROP(name) OC_DROP_##name,
+#define OC_ENUM_STAT(name) OC_STAT_##name,
+enum { OC_DROPS(OC_ENUM_DROP) OC_DROP_COUNT };
+enum { OC_STATS(OC_ENUM_STAT) OC_STAT_COUNT };
+extern const char *const oc_drop_names[OC_DROP_COUNT];
+extern const char *const oc_stat_names[OC_STAT_COUNT];
+
+typedef struct oc_agg oc_agg;
+
+/* A message waiting to be sent; its payload lies in the engine's arena (oc_agg_payload). */
+typedef struct {
+    int handle;           /* the communicator */
+    uint16_t dst;         /* a rank, or OC_ANY for every rank */
+    uint8_t kind;
+    uint32_t seq, chunk;
+    size_t offset, len;
+} oc_out;
+
+oc_agg *oc_agg_new(uint32_t slots);
+void oc_agg_free(oc_agg *a);
+
+/* Take a communicator of `world` ranks (job, comm: its ids on the wire), its reductions getting
+ * at most `slots` slots (0: the aggregator's own). With `key`, it also opens and seals
+ * datagrams, its own counter starting after `counter`. Returns a handle (>= 0) and the slots
+ * granted, or -1 if memory ran out. Registering the same ids again keeps the communicator
+ * unless its world differs. */
+int oc_agg_register(oc_agg *a, uint32_t job, uint32_t comm, uint32_t world, uint32_t slots,
+                    const uint8_t *key, uint64_t counter, uint32_t *granted);
+void oc_agg_unregister(oc_agg *a, int handle);
+/* Where a rank's datagrams go (network byte order), and whether it hears the communicator's
+ * multicast group; messages for every rank go to the group once all ranks hear it. */
+int oc_agg_set_address(oc_agg *a, int handle, uint32_t rank, uint32_t ip, uint16_t port,
+                       int hears_group);
+int oc_agg_set_group(oc_agg *a, int handle, uint32_t ip, uint16_t port);
+/* The addresses a message to `dst` goes to (at most `max`); their count. */
+size_t oc_agg_destinations(const oc_agg *a, int handle, uint16_t dst, struct sockaddr_in *out,
+                           size_t max);
+
+/* Authentic messages from one sender (a run, overcast.wire.runs): same header but for the
+ * chunk, `count` payloads of `length` bytes at data + offset + i * stride. handle -1: a
+ * communicator not registered here. */
+void oc_agg_receive_run(oc_agg *a, int handle, const oc_header *first, const uint32_t *chunks,
+                        size_t count, const uint8_t *data, size_t offset, size_t stride,
+                        double now);
+/* Sealed datagrams as one read brings them: `n` bytes, every datagram `segment` bytes but the
+ * last. Each is checked (shape, communicator, tag, replay window) and the authentic ones go on
+ * in runs. */
+void oc_agg_feed(oc_agg *a, const uint8_t *data, size_t n, size_t segment, double now);
+
+/* When to call oc_agg_handle_timer next (a time on the caller's clock), or < 0 for never. */
+double oc_agg_timer(const oc_agg *a);
+void oc_agg_handle_timer(oc_agg *a, double now);
+
+size_t oc_agg_outbox_count(const oc_agg *a);
+const oc_out *oc_agg_outbox(const oc_agg *a, size_t i);
+const uint8_t *oc_agg_payload(const oc_agg *a, const oc_out *o);
+void oc_agg_outbox_clear(oc_agg *a);
+
+/* Seal the outbox, per destination in order, into batches of equal-sized datagrams (one GSO
+ * send each; the last may be shorter) and hand each to `emit`; messages of unkeyed
+ * communicators are dropped. The batch is valid during the call only. Empties the outbox. */
+typedef void (*oc_emit)(void *ctx, int handle, uint16_t dst, const uint8_t *data, size_t len,
+                        size_t segment);
+void oc_agg_flush(oc_agg *a, oc_emit emit, void *ctx);
+/* Seal one message of a keyed communicator (the registration's reply): its length, or 0. */
+size_t oc_agg_seal(oc_agg *a, int handle, uint8_t kind, uint32_t seq, uint16_t dst,
+                   uint32_t chunk, const uint8_t *payload, size_t len, uint8_t *out, size_t cap);
+
+const uint64_t *oc_agg_drops(const oc_agg *a);
+uint64_t *oc_agg_drops_mut(oc_agg *a);
+const uint64_t *oc_agg_stats(const oc_agg *a);
+uint64_t oc_agg_pool_bytes(const oc_agg *a);
+uint64_t oc_agg_peak_pool_bytes(const oc_agg *a);
+uint32_t oc_agg_slots(const oc_agg *a);
+/* A communicator's resend timeout now (seconds), and its reductions in flight: up to `max` of
+ * (seq, chunks released); their count, or -1 for no such handle. */
+double oc_agg_resend_timeout(const oc_agg *a, int handle);
+int oc_agg_reductions(const oc_agg *a, int handle, uint32_t *seqs, uint32_t *released,
+                      int max);
+
+#endif

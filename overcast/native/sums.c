@@ -1,0 +1,124 @@
+#include "sums.h"
+
+#include <string.h>
+
+size_t oc_dtype_size(unsigned code) {
+    static const size_t sizes[OC_DTYPES] = {2, 2, 4, 8, 4, 8, 1, 1};
+    return code < OC_DTYPES ? sizes[code] : 0;
+}
+
+static uint32_t bits_of(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+static float float_of(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+
+float oc_bfloat_to_float(uint16_t b) { return float_of((uint32_t)b << 16); }
+
+uint16_t oc_float_to_bfloat(float f) {
+    uint32_t u = bits_of(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)(u >> 16 | 0x40); /* NaN stays NaN */
+    u += 0x7fffu + (u >> 16 & 1);
+    return (uint16_t)(u >> 16);
+}
+
+float oc_half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = h >> 10 & 0x1f, man = h & 0x3ff;
+    if (exp == 0x1f) return float_of(sign | 0x7f800000u | man << 13);
+    if (exp) return float_of(sign | (exp + 112) << 23 | man << 13);
+    if (!man) return float_of(sign);
+    /* subnormal: man * 2^-24, exact in float32 */
+    float v = (float)man * 0x1p-24f;
+    return sign ? -v : v;
+}
+
+uint16_t oc_float_to_half(float f) {
+    uint32_t u = bits_of(f), sign = u >> 16 & 0x8000, a = u & 0x7fffffffu;
+    if (a > 0x7f800000u) return (uint16_t)(sign | 0x7e00 | (a >> 13 & 0x3ff)); /* NaN */
+    if (a >= 0x477ff000u) return (uint16_t)(sign | 0x7c00); /* rounds to infinity */
+    if (a >= 0x38800000u) { /* normal: rebias and round to nearest even */
+        uint32_t r = a - 0x38000000u;
+        r += 0xfffu + (r >> 13 & 1);
+        return (uint16_t)(sign | r >> 13);
+    }
+    if (a < 0x33000000u) return (uint16_t)sign; /* below half the smallest subnormal */
+    /* subnormal: the value in units of 2^-24, rounded to nearest even */
+    uint32_t e = a >> 23, man = (a & 0x7fffffu) | 0x800000u, shift = 126 - e;
+    uint32_t q = man >> shift, rest = man & ((1u << shift) - 1), half = 1u << (shift - 1);
+    if (rest > half || (rest == half && (q & 1))) q++;
+    return (uint16_t)(sign | q);
+}
+
+/* Each plain loop below vectorizes; built for AVX2 and the baseline, picked at load. */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(OC_NO_CLONES)
+#define CLONES __attribute__((target_clones("avx2", "default")))
+#else
+#define CLONES
+#endif
+
+#define SUM_SAME_TYPE(name, type, utype)                                                        \
+    CLONES static void name(uint8_t *out, const uint8_t *rows, size_t stride, unsigned nrows,   \
+                            unsigned skip, size_t elems) {                                      \
+        utype acc[256];                                                                         \
+        for (size_t at = 0; at < elems; at += 256) {                                            \
+            size_t n = elems - at < 256 ? elems - at : 256;                                     \
+            int first = 1;                                                                      \
+            for (unsigned r = 0; r < nrows; r++) {                                              \
+                if (r == skip) continue;                                                        \
+                const uint8_t *row = rows + r * stride + at * sizeof(type);                     \
+                utype v[256];                                                                   \
+                memcpy(v, row, n * sizeof(type));                                               \
+                if (first) {                                                                    \
+                    memcpy(acc, v, n * sizeof(type));                                           \
+                    first = 0;                                                                  \
+                } else {                                                                        \
+                    for (size_t i = 0; i < n; i++) acc[i] = (utype)(acc[i] + v[i]);             \
+                }                                                                               \
+            }                                                                                   \
+            if (first) memset(acc, 0, sizeof acc);                                              \
+            memcpy(out + at * sizeof(type), acc, n * sizeof(type));                             \
+        }                                                                                       \
+    }
+
+/* Integers are added as unsigned: wrapping is defined there, and the bits are those of the
+ * two's complement sum numpy gives. */
+SUM_SAME_TYPE(sum_f32, float, float)
+SUM_SAME_TYPE(sum_f64, double, double)
+SUM_SAME_TYPE(sum_i32, int32_t, uint32_t)
+SUM_SAME_TYPE(sum_i64, int64_t, uint64_t)
+SUM_SAME_TYPE(sum_i8, int8_t, uint8_t)
+
+CLONES static void sum_16(uint8_t *out, const uint8_t *rows, size_t stride, unsigned nrows,
+                          unsigned skip, size_t elems, int brain) {
+    float acc[256];
+    for (size_t at = 0; at < elems; at += 256) {
+        size_t n = elems - at < 256 ? elems - at : 256;
+        int first = 1;
+        for (unsigned r = 0; r < nrows; r++) {
+            if (r == skip) continue;
+            uint16_t v[256];
+            memcpy(v, rows + r * stride + at * 2, n * 2);
+            for (size_t i = 0; i < n; i++) {
+                float x = brain ? oc_bfloat_to_float(v[i]) : oc_half_to_float(v[i]);
+                acc[i] = first ? x : acc[i] + x;
+            }
+            first = 0;
+        }
+        if (first) memset(acc, 0, sizeof acc);
+        uint16_t o[256];
+        for (size_t i = 0; i < n; i++)
+            o[i] = brain ? oc_float_to_bfloat(acc[i]) : oc_float_to_half(acc[i]);
+        memcpy(out + at * 2, o, n * 2);
+    }
+}
+
+void oc_sum_rows(unsigned code, uint8_t *out, const uint8_t *rows, size_t stride,
+                 unsigned nrows, unsigned skip, size_t elems) {
+    switch (code) {
+    case OC_FLOAT32: sum_f32(out, rows, stride, nrows, skip, elems); break;
+    case OC_FLOAT64: sum_f64(out, rows, stride, nrows, skip, elems); break;
+    case OC_INT32: sum_i32(out, rows, stride, nrows, skip, elems); break;
+    case OC_INT64: sum_i64(out, rows, stride, nrows, skip, elems); break;
+    case OC_INT8: case OC_UINT8: sum_i8(out, rows, stride, nrows, skip, elems); break;
+    case OC_BFLOAT16: sum_16(out, rows, stride, nrows, skip, elems, 1); break;
+    case OC_FLOAT16: sum_16(out, rows, stride, nrows, skip, elems, 0); break;
+    default: break;
+    }
+}

@@ -1,0 +1,35 @@
+/* Batched UDP I/O on one socket: a read takes what the kernel coalesced (UDP GRO) and reports
+ * the segment size; a send hands the kernel datagrams laid back to back to cut (UDP GSO), one by
+ * one where the kernel or device will not segment them. The socket is the caller's (not
+ * closed here); the read buffer is owned. */
+#ifndef OVERCAST_NATIVE_UDP_H
+#define OVERCAST_NATIVE_UDP_H
+
+#include <netinet/in.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/types.h>
+
+#define OC_GSO_MAX_SEGMENTS 64
+#define OC_GRO_READ_BYTES 65536
+
+typedef struct {
+    int fd;
+    int gro, gso;
+    uint8_t *buf;   /* owned, OC_GRO_READ_BYTES */
+    uint64_t reads, sends, datagrams_in, datagrams_out, bytes_in, bytes_out, truncated;
+} oc_udp;
+
+int oc_udp_init(oc_udp *u, int fd);
+void oc_udp_free(oc_udp *u);
+/* One read into u->buf: its length (> 0), with *segment the size of every datagram in it but
+ * the last; 0 when nothing is waiting; -1 for a read to pass over (an ICMP report of an earlier
+ * send, or nothing whole in it). A datagram the buffer cut short is left out and counted in
+ * *truncated. */
+ssize_t oc_udp_read(oc_udp *u, size_t *segment, int *truncated);
+/* Send `len` bytes of datagrams, each `segment` bytes but the last, to `to`, until the socket is
+ * full: the bytes that went (whole datagrams), or -1 with errno for an error. */
+ssize_t oc_udp_send(oc_udp *u, const uint8_t *data, size_t len, size_t segment,
+                    const struct sockaddr_in *to);
+
+#endif

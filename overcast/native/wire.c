@@ -1,0 +1,180 @@
+#include "wire.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#include <openssl/evp.h>
+
+static uint16_t get16(const uint8_t *p) { return (uint16_t)(p[0] | p[1] << 8); }
+static uint32_t get32(const uint8_t *p) {
+    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+}
+static uint64_t get64(const uint8_t *p) { return get32(p) | (uint64_t)get32(p + 4) << 32; }
+static void put16(uint8_t *p, uint16_t v) { p[0] = (uint8_t)v; p[1] = (uint8_t)(v >> 8); }
+static void put32(uint8_t *p, uint32_t v) {
+    for (int i = 0; i < 4; i++) p[i] = (uint8_t)(v >> (8 * i));
+}
+static void put64(uint8_t *p, uint64_t v) { put32(p, (uint32_t)v); put32(p + 4, (uint32_t)(v >> 32)); }
+
+int oc_kind_known(unsigned kind) {
+    switch (kind) {
+    case OC_HELLO: case OC_DESCRIBE: case OC_ABORT: case OC_GOODBYE: case OC_RING_DATA:
+    case OC_MCAST_DATA: case OC_REPAIR_REQUEST: case OC_REPAIR_DATA: case OC_ACTIVATE:
+    case OC_FIN: case OC_MCAST_END: case OC_CONTRIB: case OC_RESULT: case OC_RESULT_ACK:
+    case OC_CREDIT:
+        return 1;
+    default:
+        return 0;
+    }
+}
+
+int oc_header_parse(const uint8_t *b, size_t len, oc_header *h) {
+    if (len < OC_HEADER_BYTES || b[0] != 'O' || b[1] != 'C' || b[2] != OC_VERSION ||
+        !oc_kind_known(b[3]))
+        return -1;
+    uint32_t length = get32(b + 24);
+    if (length > OC_MAX_PAYLOAD) return -1;
+    h->kind = b[3];
+    h->job = get32(b + 4);
+    h->comm = get32(b + 8);
+    h->seq = get32(b + 12);
+    h->src = get16(b + 16);
+    h->dst = get16(b + 18);
+    h->chunk = get32(b + 20);
+    h->length = length;
+    h->counter = get64(b + 28);
+    return 0;
+}
+
+void oc_header_write(uint8_t *b, const oc_header *h) {
+    b[0] = 'O';
+    b[1] = 'C';
+    b[2] = OC_VERSION;
+    b[3] = h->kind;
+    put32(b + 4, h->job);
+    put32(b + 8, h->comm);
+    put32(b + 12, h->seq);
+    put16(b + 16, h->src);
+    put16(b + 18, h->dst);
+    put32(b + 20, h->chunk);
+    put32(b + 24, h->length);
+    put64(b + 28, h->counter);
+}
+
+/* Fetched once (implicit fetches by name on every init are OpenSSL 3's slow path); never freed:
+ * it lives as long as the process. */
+static EVP_CIPHER *aes_gcm(void) {
+    static EVP_CIPHER *cipher;
+    if (cipher == NULL) cipher = EVP_CIPHER_fetch(NULL, "AES-128-GCM", NULL);
+    return cipher;
+}
+
+int oc_gmac_init(oc_gmac *g, const uint8_t key[OC_KEY_BYTES], int sealing) {
+    EVP_CIPHER *cipher = aes_gcm();
+    g->ctx = NULL;
+    g->sealing = sealing;
+    if (cipher == NULL) return -1;
+    EVP_CIPHER_CTX *ctx = EVP_CIPHER_CTX_new();
+    if (ctx == NULL) return -1;
+    int ok = sealing ? EVP_EncryptInit_ex2(ctx, cipher, key, NULL, NULL)
+                     : EVP_DecryptInit_ex2(ctx, cipher, key, NULL, NULL);
+    if (ok != 1) {
+        EVP_CIPHER_CTX_free(ctx);
+        return -1;
+    }
+    g->ctx = ctx;
+    return 0;
+}
+
+void oc_gmac_free(oc_gmac *g) {
+    EVP_CIPHER_CTX_free(g->ctx);
+    g->ctx = NULL;
+}
+
+static void nonce(uint8_t iv[12], uint16_t src, uint64_t counter) {
+    put16(iv, src);
+    put16(iv + 2, 0);
+    put64(iv + 4, counter);
+}
+
+/* EVP takes int lengths: messages are at most OC_MAX_PAYLOAD + overhead, far below INT_MAX. */
+int oc_gmac_tag(oc_gmac *g, uint16_t src, uint64_t counter, const uint8_t *data, size_t len,
+                uint8_t tag[OC_TAG_BYTES]) {
+    EVP_CIPHER_CTX *ctx = g->ctx;
+    uint8_t iv[12], none[16];
+    int n;
+    if (!g->sealing || len > OC_MAX_PAYLOAD + OC_HEADER_BYTES) return -1;
+    nonce(iv, src, counter);
+    if (EVP_EncryptInit_ex2(ctx, NULL, NULL, iv, NULL) != 1 ||
+        EVP_EncryptUpdate(ctx, NULL, &n, data, (int)len) != 1 ||
+        EVP_EncryptFinal_ex(ctx, none, &n) != 1 ||
+        EVP_CIPHER_CTX_ctrl(ctx, EVP_CTRL_GCM_GET_TAG, OC_TAG_BYTES, tag) != 1)
+        return -1;
+    return 0;
+}
+
+int oc_gmac_check(oc_gmac *g, uint16_t src, uint64_t counter, const uint8_t *data, size_t len,
+                  const uint8_t tag[OC_TAG_BYTES]) {
+    EVP_CIPHER_CTX *ctx = g->ctx;
+    uint8_t iv[12], none[16], expected[OC_TAG_BYTES];
+    int n;
+    if (g->sealing || len > OC_MAX_PAYLOAD + OC_HEADER_BYTES) return 0;
+    memcpy(expected, tag, OC_TAG_BYTES); /* SET_TAG takes a non-const pointer */
+    nonce(iv, src, counter);
+    if (EVP_DecryptInit_ex2(ctx, NULL, NULL, iv, NULL) != 1 ||
+        EVP_DecryptUpdate(ctx, NULL, &n, data, (int)len) != 1 ||
+        EVP_CIPHER_CTX_ctrl(ctx, EVP_CTRL_GCM_SET_TAG, OC_TAG_BYTES, expected) != 1)
+        return 0;
+    return EVP_DecryptFinal_ex(ctx, none, &n) == 1;
+}
+
+size_t oc_seal_into(oc_sealer *s, uint8_t *buf, size_t cap, uint8_t kind, uint32_t seq,
+                    uint16_t dst, uint32_t chunk, const uint8_t *payload, size_t len) {
+    if (len > OC_MAX_PAYLOAD || cap < OC_OVERHEAD_BYTES || len > cap - OC_OVERHEAD_BYTES)
+        return 0;
+    oc_header h = {kind, s->job, s->comm, seq, s->src, dst, chunk, (uint32_t)len, s->counter + 1};
+    oc_header_write(buf, &h);
+    if (len) memcpy(buf + OC_HEADER_BYTES, payload, len);
+    if (oc_gmac_tag(&s->gmac, s->src, h.counter, buf, OC_HEADER_BYTES + len,
+                    buf + OC_HEADER_BYTES + len) != 0)
+        return 0;
+    s->counter = h.counter;
+    return OC_OVERHEAD_BYTES + len;
+}
+
+int oc_replay_init(oc_replay *w, uint32_t width) {
+    w->top = 0;
+    w->any = 0;
+    w->width = width;
+    w->nwords = width ? (width - 1) / 64 + 2 : 0;
+    w->words = w->nwords ? calloc(w->nwords, sizeof(uint64_t)) : NULL;
+    return w->nwords && w->words == NULL ? -1 : 0;
+}
+
+void oc_replay_free(oc_replay *w) {
+    free(w->words);
+    w->words = NULL;
+    w->nwords = 0;
+}
+
+int oc_replay_accept(oc_replay *w, uint64_t counter) {
+    if (!w->any || counter > w->top) {
+        if (w->nwords) {
+            uint64_t word = counter >> 6, from = w->any ? (w->top >> 6) + 1 : word;
+            if (w->any && word - (w->top >> 6) >= w->nwords)
+                memset(w->words, 0, w->nwords * sizeof(uint64_t));
+            else
+                for (uint64_t i = from; i <= word; i++) w->words[i % w->nwords] = 0;
+            w->words[word % w->nwords] |= (uint64_t)1 << (counter & 63);
+        }
+        w->top = counter;
+        w->any = 1;
+        return 1;
+    }
+    if (w->top - counter >= w->width) return 0;
+    uint64_t *word = &w->words[(counter >> 6) % w->nwords];
+    uint64_t bit = (uint64_t)1 << (counter & 63);
+    if (*word & bit) return 0;
+    *word |= bit;
+    return 1;
+}

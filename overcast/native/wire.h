@@ -1,0 +1,93 @@
+/* The wire, natively: the 36-byte header every overcast message starts with, AES-GMAC sealing
+ * and opening through OpenSSL 3's EVP, and the per-sender replay window. The same format as
+ * overcast/wire (Python): a message sealed by either side opens in the other.
+ *
+ * Layout (little-endian): magic "OC", version u8, kind u8, job u32, comm u32, seq u32, src u16,
+ * dst u16, chunk u32, length u32, counter u64; then `length` payload bytes; then a 16-byte tag,
+ * AES-128-GCM over an empty plaintext with header and payload as associated data, under the
+ * nonce (src u16, 0 u16, counter u64).
+ *
+ * Ownership: nothing here keeps a pointer to a caller's buffer past the call. An oc_gmac owns
+ * its EVP context (one per key and direction, the key set once); an oc_replay owns its words. */
+#ifndef OVERCAST_NATIVE_WIRE_H
+#define OVERCAST_NATIVE_WIRE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define OC_HEADER_BYTES 36
+#define OC_TAG_BYTES 16
+#define OC_OVERHEAD_BYTES (OC_HEADER_BYTES + OC_TAG_BYTES)
+#define OC_MAX_PAYLOAD (1u << 26)
+#define OC_MAX_DATAGRAM 65507u
+#define OC_VERSION 1
+#define OC_KEY_BYTES 16
+#define OC_AGGREGATOR 0xFFFEu
+#define OC_ANY 0xFFFFu
+
+enum oc_kind {
+    OC_HELLO = 1, OC_DESCRIBE = 2, OC_ABORT = 3, OC_GOODBYE = 4, OC_RING_DATA = 10,
+    OC_MCAST_DATA = 20, OC_REPAIR_REQUEST = 21, OC_REPAIR_DATA = 22, OC_ACTIVATE = 23,
+    OC_FIN = 24, OC_MCAST_END = 25, OC_CONTRIB = 30, OC_RESULT = 31, OC_RESULT_ACK = 32,
+    OC_CREDIT = 33,
+};
+
+typedef struct {
+    uint8_t kind;
+    uint32_t job, comm, seq;
+    uint16_t src, dst;
+    uint32_t chunk, length;
+    uint64_t counter;
+} oc_header;
+
+int oc_kind_known(unsigned kind);
+/* 0 if `len` bytes hold a header of this version with a known kind and a payload length within
+ * OC_MAX_PAYLOAD; -1 (nothing written) otherwise. */
+int oc_header_parse(const uint8_t *buf, size_t len, oc_header *out);
+void oc_header_write(uint8_t *buf, const oc_header *h);
+
+/* One key, one direction: the cipher fetched once per process, the key set once per context;
+ * per message only the nonce, the associated data and the tag. */
+typedef struct {
+    void *ctx; /* EVP_CIPHER_CTX */
+    int sealing;
+} oc_gmac;
+
+int oc_gmac_init(oc_gmac *g, const uint8_t key[OC_KEY_BYTES], int sealing);
+void oc_gmac_free(oc_gmac *g);
+/* The tag of `len` bytes under (src, counter): 0 on success. */
+int oc_gmac_tag(oc_gmac *g, uint16_t src, uint64_t counter, const uint8_t *data, size_t len,
+                uint8_t tag[OC_TAG_BYTES]);
+/* 1 if `tag` is the tag of `len` bytes under (src, counter), else 0. */
+int oc_gmac_check(oc_gmac *g, uint16_t src, uint64_t counter, const uint8_t *data, size_t len,
+                  const uint8_t tag[OC_TAG_BYTES]);
+
+/* The sender's side of one communicator key: its identity and its message counter (never
+ * repeated under the key: it is the nonce). */
+typedef struct {
+    oc_gmac gmac;
+    uint32_t job, comm;
+    uint16_t src;
+    uint64_t counter;
+} oc_sealer;
+
+/* Write header, payload and tag at buf[0..]; `cap` bytes available. Returns the message's
+ * length, or 0 (nothing written, no counter spent) if it does not fit or is too large. */
+size_t oc_seal_into(oc_sealer *s, uint8_t *buf, size_t cap, uint8_t kind, uint32_t seq,
+                    uint16_t dst, uint32_t chunk, const uint8_t *payload, size_t len);
+
+/* Each counter accepted at most once, none `width` or more below the highest accepted (RFC
+ * 6479's ring of 64-bit words; width 0: strictly increasing). */
+typedef struct {
+    uint64_t top;
+    int any;          /* whether anything was accepted (top is meaningless before) */
+    uint32_t width;
+    uint32_t nwords;
+    uint64_t *words;  /* owned */
+} oc_replay;
+
+int oc_replay_init(oc_replay *w, uint32_t width);
+void oc_replay_free(oc_replay *w);
+int oc_replay_accept(oc_replay *w, uint64_t counter);
+
+#endif

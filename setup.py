@@ -1,0 +1,27 @@
+"""Builds overcast's native core (overcast/native) with the package: `pip install -e .`.
+
+OVERCAST_NATIVE_DEBUG=1 builds it without optimisation and with assertions;
+OVERCAST_NATIVE_SANITIZE=1 with AddressSanitizer and UndefinedBehaviorSanitizer (the Python
+that loads it then needs libasan preloaded; tests/native builds the core's own test programs
+with the sanitizers instead).
+"""
+
+import os
+
+from setuptools import Extension, setup
+
+PARTS = ["wire", "sums", "udp", "aggregator", "service", "module"]
+flags = ["-std=c11", "-Wall", "-Wextra", "-Wshadow", "-fno-strict-aliasing"]
+link = []
+if os.environ.get("OVERCAST_NATIVE_DEBUG"):
+    flags += ["-O0", "-g", "-UNDEBUG"]
+else:
+    flags += ["-O3"]
+if os.environ.get("OVERCAST_NATIVE_SANITIZE"):
+    flags += ["-fsanitize=address,undefined", "-fno-omit-frame-pointer"]
+    link += ["-fsanitize=address,undefined"]
+
+setup(ext_modules=[Extension("overcast.native._core",
+                             sources=[f"overcast/native/{part}.c" for part in PARTS],
+                             libraries=["crypto"], extra_compile_args=flags,
+                             extra_link_args=link)])

@@ -1,0 +1,418 @@
+/* The native core's unit tests, one section per part; built and run by tests/test_native.py,
+ * under AddressSanitizer and UndefinedBehaviorSanitizer. Each check prints what failed; the
+ * last line counts them as "N passed, N failed". */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "aggregator.h"
+#include "sums.h"
+#include "wire.h"
+
+static int passed, failed;
+#define CHECK(cond, ...)                                                                      \
+    do {                                                                                      \
+        if (cond) {                                                                           \
+            passed++;                                                                         \
+        } else {                                                                              \
+            failed++;                                                                         \
+            printf("FAIL %s:%d: ", __FILE__, __LINE__);                                       \
+            printf(__VA_ARGS__);                                                              \
+            printf("\n");                                                                     \
+        }                                                                                     \
+    } while (0)
+
+static uint64_t rng = 88172645463325252ull;
+static uint64_t next(void) {
+    rng ^= rng << 13;
+    rng ^= rng >> 7;
+    rng ^= rng << 17;
+    return rng;
+}
+
+static const uint8_t KEY[16] = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16};
+
+/* -- wire ---------------------------------------------------------------------------------- */
+
+static void test_header(void) {
+    oc_header h = {OC_CONTRIB, 7, 9, 11, 3, OC_AGGREGATOR, 0xdeadbeef, 1234, 0x0102030405060708ull};
+    uint8_t b[OC_HEADER_BYTES];
+    oc_header_write(b, &h);
+    CHECK(b[0] == 'O' && b[1] == 'C' && b[2] == OC_VERSION && b[3] == OC_CONTRIB, "magic");
+    oc_header back;
+    CHECK(oc_header_parse(b, sizeof b, &back) == 0 && back.kind == h.kind && back.job == h.job &&
+          back.comm == h.comm && back.seq == h.seq && back.src == h.src && back.dst == h.dst &&
+          back.chunk == h.chunk && back.length == h.length && back.counter == h.counter,
+          "a header reads back as written");
+    CHECK(oc_header_parse(b, sizeof b - 1, &back) == -1, "a short header is malformed");
+    uint8_t bad[OC_HEADER_BYTES];
+    memcpy(bad, b, sizeof b);
+    bad[0] = 'X';
+    CHECK(oc_header_parse(bad, sizeof bad, &back) == -1, "bad magic");
+    memcpy(bad, b, sizeof b);
+    bad[2] = 2;
+    CHECK(oc_header_parse(bad, sizeof bad, &back) == -1, "another version");
+    memcpy(bad, b, sizeof b);
+    bad[3] = 99;
+    CHECK(oc_header_parse(bad, sizeof bad, &back) == -1, "an unknown kind");
+    h.length = OC_MAX_PAYLOAD + 1;
+    oc_header_write(bad, &h);
+    CHECK(oc_header_parse(bad, sizeof bad, &back) == -1, "an oversized payload");
+}
+
+static void test_seal_and_open(void) {
+    oc_sealer s = {.job = 5, .comm = 6, .src = 2, .counter = 41};
+    oc_gmac opener;
+    CHECK(oc_gmac_init(&s.gmac, KEY, 1) == 0 && oc_gmac_init(&opener, KEY, 0) == 0, "keys");
+    uint8_t payload[300], msg[400];
+    for (size_t i = 0; i < sizeof payload; i++) payload[i] = (uint8_t)next();
+    CHECK(oc_seal_into(&s, msg, OC_OVERHEAD_BYTES + 299, OC_CONTRIB, 1, OC_AGGREGATOR, 3,
+                       payload, sizeof payload) == 0 && s.counter == 41,
+          "a message that does not fit is not sealed and spends no counter");
+    size_t n = oc_seal_into(&s, msg, sizeof msg, OC_CONTRIB, 1, OC_AGGREGATOR, 3, payload,
+                            sizeof payload);
+    CHECK(n == OC_OVERHEAD_BYTES + sizeof payload && s.counter == 42, "sealed: %zu", n);
+    oc_header h;
+    CHECK(oc_header_parse(msg, n, &h) == 0 && h.counter == 42 && h.length == sizeof payload &&
+          h.src == 2 && h.job == 5 && h.comm == 6, "its header");
+    CHECK(oc_gmac_check(&opener, 2, 42, msg, n - OC_TAG_BYTES, msg + n - OC_TAG_BYTES),
+          "it opens");
+    CHECK(!oc_gmac_check(&opener, 2, 43, msg, n - OC_TAG_BYTES, msg + n - OC_TAG_BYTES),
+          "not under another counter");
+    CHECK(!oc_gmac_check(&opener, 3, 42, msg, n - OC_TAG_BYTES, msg + n - OC_TAG_BYTES),
+          "not from another sender");
+    int every_flip_caught = 1;
+    for (size_t bit = 0; bit < n * 8; bit += 7) {
+        msg[bit / 8] ^= (uint8_t)(1 << bit % 8);
+        if (oc_gmac_check(&opener, 2, 42, msg, n - OC_TAG_BYTES, msg + n - OC_TAG_BYTES))
+            every_flip_caught = 0;
+        msg[bit / 8] ^= (uint8_t)(1 << bit % 8);
+    }
+    CHECK(every_flip_caught, "a flipped bit anywhere in header, payload or tag fails the tag");
+    oc_gmac other;
+    uint8_t key2[16];
+    memcpy(key2, KEY, 16);
+    key2[0] ^= 1;
+    CHECK(oc_gmac_init(&other, key2, 0) == 0, "key");
+    CHECK(!oc_gmac_check(&other, 2, 42, msg, n - OC_TAG_BYTES, msg + n - OC_TAG_BYTES),
+          "not under another key");
+    CHECK(!oc_gmac_check(&s.gmac, 2, 42, msg, n - OC_TAG_BYTES, msg + n - OC_TAG_BYTES),
+          "a sealing context never opens");
+    oc_gmac_free(&other);
+    oc_gmac_free(&opener);
+    oc_gmac_free(&s.gmac);
+}
+
+/* The window against its definition: a set of what was taken and the highest taken. */
+static void test_replay_window(void) {
+    static const uint32_t widths[] = {0, 1, 63, 64, 65, 1000};
+    for (size_t w = 0; w < sizeof widths / sizeof widths[0]; w++) {
+        uint32_t width = widths[w];
+        oc_replay win;
+        CHECK(oc_replay_init(&win, width) == 0, "window");
+        enum { SPAN = 5000 };
+        static uint8_t taken[SPAN];
+        memset(taken, 0, sizeof taken);
+        int64_t top = -1;
+        int agree = 1;
+        for (int i = 0; i < 20000; i++) {
+            int64_t c;
+            uint64_t r = next();
+            if (top < 0 || r % 4 == 0) c = (int64_t)(r >> 8) % SPAN;
+            else c = top - (int64_t)((r >> 8) % (width + 80)) + (int64_t)(r >> 40) % 40;
+            if (c < 0) c = 0;
+            if (c >= SPAN) c = SPAN - 1;
+            int expect = c > top || (top - c < (int64_t)width && !taken[c]);
+            int got = oc_replay_accept(&win, (uint64_t)c);
+            if (got != expect) agree = 0;
+            if (expect) {
+                taken[c] = 1;
+                if (c > top) top = c;
+            }
+        }
+        CHECK(agree, "the window of width %u keeps to its definition", width);
+        oc_replay_free(&win);
+    }
+    oc_replay big;
+    oc_replay_init(&big, 1u << 14);
+    CHECK(oc_replay_accept(&big, 1) && oc_replay_accept(&big, UINT64_MAX - 1) &&
+          !oc_replay_accept(&big, 1) && oc_replay_accept(&big, UINT64_MAX - 2) &&
+          !oc_replay_accept(&big, UINT64_MAX - 2) && oc_replay_accept(&big, UINT64_MAX),
+          "counters near the top of 64 bits");
+    oc_replay_free(&big);
+}
+
+/* -- sums ---------------------------------------------------------------------------------- */
+
+static int is_nan16(uint16_t h, int brain) {
+    return brain ? (h & 0x7fff) > 0x7f80 : (h & 0x7fff) > 0x7c00;
+}
+
+static void test_conversions(void) {
+    int half_ok = 1, brain_ok = 1;
+    for (uint32_t h = 0; h < 65536; h++) {
+        if (!is_nan16((uint16_t)h, 0) && oc_float_to_half(oc_half_to_float((uint16_t)h)) != h)
+            half_ok = 0;
+        if (!is_nan16((uint16_t)h, 1) && oc_float_to_bfloat(oc_bfloat_to_float((uint16_t)h)) != h)
+            brain_ok = 0;
+    }
+    CHECK(half_ok, "every float16 goes to float32 and back unchanged");
+    CHECK(brain_ok, "every bfloat16 goes to float32 and back unchanged");
+    /* rounding: the nearest of the two neighbours, ties to even */
+    int nearest_half = 1, nearest_brain = 1;
+    for (int i = 0; i < 200000; i++) {
+        uint32_t u = (uint32_t)next();
+        float f;
+        memcpy(&f, &u, 4);
+        if (isnan(f)) continue;
+        for (int brain = 0; brain < 2; brain++) {
+            uint16_t h = brain ? oc_float_to_bfloat(f) : oc_float_to_half(f);
+            double got = brain ? oc_bfloat_to_float(h) : oc_half_to_float(h);
+            int ok = 1;
+            for (int d = -1; d <= 1; d += 2) {
+                uint16_t n = (uint16_t)(h + d);
+                if (is_nan16(n, brain) || (n & 0x7fff) == 0x7fff) continue;
+                if (((n ^ h) & 0x8000) && (h & 0x7fff)) continue; /* across zero only from 0 */
+                double other = brain ? oc_bfloat_to_float(n) : oc_half_to_float(n);
+                if (isinf(got) || isinf(other)) continue;
+                double eg = fabs(got - f), eo = fabs(other - f);
+                if (eo < eg || (eo == eg && (h & 1))) ok = 0;
+            }
+            if (!ok) {
+                if (brain) nearest_brain = 0;
+                else nearest_half = 0;
+            }
+        }
+    }
+    CHECK(nearest_half, "float32 rounds to the nearest float16, ties to even");
+    CHECK(nearest_brain, "float32 rounds to the nearest bfloat16, ties to even");
+    CHECK(oc_float_to_half(65520.0f) == 0x7c00 && oc_float_to_half(65519.0f) == 0x7bff,
+          "float16 overflows to infinity at 65520");
+    CHECK(oc_float_to_half(0x1p-25f) == 0 && oc_float_to_half(0x1.000002p-25f) == 1,
+          "the smallest float16 subnormal, rounded");
+}
+
+/* Every dtype against a sum taken element by element in rank order, the owner skipped. */
+static void test_sums(void) {
+    enum { ROWS = 7, ELEMS = 1031 };
+    static uint8_t rows[ROWS][ELEMS * 8], out[ELEMS * 8];
+    for (unsigned code = 0; code < OC_DTYPES; code++) {
+        size_t size = oc_dtype_size(code);
+        for (unsigned skip = 0; skip < ROWS; skip += 3) {
+            for (int r = 0; r < ROWS; r++)
+                for (size_t i = 0; i < ELEMS * size; i++) rows[r][i] = (uint8_t)next();
+            if (code == OC_FLOAT32 || code == OC_FLOAT64 || code == OC_FLOAT16 ||
+                code == OC_BFLOAT16) /* finite values of a sensible scale */
+                for (int r = 0; r < ROWS; r++)
+                    for (size_t i = 0; i < ELEMS; i++) {
+                        float v = (float)((int64_t)(next() % 20001) - 10000) / 1000.0f;
+                        if (code == OC_FLOAT32) memcpy(rows[r] + 4 * i, &v, 4);
+                        if (code == OC_FLOAT64) { double d = v; memcpy(rows[r] + 8 * i, &d, 8); }
+                        if (code == OC_FLOAT16) { uint16_t h = oc_float_to_half(v); memcpy(rows[r] + 2 * i, &h, 2); }
+                        if (code == OC_BFLOAT16) { uint16_t b = oc_float_to_bfloat(v); memcpy(rows[r] + 2 * i, &b, 2); }
+                    }
+            oc_sum_rows(code, out, rows[0], sizeof rows[0], ROWS, skip, ELEMS);
+            int same = 1;
+            for (size_t i = 0; i < ELEMS; i++) {
+                uint64_t u = 0;
+                float f = 0;
+                double d = 0;
+                int first = 1;
+                for (unsigned r = 0; r < ROWS; r++) {
+                    if (r == skip) continue;
+                    const uint8_t *p = rows[r] + i * size;
+                    uint64_t x = 0;
+                    memcpy(&x, p, size);
+                    u = first ? x : u + x;
+                    if (code == OC_FLOAT32) { float v; memcpy(&v, p, 4); f = first ? v : f + v; }
+                    if (code == OC_FLOAT64) { double v; memcpy(&v, p, 8); d = first ? v : d + v; }
+                    if (code == OC_FLOAT16 || code == OC_BFLOAT16) {
+                        uint16_t h;
+                        memcpy(&h, p, 2);
+                        float v = code == OC_FLOAT16 ? oc_half_to_float(h) : oc_bfloat_to_float(h);
+                        f = first ? v : f + v;
+                    }
+                    first = 0;
+                }
+                uint64_t want = u, got = 0;
+                if (code == OC_FLOAT32) memcpy(&want, &f, 4);
+                if (code == OC_FLOAT64) memcpy(&want, &d, 8);
+                if (code == OC_FLOAT16) want = oc_float_to_half(f);
+                if (code == OC_BFLOAT16) want = oc_float_to_bfloat(f);
+                if (size < 8) want &= (1ull << (8 * size)) - 1;
+                memcpy(&got, out + i * size, size);
+                if (got != want) same = 0;
+            }
+            CHECK(same, "dtype %u, owner %u: the same bits as a sum in rank order", code, skip);
+        }
+    }
+    /* the owner's own row may be the output (the engine sums into it) */
+    oc_sum_rows(OC_INT32, rows[2], rows[0], sizeof rows[0], ROWS, 2, ELEMS);
+    oc_sum_rows(OC_INT32, out, rows[0], sizeof rows[0], ROWS, 2, ELEMS);
+    CHECK(memcmp(out, rows[2], ELEMS * 4) == 0, "summed into the skipped row");
+}
+
+/* -- the aggregator, on sealed datagrams --------------------------------------------------- */
+
+enum { WORLD = 3, K = 5, ELEMS_PER_CHUNK = 4 };
+
+typedef struct {
+    uint8_t data[65536];
+    size_t len, segment;
+    uint16_t dst;
+    int count;
+} captured;
+
+static void capture(void *ctx, int handle, uint16_t dst, const uint8_t *data, size_t len,
+                    size_t segment) {
+    captured *c = ctx; /* keeps the first batch, counts them all */
+    (void)handle;
+    if (c->count++ || len > sizeof c->data) return;
+    memcpy(c->data, data, len);
+    c->len = len;
+    c->segment = segment;
+    c->dst = dst;
+}
+
+static size_t contribution(oc_sealer *s, uint8_t *buf, uint32_t g, int32_t value) {
+    uint8_t payload[8 + 4 * ELEMS_PER_CHUNK] = {OC_INT32, 1, WORLD, 0, WORLD * K, 0, 0, 0};
+    for (int i = 0; i < ELEMS_PER_CHUNK; i++) memcpy(payload + 8 + 4 * i, &value, 4);
+    return oc_seal_into(s, buf, 512, OC_CONTRIB, 0, OC_AGGREGATOR, g, payload, sizeof payload);
+}
+
+static void test_aggregator(void) {
+    oc_agg *a = oc_agg_new(64);
+    uint32_t granted;
+    int h = oc_agg_register(a, 1, 2, WORLD, 16, KEY, 1000, &granted);
+    CHECK(h >= 0 && granted == 16, "registered, %u slots: a window past every chunk", granted);
+    oc_agg_set_address(a, h, 0, 0x0100007f, 1000, 0);
+    oc_sealer ranks[WORLD];
+    oc_gmac opener;
+    oc_gmac_init(&opener, KEY, 0);
+    for (int r = 0; r < WORLD; r++) {
+        ranks[r] = (oc_sealer){.job = 1, .comm = 2, .src = (uint16_t)r};
+        oc_gmac_init(&ranks[r].gmac, KEY, 1);
+    }
+    /* every rank contributes (rank + 1) * 10 + g to every chunk it does not own, as one batch
+     * of back-to-back datagrams per rank */
+    for (int r = 0; r < WORLD; r++) {
+        uint8_t batch[WORLD * K * 512];
+        size_t len = 0, segment = 0;
+        for (uint32_t g = 0; g < WORLD * K; g++) {
+            if (g % WORLD == (uint32_t)r) continue; /* group 1: chunk g is rank g % P's */
+            size_t n = contribution(&ranks[r], batch + len, g, (r + 1) * 10 + (int32_t)g);
+            segment = n;
+            len += n;
+        }
+        oc_agg_feed(a, batch, len, segment, 0.0);
+    }
+    const uint64_t *stats = oc_agg_stats(a), *drops = oc_agg_drops(a);
+    CHECK(stats[OC_STAT_contributions] == WORLD * K * (WORLD - 1), "contributions taken: %llu",
+          (unsigned long long)stats[OC_STAT_contributions]);
+    CHECK(stats[OC_STAT_results] == WORLD * K, "every chunk summed");
+    uint64_t dropped = 0;
+    for (int i = 0; i < OC_DROP_COUNT; i++) dropped += drops[i];
+    CHECK(dropped == 0, "nothing dropped");
+    /* the results, opened as a rank would */
+    int results_right = 1, results = 0;
+    for (size_t i = 0; i < oc_agg_outbox_count(a); i++) {
+        const oc_out *o = oc_agg_outbox(a, i);
+        if (o->kind != OC_RESULT) continue;
+        results++;
+        int32_t want = 0, got;
+        for (int r = 0; r < WORLD; r++)
+            if ((uint32_t)r != o->chunk % WORLD) want += (r + 1) * 10 + (int32_t)o->chunk;
+        memcpy(&got, oc_agg_payload(a, o), 4);
+        if (o->dst != o->chunk % WORLD || got != want || o->len != 4 * ELEMS_PER_CHUNK) results_right = 0;
+    }
+    CHECK(results == WORLD * K && results_right, "each result is its chunk's sum, to its owner");
+    captured out = {0};
+    oc_agg_flush(a, capture, &out);
+    CHECK(oc_agg_outbox_count(a) == 0, "the flush empties the outbox");
+    CHECK(out.count > 0 && out.dst == 2,
+          "sealed batches reached the emitter, the first for rank 2 (ranks 0 and 1 came first)");
+    oc_header first;
+    CHECK(oc_header_parse(out.data, out.len, &first) == 0 && first.src == OC_AGGREGATOR &&
+          first.counter == 1001, "sealed by the aggregator, its counter after 1000");
+    /* each datagram of the first batch opens under the key */
+    int opens = 1;
+    for (size_t at = 0; at + OC_OVERHEAD_BYTES <= out.len;) {
+        oc_header hh;
+        if (oc_header_parse(out.data + at, out.len - at, &hh)) { opens = 0; break; }
+        size_t n = OC_OVERHEAD_BYTES + hh.length;
+        if (at + n > out.len || !oc_gmac_check(&opener, hh.src, hh.counter, out.data + at,
+                                                n - OC_TAG_BYTES, out.data + at + n - OC_TAG_BYTES))
+            opens = 0;
+        at += n;
+    }
+    CHECK(opens, "every sealed datagram opens");
+    /* a replayed batch is dropped, datagram by datagram */
+    uint8_t again[512];
+    ranks[1].counter--;
+    size_t n = contribution(&ranks[1], again, 0, 1);
+    oc_agg_feed(a, again, n, n, 0.0);
+    CHECK(drops[OC_DROP_replayed] == 1, "a counter used twice is a replay");
+    again[40] ^= 1;
+    oc_agg_feed(a, again, n, n, 0.0);
+    CHECK(drops[OC_DROP_bad_mac] == 1, "a changed byte fails the tag");
+    CHECK(oc_agg_pool_bytes(a) > 0, "the pool lives while the reduction does");
+    /* acknowledgements of every result finish the reduction and free its pool */
+    for (int r = 0; r < WORLD; r++) {
+        uint8_t acks[4 * K], msg[256];
+        for (int c = 0; c < K; c++) {
+            uint32_t g = (uint32_t)(c * WORLD + r);
+            memcpy(acks + 4 * c, &g, 4);
+        }
+        size_t m = oc_seal_into(&ranks[r], msg, sizeof msg, OC_RESULT_ACK, 0, OC_AGGREGATOR, K,
+                                acks, sizeof acks);
+        oc_agg_feed(a, msg, m, m, 0.01);
+    }
+    CHECK(stats[OC_STAT_reductions] == 1 && oc_agg_pool_bytes(a) == 0,
+          "acknowledged, the reduction is done and its pool freed");
+    uint32_t seqs[4], released[4];
+    CHECK(oc_agg_reductions(a, h, seqs, released, 4) == 0, "none left in flight");
+    /* a reduction left in flight: unregistering frees it (LeakSanitizer checks the rest) */
+    oc_sealer *r0 = &ranks[1];
+    uint8_t one[512];
+    r0->counter = 5000;
+    uint8_t payload[8 + 16] = {OC_INT32, 1, WORLD, 0, WORLD * K, 0, 0, 0};
+    size_t m = oc_seal_into(r0, one, sizeof one, OC_CONTRIB, 1, OC_AGGREGATOR, 0, payload, sizeof payload);
+    oc_agg_feed(a, one, m, m, 0.02);
+    CHECK(oc_agg_pool_bytes(a) > 0 && oc_agg_timer(a) >= 0, "a second reduction in flight");
+    oc_agg_unregister(a, h);
+    CHECK(oc_agg_pool_bytes(a) == 0, "unregistered mid-reduction, its pool is freed");
+    oc_agg_feed(a, one, m, m, 0.03);
+    CHECK(drops[OC_DROP_foreign] == 1, "its datagrams are foreign now");
+    for (int r = 0; r < WORLD; r++) oc_gmac_free(&ranks[r].gmac);
+    oc_gmac_free(&opener);
+    oc_agg_free(a);
+}
+
+/* A second registration with another world replaces the first, freeing what it held. */
+static void test_reregistration(void) {
+    oc_agg *a = oc_agg_new(4);
+    uint32_t granted;
+    int h = oc_agg_register(a, 1, 1, 2, 0, NULL, 0, &granted);
+    uint8_t payload[8 + 8] = {OC_INT64, 1, 2, 0, 4, 0, 0, 0};
+    uint32_t chunk = 1;
+    oc_header hdr = {OC_CONTRIB, 0, 0, 0, 0, OC_AGGREGATOR, 1, sizeof payload, 0};
+    oc_agg_receive_run(a, h, &hdr, &chunk, 1, payload, 0, sizeof payload, 0.0);
+    CHECK(oc_agg_pool_bytes(a) > 0, "a reduction in flight");
+    int h2 = oc_agg_register(a, 1, 1, 3, 0, NULL, 0, &granted);
+    CHECK(h2 == h && oc_agg_pool_bytes(a) == 0, "registered again with another world: freed");
+    CHECK(oc_agg_register(a, 1, 1, 0, 0, NULL, 0, &granted) == -1, "a world of 0 is refused");
+    oc_agg_free(a);
+}
+
+int main(void) {
+    test_header();
+    test_seal_and_open();
+    test_replay_window();
+    test_conversions();
+    test_sums();
+    test_aggregator();
+    test_reregistration();
+    printf("%d passed, %d failed\n", passed, failed);
+    return failed != 0;
+}

@@ -1,0 +1,175 @@
+"""The native core (overcast/native): its own C unit tests and fuzz targets, built here with
+AddressSanitizer and UndefinedBehaviorSanitizer and run; and the native engine against the
+Python side of the wire: a message sealed by either opens in the other, and every dtype sums to
+the bits numpy gives in rank order."""
+
+import pathlib
+import subprocess
+
+import numpy as np
+import pytest
+
+from overcast.buffers import BFLOAT16, DTYPES, accumulator_dtype, dtype_code
+from overcast.native import Aggregator as Engine
+from overcast.wire.auth import Drops, Opener, ReplayWindow, Sealer
+from overcast.wire.header import AGGREGATOR, HEADER_BYTES, Kind
+from overcast.wire.messages import pack_acks, pack_contribution_prefix, unpack_credit
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+NATIVE = ROOT / "overcast" / "native"
+PARTS = ["wire", "sums", "aggregator"]
+SANITIZE = ["-fsanitize=address,undefined", "-fno-sanitize-recover=all",
+            "-fno-omit-frame-pointer"]
+# Inputs per fuzz target in the suite; tools/fuzz runs millions, coverage-guided.
+FUZZ_RUNS = {"fuzz_datagrams": 300_000, "fuzz_aggregator": 60_000}
+
+
+def build(out: pathlib.Path, *sources: pathlib.Path) -> pathlib.Path:
+    cmd = ["gcc", "-std=c11", "-g", "-O1", "-Wall", "-Wextra", "-Werror", *SANITIZE,
+           f"-I{NATIVE}", *map(str, sources), *(str(NATIVE / f"{p}.c") for p in PARTS),
+           "-lcrypto", "-lm", "-o", str(out)]
+    subprocess.run(cmd, check=True, capture_output=True, text=True)
+    return out
+
+
+@pytest.fixture(scope="module")
+def programs(tmp_path_factory) -> dict[str, pathlib.Path]:
+    where = tmp_path_factory.mktemp("native")
+    tests = ROOT / "tests" / "native"
+    built = {"test_core": build(where / "test_core", tests / "test_core.c")}
+    for target in FUZZ_RUNS:
+        built[target] = build(where / target, tests / f"{target}.c", tests / "fuzz_main.c")
+    return built
+
+
+def test_the_cores_unit_tests_pass_under_the_sanitizers(programs):
+    run = subprocess.run([programs["test_core"]], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert run.stdout.strip().endswith(" passed, 0 failed"), run.stdout
+    assert "ERROR" not in run.stderr and "runtime error" not in run.stderr, run.stderr
+
+
+@pytest.mark.parametrize("target", list(FUZZ_RUNS))
+def test_the_fuzz_targets_find_nothing_under_the_sanitizers(programs, target):
+    run = subprocess.run([programs[target], f"-runs={FUZZ_RUNS[target]}", "-seed=7"],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert f"{FUZZ_RUNS[target]} inputs run" in run.stdout
+    assert "runtime error" not in run.stderr
+
+
+# -- the native engine against the Python wire ----------------------------------------------
+
+KEY, JOB, COMM, WORLD = bytes(range(16)), 0x10203, 0x405, 4
+
+
+def keyed_engine(slots: int = 64) -> tuple[Engine, int]:
+    engine = Engine(slots)
+    handle, granted = engine.register(JOB, COMM, WORLD, slots, KEY, 1 << 40)
+    assert granted == slots
+    return engine, handle
+
+
+def contributions(sealer: Sealer, dtype, rows: np.ndarray, chunks: list[int],
+                  total: int) -> bytes:
+    """One read: rank `sealer.src`'s contributions to `chunks`, back to back."""
+    prefix = pack_contribution_prefix(dtype_code(dtype), 1, WORLD, total)
+    return b"".join(sealer.seal(Kind.CONTRIB, 0, AGGREGATOR, g, (prefix, rows[i].view(np.uint8)))
+                    for i, g in enumerate(chunks))
+
+
+def opened(batches) -> list[tuple]:
+    """Every datagram the engine sealed, opened by the Python side: (header, payload)."""
+    opener, window = Opener(KEY, JOB, COMM, Drops()), ReplayWindow(1 << 14)
+    messages = []
+    for _, _, data, segment in batches:
+        for at in range(0, len(data), segment):
+            got = opener.open(memoryview(data[at:at + segment]), window=window)
+            assert got is not None, opener.drops
+            messages.append((got[0], bytes(got[1])))
+    return messages
+
+
+@pytest.mark.parametrize("dtype", sorted(DTYPES, key=str), ids=str)
+def test_sealed_by_python_summed_natively_opened_by_python_bit_for_bit(dtype):
+    """Each rank's contributions, sealed by overcast.wire's Sealer, go in as reads of
+    back-to-back datagrams; the results come out sealed, open under overcast.wire's Opener, and
+    are the sums numpy takes in rank order (16-bit floats accumulated in float32)."""
+    engine, _ = keyed_engine()
+    rng = np.random.default_rng(3)
+    chunks, elems = 8, 37  # chunk g is rank g % 4's (a group of 1)
+    if np.dtype(dtype).kind == "f":
+        data = rng.standard_normal((WORLD, WORLD * chunks, elems)).astype(dtype)
+    else:
+        data = rng.integers(-128, 127, (WORLD, WORLD * chunks, elems)).astype(dtype)
+    sealers = [Sealer(KEY, JOB, COMM, r) for r in range(WORLD)]
+    for r in range(WORLD):
+        mine = [g for g in range(WORLD * chunks) if g % WORLD != r]
+        batch = contributions(sealers[r], dtype, data[r, mine], mine, WORLD * chunks)
+        engine.feed(batch, len(batch) // len(mine), 0.0)
+    results = {hdr.chunk: (hdr.dst, payload) for hdr, payload in opened(engine.flush())
+               if hdr.kind == Kind.RESULT}
+    assert sorted(results) == list(range(WORLD * chunks))
+    acc = accumulator_dtype(np.dtype(dtype))
+    for g, (dst, payload) in results.items():
+        others = [r for r in range(WORLD) if r != g % WORLD]
+        expected = np.add.reduce(data[others, g].astype(acc), axis=0).astype(dtype)
+        assert dst == g % WORLD
+        assert payload == expected.tobytes(), g
+
+
+def test_what_is_not_authentic_is_dropped_by_reason():
+    engine, _ = keyed_engine()
+    prefix = pack_contribution_prefix(dtype_code(np.dtype(np.int32)), 1, WORLD, 8)
+    good = Sealer(KEY, JOB, COMM, 1).seal(Kind.CONTRIB, 0, AGGREGATOR, 0, prefix + bytes(16))
+    engine.feed(good, len(good), 0.0)
+    engine.feed(good, len(good), 0.0)  # the same counter again
+    forged = Sealer(bytes(16), JOB, COMM, 1).seal(Kind.CONTRIB, 0, AGGREGATOR, 0, prefix)
+    engine.feed(forged, len(forged), 0.0)
+    other_job = Sealer(KEY, JOB + 1, COMM, 1).seal(Kind.CONTRIB, 0, AGGREGATOR, 0, prefix)
+    engine.feed(other_job, len(other_job), 0.0)
+    engine.feed(good[:-1], len(good) - 1, 0.0)  # cut short: its length disagrees
+    outsider = Sealer(KEY, JOB, COMM, WORLD).seal(Kind.CONTRIB, 0, AGGREGATOR, 0, prefix)
+    engine.feed(outsider, len(outsider), 0.0)
+    drops, stats = engine.counters()
+    assert drops == {"replayed": 1, "bad_mac": 1, "foreign": 1, "malformed": 1,
+                     "wrong_sender": 1}
+    assert stats == {"contributions": 1}
+
+
+def test_a_python_opener_takes_what_the_engine_seals_and_its_counter_goes_on():
+    """The registration's reply is sealed by the engine too: one counter per key, never
+    repeated, counting on from where it was registered."""
+    engine, handle = keyed_engine()
+    hello = engine.seal(handle, Kind.HELLO, 0, 2, 0, b"welcome")
+    opener = Opener(KEY, JOB, COMM, Drops())
+    hdr, payload = opener.open(memoryview(hello), window=ReplayWindow(0))
+    assert (hdr.src, hdr.dst, hdr.counter, bytes(payload)) == (AGGREGATOR, 2, (1 << 40) + 1,
+                                                               b"welcome")
+    with pytest.raises(ValueError, match="no key"):
+        Engine(4).seal(0, Kind.HELLO, 0, 0, 0, b"")
+
+
+def test_acknowledged_results_release_the_window_and_the_credit_says_so():
+    engine, _ = keyed_engine(slots=4)
+    sealers = [Sealer(KEY, JOB, COMM, r) for r in range(WORLD)]
+    rows = np.ones((WORLD - 1, 2), np.float32)
+    for r in range(WORLD):
+        chunks = [g for g in range(4) if g != r]
+        engine.feed(contributions(sealers[r], np.float32, rows, chunks, 4 * WORLD),
+                    HEADER_BYTES + 16 + 8 + 8, 0.0)
+    engine.flush()
+    for r in range(WORLD):
+        ack = sealers[r].seal(Kind.RESULT_ACK, 0, AGGREGATOR, 1, pack_acks([r]))
+        engine.feed(ack, len(ack), 0.01)
+    credits = [unpack_credit(p)[0] for h, p in opened(engine.flush()) if h.kind == Kind.CREDIT]
+    assert credits and max(credits) == 4
+    assert engine.reductions(0) == [(0, 4)]
+
+
+def test_an_outbox_of_a_communicator_gone_is_never_sealed():
+    engine, handle = keyed_engine()
+    probe = Sealer(KEY, JOB, COMM, 1).seal(Kind.CREDIT, 5, AGGREGATOR, 0, (3).to_bytes(4, "little"))
+    engine.feed(probe, len(probe), 0.0)  # answered: what rank 1 owes of a reduction refused
+    engine.unregister(handle)
+    assert engine.flush() == []
