@@ -89,8 +89,21 @@ def _maybe(value, spec: str) -> str:
 def print_table(doc: dict, console: Console | None = None) -> None:
     console = console or Console()
     console.print(table(doc))
-    for line in sweep_lines(doc):
+    for line in sweep_lines(doc) + switch_lines(doc):
         console.print(line, highlight=False)
+
+
+def switch_lines(doc: dict) -> list[str]:
+    """What the aggregator counted itself, per link rate it ran at."""
+    lines = []
+    for s in doc["meta"].get("switch", []):
+        if s["contributions"]:
+            lines.append(f"aggregator at {s['link_bits_per_s'] / 1e6:g} Mbit/s: "
+                         f"{s['cpu_us_per_contribution']:.2f} us of its data path's CPU per "
+                         f"contribution ({s['contributions']:,} taken, "
+                         f"{s['data_path_cpu_seconds']:.3f} s; the process "
+                         f"{s['cpu_seconds']:.3f} s)")
+    return lines
 
 
 def plot_busbw(doc: dict, path: str) -> None:

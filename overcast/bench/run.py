@@ -8,10 +8,12 @@ A run's time is the slowest rank's; a point's time is the median run's.
 from __future__ import annotations
 
 import datetime
+import json
 import math
 import os
 import platform
 import statistics
+import tempfile
 
 from overcast.report.timeline import write_timeline
 from overcast.bench.worker import DTYPE, run_point
@@ -171,20 +173,22 @@ def run_bench(hosts: int, link_bits: int | list[int], sizes: list[int], collecti
 
     date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     slots = switch_slots if any((c, a) in NEEDS_SWITCH for c, a, _, _ in points) else None
-    results, timelines = [], []
+    results, timelines, switches = [], [], []
     for i, bits in enumerate(rates):
         def step(done, total, what, i=i, bits=bits):
             if progress:
                 progress(i * total + done, len(rates) * total,
                          f"{bits / 1e6:g} Mbit/s: {what}" if len(rates) > 1 else what)
-        _run_points(hosts, bits, points, sizes, reps, warmup, mtu, loss, loss_burst, timeline,
-                    slots, f"-{bits / 1e6:g}mbit" if len(rates) > 1 else "", step,
-                    results, timelines)
+        switch = _run_points(hosts, bits, points, sizes, reps, warmup, mtu, loss, loss_burst,
+                             timeline, slots, f"-{bits / 1e6:g}mbit" if len(rates) > 1 else "",
+                             step, results, timelines)
+        if switch is not None:
+            switches.append(switch)
     meta = {
         "date": date, "hosts": hosts, "link_bits_per_s": rates[0] if len(rates) == 1 else None,
         "mtu": mtu, "dtype": str(DTYPE().dtype), "repetitions": reps, "warmup": warmup,
         "header_overhead_bytes": OVERHEAD_BYTES, "loss": loss, "loss_burst": loss_burst,
-        "timelines": timelines, "switch_slots": slots,
+        "timelines": timelines, "switch_slots": slots, "switch": switches,
         "machine": machine(), "torch": torch.__version__,
     }
     if len(rates) == 1:
@@ -196,13 +200,16 @@ def run_bench(hosts: int, link_bits: int | list[int], sizes: list[int], collecti
 def _run_points(hosts: int, link_bits: int, points: list[tuple], sizes: list[int], reps: int,
                 warmup: int, mtu: int, loss: float, loss_burst: float, timeline: str | None,
                 switch_slots: int | None, suffix: str, progress, results: list[dict],
-                timelines: list[str]) -> None:
+                timelines: list[str]) -> dict | None:
     """Every point on one cluster of `link_bits`, with the aggregator if `switch_slots` says
     how many slots it has: its rows added to `results`, the timelines it writes (their names
-    end in `suffix`) to `timelines`."""
+    end in `suffix`) to `timelines`. Returns what the aggregator counted itself over all the
+    points (switch_summary), if it ran."""
     env = {"OVERCAST_LOSS": str(loss), "OVERCAST_LOSS_BURST": str(loss_burst)}
-    with Cluster(hosts, link_bits, mtu=mtu) as cluster:
-        switch = None if switch_slots is None else cluster.start_switch(slots=switch_slots)
+    with Cluster(hosts, link_bits, mtu=mtu) as cluster, tempfile.TemporaryDirectory() as tmp:
+        stats_path = os.path.join(tmp, "switch.json")
+        switch = None if switch_slots is None else \
+            cluster.start_switch(slots=switch_slots, stats_path=stats_path)
         for i, (collective, algorithm, nbytes, k) in enumerate(points):
             label = f" roots={k or hosts}" if algorithm in ("multicast", "overcast") else ""
             progress(i, len(points), f"{collective} {algorithm}{label} {nbytes} B")
@@ -223,9 +230,23 @@ def _run_points(hosts: int, link_bits: int, points: list[tuple], sizes: list[int
                                f"{collective} {algorithm}, {hosts} hosts, "
                                f"{link_bits / 1e6:g} Mbit/s, {nbytes} B per rank")
                 timelines.append(path)
-        if switch:
-            cluster.stop_switch(switch)
         progress(len(points), len(points), "done")
+        if not switch:
+            return None
+        cluster.stop_switch(switch)
+        with open(stats_path) as f:
+            return switch_summary(json.load(f), link_bits)
+
+
+def switch_summary(report: dict, link_bits: int) -> dict:
+    """What the aggregator counted itself over a cluster's points: contributions taken and the
+    CPU its native data path spent on them (its own thread's clock), its whole process's CPU
+    and memory, and what it dropped."""
+    return {"link_bits_per_s": link_bits, "contributions": report["stats"].get("contributions", 0),
+            "data_path_cpu_seconds": report["data_path_cpu_seconds"],
+            "cpu_us_per_contribution": report["cpu_us_per_contribution"],
+            "cpu_seconds": report["cpu_seconds"], "max_rss_bytes": report["max_rss_bytes"],
+            "drops": report["drops"]}
 
 
 def sweep_summary(results: list[dict], within: float) -> list[dict]:

@@ -2,8 +2,8 @@
 #include "service.h"
 
 #include <errno.h>
-#include <poll.h>
-#include <stdlib.h>
+#include <sys/epoll.h>
+#include <unistd.h>
 #include <time.h>
 
 /* Reads taken before what they produced is sent: results of several reads leave together. A
@@ -46,18 +46,19 @@ static void send_batch(void *ctx, int handle, uint16_t dst, const uint8_t *data,
 
 int oc_serve(oc_agg *a, oc_udp *u, const int *control, int ncontrol, double until,
              oc_serve_stats *stats) {
-    struct pollfd *fds = malloc(sizeof(struct pollfd) * (size_t)(1 + ncontrol));
+    /* epoll: a wake-up costs what is ready, not a look at every registration connection */
+    int ep = epoll_create1(EPOLL_CLOEXEC);
+    if (ep < 0) return OC_SERVE_ERROR;
+    struct epoll_event ev = {.events = EPOLLIN, .data.u32 = 0};
+    int result = OC_SERVE_DEADLINE;
+    if (epoll_ctl(ep, EPOLL_CTL_ADD, u->fd, &ev)) result = OC_SERVE_ERROR;
+    for (int i = 0; i < ncontrol && result != OC_SERVE_ERROR; i++) {
+        ev.data.u32 = (uint32_t)i + 1;
+        if (epoll_ctl(ep, EPOLL_CTL_ADD, control[i], &ev)) result = OC_SERVE_ERROR;
+    }
     sender s = {a, u};
     double cpu0 = thread_cpu();
-    int result = OC_SERVE_DEADLINE;
-    if (fds == NULL) return OC_SERVE_ERROR;
-    fds[0].fd = u->fd;
-    fds[0].events = POLLIN;
-    for (int i = 0; i < ncontrol; i++) {
-        fds[1 + i].fd = control[i];
-        fds[1 + i].events = POLLIN;
-    }
-    for (;;) {
+    while (result == OC_SERVE_DEADLINE) {
         double now = oc_monotonic();
         double timer = oc_agg_timer(a);
         if (timer >= 0 && now >= timer) {
@@ -69,35 +70,33 @@ int oc_serve(oc_agg *a, oc_udp *u, const int *control, int ncontrol, double unti
         double wait = until - now;
         if (timer >= 0 && timer - now < wait) wait = timer > now ? timer - now : 0;
         if (wait > MAX_WAIT_SECONDS) wait = MAX_WAIT_SECONDS;
-        stats->cpu_seconds += thread_cpu() - cpu0;
-        int ready = poll(fds, (nfds_t)(1 + ncontrol), (int)(wait * 1000 + 0.999));
-        cpu0 = thread_cpu();
+        struct epoll_event ready[8];
+        int n = epoll_wait(ep, ready, 8, (int)(wait * 1000 + 0.999));
         stats->wakeups++;
-        if (ready < 0) {
+        if (n < 0) {
             result = errno == EINTR ? OC_SERVE_INTERRUPTED : OC_SERVE_ERROR;
             break;
         }
-        int readable = -1;
-        for (int i = 0; i < ncontrol && readable < 0; i++)
-            if (fds[1 + i].revents) readable = i;
-        if (fds[0].revents & POLLIN) {
+        int readable = -1, datagrams = 0;
+        for (int i = 0; i < n; i++) {
+            if (ready[i].data.u32 == 0) datagrams = 1;
+            else if (readable < 0) readable = (int)ready[i].data.u32 - 1;
+        }
+        if (datagrams) {
             for (int reads = 0; reads < READS_PER_WAKEUP; reads++) {
                 size_t segment;
                 int truncated;
-                ssize_t n = oc_udp_read(u, &segment, &truncated);
+                ssize_t got = oc_udp_read(u, &segment, &truncated);
                 if (truncated) oc_agg_drops_mut(a)[OC_DROP_truncated]++;
-                if (n == 0) break;
-                if (n > 0) oc_agg_feed(a, u->buf, (size_t)n, segment, oc_monotonic());
+                if (got == 0) break;
+                if (got > 0) oc_agg_feed(a, u->buf, (size_t)got, segment, oc_monotonic());
                 if (reads % READS_PER_FLUSH == READS_PER_FLUSH - 1) oc_agg_flush(a, send_batch, &s);
             }
             oc_agg_flush(a, send_batch, &s);
         }
-        if (readable >= 0) {
-            result = readable;
-            break;
-        }
+        if (readable >= 0) result = readable;
     }
     stats->cpu_seconds += thread_cpu() - cpu0;
-    free(fds);
+    close(ep);
     return result;
 }

@@ -11,14 +11,15 @@
 
 enum { OC_SERVE_DEADLINE = -1, OC_SERVE_INTERRUPTED = -2, OC_SERVE_ERROR = -3 };
 
-/* The seconds of CPU this thread has spent inside oc_serve, and its wake-ups. */
+/* The seconds of CPU this thread has spent inside oc_serve (its clock read once per call, at
+ * the start and the end: reading it is a system call), and its wake-ups. */
 typedef struct {
     double cpu_seconds;
     uint64_t wakeups;
 } oc_serve_stats;
 
 /* The index of a readable control descriptor, or OC_SERVE_DEADLINE when the monotonic clock
- * reaches `until`, OC_SERVE_INTERRUPTED on a signal, OC_SERVE_ERROR if poll fails. */
+ * reaches `until`, OC_SERVE_INTERRUPTED on a signal, OC_SERVE_ERROR if epoll fails. */
 int oc_serve(oc_agg *a, oc_udp *u, const int *control, int ncontrol, double until,
              oc_serve_stats *stats);
 

@@ -53,6 +53,9 @@ uint16_t oc_float_to_half(float f) {
 #define CLONES
 #endif
 
+/* Rows are read in place: every row starts a whole number of elements into a malloc'd pool
+ * (the engine's rows are whole elements wide), so each is aligned for its type. A block of
+ * sums stays in L1 while every row's block is added to it. */
 #define SUM_SAME_TYPE(name, type, utype)                                                        \
     CLONES static void name(uint8_t *out, const uint8_t *rows, size_t stride, unsigned nrows,   \
                             unsigned skip, size_t elems) {                                      \
@@ -62,11 +65,9 @@ uint16_t oc_float_to_half(float f) {
             int first = 1;                                                                      \
             for (unsigned r = 0; r < nrows; r++) {                                              \
                 if (r == skip) continue;                                                        \
-                const uint8_t *row = rows + r * stride + at * sizeof(type);                     \
-                utype v[256];                                                                   \
-                memcpy(v, row, n * sizeof(type));                                               \
+                const utype *v = (const utype *)(rows + r * stride + at * sizeof(type));        \
                 if (first) {                                                                    \
-                    memcpy(acc, v, n * sizeof(type));                                           \
+                    for (size_t i = 0; i < n; i++) acc[i] = v[i];                               \
                     first = 0;                                                                  \
                 } else {                                                                        \
                     for (size_t i = 0; i < n; i++) acc[i] = (utype)(acc[i] + v[i]);             \
@@ -93,8 +94,7 @@ CLONES static void sum_16(uint8_t *out, const uint8_t *rows, size_t stride, unsi
         int first = 1;
         for (unsigned r = 0; r < nrows; r++) {
             if (r == skip) continue;
-            uint16_t v[256];
-            memcpy(v, rows + r * stride + at * 2, n * 2);
+            const uint16_t *v = (const uint16_t *)(rows + r * stride + at * 2);
             for (size_t i = 0; i < n; i++) {
                 float x = brain ? oc_bfloat_to_float(v[i]) : oc_half_to_float(v[i]);
                 acc[i] = first ? x : acc[i] + x;

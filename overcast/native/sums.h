@@ -18,8 +18,9 @@ enum oc_dtype {
 /* Bytes per element, 0 for an unknown code. */
 size_t oc_dtype_size(unsigned code);
 
-/* out = the sum of rows 0 .. nrows - 1 but `skip` (nrows > 1 or skip >= nrows), `elems`
- * elements each, row r at rows + r * stride. `out` may be row `skip` itself, never another. */
+/* out = the sum of rows 0 .. nrows - 1 but `skip`, `elems` elements each, row r at rows + r *
+ * stride (rows and stride aligned for the dtype); zeros if no row is left. `out` may be row
+ * `skip` itself, never another. */
 void oc_sum_rows(unsigned code, uint8_t *out, const uint8_t *rows, size_t stride,
                  unsigned nrows, unsigned skip, size_t elems);
 

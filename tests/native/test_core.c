@@ -196,7 +196,7 @@ static void test_conversions(void) {
 /* Every dtype against a sum taken element by element in rank order, the owner skipped. */
 static void test_sums(void) {
     enum { ROWS = 7, ELEMS = 1031 };
-    static uint8_t rows[ROWS][ELEMS * 8], out[ELEMS * 8];
+    static _Alignas(16) uint8_t rows[ROWS][ELEMS * 8], out[ELEMS * 8];
     for (unsigned code = 0; code < OC_DTYPES; code++) {
         size_t size = oc_dtype_size(code);
         for (unsigned skip = 0; skip < ROWS; skip += 3) {
