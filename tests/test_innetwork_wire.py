@@ -1,6 +1,6 @@
 """In-network ReduceScatter through a real aggregator process on the emulated cluster: sums under
-injected loss, a dying aggregator, two communicators at once, memory within the pool, and the
-overlapped pair."""
+injected loss, a dying aggregator, a rank killed mid-reduction, two communicators at once, memory
+within the pool, and the overlapped pair."""
 
 import json
 import os
@@ -11,6 +11,7 @@ import pytest
 
 import overcast
 from conftest import root_only
+from overcast.cluster.launch import RankError
 from overcast.cluster.netns import Cluster
 from overcast.transport.loss import LossSpec
 
@@ -184,3 +185,42 @@ def test_the_aggregator_stays_within_its_pool(tmp_path):
     assert report["peak_pool_bytes"] <= pool
     assert report["peak_pool_bytes"] * 100 < world * count * 4
     assert report["stats"]["contributions"] >= world * (world - 1) * (count * 4 // 8912)
+
+
+def die_mid_reduction(rank):
+    comm = overcast.Communicator(timeout=30)
+    try:
+        comm.barrier()
+        out = np.empty(8 << 20, np.int32)
+        work = comm.reduce_scatter(out, np.ones(comm.world_size * (8 << 20), np.int32),
+                                   algorithm="innetwork", async_op=True)
+        if rank == 2:
+            while not comm.counters().get("datagrams_out"):  # its contributions are going
+                pass
+            os.kill(os.getpid(), signal.SIGKILL)
+        try:
+            work.wait()
+            return ["ok", ""]
+        except overcast.OvercastError as err:
+            return [type(err).__name__, str(err)]
+    finally:
+        comm.close()
+
+
+def test_a_rank_killed_mid_reduction_leaves_nothing_in_the_aggregator(tmp_path):
+    """The reduction's slots hold the dead rank's half-finished chunks; the others fail with the
+    peer named, close, and with the communicator's last connection gone the aggregator frees
+    its pool and forgets the communicator."""
+    stats = tmp_path / "switch.json"
+    with Cluster(3, 200_000_000) as cluster:
+        switch = cluster.start_switch(stats_path=str(stats))
+        with pytest.raises(RankError) as info:
+            cluster.run(die_mid_reduction, timeout=60)
+        cluster.stop_switch(switch)
+    assert list(info.value.failures) == [2]
+    for name, message in info.value.results[:2]:
+        assert name == "PeerFailureError" and "rank 2" in message, message
+    report = json.loads(stats.read_text())
+    assert report["stats"]["contributions"] > 0 and "reductions" not in report["stats"]
+    assert report["peak_pool_bytes"] > 0
+    assert report["pool_bytes"] == 0 and report["communicators"] == 0

@@ -12,6 +12,7 @@ block i-1 are being gathered.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import itertools
 import os
@@ -288,6 +289,24 @@ def _communicator(group: dist.ProcessGroup, reduce_scatter: str, trace: bool):
             stop_switch(job_switch.proc)
         raise
     return comm, job_switch
+
+
+@contextlib.contextmanager
+def job_communicator(group: dist.ProcessGroup | None = None, *, reduce_scatter: str = "innetwork",
+                     trace: bool = False):
+    """An overcast Communicator over a process group's ranks (default: every rank), meeting
+    through the job's store, as overlap() makes one: with reduce_scatter="innetwork" and no
+    OVERCAST_SWITCH, rank 0 starts an aggregator beside itself. Use it in a `with` on every
+    rank; leaving closes the communicator and, once every rank has closed, the aggregator."""
+    comm, job_switch = _communicator(group or dist.group.WORLD, reduce_scatter, trace)
+    try:
+        yield comm
+    finally:
+        try:
+            comm.close()
+        finally:
+            if job_switch is not None:
+                job_switch.close(comm.rank)
 
 
 def overlap(model, *, comm: Communicator | None = None, backend: str = "overcast",
