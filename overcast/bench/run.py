@@ -35,10 +35,23 @@ DATAGRAM_ALGORITHMS = {"multicast", "innetwork", "overcast"}
 
 
 def process_cpu_seconds(pid: int) -> float:
-    """User plus system CPU time of process `pid`, from /proc."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    """CPU time of process `pid`: its threads' time on the CPU as the scheduler counts it, in
+    nanoseconds (/proc/PID/task/*/schedstat); where the kernel keeps no such count, user plus
+    system time in clock ticks (/proc/PID/stat), too coarse for a short run of a process that
+    spends little."""
+    try:
+        total = 0
+        for task in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{task}/schedstat") as f:
+                    total += int(f.read().split()[0])
+            except FileNotFoundError:  # a thread that ended after the listing
+                continue
+        return total / 1e9
+    except (OSError, ValueError, IndexError):
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def parse_size(text: str) -> int:
