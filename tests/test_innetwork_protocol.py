@@ -140,13 +140,15 @@ def results_sent(agg):
 def test_results_are_sent_again_after_the_measured_round_trip_not_before():
     """Acknowledgements that come 80 ms after their results raise the resend timeout above
     80 ms (RFC 6298's estimator); a result is then not sent again at 60 ms, where the floor of
-    50 ms would have sent it, but is once the timeout has passed."""
+    50 ms would have sent it, but is once the timeout has passed. The estimate is the owner's:
+    rank 0, whose round trips were not measured, keeps the floor."""
     agg, contribute, acknowledge = two_rank_aggregator()
     for g in (1, 3, 5):
         contribute(g, g / 10)
         acknowledge([g], g / 10 + 0.08)
-    timeout = agg.resend_timeout("comm")
+    timeout = agg.resend_timeout("comm", 1)
     assert 0.08 < timeout < MAX_RESEND_SECONDS and timeout > 2 * RESEND_SECONDS
+    assert agg.resend_timeout("comm", 0) == RESEND_SECONDS
     contribute(7, 1.0)
     agg.outbox.clear()
     agg.handle_timer(1.06)

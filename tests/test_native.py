@@ -17,7 +17,7 @@ from overcast.wire.messages import pack_acks, pack_contribution_prefix, unpack_c
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 NATIVE = ROOT / "overcast" / "native"
-PARTS = ["wire", "sums", "aggregator"]
+PARTS = ["wire", "sums", "udp", "aggregator", "service"]
 SANITIZE = ["-fsanitize=address,undefined", "-fno-sanitize-recover=all",
             "-fno-omit-frame-pointer"]
 # Inputs per fuzz target in the suite; tools/fuzz runs millions, coverage-guided.
@@ -51,8 +51,11 @@ def test_the_cores_unit_tests_pass_under_the_sanitizers(programs):
 
 @pytest.mark.parametrize("target", list(FUZZ_RUNS))
 def test_the_fuzz_targets_find_nothing_under_the_sanitizers(programs, target):
-    run = subprocess.run([programs[target], f"-runs={FUZZ_RUNS[target]}", "-seed=7"],
-                         capture_output=True, text=True, timeout=600)
+    """Random and mutated inputs, after every input the fuzzers once found a fault with
+    (tests/native/corpus/TARGET: each is replayed first)."""
+    corpus = sorted((ROOT / "tests" / "native" / "corpus" / target).glob("*"))
+    run = subprocess.run([programs[target], f"-runs={FUZZ_RUNS[target]}", "-seed=7",
+                          *map(str, corpus)], capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     assert f"{FUZZ_RUNS[target]} inputs run" in run.stdout
     assert "runtime error" not in run.stderr

@@ -152,8 +152,9 @@ def pairs(rank: int, nbytes: int, count: int, mode: str, profile_path: str):
 
 
 SAMPLING_HZ = 999
-WHERE = ("Python interpreter", "AES-GMAC (cryptography)", "numpy", "payload copies (user, kernel)",
-         "kernel: network stack, syscalls, scheduling", "other (malloc, struct, socket module)")
+WHERE = ("Python interpreter", "AES-GMAC (cryptography, libcrypto)", "numpy",
+         "payload copies (user, kernel)", "kernel: network stack, syscalls, scheduling",
+         "other (malloc, struct, socket module)", "overcast's native core (parsing, sums, loop)")
 _SAMPLE = re.compile(r"^\s*(\d+)\s+\S+\s+(.*?)\s+\((.*)\)$")
 
 
@@ -170,6 +171,8 @@ def where(sym: str, dso: str) -> str:
         return WHERE[2]
     if name == "[kernel.kallsyms]":
         return WHERE[4]
+    if name.startswith("_core."):
+        return WHERE[6]
     return WHERE[5]
 
 

@@ -46,8 +46,8 @@ typedef struct {
 
 typedef struct {
     uint32_t job, comm, world, slots;
-    double srtt, rttvar;
-    int has_rtt;
+    double *srtt, *rttvar;        /* per owner: the round trip from a result to its ack */
+    uint8_t *has_rtt;
     reduction_t *reductions[OC_MAX_REDUCTIONS]; /* in the order they began */
     int nreductions;
     uint32_t finished_seq[OC_TOMBSTONES], finished_total[OC_TOMBSTONES];
@@ -171,15 +171,15 @@ static uint8_t *queue(oc_agg *a, int h, uint16_t dst, uint8_t kind, uint32_t seq
 /* CREDIT: `released`, then chunks to send again, in messages that each fit a datagram. */
 static void credit(oc_agg *a, int h, uint16_t dst, uint32_t seq, uint32_t released,
                    const uint32_t *again, size_t n) {
+    size_t done = 0; /* `again` may be NULL when n is 0: it is only indexed, never moved */
     do {
-        size_t part = n < CREDIT_MAX_RESEND ? n : CREDIT_MAX_RESEND;
+        size_t part = n - done < CREDIT_MAX_RESEND ? n - done : CREDIT_MAX_RESEND;
         uint8_t *p = queue(a, h, dst, OC_CREDIT, seq, 0, 4 + 4 * part);
         if (p == NULL) return;
         put32(p, released);
-        for (size_t i = 0; i < part; i++) put32(p + 4 + 4 * i, again[i]);
-        again += part;
-        n -= part;
-    } while (n);
+        for (size_t i = 0; i < part; i++) put32(p + 4 + 4 * i, again[done + i]);
+        done += part;
+    } while (done < n);
 }
 
 /* -- reductions ---------------------------------------------------------------------------- */
@@ -309,22 +309,23 @@ static void finish(oc_agg *a, int h, comm_t *c, reduction_t *r) {
     a->stats[OC_STAT_reductions]++;
 }
 
-/* RFC 6298's estimator over the round trip from a result to its acknowledgement. */
-static void sample_rtt(comm_t *c, double seconds) {
-    if (!c->has_rtt) {
-        c->srtt = seconds;
-        c->rttvar = seconds / 2;
-        c->has_rtt = 1;
+/* RFC 6298's estimator over the round trip from a result to its owner's acknowledgement, one
+ * per owner: a rank slowed by its CPU has its own, and does not slow the others' resends. */
+static void sample_rtt(comm_t *c, uint32_t owner, double seconds) {
+    if (!c->has_rtt[owner]) {
+        c->srtt[owner] = seconds;
+        c->rttvar[owner] = seconds / 2;
+        c->has_rtt[owner] = 1;
     } else {
-        double d = c->srtt - seconds;
-        c->rttvar += ((d < 0 ? -d : d) - c->rttvar) / 4;
-        c->srtt += (seconds - c->srtt) / 8;
+        double d = c->srtt[owner] - seconds;
+        c->rttvar[owner] += ((d < 0 ? -d : d) - c->rttvar[owner]) / 4;
+        c->srtt[owner] += (seconds - c->srtt[owner]) / 8;
     }
 }
 
-static double resend_timeout(const comm_t *c) {
-    if (!c->has_rtt) return OC_RESEND_SECONDS;
-    double t = c->srtt + 4 * c->rttvar;
+static double resend_timeout(const comm_t *c, uint32_t owner) {
+    if (!c->has_rtt[owner]) return OC_RESEND_SECONDS;
+    double t = c->srtt[owner] + 4 * c->rttvar[owner];
     return t < OC_RESEND_SECONDS ? OC_RESEND_SECONDS : t > OC_MAX_RESEND_SECONDS ? OC_MAX_RESEND_SECONDS : t;
 }
 
@@ -461,7 +462,7 @@ static uint32_t on_ack(oc_agg *a, int h, comm_t *c, reduction_t *r, uint32_t src
     }
     uint32_t sent = 0;
     if (!s->acked && !s->resends) {
-        sample_rtt(c, now - s->sent_at);
+        sample_rtt(c, src, now - s->sent_at);
         sent = s->sent;
     }
     s->acked = 1;
@@ -624,7 +625,6 @@ void oc_agg_handle_timer(oc_agg *a, double now) {
     for (int h = 0; h < a->ncomms; h++) {
         comm_t *c = a->comms[h];
         if (c == NULL) continue;
-        double timeout = resend_timeout(c);
         for (int i = 0; i < c->nreductions; i++) {
             reduction_t *r = c->reductions[i];
             a->pairs_len = 0;
@@ -634,7 +634,7 @@ void oc_agg_handle_timer(oc_agg *a, double now) {
                 slot_t *s = slot_of(r, g);
                 if (s && s->state == SUMMED) {
                     unsigned shift = s->resends < MAX_BACKOFF ? s->resends : MAX_BACKOFF;
-                    double wait = timeout * (double)(1u << shift);
+                    double wait = resend_timeout(c, s->owner) * (double)(1u << shift);
                     if (wait > LONGEST_RESEND_WAIT) wait = LONGEST_RESEND_WAIT;
                     if (!s->acked && now >= s->sent_at + wait) {
                         s->resends++;
@@ -777,6 +777,9 @@ static void free_comm(oc_agg *a, comm_t *c) {
                 free(c->windows[r]);
             }
     free(c->windows);
+    free(c->srtt);
+    free(c->rttvar);
+    free(c->has_rtt);
     free(c->addresses);
     free(c->has_address);
     free(c->hears_group);
@@ -799,10 +802,14 @@ int oc_agg_register(oc_agg *a, uint32_t job, uint32_t comm, uint32_t world, uint
     fresh->world = world;
     fresh->slots = slots == 0 ? a->slots : slots < a->slots ? slots : a->slots;
     fresh->windows = calloc(world, sizeof(oc_replay *));
+    fresh->srtt = calloc(world, sizeof(double));
+    fresh->rttvar = calloc(world, sizeof(double));
+    fresh->has_rtt = calloc(world, 1);
     fresh->addresses = calloc(world, sizeof(struct sockaddr_in));
     fresh->has_address = calloc(world, 1);
     fresh->hears_group = calloc(world, 1);
-    if (!fresh->windows || !fresh->addresses || !fresh->has_address || !fresh->hears_group) {
+    if (!fresh->windows || !fresh->srtt || !fresh->rttvar || !fresh->has_rtt ||
+        !fresh->addresses || !fresh->has_address || !fresh->hears_group) {
         free_comm(a, fresh);
         return -1;
     }
@@ -983,9 +990,9 @@ uint64_t oc_agg_pool_bytes(const oc_agg *a) { return a->pool_bytes; }
 uint64_t oc_agg_peak_pool_bytes(const oc_agg *a) { return a->peak_pool_bytes; }
 uint32_t oc_agg_slots(const oc_agg *a) { return a->slots; }
 
-double oc_agg_resend_timeout(const oc_agg *a, int h) {
+double oc_agg_resend_timeout(const oc_agg *a, int h, uint32_t owner) {
     const comm_t *c = comm_of(a, h);
-    return c ? resend_timeout(c) : -1.0;
+    return c && owner < c->world ? resend_timeout(c, owner) : -1.0;
 }
 
 int oc_agg_reductions(const oc_agg *a, int h, uint32_t *seqs, uint32_t *released, int max) {

@@ -12,8 +12,8 @@
  * its acknowledgement releases the slot; releases are announced to every rank as credit now and
  * then, and to an owner after every batch of results. Slots waiting on contributors ask them
  * again (NACK); unacknowledged results go again at once when their owner acknowledges one sent
- * after them (the path keeps order), else after the round trip's timeout (RFC 6298), doubling
- * per resend. Whatever does not fit is dropped and counted by reason, never raised.
+ * after them (the path keeps order), else after the round trip's timeout (RFC 6298, measured
+ * per owner), doubling per resend. Whatever does not fit is dropped and counted by reason, never raised.
  *
  * Memory and lifetime: the engine owns everything it points to. A reduction's pool (window x
  * world x widest row) is allocated with its first contribution and freed when the reduction
@@ -122,9 +122,10 @@ const uint64_t *oc_agg_stats(const oc_agg *a);
 uint64_t oc_agg_pool_bytes(const oc_agg *a);
 uint64_t oc_agg_peak_pool_bytes(const oc_agg *a);
 uint32_t oc_agg_slots(const oc_agg *a);
-/* A communicator's resend timeout now (seconds), and its reductions in flight: up to `max` of
- * (seq, chunks released); their count, or -1 for no such handle. */
-double oc_agg_resend_timeout(const oc_agg *a, int handle);
+/* How long a result to `owner` now waits for its acknowledgement before it is sent again
+ * (seconds; -1 for no such communicator or rank), and a communicator's reductions in flight:
+ * up to `max` of (seq, chunks released); their count, or -1 for no such handle. */
+double oc_agg_resend_timeout(const oc_agg *a, int handle, uint32_t owner);
 int oc_agg_reductions(const oc_agg *a, int handle, uint32_t *seqs, uint32_t *released,
                       int max);
 

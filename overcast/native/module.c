@@ -289,11 +289,12 @@ static PyObject *Aggregator_memory(Aggregator *self, PyObject *Py_UNUSED(ignored
                          (unsigned long long)oc_agg_peak_pool_bytes(self->agg));
 }
 
-static PyObject *Aggregator_resend_timeout(Aggregator *self, PyObject *arg) {
-    int h = PyLong_AsLong(arg);
-    if (!ready(self) || (h == -1 && PyErr_Occurred())) return NULL;
-    double t = oc_agg_resend_timeout(self->agg, h);
-    if (t < 0) return PyErr_Format(PyExc_ValueError, "no communicator %d", h);
+static PyObject *Aggregator_resend_timeout(Aggregator *self, PyObject *args) {
+    int h;
+    unsigned int owner;
+    if (!ready(self) || !PyArg_ParseTuple(args, "iI", &h, &owner)) return NULL;
+    double t = oc_agg_resend_timeout(self->agg, h, owner);
+    if (t < 0) return PyErr_Format(PyExc_ValueError, "no rank %u in communicator %d", owner, h);
     return PyFloat_FromDouble(t);
 }
 
@@ -396,7 +397,8 @@ static PyMethodDef Aggregator_methods[] = {
      "seal(handle, kind, seq, dst, chunk, payload) -> one sealed message"},
     {"counters", (PyCFunction)Aggregator_counters, METH_NOARGS, "(drops, stats) by name"},
     {"memory", (PyCFunction)Aggregator_memory, METH_NOARGS, "(pool bytes, peak pool bytes)"},
-    {"resend_timeout", (PyCFunction)Aggregator_resend_timeout, METH_O, "resend_timeout(handle)"},
+    {"resend_timeout", (PyCFunction)Aggregator_resend_timeout, METH_VARARGS,
+     "resend_timeout(handle, owner) -> seconds"},
     {"reductions", (PyCFunction)Aggregator_reductions, METH_O,
      "reductions(handle) -> [(seq, released)]"},
     {"attach", (PyCFunction)Aggregator_attach, METH_O, "attach(udp socket fd)"},

@@ -105,10 +105,10 @@ class Aggregator:
     def peak_pool_bytes(self) -> int:
         return self.engine.memory()[1]
 
-    def resend_timeout(self, key) -> float:
-        """How long a result to this communicator waits for its acknowledgement before it is
-        sent again (RFC 6298's, from the round trips measured)."""
-        return self.engine.resend_timeout(self._handles[key])
+    def resend_timeout(self, key, owner: int) -> float:
+        """How long a result to `owner` waits for its acknowledgement before it is sent again
+        (RFC 6298's, from the round trips measured to that owner)."""
+        return self.engine.resend_timeout(self._handles[key], owner)
 
     def reductions(self, key) -> dict[int, int]:
         """The communicator's reductions in flight: collective sequence -> chunks released."""

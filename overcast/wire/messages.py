@@ -1,7 +1,8 @@
 """Payload formats of the messages that ranks and the aggregator exchange after the header.
 
 Each `unpack_*` checks lengths and raises MalformedError, so a receiver rejects a message that
-does not parse in one line, whoever sent it.
+does not parse in one line, whoever sent it. The aggregator parses what ranks send it natively
+(overcast/native/aggregator.c), with the same checks.
 """
 
 from __future__ import annotations
@@ -57,17 +58,8 @@ def pack_credit_probe(next_unsent: int) -> bytes:
     return _U32.pack(next_unsent)
 
 
-def unpack_credit_probe(payload) -> int:
-    """A rank's CREDIT: exactly the next chunk it has not sent."""
-    return _one_u32(payload, "credit probe")
-
-
 def pack_acks(chunks: list[int]) -> bytes:
     return struct.pack(f"<{len(chunks)}I", *chunks)
-
-
-def unpack_acks(payload) -> list[int]:
-    return _u32_list(payload, "acknowledgement")
 
 
 def pack_ranges(ranges) -> bytes:
