@@ -3,8 +3,12 @@ AddressSanitizer and UndefinedBehaviorSanitizer and run; and the native engine a
 Python side of the wire: a message sealed by either opens in the other, and every dtype sums to
 the bits numpy gives in rank order."""
 
+import os
 import pathlib
+import socket
 import subprocess
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -176,3 +180,40 @@ def test_an_outbox_of_a_communicator_gone_is_never_sealed():
     engine.feed(probe, len(probe), 0.0)  # answered: what rank 1 owes of a reduction refused
     engine.unregister(handle)
     assert engine.flush() == []
+
+
+def test_a_run_that_does_not_lie_in_its_buffer_is_refused():
+    engine, handle = keyed_engine()
+    for offset, stride, length, count in ((0, 0, 0, 2), (0, 4, 8, 2), (10, 8, 8, 1),
+                                          (0, 8, 8, 3)):
+        with pytest.raises(ValueError, match="inside its buffer"):
+            engine.receive_run(handle, Kind.CONTRIB, 0, 1, AGGREGATOR, length,
+                               list(range(count)), bytes(16), offset, stride, 0.0)
+
+
+def test_nothing_touches_the_engine_while_it_serves_without_the_gil():
+    """serve releases the GIL: another thread's call would race the loop, so it is refused,
+    and the loop ends when a control descriptor becomes readable."""
+    engine, _ = keyed_engine()
+    udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    udp.bind(("127.0.0.1", 0))
+    wake_r, wake_w = os.pipe()
+    engine.attach(udp.fileno())
+    ended = []
+    server = threading.Thread(target=lambda: ended.append(
+        engine.serve([wake_r], time.monotonic() + 60)))
+    server.start()
+    refused = None
+    deadline = time.monotonic() + 30
+    while refused is None and time.monotonic() < deadline:
+        try:
+            engine.counters()
+        except RuntimeError as err:
+            refused = str(err)
+    os.write(wake_w, b"x")
+    server.join(30)
+    assert refused == "the aggregator is serving on another thread"
+    assert ended == [0] and engine.counters() == ({}, {})
+    for fd in (wake_r, wake_w):
+        os.close(fd)
+    udp.close()

@@ -17,6 +17,7 @@ typedef struct {
     oc_agg *agg;
     oc_udp udp;
     int attached;
+    int serving;  /* serve runs without the GIL: no other call may touch the engine meanwhile */
     oc_serve_stats serve;
 } Aggregator;
 
@@ -24,6 +25,10 @@ static int Aggregator_init(Aggregator *self, PyObject *args, PyObject *kw) {
     static char *names[] = {"slots", NULL};
     unsigned int slots;
     if (!PyArg_ParseTupleAndKeywords(args, kw, "I", names, &slots)) return -1;
+    if (self->serving) {
+        PyErr_SetString(PyExc_RuntimeError, "the aggregator is serving on another thread");
+        return -1;
+    }
     if (slots == 0) {
         PyErr_SetString(PyExc_ValueError, "an aggregator needs at least 1 slot");
         return -1;
@@ -46,6 +51,10 @@ static void Aggregator_dealloc(Aggregator *self) {
 static int ready(Aggregator *self) {
     if (self->agg == NULL) {
         PyErr_SetString(PyExc_RuntimeError, "the aggregator was not initialised");
+        return 0;
+    }
+    if (self->serving) {
+        PyErr_SetString(PyExc_RuntimeError, "the aggregator is serving on another thread");
         return 0;
     }
     return 1;
@@ -141,7 +150,7 @@ static PyObject *Aggregator_receive_run(Aggregator *self, PyObject *args) {
     /* the run must lie inside the buffer: every payload, at its stride */
     if (offset < 0 || stride < 0 || kind > 255 || src > 0xFFFF || dst > 0xFFFF ||
         offset > data.len || (Py_ssize_t)length > data.len - offset ||
-        (count > 1 && (stride < (Py_ssize_t)length ||
+        (count > 1 && (stride == 0 || stride < (Py_ssize_t)length ||
                        (data.len - offset - (Py_ssize_t)length) / stride < count - 1))) {
         PyErr_SetString(PyExc_ValueError, "the run does not lie inside its buffer");
         goto done;
@@ -355,15 +364,18 @@ static PyObject *Aggregator_serve(Aggregator *self, PyObject *args) {
     }
     Py_DECREF(fast);
     int result;
+    self->serving = 1;
     Py_BEGIN_ALLOW_THREADS
     result = oc_serve(self->agg, &self->udp, control, (int)n, until, &self->serve);
     Py_END_ALLOW_THREADS
+    self->serving = 0;
     PyMem_Free(control);
     if (result == OC_SERVE_ERROR) return PyErr_SetFromErrno(PyExc_OSError);
     return PyLong_FromLong(result);
 }
 
 static PyObject *Aggregator_io(Aggregator *self, PyObject *Py_UNUSED(ignored)) {
+    if (!ready(self)) return NULL;
     oc_udp *u = &self->udp;
     return Py_BuildValue("{sKsKsKsKsKsKsKsisisdsK}", "reads", (unsigned long long)u->reads,
                          "sends", (unsigned long long)u->sends,
