@@ -66,15 +66,19 @@ def test_sums_under_loss(world):
     assert results == [[] for _ in range(world)]
 
 
-def outlive_the_switch(rank, pid):
+def kill_mid_reduction(rank, killer, pid=None):
+    """Rank `killer` kills process `pid` (itself if None, once its contributions are going)
+    while an in-network ReduceScatter is in flight; returns how it ended on this rank."""
     comm = overcast.Communicator(timeout=30)
     try:
         comm.barrier()
         out = np.empty(8 << 20, np.int32)
         work = comm.reduce_scatter(out, np.ones(comm.world_size * (8 << 20), np.int32),
                                    algorithm="innetwork", async_op=True)
-        if rank == 0:
-            os.kill(pid, signal.SIGKILL)
+        if rank == killer:
+            while pid is None and not comm.counters().get("datagrams_out"):
+                pass
+            os.kill(pid or os.getpid(), signal.SIGKILL)
         try:
             work.wait()
             return ["ok", ""]
@@ -87,7 +91,7 @@ def outlive_the_switch(rank, pid):
 def test_a_dead_aggregator_is_an_error_on_every_rank_in_bounded_time():
     with Cluster(3, 200_000_000) as cluster:
         switch = cluster.start_switch()
-        results = cluster.run(outlive_the_switch, args=(switch.pid,), timeout=60)
+        results = cluster.run(kill_mid_reduction, args=(0, switch.pid), timeout=60)
     for name, message in results:
         assert name == "PeerFailureError" and "aggregator" in message, message
 
@@ -187,26 +191,6 @@ def test_the_aggregator_stays_within_its_pool(tmp_path):
     assert report["stats"]["contributions"] >= world * (world - 1) * (count * 4 // 8912)
 
 
-def die_mid_reduction(rank):
-    comm = overcast.Communicator(timeout=30)
-    try:
-        comm.barrier()
-        out = np.empty(8 << 20, np.int32)
-        work = comm.reduce_scatter(out, np.ones(comm.world_size * (8 << 20), np.int32),
-                                   algorithm="innetwork", async_op=True)
-        if rank == 2:
-            while not comm.counters().get("datagrams_out"):  # its contributions are going
-                pass
-            os.kill(os.getpid(), signal.SIGKILL)
-        try:
-            work.wait()
-            return ["ok", ""]
-        except overcast.OvercastError as err:
-            return [type(err).__name__, str(err)]
-    finally:
-        comm.close()
-
-
 def test_a_rank_killed_mid_reduction_leaves_nothing_in_the_aggregator(tmp_path):
     """The reduction's slots hold the dead rank's half-finished chunks; the others fail with the
     peer named, close, and with the communicator's last connection gone the aggregator frees
@@ -215,7 +199,7 @@ def test_a_rank_killed_mid_reduction_leaves_nothing_in_the_aggregator(tmp_path):
     with Cluster(3, 200_000_000) as cluster:
         switch = cluster.start_switch(stats_path=str(stats))
         with pytest.raises(RankError) as info:
-            cluster.run(die_mid_reduction, timeout=60)
+            cluster.run(kill_mid_reduction, args=(2,), timeout=60)
         cluster.stop_switch(switch)
     assert list(info.value.failures) == [2]
     for name, message in info.value.results[:2]:
