@@ -286,3 +286,26 @@ def test_an_aggregator_that_cannot_start_is_named_on_every_rank():
     placements[0].env["OVERCAST_ADDR"] = "198.18.254.254"
     for message in run_ranks(aggregator_fails, placements, timeout=60):
         assert "the aggregator did not start" in message, message
+
+
+def reduce_scatter_through_job_communicator(rank):
+    """gloo's reduce_scatter_tensor against overcast's in-network one on a Communicator made
+    by job_communicator() (rank 0 starts the aggregator: no OVERCAST_SWITCH here)."""
+    start()
+    try:
+        world = dist.get_world_size()
+        grads = torch.arange(world * 1000, dtype=torch.float32) * (rank + 1)
+        expected, out = torch.empty(1000), torch.empty(1000)
+        dist.reduce_scatter_tensor(expected, grads)
+        with overcast.fsdp.job_communicator() as comm:
+            comm.reduce_scatter(out, grads, algorithm="innetwork")
+            results = comm.counters().get("results", 0)  # sums the aggregator sent this rank
+        return [bool(torch.equal(out, expected)), comm.world_size, results > 0]
+    finally:
+        dist.destroy_process_group()
+
+
+def test_job_communicator_starts_the_aggregator_and_reduces_in_network():
+    results = run_ranks(reduce_scatter_through_job_communicator, loopback_placements(3, LINK),
+                        timeout=120)
+    assert results == [[True, 3, True]] * 3
