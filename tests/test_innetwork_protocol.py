@@ -291,3 +291,17 @@ def test_more_reductions_at_once_than_the_aggregator_takes_all_finish():
         total = np.sum(inputs, axis=0)
         for r in range(world):
             assert np.array_equal(outs[r], total[r * count:(r + 1) * count])
+
+
+def test_a_communicator_registered_after_another_left_is_a_new_one():
+    """Keys registered without wire ids get ids of their own: one registered after another key
+    left never shares a live communicator's ids, and with them its reductions."""
+    agg = Aggregator(slots=8)
+    agg.register("a", 2)
+    agg.register("b", 2)
+    payload = pack_contribution_prefix(dtype_code(np.dtype(np.int32)), 1, 2, 8) + bytes(16)
+    agg.receive("b", Header(Kind.CONTRIB, 0, 0, 0, 0, AGGREGATOR, 1, len(payload), 0),
+                memoryview(payload), 0.0)
+    agg.unregister("a")
+    agg.register("c", 2)
+    assert agg.reductions("b") == {0: 0} and agg.reductions("c") == {}

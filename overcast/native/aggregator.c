@@ -44,10 +44,16 @@ typedef struct {
     uint8_t *pool;                /* window x world x row_bytes */
 } reduction_t;
 
+/* What the aggregator knows of one rank of a communicator. */
+typedef struct {
+    oc_replay window;             /* its datagrams' counters, made with its first authentic one */
+    struct sockaddr_in address;   /* where its datagrams go */
+    uint8_t has_address, hears_group, has_rtt;
+    double srtt, rttvar;          /* the round trip from a result to its acknowledgement */
+} peer_t;
+
 typedef struct {
     uint32_t job, comm, world, slots;
-    double *srtt, *rttvar;        /* per owner: the round trip from a result to its ack */
-    uint8_t *has_rtt;
     reduction_t *reductions[OC_MAX_REDUCTIONS]; /* in the order they began */
     int nreductions;
     uint32_t finished_seq[OC_TOMBSTONES], finished_total[OC_TOMBSTONES];
@@ -55,9 +61,7 @@ typedef struct {
     int keyed;
     oc_sealer sealer;
     oc_gmac opener;
-    oc_replay **windows;          /* per rank, made with its first authentic datagram */
-    struct sockaddr_in *addresses;
-    uint8_t *has_address, *hears_group;
+    peer_t *peers;                /* world of them */
     struct sockaddr_in group;
     int has_group;
 } comm_t;
@@ -78,8 +82,10 @@ struct oc_agg {
     size_t chunks_cap;
     uint64_t *pairs;              /* scratch: (rank, chunk) of NACKs (handle_timer) */
     size_t pairs_len, pairs_cap;
-    uint32_t *nacked;             /* scratch: one rank's chunks of those */
+    uint32_t *nacked;             /* scratch: one rank's chunks to send again */
     size_t nacked_cap;
+    uint32_t *completed;          /* scratch: the chunks a run of contributions completes */
+    size_t completed_cap;
     uint8_t *sealed;              /* scratch: one GSO batch (oc_agg_flush) */
     uint8_t *done;                /* scratch: outbox entries flushed */
     size_t done_cap;
@@ -222,8 +228,8 @@ static int finished_index(const comm_t *c, uint32_t seq) {
     return -1;
 }
 
-static reduction_t *new_reduction(comm_t *c, uint32_t seq, uint8_t code, uint8_t group,
-                                  uint32_t total) {
+static reduction_t *new_reduction(oc_agg *a, comm_t *c, uint32_t seq, uint8_t code,
+                                  uint8_t group, uint32_t total) {
     reduction_t *r = calloc(1, sizeof *r);
     if (r == NULL) return NULL;
     r->seq = seq;
@@ -240,10 +246,7 @@ static reduction_t *new_reduction(comm_t *c, uint32_t seq, uint8_t code, uint8_t
     r->slots = calloc(r->window, sizeof(slot_t));
     r->have = calloc((size_t)r->window * r->words, sizeof(uint64_t));
     if (r->passed == NULL || r->slots == NULL || r->have == NULL) {
-        free(r->passed);
-        free(r->slots);
-        free(r->have);
-        free(r);
+        free_reduction(a, r);
         return NULL;
     }
     for (uint32_t i = 0; i < c->world; i++) r->passed[i] = -1;
@@ -311,21 +314,21 @@ static void finish(oc_agg *a, int h, comm_t *c, reduction_t *r) {
 
 /* RFC 6298's estimator over the round trip from a result to its owner's acknowledgement, one
  * per owner: a rank slowed by its CPU has its own, and does not slow the others' resends. */
-static void sample_rtt(comm_t *c, uint32_t owner, double seconds) {
-    if (!c->has_rtt[owner]) {
-        c->srtt[owner] = seconds;
-        c->rttvar[owner] = seconds / 2;
-        c->has_rtt[owner] = 1;
+static void sample_rtt(peer_t *p, double seconds) {
+    if (!p->has_rtt) {
+        p->srtt = seconds;
+        p->rttvar = seconds / 2;
+        p->has_rtt = 1;
     } else {
-        double d = c->srtt[owner] - seconds;
-        c->rttvar[owner] += ((d < 0 ? -d : d) - c->rttvar[owner]) / 4;
-        c->srtt[owner] += (seconds - c->srtt[owner]) / 8;
+        double d = p->srtt - seconds;
+        p->rttvar += ((d < 0 ? -d : d) - p->rttvar) / 4;
+        p->srtt += (seconds - p->srtt) / 8;
     }
 }
 
-static double resend_timeout(const comm_t *c, uint32_t owner) {
-    if (!c->has_rtt[owner]) return OC_RESEND_SECONDS;
-    double t = c->srtt[owner] + 4 * c->rttvar[owner];
+static double resend_timeout(const peer_t *p) {
+    if (!p->has_rtt) return OC_RESEND_SECONDS;
+    double t = p->srtt + 4 * p->rttvar;
     return t < OC_RESEND_SECONDS ? OC_RESEND_SECONDS : t > OC_MAX_RESEND_SECONDS ? OC_MAX_RESEND_SECONDS : t;
 }
 
@@ -365,7 +368,7 @@ static void on_contributions(oc_agg *a, int h, comm_t *c, const oc_header *hdr,
             a->stats[OC_STAT_refused] += count;
             return;
         }
-        if ((r = new_reduction(c, hdr->seq, code, group, total)) == NULL) return;
+        if ((r = new_reduction(a, c, hdr->seq, code, group, total)) == NULL) return;
         c->reductions[c->nreductions++] = r;
     }
     size_t nbytes = length - PREFIX_BYTES;
@@ -379,9 +382,9 @@ static void on_contributions(oc_agg *a, int h, comm_t *c, const oc_header *hdr,
     uint32_t src = hdr->src, owner = 0, first = 1, end = 0;
     uint64_t bit = (uint64_t)1 << (src & 63);
     int late = 0;
-    /* Slots completed by this run, in order, and the owners to tell: at most `count`. */
-    uint32_t *complete = malloc(sizeof(uint32_t) * (count ? count : 1));
-    if (complete == NULL) return;
+    /* the chunks this run completes, in order: at most `count` */
+    if (grow((void **)&a->completed, &a->completed_cap, count, sizeof(uint32_t))) return;
+    uint32_t *complete = a->completed;
     size_t ncomplete = 0;
     for (size_t i = 0; i < count; i++) {
         uint32_t g = chunks[i];
@@ -433,12 +436,12 @@ static void on_contributions(oc_agg *a, int h, comm_t *c, const oc_header *hdr,
     if (late) answer_credit(a, h, c, hdr->seq, (uint16_t)src, NULL, 0);
     for (size_t i = 0; i < ncomplete; i++) {
         slot_t *s = &r->slots[complete[i] % r->window];
-        oc_sum_rows(r->code, row_of(r, s->g, 0) + (size_t)s->owner * r->row_bytes,
-                    row_of(r, s->g, 0), r->row_bytes, r->world, s->owner, s->elems);
+        oc_sum_rows(r->code, row_of(r, s->g, s->owner), row_of(r, s->g, 0), r->row_bytes,
+                    r->world, s->owner, s->elems);
         s->state = SUMMED;
         a->stats[OC_STAT_results]++;
+        send_result(a, h, r, s, now);
     }
-    for (size_t i = 0; i < ncomplete; i++) send_result(a, h, r, &r->slots[complete[i] % r->window], now);
     /* each owner of a completed slot hears the credit once, in the order they came */
     for (size_t i = 0; i < ncomplete; i++) {
         uint32_t o = r->slots[complete[i] % r->window].owner;
@@ -446,7 +449,6 @@ static void on_contributions(oc_agg *a, int h, comm_t *c, const oc_header *hdr,
         for (size_t j = 0; j < i && !told; j++) told = r->slots[complete[j] % r->window].owner == o;
         if (!told) credit(a, h, (uint16_t)o, r->seq, r->released, NULL, 0);
     }
-    free(complete);
 }
 
 /* -- acknowledgements and credit ------------------------------------------------------------ */
@@ -462,7 +464,7 @@ static uint32_t on_ack(oc_agg *a, int h, comm_t *c, reduction_t *r, uint32_t src
     }
     uint32_t sent = 0;
     if (!s->acked && !s->resends) {
-        sample_rtt(c, src, now - s->sent_at);
+        sample_rtt(&c->peers[src], now - s->sent_at);
         sent = s->sent;
     }
     s->acked = 1;
@@ -543,8 +545,8 @@ static size_t owed(reduction_t *r, uint32_t rank, uint32_t sent_below, uint32_t 
 static void on_credit_probe(oc_agg *a, int h, comm_t *c, const oc_header *hdr, uint32_t sent_below) {
     reduction_t *r = find_reduction(c, hdr->seq);
     size_t n = 0;
-    uint32_t *list = malloc(sizeof(uint32_t) * (c->slots ? c->slots : 1));
-    if (list == NULL) return;
+    if (grow((void **)&a->nacked, &a->nacked_cap, c->slots, sizeof(uint32_t))) return;
+    uint32_t *list = a->nacked;
     if (r == NULL && finished_index(c, hdr->seq) < 0) {
         uint32_t upto = sent_below < c->slots ? sent_below : c->slots;
         for (uint32_t g = 0; g < upto; g++) list[n++] = g; /* the rank skips its own */
@@ -554,7 +556,6 @@ static void on_credit_probe(oc_agg *a, int h, comm_t *c, const oc_header *hdr, u
         answer_credit(a, h, c, hdr->seq, hdr->src, list, n);
     }
     a->stats[OC_STAT_nacks] += n;
-    free(list);
 }
 
 void oc_agg_receive_run(oc_agg *a, int h, const oc_header *hdr, const uint32_t *chunks,
@@ -634,7 +635,7 @@ void oc_agg_handle_timer(oc_agg *a, double now) {
                 slot_t *s = slot_of(r, g);
                 if (s && s->state == SUMMED) {
                     unsigned shift = s->resends < MAX_BACKOFF ? s->resends : MAX_BACKOFF;
-                    double wait = resend_timeout(c, s->owner) * (double)(1u << shift);
+                    double wait = resend_timeout(&c->peers[s->owner]) * (double)(1u << shift);
                     if (wait > LONGEST_RESEND_WAIT) wait = LONGEST_RESEND_WAIT;
                     if (!s->acked && now >= s->sent_at + wait) {
                         s->resends++;
@@ -687,6 +688,24 @@ static int find_comm(oc_agg *a, uint32_t job, uint32_t comm) {
     return -1;
 }
 
+/* Open one datagram of `len` bytes: its header into *h and its communicator's handle into
+ * *handle, or the reason it is dropped (an OC_DROP_ index). */
+static int open_datagram(oc_agg *a, const uint8_t *d, size_t len, oc_header *h, int *handle) {
+    if (len < OC_OVERHEAD_BYTES || oc_header_parse(d, len, h) ||
+        (size_t)h->length + OC_OVERHEAD_BYTES != len)
+        return OC_DROP_malformed;
+    comm_t *c = comm_of(a, *handle = find_comm(a, h->job, h->comm));
+    if (c == NULL || !c->keyed) return OC_DROP_foreign;
+    if (!oc_gmac_check(&c->opener, h->src, h->counter, d, len - OC_TAG_BYTES,
+                       d + len - OC_TAG_BYTES))
+        return OC_DROP_bad_mac;
+    if (h->src >= c->world) return OC_DROP_wrong_sender; /* authentic, but no rank of its world */
+    oc_replay *w = &c->peers[h->src].window;
+    if (w->nwords == 0 && oc_replay_init(w, OC_REPLAY_WIDTH))
+        return OC_DROP_replayed; /* no memory for its window: it cannot be checked */
+    return oc_replay_accept(w, h->counter) ? -1 : OC_DROP_replayed;
+}
+
 void oc_agg_feed(oc_agg *a, const uint8_t *data, size_t n, size_t segment, double now) {
     if (n == 0 || segment == 0) {
         a->drops[OC_DROP_malformed]++;
@@ -695,71 +714,32 @@ void oc_agg_feed(oc_agg *a, const uint8_t *data, size_t n, size_t segment, doubl
     if (grow((void **)&a->chunks, &a->chunks_cap, n / segment + 1, sizeof(uint32_t))) return;
     oc_header run, h;
     size_t count = 0, run_offset = 0;
-    int run_handle = -1;
+    int run_handle = -1, handle;
     uint32_t last = 0;
-#define DELIVER()                                                                             \
-    do {                                                                                      \
-        if (count)                                                                            \
-            oc_agg_receive_run(a, run_handle, &run, a->chunks, count, data, run_offset,      \
-                               segment, now);                                                 \
-        count = 0;                                                                            \
-    } while (0)
     for (size_t start = 0; start < n; start += segment) {
         size_t len = n - start < segment ? n - start : segment;
-        const uint8_t *d = data + start;
-        if (len < OC_OVERHEAD_BYTES || oc_header_parse(d, len, &h) ||
-            (size_t)h.length + OC_OVERHEAD_BYTES != len) {
-            a->drops[OC_DROP_malformed]++;
-            DELIVER();
+        int dropped = open_datagram(a, data + start, len, &h, &handle);
+        /* a datagram that fails ends the run; one that does not fit the run starts another */
+        if (count && (dropped >= 0 || h.kind != run.kind || h.job != run.job ||
+                      h.comm != run.comm || h.seq != run.seq || h.src != run.src ||
+                      h.dst != run.dst || h.length != run.length || h.chunk <= last)) {
+            oc_agg_receive_run(a, run_handle, &run, a->chunks, count, data, run_offset, segment,
+                               now);
+            count = 0;
+        }
+        if (dropped >= 0) {
+            a->drops[dropped]++;
             continue;
         }
-        int handle = find_comm(a, h.job, h.comm);
-        comm_t *c = comm_of(a, handle);
-        if (c == NULL || !c->keyed) {
-            a->drops[OC_DROP_foreign]++;
-            DELIVER();
-            continue;
-        }
-        if (!oc_gmac_check(&c->opener, h.src, h.counter, d, len - OC_TAG_BYTES,
-                           d + len - OC_TAG_BYTES)) {
-            a->drops[OC_DROP_bad_mac]++;
-            DELIVER();
-            continue;
-        }
-        if (h.src >= c->world) { /* authentic, but no rank of this world: no window for it */
-            a->drops[OC_DROP_wrong_sender]++;
-            DELIVER();
-            continue;
-        }
-        oc_replay *w = c->windows[h.src];
-        if (w == NULL) {
-            if ((w = malloc(sizeof *w)) == NULL || oc_replay_init(w, OC_REPLAY_WIDTH)) {
-                free(w);
-                DELIVER();
-                continue;
-            }
-            c->windows[h.src] = w;
-        }
-        if (!oc_replay_accept(w, h.counter)) {
-            a->drops[OC_DROP_replayed]++;
-            DELIVER();
-            continue;
-        }
-        if (count && h.kind == run.kind && h.job == run.job && h.comm == run.comm &&
-            h.seq == run.seq && h.src == run.src && h.dst == run.dst && h.length == run.length &&
-            h.chunk > last) {
-            a->chunks[count++] = h.chunk;
-        } else {
-            DELIVER();
+        if (count == 0) {
             run = h;
             run_handle = handle;
             run_offset = start + OC_HEADER_BYTES;
-            a->chunks[count++] = h.chunk;
         }
-        last = h.chunk;
+        a->chunks[count++] = last = h.chunk;
     }
-    DELIVER();
-#undef DELIVER
+    if (count)
+        oc_agg_receive_run(a, run_handle, &run, a->chunks, count, data, run_offset, segment, now);
 }
 
 /* -- registration -------------------------------------------------------------------------- */
@@ -770,19 +750,9 @@ static void free_comm(oc_agg *a, comm_t *c) {
         oc_gmac_free(&c->sealer.gmac);
         oc_gmac_free(&c->opener);
     }
-    if (c->windows)
-        for (uint32_t r = 0; r < c->world; r++)
-            if (c->windows[r]) {
-                oc_replay_free(c->windows[r]);
-                free(c->windows[r]);
-            }
-    free(c->windows);
-    free(c->srtt);
-    free(c->rttvar);
-    free(c->has_rtt);
-    free(c->addresses);
-    free(c->has_address);
-    free(c->hears_group);
+    if (c->peers)
+        for (uint32_t r = 0; r < c->world; r++) oc_replay_free(&c->peers[r].window);
+    free(c->peers);
     free(c);
 }
 
@@ -801,15 +771,8 @@ int oc_agg_register(oc_agg *a, uint32_t job, uint32_t comm, uint32_t world, uint
     fresh->comm = comm;
     fresh->world = world;
     fresh->slots = slots == 0 ? a->slots : slots < a->slots ? slots : a->slots;
-    fresh->windows = calloc(world, sizeof(oc_replay *));
-    fresh->srtt = calloc(world, sizeof(double));
-    fresh->rttvar = calloc(world, sizeof(double));
-    fresh->has_rtt = calloc(world, 1);
-    fresh->addresses = calloc(world, sizeof(struct sockaddr_in));
-    fresh->has_address = calloc(world, 1);
-    fresh->hears_group = calloc(world, 1);
-    if (!fresh->windows || !fresh->srtt || !fresh->rttvar || !fresh->has_rtt ||
-        !fresh->addresses || !fresh->has_address || !fresh->hears_group) {
+    fresh->peers = calloc(world, sizeof(peer_t));
+    if (fresh->peers == NULL) {
         free_comm(a, fresh);
         return -1;
     }
@@ -863,11 +826,12 @@ int oc_agg_set_address(oc_agg *a, int h, uint32_t rank, uint32_t ip, uint16_t po
                        int hears_group) {
     comm_t *c = comm_of(a, h);
     if (c == NULL || rank >= c->world) return -1;
-    c->addresses[rank].sin_family = AF_INET;
-    c->addresses[rank].sin_addr.s_addr = ip;
-    c->addresses[rank].sin_port = port;
-    c->has_address[rank] = 1;
-    c->hears_group[rank] = hears_group != 0;
+    peer_t *p = &c->peers[rank];
+    p->address.sin_family = AF_INET;
+    p->address.sin_addr.s_addr = ip;
+    p->address.sin_port = port;
+    p->has_address = 1;
+    p->hears_group = hears_group != 0;
     return 0;
 }
 
@@ -881,25 +845,22 @@ int oc_agg_set_group(oc_agg *a, int h, uint32_t ip, uint16_t port) {
     return 0;
 }
 
-size_t oc_agg_destinations(const oc_agg *a, int h, uint16_t dst, struct sockaddr_in *out,
-                           size_t max) {
+void oc_agg_each_destination(const oc_agg *a, int h, uint16_t dst, oc_to to, void *ctx) {
     const comm_t *c = comm_of(a, h);
-    if (c == NULL || max == 0) return 0;
+    if (c == NULL) return;
     if (dst != OC_ANY) {
-        if (dst >= c->world || !c->has_address[dst]) return 0;
-        out[0] = c->addresses[dst];
-        return 1;
+        if (dst < c->world && c->peers[dst].has_address) to(ctx, &c->peers[dst].address);
+        return;
     }
     int all = c->has_group;
-    for (uint32_t r = 0; r < c->world && all; r++) all = c->has_address[r] && c->hears_group[r];
+    for (uint32_t r = 0; r < c->world && all; r++)
+        all = c->peers[r].has_address && c->peers[r].hears_group;
     if (all) {
-        out[0] = c->group;
-        return 1;
+        to(ctx, &c->group);
+        return;
     }
-    size_t n = 0;
-    for (uint32_t r = 0; r < c->world && n < max; r++)
-        if (c->has_address[r]) out[n++] = c->addresses[r];
-    return n;
+    for (uint32_t r = 0; r < c->world; r++)
+        if (c->peers[r].has_address) to(ctx, &c->peers[r].address);
 }
 
 /* -- sealing ------------------------------------------------------------------------------- */
@@ -971,6 +932,7 @@ void oc_agg_free(oc_agg *a) {
     free(a->chunks);
     free(a->pairs);
     free(a->nacked);
+    free(a->completed);
     free(a->sealed);
     free(a->done);
     free(a);
@@ -992,7 +954,7 @@ uint32_t oc_agg_slots(const oc_agg *a) { return a->slots; }
 
 double oc_agg_resend_timeout(const oc_agg *a, int h, uint32_t owner) {
     const comm_t *c = comm_of(a, h);
-    return c && owner < c->world ? resend_timeout(c, owner) : -1.0;
+    return c && owner < c->world ? resend_timeout(&c->peers[owner]) : -1.0;
 }
 
 int oc_agg_reductions(const oc_agg *a, int h, uint32_t *seqs, uint32_t *released, int max) {

@@ -82,9 +82,10 @@ void oc_agg_unregister(oc_agg *a, int handle);
 int oc_agg_set_address(oc_agg *a, int handle, uint32_t rank, uint32_t ip, uint16_t port,
                        int hears_group);
 int oc_agg_set_group(oc_agg *a, int handle, uint32_t ip, uint16_t port);
-/* The addresses a message to `dst` goes to (at most `max`); their count. */
-size_t oc_agg_destinations(const oc_agg *a, int handle, uint16_t dst, struct sockaddr_in *out,
-                           size_t max);
+/* Call `to` with each address a message to `dst` goes to: the rank's, or for OC_ANY the
+ * group's if every rank hears it, else every rank's that has one. */
+typedef void (*oc_to)(void *ctx, const struct sockaddr_in *address);
+void oc_agg_each_destination(const oc_agg *a, int handle, uint16_t dst, oc_to to, void *ctx);
 
 /* Authentic messages from one sender (a run, overcast.wire.runs): same header but for the
  * chunk, `count` payloads of `length` bytes at data + offset + i * stride. handle -1: a

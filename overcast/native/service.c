@@ -32,21 +32,29 @@ static double thread_cpu(void) {
 typedef struct {
     oc_agg *agg;
     oc_udp *udp;
+    const uint8_t *data;          /* the batch being sent: datagrams back to back */
+    size_t len, segment;
 } sender;
 
-/* Send a sealed batch to every address of its destination. A socket too full to take it drops
- * what did not go, as a switch port would: the ranks ask again. */
+/* Send the batch to one address. A socket too full to take it drops what did not go, as a
+ * switch port would: the ranks ask again. */
+static void send_to(void *ctx, const struct sockaddr_in *address) {
+    sender *s = ctx;
+    uint64_t *drops = oc_agg_drops_mut(s->agg);
+    ssize_t sent = oc_udp_send(s->udp, s->data, s->len, s->segment, address);
+    if (sent < 0) drops[OC_DROP_send_error]++;
+    else if ((size_t)sent < s->len)
+        drops[OC_DROP_send_buffer_full] += (s->len - (size_t)sent + s->segment - 1) / s->segment;
+}
+
+/* Send a sealed batch to every address of its destination. */
 static void send_batch(void *ctx, int handle, uint16_t dst, const uint8_t *data, size_t len,
                        size_t segment) {
     sender *s = ctx;
-    struct sockaddr_in to[256];
-    size_t n = oc_agg_destinations(s->agg, handle, dst, to, sizeof to / sizeof to[0]);
-    uint64_t *drops = oc_agg_drops_mut(s->agg);
-    for (size_t i = 0; i < n; i++) {
-        ssize_t sent = oc_udp_send(s->udp, data, len, segment, &to[i]);
-        if (sent < 0) drops[OC_DROP_send_error]++;
-        else if ((size_t)sent < len) drops[OC_DROP_send_buffer_full] += (len - (size_t)sent + segment - 1) / segment;
-    }
+    s->data = data;
+    s->len = len;
+    s->segment = segment;
+    oc_agg_each_destination(s->agg, handle, dst, send_to, s);
 }
 
 /* 0, or -1 if a signal cut the wait short. */
@@ -71,7 +79,7 @@ int oc_serve(oc_agg *a, oc_udp *u, const int *control, int ncontrol, double unti
         ev.data.u32 = (uint32_t)i + 1;
         if (epoll_ctl(ep, EPOLL_CTL_ADD, control[i], &ev)) result = OC_SERVE_ERROR;
     }
-    sender s = {a, u};
+    sender s = {a, u, NULL, 0, 0};
     double cpu0 = thread_cpu();
     while (result == OC_SERVE_DEADLINE) {
         double now = oc_monotonic();

@@ -4,9 +4,9 @@ SwitchML's software stand-in), for many communicators at once.
 The engine is native (overcast/native/aggregator.h says how it works, message by message, and
 who owns which buffer); this is its Python face for the control plane and the sans-I/O tests:
 communicators named by any key, messages in as the fabric delivers them (authentic runs,
-overcast.wire.runs) or as sealed datagrams, the clock in; what it wants sent out, in `outbox`, as
-(key, destination rank, Outgoing). The service (overcast.switch.service) drives the same engine
-on its socket without Python in the loop.
+overcast.wire.runs), the clock in; what it wants sent out, in `outbox`, as (key, destination
+rank, Outgoing). The service (overcast.switch.service) drives the same engine on its socket,
+sealed datagrams in and out, without Python in the loop.
 
 Whatever does not fit is dropped and counted in `drops` by reason (one line each): any rank of a
 communicator can be impersonated by a replay, so nothing here raises.
@@ -15,6 +15,7 @@ communicator can be impersonated by a replay, so nothing here raises.
 from __future__ import annotations
 
 import collections
+import itertools
 
 from overcast.limits import check_slots
 from overcast.native import MAX_REDUCTIONS, MAX_RESEND_SECONDS, RESEND_SECONDS
@@ -33,6 +34,7 @@ class Aggregator:
         self._handles: dict[object, int] = {}
         self._keys: dict[int, object] = {}
         self._ids: dict[object, tuple[int, int]] = {}
+        self._unkeyed = itertools.count(1)  # wire ids for communicators registered without
 
     # -- registration ----------------------------------------------------------------------
     def register(self, key, world: int, slots: int | None = None, *,
@@ -43,7 +45,7 @@ class Aggregator:
         ids on the wire, and `secret_key` its key, for an engine that opens and seals its
         datagrams (sealing counts on from `counter`). Returns the slots granted."""
         if ids is None:
-            ids = self._ids.get(key) or (0, len(self._ids) + 1)
+            ids = self._ids.get(key) or (0, next(self._unkeyed))
         self._ids[key] = ids
         handle, granted = self.engine.register(*ids, world, slots or 0, secret_key, counter)
         self._handles[key], self._keys[handle] = handle, key

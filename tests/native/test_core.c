@@ -411,6 +411,36 @@ static void test_reregistration(void) {
     oc_agg_free(a);
 }
 
+static void count_address(void *ctx, const struct sockaddr_in *address) {
+    (void)address;
+    ++*(int *)ctx;
+}
+
+/* A message for every rank goes to the group once every rank hears it, else to every rank's
+ * address, however many there are. */
+static void test_destinations(void) {
+    enum { BIG = 300 };
+    oc_agg *a = oc_agg_new(1);
+    uint32_t granted;
+    int h = oc_agg_register(a, 1, 1, BIG, 0, NULL, 0, &granted), n = 0;
+    for (uint32_t r = 0; r < BIG; r++) oc_agg_set_address(a, h, r, 0x0100007f, (uint16_t)r, 1);
+    oc_agg_each_destination(a, h, OC_ANY, count_address, &n);
+    CHECK(n == BIG, "no group known: every rank's address (%d)", n);
+    oc_agg_set_group(a, h, 0x010000ef, 9);
+    n = 0;
+    oc_agg_each_destination(a, h, OC_ANY, count_address, &n);
+    CHECK(n == 1, "every rank hears the group: the group alone");
+    oc_agg_set_address(a, h, 7, 0x0100007f, 7, 0);
+    n = 0;
+    oc_agg_each_destination(a, h, OC_ANY, count_address, &n);
+    CHECK(n == BIG, "one rank does not hear it: every address again");
+    n = 0;
+    oc_agg_each_destination(a, h, 5, count_address, &n);
+    oc_agg_each_destination(a, h, BIG, count_address, &n);
+    CHECK(n == 1, "one rank's own address; none for a rank outside the world");
+    oc_agg_free(a);
+}
+
 /* -- batched UDP on loopback -------------------------------------------------------------- */
 
 static int udp_socket(struct sockaddr_in *bound) {
@@ -505,6 +535,7 @@ int main(void) {
     test_sums();
     test_aggregator();
     test_reregistration();
+    test_destinations();
     test_udp();
     test_serve();
     printf("%d passed, %d failed\n", passed, failed);
