@@ -10,7 +10,8 @@ import os
 
 from setuptools import Extension, setup
 
-PARTS = ["wire", "sums", "udp", "aggregator", "service", "module"]
+PARTS = ["wire", "sums", "udp", "aggregator", "service", "budget", "outbox", "contribute",
+         "plane", "port", "plane_module", "module"]
 flags = ["-std=c11", "-Wall", "-Wextra", "-Wshadow", "-fno-strict-aliasing"]
 link = []
 if os.environ.get("OVERCAST_NATIVE_DEBUG"):

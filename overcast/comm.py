@@ -12,6 +12,7 @@ from overcast.engine.engine import Engine, Work
 from overcast.engine.trace import Trace
 from overcast.errors import InvalidArgumentError, OvercastError
 from overcast.limits import check_count, check_link_rate, check_positive, check_roots, require
+from overcast.native import _core
 from overcast.protocols.base import Descriptor
 from overcast.protocols.multicast import MulticastGather
 from overcast.protocols.ring import RingAllGather, RingReduceScatter
@@ -88,7 +89,9 @@ class Communicator:
         self._uplink = LinkBudget(uplink, batch=pace_batch(uplink, datagram),
                                   datagram_bytes=datagram,
                                   reduction_batch=reduction_batch(uplink, datagram))
-        session = Session(self.rank, self.world_size, timeout, links.drops)
+        plane = _core.Plane(self.rank, self.world_size, links.job, links.comm, links.key,
+                            links.sealer.native)
+        session = Session(self.rank, self.world_size, timeout, links.drops, plane)
         self._engine = Engine(links, session, self.loss, Trace() if trace else None)
         self._lock = threading.Lock()
         self._seq = 0

@@ -1,51 +1,75 @@
-"""Batches on the datagram path, over real loopback sockets: several datagrams sent in one call
-(UDP GSO) arrive each whole and authentic, read in one call where the kernel coalesced them
-(UDP GRO); a batch of one, a read cut short, and a forged datagram inside a batch (the others
-are still taken)."""
+"""Batches on the datagram path, over real loopback sockets, through the rank's native plane:
+several datagrams sent in one call (UDP GSO) arrive each whole and authentic, read in one call
+where the kernel coalesced them (UDP GRO); a forged datagram among them costs only itself; a
+batch the kernel will not segment goes one datagram at a time; batches end where GSO says."""
 
 from __future__ import annotations
 
 import os
-import selectors
 import socket
+import time
 
 import numpy as np
 import pytest
 
-from overcast.protocols.budget import LinkBudget
+from overcast.native import _core
 from overcast.protocols.base import Outgoing
+from overcast.protocols.budget import LinkBudget
 from overcast.transport.datagram import BATCH_SECONDS, GSO_MAX_BYTES, MAX_BATCH, MIN_BATCH, \
-    REDUCTION_BATCH_SECONDS, Datagrams, pace_batch, reduction_batch, seal_batches
-from overcast.wire.auth import Drops, Opener, Sealer, sealed_bytes
+    REDUCTION_BATCH_SECONDS, pace_batch, reduction_batch
+from overcast.wire.auth import Sealer
 from overcast.wire.header import Kind
 
 KEY, JOB, COMM = os.urandom(16), 7, 9
 CHUNK = 8000
 
 
-def pair(read_bytes: int | None = None):
-    """A sender (rank 0) and a receiver (rank 1) on loopback, and the receiver's address."""
-    socks = []
-    for _ in range(2):
-        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        s.bind(("127.0.0.1", 0))
-        socks.append(s)
-    drops = Drops()
-    sender = Datagrams(socks[0], Opener(KEY, JOB, COMM, Drops()), 0, {})
-    kw = {} if read_bytes is None else {"read_bytes": read_bytes}
-    receiver = Datagrams(socks[1], Opener(KEY, JOB, COMM, drops), 1, {}, **kw)
-    return sender, receiver, socks[1].getsockname(), drops
+class Port:
+    """Rank `rank`'s plane on a socket bound to `address`, its peer at `peer`. The engine's
+    selector is stood in for by one end of a socket pair that nothing writes to."""
+
+    def __init__(self, rank: int, address=("127.0.0.1", 0), peer=None):
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.sock.bind(address)
+        self.sock.setblocking(False)
+        self.quiet = socket.socketpair()
+        self.sealer = Sealer(KEY, JOB, COMM, rank)
+        self.plane = _core.Plane(rank, 2, JOB, COMM, KEY, self.sealer.native)
+        self.plane.attach(self.sock.fileno(), -1, self.quiet[0].fileno())
+        if peer is not None:
+            self.plane.set_address(_core.ROUTE_RANK, 1 - rank, *peer)
+
+    def send(self, messages) -> None:
+        self.plane.send(_core.ROUTE_RANK, messages)
+
+    def receive(self, expected: int, runs: list | None = None) -> list[tuple[int, bytes]]:
+        """Serve until `expected` messages came (or five quiet seconds); the chunks of each run
+        handed to Python go to `runs`."""
+        got, deadline = [], time.monotonic() + 5
+        while len(got) < expected and time.monotonic() < deadline:
+            if self.plane.serve(deadline) != _core.PORT_RUNS:
+                continue
+            data, found = self.plane.runs()
+            for kind, job, comm, seq, src, dst, length, counter, chunks, offset, stride in found:
+                got.extend((g, bytes(data[offset + i * stride:offset + i * stride + length]))
+                           for i, g in enumerate(chunks))
+                if runs is not None:
+                    runs.append(list(chunks))
+        return got
+
+    def counters(self):
+        return self.plane.counters()
+
+    def close(self) -> None:
+        self.sock.close()
+        for s in self.quiet:
+            s.close()
 
 
-def batch(chunks: list[np.ndarray], first: int = 0) -> tuple[bytearray, int]:
-    """The chunks sealed back to back, as the engine lays out a batch; and the segment size."""
-    sealer = Sealer(KEY, JOB, COMM, 0)
-    size = sealed_bytes(chunks[0])
-    buf = bytearray(sum(sealed_bytes(c) for c in chunks))
-    end = 0
-    for i, c in enumerate(chunks):
-        end = sealer.seal_into(buf, end, Kind.MCAST_DATA, 1, 1, first + i, c)
-    return buf, size
+def ports():
+    receiver = Port(1)
+    sender = Port(0, peer=receiver.sock.getsockname())
+    return sender, receiver
 
 
 def chunks(count: int, last: int = CHUNK) -> list[np.ndarray]:
@@ -54,73 +78,53 @@ def chunks(count: int, last: int = CHUNK) -> list[np.ndarray]:
             for i in range(count)]
 
 
-def receive_all(receiver: Datagrams, expected: int, runs: list | None = None) \
-        -> list[tuple[int, bytes]]:
-    """Read until `expected` messages came (each read waits for the socket to be readable);
-    the chunks of each run handed on go to `runs`."""
-    got = []
-
-    def take(run):
-        got.extend((hdr.chunk, bytes(payload)) for hdr, payload in run.messages())
-        assert [bytes(row) for row in run.rows()] == [p for _, p in got[-len(run):]]
-        if runs is not None:
-            runs.append(list(run.chunks))
-
-    with selectors.DefaultSelector() as sel:
-        sel.register(receiver, selectors.EVENT_READ)
-        while len(got) < expected and sel.select(timeout=5):
-            receiver.read(take)
-    return got
+def messages(data, first: int = 0):
+    return [Outgoing(Kind.MCAST_DATA, 1, first + i, d, 1) for i, d in enumerate(data)]
 
 
 @pytest.mark.parametrize("count,last", [(5, CHUNK), (5, 1234), (1, 77), (7, CHUNK)])
 def test_a_batch_arrives_whole_each_datagram_authentic(count, last):
-    sender, receiver, address, drops = pair()
-    data = chunks(count, last)
-    buf, size = batch(data)
-    sender.send(memoryview(buf), address, size)
-    runs = []
-    got = receive_all(receiver, count, runs)
-    assert [c for c, _ in got] == list(range(count))
-    assert [p for _, p in got] == [d.tobytes() for d in data]
-    assert sender.datagrams_out == count and sender.sends == 1  # one call for the batch
-    if receiver.gro and receiver.reads == 1:
-        # coalesced into one read: one run, but a shorter last datagram runs on its own
-        assert runs == ([list(range(count))] if last == CHUNK or count == 1
-                        else [list(range(count - 1)), [count - 1]])
-    if receiver.gro and count > 1:
-        assert receiver.reads < count  # coalesced: fewer reads than datagrams
-    assert sum(drops.values()) == 0
+    sender, receiver = ports()
+    try:
+        data = chunks(count, last)
+        sender.send(messages(data))
+        runs = []
+        got = receiver.receive(count, runs)
+        assert [c for c, _ in got] == list(range(count))
+        assert [p for _, p in got] == [d.tobytes() for d in data]
+        _, stats, io = sender.counters()
+        assert io["datagrams_out"] == count and stats["datagram_sends"] == 1  # one call
+        drops, _, io = receiver.counters()
+        if io["gro"] and io["datagram_reads"] == 1:
+            # coalesced into one read: one run, but a shorter last datagram runs on its own
+            assert runs == ([list(range(count))] if last == CHUNK or count == 1
+                            else [list(range(count - 1)), [count - 1]])
+        if io["gro"] and count > 1:
+            assert io["datagram_reads"] < count  # coalesced: fewer reads than datagrams
+        assert drops == {}
+    finally:
+        sender.close()
+        receiver.close()
 
 
-def test_a_read_cut_short_keeps_the_whole_datagrams_and_counts_the_cut():
-    """A receive buffer of two and a half datagrams: the kernel cuts the coalesced read; the
-    two whole ones are taken, the cut one is counted, nothing is misread."""
-    sender, receiver, address, drops = pair(read_bytes=sealed_bytes(b"x" * CHUNK) * 5 // 2)
-    if not receiver.gro:
-        pytest.skip("this kernel does not coalesce UDP datagrams (no UDP_GRO)")
-    data = chunks(4)
-    buf, size = batch(data)
-    sender.send(memoryview(buf), address, size)
-    got = receive_all(receiver, 2)
-    assert [p for _, p in got] == [d.tobytes() for d in data[:2]]
-    assert receiver.truncated == 1 and drops["truncated"] == 1
-    assert drops["malformed"] == 0 and drops["bad_mac"] == 0
-
-
-def test_a_forged_datagram_inside_a_batch_costs_only_itself():
-    sender, receiver, address, drops = pair()
-    data = chunks(5)
-    buf, size = batch(data)
-    buf[2 * size + size // 2] ^= 0x40  # a bit of the third datagram's payload
-    sender.send(memoryview(buf), address, size)
-    runs = []
-    got = receive_all(receiver, 4, runs)
-    assert [c for c, _ in got] == [0, 1, 3, 4]
-    assert [p for _, p in got] == [data[i].tobytes() for i in (0, 1, 3, 4)]
-    assert drops["bad_mac"] == 1
-    if receiver.gro and receiver.reads == 1:
-        assert runs == [[0, 1], [3, 4]]  # the forged one ends a run: the rest go on
+def test_a_forged_datagram_among_others_costs_only_itself():
+    sender, receiver = ports()
+    try:
+        data = chunks(5)
+        sealer = Sealer(KEY, JOB, COMM, 0)
+        address = receiver.sock.getsockname()
+        for i, d in enumerate(data):
+            sealed = sealer.seal(Kind.MCAST_DATA, 1, 1, i, d)
+            if i == 2:
+                sealed[len(sealed) // 2] ^= 0x40  # a bit of the third datagram's payload
+            sender.sock.sendto(sealed, address)
+        got = receiver.receive(4)
+        assert [c for c, _ in got] == [0, 1, 3, 4]
+        assert [p for _, p in got] == [data[i].tobytes() for i in (0, 1, 3, 4)]
+        assert receiver.counters()[0] == {"bad_mac": 1}
+    finally:
+        sender.close()
+        receiver.close()
 
 
 PORT = 47000
@@ -132,26 +136,21 @@ def refused_batch(rank):
     datagram exceeds the device's MTU: EINVAL), so it goes one datagram at a time (each
     fragmented by IP, as this socket allows)."""
     from overcast.cluster.netns import host_address
-    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    sock.bind((host_address(rank), PORT))
-    me = Datagrams(sock, Opener(KEY, JOB, COMM, Drops()), rank, {})
-    peer = (host_address(1 - rank), PORT)
+    me = Port(rank, (host_address(rank), PORT), (host_address(1 - rank), PORT))
     data = [np.full(OVER_MTU, i, np.uint8) for i in range(5)]
-    if rank == 1:
-        got = []
-        with selectors.DefaultSelector() as sel:
-            sel.register(me, selectors.EVENT_READ)
+    try:
+        if rank == 1:
+            got = []
             while len(got) < 5:
-                me.send(b"ready", peer)
-                if sel.select(timeout=0.2):
-                    me.read(lambda run: got.extend(bytes(p) for _, p in run.messages()))
-        return [p == d.tobytes() for p, d in zip(got, data)]
-    with selectors.DefaultSelector() as sel:
-        sel.register(sock, selectors.EVENT_READ)
-        assert sel.select(timeout=30), "rank 1 never said it was ready"
-    buf, size = batch(data)
-    me.send(memoryview(buf), peer, size)
-    return [me.gso, me.sends, me.datagrams_out]
+                me.send([Outgoing(Kind.FIN, 0, 0, b"ready", 0)])
+                got.extend(p for g, p in me.receive(5 - len(got)) if len(p) == OVER_MTU)
+            return [p == d.tobytes() for p, d in zip(got, data)]
+        assert me.receive(1), "rank 1 never said it was ready"
+        me.send(messages(data))
+        _, stats, io = me.counters()
+        return [io["gso"], stats["datagram_sends"], io["datagrams_out"]]
+    finally:
+        me.close()
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")
@@ -159,7 +158,7 @@ def test_a_batch_the_kernel_refuses_to_segment_goes_one_datagram_at_a_time():
     from overcast.cluster.netns import Cluster
     with Cluster(2, 1_000_000_000, service=False) as cluster:
         sender, receiver = cluster.run(refused_batch, timeout=60)
-    assert sender == [False, 1 + 5, 5]  # the refused GSO call, then five sends
+    assert sender == [0, 1 + 5, 5]  # the refused GSO call, then five sends
     assert receiver == [True] * 5
 
 
@@ -193,16 +192,13 @@ def test_messages_are_sealed_into_whole_sends():
     """Datagrams of 8,952 bytes: seven fit one GSO send. A shorter one may end a send; the one
     after it starts the next."""
     lengths = [8900] * 16 + [100] + [8900] * 2
-    messages = [Outgoing(Kind.MCAST_DATA, 1, g, np.full(n, g, np.uint8), 1)
-                for g, n in enumerate(lengths)]
-    opener, windows, got, counts = Opener(KEY, JOB, COMM, Drops()), {}, [], []
-    buf = bytearray(2 * GSO_MAX_BYTES)
-    for view, size in seal_batches(Sealer(KEY, JOB, COMM, 0), messages, buf):
-        assert len(view) <= GSO_MAX_BYTES
-        counts.append(-(-len(view) // size))
-        for start in range(0, len(view), size):
-            hdr, payload = opener.open(view[start:start + size], windows=windows,
-                                       window_width=64)
-            got.append((hdr.chunk, bytes(payload)))
-    assert counts == [7, 7, 3, 2]
-    assert got == [(g, bytes([g]) * n) for g, n in enumerate(lengths)]
+    sender, receiver = ports()
+    try:
+        sender.send([Outgoing(Kind.MCAST_DATA, 1, g, np.full(n, g, np.uint8), 1)
+                     for g, n in enumerate(lengths)])
+        got = receiver.receive(len(lengths))
+        assert got == [(g, bytes([g]) * n) for g, n in enumerate(lengths)]
+        assert sender.counters()[1]["datagram_sends"] == 4  # 7, 7, 3 and 2 datagrams
+    finally:
+        sender.close()
+        receiver.close()

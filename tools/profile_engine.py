@@ -51,7 +51,6 @@ from overcast.bench.run import parse_size
 from overcast.cluster.netns import Cluster
 from overcast.engine import engine as engine_module
 from overcast.protocols.session import Session
-from overcast.transport.datagram import Datagrams
 
 CATEGORIES = ("syscalls (send, receive)",
               "opening datagrams (AES-GMAC, replay window, header checks, runs)",
@@ -86,10 +85,10 @@ def shares(stats: pstats.Stats) -> dict[str, float]:
 
 
 # (class, method) whose CPU time the parts mode measures on the engine thread
-PARTS = ((Datagrams, "read"), (engine_module.Engine, "_fill_and_flush"),
+PARTS = ((engine_module.Engine, "_deliver_runs"), (engine_module.Engine, "_fill_and_flush"),
          (Session, "handle_timer"), (Session, "get_timer"),
          (engine_module.Engine, "_take_submissions"), (engine_module.Engine, "_report"),
-         (engine_module.Engine, "_read"), (engine_module.selectors.DefaultSelector, "select"))
+         (engine_module.Engine, "_read"), (engine_module.Engine, "_python_events"))
 
 
 def time_parts(seconds: collections.Counter, calls: collections.Counter) -> None:

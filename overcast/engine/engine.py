@@ -3,6 +3,12 @@
 It runs the session's protocols without the caller's thread: reads and authenticates what
 arrives, feeds it to the session, seals and writes what the session wants sent as fast as each
 socket takes it, fires timers, and completes Work handles. Callers only post collectives and wait.
+
+The datagram sockets belong to the rank's native plane (overcast/native/port.h): the engine's
+thread waits in it with the GIL released, and it reads, opens, sends and paces datagrams there,
+coming back to Python only for what Python must act on: messages of Python's protocols, a
+reduction drained, a stream or a submission ready (the selector's own descriptor is in its
+wait), or a Python timer.
 """
 
 from __future__ import annotations
@@ -13,22 +19,26 @@ import socket
 import threading
 import time
 
+from overcast.engine.trace import Trace
 from overcast.errors import CommunicatorClosedError, OvercastError
+from overcast.native import _core
 from overcast.protocols.base import DATAGRAM, MULTICAST, STREAM, Collective
 from overcast.protocols.session import Session
-from overcast.transport.datagram import Datagrams, seal_batches
-from overcast.transport.loss import LossModel, LossSpec
+from overcast.transport.datagram import enlarge_receive_buffer
+from overcast.transport.loss import LossSpec
 from overcast.transport.rendezvous import Links
-from overcast.engine.trace import Trace
 from overcast.transport.stream import Stream, StreamClosed
 from overcast.wire.auth import sealed_bytes
-from overcast.wire.header import AGGREGATOR, ETHERNET_BYTES, IP_UDP_BYTES, datagram_link_bytes
+from overcast.wire.header import AGGREGATOR, ETHERNET_BYTES, IP_UDP_BYTES, Header, \
+    datagram_link_bytes
 from overcast.wire.runs import Run
 
 # Bytes sealed ahead into a stream's queue: enough to keep the socket busy, small enough that
 # the session, not the queue, decides the interleaving of collectives.
 _STREAM_HIGH_WATER = 1 << 20
 _CLOSE_FLUSH_SECONDS = 10.0
+# The longest the engine waits in the plane before it looks at its own state again.
+_MAX_WAIT = 0.5
 
 
 class Work:
@@ -74,22 +84,26 @@ class Engine:
         for stream in self.streams.values():
             self._selector.register(stream, selectors.EVENT_READ, stream)
             self._masks[stream.peer] = selectors.EVENT_READ
-        # Unicast and multicast datagrams share the senders' replay windows (one counter per
-        # sender) and one injected-loss model: loss is a property of this host's link.
-        windows: dict = {}
-        model = LossModel(loss, links.rank) if loss is not None and loss.rate else None
-        self.datagrams = Datagrams(links.udp, links.opener, links.rank, windows, model)
-        self.multicast = None if links.multicast is None else \
-            Datagrams(links.multicast, links.opener, links.rank, windows, model)
-        self._datagram_sockets = [d for d in (self.datagrams, self.multicast) if d is not None]
-        for d in self._datagram_sockets:
-            self._selector.register(d, selectors.EVENT_READ, d)
-        self._datagram_mask = selectors.EVENT_READ
-        self._addresses = {(MULTICAST, -1): links.group}
+        # The datagram sockets go to the native plane, which shares the senders' replay windows
+        # between them (one counter per sender) and applies the injected loss: loss is a
+        # property of this host's link.
+        self.plane = session.plane
+        self._datagram_sockets = [s for s in (links.udp, links.multicast) if s is not None]
+        for sock in self._datagram_sockets:
+            sock.setblocking(False)
+            enlarge_receive_buffer(sock)
+        self.plane.attach(links.udp.fileno(),
+                          -1 if links.multicast is None else links.multicast.fileno(),
+                          self._selector.fileno())
+        if loss is not None and loss.rate:
+            self.plane.set_loss(loss.rate, loss.burst, loss.seed)
+        self._routes = {(MULTICAST, -1): _core.ROUTE_GROUP,
+                        (DATAGRAM, AGGREGATOR): _core.ROUTE_AGGREGATOR}
+        self.plane.set_address(_core.ROUTE_GROUP, 0, *links.group)
         for peer, (address, port) in enumerate(zip(links.addresses, links.udp_ports)):
-            self._addresses[(DATAGRAM, peer)] = (address, port)
+            self.plane.set_address(_core.ROUTE_RANK, peer, address, port)
         if links.switch_udp is not None:
-            self._addresses[(DATAGRAM, AGGREGATOR)] = links.switch_udp
+            self.plane.set_address(_core.ROUTE_AGGREGATOR, 0, *links.switch_udp)
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
@@ -156,28 +170,36 @@ class Engine:
                 if not any(s.queued_bytes for s in self.streams.values()) \
                         and not session.pending_routes() or now >= self._close_deadline:
                     return
-            wait = None if timer is None else max(0.0, timer - now)
+            wait = _MAX_WAIT if timer is None else min(_MAX_WAIT, max(0.0, timer - now))
             if self._close_deadline is not None:
-                wait = 0.05 if wait is None else min(wait, 0.05)
-            events = self._selector.select(wait)
-            deliver = self._deliverer(time.monotonic(), datagram=True)
-            # Datagrams first: a root's end-of-multicast notice on its stream must not overtake
-            # its last chunks already waiting in the socket.
-            for key, mask in events:
-                if isinstance(key.data, Datagrams):
-                    if mask & selectors.EVENT_READ:
-                        key.data.read(deliver)
-                    if mask & selectors.EVENT_WRITE:
-                        self._flush_datagrams()
-            for key, mask in events:
-                stream = key.data
-                if stream is None:
-                    self._drain_wake()
-                elif isinstance(stream, Stream):
-                    if mask & selectors.EVENT_READ:
-                        self._read(stream)
-                    if mask & selectors.EVENT_WRITE and stream.peer in self.streams:
-                        self._flush(stream)
+                wait = min(wait, 0.05)
+            why = self.plane.serve(now + wait)
+            if why == _core.PORT_RUNS:
+                self._deliver_runs()
+            session.poll_plane()
+            if why == _core.PORT_PYTHON:
+                self._python_events()
+            elif why == _core.PORT_ERROR:
+                raise OSError("the datagram plane's wait failed")
+
+    def _deliver_runs(self) -> None:
+        """Hand the session the messages of the plane's last read that are Python's."""
+        data, runs = self.plane.runs()
+        deliver = self._deliverer(time.monotonic(), datagram=True)
+        for kind, job, comm, seq, src, dst, length, counter, chunks, offset, stride in runs:
+            deliver(Run(Header(kind, job, comm, seq, src, dst, chunks[0], length, counter),
+                        chunks, data, offset, stride))
+
+    def _python_events(self) -> None:
+        for key, mask in self._selector.select(0):
+            stream = key.data
+            if stream is None:
+                self._drain_wake()
+            elif isinstance(stream, Stream):
+                if mask & selectors.EVENT_READ:
+                    self._read(stream)
+                if mask & selectors.EVENT_WRITE and stream.peer in self.streams:
+                    self._flush(stream)
 
     def _take_submissions(self, now: float) -> None:
         with self._lock:
@@ -245,14 +267,7 @@ class Engine:
         session, seal = self.session, self.sealer.seal
         for channel, peer in session.pending_routes():
             if channel != STREAM:
-                if self.datagrams.queued:
-                    continue
-                try:
-                    self._send_datagrams(session.drain((channel, peer)),
-                                         self._addresses[(channel, peer)])
-                except OSError as err:
-                    self._datagram_failure(err)
-                self._flush_datagrams()
+                self._send_datagrams(session.drain((channel, peer)), (channel, peer))
                 continue
             stream = self.streams.get(peer)
             if stream is None:  # the peer has gone (said goodbye, or failed): nothing to send to
@@ -270,30 +285,16 @@ class Engine:
                 self._flush(stream)
                 stream = self.streams.get(peer)
 
-    def _send_datagrams(self, messages: list, address: tuple[str, int]) -> None:
+    def _send_datagrams(self, messages: list, route: tuple[int, int]) -> None:
         """Seal the messages back to back and send each run of equal-sized datagrams in one
-        call (see transport.datagram.seal_batches)."""
+        call, natively (the plane's outbox: one counter with the streams' sealer)."""
         if self.trace:
             now = time.monotonic()
             for msg in messages:
                 self.trace.count("tx", msg.seq, sealed_bytes(msg.payload) + IP_UDP_BYTES +
                                  ETHERNET_BYTES, now)
-        for view, size in seal_batches(self.sealer, messages, self.datagrams.seal_buffer):
-            self.datagrams.send(view, address, size)
-
-    def _datagram_failure(self, err: OSError) -> None:
-        self.datagrams.clear()
-        self.session.abort(OvercastError(f"rank {self.links.rank}: {err}"))
-
-    def _flush_datagrams(self) -> None:
-        try:
-            self.datagrams.flush()
-        except OSError as err:
-            self._datagram_failure(err)
-        want = selectors.EVENT_READ | (selectors.EVENT_WRITE if self.datagrams.queued else 0)
-        if want != self._datagram_mask:
-            self._selector.modify(self.datagrams, want, self.datagrams)
-            self._datagram_mask = want
+        code = self._routes.get(route, _core.ROUTE_RANK)
+        self.plane.send(code, messages)
 
     def _drop_stream(self, stream: Stream) -> None:
         if self.streams.pop(stream.peer, None) is not None:
@@ -328,8 +329,9 @@ class Engine:
         self._selector.close()
         self._wake_r.close()
         self._wake_w.close()
-        for d in self._datagram_sockets:
-            d.close()
+        self.plane.detach()
+        for sock in self._datagram_sockets:
+            sock.close()
 
     # -- introspection ---------------------------------------------------------------------
     def memory(self) -> dict:
@@ -337,31 +339,35 @@ class Engine:
         kernel sized them), its own read buffers, and the bookkeeping of the collectives in
         flight. Read from any thread: the containers are copied first (atomic in CPython)."""
         streams = list(self.streams.copy().values())
-        sockets = [s.sock for s in streams] + [d.sock for d in self._datagram_sockets]
+        sockets = [s.sock for s in streams] + list(self._datagram_sockets)
         kernel = 0
         for sock in sockets:
             if sock.fileno() >= 0:
                 kernel += sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) + \
                     sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
         active = list(self.session.active.copy().values())
+        plane_bytes, unsent = self.plane.memory()
         return {"socket_buffer_bytes": kernel,
-                "read_buffer_bytes": sum(s.buffer_bytes() for s in streams) +
-                sum(d.buffer_bytes() for d in self._datagram_sockets),
+                "read_buffer_bytes": sum(s.buffer_bytes() for s in streams) + unsent,
+                "datagram_plane_bytes": plane_bytes,
                 "collectives_in_flight": len(active),
                 "collective_state_bytes": sum(c.state_bytes() for c in active)}
 
     def counters(self) -> dict:
         streams = list(self.streams.values())
+        _, stats, io = self.plane.counters()
         return {
-            "drops": dict(self.links.drops),
+            "drops": dict(self.links.drops),  # the plane's among them: the session polls it
             "stale": self.session.stale,
             "early_dropped": self.session.early_dropped,
-            "datagrams_in": sum(d.datagrams_in for d in self._datagram_sockets),
-            "datagrams_out": self.datagrams.datagrams_out,
-            "datagram_reads": sum(d.reads for d in self._datagram_sockets),
-            "datagram_sends": self.datagrams.sends,
-            "datagram_bytes_out": self.datagrams.bytes_out,
-            "injected_losses": sum(d.injected_losses for d in self._datagram_sockets),
+            "datagrams_in": io["datagrams_in"],
+            "datagrams_out": io["datagrams_out"],
+            "datagram_reads": io["datagram_reads"],
+            "datagram_sends": stats["datagram_sends"],
+            "datagram_bytes_out": stats["datagram_bytes_out"],
+            "injected_losses": stats["injected_losses"],
+            "data_path_cpu_seconds": io["data_path_cpu_seconds"],
+            "wakeups": io["wakeups"],
             **self.session.stats,
             "stream_bytes_out": self._closed_bytes[0] + sum(s.bytes_out for s in streams),
             "stream_bytes_in": self._closed_bytes[1] + sum(s.bytes_in for s in streams),

@@ -1,8 +1,10 @@
 #include "aggregator.h"
+#include "numbering.h"
 
 #include <stdlib.h>
 #include <string.h>
 
+#include "grow.h"
 #include "sums.h"
 
 #define NACK_SECONDS 0.02
@@ -100,67 +102,25 @@ static void put32(uint8_t *p, uint32_t v) {
     for (int i = 0; i < 4; i++) p[i] = (uint8_t)(v >> (8 * i));
 }
 
-static int grow(void **p, size_t *cap, size_t need, size_t size) {
-    if (need <= *cap) return 0;
-    size_t n = *cap ? *cap : 64;
-    while (n < need) n *= 2;
-    void *q = realloc(*p, n * size);
-    if (q == NULL) return -1;
-    *p = q;
-    *cap = n;
-    return 0;
-}
-
 static comm_t *comm_of(const oc_agg *a, int h) {
     return h >= 0 && h < a->ncomms ? a->comms[h] : NULL;
 }
 
-/* -- the chunk numbering (overcast.schedules.reduction) ------------------------------------ */
-
-static void chunk_place(uint64_t g, uint64_t world, uint64_t k, uint64_t group, uint32_t *block,
-                        uint64_t *c) {
-    uint64_t whole = k - k % group;
-    if (g < whole * world) {
-        uint64_t turn = g / (world * group), rest = g % (world * group);
-        *block = (uint32_t)(rest / group);
-        *c = turn * group + rest % group;
-    } else {
-        uint64_t r = g - whole * world, per = k - whole;
-        *block = (uint32_t)(r / per);
-        *c = whole + r % per;
-    }
-}
-
 static uint32_t owner_of(const reduction_t *r, uint32_t g) {
-    uint32_t block;
     uint64_t c;
-    chunk_place(g, r->world, r->k, r->group, &block, &c);
-    return block;
+    return oc_chunk_place(g, r->world, r->k, r->group, &c);
 }
 
-/* g's owner, and the chunks first .. end - 1 around g that are all that owner's. */
 static uint32_t owner_span(const reduction_t *r, uint32_t g, uint32_t *first, uint32_t *end) {
-    uint32_t block;
-    uint64_t c, whole = r->k - r->k % r->group, j, size;
-    chunk_place(g, r->world, r->k, r->group, &block, &c);
-    if (c < whole) {
-        j = c % r->group;
-        size = r->group;
-    } else {
-        j = c - whole;
-        size = r->k - whole;
-    }
-    *first = (uint32_t)(g - j);
-    *end = (uint32_t)(g - j + size);
-    return block;
+    return oc_owner_span(g, r->world, r->k, r->group, first, end);
 }
 
 /* -- the outbox ---------------------------------------------------------------------------- */
 
 static uint8_t *queue(oc_agg *a, int h, uint16_t dst, uint8_t kind, uint32_t seq, uint32_t chunk,
                       size_t len) {
-    if (grow((void **)&a->out, &a->out_cap, a->nout + 1, sizeof(oc_out)) ||
-        grow((void **)&a->arena, &a->arena_cap, a->arena_len + len, 1))
+    if (oc_grow((void **)&a->out, &a->out_cap, a->nout + 1, sizeof(oc_out)) ||
+        oc_grow((void **)&a->arena, &a->arena_cap, a->arena_len + len, 1))
         return NULL;
     oc_out *o = &a->out[a->nout++];
     o->handle = h;
@@ -383,7 +343,7 @@ static void on_contributions(oc_agg *a, int h, comm_t *c, const oc_header *hdr,
     uint64_t bit = (uint64_t)1 << (src & 63);
     int late = 0;
     /* the chunks this run completes, in order: at most `count` */
-    if (grow((void **)&a->completed, &a->completed_cap, count, sizeof(uint32_t))) return;
+    if (oc_grow((void **)&a->completed, &a->completed_cap, count, sizeof(uint32_t))) return;
     uint32_t *complete = a->completed;
     size_t ncomplete = 0;
     for (size_t i = 0; i < count; i++) {
@@ -545,7 +505,7 @@ static size_t owed(reduction_t *r, uint32_t rank, uint32_t sent_below, uint32_t 
 static void on_credit_probe(oc_agg *a, int h, comm_t *c, const oc_header *hdr, uint32_t sent_below) {
     reduction_t *r = find_reduction(c, hdr->seq);
     size_t n = 0;
-    if (grow((void **)&a->nacked, &a->nacked_cap, c->slots, sizeof(uint32_t))) return;
+    if (oc_grow((void **)&a->nacked, &a->nacked_cap, c->slots, sizeof(uint32_t))) return;
     uint32_t *list = a->nacked;
     if (r == NULL && finished_index(c, hdr->seq) < 0) {
         uint32_t upto = sent_below < c->slots ? sent_below : c->slots;
@@ -602,7 +562,7 @@ double oc_agg_timer(const oc_agg *a) {
 }
 
 static void nack(oc_agg *a, uint32_t rank, uint32_t g) {
-    if (grow((void **)&a->pairs, &a->pairs_cap, a->pairs_len + 1, sizeof(uint64_t))) return;
+    if (oc_grow((void **)&a->pairs, &a->pairs_cap, a->pairs_len + 1, sizeof(uint64_t))) return;
     a->pairs[a->pairs_len++] = (uint64_t)rank << 32 | g;
 }
 
@@ -668,7 +628,7 @@ void oc_agg_handle_timer(oc_agg *a, double now) {
                 uint32_t rank = (uint32_t)(a->pairs[p] >> 32);
                 size_t q = p;
                 while (q < a->pairs_len && (uint32_t)(a->pairs[q] >> 32) == rank) q++;
-                if (grow((void **)&a->nacked, &a->nacked_cap, q - p, sizeof(uint32_t))) return;
+                if (oc_grow((void **)&a->nacked, &a->nacked_cap, q - p, sizeof(uint32_t))) return;
                 for (size_t m = p; m < q; m++) a->nacked[m - p] = (uint32_t)a->pairs[m];
                 credit(a, h, (uint16_t)rank, r->seq, r->released, a->nacked, q - p);
                 a->stats[OC_STAT_nacks] += q - p;
@@ -711,7 +671,7 @@ void oc_agg_feed(oc_agg *a, const uint8_t *data, size_t n, size_t segment, doubl
         a->drops[OC_DROP_malformed]++;
         return;
     }
-    if (grow((void **)&a->chunks, &a->chunks_cap, n / segment + 1, sizeof(uint32_t))) return;
+    if (oc_grow((void **)&a->chunks, &a->chunks_cap, n / segment + 1, sizeof(uint32_t))) return;
     oc_header run, h;
     size_t count = 0, run_offset = 0;
     int run_handle = -1, handle;
@@ -873,7 +833,7 @@ size_t oc_agg_seal(oc_agg *a, int h, uint8_t kind, uint32_t seq, uint16_t dst, u
 }
 
 void oc_agg_flush(oc_agg *a, oc_emit emit, void *ctx) {
-    if (a->nout == 0 || grow((void **)&a->done, &a->done_cap, a->nout, 1)) return;
+    if (a->nout == 0 || oc_grow((void **)&a->done, &a->done_cap, a->nout, 1)) return;
     memset(a->done, 0, a->nout);
     for (size_t i = 0; i < a->nout; i++) {
         if (a->done[i]) continue;

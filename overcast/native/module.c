@@ -437,6 +437,8 @@ static struct PyModuleDef module = {
     "overcast's native core: the per-datagram data path in C.", -1, NULL, NULL, NULL, NULL, NULL,
 };
 
+int oc_add_rank_types(PyObject *m); /* plane_module.c */
+
 PyMODINIT_FUNC PyInit__core(void) {
     if (PyType_Ready(&AggregatorType) < 0) return NULL;
     PyObject *m = PyModule_Create(&module);
@@ -447,7 +449,8 @@ PyMODINIT_FUNC PyInit__core(void) {
         PyModule_AddIntConstant(m, "SERVE_INTERRUPTED", OC_SERVE_INTERRUPTED) < 0 ||
         PyModule_AddIntConstant(m, "MAX_REDUCTIONS", OC_MAX_REDUCTIONS) < 0 ||
         PyModule_AddObject(m, "RESEND_SECONDS", PyFloat_FromDouble(OC_RESEND_SECONDS)) < 0 ||
-        PyModule_AddObject(m, "MAX_RESEND_SECONDS", PyFloat_FromDouble(OC_MAX_RESEND_SECONDS)) < 0) {
+        PyModule_AddObject(m, "MAX_RESEND_SECONDS", PyFloat_FromDouble(OC_MAX_RESEND_SECONDS)) < 0 ||
+        oc_add_rank_types(m) < 0) {
         Py_DECREF(&AggregatorType);
         Py_DECREF(m);
         return NULL;

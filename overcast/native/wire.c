@@ -128,18 +128,27 @@ int oc_gmac_check(oc_gmac *g, uint16_t src, uint64_t counter, const uint8_t *dat
     return EVP_DecryptFinal_ex(ctx, none, &n) == 1;
 }
 
-size_t oc_seal_into(oc_sealer *s, uint8_t *buf, size_t cap, uint8_t kind, uint32_t seq,
-                    uint16_t dst, uint32_t chunk, const uint8_t *payload, size_t len) {
-    if (len > OC_MAX_PAYLOAD || cap < OC_OVERHEAD_BYTES || len > cap - OC_OVERHEAD_BYTES)
+size_t oc_seal_parts(oc_sealer *s, uint8_t *buf, size_t cap, uint8_t kind, uint32_t seq,
+                     uint16_t dst, uint32_t chunk, const uint8_t *head, size_t head_len,
+                     const uint8_t *body, size_t body_len) {
+    if (head_len > OC_MAX_PAYLOAD || body_len > OC_MAX_PAYLOAD - head_len ||
+        cap < OC_OVERHEAD_BYTES || head_len + body_len > cap - OC_OVERHEAD_BYTES)
         return 0;
+    size_t len = head_len + body_len;
     oc_header h = {kind, s->job, s->comm, seq, s->src, dst, chunk, (uint32_t)len, s->counter + 1};
     oc_header_write(buf, &h);
-    if (len) memcpy(buf + OC_HEADER_BYTES, payload, len);
+    if (head_len) memcpy(buf + OC_HEADER_BYTES, head, head_len);
+    if (body_len) memcpy(buf + OC_HEADER_BYTES + head_len, body, body_len);
     if (oc_gmac_tag(&s->gmac, s->src, h.counter, buf, OC_HEADER_BYTES + len,
                     buf + OC_HEADER_BYTES + len) != 0)
         return 0;
     s->counter = h.counter;
     return OC_OVERHEAD_BYTES + len;
+}
+
+size_t oc_seal_into(oc_sealer *s, uint8_t *buf, size_t cap, uint8_t kind, uint32_t seq,
+                    uint16_t dst, uint32_t chunk, const uint8_t *payload, size_t len) {
+    return oc_seal_parts(s, buf, cap, kind, seq, dst, chunk, NULL, 0, payload, len);
 }
 
 int oc_replay_init(oc_replay *w, uint32_t width) {

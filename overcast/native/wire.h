@@ -76,6 +76,11 @@ typedef struct {
 size_t oc_seal_into(oc_sealer *s, uint8_t *buf, size_t cap, uint8_t kind, uint32_t seq,
                     uint16_t dst, uint32_t chunk, const uint8_t *payload, size_t len);
 
+/* The same with the payload in two parts laid one after the other (either may be empty). */
+size_t oc_seal_parts(oc_sealer *s, uint8_t *buf, size_t cap, uint8_t kind, uint32_t seq,
+                     uint16_t dst, uint32_t chunk, const uint8_t *head, size_t head_len,
+                     const uint8_t *body, size_t body_len);
+
 /* Each counter accepted at most once, none `width` or more below the highest accepted (RFC
  * 6479's ring of 64-bit words; width 0: strictly increasing). */
 typedef struct {

@@ -192,6 +192,11 @@ class Collective:
     def get_timer(self) -> float | None:
         return None
 
+    def stepped_at(self) -> float | None:
+        """When the collective last made progress the session did not see (in the native
+        plane), or None."""
+        return None
+
     def handle_timer(self, now: float) -> None:
         """Called when `get_timer()` has passed."""
 

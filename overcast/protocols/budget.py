@@ -9,49 +9,41 @@ reduction's results (BRIEF section 3: the uplink and downlink budgets are shared
 
 from __future__ import annotations
 
+from overcast.native import _core
+
 
 class LinkBudget:
     """`batch`: datagrams a multicast pacer releases per wake-up (the engine sends them in one
     call); `reduction_batch` (at least `batch`): what an in-network sender releases. The bucket
     holds `burst_seconds` at the rate, and at least two of the larger batches of datagrams of
     `datagram_bytes` on the link: a sender that waits for a whole batch must find one while the
-    multicast streams take their pace."""
+    multicast streams take their pace. The bucket itself is native (overcast/native/budget.h):
+    the rank's datagram plane takes from it for in-network contributions without Python."""
 
     def __init__(self, bytes_per_s: float | None, burst_seconds: float = 0.005, batch: int = 1,
                  datagram_bytes: int = 0, reduction_batch: int = 0):
-        self.rate = bytes_per_s
-        self.batch = batch
-        self.reduction_batch = max(batch, reduction_batch)
-        self.burst = max((bytes_per_s or 0) * burst_seconds,
-                         2 * self.reduction_batch * datagram_bytes if bytes_per_s else 0)
-        self.tokens = self.burst
-        self.updated: float | None = None
-        self.reductions_in_flight = 0
+        self.native = _core.Budget(bytes_per_s or 0.0, burst_seconds, batch, datagram_bytes,
+                                   reduction_batch)
+        self.rate = bytes_per_s or None
+        self.batch, self.reduction_batch = self.native.batch, self.native.reduction_batch
+        self.burst = self.native.burst
 
-    def _refill(self, now: float) -> None:
-        if self.updated is not None:
-            self.tokens = min(self.burst, self.tokens + (now - self.updated) * self.rate)
-        self.updated = now
+    @property
+    def tokens(self) -> float:
+        return self.native.tokens
+
+    @property
+    def reductions_in_flight(self) -> int:
+        return self.native.reductions_in_flight
 
     def take(self, nbytes: int, now: float) -> None:
         """Spend `nbytes` whatever the balance."""
-        if self.rate:
-            self._refill(now)
-            self.tokens -= nbytes
+        self.native.take(nbytes, now)
 
     def try_take(self, nbytes: int, now: float) -> bool:
         """Spend `nbytes` if the bucket holds them."""
-        if not self.rate:
-            return True
-        self._refill(now)
-        if self.tokens < min(nbytes, self.burst) - 0.5:  # half a byte: float rounding
-            return False
-        self.tokens -= nbytes
-        return True
+        return self.native.try_take(nbytes, now)
 
     def ready_at(self, nbytes: int, now: float) -> float:
         """When `try_take(nbytes)` can next succeed."""
-        if not self.rate:
-            return now
-        self._refill(now)
-        return now + max(0.0, min(nbytes, self.burst) - self.tokens) / self.rate
+        return self.native.ready_at(nbytes, now)

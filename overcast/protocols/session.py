@@ -11,7 +11,9 @@ import collections
 from overcast.errors import (CollectiveMismatchError, CollectiveTimeoutError,
                              CommunicatorClosedError, OvercastError, PeerFailureError,
                              ProtocolError, Rejected, error_class)
-from overcast.protocols.base import STREAM, Collective, Descriptor, Outgoing
+from overcast.native import _core
+from overcast.protocols.base import DATAGRAM, MULTICAST, STREAM, Collective, Descriptor, \
+    Outgoing
 from overcast.wire.header import AGGREGATOR, ANY, Kind, MalformedError
 from overcast.wire.messages import pack_abort, pack_goodbye, unpack_abort, unpack_goodbye
 from overcast.wire.runs import Run
@@ -33,11 +35,18 @@ class Session:
     `post` adds a collective (sequence numbers must come in order); `receive` takes a message;
     `pop(route)` gives the next message for a route; `get_timer`/`handle_timer` drive timeouts.
     Finished collectives (done or failed) are appended to `finished` for the engine to report.
+
+    `plane` is the rank's native datagram plane (overcast/native/plane.h), which runs the
+    per-datagram work of the collectives posted to it. Once attached to sockets, the engine runs
+    it; until then (the in-memory fabric) the session does: its timers are the session's, its
+    outbox is drained through `pop`, unsealed. Either way `poll_plane` finishes what it drained.
     """
 
     def __init__(self, rank: int, world: int, timeout: float,
-                 drops: collections.Counter | None = None):
+                 drops: collections.Counter | None = None, plane=None):
         self.rank, self.world, self.timeout = rank, world, timeout
+        self.plane = _core.Plane(rank, world) if plane is None else plane
+        self._plane_drops: dict[str, int] = {}  # the plane's drops already in `drops`
         # Datagrams that do not fit, by reason (misdirected, wrong_sender, out_of_range...):
         # the transport's own drop counter when the engine passes it, so one place counts all.
         self.drops = collections.Counter() if drops is None else drops
@@ -46,6 +55,7 @@ class Session:
         self.next_seq = 0
         self.early: dict[int, list] = collections.defaultdict(list)
         self.history: collections.OrderedDict[int, Descriptor] = collections.OrderedDict()
+        # messages of no collective's outbox: control, and the plane's while the session runs it
         self.control: collections.deque[tuple[tuple[int, int], Outgoing]] = collections.deque()
         self.finished: list[Collective] = []
         self.error: OvercastError | None = None
@@ -78,6 +88,7 @@ class Session:
                 return
         self.active[coll.seq] = coll
         self.last_progress[coll.seq] = now
+        coll.plane = self.plane
         if self.world > 1:
             described = coll.desc.pack()
             if coll.verify_every_peer:
@@ -155,6 +166,20 @@ class Session:
         if coll.progress != steps and hdr.seq in self.last_progress:
             self.last_progress[hdr.seq] = now
         self._settle(coll)
+        self.poll_plane()
+
+    def poll_plane(self) -> None:
+        """Finish the collectives whose datagrams the plane has drained, and count what it
+        dropped with the rest."""
+        drops = self.plane.counters()[0]
+        if drops != self._plane_drops:
+            self.drops.update({k: v - self._plane_drops.get(k, 0) for k, v in drops.items()})
+            self._plane_drops = drops
+        for seq in self.plane.drained():
+            coll = self.active.get(seq)
+            if coll is not None:
+                coll.drained()
+                self._settle(coll)
 
     def _hold(self, hdr, payload, datagram: bool) -> None:
         """A message for a collective not posted here yet (or finished already)."""
@@ -269,6 +294,8 @@ class Session:
     # -- timers ----------------------------------------------------------------------------
     def get_timer(self) -> float | None:
         times = [t + self.timeout for t in self.last_progress.values()]
+        if not self.plane.attached and (t := self.plane.timer()) is not None:
+            times.append(t)
         for coll in self.active.values():
             t = coll.get_timer()
             if t is not None:
@@ -276,7 +303,13 @@ class Session:
         return min(times, default=None)
 
     def handle_timer(self, now: float) -> None:
+        if not self.plane.attached and (t := self.plane.timer()) is not None and now >= t:
+            self.plane.handle_timer(now)
+            self._take_plane()
         for seq, coll in list(self.active.items()):
+            stepped = coll.stepped_at()  # progress made where the session does not see it
+            if stepped is not None and stepped > self.last_progress[seq]:
+                self.last_progress[seq] = stepped
             if now >= self.last_progress[seq] + self.timeout:
                 self.abort(CollectiveTimeoutError(
                     f"{coll.desc} #{seq} on rank {self.rank} made no progress for "
@@ -305,7 +338,18 @@ class Session:
             return
         self.control.append(((STREAM, peer), Outgoing(kind, seq, 0, payload, peer)))
 
+    def _take_plane(self) -> None:
+        """The plane's outbox, unsealed, while no engine runs it (the in-memory fabric)."""
+        if self.plane.attached:
+            return
+        for code, dst, kind, seq, chunk, payload in self.plane.take_outbox():
+            route = (MULTICAST, -1) if code == _core.ROUTE_GROUP else \
+                (DATAGRAM, AGGREGATOR if code == _core.ROUTE_AGGREGATOR else dst)
+            self.control.append((route, Outgoing(kind, seq, chunk, payload, dst)))
+        self.poll_plane()
+
     def pending_routes(self) -> set[tuple[int, int]]:
+        self._take_plane()
         routes = {route for route, _ in self.control}
         for coll in self.active.values():
             routes.update(coll.outbox)

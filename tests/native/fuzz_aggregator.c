@@ -8,23 +8,13 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "script.h"
 #include "aggregator.h"
 
 enum { WORLD = 4, SLOTS = 8 };
 static const uint8_t KEY[16] = {3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3};
 static const uint8_t KINDS[] = {OC_CONTRIB, OC_CONTRIB, OC_CONTRIB, OC_RESULT_ACK, OC_CREDIT,
                                 OC_RESULT, OC_MCAST_DATA, OC_HELLO};
-
-typedef struct {
-    const uint8_t *p;
-    size_t left;
-} script;
-
-static unsigned take(script *s, unsigned bytes) {
-    unsigned v = 0;
-    for (unsigned i = 0; i < bytes && s->left; i++, s->left--) v |= (unsigned)*s->p++ << (8 * i);
-    return v;
-}
 
 static oc_gmac opener;
 

@@ -11,6 +11,9 @@
 #include <unistd.h>
 
 #include "aggregator.h"
+#include "budget.h"
+#include "plane.h"
+#include "port.h"
 #include "service.h"
 #include "sums.h"
 #include "udp.h"
@@ -527,6 +530,238 @@ static void test_serve(void) {
     close(pipe_fds[1]);
 }
 
+/* -- the rank's side ----------------------------------------------------------------------- */
+
+static void test_budget(void) {
+    oc_budget b;
+    oc_budget_init(&b, 1000.0, 0.005, 2, 100, 4);
+    CHECK(b.burst == 800 && b.tokens == 800 && b.reduction_batch == 4, "burst: two batches");
+    CHECK(oc_budget_try_take(&b, 800, 0.0) && !oc_budget_try_take(&b, 100, 0.0),
+          "the bucket holds its burst, then nothing");
+    CHECK(fabs(oc_budget_ready_at(&b, 100, 0.0) - 0.1) < 1e-9, "100 bytes at 1000 B/s: 0.1 s");
+    oc_budget_take(&b, 500, 0.0);
+    CHECK(b.tokens == -500, "multicast may run it into debt");
+    CHECK(oc_budget_try_take(&b, 100, 0.6) && fabs(b.tokens) < 1e-9, "refilled at the rate");
+    oc_budget_init(&b, 0, 0.005, 1, 100, 1);
+    CHECK(oc_budget_try_take(&b, 1e12, 0.0) && oc_budget_ready_at(&b, 1e12, 3.0) == 3.0,
+          "unpaced: always");
+}
+
+enum { RW = 3, RCOUNT = 1000, RCHUNK = 64 };
+
+typedef struct {
+    oc_agg *agg;
+    int handle;
+    oc_plane *planes[RW];
+    double now;
+    int to_aggregator; /* emit's target: the aggregator, or the ranks */
+} bench_t;
+
+static void to_aggregator(void *ctx, uint8_t route, uint16_t dst, const uint8_t *data,
+                          size_t len, size_t segment) {
+    bench_t *b = ctx;
+    (void)route;
+    (void)dst;
+    oc_agg_feed(b->agg, data, len, segment, b->now);
+}
+
+static void to_ranks(void *ctx, int handle, uint16_t dst, const uint8_t *data, size_t len,
+                     size_t segment) {
+    bench_t *b = ctx;
+    (void)handle;
+    for (uint32_t r = 0; r < RW; r++)
+        if (dst == OC_ANY || dst == r) oc_plane_feed(b->planes[r], data, len, segment, b->now);
+}
+
+/* Three ranks' planes and the aggregator exchange sealed datagrams in memory, with loss
+ * injected at every rank: the sums are exact and every reduction drains. */
+static void test_rank_planes_with_the_aggregator(double loss) {
+    bench_t b = {0};
+    oc_sealer sealers[RW];
+    oc_budget budgets[RW];
+    int32_t in[RW][RW * RCOUNT], out[RW][RCOUNT];
+    uint32_t granted;
+    b.agg = oc_agg_new(16);
+    b.handle = oc_agg_register(b.agg, 9, 8, RW, 0, KEY, 0, &granted);
+    for (uint32_t r = 0; r < RW; r++) {
+        sealers[r] = (oc_sealer){.job = 9, .comm = 8, .src = (uint16_t)r};
+        oc_gmac_init(&sealers[r].gmac, KEY, 1);
+        oc_budget_init(&budgets[r], 1e6, 0.005, 4, RCHUNK + 100, 4);
+        b.planes[r] = oc_plane_new((uint16_t)r, RW, 9, 8, KEY, &sealers[r]);
+        oc_plane_set_loss(b.planes[r], loss, 2, 7);
+        for (int i = 0; i < RW * RCOUNT; i++) in[r][i] = (int32_t)(next() % 2001) - 1000;
+        memset(out[r], 0xAB, sizeof out[r]);
+        CHECK(oc_plane_reduce(b.planes[r], 4, OC_INT32, 0, RCOUNT, (uint8_t *)in[r],
+                              (uint8_t *)out[r], RCHUNK, 16, 4, &budgets[r], 0.0) == 0,
+              "posted");
+        CHECK(budgets[r].reductions_in_flight == 1, "counted in flight");
+    }
+    CHECK(oc_plane_reduce(b.planes[0], 4, OC_INT32, 0, RCOUNT, (uint8_t *)in[0],
+                          (uint8_t *)out[0], RCHUNK, 16, 4, &budgets[0], 0.0) != 0,
+          "a sequence number is posted once");
+    int drained[RW] = {0}, all = 0;
+    for (int step = 0; step < 200000 && !all; step++) {
+        for (uint32_t r = 0; r < RW; r++) {
+            oc_plane_handle_timer(b.planes[r], b.now);
+            oc_outbox_seal(oc_plane_outbox(b.planes[r]), &sealers[r], to_aggregator, &b);
+        }
+        oc_agg_handle_timer(b.agg, b.now);
+        oc_agg_flush(b.agg, to_ranks, &b);
+        all = 1;
+        for (uint32_t r = 0; r < RW; r++) {
+            uint32_t seq;
+            if (oc_plane_newly_drained(b.planes[r], &seq, 1)) drained[r]++;
+            all &= drained[r] == 1;
+        }
+        b.now += 0.0005;
+    }
+    int exact = 1;
+    for (uint32_t r = 0; r < RW; r++)
+        for (int i = 0; i < RCOUNT; i++) {
+            uint32_t sum = 0;
+            for (uint32_t q = 0; q < RW; q++) sum += (uint32_t)in[q][r * RCOUNT + i];
+            exact &= out[r][i] == (int32_t)sum;
+        }
+    CHECK(all && exact, "loss %.2f: every rank drained once (%d %d %d), sums exact %d", loss,
+          drained[0], drained[1], drained[2], exact);
+    uint64_t lost = 0;
+    for (uint32_t r = 0; r < RW; r++) {
+        lost += oc_plane_stats(b.planes[r])[OC_PLANE_STAT_injected_losses];
+        const uint64_t *d = oc_plane_drops(b.planes[r]);
+        CHECK(d[OC_PLANE_DROP_bad_mac] == 0 && d[OC_PLANE_DROP_malformed] == 0 &&
+              d[OC_PLANE_DROP_out_of_range] == 0, "nothing dropped but the injected loss");
+        oc_plane_release(b.planes[r], 4);
+        CHECK(budgets[r].reductions_in_flight == 0 && oc_plane_reducer(b.planes[r], 4) == NULL,
+              "released");
+        oc_plane_free(b.planes[r]);
+        oc_gmac_free(&sealers[r].gmac);
+    }
+    CHECK((loss > 0) == (lost > 0), "loss injected: %llu", (unsigned long long)lost);
+    oc_agg_free(b.agg);
+}
+
+/* Whatever does not fit a plane is dropped and counted by reason, never taken. */
+static void test_plane_drops(void) {
+    oc_sealer agg = {.job = 9, .comm = 8, .src = OC_AGGREGATOR}, rank2 = {.job = 9, .comm = 8,
+                                                                          .src = 2};
+    oc_sealer outsider = {.job = 9, .comm = 8, .src = 7}, foreign = {.job = 10, .comm = 8,
+                                                                     .src = OC_AGGREGATOR};
+    oc_gmac_init(&agg.gmac, KEY, 1);
+    oc_gmac_init(&rank2.gmac, KEY, 1);
+    oc_gmac_init(&outsider.gmac, KEY, 1);
+    oc_gmac_init(&foreign.gmac, KEY, 1);
+    oc_budget budget;
+    oc_budget_init(&budget, 0, 0.005, 1, 0, 1);
+    oc_plane *p = oc_plane_new(1, 3, 9, 8, KEY, &rank2);
+    int32_t in[300], out[100];
+    memset(in, 0, sizeof in);
+    oc_plane_reduce(p, 0, OC_INT32, 0, 100, (uint8_t *)in, (uint8_t *)out, 64, 8, 1, &budget, 0);
+    uint8_t d[512], payload[64] = {0};
+    size_t n;
+    const uint64_t *drops = oc_plane_drops(p);
+    /* chunk 1 of 3 x 7 is block 1's (group 1: c * P + b) */
+#define FEED(sealer, kind, dst, chunk, len)                                                       \
+    (n = oc_seal_into(&(sealer), d, sizeof d, kind, 0, dst, chunk, payload, len),             \
+     oc_plane_feed(p, d, n, n, 0.0))
+    FEED(agg, OC_RESULT, 1, 1, 64);
+    CHECK(oc_plane_reducer(p, 0)->results == 1, "a result that fits is taken");
+    FEED(agg, OC_RESULT, 1, 1, 64);
+    CHECK(oc_plane_reducer(p, 0)->duplicate_results == 1, "a copy is counted as one");
+    oc_plane_feed(p, d, n, n, 0.0);
+    CHECK(drops[OC_PLANE_DROP_replayed] == 1, "the same datagram again: replayed");
+    FEED(agg, OC_RESULT, 1, 0, 64);
+    CHECK(drops[OC_PLANE_DROP_out_of_range] == 1, "block 0's chunk: out of range");
+    FEED(agg, OC_RESULT, 1, 99, 64);
+    CHECK(drops[OC_PLANE_DROP_out_of_range] == 2, "past the last chunk: out of range");
+    FEED(agg, OC_RESULT, 1, 4, 60);
+    CHECK(drops[OC_PLANE_DROP_wrong_length] == 1, "short: wrong length");
+    FEED(agg, OC_RESULT, 2, 4, 64);
+    CHECK(drops[OC_PLANE_DROP_misdirected] == 1, "for rank 2: misdirected");
+    FEED(rank2, OC_RESULT, 1, 4, 64);
+    CHECK(drops[OC_PLANE_DROP_wrong_sender] == 1, "a result from a rank: wrong sender");
+    FEED(outsider, OC_RESULT, 1, 4, 64);
+    CHECK(drops[OC_PLANE_DROP_wrong_sender] == 2, "from outside the world: wrong sender");
+    FEED(foreign, OC_RESULT, 1, 4, 64);
+    CHECK(drops[OC_PLANE_DROP_foreign] == 1, "another job: foreign");
+    FEED(agg, OC_CREDIT, 1, 0, 3);
+    CHECK(drops[OC_PLANE_DROP_malformed] == 1, "a credit of 3 bytes: malformed");
+    payload[0] = 200;
+    FEED(agg, OC_CREDIT, 1, 0, 4);
+    CHECK(drops[OC_PLANE_DROP_out_of_range] == 3, "credit past the last chunk: out of range");
+    payload[0] = 0;
+    n = oc_seal_into(&agg, d, sizeof d, OC_RESULT, 0, 1, 4, payload, 64);
+    d[OC_HEADER_BYTES + 5] ^= 1;
+    oc_plane_feed(p, d, n, n, 0.0);
+    CHECK(drops[OC_PLANE_DROP_bad_mac] == 1, "a flipped bit: bad MAC");
+    oc_plane_feed(p, d, 20, 20, 0.0);
+    CHECK(drops[OC_PLANE_DROP_malformed] == 2, "20 bytes: malformed");
+    FEED(agg, OC_MCAST_DATA, 1, 4, 64);
+    const oc_run *runs;
+    const uint32_t *chunks;
+    CHECK(oc_plane_runs(p, &runs, &chunks) == 1 && runs[0].hdr.kind == OC_MCAST_DATA &&
+              chunks[runs[0].first] == 4,
+          "a kind that is not the plane's goes to Python");
+    CHECK(oc_plane_reducer(p, 0)->results == 1, "nothing that misfit was taken");
+    oc_plane_free(p);
+    oc_gmac_free(&agg.gmac);
+    oc_gmac_free(&rank2.gmac);
+    oc_gmac_free(&outsider.gmac);
+    oc_gmac_free(&foreign.gmac);
+#undef FEED
+}
+
+/* Two planes on loopback: a batch sent in one call comes back from serve as one run. */
+static void test_port(void) {
+    struct sockaddr_in to, from;
+    int rx = udp_socket(&to), tx = udp_socket(&from), quiet[2];
+    CHECK(socketpair(AF_UNIX, SOCK_STREAM, 0, quiet) == 0, "socketpair");
+    oc_sealer s0 = {.job = 9, .comm = 8, .src = 0}, s1 = {.job = 9, .comm = 8, .src = 1};
+    oc_gmac_init(&s0.gmac, KEY, 1);
+    oc_gmac_init(&s1.gmac, KEY, 1);
+    oc_plane *sender = oc_plane_new(0, 2, 9, 8, KEY, &s0), *receiver = oc_plane_new(1, 2, 9, 8, KEY, &s1);
+    oc_port ps, pr;
+    CHECK(oc_port_init(&ps, sender, tx, -1, quiet[0]) == 0 &&
+              oc_port_init(&pr, receiver, rx, -1, quiet[0]) == 0,
+          "ports");
+    oc_plane_set_address(sender, OC_ROUTE_RANK, 1, to.sin_addr.s_addr, to.sin_port);
+    uint8_t chunk[5][1000];
+    for (int i = 0; i < 5; i++) {
+        memset(chunk[i], i, sizeof chunk[i]);
+        oc_outbox_add(oc_plane_outbox(sender), OC_ROUTE_RANK, 1, OC_MCAST_DATA, 3, (uint32_t)i,
+                      NULL, 0, chunk[i], sizeof chunk[i]);
+    }
+    oc_port_flush(&ps);
+    CHECK(oc_plane_stats(sender)[OC_PLANE_STAT_datagram_sends] == 1 && ps.udp.datagrams_out == 5,
+          "five datagrams, one send");
+    size_t got = 0;
+    int ok = 1;
+    for (int tries = 0; tries < 10 && got < 5; tries++) {
+        if (oc_port_serve(&pr, oc_monotonic() + 1.0) != OC_PORT_RUNS) continue;
+        const oc_run *runs;
+        const uint32_t *chunks;
+        size_t n = oc_plane_runs(receiver, &runs, &chunks);
+        for (size_t i = 0; i < n; i++)
+            for (size_t j = 0; j < runs[i].count; j++) {
+                uint32_t g = chunks[runs[i].first + j];
+                ok &= g == got && !memcmp(pr.runs_data + runs[i].offset + j * runs[i].stride,
+                                          chunk[g], sizeof chunk[g]);
+                got++;
+            }
+    }
+    CHECK(got == 5 && ok, "every chunk came, whole and in order (%zu)", got);
+    CHECK(oc_port_serve(&pr, oc_monotonic() + 0.01) == OC_PORT_DEADLINE, "then quiet");
+    oc_port_free(&ps);
+    oc_port_free(&pr);
+    oc_plane_free(sender);
+    oc_plane_free(receiver);
+    oc_gmac_free(&s0.gmac);
+    oc_gmac_free(&s1.gmac);
+    close(rx);
+    close(tx);
+    close(quiet[0]);
+    close(quiet[1]);
+}
+
 int main(void) {
     test_header();
     test_seal_and_open();
@@ -538,6 +773,11 @@ int main(void) {
     test_destinations();
     test_udp();
     test_serve();
+    test_budget();
+    test_rank_planes_with_the_aggregator(0.0);
+    test_rank_planes_with_the_aggregator(0.05);
+    test_plane_drops();
+    test_port();
     printf("%d passed, %d failed\n", passed, failed);
     return failed != 0;
 }

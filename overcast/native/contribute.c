@@ -1,0 +1,287 @@
+#include "contribute.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "numbering.h"
+#include "sums.h"
+
+/* What a datagram carrying `payload` bytes occupies on an Ethernet link (IP, UDP, Ethernet). */
+#define LINK_BYTES(payload) ((payload) + OC_OVERHEAD_BYTES + 20 + 8 + 14)
+
+static int test_bit(const uint64_t *bits, uint64_t i) { return bits[i >> 6] >> (i & 63) & 1; }
+static void set_bit(uint64_t *bits, uint64_t i) { bits[i >> 6] |= (uint64_t)1 << (i & 63); }
+static void clear_bit(uint64_t *bits, uint64_t i) { bits[i >> 6] &= ~((uint64_t)1 << (i & 63)); }
+static size_t words(uint64_t n) { return (size_t)((n + 63) / 64); }
+
+int oc_reducer_init(oc_reducer *r, uint32_t seq, uint32_t rank, uint32_t world, unsigned dtype,
+                    int avg, uint64_t count, const uint8_t *input, uint8_t *output,
+                    size_t chunk_bytes, uint32_t slots, uint32_t group, oc_budget *budget) {
+    memset(r, 0, sizeof *r);
+    size_t itemsize = oc_dtype_size(dtype);
+    if (!itemsize || world == 0 || world > 0xFFFF || rank >= world || chunk_bytes < itemsize ||
+        group == 0 || group > 255 || slots == 0 || budget == NULL)
+        return -1;
+    uint64_t chunk_elems = chunk_bytes / itemsize;
+    uint64_t k = (count + chunk_elems - 1) / chunk_elems;
+    if (k * world > UINT32_MAX) return -1;
+    r->seq = seq;
+    r->rank = rank;
+    r->world = world;
+    r->dtype = dtype;
+    r->avg = avg;
+    r->itemsize = itemsize;
+    r->count = count;
+    r->chunk_elems = chunk_elems;
+    r->k = (uint32_t)k;
+    r->total = (uint32_t)(k * world);
+    r->group = group;
+    r->slots = slots;
+    r->input = input;
+    r->budget = budget;
+    r->output = output;
+    r->prefix[0] = (uint8_t)dtype;
+    r->prefix[1] = (uint8_t)group;
+    r->prefix[2] = (uint8_t)world;
+    r->prefix[3] = (uint8_t)(world >> 8);
+    for (int i = 0; i < 4; i++) r->prefix[4 + i] = (uint8_t)(r->total >> (8 * i));
+    r->pump_at = r->probe_at = r->ack_at = r->progress_at = -1;
+    r->resend = malloc(((size_t)r->total + 1) * sizeof(uint32_t));
+    r->pending = calloc(words(r->total) + 1, sizeof(uint64_t));
+    r->have = calloc(words(r->k) + 1, sizeof(uint64_t));
+    if (!r->resend || !r->pending || !r->have) {
+        oc_reducer_free(r);
+        return -1;
+    }
+    return 0;
+}
+
+void oc_reducer_free(oc_reducer *r) {
+    free(r->resend);
+    free(r->pending);
+    free(r->have);
+    r->resend = NULL;
+    r->pending = r->have = NULL;
+}
+
+size_t oc_reducer_bytes(const oc_reducer *r) {
+    return sizeof *r + ((size_t)r->total + 1) * 4 + (words(r->total) + words(r->k) + 2) * 8;
+}
+
+/* Elements [*start, *stop) of the input that chunk g covers; its block and place. */
+static uint32_t elements(const oc_reducer *r, uint32_t g, uint64_t *start, uint64_t *stop,
+                         uint64_t *c) {
+    uint32_t block = oc_chunk_place(g, r->world, r->k, r->group, c);
+    *start = block * r->count + *c * r->chunk_elems;
+    *stop = *start + r->chunk_elems;
+    if (*stop > (uint64_t)(block + 1) * r->count) *stop = (uint64_t)(block + 1) * r->count;
+    return block;
+}
+
+/* The first chunk from g on that is not of this rank's own block. */
+static uint32_t next_to_send(const oc_reducer *r, uint32_t g) {
+    while (g < r->total) {
+        uint32_t first, end;
+        if (oc_owner_span(g, r->world, r->k, r->group, &first, &end) != r->rank) return g;
+        g = end;
+    }
+    return g;
+}
+
+static void flush_acks(oc_reducer *r, oc_outbox *o) {
+    if (r->nacks) {
+        uint8_t *p = oc_outbox_add_copy(o, OC_ROUTE_AGGREGATOR, OC_AGGREGATOR, OC_RESULT_ACK,
+                                        r->seq, (uint32_t)r->nacks, 4 * r->nacks);
+        if (p)
+            for (size_t i = 0; i < r->nacks; i++)
+                for (int j = 0; j < 4; j++) p[4 * i + j] = (uint8_t)(r->acks[i] >> (8 * j));
+        r->nacks = 0; /* lost with no memory: the aggregator sends the results again */
+    }
+    r->ack_at = -1;
+}
+
+static void acknowledge(oc_reducer *r, oc_outbox *o, uint32_t g, double now) {
+    r->acks[r->nacks++] = g;
+    if (r->nacks == OC_ACK_BATCH) flush_acks(r, o);
+    else if (r->ack_at < 0) r->ack_at = now + OC_ACK_DELAY_SECONDS;
+}
+
+/* Send what the credit window and the budget allow, a batch at a time: the batch leaves
+ * together or waits until the budget holds it all. */
+static void pump(oc_reducer *r, oc_outbox *o, double now) {
+    if (r->pump_at >= 0 && now < r->pump_at) return;
+    r->pump_at = -1;
+    uint32_t chunks[256];
+    uint32_t group = r->group;
+    for (;;) {
+        size_t n = 0, resends = r->resend_n < group ? r->resend_n : group;
+        for (size_t i = 0; i < resends; i++) chunks[n++] = r->resend[(r->resend_head + i) % (r->total + 1)];
+        uint32_t after = r->cursor;
+        uint64_t limit = (uint64_t)r->credit + r->slots;
+        if (limit > r->total) limit = r->total;
+        while (n < group && after < limit) {
+            uint32_t first, end;
+            oc_owner_span(after, r->world, r->k, r->group, &first, &end);
+            uint64_t take = end;
+            if (take > limit) take = limit;
+            if (take > after + group - n) take = after + group - n;
+            for (uint32_t g = after; g < take; g++) chunks[n++] = g;
+            after = take < end ? (uint32_t)take : next_to_send(r, end);
+        }
+        if (!n) return;
+        double wire = 0;
+        for (size_t i = 0; i < n; i++) {
+            uint64_t start, stop, c;
+            elements(r, chunks[i], &start, &stop, &c);
+            wire += LINK_BYTES(OC_CONTRIB_PREFIX_BYTES + (stop - start) * r->itemsize);
+        }
+        if (!oc_budget_try_take(r->budget, wire, now)) {
+            r->pump_at = oc_budget_ready_at(r->budget, wire, now);
+            return;
+        }
+        for (size_t i = 0; i < n; i++) {
+            uint64_t start, stop, c;
+            elements(r, chunks[i], &start, &stop, &c);
+            oc_outbox_add(o, OC_ROUTE_AGGREGATOR, OC_AGGREGATOR, OC_CONTRIB, r->seq, chunks[i],
+                          r->prefix, OC_CONTRIB_PREFIX_BYTES, r->input + start * r->itemsize,
+                          (stop - start) * r->itemsize);
+        }
+        flush_acks(r, o);
+        for (size_t i = 0; i < resends; i++) {
+            clear_bit(r->pending, r->resend[r->resend_head]);
+            r->resend_head = (r->resend_head + 1) % (r->total + 1);
+            r->resend_n--;
+        }
+        if (n > resends) {
+            r->progress += n - resends;
+            r->progress_at = now;
+        }
+        r->cursor = after;
+        if (r->cursor >= r->total && r->phase == OC_REDUCER_SENDING)
+            r->phase = OC_REDUCER_RECEIVING;
+    }
+}
+
+void oc_reducer_start(oc_reducer *r, oc_outbox *o, double now) {
+    if (r->world == 1 || r->k == 0) {
+        uint8_t *own = r->output;
+        memmove(own, r->input, r->count * r->itemsize);
+        if (r->avg) oc_divide(r->dtype, own, r->count, r->world);
+        r->phase = OC_REDUCER_DRAINED;
+        return;
+    }
+    r->budget->reductions_in_flight++;
+    r->counted = 1;
+    r->phase = OC_REDUCER_SENDING;
+    r->cursor = next_to_send(r, 0);
+    r->probe_at = now + OC_RETRY_SECONDS;
+    pump(r, o, now);
+}
+
+void oc_reducer_finish(oc_reducer *r) {
+    if (r->counted) {
+        r->counted = 0;
+        r->budget->reductions_in_flight--;
+    }
+}
+
+/* After every message: send what may go; drained once the block is in and all is released. */
+static void after_receive(oc_reducer *r, oc_outbox *o, double now) {
+    pump(r, o, now);
+    if (r->results == r->k) {
+        flush_acks(r, o);
+        if (r->credit >= r->total && r->phase == OC_REDUCER_RECEIVING) {
+            r->phase = OC_REDUCER_DRAINED;
+            r->probe_at = r->pump_at = -1;
+        }
+    }
+}
+
+int oc_reducer_results(oc_reducer *r, oc_outbox *o, const uint32_t *chunks,
+                       size_t count, const uint8_t *data, size_t offset, size_t stride,
+                       size_t length, double now) {
+    int misfit = OC_FIT;
+    for (size_t i = 0; i < count && misfit == OC_FIT; i++) {
+        uint32_t g = chunks[i];
+        uint64_t start, stop, c;
+        if (g >= r->total || elements(r, g, &start, &stop, &c) != r->rank) {
+            misfit = OC_MISFIT_OUT_OF_RANGE;
+            break;
+        }
+        if (length != (stop - start) * r->itemsize) {
+            misfit = OC_MISFIT_WRONG_LENGTH;
+            break;
+        }
+        if (!test_bit(r->have, c)) {
+            uint8_t *out = r->output + c * r->chunk_elems * r->itemsize;
+            size_t n = (size_t)(stop - start);
+            oc_add_pair(r->dtype, out, data + offset + i * stride, r->input + start * r->itemsize,
+                        n);
+            if (r->avg) oc_divide(r->dtype, out, n, r->world);
+            set_bit(r->have, c);
+            r->results++;
+            r->progress++;
+            r->progress_at = now;
+            r->results_in++;
+        } else {
+            r->duplicate_results++;
+        }
+        acknowledge(r, o, g, now);
+    }
+    after_receive(r, o, now);
+    return misfit;
+}
+
+static uint32_t get32(const uint8_t *p) {
+    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+}
+
+int oc_reducer_credit(oc_reducer *r, oc_outbox *o, const uint8_t *payload,
+                      size_t len, double now) {
+    if (len < 4 || len % 4) return OC_MISFIT_MALFORMED;
+    uint32_t released = get32(payload);
+    if (released > r->total) return OC_MISFIT_OUT_OF_RANGE;
+    if (released > r->credit) {
+        r->credit = released;
+        r->progress++;
+        r->progress_at = now;
+        r->probe_at = now + OC_RETRY_SECONDS;
+    }
+    for (size_t at = 4; at < len; at += 4) {
+        uint32_t g = get32(payload + at);
+        uint64_t c;
+        if (g >= r->cursor || g >= r->total ||
+            oc_chunk_place(g, r->world, r->k, r->group, &c) == r->rank)
+            continue; /* not sent yet anyway, or not ours to send */
+        if (!test_bit(r->pending, g)) {
+            r->resend[(r->resend_head + r->resend_n) % (r->total + 1)] = g;
+            r->resend_n++;
+            set_bit(r->pending, g);
+            r->contributions_resent++;
+        }
+    }
+    after_receive(r, o, now);
+    return OC_FIT;
+}
+
+double oc_reducer_timer(const oc_reducer *r) {
+    double t = -1;
+    const double times[3] = {r->pump_at, r->probe_at, r->ack_at};
+    for (int i = 0; i < 3; i++)
+        if (times[i] >= 0 && (t < 0 || times[i] < t)) t = times[i];
+    return t;
+}
+
+void oc_reducer_handle_timer(oc_reducer *r, oc_outbox *o, double now) {
+    if (r->ack_at >= 0 && now >= r->ack_at) flush_acks(r, o);
+    if (r->probe_at >= 0 && now >= r->probe_at) {
+        /* the credit has stalled: ask for it (the answer carries any resend requests too) */
+        uint8_t *p = oc_outbox_add_copy(o, OC_ROUTE_AGGREGATOR, OC_AGGREGATOR, OC_CREDIT, r->seq,
+                                        0, 4);
+        if (p)
+            for (int j = 0; j < 4; j++) p[j] = (uint8_t)(r->cursor >> (8 * j));
+        r->credit_probes++;
+        r->probe_at = now + OC_RETRY_SECONDS;
+    }
+    pump(r, o, now);
+}

@@ -1,0 +1,42 @@
+/* How in-network ReduceScatter numbers its chunks (overcast.schedules.reduction): each of the P
+ * blocks is cut into k chunks, numbered `group` chunks of block 0, then as many of block 1, and
+ * so on, round after round; where `group` does not divide k the last round holds the k mod
+ * group chunks left of each block. The ranks and the aggregator both follow it. Callers keep
+ * g < world * k, k >= 1 and group >= 1. */
+#ifndef OVERCAST_NATIVE_NUMBERING_H
+#define OVERCAST_NATIVE_NUMBERING_H
+
+#include <stdint.h>
+
+/* The block (its owner's rank) of chunk g, and *c, the chunk's place within the block. */
+static inline uint32_t oc_chunk_place(uint64_t g, uint64_t world, uint64_t k, uint64_t group,
+                                      uint64_t *c) {
+    uint64_t whole = k - k % group;
+    if (g < whole * world) {
+        uint64_t turn = g / (world * group), rest = g % (world * group);
+        *c = turn * group + rest % group;
+        return (uint32_t)(rest / group);
+    }
+    uint64_t r = g - whole * world, per = k - whole;
+    *c = whole + r % per;
+    return (uint32_t)(r / per);
+}
+
+/* g's owner, and the chunks *first .. *end - 1 around g that are all that owner's. */
+static inline uint32_t oc_owner_span(uint64_t g, uint64_t world, uint64_t k, uint64_t group,
+                                     uint32_t *first, uint32_t *end) {
+    uint64_t c, whole = k - k % group, j, size;
+    uint32_t block = oc_chunk_place(g, world, k, group, &c);
+    if (c < whole) {
+        j = c % group;
+        size = group;
+    } else {
+        j = c - whole;
+        size = k - whole;
+    }
+    *first = (uint32_t)(g - j);
+    *end = (uint32_t)(g - j + size);
+    return block;
+}
+
+#endif

@@ -1,0 +1,871 @@
+/* The Python face of a rank's native parts (overcast.native._core): Sealer (a communicator key's
+ * sender side and its one counter), TagCheck (its receiver side), Budget (a link direction's
+ * token bucket) and Plane (the rank's datagram plane and, once attached to its sockets, the loop
+ * that runs it without the GIL). The boundary is coarse: a read, a run, a batch to send, a
+ * collective posted or let go; never a call per datagram on the engine's path.
+ *
+ * Lifetime: a Plane holds a reference to its Sealer, and to each reduction's input, output
+ * (their buffers held) and Budget until the reduction is released, so nothing it points to can
+ * go while it may touch it. While serve runs without the GIL, every other call refuses, but the
+ * counters and memory, which read a copy taken when serve last returned. */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <arpa/inet.h>
+
+#include "budget.h"
+#include "plane.h"
+#include "port.h"
+#include "service.h"
+#include "wire.h"
+
+/* -- Sealer ------------------------------------------------------------------------------- */
+
+typedef struct {
+    PyObject_HEAD
+    oc_sealer s;
+    int ready;
+} Sealer;
+
+static int Sealer_init(Sealer *self, PyObject *args, PyObject *kw) {
+    static char *names[] = {"key", "job", "comm", "src", NULL};
+    Py_buffer key;
+    unsigned int job, comm, src;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "y*III", names, &key, &job, &comm, &src))
+        return -1;
+    int bad = key.len != OC_KEY_BYTES;
+    if (!bad) {
+        if (self->ready) oc_gmac_free(&self->s.gmac);
+        self->ready = oc_gmac_init(&self->s.gmac, key.buf, 1) == 0;
+    }
+    PyBuffer_Release(&key);
+    if (bad) {
+        PyErr_Format(PyExc_ValueError, "a communicator key has %d bytes", OC_KEY_BYTES);
+        return -1;
+    }
+    if (!self->ready) {
+        PyErr_SetString(PyExc_RuntimeError, "OpenSSL could not set up AES-GCM");
+        return -1;
+    }
+    self->s.job = job;
+    self->s.comm = comm;
+    self->s.src = (uint16_t)src;
+    self->s.counter = 0;
+    return 0;
+}
+
+static void Sealer_dealloc(Sealer *self) {
+    if (self->ready) oc_gmac_free(&self->s.gmac);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* seal_into(buf, offset, kind, seq, dst, chunk, payload): payload a buffer or a tuple of up to
+ * two; returns the message's end in buf. */
+static PyObject *Sealer_seal_into(Sealer *self, PyObject *args) {
+    Py_buffer buf;
+    Py_ssize_t offset;
+    unsigned int kind, seq, dst, chunk;
+    PyObject *payload;
+    if (!self->ready) return PyErr_Format(PyExc_RuntimeError, "the sealer has no key");
+    if (!PyArg_ParseTuple(args, "w*nIIIIO", &buf, &offset, &kind, &seq, &dst, &chunk, &payload))
+        return NULL;
+    Py_buffer parts[2] = {{0}, {0}};
+    int nparts = 0, ok = 1;
+    if (PyTuple_Check(payload)) {
+        if (PyTuple_GET_SIZE(payload) > 2) {
+            PyErr_SetString(PyExc_ValueError, "a payload has at most two parts");
+            ok = 0;
+        }
+        for (Py_ssize_t i = 0; ok && i < PyTuple_GET_SIZE(payload); i++) {
+            ok = PyObject_GetBuffer(PyTuple_GET_ITEM(payload, i), &parts[i], PyBUF_C_CONTIGUOUS) == 0;
+            nparts += ok;
+        }
+    } else {
+        ok = PyObject_GetBuffer(payload, &parts[0], PyBUF_C_CONTIGUOUS) == 0;
+        nparts = ok;
+    }
+    size_t n = 0;
+    if (ok && offset >= 0 && offset <= buf.len)
+        n = oc_seal_parts(&self->s, (uint8_t *)buf.buf + offset, (size_t)(buf.len - offset),
+                          (uint8_t)kind, seq, (uint16_t)dst, chunk, parts[0].buf,
+                          nparts > 0 ? (size_t)parts[0].len : 0,
+                          nparts > 1 ? parts[1].buf : NULL, nparts > 1 ? (size_t)parts[1].len : 0);
+    for (int i = 0; i < nparts; i++) PyBuffer_Release(&parts[i]);
+    PyBuffer_Release(&buf);
+    if (!ok) return NULL;
+    if (!n) return PyErr_Format(PyExc_ValueError, "the message does not fit the buffer");
+    return PyLong_FromSsize_t(offset + (Py_ssize_t)n);
+}
+
+static PyObject *Sealer_counter(Sealer *self, void *closure) {
+    (void)closure;
+    return PyLong_FromUnsignedLongLong(self->s.counter);
+}
+
+static int Sealer_set_counter(Sealer *self, PyObject *value, void *closure) {
+    (void)closure;
+    unsigned long long v = value ? PyLong_AsUnsignedLongLong(value) : (unsigned long long)-1;
+    if (v == (unsigned long long)-1 && PyErr_Occurred()) return -1;
+    self->s.counter = v;
+    return 0;
+}
+
+static PyMethodDef Sealer_methods[] = {
+    {"seal_into", (PyCFunction)Sealer_seal_into, METH_VARARGS,
+     "seal_into(buf, offset, kind, seq, dst, chunk, payload) -> end"},
+    {NULL, NULL, 0, NULL},
+};
+static PyGetSetDef Sealer_getset[] = {
+    {"counter", (getter)Sealer_counter, (setter)Sealer_set_counter,
+     "the last counter spent (the next message takes the one after)", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+static PyTypeObject SealerType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "overcast.native._core.Sealer",
+    .tp_doc = "Sealer(key, job, comm, src): AES-GMAC sealing under one key, one counter.",
+    .tp_basicsize = sizeof(Sealer),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Sealer_init,
+    .tp_dealloc = (destructor)Sealer_dealloc,
+    .tp_methods = Sealer_methods,
+    .tp_getset = Sealer_getset,
+};
+
+/* -- TagCheck ----------------------------------------------------------------------------- */
+
+typedef struct {
+    PyObject_HEAD
+    oc_gmac g;
+    int ready;
+} TagCheck;
+
+static int TagCheck_init(TagCheck *self, PyObject *args, PyObject *kw) {
+    static char *names[] = {"key", NULL};
+    Py_buffer key;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "y*", names, &key)) return -1;
+    int bad = key.len != OC_KEY_BYTES;
+    if (!bad) {
+        if (self->ready) oc_gmac_free(&self->g);
+        self->ready = oc_gmac_init(&self->g, key.buf, 0) == 0;
+    }
+    PyBuffer_Release(&key);
+    if (bad) {
+        PyErr_Format(PyExc_ValueError, "a communicator key has %d bytes", OC_KEY_BYTES);
+        return -1;
+    }
+    if (!self->ready) {
+        PyErr_SetString(PyExc_RuntimeError, "OpenSSL could not set up AES-GCM");
+        return -1;
+    }
+    return 0;
+}
+
+static void TagCheck_dealloc(TagCheck *self) {
+    if (self->ready) oc_gmac_free(&self->g);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* check(message, src, counter): whether the message's last 16 bytes are the tag of the rest. */
+static PyObject *TagCheck_check(TagCheck *self, PyObject *args) {
+    Py_buffer m;
+    unsigned int src;
+    unsigned long long counter;
+    if (!self->ready) return PyErr_Format(PyExc_RuntimeError, "no key");
+    if (!PyArg_ParseTuple(args, "y*IK", &m, &src, &counter)) return NULL;
+    int ok = m.len >= OC_TAG_BYTES &&
+             oc_gmac_check(&self->g, (uint16_t)src, counter, m.buf, (size_t)m.len - OC_TAG_BYTES,
+                           (const uint8_t *)m.buf + m.len - OC_TAG_BYTES);
+    PyBuffer_Release(&m);
+    return PyBool_FromLong(ok);
+}
+
+static PyMethodDef TagCheck_methods[] = {
+    {"check", (PyCFunction)TagCheck_check, METH_VARARGS,
+     "check(message, src, counter) -> whether its tag is right"},
+    {NULL, NULL, 0, NULL},
+};
+static PyTypeObject TagCheckType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "overcast.native._core.TagCheck",
+    .tp_doc = "TagCheck(key): AES-GMAC tags checked under one key, set once.",
+    .tp_basicsize = sizeof(TagCheck),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)TagCheck_init,
+    .tp_dealloc = (destructor)TagCheck_dealloc,
+    .tp_methods = TagCheck_methods,
+};
+
+/* -- Budget ------------------------------------------------------------------------------- */
+
+typedef struct {
+    PyObject_HEAD
+    oc_budget b;
+} Budget;
+
+static int Budget_init(Budget *self, PyObject *args, PyObject *kw) {
+    static char *names[] = {"rate", "burst_seconds", "batch", "datagram_bytes", "reduction_batch",
+                            NULL};
+    double rate = 0, burst = 0.005;
+    unsigned int batch = 1, datagram = 0, reduction = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|ddIII", names, &rate, &burst, &batch, &datagram,
+                                     &reduction))
+        return -1;
+    oc_budget_init(&self->b, rate, burst, batch, datagram, reduction);
+    return 0;
+}
+
+static PyObject *Budget_take(Budget *self, PyObject *args) {
+    double n, now;
+    if (!PyArg_ParseTuple(args, "dd", &n, &now)) return NULL;
+    oc_budget_take(&self->b, n, now);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Budget_try_take(Budget *self, PyObject *args) {
+    double n, now;
+    if (!PyArg_ParseTuple(args, "dd", &n, &now)) return NULL;
+    return PyBool_FromLong(oc_budget_try_take(&self->b, n, now));
+}
+
+static PyObject *Budget_ready_at(Budget *self, PyObject *args) {
+    double n, now;
+    if (!PyArg_ParseTuple(args, "dd", &n, &now)) return NULL;
+    return PyFloat_FromDouble(oc_budget_ready_at(&self->b, n, now));
+}
+
+static PyObject *Budget_get(Budget *self, void *which) {
+    switch ((intptr_t)which) {
+    case 0: return PyFloat_FromDouble(self->b.rate);
+    case 1: return PyLong_FromUnsignedLong(self->b.batch);
+    case 2: return PyLong_FromUnsignedLong(self->b.reduction_batch);
+    case 3: return PyFloat_FromDouble(self->b.burst);
+    case 4: return PyFloat_FromDouble(self->b.tokens);
+    default: return PyLong_FromLong(self->b.reductions_in_flight);
+    }
+}
+
+static int Budget_set_in_flight(Budget *self, PyObject *value, void *which) {
+    (void)which;
+    long v = value ? PyLong_AsLong(value) : -1;
+    if (v == -1 && PyErr_Occurred()) return -1;
+    self->b.reductions_in_flight = (int32_t)v;
+    return 0;
+}
+
+static PyMethodDef Budget_methods[] = {
+    {"take", (PyCFunction)Budget_take, METH_VARARGS, "take(nbytes, now): spend, into debt"},
+    {"try_take", (PyCFunction)Budget_try_take, METH_VARARGS,
+     "try_take(nbytes, now) -> whether the bucket held them (spent if so)"},
+    {"ready_at", (PyCFunction)Budget_ready_at, METH_VARARGS,
+     "ready_at(nbytes, now) -> when try_take(nbytes) can next succeed"},
+    {NULL, NULL, 0, NULL},
+};
+static PyGetSetDef Budget_getset[] = {
+    {"rate", (getter)Budget_get, NULL, "bytes per second (0: unpaced)", (void *)0},
+    {"batch", (getter)Budget_get, NULL, "datagrams per multicast batch", (void *)1},
+    {"reduction_batch", (getter)Budget_get, NULL, "datagrams per contribution batch", (void *)2},
+    {"burst", (getter)Budget_get, NULL, "the bucket's depth in bytes", (void *)3},
+    {"tokens", (getter)Budget_get, NULL, "bytes the bucket holds now", (void *)4},
+    {"reductions_in_flight", (getter)Budget_get, (setter)Budget_set_in_flight,
+     "in-network reductions sending on this link", (void *)5},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+static PyTypeObject BudgetType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "overcast.native._core.Budget",
+    .tp_doc = "Budget(rate, burst_seconds, batch, datagram_bytes, reduction_batch): a link "
+              "direction's token bucket (overcast/native/budget.h).",
+    .tp_basicsize = sizeof(Budget),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Budget_init,
+    .tp_methods = Budget_methods,
+    .tp_getset = Budget_getset,
+};
+
+/* -- Plane -------------------------------------------------------------------------------- */
+
+typedef struct {
+    uint32_t seq;
+    Py_buffer input, output;
+    PyObject *budget;
+} held_t;
+
+typedef struct {
+    uint64_t drops[OC_PLANE_DROP_COUNT], stats[OC_PLANE_STAT_COUNT];
+    uint64_t reads, datagrams_in, datagrams_out, bytes_in, truncated;
+    double cpu_seconds;
+    uint64_t wakeups;
+    size_t bytes, pending_bytes;
+    int gro, gso;
+} snapshot_t;
+
+typedef struct {
+    PyObject_HEAD
+    oc_plane *plane;
+    PyObject *sealer;
+    oc_port port;
+    int attached, serving;
+    held_t *held;
+    size_t nheld, held_cap;
+    snapshot_t snap;
+} Plane;
+
+static void take_snapshot(Plane *self) {
+    snapshot_t *s = &self->snap;
+    memcpy(s->drops, oc_plane_drops(self->plane), sizeof s->drops);
+    memcpy(s->stats, oc_plane_stats(self->plane), sizeof s->stats);
+    s->bytes = oc_plane_bytes(self->plane);
+    if (self->attached) { /* else the counters as they were when it let go */
+        const oc_udp *u = &self->port.udp, *g = &self->port.group;
+        s->reads = u->reads + (g->fd >= 0 ? g->reads : 0);
+        s->datagrams_in = u->datagrams_in + (g->fd >= 0 ? g->datagrams_in : 0);
+        s->datagrams_out = u->datagrams_out;
+        s->bytes_in = u->bytes_in + (g->fd >= 0 ? g->bytes_in : 0);
+        s->truncated = u->truncated + (g->fd >= 0 ? g->truncated : 0);
+        s->cpu_seconds = self->port.cpu_seconds;
+        s->wakeups = self->port.wakeups;
+        s->pending_bytes = self->port.pending_bytes;
+        s->gro = u->gro;
+        s->gso = u->gso;
+        s->bytes += OC_GRO_READ_BYTES * (g->fd >= 0 ? 2 : 1);
+    }
+}
+
+static int Plane_init(Plane *self, PyObject *args, PyObject *kw) {
+    static char *names[] = {"rank", "world", "job", "comm", "key", "sealer", NULL};
+    unsigned int rank, world, job = 0, comm = 0;
+    Py_buffer key = {0};
+    PyObject *sealer = Py_None;
+    if (self->plane) {
+        PyErr_SetString(PyExc_RuntimeError, "a plane is made once");
+        return -1;
+    }
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "II|IIz*O", names, &rank, &world, &job, &comm,
+                                     &key, &sealer))
+        return -1;
+    if ((key.buf && key.len != OC_KEY_BYTES) ||
+        (sealer != Py_None && !PyObject_TypeCheck(sealer, &SealerType))) {
+        if (key.buf) PyBuffer_Release(&key);
+        PyErr_SetString(PyExc_ValueError, "key: 16 bytes or None; sealer: a Sealer or None");
+        return -1;
+    }
+    self->plane = oc_plane_new((uint16_t)rank, world, job, comm, key.buf,
+                               sealer == Py_None ? NULL : &((Sealer *)sealer)->s);
+    if (key.buf) PyBuffer_Release(&key);
+    if (self->plane == NULL) {
+        PyErr_Format(PyExc_ValueError, "cannot make the plane of rank %u of %u", rank, world);
+        return -1;
+    }
+    if (sealer != Py_None) {
+        Py_INCREF(sealer);
+        self->sealer = sealer;
+    }
+    self->port.epoll = -1;
+    take_snapshot(self);
+    return 0;
+}
+
+static void release_held(held_t *h) {
+    PyBuffer_Release(&h->input);
+    PyBuffer_Release(&h->output);
+    Py_CLEAR(h->budget);
+}
+
+static void Plane_dealloc(Plane *self) {
+    if (self->attached) oc_port_free(&self->port);
+    oc_plane_free(self->plane); /* before the buffers and budgets it points to go */
+    for (size_t i = 0; i < self->nheld; i++) release_held(&self->held[i]);
+    PyMem_Free(self->held);
+    Py_CLEAR(self->sealer);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static int usable(Plane *self) {
+    if (self->plane == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "the plane was not initialised");
+        return 0;
+    }
+    if (self->serving) {
+        PyErr_SetString(PyExc_RuntimeError, "the plane is serving on another thread");
+        return 0;
+    }
+    return 1;
+}
+
+static PyObject *Plane_set_loss(Plane *self, PyObject *args) {
+    double rate, burst;
+    unsigned long long seed;
+    if (!usable(self) || !PyArg_ParseTuple(args, "ddK", &rate, &burst, &seed)) return NULL;
+    oc_plane_set_loss(self->plane, rate, burst, seed);
+    Py_RETURN_NONE;
+}
+
+/* set_address(route, rank, "a.b.c.d", port) */
+static PyObject *Plane_set_address(Plane *self, PyObject *args) {
+    unsigned int route, rank, port;
+    const char *ip;
+    struct in_addr a;
+    if (!usable(self) || !PyArg_ParseTuple(args, "IIsI", &route, &rank, &ip, &port)) return NULL;
+    if (inet_pton(AF_INET, ip, &a) != 1 || port > 0xFFFF ||
+        oc_plane_set_address(self->plane, (uint8_t)route, rank, a.s_addr, htons((uint16_t)port)))
+        return PyErr_Format(PyExc_ValueError, "cannot route %u/%u to %s:%u", route, rank, ip, port);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Plane_attach(Plane *self, PyObject *args) {
+    int udp, group, python;
+    if (!usable(self) || !PyArg_ParseTuple(args, "iii", &udp, &group, &python)) return NULL;
+    if (self->attached) return PyErr_Format(PyExc_RuntimeError, "the plane is attached already");
+    if (oc_port_init(&self->port, self->plane, udp, group, python))
+        return PyErr_SetFromErrno(PyExc_OSError);
+    self->attached = 1;
+    take_snapshot(self);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Plane_detach(Plane *self, PyObject *unused) {
+    (void)unused;
+    if (!usable(self)) return NULL;
+    if (self->attached) {
+        take_snapshot(self);
+        oc_port_free(&self->port);
+        self->attached = 0;
+    }
+    Py_RETURN_NONE;
+}
+
+/* serve(until) -> reason (PORT_*): the GIL released while it runs */
+static PyObject *Plane_serve(Plane *self, PyObject *arg) {
+    double until = PyFloat_AsDouble(arg);
+    if (until == -1.0 && PyErr_Occurred()) return NULL;
+    if (!usable(self)) return NULL;
+    if (!self->attached) return PyErr_Format(PyExc_RuntimeError, "the plane has no sockets");
+    int reason;
+    self->serving = 1;
+    Py_BEGIN_ALLOW_THREADS
+    reason = oc_port_serve(&self->port, until);
+    Py_END_ALLOW_THREADS
+    self->serving = 0;
+    take_snapshot(self);
+    return PyLong_FromLong(reason);
+}
+
+static PyObject *run_list(Plane *self) {
+    const oc_run *runs;
+    const uint32_t *chunks;
+    size_t n = oc_plane_runs(self->plane, &runs, &chunks);
+    PyObject *list = PyList_New((Py_ssize_t)n);
+    for (size_t i = 0; list && i < n; i++) {
+        const oc_run *r = &runs[i];
+        PyObject *cs = PyList_New((Py_ssize_t)r->count);
+        for (size_t j = 0; cs && j < r->count; j++) {
+            PyObject *c = PyLong_FromUnsignedLong(chunks[r->first + j]);
+            if (c == NULL) Py_CLEAR(cs);
+            else PyList_SET_ITEM(cs, (Py_ssize_t)j, c);
+        }
+        PyObject *t = cs ? Py_BuildValue("(IIIIIIIKNnn)", r->hdr.kind, r->hdr.job, r->hdr.comm,
+                                         r->hdr.seq, r->hdr.src, r->hdr.dst, r->hdr.length,
+                                         (unsigned long long)r->hdr.counter, cs,
+                                         (Py_ssize_t)r->offset, (Py_ssize_t)r->stride)
+                         : NULL;
+        if (t == NULL) Py_CLEAR(list);
+        else PyList_SET_ITEM(list, (Py_ssize_t)i, t);
+    }
+    return list;
+}
+
+/* runs() -> (the read buffer as a memoryview, or None after feed; [(kind, job, comm, seq, src,
+ * dst, length, counter, chunks, offset, stride)]): the messages of the last read that are
+ * Python's, valid until the next serve or feed. */
+static PyObject *Plane_runs(Plane *self, PyObject *unused) {
+    (void)unused;
+    if (!usable(self)) return NULL;
+    PyObject *list = run_list(self);
+    if (list == NULL) return NULL;
+    PyObject *view = Py_None;
+    const oc_run *runs;
+    const uint32_t *chunks;
+    if (self->attached && oc_plane_runs(self->plane, &runs, &chunks) && self->port.runs_data)
+        view = PyMemoryView_FromMemory((char *)self->port.runs_data,
+                                       (Py_ssize_t)self->port.runs_len, PyBUF_READ);
+    else
+        Py_INCREF(view);
+    if (view == NULL) {
+        Py_DECREF(list);
+        return NULL;
+    }
+    return Py_BuildValue("(NN)", view, list);
+}
+
+/* feed(datagrams, segment, now): one read's sealed datagrams, as serve's reads feed them. */
+static PyObject *Plane_feed(Plane *self, PyObject *args) {
+    Py_buffer data;
+    Py_ssize_t segment;
+    double now;
+    if (!usable(self) || !PyArg_ParseTuple(args, "y*nd", &data, &segment, &now)) return NULL;
+    if (segment < 0) segment = 0;
+    oc_plane_feed(self->plane, data.buf, (size_t)data.len, (size_t)segment, now);
+    if (self->attached) self->port.runs_data = NULL;
+    PyBuffer_Release(&data);
+    take_snapshot(self);
+    Py_RETURN_NONE;
+}
+
+/* receive_run(kind, seq, src, dst, length, chunks, data, offset, stride, now) -> taken */
+static PyObject *Plane_receive_run(Plane *self, PyObject *args) {
+    unsigned int kind, seq, src, dst, length;
+    PyObject *chunks;
+    Py_buffer data;
+    Py_ssize_t offset, stride;
+    double now;
+    if (!usable(self) ||
+        !PyArg_ParseTuple(args, "IIIIIOy*nnd", &kind, &seq, &src, &dst, &length, &chunks, &data,
+                          &offset, &stride, &now))
+        return NULL;
+    PyObject *seqf = PySequence_Fast(chunks, "chunks must be a sequence");
+    if (seqf == NULL) {
+        PyBuffer_Release(&data);
+        return NULL;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seqf);
+    uint32_t *cs = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(uint32_t));
+    int ok = cs != NULL;
+    for (Py_ssize_t i = 0; ok && i < n; i++) {
+        unsigned long v = PyLong_AsUnsignedLong(PySequence_Fast_GET_ITEM(seqf, i));
+        ok = !(v == (unsigned long)-1 && PyErr_Occurred()) && v <= UINT32_MAX;
+        if (ok) cs[i] = (uint32_t)v;
+    }
+    /* the payloads must lie within the data */
+    if (ok && n && (offset < 0 || stride < 0 ||
+                    (size_t)offset + (size_t)(n - 1) * (size_t)stride + length > (size_t)data.len)) {
+        PyErr_SetString(PyExc_ValueError, "the run's payloads lie outside its data");
+        ok = 0;
+    }
+    int taken = 0;
+    if (ok) {
+        oc_header h = {(uint8_t)kind, 0, 0, seq, (uint16_t)src, (uint16_t)dst, n ? cs[0] : 0,
+                       length, 0};
+        taken = oc_plane_receive_run(self->plane, &h, cs, (size_t)n, data.buf, (size_t)offset,
+                                     (size_t)stride, now);
+    } else if (!PyErr_Occurred()) {
+        PyErr_NoMemory();
+    }
+    PyMem_Free(cs);
+    Py_DECREF(seqf);
+    PyBuffer_Release(&data);
+    if (!ok) return NULL;
+    return PyBool_FromLong(taken);
+}
+
+/* reduce(seq, dtype, avg, count, input, output, chunk_bytes, slots, group, budget, now) */
+static PyObject *Plane_reduce(Plane *self, PyObject *args) {
+    unsigned int seq, dtype, slots, group;
+    int avg;
+    unsigned long long count;
+    Py_ssize_t chunk_bytes;
+    PyObject *in, *out, *budget;
+    double now;
+    if (!usable(self) ||
+        !PyArg_ParseTuple(args, "IIpKOOnIIO!d", &seq, &dtype, &avg, &count, &in, &out,
+                          &chunk_bytes, &slots, &group, &BudgetType, &budget, &now))
+        return NULL;
+    if (self->nheld == self->held_cap) {
+        size_t cap = self->held_cap ? 2 * self->held_cap : 8;
+        held_t *h = PyMem_Realloc(self->held, cap * sizeof *h);
+        if (h == NULL) return PyErr_NoMemory();
+        self->held = h;
+        self->held_cap = cap;
+    }
+    held_t h = {seq, {0}, {0}, NULL};
+    if (PyObject_GetBuffer(in, &h.input, PyBUF_C_CONTIGUOUS)) return NULL;
+    if (PyObject_GetBuffer(out, &h.output, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE)) {
+        PyBuffer_Release(&h.input);
+        return NULL;
+    }
+    size_t item = oc_dtype_size(dtype);
+    uint64_t world = oc_plane_world(self->plane);
+    if (!item || chunk_bytes <= 0 || count > (uint64_t)PY_SSIZE_T_MAX / item / world ||
+        (size_t)h.output.len < count * item || (size_t)h.input.len < world * count * item) {
+        release_held(&h);
+        return PyErr_Format(PyExc_ValueError, "reduce: dtype %u, %llu elements per rank, input "
+                            "of %zd bytes, output of %zd bytes, chunks of %zd bytes do not fit",
+                            dtype, count, h.input.len, h.output.len, chunk_bytes);
+    }
+    if (oc_plane_reduce(self->plane, seq, dtype, avg, count, h.input.buf, h.output.buf,
+                        (size_t)chunk_bytes, slots, group, &((Budget *)budget)->b, now)) {
+        release_held(&h);
+        return PyErr_Format(PyExc_ValueError, "cannot post reduction #%u (posted already, or a "
+                            "shape it cannot take)", seq);
+    }
+    Py_INCREF(budget);
+    h.budget = budget;
+    self->held[self->nheld++] = h;
+    Py_RETURN_NONE;
+}
+
+static PyObject *Plane_drained(Plane *self, PyObject *unused) {
+    (void)unused;
+    if (!usable(self)) return NULL;
+    uint32_t seqs[64];
+    PyObject *list = PyList_New(0);
+    size_t n;
+    while (list && (n = oc_plane_newly_drained(self->plane, seqs, 64)) > 0)
+        for (size_t i = 0; i < n; i++) {
+            PyObject *v = PyLong_FromUnsignedLong(seqs[i]);
+            if (v == NULL || PyList_Append(list, v)) Py_CLEAR(list);
+            Py_XDECREF(v);
+            if (list == NULL) break;
+        }
+    return list;
+}
+
+static PyObject *Plane_release(Plane *self, PyObject *arg) {
+    unsigned long seq = PyLong_AsUnsignedLong(arg);
+    if (seq == (unsigned long)-1 && PyErr_Occurred()) return NULL;
+    if (!usable(self)) return NULL;
+    oc_plane_release(self->plane, (uint32_t)seq);
+    for (size_t i = 0; i < self->nheld; i++)
+        if (self->held[i].seq == seq) {
+            release_held(&self->held[i]);
+            self->held[i] = self->held[--self->nheld];
+            break;
+        }
+    take_snapshot(self);
+    Py_RETURN_NONE;
+}
+
+/* reducer(seq) -> dict of its state, or None */
+static PyObject *Plane_reducer(Plane *self, PyObject *arg) {
+    unsigned long seq = PyLong_AsUnsignedLong(arg);
+    if (seq == (unsigned long)-1 && PyErr_Occurred()) return NULL;
+    if (!usable(self)) return NULL;
+    const oc_reducer *r = oc_plane_reducer(self->plane, (uint32_t)seq);
+    if (r == NULL) Py_RETURN_NONE;
+    static const char *phases[] = {"sending", "receiving", "drained"};
+    return Py_BuildValue("{sssKsdsIsIsIsIsIsnsKsKsKsK}", "phase", phases[r->phase],
+                         "progress", (unsigned long long)r->progress,
+                         "progress_at", r->progress_at, "results", r->results,
+                         "k", r->k, "credit", r->credit, "total", r->total, "cursor", r->cursor,
+                         "bytes", (Py_ssize_t)oc_reducer_bytes(r),
+                         "duplicate_results", (unsigned long long)r->duplicate_results,
+                         "contributions_resent", (unsigned long long)r->contributions_resent,
+                         "credit_probes", (unsigned long long)r->credit_probes,
+                         "results_in", (unsigned long long)r->results_in);
+}
+
+static PyObject *Plane_timer(Plane *self, PyObject *unused) {
+    (void)unused;
+    if (!usable(self)) return NULL;
+    double t = oc_plane_timer(self->plane);
+    if (t < 0) Py_RETURN_NONE;
+    return PyFloat_FromDouble(t);
+}
+
+static PyObject *Plane_handle_timer(Plane *self, PyObject *arg) {
+    double now = PyFloat_AsDouble(arg);
+    if (now == -1.0 && PyErr_Occurred()) return NULL;
+    if (!usable(self)) return NULL;
+    oc_plane_handle_timer(self->plane, now);
+    Py_RETURN_NONE;
+}
+
+/* take_outbox() -> [(route, dst, kind, seq, chunk, payload bytes)], unsealed; empties it */
+static PyObject *Plane_take_outbox(Plane *self, PyObject *unused) {
+    (void)unused;
+    if (!usable(self)) return NULL;
+    oc_outbox *o = oc_plane_outbox(self->plane);
+    PyObject *list = PyList_New((Py_ssize_t)o->n);
+    for (size_t i = 0; list && i < o->n; i++) {
+        const oc_msg *m = &o->msgs[i];
+        PyObject *payload = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(m->head_len + m->body_len));
+        if (payload) {
+            char *p = PyBytes_AS_STRING(payload);
+            if (m->head_len) memcpy(p, m->head, m->head_len);
+            if (m->body_len) memcpy(p + m->head_len, oc_outbox_body(o, m), m->body_len);
+        }
+        PyObject *t = payload ? Py_BuildValue("(IIIIIN)", m->route, m->dst, m->kind, m->seq,
+                                              m->chunk, payload) : NULL;
+        if (t == NULL) Py_CLEAR(list);
+        else PyList_SET_ITEM(list, (Py_ssize_t)i, t);
+    }
+    if (list) oc_outbox_clear(o);
+    return list;
+}
+
+/* send(route, messages): seal Python's own datagrams (objects with kind, seq, dst, chunk and a
+ * payload buffer) after what the plane has queued, and send them now, the GIL released; what
+ * the socket cannot take waits, copied, for serve. */
+static PyObject *Plane_send(Plane *self, PyObject *args) {
+    unsigned int route;
+    PyObject *messages;
+    if (!usable(self) || !PyArg_ParseTuple(args, "IO", &route, &messages)) return NULL;
+    if (!self->attached) return PyErr_Format(PyExc_RuntimeError, "the plane has no sockets");
+    PyObject *seqf = PySequence_Fast(messages, "messages must be a sequence");
+    if (seqf == NULL) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seqf);
+    Py_buffer *views = PyMem_Calloc((size_t)(n ? n : 1), sizeof(Py_buffer));
+    Py_ssize_t got = 0;
+    int ok = views != NULL;
+    oc_outbox *o = oc_plane_outbox(self->plane);
+    for (Py_ssize_t i = 0; ok && i < n; i++) {
+        PyObject *m = PySequence_Fast_GET_ITEM(seqf, i);
+        PyObject *kind = PyObject_GetAttrString(m, "kind"), *seq = PyObject_GetAttrString(m, "seq"),
+                 *dst = PyObject_GetAttrString(m, "dst"), *chunk = PyObject_GetAttrString(m, "chunk"),
+                 *payload = PyObject_GetAttrString(m, "payload");
+        ok = kind && seq && dst && chunk && payload &&
+             PyObject_GetBuffer(payload, &views[i], PyBUF_C_CONTIGUOUS) == 0;
+        if (ok) {
+            got++;
+            long k = PyLong_AsLong(kind), s = PyLong_AsLong(seq), d = PyLong_AsLong(dst),
+                 c = PyLong_AsLong(chunk);
+            ok = !PyErr_Occurred() &&
+                 oc_outbox_add(o, (uint8_t)route, (uint16_t)d, (uint8_t)k, (uint32_t)s,
+                               (uint32_t)c, NULL, 0, views[i].buf, (size_t)views[i].len) == 0;
+            if (ok == 0 && !PyErr_Occurred()) PyErr_NoMemory();
+        }
+        Py_XDECREF(kind);
+        Py_XDECREF(seq);
+        Py_XDECREF(dst);
+        Py_XDECREF(chunk);
+        Py_XDECREF(payload);
+    }
+    if (ok) {
+        Py_BEGIN_ALLOW_THREADS
+        oc_port_flush(&self->port);
+        Py_END_ALLOW_THREADS
+    } else {
+        oc_outbox_clear(o); /* nothing borrowed from a released buffer may stay */
+    }
+    for (Py_ssize_t i = 0; i < got; i++) PyBuffer_Release(&views[i]);
+    PyMem_Free(views);
+    Py_DECREF(seqf);
+    take_snapshot(self);
+    if (!ok) return NULL;
+    Py_RETURN_NONE;
+}
+
+/* counters() -> (drops, stats, io): by name, as of the last return from serve */
+static PyObject *Plane_counters(Plane *self, PyObject *unused) {
+    (void)unused;
+    if (self->plane == NULL) return PyErr_Format(PyExc_RuntimeError, "not initialised");
+    const snapshot_t *s = &self->snap;
+    PyObject *drops = PyDict_New(), *stats = PyDict_New();
+    for (int i = 0; drops && i < OC_PLANE_DROP_COUNT; i++) {
+        if (!s->drops[i]) continue;
+        PyObject *v = PyLong_FromUnsignedLongLong(s->drops[i]);
+        if (v == NULL || PyDict_SetItemString(drops, oc_plane_drop_names[i], v)) Py_CLEAR(drops);
+        Py_XDECREF(v);
+    }
+    for (int i = 0; stats && i < OC_PLANE_STAT_COUNT; i++) {
+        PyObject *v = PyLong_FromUnsignedLongLong(s->stats[i]);
+        if (v == NULL || PyDict_SetItemString(stats, oc_plane_stat_names[i], v)) Py_CLEAR(stats);
+        Py_XDECREF(v);
+    }
+    PyObject *io = Py_BuildValue("{sKsKsKsKsKsdsKsisi}", "datagram_reads",
+                                 (unsigned long long)s->reads,
+                                 "datagrams_in", (unsigned long long)s->datagrams_in,
+                                 "datagrams_out", (unsigned long long)s->datagrams_out,
+                                 "datagram_bytes_in", (unsigned long long)s->bytes_in,
+                                 "truncated_reads", (unsigned long long)s->truncated,
+                                 "data_path_cpu_seconds", s->cpu_seconds,
+                                 "wakeups", (unsigned long long)s->wakeups, "gro", s->gro,
+                                 "gso", s->gso);
+    if (!drops || !stats || !io) {
+        Py_XDECREF(drops);
+        Py_XDECREF(stats);
+        Py_XDECREF(io);
+        return NULL;
+    }
+    return Py_BuildValue("(NNN)", drops, stats, io);
+}
+
+/* memory() -> (bookkeeping bytes, unsent sealed bytes), as of the last return from serve */
+static PyObject *Plane_memory(Plane *self, PyObject *unused) {
+    (void)unused;
+    return Py_BuildValue("(nn)", (Py_ssize_t)self->snap.bytes, (Py_ssize_t)self->snap.pending_bytes);
+}
+
+static PyObject *Plane_keyed(Plane *self, void *closure) {
+    (void)closure;
+    return PyBool_FromLong(self->sealer != NULL);
+}
+
+static PyObject *Plane_attached(Plane *self, void *closure) {
+    (void)closure;
+    return PyBool_FromLong(self->attached);
+}
+
+static PyMethodDef Plane_methods[] = {
+    {"set_loss", (PyCFunction)Plane_set_loss, METH_VARARGS, "set_loss(rate, burst, seed)"},
+    {"set_address", (PyCFunction)Plane_set_address, METH_VARARGS,
+     "set_address(route, rank, ipv4, port)"},
+    {"attach", (PyCFunction)Plane_attach, METH_VARARGS,
+     "attach(udp fd, multicast fd or -1, the engine's selector fd)"},
+    {"detach", (PyCFunction)Plane_detach, METH_NOARGS,
+     "let the sockets go (its own epoll descriptor closed; the sockets are the caller's)"},
+    {"serve", (PyCFunction)Plane_serve, METH_O, "serve(until) -> why it returned (PORT_*)"},
+    {"runs", (PyCFunction)Plane_runs, METH_NOARGS,
+     "(read buffer or None, [(kind, job, comm, seq, src, dst, length, counter, chunks, offset, "
+     "stride)]) of the last read"},
+    {"feed", (PyCFunction)Plane_feed, METH_VARARGS, "feed(datagrams, segment, now)"},
+    {"receive_run", (PyCFunction)Plane_receive_run, METH_VARARGS,
+     "receive_run(kind, seq, src, dst, length, chunks, data, offset, stride, now) -> taken"},
+    {"reduce", (PyCFunction)Plane_reduce, METH_VARARGS,
+     "reduce(seq, dtype code, avg, count, input, output, chunk_bytes, slots, group, budget, now)"},
+    {"drained", (PyCFunction)Plane_drained, METH_NOARGS, "reductions drained since last asked"},
+    {"release", (PyCFunction)Plane_release, METH_O, "release(seq): let a reduction go"},
+    {"reducer", (PyCFunction)Plane_reducer, METH_O, "reducer(seq) -> its state, or None"},
+    {"timer", (PyCFunction)Plane_timer, METH_NOARGS, "when to call handle_timer, or None"},
+    {"handle_timer", (PyCFunction)Plane_handle_timer, METH_O, "handle_timer(now)"},
+    {"take_outbox", (PyCFunction)Plane_take_outbox, METH_NOARGS,
+     "[(route, dst, kind, seq, chunk, payload)] unsealed; empties the outbox"},
+    {"send", (PyCFunction)Plane_send, METH_VARARGS, "send(route, messages)"},
+    {"counters", (PyCFunction)Plane_counters, METH_NOARGS, "(drops, stats, io) by name"},
+    {"memory", (PyCFunction)Plane_memory, METH_NOARGS, "(bookkeeping bytes, unsent bytes)"},
+    {NULL, NULL, 0, NULL},
+};
+static PyGetSetDef Plane_getset[] = {
+    {"keyed", (getter)Plane_keyed, NULL, "whether it seals (it has a Sealer)", NULL},
+    {"attached", (getter)Plane_attached, NULL, "whether it has sockets", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+static PyTypeObject PlaneType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "overcast.native._core.Plane",
+    .tp_doc = "Plane(rank, world, job=0, comm=0, key=None, sealer=None): a rank's datagram "
+              "plane (overcast/native/plane.h, port.h).",
+    .tp_basicsize = sizeof(Plane),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Plane_init,
+    .tp_dealloc = (destructor)Plane_dealloc,
+    .tp_methods = Plane_methods,
+    .tp_getset = Plane_getset,
+};
+
+int oc_add_rank_types(PyObject *m) {
+    PyTypeObject *types[] = {&SealerType, &TagCheckType, &BudgetType, &PlaneType};
+    const char *names[] = {"Sealer", "TagCheck", "Budget", "Plane"};
+    for (int i = 0; i < 4; i++) {
+        if (PyType_Ready(types[i]) < 0) return -1;
+        Py_INCREF(types[i]);
+        if (PyModule_AddObject(m, names[i], (PyObject *)types[i]) < 0) {
+            Py_DECREF(types[i]);
+            return -1;
+        }
+    }
+    static const struct { const char *name; int value; } constants[] = {
+        {"PORT_PYTHON", OC_PORT_PYTHON}, {"PORT_RUNS", OC_PORT_RUNS},
+        {"PORT_DRAINED", OC_PORT_DRAINED}, {"PORT_DEADLINE", OC_PORT_DEADLINE},
+        {"PORT_INTERRUPTED", OC_PORT_INTERRUPTED}, {"PORT_ERROR", OC_PORT_ERROR},
+        {"ROUTE_AGGREGATOR", OC_ROUTE_AGGREGATOR}, {"ROUTE_GROUP", OC_ROUTE_GROUP},
+        {"ROUTE_RANK", OC_ROUTE_RANK},
+    };
+    for (size_t i = 0; i < sizeof constants / sizeof constants[0]; i++)
+        if (PyModule_AddIntConstant(m, constants[i].name, constants[i].value) < 0) return -1;
+    return 0;
+}
