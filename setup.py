@@ -11,8 +11,9 @@ import os
 from setuptools import Extension, setup
 
 PARTS = ["wire", "sums", "udp", "aggregator", "service", "budget", "outbox", "contribute",
-         "plane", "port", "plane_module", "module"]
-flags = ["-std=c11", "-Wall", "-Wextra", "-Wshadow", "-fno-strict-aliasing"]
+         "gather", "plane", "port", "plane_module", "module"]
+flags = ["-std=c11", "-Wall", "-Wextra", "-Wshadow", "-fno-strict-aliasing",
+         "-Werror=implicit-function-declaration", "-Werror=int-conversion"]
 link = []
 if os.environ.get("OVERCAST_NATIVE_DEBUG"):
     flags += ["-O0", "-g", "-UNDEBUG"]

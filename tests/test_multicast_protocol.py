@@ -152,8 +152,10 @@ def test_state_is_bounded_by_the_buffers():
     """Besides the user buffers, a rank keeps one byte per chunk and a few lists."""
     fabric = Fabric(3, loss=0.2, reorder=True)
     colls, outs, expect = all_gather(fabric, 200 * CHUNK)
+    for c in colls:  # in the plane: a byte of state per chunk, a few fixed lists
+        assert 3 * 200 <= c.state_bytes() <= 3 * 200 + 2048
     fabric.run_timed()
     check(colls, outs, expect)
-    for c in colls:
-        assert c.state.nbytes == 3 * 200
-        assert not c.deferred and not any(c.gaps)
+    for c in colls:  # and nothing once done
+        assert c.state_bytes() == 0 and not c.deferred
+        assert c.plane.memory()[0] < 64 * 1024

@@ -176,7 +176,7 @@ class Engine:
             why = self.plane.serve(now + wait)
             if why == _core.PORT_RUNS:
                 self._deliver_runs()
-            session.poll_plane()
+            session.poll_plane(time.monotonic())
             if why == _core.PORT_PYTHON:
                 self._python_events()
             elif why == _core.PORT_ERROR:

@@ -6,9 +6,6 @@
 #include "numbering.h"
 #include "sums.h"
 
-/* What a datagram carrying `payload` bytes occupies on an Ethernet link (IP, UDP, Ethernet). */
-#define LINK_BYTES(payload) ((payload) + OC_OVERHEAD_BYTES + 20 + 8 + 14)
-
 static int test_bit(const uint64_t *bits, uint64_t i) { return bits[i >> 6] >> (i & 63) & 1; }
 static void set_bit(uint64_t *bits, uint64_t i) { bits[i >> 6] |= (uint64_t)1 << (i & 63); }
 static void clear_bit(uint64_t *bits, uint64_t i) { bits[i >> 6] &= ~((uint64_t)1 << (i & 63)); }
@@ -133,7 +130,7 @@ static void pump(oc_reducer *r, oc_outbox *o, double now) {
         for (size_t i = 0; i < n; i++) {
             uint64_t start, stop, c;
             elements(r, chunks[i], &start, &stop, &c);
-            wire += LINK_BYTES(OC_CONTRIB_PREFIX_BYTES + (stop - start) * r->itemsize);
+            wire += OC_LINK_BYTES(OC_CONTRIB_PREFIX_BYTES + (stop - start) * r->itemsize);
         }
         if (!oc_budget_try_take(r->budget, wire, now)) {
             r->pump_at = oc_budget_ready_at(r->budget, wire, now);

@@ -28,8 +28,6 @@
 
 enum { OC_REDUCER_SENDING, OC_REDUCER_RECEIVING, OC_REDUCER_DRAINED };
 
-/* Why a message did not fit (the drop counters' names). */
-enum { OC_FIT = 0, OC_MISFIT_OUT_OF_RANGE, OC_MISFIT_WRONG_LENGTH, OC_MISFIT_MALFORMED };
 
 typedef struct {
     uint32_t seq, rank, world, k, total, group, slots;

@@ -26,6 +26,8 @@ struct oc_plane {
     struct sockaddr_in aggregator, group, *ranks;
     oc_reducer **reducers;
     size_t nreducers, reducers_cap;
+    oc_gather **gathers;
+    size_t ngathers, gathers_cap;
     oc_outbox outbox;
     oc_run *runs;
     size_t nruns, runs_cap;
@@ -73,6 +75,11 @@ void oc_plane_free(oc_plane *p) {
         free(p->reducers[i]);
     }
     free(p->reducers);
+    for (size_t i = 0; i < p->ngathers; i++) {
+        oc_gather_free(p->gathers[i]);
+        free(p->gathers[i]);
+    }
+    free(p->gathers);
     oc_outbox_free(&p->outbox);
     free(p->runs);
     free(p->chunks);
@@ -139,10 +146,38 @@ static oc_reducer *find(const oc_plane *p, uint32_t seq, size_t *index) {
     return NULL;
 }
 
+static oc_gather *find_gather(const oc_plane *p, uint32_t seq, size_t *index) {
+    for (size_t i = 0; i < p->ngathers; i++)
+        if (p->gathers[i]->seq == seq) {
+            if (index) *index = i;
+            return p->gathers[i];
+        }
+    return NULL;
+}
+
+int oc_plane_gather(oc_plane *p, uint32_t seq, uint8_t *buffer, uint32_t nseg,
+                    const uint32_t *roots, const uint64_t *offsets, uint64_t segment_bytes,
+                    uint32_t chunk_bytes, int mine, uint32_t concurrent, oc_budget *budget) {
+    if (find(p, seq, NULL) || find_gather(p, seq, NULL) ||
+        oc_grow((void **)&p->gathers, &p->gathers_cap, p->ngathers + 1, sizeof(oc_gather *)))
+        return -1;
+    oc_gather *g = malloc(sizeof *g);
+    if (g == NULL) return -1;
+    if (oc_gather_init(g, seq, p->world, buffer, nseg, roots, offsets, segment_bytes,
+                       chunk_bytes, mine, concurrent, budget)) {
+        free(g);
+        return -1;
+    }
+    p->gathers[p->ngathers++] = g;
+    return 0;
+}
+
+oc_gather *oc_plane_gatherer(oc_plane *p, uint32_t seq) { return find_gather(p, seq, NULL); }
+
 int oc_plane_reduce(oc_plane *p, uint32_t seq, unsigned dtype, int avg, uint64_t count,
                     const uint8_t *input, uint8_t *output, size_t chunk_bytes, uint32_t slots,
                     uint32_t group, oc_budget *budget, double now) {
-    if (find(p, seq, NULL) ||
+    if (find(p, seq, NULL) || find_gather(p, seq, NULL) ||
         oc_grow((void **)&p->reducers, &p->reducers_cap, p->nreducers + 1, sizeof(oc_reducer *)))
         return -1;
     oc_reducer *r = malloc(sizeof *r);
@@ -170,10 +205,12 @@ int oc_plane_drained(const oc_plane *p, uint32_t seq) {
 int oc_plane_has_news(const oc_plane *p) {
     for (size_t i = 0; i < p->nreducers; i++)
         if (!p->reducers[i]->reported && oc_plane_drained(p, p->reducers[i]->seq)) return 1;
+    for (size_t i = 0; i < p->ngathers; i++)
+        if (p->gathers[i]->news) return 1;
     return 0;
 }
 
-size_t oc_plane_newly_drained(oc_plane *p, uint32_t *seqs, size_t max) {
+size_t oc_plane_news(oc_plane *p, uint32_t *seqs, size_t max) {
     size_t n = 0;
     for (size_t i = 0; i < p->nreducers && n < max; i++) {
         oc_reducer *r = p->reducers[i];
@@ -182,11 +219,24 @@ size_t oc_plane_newly_drained(oc_plane *p, uint32_t *seqs, size_t max) {
             seqs[n++] = r->seq;
         }
     }
+    for (size_t i = 0; i < p->ngathers && n < max; i++)
+        if (p->gathers[i]->news) {
+            p->gathers[i]->news = 0;
+            seqs[n++] = p->gathers[i]->seq;
+        }
     return n;
 }
 
 void oc_plane_release(oc_plane *p, uint32_t seq) {
     size_t i;
+    oc_gather *g = find_gather(p, seq, &i);
+    if (g) {
+        oc_outbox_drop_seq(&p->outbox, seq);
+        oc_gather_free(g);
+        free(g);
+        p->gathers[i] = p->gathers[--p->ngathers];
+        return;
+    }
     oc_reducer *r = find(p, seq, &i);
     if (r == NULL) return;
     oc_outbox_drop_seq(&p->outbox, seq);
@@ -202,11 +252,22 @@ static void misfit(oc_plane *p, int why) {
     if (why == OC_MISFIT_OUT_OF_RANGE) p->drops[OC_PLANE_DROP_out_of_range]++;
     else if (why == OC_MISFIT_WRONG_LENGTH) p->drops[OC_PLANE_DROP_wrong_length]++;
     else if (why == OC_MISFIT_MALFORMED) p->drops[OC_PLANE_DROP_malformed]++;
+    else if (why == OC_MISFIT_WRONG_SENDER) p->drops[OC_PLANE_DROP_wrong_sender]++;
 }
 
 int oc_plane_receive_run(oc_plane *p, const oc_header *first, const uint32_t *chunks,
                          size_t count, const uint8_t *data, size_t offset, size_t stride,
                          double now) {
+    if (first->kind == OC_MCAST_DATA) {
+        oc_gather *g = find_gather(p, first->seq, NULL);
+        if (g == NULL) return 0;
+        if (first->dst != p->rank && first->dst != OC_ANY)
+            p->drops[OC_PLANE_DROP_misdirected]++;
+        else
+            misfit(p, oc_gather_chunks(g, first->src, chunks, count, data, offset, stride,
+                                       first->length, now));
+        return 1;
+    }
     if (first->kind != OC_RESULT && first->kind != OC_CREDIT) return 0;
     oc_reducer *r = find(p, first->seq, NULL);
     if (r == NULL) return 0;
@@ -331,6 +392,10 @@ double oc_plane_timer(const oc_plane *p) {
         double r = oc_reducer_timer(p->reducers[i]);
         if (r >= 0 && (t < 0 || r < t)) t = r;
     }
+    for (size_t i = 0; i < p->ngathers; i++) {
+        double g = oc_gather_timer(p->gathers[i]);
+        if (g >= 0 && (t < 0 || g < t)) t = g;
+    }
     return t;
 }
 
@@ -338,6 +403,10 @@ void oc_plane_handle_timer(oc_plane *p, double now) {
     for (size_t i = 0; i < p->nreducers; i++) {
         double t = oc_reducer_timer(p->reducers[i]);
         if (t >= 0 && now >= t) oc_reducer_handle_timer(p->reducers[i], &p->outbox, now);
+    }
+    for (size_t i = 0; i < p->ngathers; i++) {
+        double t = oc_gather_timer(p->gathers[i]);
+        if (t >= 0 && now >= t) oc_gather_handle_timer(p->gathers[i], &p->outbox, now);
     }
 }
 
@@ -353,5 +422,6 @@ size_t oc_plane_bytes(const oc_plane *p) {
                p->outbox.cap * sizeof(oc_msg) + p->outbox.arena_cap + p->runs_cap * sizeof(oc_run) +
                p->chunks_cap * 4;
     for (size_t i = 0; i < p->nreducers; i++) n += oc_reducer_bytes(p->reducers[i]);
+    for (size_t i = 0; i < p->ngathers; i++) n += oc_gather_bytes(p->gathers[i]);
     return n;
 }

@@ -1,7 +1,8 @@
 /* A rank's datagram plane, sans I/O: everything a rank does per datagram, for one communicator.
  * It opens what a read brings (injected loss first, then shape, communicator, sender, tag and
- * the sender's replay window), runs the in-network reductions posted to it (contribute.h) on
- * the messages meant for them, and hands every other authentic message to Python in runs
+ * the sender's replay window), runs the in-network reductions (contribute.h) and multicast
+ * gathers (gather.h) posted to it on the messages meant for them, and hands every other
+ * authentic message to Python in runs
  * (overcast.wire.runs), which stay valid until the next read. It keeps what it wants sent in
  * its outbox (outbox.h) and says when to wake it. No socket, thread or clock here: port.h runs
  * it on the rank's sockets; tests drive it on the in-memory fabric with a fake clock, giving it
@@ -10,10 +11,11 @@
  * What does not fit is dropped and counted by reason, never raised: a datagram proves only
  * that some rank of the job sent it once, to someone.
  *
- * Ownership and lifetime: the plane owns its windows, reducers, outbox and run lists. The
+ * Ownership and lifetime: the plane owns its windows, collectives, outbox and run lists. The
  * sealer is borrowed (its owner outlives the plane); so are a reduction's input, output and
- * budget, until oc_plane_release (which also drops its queued messages). Runs point
- * into the data given to the last oc_plane_feed. Not thread-safe: one thread at a time. */
+ * budget, and a gather's buffer and budget, until oc_plane_release (which also drops their
+ * queued messages). Runs point into the data given to the last oc_plane_feed. Not
+ * thread-safe: one thread at a time. */
 #ifndef OVERCAST_NATIVE_PLANE_H
 #define OVERCAST_NATIVE_PLANE_H
 
@@ -22,6 +24,7 @@
 #include <stdint.h>
 
 #include "contribute.h"
+#include "gather.h"
 #include "outbox.h"
 #include "wire.h"
 
@@ -61,7 +64,7 @@ const struct sockaddr_in *oc_plane_address(const oc_plane *p, uint8_t route, uin
 
 /* Sealed datagrams as one read brings them: `n` bytes, each `segment` bytes but the last. */
 void oc_plane_feed(oc_plane *p, const uint8_t *data, size_t n, size_t segment, double now);
-/* Authentic messages from one sender (a run): 1 if a reduction here took it (fitting or not),
+/* Authentic messages from one sender (a run): 1 if a collective here took it (fitting or not),
  * 0 if it is not one of the plane's (Python's to handle). */
 int oc_plane_receive_run(oc_plane *p, const oc_header *first, const uint32_t *chunks,
                          size_t count, const uint8_t *data, size_t offset, size_t stride,
@@ -78,11 +81,19 @@ int oc_plane_reduce(oc_plane *p, uint32_t seq, unsigned dtype, int avg, uint64_t
 const oc_reducer *oc_plane_reducer(const oc_plane *p, uint32_t seq);
 /* Drained: every result in and every chunk released, and nothing of it left to send. */
 int oc_plane_drained(const oc_plane *p, uint32_t seq);
-/* Up to `max` reductions drained since last asked (each told once): their count. */
-/* Whether oc_plane_newly_drained has anything to tell. */
+/* Post a multicast gather (see gather.h): 0, or -1 for a shape it cannot take, a sequence
+ * number already posted, or no memory. */
+int oc_plane_gather(oc_plane *p, uint32_t seq, uint8_t *buffer, uint32_t nseg,
+                    const uint32_t *roots, const uint64_t *offsets, uint64_t segment_bytes,
+                    uint32_t chunk_bytes, int mine, uint32_t concurrent, oc_budget *budget);
+/* The gather of `seq`, or NULL. */
+oc_gather *oc_plane_gatherer(oc_plane *p, uint32_t seq);
+/* Up to `max` collectives with news since last asked: a reduction drained (told once), a
+ * gather with ranges to request, its own multicast all sent, or every chunk in place. */
+size_t oc_plane_news(oc_plane *p, uint32_t *seqs, size_t max);
+/* Whether oc_plane_news has anything to tell. */
 int oc_plane_has_news(const oc_plane *p);
-size_t oc_plane_newly_drained(oc_plane *p, uint32_t *seqs, size_t max);
-/* Let the reduction go (done or failed): its messages still queued are dropped. */
+/* Let the collective go (done or failed): its messages still queued are dropped. */
 void oc_plane_release(oc_plane *p, uint32_t seq);
 
 double oc_plane_timer(const oc_plane *p);

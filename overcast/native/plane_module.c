@@ -17,6 +17,7 @@
 #include "plane.h"
 #include "port.h"
 #include "service.h"
+#include "sums.h"
 #include "wire.h"
 
 /* -- Sealer ------------------------------------------------------------------------------- */
@@ -607,13 +608,13 @@ static PyObject *Plane_reduce(Plane *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-static PyObject *Plane_drained(Plane *self, PyObject *unused) {
+static PyObject *Plane_news(Plane *self, PyObject *unused) {
     (void)unused;
     if (!usable(self)) return NULL;
     uint32_t seqs[64];
     PyObject *list = PyList_New(0);
     size_t n;
-    while (list && (n = oc_plane_newly_drained(self->plane, seqs, 64)) > 0)
+    while (list && (n = oc_plane_news(self->plane, seqs, 64)) > 0)
         for (size_t i = 0; i < n; i++) {
             PyObject *v = PyLong_FromUnsignedLong(seqs[i]);
             if (v == NULL || PyList_Append(list, v)) Py_CLEAR(list);
@@ -748,6 +749,147 @@ static PyObject *Plane_send(Plane *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static oc_gather *gather_of(Plane *self, unsigned int seq) {
+    oc_gather *g = oc_plane_gatherer(self->plane, seq);
+    if (g == NULL) PyErr_Format(PyExc_KeyError, "no gather #%u posted", seq);
+    return g;
+}
+
+/* gather(seq, buffer, [(root, offset)], segment_bytes, chunk_bytes, mine, concurrent, budget) */
+static PyObject *Plane_gather(Plane *self, PyObject *args) {
+    unsigned int seq, chunk_bytes, concurrent;
+    unsigned long long segment_bytes;
+    int mine;
+    PyObject *buffer, *segments, *budget;
+    if (!usable(self) ||
+        !PyArg_ParseTuple(args, "IOOKIiIO!", &seq, &buffer, &segments, &segment_bytes,
+                          &chunk_bytes, &mine, &concurrent, &BudgetType, &budget))
+        return NULL;
+    PyObject *seqf = PySequence_Fast(segments, "segments must be a sequence");
+    if (seqf == NULL) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seqf);
+    uint32_t *roots = PyMem_Malloc((size_t)(n ? n : 1) * sizeof *roots);
+    uint64_t *offsets = PyMem_Malloc((size_t)(n ? n : 1) * sizeof *offsets);
+    held_t h = {seq, {0}, {0}, NULL};
+    int ok = roots && offsets && n > 0 && self->nheld < ((size_t)1 << 20);
+    for (Py_ssize_t i = 0; ok && i < n; i++)
+        ok = PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seqf, i), "IK", &roots[i], &offsets[i]);
+    if (ok) ok = PyObject_GetBuffer(buffer, &h.output, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) == 0;
+    for (Py_ssize_t i = 0; ok && i < n; i++)
+        if (offsets[i] > (uint64_t)h.output.len || segment_bytes > (uint64_t)h.output.len - offsets[i]) {
+            PyErr_SetString(PyExc_ValueError, "a segment lies outside the buffer");
+            ok = 0;
+        }
+    if (ok && self->nheld == self->held_cap) {
+        size_t cap = self->held_cap ? 2 * self->held_cap : 8;
+        held_t *more = PyMem_Realloc(self->held, cap * sizeof *more);
+        if (more == NULL) {
+            PyErr_NoMemory();
+            ok = 0;
+        } else {
+            self->held = more;
+            self->held_cap = cap;
+        }
+    }
+    if (ok && oc_plane_gather(self->plane, seq, h.output.buf, (uint32_t)n, roots, offsets,
+                              segment_bytes, chunk_bytes, mine, concurrent,
+                              &((Budget *)budget)->b)) {
+        PyErr_Format(PyExc_ValueError, "cannot post gather #%u (posted already, or a shape it "
+                     "cannot take)", seq);
+        ok = 0;
+    }
+    PyMem_Free(roots);
+    PyMem_Free(offsets);
+    Py_DECREF(seqf);
+    if (!ok) {
+        release_held(&h);
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "bad gather");
+        return NULL;
+    }
+    Py_INCREF(budget);
+    h.budget = budget;
+    self->held[self->nheld++] = h;
+    Py_RETURN_NONE;
+}
+
+static PyObject *Plane_gather_activate(Plane *self, PyObject *args) {
+    unsigned int seq;
+    double now;
+    if (!usable(self) || !PyArg_ParseTuple(args, "Id", &seq, &now)) return NULL;
+    oc_gather *g = gather_of(self, seq);
+    if (g == NULL) return NULL;
+    oc_gather_activate(g, oc_plane_outbox(self->plane), now);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Plane_gather_store(Plane *self, PyObject *args) {
+    unsigned int seq, first;
+    Py_buffer payload;
+    double now;
+    if (!usable(self) || !PyArg_ParseTuple(args, "IIy*d", &seq, &first, &payload, &now))
+        return NULL;
+    oc_gather *g = gather_of(self, seq);
+    uint32_t fresh = 0;
+    int why = g ? oc_gather_store(g, first, payload.buf, (size_t)payload.len, now, &fresh) : 0;
+    PyBuffer_Release(&payload);
+    if (g == NULL) return NULL;
+    return Py_BuildValue("(iI)", why, fresh);
+}
+
+static PyObject *Plane_gather_have(Plane *self, PyObject *args) {
+    unsigned int seq, first, count;
+    if (!usable(self) || !PyArg_ParseTuple(args, "III", &seq, &first, &count)) return NULL;
+    oc_gather *g = gather_of(self, seq);
+    if (g == NULL) return NULL;
+    return PyLong_FromLong(oc_gather_have(g, first, count));
+}
+
+static PyObject *Plane_gather_request(Plane *self, PyObject *args) {
+    unsigned int seq, s, lo, hi;
+    if (!usable(self) || !PyArg_ParseTuple(args, "IIII", &seq, &s, &lo, &hi)) return NULL;
+    oc_gather *g = gather_of(self, seq);
+    if (g == NULL) return NULL;
+    oc_gather_request(g, s, lo, hi);
+    Py_RETURN_NONE;
+}
+
+static PyObject *Plane_gather_requests(Plane *self, PyObject *arg) {
+    unsigned long seq = PyLong_AsUnsignedLong(arg);
+    if ((seq == (unsigned long)-1 && PyErr_Occurred()) || !usable(self)) return NULL;
+    oc_gather *g = gather_of(self, (unsigned int)seq);
+    if (g == NULL) return NULL;
+    PyObject *list = PyList_New((Py_ssize_t)g->nrequests);
+    for (size_t i = 0; list && i < g->nrequests; i++) {
+        PyObject *t = Py_BuildValue("(II)", g->requests[i].first, g->requests[i].count);
+        if (t == NULL) Py_CLEAR(list);
+        else PyList_SET_ITEM(list, (Py_ssize_t)i, t);
+    }
+    if (list) g->nrequests = 0;
+    return list;
+}
+
+static PyObject *Plane_gather_state(Plane *self, PyObject *arg) {
+    unsigned long seq = PyLong_AsUnsignedLong(arg);
+    if ((seq == (unsigned long)-1 && PyErr_Occurred()) || !usable(self)) return NULL;
+    oc_gather *g = oc_plane_gatherer(self->plane, (uint32_t)seq);
+    if (g == NULL) Py_RETURN_NONE;
+    PyObject *missing = PyList_New(g->nseg);
+    for (uint32_t s = 0; missing && s < g->nseg; s++) {
+        PyObject *v = PyLong_FromUnsignedLong(g->missing[s]);
+        if (v == NULL) Py_CLEAR(missing);
+        else PyList_SET_ITEM(missing, s, v);
+    }
+    if (missing == NULL) return NULL;
+    return Py_BuildValue("{sNsisisKsdsKsKsKsn}", "missing", missing, "sent_all", g->sent_all,
+                         "complete", oc_gather_complete(g),
+                         "progress", (unsigned long long)g->progress,
+                         "progress_at", g->progress_at,
+                         "multicast_chunks", (unsigned long long)g->multicast_chunks,
+                         "duplicate_chunks", (unsigned long long)g->duplicate_chunks,
+                         "repaired_chunks", (unsigned long long)g->repaired_chunks,
+                         "bytes", (Py_ssize_t)oc_gather_bytes(g));
+}
+
 /* counters() -> (drops, stats, io): by name, as of the last return from serve */
 static PyObject *Plane_counters(Plane *self, PyObject *unused) {
     (void)unused;
@@ -816,8 +958,24 @@ static PyMethodDef Plane_methods[] = {
      "receive_run(kind, seq, src, dst, length, chunks, data, offset, stride, now) -> taken"},
     {"reduce", (PyCFunction)Plane_reduce, METH_VARARGS,
      "reduce(seq, dtype code, avg, count, input, output, chunk_bytes, slots, group, budget, now)"},
-    {"drained", (PyCFunction)Plane_drained, METH_NOARGS, "reductions drained since last asked"},
-    {"release", (PyCFunction)Plane_release, METH_O, "release(seq): let a reduction go"},
+    {"news", (PyCFunction)Plane_news, METH_NOARGS,
+     "collectives with news since last asked (a reduction drained; a gather's requests, own "
+     "multicast sent, or every chunk in place)"},
+    {"release", (PyCFunction)Plane_release, METH_O, "release(seq): let a collective go"},
+    {"gather", (PyCFunction)Plane_gather, METH_VARARGS,
+     "gather(seq, buffer, [(root, offset)], segment_bytes, chunk_bytes, mine, concurrent, "
+     "budget)"},
+    {"gather_activate", (PyCFunction)Plane_gather_activate, METH_VARARGS,
+     "gather_activate(seq, now): start multicasting this rank's segment"},
+    {"gather_store", (PyCFunction)Plane_gather_store, METH_VARARGS,
+     "gather_store(seq, first, payload, now) -> (misfit code, chunks put in place)"},
+    {"gather_have", (PyCFunction)Plane_gather_have, METH_VARARGS,
+     "gather_have(seq, first, count) -> 1 all here, 0 not, -1 not a range of one segment"},
+    {"gather_request", (PyCFunction)Plane_gather_request, METH_VARARGS,
+     "gather_request(seq, segment, lo, hi): mark what is missing there requested"},
+    {"gather_requests", (PyCFunction)Plane_gather_requests, METH_O,
+     "gather_requests(seq) -> [(first, count)] marked requested since last asked"},
+    {"gather_state", (PyCFunction)Plane_gather_state, METH_O, "gather_state(seq) -> dict or None"},
     {"reducer", (PyCFunction)Plane_reducer, METH_O, "reducer(seq) -> its state, or None"},
     {"timer", (PyCFunction)Plane_timer, METH_NOARGS, "when to call handle_timer, or None"},
     {"handle_timer", (PyCFunction)Plane_handle_timer, METH_O, "handle_timer(now)"},
@@ -860,7 +1018,7 @@ int oc_add_rank_types(PyObject *m) {
     }
     static const struct { const char *name; int value; } constants[] = {
         {"PORT_PYTHON", OC_PORT_PYTHON}, {"PORT_RUNS", OC_PORT_RUNS},
-        {"PORT_DRAINED", OC_PORT_DRAINED}, {"PORT_DEADLINE", OC_PORT_DEADLINE},
+        {"PORT_NEWS", OC_PORT_NEWS}, {"PORT_DEADLINE", OC_PORT_DEADLINE},
         {"PORT_INTERRUPTED", OC_PORT_INTERRUPTED}, {"PORT_ERROR", OC_PORT_ERROR},
         {"ROUTE_AGGREGATOR", OC_ROUTE_AGGREGATOR}, {"ROUTE_GROUP", OC_ROUTE_GROUP},
         {"ROUTE_RANK", OC_ROUTE_RANK},

@@ -181,7 +181,7 @@ int oc_port_serve(oc_port *port, double until) {
         }
         oc_port_flush(port);
         if (oc_plane_has_news(p)) {
-            result = OC_PORT_DRAINED;
+            result = OC_PORT_NEWS;
             break;
         }
         if (now >= until) {

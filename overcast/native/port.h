@@ -1,8 +1,9 @@
 /* A rank's datagram plane on its sockets: reads what the kernel coalesced (GRO) from the unicast
  * and multicast sockets, feeds the plane, seals its outbox into GSO sends, and wakes for its
  * timers; runs until Python has something to do: runs of messages for it (valid until the next
- * call), a reduction drained, its own descriptor (the engine's selector: streams, submissions)
- * readable, or its deadline. It touches no Python object and runs with the GIL released.
+ * call), news of a collective (oc_plane_news), its own descriptor (the engine's selector:
+ * streams, submissions) readable, or its deadline. It touches no Python object and runs with
+ * the GIL released.
  *
  * Ownership: the sockets are the caller's (not closed here); the port owns its epoll
  * descriptor, read buffers and the sealed batches the socket could not take yet. */
@@ -12,7 +13,7 @@
 #include "plane.h"
 #include "udp.h"
 
-enum { OC_PORT_PYTHON = 0, OC_PORT_RUNS = 1, OC_PORT_DRAINED = 2, OC_PORT_DEADLINE = 3,
+enum { OC_PORT_PYTHON = 0, OC_PORT_RUNS = 1, OC_PORT_NEWS = 2, OC_PORT_DEADLINE = 3,
        OC_PORT_INTERRUPTED = 4, OC_PORT_ERROR = 5 };
 
 typedef struct {

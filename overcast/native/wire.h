@@ -23,6 +23,8 @@
 #define OC_VERSION 1
 #define OC_KEY_BYTES 16
 #define OC_AGGREGATOR 0xFFFEu
+/* What a datagram carrying `payload` bytes occupies on an Ethernet link: IP, UDP, Ethernet. */
+#define OC_LINK_BYTES(payload) ((double)(payload) + OC_OVERHEAD_BYTES + 20 + 8 + 14)
 #define OC_ANY 0xFFFFu
 
 enum oc_kind {
@@ -31,6 +33,10 @@ enum oc_kind {
     OC_FIN = 24, OC_MCAST_END = 25, OC_CONTRIB = 30, OC_RESULT = 31, OC_RESULT_ACK = 32,
     OC_CREDIT = 33,
 };
+
+/* Why an authentic message did not fit its receiver's state (the drop counters' names). */
+enum { OC_FIT = 0, OC_MISFIT_OUT_OF_RANGE, OC_MISFIT_WRONG_LENGTH, OC_MISFIT_MALFORMED,
+       OC_MISFIT_WRONG_SENDER };
 
 typedef struct {
     uint8_t kind;

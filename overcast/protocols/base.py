@@ -192,6 +192,9 @@ class Collective:
     def get_timer(self) -> float | None:
         return None
 
+    def native_news(self, now: float) -> None:
+        """The rank's native plane has news of this collective (see Session.poll_plane)."""
+
     def stepped_at(self) -> float | None:
         """When the collective last made progress the session did not see (in the native
         plane), or None."""

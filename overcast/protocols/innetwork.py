@@ -59,7 +59,7 @@ class InNetworkReduceScatter(Collective):
         self.posted = True
         self.enter(Phase.SENDING)
         if self.plane.reducer(self.seq)["phase"] == "drained":  # one rank, or nothing to send
-            self.drained()
+            self.native_news(now)
 
     @property
     def progress(self) -> int:
@@ -78,7 +78,7 @@ class InNetworkReduceScatter(Collective):
         self.plane.receive_run(run.hdr.kind, run.hdr.seq, run.hdr.src, run.hdr.dst, run.length,
                                run.chunks, run.data, run.offset, run.stride, now)
 
-    def drained(self) -> None:
+    def native_news(self, now: float) -> None:
         """The plane has every result in place and every chunk released, and nothing of this
         reduction left to send."""
         state = self.plane.reducer(self.seq)

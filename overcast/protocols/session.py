@@ -47,6 +47,7 @@ class Session:
         self.rank, self.world, self.timeout = rank, world, timeout
         self.plane = _core.Plane(rank, world) if plane is None else plane
         self._plane_drops: dict[str, int] = {}  # the plane's drops already in `drops`
+        self.clock = 0.0  # the latest time the session was given
         # Datagrams that do not fit, by reason (misdirected, wrong_sender, out_of_range...):
         # the transport's own drop counter when the engine passes it, so one place counts all.
         self.drops = collections.Counter() if drops is None else drops
@@ -72,6 +73,7 @@ class Session:
 
     # -- posting and finishing -----------------------------------------------------------
     def post(self, coll: Collective, now: float) -> None:
+        self.clock = now
         if coll.seq != self.next_seq:
             raise ValueError(f"collective #{coll.seq} posted, #{self.next_seq} expected")
         self.next_seq += 1
@@ -136,6 +138,7 @@ class Session:
     def receive_run(self, run: Run, now: float, datagram: bool) -> None:
         """Take a run of authentic messages (wire.runs): what is checked of one is checked of
         all, so the run is checked once and fits or misfits whole."""
+        self.clock = now
         hdr = run.hdr
         kind = hdr.kind
         if datagram != (kind in DATAGRAM_KINDS):
@@ -166,19 +169,20 @@ class Session:
         if coll.progress != steps and hdr.seq in self.last_progress:
             self.last_progress[hdr.seq] = now
         self._settle(coll)
-        self.poll_plane()
+        self.poll_plane(now)
 
-    def poll_plane(self) -> None:
-        """Finish the collectives whose datagrams the plane has drained, and count what it
-        dropped with the rest."""
+    def poll_plane(self, now: float | None = None) -> None:
+        """Tell the collectives what the plane has news of (ranges to request, a multicast sent,
+        everything in place, a reduction drained), and count what it dropped with the rest."""
+        now = self.clock if now is None else now
         drops = self.plane.counters()[0]
         if drops != self._plane_drops:
             self.drops.update({k: v - self._plane_drops.get(k, 0) for k, v in drops.items()})
             self._plane_drops = drops
-        for seq in self.plane.drained():
+        for seq in self.plane.news():
             coll = self.active.get(seq)
             if coll is not None:
-                coll.drained()
+                self._guard(coll, coll.native_news, now)
                 self._settle(coll)
 
     def _hold(self, hdr, payload, datagram: bool) -> None:
@@ -303,9 +307,10 @@ class Session:
         return min(times, default=None)
 
     def handle_timer(self, now: float) -> None:
+        self.clock = now
         if not self.plane.attached and (t := self.plane.timer()) is not None and now >= t:
             self.plane.handle_timer(now)
-            self._take_plane()
+            self._take_plane(now)
         for seq, coll in list(self.active.items()):
             stepped = coll.stepped_at()  # progress made where the session does not see it
             if stepped is not None and stepped > self.last_progress[seq]:
@@ -338,7 +343,7 @@ class Session:
             return
         self.control.append(((STREAM, peer), Outgoing(kind, seq, 0, payload, peer)))
 
-    def _take_plane(self) -> None:
+    def _take_plane(self, now: float | None = None) -> None:
         """The plane's outbox, unsealed, while no engine runs it (the in-memory fabric)."""
         if self.plane.attached:
             return
@@ -346,7 +351,7 @@ class Session:
             route = (MULTICAST, -1) if code == _core.ROUTE_GROUP else \
                 (DATAGRAM, AGGREGATOR if code == _core.ROUTE_AGGREGATOR else dst)
             self.control.append((route, Outgoing(kind, seq, chunk, payload, dst)))
-        self.poll_plane()
+        self.poll_plane(now)
 
     def pending_routes(self) -> set[tuple[int, int]]:
         self._take_plane()

@@ -1,10 +1,11 @@
 /* Fuzz target: what a hostile network could bring a rank's datagram plane. The input is a script
  * of reads (1-8 datagrams from one sender: the aggregator, a rank, or one outside the world; any
  * kind, sequence, destination, chunk and payload, sealed under the communicator's key, some
- * replayed, some with a flipped bit, some raw bytes) and clock steps, into a plane with two
- * reductions posted (int32 and bfloat16, one averaged). It checks after every step that nothing
- * crashed or leaked (the sanitizers), that each reduction's state stays within its shape, and
- * that whatever the plane sends seals and opens. */
+ * replayed, some with a flipped bit, some raw bytes), repairs and requests as Python's side of
+ * the multicast would make them from what came over the streams, and clock steps, into a plane
+ * with two reductions posted (int32 and bfloat16, one averaged) and a multicast gather. It checks
+ * after every step that nothing crashed or leaked (the sanitizers), that each collective's state
+ * stays within its shape, and that whatever the plane sends seals and opens. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -13,7 +14,7 @@
 #include "plane.h"
 #include "sums.h"
 
-enum { WORLD = 4, RANK = 1, COUNT = 150, CHUNK = 64 };
+enum { WORLD = 4, RANK = 1, COUNT = 150, CHUNK = 64, GATHER_BYTES = 300 };
 static const uint8_t KEY[16] = {2, 7, 1, 8, 2, 8, 1, 8, 2, 8, 4, 5, 9, 0, 4, 5};
 static const uint8_t KINDS[] = {OC_RESULT, OC_RESULT, OC_RESULT, OC_CREDIT, OC_CREDIT,
                                 OC_MCAST_DATA, OC_CONTRIB, OC_RESULT_ACK};
@@ -38,11 +39,25 @@ static void check_sealed(void *ctx, uint8_t route, uint16_t dst, const uint8_t *
     }
 }
 
-static void check_state(const oc_plane *p, uint32_t seq) {
+static void check_state(oc_plane *p, uint32_t seq) {
     const oc_reducer *r = oc_plane_reducer(p, seq);
     if (r && (r->results > r->k || r->credit > r->total || r->cursor > r->total ||
               r->resend_n > r->total)) {
         fprintf(stderr, "reduction %u out of its shape\n", seq);
+        abort();
+    }
+    const oc_gather *g = oc_plane_gatherer(p, seq);
+    uint64_t held = 0;
+    for (uint32_t s = 0; g && s < g->nseg; s++) {
+        held += g->k - g->missing[s];
+        if (g->missing[s] > g->k || g->gap_n[s] > g->gap_cap) {
+            fprintf(stderr, "gather %u out of its shape\n", seq);
+            abort();
+        }
+    }
+    for (uint32_t i = 0; g && i < g->nseg * g->k; i++) held -= g->state[i] == OC_CHUNK_HAVE;
+    if (held) {
+        fprintf(stderr, "gather %u: its counts and its states disagree\n", seq);
         abort();
     }
 }
@@ -58,12 +73,23 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     oc_budget budget;
     oc_budget_init(&budget, 1e6, 0.005, 2, CHUNK + 100, 4);
     static int32_t in32[WORLD * COUNT], out32[COUNT];
+    static uint8_t gathered[WORLD * GATHER_BYTES];
     static uint16_t in16[WORLD * COUNT], out16[COUNT];
     oc_plane *p = oc_plane_new(RANK, WORLD, 1, 1, KEY, &own);
     oc_plane_reduce(p, 0, OC_INT32, 0, COUNT, (uint8_t *)in32, (uint8_t *)out32, CHUNK, 8, 2,
                     &budget, 0);
     oc_plane_reduce(p, 1, OC_BFLOAT16, 1, COUNT, (uint8_t *)in16, (uint8_t *)out16, CHUNK, 8, 3,
                     &budget, 0);
+    uint32_t roots[WORLD];
+    uint64_t offsets[WORLD];
+    for (uint32_t r = 0; r < WORLD; r++) {
+        roots[r] = r;
+        offsets[r] = (uint64_t)r * GATHER_BYTES;
+    }
+    oc_plane_gather(p, 2, gathered, WORLD, roots, offsets, GATHER_BYTES, CHUNK, RANK, WORLD - 1,
+                    &budget);
+    oc_gather *g = oc_plane_gatherer(p, 2);
+    oc_gather_activate(g, oc_plane_outbox(p), 0);
     script s = {data, size};
     double now = 0;
     static uint8_t batch[65536], payload[512];
@@ -73,6 +99,15 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
             now += take(&s, 1) * 0.002;
             double t = oc_plane_timer(p);
             if (t >= 0 && now >= t) oc_plane_handle_timer(p, now);
+        } else if (op % 16 == 5) { /* a repair, as a successor's frame brings it */
+            uint32_t first = take(&s, 1) % (WORLD * 5 + 2), fresh;
+            size_t len = take(&s, 2) % sizeof payload;
+            for (size_t i = 0; i < len; i++) payload[i] = (uint8_t)take(&s, 1);
+            oc_gather_store(g, first, payload, len, now, &fresh);
+            oc_gather_have(g, first, take(&s, 1) % 8);
+        } else if (op % 16 == 13) { /* a tail timer's request of what is still missing */
+            oc_gather_request(g, take(&s, 1) % (WORLD + 1), take(&s, 1) % 8, take(&s, 1) % 8);
+            g->nrequests = 0;
         } else if (op % 8 == 6) { /* raw bytes as one read */
             size_t len = take(&s, 1) + 1, segment = 1 + take(&s, 1) % len;
             for (size_t i = 0; i < len; i++) batch[i] = (uint8_t)take(&s, 1);
@@ -100,8 +135,9 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         }
         check_state(p, 0);
         check_state(p, 1);
-        uint32_t seqs[2];
-        oc_plane_newly_drained(p, seqs, 2);
+        check_state(p, 2);
+        uint32_t seqs[3];
+        oc_plane_news(p, seqs, 3);
         oc_outbox_seal(oc_plane_outbox(p), &own, check_sealed, NULL);
     }
     oc_plane_free(p);

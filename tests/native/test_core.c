@@ -610,7 +610,7 @@ static void test_rank_planes_with_the_aggregator(double loss) {
         all = 1;
         for (uint32_t r = 0; r < RW; r++) {
             uint32_t seq;
-            if (oc_plane_newly_drained(b.planes[r], &seq, 1)) drained[r]++;
+            if (oc_plane_news(b.planes[r], &seq, 1)) drained[r]++;
             all &= drained[r] == 1;
         }
         b.now += 0.0005;
@@ -640,7 +640,104 @@ static void test_rank_planes_with_the_aggregator(double loss) {
     oc_agg_free(b.agg);
 }
 
-/* Whatever does not fit a plane is dropped and counted by reason, never taken. */
+enum { GW = 3, GK = 37, GCHUNK = 40, GBYTES = GK * GCHUNK - 13 };
+
+typedef struct {
+    oc_plane *planes[GW];
+    double now;
+    uint16_t from;
+} mesh_t;
+
+static void to_group(void *ctx, uint8_t route, uint16_t dst, const uint8_t *data, size_t len,
+                     size_t segment) {
+    mesh_t *m = ctx;
+    (void)dst;
+    if (route != OC_ROUTE_GROUP) return;
+    for (uint16_t r = 0; r < GW; r++)
+        if (r != m->from) oc_plane_feed(m->planes[r], data, len, segment, m->now);
+}
+
+/* Three planes multicast their segments to each other, paced, with loss: what is lost is
+ * requested (the gaps the plane saw, then the tail), repaired in place as a successor's repair
+ * would, and every buffer ends the same as the sources. */
+static void test_gathers(double loss) {
+    mesh_t m = {0};
+    oc_sealer sealers[GW];
+    oc_budget budgets[GW];
+    static uint8_t buffers[GW][GW * GBYTES];
+    uint32_t roots[GW];
+    uint64_t offsets[GW];
+    for (uint32_t s = 0; s < GW; s++) {
+        roots[s] = s;
+        offsets[s] = (uint64_t)s * GBYTES;
+    }
+    for (uint16_t r = 0; r < GW; r++) {
+        sealers[r] = (oc_sealer){.job = 3, .comm = 4, .src = r};
+        oc_gmac_init(&sealers[r].gmac, KEY, 1);
+        oc_budget_init(&budgets[r], 2e5, 0.005, 3, GCHUNK + 100, 3);
+        m.planes[r] = oc_plane_new(r, GW, 3, 4, KEY, &sealers[r]);
+        oc_plane_set_loss(m.planes[r], loss, 1, 11);
+        memset(buffers[r], 0xEE, sizeof buffers[r]);
+        for (int i = 0; i < GBYTES; i++) buffers[r][r * GBYTES + i] = (uint8_t)(r * 31 + i);
+        CHECK(oc_plane_gather(m.planes[r], 2, buffers[r], GW, roots, offsets, GBYTES, GCHUNK, r,
+                              GW - 1, &budgets[r]) == 0, "posted");
+        oc_gather_activate(oc_plane_gatherer(m.planes[r], 2), oc_plane_outbox(m.planes[r]), 0);
+    }
+    int sent = 0;
+    for (int step = 0; step < 20000 && sent < GW; step++) {
+        sent = 0;
+        for (uint16_t r = 0; r < GW; r++) {
+            m.from = r;
+            oc_plane_handle_timer(m.planes[r], m.now);
+            oc_outbox_seal(oc_plane_outbox(m.planes[r]), &sealers[r], to_group, &m);
+            sent += oc_plane_gatherer(m.planes[r], 2)->sent_all;
+        }
+        m.now += 0.0002;
+    }
+    CHECK(sent == GW, "every segment sent");
+    /* what is still missing is asked for (the tail), then every request is repaired from its
+     * root's buffer, as the repairs over the streams would */
+    size_t requested = 0;
+    for (uint16_t r = 0; r < GW; r++) {
+        oc_gather *g = oc_plane_gatherer(m.planes[r], 2);
+        for (uint32_t s = 0; s < GW; s++) oc_gather_request(g, s, 0, GK);
+        requested += g->nrequests;
+        for (size_t i = 0; i < g->nrequests; i++) {
+            oc_range q = g->requests[i];
+            uint32_t root = q.first / GK, fresh;
+            uint64_t a = offsets[root] + (uint64_t)(q.first % GK) * GCHUNK;
+            uint64_t b = offsets[root] + (uint64_t)(q.first % GK + q.count) * GCHUNK;
+            if (b > offsets[root] + GBYTES) b = offsets[root] + GBYTES;
+            CHECK(oc_gather_store(g, q.first, buffers[root] + a, b - a, m.now, &fresh) == OC_FIT &&
+                      fresh == q.count,
+                  "a requested range is repaired whole");
+            CHECK(oc_gather_have(g, q.first, q.count) == 1, "and is here");
+        }
+        g->nrequests = 0;
+        CHECK(oc_gather_complete(g), "rank %u complete", r);
+    }
+    CHECK((loss > 0) == (requested > 0), "loss %.2f: %zu ranges requested", loss, requested);
+    int same = 1;
+    for (uint16_t r = 1; r < GW; r++) same &= !memcmp(buffers[r], buffers[0], sizeof buffers[0]);
+    CHECK(same, "every buffer holds every segment");
+    uint32_t fresh;
+    oc_gather *g0 = oc_plane_gatherer(m.planes[0], 2);
+    CHECK(oc_gather_store(g0, GK - 1, buffers[0], GCHUNK, 0, &fresh) == OC_MISFIT_WRONG_LENGTH,
+          "a last chunk is shorter");
+    CHECK(oc_gather_store(g0, GK - 1, buffers[0], 2 * GCHUNK, 0, &fresh) ==
+              OC_MISFIT_OUT_OF_RANGE,
+          "a repair across two segments");
+    CHECK(oc_gather_have(g0, GK * GW, 1) == -1 && oc_gather_have(g0, GK - 1, 2) == -1,
+          "have: only ranges of one segment");
+    for (uint16_t r = 0; r < GW; r++) {
+        oc_plane_release(m.planes[r], 2);
+        CHECK(oc_plane_gatherer(m.planes[r], 2) == NULL, "released");
+        oc_plane_free(m.planes[r]);
+        oc_gmac_free(&sealers[r].gmac);
+    }
+}
+
+/* Whatever does not fit is dropped and counted by reason, never taken. */
 static void test_plane_drops(void) {
     oc_sealer agg = {.job = 9, .comm = 8, .src = OC_AGGREGATOR}, rank2 = {.job = 9, .comm = 8,
                                                                           .src = 2};
@@ -652,7 +749,7 @@ static void test_plane_drops(void) {
     oc_gmac_init(&foreign.gmac, KEY, 1);
     oc_budget budget;
     oc_budget_init(&budget, 0, 0.005, 1, 0, 1);
-    oc_plane *p = oc_plane_new(1, 3, 9, 8, KEY, &rank2);
+    oc_plane *p = oc_plane_new(1, 3, 9, 8, KEY, NULL);
     int32_t in[300], out[100];
     memset(in, 0, sizeof in);
     oc_plane_reduce(p, 0, OC_INT32, 0, 100, (uint8_t *)in, (uint8_t *)out, 64, 8, 1, &budget, 0);
@@ -702,6 +799,29 @@ static void test_plane_drops(void) {
               chunks[runs[0].first] == 4,
           "a kind that is not the plane's goes to Python");
     CHECK(oc_plane_reducer(p, 0)->results == 1, "nothing that misfit was taken");
+    static uint8_t gbuf[3 * 100];
+    uint32_t roots[3] = {0, 1, 2};
+    uint64_t offsets[3] = {0, 100, 200};
+    oc_plane_gather(p, 5, gbuf, 3, roots, offsets, 100, 64, 1, 2, &budget);
+    uint8_t big[64] = {0};
+    memcpy(payload, big, 64);
+#define MCAST(sealer, dst, chunk, len)                                                            \
+    (n = oc_seal_parts(&(sealer), d, sizeof d, OC_MCAST_DATA, 5, dst, chunk, NULL, 0, payload,   \
+                       len),                                                                      \
+     oc_plane_feed(p, d, n, n, 0.0))
+    MCAST(agg, OC_ANY, 0, 64);
+    CHECK(drops[OC_PLANE_DROP_wrong_sender] == 3, "multicast from the aggregator: wrong sender");
+    MCAST(rank2, OC_ANY, 0, 64);
+    CHECK(drops[OC_PLANE_DROP_out_of_range] == 4, "rank 2's chunk 0 is rank 0's: out of range");
+    MCAST(rank2, OC_ANY, 5, 64);
+    CHECK(drops[OC_PLANE_DROP_wrong_length] == 2, "its last chunk holds 36 bytes: wrong length");
+    MCAST(rank2, 0, 4, 64);
+    CHECK(drops[OC_PLANE_DROP_misdirected] == 2, "for rank 0 alone: misdirected");
+    MCAST(rank2, OC_ANY, 4, 64);
+    CHECK(oc_plane_gatherer(p, 5)->multicast_chunks == 1 && !memcmp(gbuf + 200, big, 64),
+          "rank 2's first chunk in place");
+    CHECK(oc_plane_runs(p, &runs, &chunks) == 0, "and not Python's");
+#undef MCAST
     oc_plane_free(p);
     oc_gmac_free(&agg.gmac);
     oc_gmac_free(&rank2.gmac);
@@ -777,6 +897,8 @@ int main(void) {
     test_rank_planes_with_the_aggregator(0.0);
     test_rank_planes_with_the_aggregator(0.05);
     test_plane_drops();
+    test_gathers(0.0);
+    test_gathers(0.1);
     test_port();
     printf("%d passed, %d failed\n", passed, failed);
     return failed != 0;
