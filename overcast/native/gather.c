@@ -230,8 +230,11 @@ static void pump(oc_gather *g, oc_outbox *o, double now) {
     double shortest = OC_LINK_BYTES(g->segment_bytes - (uint64_t)last * g->chunk_bytes);
     double next_send = g->next_send > now - OC_MAX_BURST_SECONDS ? g->next_send
                                                                   : now - OC_MAX_BURST_SECONDS;
-    /* each chunk is due at its own time; those due within a batch's time leave together */
-    double due = rate > 0 ? now + (g->budget->batch - 1) * full / rate : now;
+    /* each chunk is due at its own time; those due within a batch's time leave together. The
+     * link's batch is shared by the streams a receiver takes in at once, so what reaches a
+     * receiver's switch port at once is one link batch, whatever the number of roots. */
+    uint32_t batch = (g->budget->batch + g->concurrent - 1) / g->concurrent;
+    double due = rate > 0 ? now + (batch - 1) * full / rate : now;
     double wire = 0;
     while (end <= last && (rate <= 0 || next_send <= due)) {
         double spent = end < last ? full : shortest;
