@@ -232,8 +232,10 @@ static void pump(oc_gather *g, oc_outbox *o, double now) {
                                                                   : now - OC_MAX_BURST_SECONDS;
     /* each chunk is due at its own time; those due within a batch's time leave together. The
      * link's batch is shared by the streams a receiver takes in at once, so what reaches a
-     * receiver's switch port at once is one link batch, whatever the number of roots. */
+     * receiver's switch port at once stays near one link batch, whatever the number of roots;
+     * but never fewer than OC_STREAM_BATCH, each a wake-up of every receiver. */
     uint32_t batch = (g->budget->batch + g->concurrent - 1) / g->concurrent;
+    if (batch < OC_STREAM_BATCH) batch = OC_STREAM_BATCH;
     double due = rate > 0 ? now + (batch - 1) * full / rate : now;
     double wire = 0;
     while (end <= last && (rate <= 0 || next_send <= due)) {

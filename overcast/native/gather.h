@@ -23,6 +23,8 @@
 enum { OC_CHUNK_MISSING = 0, OC_CHUNK_REQUESTED = 1, OC_CHUNK_HAVE = 2 };
 /* A gap this many chunks behind the newest chunk seen from its root is taken as lost. */
 #define OC_REORDER_SLACK 4
+/* The fewest datagrams a paced stream releases at once. */
+#define OC_STREAM_BATCH 4
 /* Gaps a segment keeps waiting at once; one more and the oldest is taken as lost. */
 #define OC_GAPS 16
 /* After a stall, a sender catches up by at most this much time's worth of datagrams at once. */
