@@ -185,6 +185,7 @@ class Engine:
     def _deliver_runs(self) -> None:
         """Hand the session the messages of the plane's last read that are Python's."""
         data, runs = self.plane.runs()
+        data = memoryview(data)
         deliver = self._deliverer(time.monotonic(), datagram=True)
         for kind, job, comm, seq, src, dst, length, counter, chunks, offset, stride in runs:
             deliver(Run(Header(kind, job, comm, seq, src, dst, chunks[0], length, counter),

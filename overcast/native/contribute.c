@@ -21,7 +21,7 @@ int oc_reducer_init(oc_reducer *r, uint32_t seq, uint32_t rank, uint32_t world, 
         return -1;
     uint64_t chunk_elems = chunk_bytes / itemsize;
     uint64_t k = (count + chunk_elems - 1) / chunk_elems;
-    if (k * world > UINT32_MAX) return -1;
+    if (k * world >= UINT32_MAX) return -1; /* the resend ring holds total + 1 */
     r->seq = seq;
     r->rank = rank;
     r->world = world;

@@ -266,6 +266,10 @@ static void pump(oc_gather *g, oc_outbox *o, double now) {
 
 void oc_gather_activate(oc_gather *g, oc_outbox *o, double now) {
     if (g->mine < 0 || g->sending || g->sent_all) return;
+    if (g->k == 0) { /* nothing to send */
+        g->sent_all = g->news = 1;
+        return;
+    }
     g->sending = 1;
     g->next_send = now;
     pump(g, o, now);

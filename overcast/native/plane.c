@@ -319,7 +319,7 @@ static int open_one(oc_plane *p, const uint8_t *d, size_t len, oc_header *h) {
     }
     if (h->src == p->rank) return -1; /* its own multicast, looped back: not news */
     uint32_t w = h->src == OC_AGGREGATOR ? p->world : h->src;
-    if (w > p->world) {
+    if (h->src != OC_AGGREGATOR && h->src >= p->world) { /* index world is the aggregator's */
         p->drops[OC_PLANE_DROP_wrong_sender]++;
         return -1;
     }

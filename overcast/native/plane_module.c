@@ -12,6 +12,7 @@
 #include <Python.h>
 
 #include <arpa/inet.h>
+#include <math.h>
 
 #include "budget.h"
 #include "plane.h"
@@ -32,16 +33,18 @@ static int Sealer_init(Sealer *self, PyObject *args, PyObject *kw) {
     static char *names[] = {"key", "job", "comm", "src", NULL};
     Py_buffer key;
     unsigned int job, comm, src;
+    if (self->ready) { /* its counter must never go back under the same key */
+        PyErr_SetString(PyExc_RuntimeError, "a sealer is keyed once");
+        return -1;
+    }
     if (!PyArg_ParseTupleAndKeywords(args, kw, "y*III", names, &key, &job, &comm, &src))
         return -1;
-    int bad = key.len != OC_KEY_BYTES;
-    if (!bad) {
-        if (self->ready) oc_gmac_free(&self->s.gmac);
-        self->ready = oc_gmac_init(&self->s.gmac, key.buf, 1) == 0;
-    }
+    int bad = key.len != OC_KEY_BYTES || src > 0xFFFF;
+    if (!bad) self->ready = oc_gmac_init(&self->s.gmac, key.buf, 1) == 0;
     PyBuffer_Release(&key);
     if (bad) {
-        PyErr_Format(PyExc_ValueError, "a communicator key has %d bytes", OC_KEY_BYTES);
+        PyErr_Format(PyExc_ValueError, "a communicator key has %d bytes; a sender is a u16",
+                     OC_KEY_BYTES);
         return -1;
     }
     if (!self->ready) {
@@ -105,7 +108,11 @@ static PyObject *Sealer_counter(Sealer *self, void *closure) {
 
 static int Sealer_set_counter(Sealer *self, PyObject *value, void *closure) {
     (void)closure;
-    unsigned long long v = value ? PyLong_AsUnsignedLongLong(value) : (unsigned long long)-1;
+    if (value == NULL) {
+        PyErr_SetString(PyExc_TypeError, "the counter cannot be deleted");
+        return -1;
+    }
+    unsigned long long v = PyLong_AsUnsignedLongLong(value);
     if (v == (unsigned long long)-1 && PyErr_Occurred()) return -1;
     self->s.counter = v;
     return 0;
@@ -250,7 +257,11 @@ static PyObject *Budget_get(Budget *self, void *which) {
 
 static int Budget_set_in_flight(Budget *self, PyObject *value, void *which) {
     (void)which;
-    long v = value ? PyLong_AsLong(value) : -1;
+    if (value == NULL) {
+        PyErr_SetString(PyExc_TypeError, "reductions_in_flight cannot be deleted");
+        return -1;
+    }
+    long v = PyLong_AsLong(value);
     if (v == -1 && PyErr_Occurred()) return -1;
     self->b.reductions_in_flight = (int32_t)v;
     return 0;
@@ -354,6 +365,11 @@ static int Plane_init(Plane *self, PyObject *args, PyObject *kw) {
         PyErr_SetString(PyExc_ValueError, "key: 16 bytes or None; sealer: a Sealer or None");
         return -1;
     }
+    if (rank >= world) {
+        if (key.buf) PyBuffer_Release(&key);
+        PyErr_Format(PyExc_ValueError, "rank %u of a world of %u", rank, world);
+        return -1;
+    }
     self->plane = oc_plane_new((uint16_t)rank, world, job, comm, key.buf,
                                sealer == Py_None ? NULL : &((Sealer *)sealer)->s);
     if (key.buf) PyBuffer_Release(&key);
@@ -443,6 +459,7 @@ static PyObject *Plane_detach(Plane *self, PyObject *unused) {
 static PyObject *Plane_serve(Plane *self, PyObject *arg) {
     double until = PyFloat_AsDouble(arg);
     if (until == -1.0 && PyErr_Occurred()) return NULL;
+    if (!isfinite(until)) return PyErr_Format(PyExc_ValueError, "serve needs a finite deadline");
     if (!usable(self)) return NULL;
     if (!self->attached) return PyErr_Format(PyExc_RuntimeError, "the plane has no sockets");
     int reason;
@@ -479,7 +496,7 @@ static PyObject *run_list(Plane *self) {
     return list;
 }
 
-/* runs() -> (the read buffer as a memoryview, or None after feed; [(kind, job, comm, seq, src,
+/* runs() -> (a copy of the read, or None after feed; [(kind, job, comm, seq, src,
  * dst, length, counter, chunks, offset, stride)]): the messages of the last read that are
  * Python's, valid until the next serve or feed. */
 static PyObject *Plane_runs(Plane *self, PyObject *unused) {
@@ -490,9 +507,11 @@ static PyObject *Plane_runs(Plane *self, PyObject *unused) {
     PyObject *view = Py_None;
     const oc_run *runs;
     const uint32_t *chunks;
+    /* a copy: these are rare (messages for collectives not posted yet, kinds that are Python's),
+     * and nothing Python keeps may point into a read buffer the port reuses and frees */
     if (self->attached && oc_plane_runs(self->plane, &runs, &chunks) && self->port.runs_data)
-        view = PyMemoryView_FromMemory((char *)self->port.runs_data,
-                                       (Py_ssize_t)self->port.runs_len, PyBUF_READ);
+        view = PyBytes_FromStringAndSize((const char *)self->port.runs_data,
+                                         (Py_ssize_t)self->port.runs_len);
     else
         Py_INCREF(view);
     if (view == NULL) {
@@ -541,8 +560,10 @@ static PyObject *Plane_receive_run(Plane *self, PyObject *args) {
         if (ok) cs[i] = (uint32_t)v;
     }
     /* the payloads must lie within the data */
-    if (ok && n && (offset < 0 || stride < 0 ||
-                    (size_t)offset + (size_t)(n - 1) * (size_t)stride + length > (size_t)data.len)) {
+    if (ok && n && (offset < 0 || stride < 0 || (size_t)offset > (size_t)data.len ||
+                    length > (size_t)data.len - (size_t)offset ||
+                    (n > 1 && (size_t)stride > ((size_t)data.len - (size_t)offset - length) /
+                                                   (size_t)(n - 1)))) {
         PyErr_SetString(PyExc_ValueError, "the run's payloads lie outside its data");
         ok = 0;
     }
@@ -589,7 +610,9 @@ static PyObject *Plane_reduce(Plane *self, PyObject *args) {
     }
     size_t item = oc_dtype_size(dtype);
     uint64_t world = oc_plane_world(self->plane);
-    if (!item || chunk_bytes <= 0 || count > (uint64_t)PY_SSIZE_T_MAX / item / world ||
+    if (!item || chunk_bytes <= 0 ||
+        (size_t)chunk_bytes > OC_MAX_DATAGRAM - OC_OVERHEAD_BYTES - OC_CONTRIB_PREFIX_BYTES ||
+        count > (uint64_t)PY_SSIZE_T_MAX / item / world ||
         (size_t)h.output.len < count * item || (size_t)h.input.len < world * count * item) {
         release_held(&h);
         return PyErr_Format(PyExc_ValueError, "reduce: dtype %u, %llu elements per rank, input "
@@ -627,6 +650,7 @@ static PyObject *Plane_news(Plane *self, PyObject *unused) {
 static PyObject *Plane_release(Plane *self, PyObject *arg) {
     unsigned long seq = PyLong_AsUnsignedLong(arg);
     if (seq == (unsigned long)-1 && PyErr_Occurred()) return NULL;
+    if (seq > UINT32_MAX) return PyErr_Format(PyExc_ValueError, "a sequence number is a u32");
     if (!usable(self)) return NULL;
     oc_plane_release(self->plane, (uint32_t)seq);
     for (size_t i = 0; i < self->nheld; i++)
@@ -712,6 +736,7 @@ static PyObject *Plane_send(Plane *self, PyObject *args) {
     Py_ssize_t got = 0;
     int ok = views != NULL;
     oc_outbox *o = oc_plane_outbox(self->plane);
+    size_t queued = o->n;
     for (Py_ssize_t i = 0; ok && i < n; i++) {
         PyObject *m = PySequence_Fast_GET_ITEM(seqf, i);
         PyObject *kind = PyObject_GetAttrString(m, "kind"), *seq = PyObject_GetAttrString(m, "seq"),
@@ -735,11 +760,13 @@ static PyObject *Plane_send(Plane *self, PyObject *args) {
         Py_XDECREF(payload);
     }
     if (ok) {
+        self->serving = 1;
         Py_BEGIN_ALLOW_THREADS
         oc_port_flush(&self->port);
         Py_END_ALLOW_THREADS
+        self->serving = 0;
     } else {
-        oc_outbox_clear(o); /* nothing borrowed from a released buffer may stay */
+        o->n = queued; /* nothing borrowed from a released buffer may stay; the plane's own do */
     }
     for (Py_ssize_t i = 0; i < got; i++) PyBuffer_Release(&views[i]);
     PyMem_Free(views);
@@ -774,6 +801,10 @@ static PyObject *Plane_gather(Plane *self, PyObject *args) {
     int ok = roots && offsets && n > 0 && self->nheld < ((size_t)1 << 20);
     for (Py_ssize_t i = 0; ok && i < n; i++)
         ok = PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seqf, i), "IK", &roots[i], &offsets[i]);
+    if (ok && chunk_bytes > OC_MAX_DATAGRAM - OC_OVERHEAD_BYTES) {
+        PyErr_Format(PyExc_ValueError, "a chunk of %u bytes does not fit a datagram", chunk_bytes);
+        ok = 0;
+    }
     if (ok) ok = PyObject_GetBuffer(buffer, &h.output, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) == 0;
     for (Py_ssize_t i = 0; ok && i < n; i++)
         if (offsets[i] > (uint64_t)h.output.len || segment_bytes > (uint64_t)h.output.len - offsets[i]) {

@@ -115,12 +115,13 @@ static void send_pending(oc_port *port) {
         oc_pending *q = &port->pending[done];
         size_t sent;
         int full = send_batch(port, q->route, q->dst, q->data, q->len, q->segment, &sent);
-        port->pending_bytes -= sent;
         if (full) {
+            port->pending_bytes -= sent;
             memmove(q->data, q->data + sent, q->len - sent);
             q->len -= sent;
             break;
         }
+        port->pending_bytes -= q->len; /* sent, or failed for good (counted) */
         free(q->data);
         done++;
     }
