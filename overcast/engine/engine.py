@@ -254,8 +254,12 @@ class Engine:
         try:
             stream.flush(written)
         except StreamClosed:
-            self._drop_stream(stream)
-            self.session.peer_lost(stream.peer)
+            # What the peer sent before it went is still to be read (an ABORT or a GOODBYE may
+            # wait behind the failed write), and says why it went.
+            self._read(stream)
+            if stream.peer in self.streams:
+                self._drop_stream(stream)
+                self.session.peer_lost(stream.peer)
             return
         want = selectors.EVENT_READ | (selectors.EVENT_WRITE if stream.queued_bytes else 0)
         if self._masks.get(stream.peer) != want:
