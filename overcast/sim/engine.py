@@ -69,7 +69,8 @@ PYTHON = Engine(
     switch_us_per_datagram=14.2,
     datagram_headers=OVERHEAD_BYTES + IP_UDP_BYTES + ETHERNET_BYTES,
     stream_headers_per_byte=TCP_SEGMENT_HEADERS / 8948, pacing_share=0.95, cores=1.0,
-    note="overcast's Python engine today, one core per host, as measured by overcast bench")
+    note="overcast's engine with every rank's datagram in Python (before the native plane), one "
+         "core per host, as measured by overcast bench")
 
 # The paper (SC24, arXiv 2408.13356): a SmartNIC data-path accelerator sustains line rate at
 # 1.6 Tbit/s with 4 KiB chunks: 4096 B / 200 GB/s = 20.5 ns per chunk in one direction.
