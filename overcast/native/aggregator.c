@@ -6,14 +6,13 @@
 
 #include "grow.h"
 #include "sums.h"
+#include "udp.h"
 
 #define NACK_SECONDS 0.02
 #define MAX_BACKOFF 8
 #define LONGEST_RESEND_WAIT (OC_RESEND_SECONDS * (1 << MAX_BACKOFF))
 #define TICK_SECONDS 0.01
 #define CREDIT_EVERY_DIVISOR 4 /* announce after a quarter of the window is released */
-/* What one GSO send carries at most (the kernel's UDP_MAX_SEGMENTS). */
-#define BATCH_SEGMENTS 64
 #define PREFIX_BYTES 8         /* CONTRIB's: dtype u8, group u8, world u16, total u32 */
 /* The most chunks one CREDIT names to send again: its payload stays one datagram. */
 #define CREDIT_MAX_RESEND ((OC_MAX_DATAGRAM - OC_OVERHEAD_BYTES - 4) / 4)
@@ -848,10 +847,7 @@ void oc_agg_flush(oc_agg *a, oc_emit emit, void *ctx) {
             if (c == NULL || !c->keyed) continue;
             size_t length = OC_OVERHEAD_BYTES + o->len;
             if (length > OC_MAX_DATAGRAM) continue; /* never made: payloads are bounded */
-            int fits = end == 0 || (length <= size && end % size == 0 &&
-                                    end + length <= OC_MAX_DATAGRAM &&
-                                    end / size < BATCH_SEGMENTS);
-            if (!fits) {
+            if (!oc_gso_joins(end, size, length)) {
                 emit(ctx, h, dst, a->sealed, end, size);
                 end = 0;
             }

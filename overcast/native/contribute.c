@@ -109,6 +109,7 @@ static void pump(oc_reducer *r, oc_outbox *o, double now) {
     if (r->pump_at >= 0 && now < r->pump_at) return;
     r->pump_at = -1;
     uint32_t chunks[256];
+    uint64_t starts[256], stops[256]; /* each chunk's elements, worked out once */
     uint32_t group = r->group;
     for (;;) {
         size_t n = 0, resends = r->resend_n < group ? r->resend_n : group;
@@ -128,21 +129,18 @@ static void pump(oc_reducer *r, oc_outbox *o, double now) {
         if (!n) return;
         double wire = 0;
         for (size_t i = 0; i < n; i++) {
-            uint64_t start, stop, c;
-            elements(r, chunks[i], &start, &stop, &c);
-            wire += OC_LINK_BYTES(OC_CONTRIB_PREFIX_BYTES + (stop - start) * r->itemsize);
+            uint64_t c;
+            elements(r, chunks[i], &starts[i], &stops[i], &c);
+            wire += OC_LINK_BYTES(OC_CONTRIB_PREFIX_BYTES + (stops[i] - starts[i]) * r->itemsize);
         }
         if (!oc_budget_try_take(r->budget, wire, now)) {
             r->pump_at = oc_budget_ready_at(r->budget, wire, now);
             return;
         }
-        for (size_t i = 0; i < n; i++) {
-            uint64_t start, stop, c;
-            elements(r, chunks[i], &start, &stop, &c);
+        for (size_t i = 0; i < n; i++)
             oc_outbox_add(o, OC_ROUTE_AGGREGATOR, OC_AGGREGATOR, OC_CONTRIB, r->seq, chunks[i],
-                          r->prefix, OC_CONTRIB_PREFIX_BYTES, r->input + start * r->itemsize,
-                          (stop - start) * r->itemsize);
-        }
+                          r->prefix, OC_CONTRIB_PREFIX_BYTES, r->input + starts[i] * r->itemsize,
+                          (stops[i] - starts[i]) * r->itemsize);
         flush_acks(r, o);
         for (size_t i = 0; i < resends; i++) {
             clear_bit(r->pending, r->resend[r->resend_head]);

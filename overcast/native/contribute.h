@@ -30,6 +30,7 @@ enum { OC_REDUCER_SENDING, OC_REDUCER_RECEIVING, OC_REDUCER_DRAINED };
 
 
 typedef struct {
+    /* seq first: the plane looks collectives up by it (plane.c) */
     uint32_t seq, rank, world, k, total, group, slots;
     unsigned dtype;
     int avg;

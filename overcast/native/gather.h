@@ -35,6 +35,7 @@ typedef struct {
 } oc_range;
 
 typedef struct {
+    /* seq first: the plane looks collectives up by it (plane.c) */
     uint32_t seq, world, nseg, k, chunk_bytes;
     uint8_t *buffer;
     uint64_t segment_bytes;

@@ -72,11 +72,9 @@ size_t oc_outbox_seal(oc_outbox *o, oc_sealer *s, oc_batch_fn emit, void *ctx) {
     for (size_t i = 0; i < o->n; i++) {
         const oc_msg *m = &o->msgs[i];
         size_t len = OC_OVERHEAD_BYTES + m->head_len + m->body_len;
-        /* a message joins the batch if it goes the same way, is no longer than the batch's
-         * datagrams, follows a whole one, and the batch has room */
-        if (first && (m->route != first->route || m->dst != first->dst || len > segment ||
-                      end % segment || end + len > OC_MAX_DATAGRAM ||
-                      end / segment >= OC_GSO_MAX_SEGMENTS)) {
+        /* a message joins the batch if it goes the same way and GSO can take it */
+        if (first && (m->route != first->route || m->dst != first->dst ||
+                      !oc_gso_joins(end, segment, len))) {
             emit(ctx, first->route, first->dst, batch, end, segment);
             first = NULL;
             end = 0;

@@ -137,22 +137,22 @@ const struct sockaddr_in *oc_plane_address(const oc_plane *p, uint8_t route, uin
 
 /* -- reductions ----------------------------------------------------------------------------- */
 
-static oc_reducer *find(const oc_plane *p, uint32_t seq, size_t *index) {
-    for (size_t i = 0; i < p->nreducers; i++)
-        if (p->reducers[i]->seq == seq) {
+/* The collective of `seq` among `n` of one kind; each kind's struct starts with its seq. */
+static void *lookup(void *const *items, size_t n, uint32_t seq, size_t *index) {
+    for (size_t i = 0; i < n; i++)
+        if (*(const uint32_t *)items[i] == seq) {
             if (index) *index = i;
-            return p->reducers[i];
+            return items[i];
         }
     return NULL;
 }
 
+static oc_reducer *find(const oc_plane *p, uint32_t seq, size_t *index) {
+    return lookup((void *const *)p->reducers, p->nreducers, seq, index);
+}
+
 static oc_gather *find_gather(const oc_plane *p, uint32_t seq, size_t *index) {
-    for (size_t i = 0; i < p->ngathers; i++)
-        if (p->gathers[i]->seq == seq) {
-            if (index) *index = i;
-            return p->gathers[i];
-        }
-    return NULL;
+    return lookup((void *const *)p->gathers, p->ngathers, seq, index);
 }
 
 int oc_plane_gather(oc_plane *p, uint32_t seq, uint8_t *buffer, uint32_t nseg,

@@ -921,18 +921,31 @@ static PyObject *Plane_gather_state(Plane *self, PyObject *arg) {
                          "bytes", (Py_ssize_t)oc_gather_bytes(g));
 }
 
-/* counters() -> (drops, stats, io): by name, as of the last return from serve */
-static PyObject *Plane_counters(Plane *self, PyObject *unused) {
-    (void)unused;
-    if (self->plane == NULL) return PyErr_Format(PyExc_RuntimeError, "not initialised");
-    const snapshot_t *s = &self->snap;
-    PyObject *drops = PyDict_New(), *stats = PyDict_New();
+/* The snapshot's drops by name, those that happened. */
+static PyObject *drop_dict(const snapshot_t *s) {
+    PyObject *drops = PyDict_New();
     for (int i = 0; drops && i < OC_PLANE_DROP_COUNT; i++) {
         if (!s->drops[i]) continue;
         PyObject *v = PyLong_FromUnsignedLongLong(s->drops[i]);
         if (v == NULL || PyDict_SetItemString(drops, oc_plane_drop_names[i], v)) Py_CLEAR(drops);
         Py_XDECREF(v);
     }
+    return drops;
+}
+
+/* drops() -> what the plane dropped, by reason, as of the last return from serve */
+static PyObject *Plane_drops(Plane *self, PyObject *unused) {
+    (void)unused;
+    if (self->plane == NULL) return PyErr_Format(PyExc_RuntimeError, "not initialised");
+    return drop_dict(&self->snap);
+}
+
+/* counters() -> (drops, stats, io): by name, as of the last return from serve */
+static PyObject *Plane_counters(Plane *self, PyObject *unused) {
+    (void)unused;
+    if (self->plane == NULL) return PyErr_Format(PyExc_RuntimeError, "not initialised");
+    const snapshot_t *s = &self->snap;
+    PyObject *drops = drop_dict(s), *stats = PyDict_New();
     for (int i = 0; stats && i < OC_PLANE_STAT_COUNT; i++) {
         PyObject *v = PyLong_FromUnsignedLongLong(s->stats[i]);
         if (v == NULL || PyDict_SetItemString(stats, oc_plane_stat_names[i], v)) Py_CLEAR(stats);
@@ -1013,6 +1026,7 @@ static PyMethodDef Plane_methods[] = {
     {"take_outbox", (PyCFunction)Plane_take_outbox, METH_NOARGS,
      "[(route, dst, kind, seq, chunk, payload)] unsealed; empties the outbox"},
     {"send", (PyCFunction)Plane_send, METH_VARARGS, "send(route, messages)"},
+    {"drops", (PyCFunction)Plane_drops, METH_NOARGS, "what it dropped, by reason"},
     {"counters", (PyCFunction)Plane_counters, METH_NOARGS, "(drops, stats, io) by name"},
     {"memory", (PyCFunction)Plane_memory, METH_NOARGS, "(bookkeeping bytes, unsent bytes)"},
     {NULL, NULL, 0, NULL},

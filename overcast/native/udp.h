@@ -11,7 +11,15 @@
 #include <sys/types.h>
 
 #define OC_GSO_MAX_SEGMENTS 64
+#define OC_GSO_MAX_BYTES 65507 /* one UDP payload */
 #define OC_GRO_READ_BYTES 65536
+
+/* Whether a datagram of `len` bytes may follow `end` bytes of datagrams of `segment` bytes in
+ * one GSO send: the kernel cuts a send at `segment`, so only the last may be shorter. */
+static inline int oc_gso_joins(size_t end, size_t segment, size_t len) {
+    return end == 0 || (len <= segment && end % segment == 0 && end + len <= OC_GSO_MAX_BYTES &&
+                        end / segment < OC_GSO_MAX_SEGMENTS);
+}
 
 typedef struct {
     int fd;

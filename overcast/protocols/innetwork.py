@@ -61,15 +61,6 @@ class InNetworkReduceScatter(Collective):
         if self.plane.reducer(self.seq)["phase"] == "drained":  # one rank, or nothing to send
             self.native_news(now)
 
-    @property
-    def progress(self) -> int:
-        state = self.plane.reducer(self.seq) if self.posted else None
-        return state["progress"] if state else 0
-
-    @progress.setter
-    def progress(self, value: int) -> None:
-        pass  # counted by the plane
-
     def stepped_at(self) -> float | None:
         state = self.plane.reducer(self.seq) if self.posted else None
         return state["progress_at"] if state and state["progress_at"] >= 0 else None

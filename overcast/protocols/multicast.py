@@ -24,8 +24,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from overcast.protocols.base import MULTICAST, STREAM, Accept, Collective, Descriptor, Outgoing, \
-    Phase
+from overcast.protocols.base import STREAM, Accept, Collective, Descriptor, Outgoing, Phase
 from overcast.protocols.budget import LinkBudget
 from overcast.schedules.chains import chain_position, chunk_count, concurrent_senders
 from overcast.wire.header import Kind, MalformedError

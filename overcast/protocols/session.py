@@ -175,7 +175,7 @@ class Session:
         """Tell the collectives what the plane has news of (ranges to request, a multicast sent,
         everything in place, a reduction drained), and count what it dropped with the rest."""
         now = self.clock if now is None else now
-        drops = self.plane.counters()[0]
+        drops = self.plane.drops()
         if drops != self._plane_drops:
             self.drops.update({k: v - self._plane_drops.get(k, 0) for k, v in drops.items()})
             self._plane_drops = drops
