@@ -63,22 +63,33 @@ def test_overcast_train_compares_four_ways(tmp_path):
                                  str(tmp_path)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = json.loads((tmp_path / "train.json").read_text())
-    ways = {r["way"]: r for r in doc["results"]}
+    [run] = doc["shapes"]
+    ways = {r["way"]: r for r in run["results"]}
     assert list(ways) == ["gloo", "gloo-separate", "overcast-ring", "overcast"]
     for r in ways.values():
         assert r["max_loss_difference"] < 1e-4, r["way"]
         assert r["collectives_per_step"] == {"allgathers": 6.0, "reduce_scatters": 4.0}, r
+        # the training thread's step, taken apart: its blocked time outside the hooks can't
+        # exceed what is left of the step once its CPU is taken out
+        assert 0 <= r["gil_wait_seconds"] <= r["compute_seconds"] <= r["step_seconds"], r
+    assert doc["meta"]["cpu_waits_measured"]
+    assert all(ways[w]["cpu_wait_seconds"] > 0 for w in ways)  # 3 hosts share 2 cores
+    # the engine's Python holds the GIL: none with gloo, some with overcast's engine
+    assert ways["gloo"]["engine_python_cpu_seconds"] == 0
+    assert ways["overcast"]["engine_python_cpu_seconds"] > 0
+    check_prediction(run, hosts=3)
     # gloo's ReduceScatter is an allreduce; multicast sends each shard once, in-network
     # reduction receives one shard: bytes per host per step, from the NIC counters
     assert ways["gloo-separate"]["tx_bytes_per_host_per_step"] > \
         ways["overcast-ring"]["tx_bytes_per_host_per_step"] > \
         ways["overcast"]["tx_bytes_per_host_per_step"]
-    for name in ("losses.png", "steps.png", "timeline-overcast.png", "timeline-overcast.json"):
+    for name in ("losses-given.png", "steps-given.png", "timeline-given-overcast.png",
+                 "timeline-given-overcast.json"):
         assert (tmp_path / name).stat().st_size > 0
     # The backward overlaps a block's ReduceScatter with the AllGather of the block before.
     # Whether a given pair's spans meet depends on how long the compute between them took on
     # these shared cores (one CI run saw only blocks.1's): at least one must.
-    trace = json.loads((tmp_path / "timeline-overcast.json").read_text())["traceEvents"]
+    trace = json.loads((tmp_path / "timeline-given-overcast.json").read_text())["traceEvents"]
     spans = [e for e in trace if e["ph"] == "X" and e["pid"] == 0]
     gathers = {e["name"].split()[1]: e for e in spans if e["name"].startswith("AG ")}
     scatters = {e["name"].split()[1]: e for e in spans if e["name"].startswith("RS ")}
@@ -89,22 +100,53 @@ def test_overcast_train_compares_four_ways(tmp_path):
 
 
 @root_only
-def test_overcast_train_with_accumulation_and_checkpointing(tmp_path):
-    """4 micro-steps, only the last one reducing, and every block recomputed in backward:
-    overcast trains exactly as gloo with a separate ReduceScatter group does."""
+def test_overcast_train_shapes_with_accumulation_and_checkpointing(tmp_path):
+    """Two shapes of the matrix, each with 4 micro-steps (only the last one reducing) and every
+    block recomputed in backward: overcast trains exactly as gloo with a separate ReduceScatter
+    group does, and each issues the collectives the cost model counts for it."""
     proc = subprocess.run(CLI + ["train", "--hosts", "3", "--link-mbit", "200", "--steps", "2",
-                                 "--warmup", "1", "--blocks", "3", "--dim", "64",
+                                 "--warmup", "1", "--shapes", "small,kept", "--dim", "64",
                                  "--micro-steps", "4", "--activation-checkpointing",
                                  "--ways", "gloo-separate,overcast", "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "4 micro-steps, activation checkpointing" in proc.stdout
     doc = json.loads((tmp_path / "train.json").read_text())
-    for r in doc["results"]:
-        assert r["max_loss_difference"] < 1e-4, r  # 3 ranks: sums in another order
-        # per micro-step: the root and 3 blocks gathered for forward, the 2 blocks resharded
-        # after forward again for backward; ReduceScatter on the last micro-step only
-        assert r["collectives_per_step"] == {"allgathers": 24.0, "reduce_scatters": 4.0}, r
+    assert [run["shape"] for run in doc["shapes"]] == ["small", "kept"]
+    small, kept = doc["shapes"]
+    assert (small["model"]["dim"], small["model"]["blocks"], kept["model"]["dim"]) == (128, 2, 64)
+    for run in doc["shapes"]:
+        for r in run["results"]:
+            assert r["max_loss_difference"] < 1e-4, r  # 3 ranks: sums in another order
+        check_prediction(run, hosts=3)
+    # small, per micro-step: the root and 2 blocks gathered for forward, block 0 again for
+    # backward; the last micro-step pairs it with block 1's ReduceScatter, then block 0's and
+    # the root's alone. kept: no block gathers in backward, so nothing pairs.
+    assert small["prediction"]["collectives"] == {"allgather": 15, "reduce_scatter": 2,
+                                                  "pair": 1}
+    assert kept["prediction"]["collectives"] == {"allgather": 20, "reduce_scatter": 5,
+                                                 "pair": 0}
+    assert kept["prediction"]["speedup_over_rings"] == 1.0
+
+
+def check_prediction(run: dict, hosts: int) -> None:
+    """The cost model's collectives are the ones the step ran, and their bytes the ones the
+    rings' NICs carried."""
+    from overcast.train.gpt import GPTConfig
+    from overcast.train.predict import step_collectives
+    cfg = GPTConfig(**run["model"])
+    p = run["prediction"]
+    assert p["compute_from"] == "gloo-separate"
+    for r in run["results"]:
+        assert r["collectives_per_step"] == {
+            "allgathers": p["collectives"]["allgather"] + p["collectives"]["pair"],
+            "reduce_scatters": p["collectives"]["reduce_scatter"] + p["collectives"]["pair"]}, r
+    ring = (hosts - 1) * sum(g + s for _, g, s in step_collectives(cfg, hosts))
+    for r in run["results"]:
+        if r["way"] == "overcast-ring":  # gloo's ReduceScatter is an allreduce: more
+            # headers and the rendezvous besides the payload
+            assert 1.0 < r["tx_bytes_per_host_per_step"] / ring < 1.05, r
+    assert p["step_seconds"]["rings"] >= p["step_seconds"]["overcast"] > p["compute_seconds"]
 
 
 def _overlap(a: dict, b: dict) -> float:
@@ -119,7 +161,10 @@ def _overlap(a: dict, b: dict) -> float:
     (["--link-mbit", "0"], "the link rate must be above 0 Mbit/s, not 0 (--link-mbit"),
     (["--link-mbit", "-5"], "the link rate must be above 0 Mbit/s, not -5 (--link-mbit"),
     (["--blocks", "0"], "--blocks (0)"), (["--dim", "30"], "--dim must be a positive multiple"),
-    (["--micro-steps", "0"], "--micro-steps (0)"),
+    (["--micro-steps", "0"], "--micro-steps (0)"), (["--vocab", "1"], "--vocab (1) 2 or more"),
+    (["--seq", "0"], "--seq (0)"), (["--reshard", "4"], "--reshard takes all-but-last, all, "
+                                    "none or block numbers from 0 to 3"),
+    (["--reshard", "x"], "not 'x'"), (["--shapes", "small,huge"], "unknown shape huge"),
     (["--lr", "0"], "--lr must be above 0")])
 def test_train_flags_checked_before_anything_is_built(flags, words, tmp_path):
     proc = subprocess.run(CLI + ["train", "--out", str(tmp_path / "out"), *flags],

@@ -4,6 +4,7 @@ without a network), the emulated cluster (up, run, clean) and the aggregator (sw
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shlex
@@ -177,25 +178,40 @@ def _progress(console: Console):
 
 def _train(args) -> int:
     from overcast.train.compare import check_request, run_training
-    from overcast.train.gpt import GPTConfig
-    from overcast.train.report import table, write
+    from overcast.train.gpt import SHAPES, GPTConfig
+    from overcast.train.report import matrix_table, table, write
 
     console = Console(width=None if sys.stdout.isatty() else 200)
     ways = _csv(args.ways)
-    cfg = GPTConfig(blocks=args.blocks, dim=args.dim, batch_per_rank=args.batch,
-                    micro_steps=args.micro_steps,
-                    activation_checkpointing=args.activation_checkpointing)
-    check_request(ways, args.hosts, args.steps, args.warmup, args.link_mbit * 1e6, cfg, args.lr)
+    given = GPTConfig(vocab=args.vocab, blocks=args.blocks, dim=args.dim, seq=args.seq,
+                      batch_per_rank=args.batch, reshard=args.reshard,
+                      micro_steps=args.micro_steps,
+                      activation_checkpointing=args.activation_checkpointing)
+    if args.shapes:
+        names = _csv(args.shapes)
+        unknown = [n for n in names if n not in SHAPES]
+        if unknown or not names:
+            raise ValueError(f"unknown shape {', '.join(unknown) or '(none)'}; available: "
+                             f"{', '.join(SHAPES)}")
+        shapes = [(n, dataclasses.replace(given, **SHAPES[n])) for n in names]
+    else:
+        shapes = [("default" if given == GPTConfig() else "given", given)]
+    for _, cfg in shapes:
+        check_request(ways, args.hosts, args.steps, args.warmup, args.link_mbit * 1e6, cfg,
+                      args.lr)
     os.makedirs(args.out, exist_ok=True)
     bar, progress = _progress(console)
     with bar:
         doc = run_training(args.hosts, int(args.link_mbit * 1e6), ways, args.steps, args.warmup,
-                           cfg, lr=args.lr, out_dir=args.out, progress=progress)
+                           shapes, lr=args.lr, out_dir=args.out, progress=progress)
     doc["meta"]["command"] = "overcast " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-    console.print(table(doc))
+    for run in doc["shapes"]:
+        console.print(table(doc, run))
+    if len(doc["shapes"]) > 1:
+        console.print(matrix_table(doc))
     for path in write(doc, args.out):
         console.print(f"wrote {path}")
-    for path in doc["meta"]["timelines"]:
+    for path in (p for run in doc["shapes"] for p in run["timelines"]):
         console.print(f"timeline: {path}.json (open at ui.perfetto.dev), {path}.png")
     return 0
 
@@ -285,10 +301,20 @@ def parser() -> argparse.ArgumentParser:
                         "own group), overcast-ring, overcast (multicast + in-network)")
     t.add_argument("--steps", type=int, default=6, help="training steps per way")
     t.add_argument("--warmup", type=int, default=1, help="first steps left out of the times")
+    t.add_argument("--shapes",
+                   help="train several model shapes in turn, comma-separated: small, default, "
+                        "long, deep, wide, kept (overcast/train/gpt.py SHAPES); each changes "
+                        "the shape flags' values, the rest hold for all")
+    t.add_argument("--vocab", type=int, default=512, help="vocabulary size")
     t.add_argument("--blocks", type=int, default=4, help="transformer blocks")
-    t.add_argument("--dim", type=int, default=256, help="model width")
+    t.add_argument("--dim", "--width", type=int, default=256, help="model width")
+    t.add_argument("--seq", type=int, default=64, help="tokens per sequence")
     t.add_argument("--batch", type=int, default=4,
                    help="sequences per rank per micro-step")
+    t.add_argument("--reshard", default="all-but-last",
+                   help="blocks that free their parameters after forward (and gather them "
+                        "again in backward): all-but-last, all, none, or block numbers, "
+                        "comma-separated")
     t.add_argument("--micro-steps", type=int, default=1,
                    help="gradient accumulation: micro-batches per optimizer step, gradients "
                         "reduced on the last only (set_requires_gradient_sync)")

@@ -81,6 +81,7 @@ class Engine:
         self._selector = selectors.DefaultSelector()
         self._masks: dict[int, int] = {}
         self._closed_bytes = [0, 0]  # bytes out, in, of streams already closed
+        self.python_cpu_seconds = 0.0  # the engine thread's CPU outside the plane's wait
         for stream in self.streams.values():
             self._selector.register(stream, selectors.EVENT_READ, stream)
             self._masks[stream.peer] = selectors.EVENT_READ
@@ -157,6 +158,7 @@ class Engine:
 
     def _loop(self) -> None:
         session = self.session
+        left = time.thread_time()  # the engine's CPU outside the plane's wait holds the GIL
         while True:
             now = time.monotonic()
             self._take_submissions(now)
@@ -173,7 +175,10 @@ class Engine:
             wait = _MAX_WAIT if timer is None else min(_MAX_WAIT, max(0.0, timer - now))
             if self._close_deadline is not None:
                 wait = min(wait, 0.05)
+            entered = time.thread_time()
+            self.python_cpu_seconds += entered - left
             why = self.plane.serve(now + wait)
+            left = time.thread_time()
             if why == _core.PORT_RUNS:
                 self._deliver_runs()
             session.poll_plane(time.monotonic())
@@ -372,6 +377,7 @@ class Engine:
             "datagram_bytes_out": stats["datagram_bytes_out"],
             "injected_losses": stats["injected_losses"],
             "data_path_cpu_seconds": io["data_path_cpu_seconds"],
+            "python_cpu_seconds": self.python_cpu_seconds,
             "wakeups": io["wakeups"],
             **self.session.stats,
             "stream_bytes_out": self._closed_bytes[0] + sum(s.bytes_out for s in streams),

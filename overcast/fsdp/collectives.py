@@ -16,6 +16,7 @@ post to the end of its wait, so the overlap shows in the traces users already ta
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -30,6 +31,23 @@ from overcast.errors import InvalidArgumentError
 RedOpType = dist.ReduceOp.RedOpType
 
 
+def thread_clock() -> tuple[float, float]:
+    """The calling thread's (CPU seconds, seconds it waited runnable for a CPU). The wait is
+    the kernel's run delay, which it keeps with kernel.task_delayacct=1 or schedstats on, and
+    reads 0 otherwise. (The CPU comes from the thread's clock: the schedstat runtime of a
+    running thread lags by up to a tick.)"""
+    cpu = time.thread_time()
+    try:
+        fd = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
+        try:
+            waited = int(os.read(fd, 64).split()[1])
+        finally:
+            os.close(fd)
+    except (OSError, ValueError, IndexError):
+        return cpu, 0.0
+    return cpu, waited / 1e9
+
+
 @dataclass
 class CommTime:
     """What the training thread spent on communication, and which collective was which."""
@@ -37,6 +55,7 @@ class CommTime:
     post_seconds: float = 0.0          # inside the hooks, handing collectives to the engine
     wait_seconds: float = 0.0          # blocked until a collective finished
     thread_cpu_seconds: float = 0.0    # CPU time of the training thread in both
+    run_delay_seconds: float = 0.0     # ... and the time it waited for a CPU in both
     allgathers: int = 0
     reduce_scatters: int = 0
     keep_labels: bool = False          # only for timelines: one entry per collective
@@ -52,7 +71,8 @@ class CommTime:
 
     def as_dict(self) -> dict:
         return {"post_seconds": self.post_seconds, "wait_seconds": self.wait_seconds,
-                "thread_cpu_seconds": self.thread_cpu_seconds, "allgathers": self.allgathers,
+                "thread_cpu_seconds": self.thread_cpu_seconds,
+                "run_delay_seconds": self.run_delay_seconds, "allgathers": self.allgathers,
                 "reduce_scatters": self.reduce_scatters}
 
 
@@ -63,7 +83,7 @@ class _Clock:
         self.times, self.what = times, what
 
     def __enter__(self):
-        self.t0, self.cpu0 = time.perf_counter(), time.thread_time()
+        self.t0, (self.cpu0, self.delay0) = time.perf_counter(), thread_clock()
 
     def __exit__(self, *exc):
         seconds = time.perf_counter() - self.t0
@@ -71,7 +91,9 @@ class _Clock:
             self.times.post_seconds += seconds
         else:
             self.times.wait_seconds += seconds
-        self.times.thread_cpu_seconds += time.thread_time() - self.cpu0
+        cpu, delay = thread_clock()
+        self.times.thread_cpu_seconds += cpu - self.cpu0
+        self.times.run_delay_seconds += delay - self.delay0
 
 
 class _InFlight:

@@ -7,6 +7,7 @@ a way's step time is the median over the steps after the warm-up ones.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import statistics
@@ -16,6 +17,7 @@ from overcast.cluster.netns import Cluster
 from overcast.limits import check_hosts, check_link_rate
 from overcast.report.timeline import every_span, write_timeline
 from overcast.train.gpt import GPTConfig
+from overcast.train.predict import predict
 from overcast.train.worker import OVERCAST_WAYS, WAYS, train_rank
 
 # The fair peer: gloo with the same prefetch and asynchronous unshard, ReduceScatter on its own
@@ -35,9 +37,11 @@ def check_request(ways: list[str], hosts: int, steps: int, warmup: int,
         raise ValueError(f"--steps ({steps}) must be more than --warmup ({warmup}), which must "
                          f"be 0 or more")
     check_link_rate(link_bits)
-    if cfg.blocks < 1 or cfg.batch_per_rank < 1 or cfg.micro_steps < 1:
-        raise ValueError(f"--blocks ({cfg.blocks}), --batch ({cfg.batch_per_rank}) and "
-                         f"--micro-steps ({cfg.micro_steps}) must be 1 or more")
+    if min(cfg.blocks, cfg.batch_per_rank, cfg.micro_steps, cfg.seq) < 1 or cfg.vocab < 2:
+        raise ValueError(f"--blocks ({cfg.blocks}), --batch ({cfg.batch_per_rank}), --seq "
+                         f"({cfg.seq}) and --micro-steps ({cfg.micro_steps}) must be 1 or more, "
+                         f"--vocab ({cfg.vocab}) 2 or more")
+    cfg.resharded()  # names what is wrong with --reshard
     if cfg.dim < cfg.heads or cfg.dim % cfg.heads:
         raise ValueError(f"--dim must be a positive multiple of {cfg.heads} (the attention "
                          f"heads), not {cfg.dim}")
@@ -45,7 +49,21 @@ def check_request(ways: list[str], hosts: int, steps: int, warmup: int,
         raise ValueError(f"--lr must be above 0, not {lr:g}")
 
 
+def split_step(row: dict) -> dict:
+    """A step of the training thread outside its communication hooks: compute (the step less
+    its exposed communication), and of that the time it waited for a CPU (runnable, not
+    running: the kernel's run delay) and the time it was blocked. Outside the hooks the thread
+    only runs torch on its own (one intra-op thread), so what blocks it there is the GIL."""
+    comm = row["forward_comm_seconds"] + row["backward_comm_seconds"]
+    compute = row["seconds"] - comm
+    cpu = row["thread_cpu_seconds"] - row["comm_thread_cpu_seconds"]
+    cpu_wait = row["run_delay_seconds"] - row["comm_run_delay_seconds"]
+    return {**row, "compute_seconds": compute, "cpu_wait_seconds": cpu_wait,
+            "gil_wait_seconds": max(0.0, compute - cpu - cpu_wait)}
+
+
 def summarize(way: str, per_rank: list[dict], warmup: int, switch_cpu: float | None) -> dict:
+    per_rank = [{**r, "steps": [split_step(row) for row in r["steps"]]} for r in per_rank]
     steps = len(per_rank[0]["steps"])
 
     def per_step(key, over_ranks=max):
@@ -64,6 +82,11 @@ def summarize(way: str, per_rank: list[dict], warmup: int, switch_cpu: float | N
         "forward_comm_seconds": slowest("forward_comm_seconds"),
         "backward_comm_seconds": slowest("backward_comm_seconds"),
         "backward_seconds": slowest("backward_seconds"),
+        "compute_seconds": median_of_means("compute_seconds"),
+        "gil_wait_seconds": median_of_means("gil_wait_seconds"),
+        "cpu_wait_seconds": median_of_means("cpu_wait_seconds"),
+        "comm_cpu_wait_seconds": median_of_means("comm_run_delay_seconds"),
+        "engine_python_cpu_seconds": median_of_means("engine_python_cpu_seconds"),
         "cpu_seconds_per_rank": median_of_means("cpu_seconds"),
         "training_thread_cpu_seconds_per_rank": median_of_means("thread_cpu_seconds"),
         "losses": per_step("loss", statistics.fmean),
@@ -89,42 +112,86 @@ def compare(results: list[dict]) -> None:
         r["max_loss_difference"] = max(abs(a - b) for a, b in zip(r["losses"], reference))
 
 
+def prediction(cfg: GPTConfig, hosts: int, link_bits: float, results: list[dict]) -> dict | None:
+    """The cost model's step per way (overcast.train.predict) from the compute gloo showed in
+    this run, beside what was measured; None without a gloo way to take the compute from."""
+    gloo = next((r for r in results if r["way"] == PEER), None) or \
+        next((r for r in results if r["way"] == "gloo"), None)
+    if gloo is None:
+        return None
+    out = predict(cfg, hosts, link_bits, gloo["compute_seconds"])
+    out["compute_from"] = gloo["way"]
+    measured = {r["way"]: r["step_seconds"] for r in results}
+    if "overcast" in measured:
+        out["overcast_over_predicted"] = measured["overcast"] / out["step_seconds"]["overcast"]
+    if "overcast" in measured and "overcast-ring" in measured:
+        out["measured_speedup_over_rings"] = measured["overcast-ring"] / measured["overcast"]
+    return out
+
+
 def run_training(hosts: int, link_bits: int, ways: list[str], steps: int, warmup: int,
-                 cfg: GPTConfig, lr: float = 1e-3, out_dir: str | None = None,
-                 progress=None) -> dict:
-    """Train every way on one cluster; return {"meta": ..., "results": [...]} and, with
-    `out_dir`, write the backward-step timelines of the overcast ways there."""
-    check_request(ways, hosts, steps, warmup, link_bits, cfg, lr)
+                 shapes: list[tuple[str, GPTConfig]], lr: float = 1e-3,
+                 out_dir: str | None = None, progress=None) -> dict:
+    """Train every shape every way on one cluster; return {"meta": ..., "shapes": [...]} and,
+    with `out_dir`, write the backward-step timelines of the overcast ways there."""
+    for _, cfg in shapes:
+        check_request(ways, hosts, steps, warmup, link_bits, cfg, lr)
     import torch  # imported once here so that forked hosts start fast
 
-    results, timelines = [], []
-    with Cluster(hosts, link_bits) as cluster:
+    runs, total = [], len(shapes) * len(ways)
+    with Cluster(hosts, link_bits) as cluster, kernel_run_delays() as delays_kept:
         switch = cluster.start_switch() if "overcast" in ways else None
-        for i, way in enumerate(ways):
-            if progress:
-                progress(i, len(ways), f"training {way}: {steps} steps on {hosts} hosts")
-            cpu0 = process_cpu_seconds(switch.pid) if switch and way == "overcast" else None
-            trace = bool(out_dir) and way in OVERCAST_WAYS
-            per_rank = cluster.run(train_rank, timeout=900,
-                                   args=(way, cfg.as_dict(), steps, lr, trace))
-            switch_cpu = process_cpu_seconds(switch.pid) - cpu0 if cpu0 is not None else None
-            results.append(summarize(way, per_rank, warmup, switch_cpu))
-            if trace:
-                path = os.path.join(out_dir, f"timeline-{way}")
-                write_timeline([r["trace"] for r in per_rank], path, link_bits,
-                               f"backward, {way}, {hosts} hosts, {link_bits / 1e6:g} Mbit/s",
-                               select=every_span)
-                timelines.append(path)
+        for name, cfg in shapes:
+            results, timelines = [], []
+            for way in ways:
+                if progress:
+                    progress(len(runs) * len(ways) + len(results), total,
+                             f"{name}: training {way}, {steps} steps on {hosts} hosts")
+                cpu0 = process_cpu_seconds(switch.pid) if switch and way == "overcast" else None
+                trace = bool(out_dir) and way in OVERCAST_WAYS
+                per_rank = cluster.run(train_rank, timeout=1800,
+                                       args=(way, cfg.as_dict(), steps, lr, trace))
+                switch_cpu = process_cpu_seconds(switch.pid) - cpu0 if cpu0 is not None else None
+                results.append(summarize(way, per_rank, warmup, switch_cpu))
+                if trace:
+                    path = os.path.join(out_dir, f"timeline-{name}-{way}")
+                    write_timeline([r["trace"] for r in per_rank], path, link_bits,
+                                   f"backward, {name}, {way}, {hosts} hosts, "
+                                   f"{link_bits / 1e6:g} Mbit/s", select=every_span)
+                    timelines.append(path)
+            compare(results)
+            runs.append({"shape": name, "model": cfg.as_dict(), "parameters": cfg.parameters(),
+                         "block_parameters": cfg.block_parameters(), "results": results,
+                         "prediction": prediction(cfg, hosts, link_bits, results),
+                         "timelines": timelines})
         if switch:
             cluster.stop_switch(switch)
         if progress:
-            progress(len(ways), len(ways), "done")
-    compare(results)
+            progress(total, total, "done")
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "hosts": hosts, "link_bits_per_s": link_bits, "steps": steps, "warmup": warmup,
-            "lr": lr, "model": cfg.as_dict(),
-            "parameters": cfg.parameters(),
-            "block_parameters": cfg.block_parameters(), "timelines": timelines,
-            "machine": machine(), "torch": torch.__version__}
-    return {"meta": meta, "results": results}
+            "lr": lr, "cpu_waits_measured": delays_kept, "machine": machine(),
+            "torch": torch.__version__}
+    return {"meta": meta, "shapes": runs}
 
+
+@contextlib.contextmanager
+def kernel_run_delays():
+    """Have the kernel keep each thread's run delay (the time it waited runnable for a CPU),
+    which it does only with schedstats or delay accounting on; turn delay accounting on for the
+    run if it is off and this process may, and back off after."""
+    path = "/proc/sys/kernel/task_delayacct"
+    try:
+        with open(path) as f:
+            before = f.read().strip()
+        if before == "0":
+            with open(path, "w") as f:
+                f.write("1")
+    except OSError:  # not root, or no such switch: the CPU waits then read 0
+        before = None
+    try:
+        yield before is not None
+    finally:
+        if before == "0":
+            with open(path, "w") as f:
+                f.write("0")

@@ -10,6 +10,25 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 
+# --reshard's names: (block, blocks) -> whether that block reshards after forward
+RESHARD = {
+    "all-but-last": lambda i, n: i < n - 1,  # torchtitan's: backward needs the last block at once
+    "all": lambda i, n: True,
+    "none": lambda i, n: False,
+}
+
+
+# `overcast train --shapes`: each shape's changes to the defaults, small to communication-heavy
+SHAPES = {
+    "small": {"vocab": 256, "dim": 128, "blocks": 2},       # little to move: latency shows
+    "default": {},
+    "long": {"seq": 256, "batch_per_rank": 8},              # the default's weights, 8x the compute
+    "deep": {"vocab": 4096, "blocks": 8, "reshard": "all"},  # more blocks, a wide vocabulary
+    "wide": {"dim": 512},                                   # 4x the bytes per block
+    "kept": {"reshard": "none"},                            # no block gathers in backward: no pair
+}
+
+
 @dataclass(frozen=True)
 class GPTConfig:
     vocab: int = 512
@@ -21,9 +40,23 @@ class GPTConfig:
     seed: int = 0
     micro_steps: int = 1                    # gradient accumulation: batches per optimizer step
     activation_checkpointing: bool = False  # recompute each block's activations in backward
+    reshard: str = "all-but-last"           # which blocks free their parameters after forward
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+    def resharded(self) -> list[bool]:
+        """Per block, whether it reshards after forward (and so gathers again in backward)."""
+        if self.reshard in RESHARD:
+            return [RESHARD[self.reshard](i, self.blocks) for i in range(self.blocks)]
+        try:
+            chosen = {int(x) for x in self.reshard.split(",") if x.strip()}
+        except ValueError:
+            chosen = None
+        if chosen is None or not chosen <= set(range(self.blocks)):
+            raise ValueError(f"--reshard takes {', '.join(RESHARD)} or block numbers from 0 to "
+                             f"{self.blocks - 1}, comma-separated; not {self.reshard!r}")
+        return [i in chosen for i in range(self.blocks)]
 
     def block_parameters(self) -> int:
         return 12 * self.dim * self.dim + 13 * self.dim  # attention 4d^2+4d, MLP 8d^2+5d, norms 4d
@@ -102,16 +135,16 @@ def rank_batch(cfg: GPTConfig, step: int, rank: int, world: int):
 
 
 def shard(model: TinyGPT, mesh, **fully_shard_kwargs) -> TinyGPT:
-    """fully_shard every block, then the root (embeddings, final norm and head). The last block
-    keeps its parameters after forward, as torchtitan does: backward needs them at once. With
-    activation checkpointing each block is wrapped first, as torchtitan does."""
+    """fully_shard every block, then the root (embeddings, final norm and head). The blocks
+    `cfg.reshard` names free their parameters after forward; by default all but the last, as
+    torchtitan does: backward needs the last at once. With activation checkpointing each block is
+    wrapped first, as torchtitan does."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     from torch.distributed.fsdp import fully_shard
     if model.cfg.activation_checkpointing:
         for i, block in enumerate(model.blocks):
             model.blocks[i] = checkpoint_wrapper(block)
-    last = len(model.blocks) - 1
-    for i, block in enumerate(model.blocks):
-        fully_shard(block, mesh=mesh, reshard_after_forward=i < last, **fully_shard_kwargs)
+    for block, reshard in zip(model.blocks, model.cfg.resharded()):
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard, **fully_shard_kwargs)
     fully_shard(model, mesh=mesh, **fully_shard_kwargs)
     return model

@@ -11,29 +11,76 @@ from overcast.bench.report import human_bytes
 from overcast.train.compare import PEER
 
 
-def table(doc: dict) -> Table:
+def _shape_text(run: dict) -> str:
+    m = run["model"]
+    recipe = (f", {m['micro_steps']} micro-steps" if m["micro_steps"] > 1 else "") + \
+        (", activation checkpointing" if m["activation_checkpointing"] else "")
+    return (f"{run['shape']}: {run['parameters'] / 1e6:.2f} M parameters, vocab {m['vocab']}, "
+            f"{m['blocks']} blocks (reshard {m['reshard']}), width {m['dim']}, seq {m['seq']}, "
+            f"batch {m['batch_per_rank']}{recipe}")
+
+
+def table(doc: dict, run: dict) -> Table:
+    """One shape: each way's step, its parts, traffic and CPU."""
     meta = doc["meta"]
-    m = meta["model"]
-    recipe = (f", {m['micro_steps']} micro-steps" if m.get("micro_steps", 1) > 1 else "") + \
-        (", activation checkpointing" if m.get("activation_checkpointing") else "")
-    t = Table(title=f"GPT ({meta['parameters'] / 1e6:.2f} M parameters, {m['blocks']} blocks, "
-                    f"dim {m['dim']}{recipe}) with FSDP2 on {meta['hosts']} hosts, "
+    t = Table(title=f"GPT {_shape_text(run)}; FSDP2 on {meta['hosts']} hosts, "
                     f"{meta['link_bits_per_s'] / 1e6:g} Mbit/s per direction; median of steps "
                     f"{meta['warmup'] + 1}-{meta['steps']}")
+    waits = meta.get("cpu_waits_measured", True)
     for name in ("way", "step s", f"speedup vs {PEER}", "fwd comm s", "bwd comm s",
-                 "tx/host/step", "rx/host/step", "cpu s/rank", "comm cpu ms (thread)",
-                 "max |loss diff|"):
+                 "compute s", "GIL wait ms", "CPU wait ms", "engine py ms",
+                 "tx/host/step", "rx/host/step", "cpu s/rank", "max |loss diff|"):
         t.add_column(name, justify="left" if name == "way" else "right")
     key = "speedup_vs_" + PEER.replace("-", "_")
-    for r in doc["results"]:
+    for r in run["results"]:
         t.add_row(r["way"], f"{r['step_seconds']:.3f}",
                   f"{r[key]:.2f}x" if r[key] else "-",
                   f"{r['forward_comm_seconds']:.3f}", f"{r['backward_comm_seconds']:.3f}",
+                  f"{r['compute_seconds']:.3f}",
+                  f"{r['gil_wait_seconds'] * 1e3:.1f}" if waits else "-",
+                  f"{r['cpu_wait_seconds'] * 1e3:.1f}" if waits else "-",
+                  f"{r['engine_python_cpu_seconds'] * 1e3:.0f}",
                   human_bytes(r["tx_bytes_per_host_per_step"]),
                   human_bytes(r["rx_bytes_per_host_per_step"]),
                   f"{r['cpu_seconds_per_rank']:.3f}",
-                  f"{r['comm_thread_cpu_seconds_per_step'] * 1e3:.1f}",
                   f"{r['max_loss_difference']:.2e}")
+    if run["prediction"]:
+        p = run["prediction"]
+        c = p["collectives"]
+        t.caption = (f"per step: {c['pair']} backward pairs, {c['allgather']} AllGathers and "
+                     f"{c['reduce_scatter']} ReduceScatters alone; predicted (compute from "
+                     f"{p['compute_from']} + communication at its floor): overcast "
+                     f"{p['step_seconds']['overcast']:.3f} s, rings "
+                     f"{p['step_seconds']['rings']:.3f} s, speed-up over rings "
+                     f"{p['speedup_over_rings']:.2f}x")
+    return t
+
+
+def matrix_table(doc: dict) -> Table:
+    """Every shape: overcast against its rings and gloo, predicted beside measured."""
+    meta = doc["meta"]
+    t = Table(title=f"Shapes on {meta['hosts']} hosts, {meta['link_bits_per_s'] / 1e6:g} Mbit/s: "
+                    f"step seconds, median of steps {meta['warmup'] + 1}-{meta['steps']}")
+    for name in ("shape", "pairs", "overcast s", "rings s", PEER + " s", "vs rings",
+                 "predicted", "overcast / predicted", "compute vs gloo", "same losses"):
+        t.add_column(name, justify="left" if name == "shape" else "right")
+    for run in doc["shapes"]:
+        ways = {r["way"]: r for r in run["results"]}
+        p = run["prediction"] or {}
+
+        def step(way):
+            return f"{ways[way]['step_seconds']:.3f}" if way in ways else "-"
+
+        compute = (f"{ways['overcast']['compute_seconds'] / ways[PEER]['compute_seconds']:.2f}x"
+                   if "overcast" in ways and PEER in ways else "-")
+        t.add_row(run["shape"], str(p.get("collectives", {}).get("pair", "-")),
+                  step("overcast"), step("overcast-ring"), step(PEER),
+                  f"{p['measured_speedup_over_rings']:.2f}x"
+                  if "measured_speedup_over_rings" in p else "-",
+                  f"{p['speedup_over_rings']:.2f}x" if p else "-",
+                  f"{p['overcast_over_predicted']:.3f}" if "overcast_over_predicted" in p else "-",
+                  compute,
+                  f"{max(r['max_loss_difference'] for r in run['results']):.1e}")
     return t
 
 
@@ -44,15 +91,15 @@ def _figure():
     return plt
 
 
-def plot_losses(doc: dict, path: str) -> None:
+def plot_losses(run: dict, path: str) -> None:
     """Loss per step, one line per way: they lie on each other when training is the same."""
     plt = _figure()
     fig, ax = plt.subplots(figsize=(7, 4))
-    for r, style in zip(doc["results"], ("-", "--", "-.", ":")):
+    for r, style in zip(run["results"], ("-", "--", "-.", ":")):
         ax.plot(range(1, len(r["losses"]) + 1), r["losses"], style, marker="o", label=r["way"])
     ax.set_xlabel("step")
     ax.set_ylabel("training loss (mean over ranks)")
-    ax.set_title("The same training four ways")
+    ax.set_title(f"{run['shape']}: the same training every way")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -60,10 +107,11 @@ def plot_losses(doc: dict, path: str) -> None:
     plt.close(fig)
 
 
-def plot_steps(doc: dict, path: str) -> None:
-    """Step time per way, split into exposed forward and backward communication and the rest."""
+def plot_steps(doc: dict, run: dict, path: str) -> None:
+    """Step time per way, split into exposed forward and backward communication and the rest;
+    the cost model's predicted step marked where there is one."""
     plt = _figure()
-    meta, results = doc["meta"], doc["results"]
+    meta, results = doc["meta"], run["results"]
     fig, ax = plt.subplots(figsize=(7, 4.4))
     names = [r["way"] for r in results]
     forward = [r["forward_comm_seconds"] for r in results]
@@ -79,7 +127,14 @@ def plot_steps(doc: dict, path: str) -> None:
     ax.invert_yaxis()
     ax.set_xlim(0, 1.15 * max(r["step_seconds"] for r in results))
     ax.set_xlabel("seconds per training step (slowest rank, median)")
-    ax.set_title(f"FSDP2 step on {meta['hosts']} hosts, {meta['link_bits_per_s'] / 1e6:g} Mbit/s")
+    predicted = (run["prediction"] or {}).get("step_seconds", {})
+    for i, r in enumerate(results):
+        way = "overcast" if r["way"] == "overcast" else "rings"
+        if way in predicted:
+            ax.plot([predicted[way]] * 2, [i - 0.4, i + 0.4], color="black", lw=1.5,
+                    label="predicted" if i == 0 else None)
+    ax.set_title(f"{run['shape']}: FSDP2 step on {meta['hosts']} hosts, "
+                 f"{meta['link_bits_per_s'] / 1e6:g} Mbit/s")
     ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -87,10 +142,15 @@ def plot_steps(doc: dict, path: str) -> None:
 
 
 def write(doc: dict, out_dir: str) -> list[str]:
-    """train.json, losses.png and steps.png in `out_dir`; returns the paths written."""
-    paths = [os.path.join(out_dir, name) for name in ("train.json", "losses.png", "steps.png")]
+    """train.json, and losses-<shape>.png and steps-<shape>.png per shape, in `out_dir`;
+    returns the paths written."""
+    paths = [os.path.join(out_dir, "train.json")]
     with open(paths[0], "w") as f:
         json.dump(doc, f, indent=1)
-    plot_losses(doc, paths[1])
-    plot_steps(doc, paths[2])
+    for run in doc["shapes"]:
+        losses = os.path.join(out_dir, f"losses-{run['shape']}.png")
+        steps = os.path.join(out_dir, f"steps-{run['shape']}.png")
+        plot_losses(run, losses)
+        plot_steps(doc, run, steps)
+        paths += [losses, steps]
     return paths

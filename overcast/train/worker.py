@@ -39,6 +39,12 @@ def _window(trace: dict, start: float, end: float) -> dict:
     return {**trace, "spans": spans, "bins": [b for b in trace["bins"] if b["seq"] in seqs]}
 
 
+def engine_python_cpu(handle) -> float:
+    """CPU seconds the engine thread has spent outside the native plane's wait: the Python part
+    of the engine, which holds the GIL while it runs (0 for the gloo ways: no engine)."""
+    return handle.comm.counters()["python_cpu_seconds"] if handle.comm is not None else 0.0
+
+
 def train_rank(rank: int, way: str, config: dict, steps: int, lr: float, trace: bool) -> dict:
     """Train `steps` steps; return per-step loss, time, communication seconds, CPU, and the NIC
     bytes of the whole run; with `trace`, the last step's backward timeline (overcast ways)."""
@@ -47,6 +53,7 @@ def train_rank(rank: int, way: str, config: dict, steps: int, lr: float, trace: 
     from torch.distributed.device_mesh import init_device_mesh
 
     from overcast.cluster.netns import read_nic_counters
+    from overcast.fsdp.collectives import thread_clock
     from overcast.train.gpt import GPTConfig, build, rank_batch, shard
 
     warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
@@ -64,7 +71,9 @@ def train_rank(rank: int, way: str, config: dict, steps: int, lr: float, trace: 
             nic0 = read_nic_counters()
             micro = cfg.micro_steps
             for step in range(steps):
-                t0, cpu0, thread0 = time.perf_counter(), time.process_time(), time.thread_time()
+                t0, cpu0, (thread0, delay0) = time.perf_counter(), time.process_time(), \
+                    thread_clock()
+                comm_start, engine0 = times.as_dict(), engine_python_cpu(handle)
                 losses, forward_comm, backward_comm, backward_seconds = [], 0.0, 0.0, 0.0
                 for m in range(micro):  # gradient accumulation: only the last one reduces
                     if micro > 1:
@@ -81,12 +90,18 @@ def train_rank(rank: int, way: str, config: dict, steps: int, lr: float, trace: 
                     backward_seconds += backward_end - backward_start
                 optimizer.step()
                 optimizer.zero_grad()
+                thread, delay = thread_clock()
+                comm = {k: v - comm_start[k] for k, v in times.as_dict().items()}
                 rows.append({"loss": sum(losses) / micro, "seconds": time.perf_counter() - t0,
                              "forward_comm_seconds": forward_comm,
                              "backward_comm_seconds": backward_comm,
                              "backward_seconds": backward_seconds,
                              "cpu_seconds": time.process_time() - cpu0,
-                             "thread_cpu_seconds": time.thread_time() - thread0,
+                             "thread_cpu_seconds": thread - thread0,
+                             "run_delay_seconds": delay - delay0,
+                             "comm_thread_cpu_seconds": comm["thread_cpu_seconds"],
+                             "comm_run_delay_seconds": comm["run_delay_seconds"],
+                             "engine_python_cpu_seconds": engine_python_cpu(handle) - engine0,
                              # the last micro-step's: the one that reduces gradients
                              "backward_window": [backward_start, backward_end]})
             nic = read_nic_counters() - nic0
