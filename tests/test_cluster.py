@@ -36,8 +36,8 @@ def qdisc(ns, dev):
 
 def test_hosts_links_shaping_and_environment():
     with Cluster(3, 100_000_000) as cluster:
-        names = set(list_namespaces())
-        assert {cluster.switch_ns, cluster.service_ns, *cluster.host_ns} <= names
+        names = {cluster.switch_ns, cluster.service_ns, *cluster.host_ns}
+        assert names <= set(list_namespaces())
         info = cluster.run(describe_host)
         for rank, host in enumerate(info):
             assert host["env"] == {"RANK": str(rank), "WORLD_SIZE": "3",
