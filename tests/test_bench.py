@@ -9,6 +9,7 @@ import sys
 from conftest import root_only
 
 from overcast.bench.run import sweep_summary
+from overcast.engine.trace import BIN_SECONDS
 
 pytestmark = root_only
 
@@ -65,8 +66,19 @@ def test_overlap_bench_and_timeline(tmp_path):
         assert set(lanes) == {1, 2}  # an AllGather and a ReduceScatter...
         (a0, a1), (b0, b1) = lanes[1], lanes[2]
         assert max(a0, b0) < min(a1, b1)  # ...in flight at the same time
-        counters = [e for e in trace if e["ph"] == "C"]
+        counters = [e for e in trace if e["ph"] == "C" and e["pid"] == 0]
         assert {e["name"] for e in counters} == {"link tx (% of rate)", "link rx (% of rate)"}
+        # the link panels carry each collective's bytes, native datagrams included: rank 0
+        # takes in the others' shards, and sends the others' blocks (to a ring neighbour, or
+        # as contributions to the aggregator)
+        moved = {}
+        for e in counters:
+            for lane, percent in e["args"].items():
+                key = (e["name"].split()[1], lane)
+                moved[key] = moved.get(key, 0) + percent / 100 * 100e6 / 8 * BIN_SECONDS
+        shard = 256 * 1024
+        assert moved[("rx", "AllGather")] >= 0.9 * 2 * shard, moved
+        assert moved[("tx", "ReduceScatter")] >= 0.9 * 2 * shard, moved
         png = (tmp_path / f"tl-{algorithm}.png").read_bytes()
         assert png[:8] == b"\x89PNG\r\n\x1a\n"
 

@@ -22,7 +22,7 @@ from overcast.wire.messages import pack_acks, pack_contribution_prefix, unpack_c
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 NATIVE = ROOT / "overcast" / "native"
 PARTS = ["wire", "sums", "udp", "aggregator", "service", "budget", "outbox", "contribute",
-         "gather", "plane", "port"]
+         "gather", "plane", "port", "trace"]
 SANITIZE = ["-fsanitize=address,undefined", "-fno-sanitize-recover=all",
             "-fno-omit-frame-pointer"]
 # Inputs per fuzz target in the suite; tools/fuzz runs millions, coverage-guided.

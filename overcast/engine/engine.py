@@ -28,9 +28,7 @@ from overcast.transport.datagram import enlarge_receive_buffer
 from overcast.transport.loss import LossSpec
 from overcast.transport.rendezvous import Links
 from overcast.transport.stream import Stream, StreamClosed
-from overcast.wire.auth import sealed_bytes
-from overcast.wire.header import AGGREGATOR, ETHERNET_BYTES, IP_UDP_BYTES, Header, \
-    datagram_link_bytes
+from overcast.wire.header import AGGREGATOR, Header, datagram_link_bytes
 from overcast.wire.runs import Run
 
 # Bytes sealed ahead into a stream's queue: enough to keep the socket busy, small enough that
@@ -98,6 +96,8 @@ class Engine:
                           self._selector.fileno())
         if loss is not None and loss.rate:
             self.plane.set_loss(loss.rate, loss.burst, loss.seed)
+        if trace is not None:  # the plane counts the datagrams it sends and takes itself
+            self.plane.set_trace(trace.bin_seconds)
         self._routes = {(MULTICAST, -1): _core.ROUTE_GROUP,
                         (DATAGRAM, AGGREGATOR): _core.ROUTE_AGGREGATOR}
         self.plane.set_address(_core.ROUTE_GROUP, 0, *links.group)
@@ -179,6 +179,8 @@ class Engine:
             self.python_cpu_seconds += entered - left
             why = self.plane.serve(now + wait)
             left = time.thread_time()
+            if self.trace:
+                self.trace.add_bins(self.plane.trace_bins())
             if why == _core.PORT_RUNS:
                 self._deliver_runs()
             session.poll_plane(time.monotonic())
@@ -297,12 +299,8 @@ class Engine:
 
     def _send_datagrams(self, messages: list, route: tuple[int, int]) -> None:
         """Seal the messages back to back and send each run of equal-sized datagrams in one
-        call, natively (the plane's outbox: one counter with the streams' sealer)."""
-        if self.trace:
-            now = time.monotonic()
-            for msg in messages:
-                self.trace.count("tx", msg.seq, sealed_bytes(msg.payload) + IP_UDP_BYTES +
-                                 ETHERNET_BYTES, now)
+        call, natively (the plane's outbox: one counter with the streams' sealer; the plane
+        counts them for the trace)."""
         code = self._routes.get(route, _core.ROUTE_RANK)
         self.plane.send(code, messages)
 

@@ -18,6 +18,11 @@ class Trace:
     def count(self, direction: str, seq: int, nbytes: int, now: float) -> None:
         self.bins[(direction, seq, int(now / self.bin_seconds))] += nbytes
 
+    def add_bins(self, bins) -> None:
+        """Bins counted elsewhere (the native plane): (direction, seq, bin, bytes)."""
+        for direction, seq, index, nbytes in bins:
+            self.bins[(direction, seq, index)] += nbytes
+
     def begin(self, seq: int, description: str, now: float) -> None:
         self.spans[seq] = [description, now, None]
 

@@ -29,6 +29,7 @@ struct oc_plane {
     oc_gather **gathers;
     size_t ngathers, gathers_cap;
     oc_outbox outbox;
+    oc_trace trace;
     oc_run *runs;
     size_t nruns, runs_cap;
     uint32_t *chunks;
@@ -81,6 +82,7 @@ void oc_plane_free(oc_plane *p) {
     }
     free(p->gathers);
     oc_outbox_free(&p->outbox);
+    oc_trace_free(&p->trace);
     free(p->runs);
     free(p->chunks);
     free(p);
@@ -380,6 +382,8 @@ void oc_plane_feed(oc_plane *p, const uint8_t *data, size_t n, size_t segment, d
         if (!oc_plane_receive_run(p, &r->hdr, p->chunks + r->first, r->count, data, r->offset,
                                   r->stride, now))
             p->runs[kept++] = *r;
+        else
+            oc_trace_count(&p->trace, 0, r->hdr.seq, r->count, r->hdr.length, now);
     }
     p->nruns = kept;
 }
@@ -412,6 +416,7 @@ void oc_plane_handle_timer(oc_plane *p, double now) {
 
 uint32_t oc_plane_world(const oc_plane *p) { return p->world; }
 oc_outbox *oc_plane_outbox(oc_plane *p) { return &p->outbox; }
+oc_trace *oc_plane_trace(oc_plane *p) { return &p->trace; }
 const uint64_t *oc_plane_drops(const oc_plane *p) { return p->drops; }
 uint64_t *oc_plane_drops_mut(oc_plane *p) { return p->drops; }
 uint64_t *oc_plane_stats(oc_plane *p) { return p->stats; }

@@ -26,6 +26,7 @@
 #include "contribute.h"
 #include "gather.h"
 #include "outbox.h"
+#include "trace.h"
 #include "wire.h"
 
 #define OC_PLANE_REPLAY_WIDTH (1u << 14)
@@ -101,6 +102,9 @@ void oc_plane_handle_timer(oc_plane *p, double now);
 
 uint32_t oc_plane_world(const oc_plane *p);
 oc_outbox *oc_plane_outbox(oc_plane *p);
+/* The link bytes of the plane's own datagrams in (counted as they are fed) and out (counted by
+ * whoever sends its outbox, port.h), per collective: off until its bin width is set. */
+oc_trace *oc_plane_trace(oc_plane *p);
 const uint64_t *oc_plane_drops(const oc_plane *p);
 uint64_t *oc_plane_drops_mut(oc_plane *p);
 uint64_t *oc_plane_stats(oc_plane *p);

@@ -933,6 +933,32 @@ static PyObject *drop_dict(const snapshot_t *s) {
     return drops;
 }
 
+/* set_trace(bin_seconds): count the plane's own datagrams per collective in bins that wide */
+static PyObject *Plane_set_trace(Plane *self, PyObject *arg) {
+    double width = PyFloat_AsDouble(arg);
+    if (!usable(self) || PyErr_Occurred()) return NULL;
+    if (!(width > 0)) return PyErr_Format(PyExc_ValueError, "the bin width must be > 0");
+    oc_plane_trace(self->plane)->bin_seconds = width;
+    Py_RETURN_NONE;
+}
+
+/* trace_bins() -> [(direction, seq, bin, link bytes)] counted since last asked */
+static PyObject *Plane_trace_bins(Plane *self, PyObject *unused) {
+    (void)unused;
+    if (!usable(self)) return NULL;
+    oc_trace *t = oc_plane_trace(self->plane);
+    PyObject *out = PyList_New((Py_ssize_t)t->n);
+    for (size_t i = 0; out && i < t->n; i++) {
+        const oc_trace_bin *b = &t->bins[i];
+        PyObject *item = Py_BuildValue("(sILK)", b->tx ? "tx" : "rx", (unsigned int)b->seq,
+                                       (long long)b->bin, (unsigned long long)b->bytes);
+        if (item == NULL) Py_CLEAR(out);
+        else PyList_SET_ITEM(out, (Py_ssize_t)i, item);
+    }
+    if (out) oc_trace_clear(t);
+    return out;
+}
+
 /* drops() -> what the plane dropped, by reason, as of the last return from serve */
 static PyObject *Plane_drops(Plane *self, PyObject *unused) {
     (void)unused;
@@ -1026,6 +1052,10 @@ static PyMethodDef Plane_methods[] = {
     {"take_outbox", (PyCFunction)Plane_take_outbox, METH_NOARGS,
      "[(route, dst, kind, seq, chunk, payload)] unsealed; empties the outbox"},
     {"send", (PyCFunction)Plane_send, METH_VARARGS, "send(route, messages)"},
+    {"set_trace", (PyCFunction)Plane_set_trace, METH_O,
+     "set_trace(bin_seconds): count its own datagrams' link bytes per collective in bins"},
+    {"trace_bins", (PyCFunction)Plane_trace_bins, METH_NOARGS,
+     "[(direction, seq, bin, link bytes)] counted since last asked"},
     {"drops", (PyCFunction)Plane_drops, METH_NOARGS, "what it dropped, by reason"},
     {"counters", (PyCFunction)Plane_counters, METH_NOARGS, "(drops, stats, io) by name"},
     {"memory", (PyCFunction)Plane_memory, METH_NOARGS, "(bookkeeping bytes, unsent bytes)"},

@@ -107,6 +107,9 @@ def plot_losses(run: dict, path: str) -> None:
     plt.close(fig)
 
 
+PREDICTED_AS = {"overcast": "overcast", "overcast-ring": "rings"}
+
+
 def plot_steps(doc: dict, run: dict, path: str) -> None:
     """Step time per way, split into exposed forward and backward communication and the rest;
     the cost model's predicted step marked where there is one."""
@@ -129,7 +132,7 @@ def plot_steps(doc: dict, run: dict, path: str) -> None:
     ax.set_xlabel("seconds per training step (slowest rank, median)")
     predicted = (run["prediction"] or {}).get("step_seconds", {})
     for i, r in enumerate(results):
-        way = "overcast" if r["way"] == "overcast" else "rings"
+        way = PREDICTED_AS.get(r["way"])  # gloo's ReduceScatter is an allreduce: not modelled
         if way in predicted:
             ax.plot([predicted[way]] * 2, [i - 0.4, i + 0.4], color="black", lw=1.5,
                     label="predicted" if i == 0 else None)

@@ -882,6 +882,29 @@ static void test_port(void) {
     close(quiet[1]);
 }
 
+static void test_trace(void) {
+    oc_trace t = {0};
+    oc_trace_count(&t, 1, 7, 3, 100, 1.0);
+    CHECK(t.n == 0, "off until a bin width is set");
+    t.bin_seconds = 0.002;
+    oc_trace_count(&t, 1, 7, 3, 100, 1.0001);
+    oc_trace_count(&t, 1, 7, 1, 100, 1.0012);   /* the same bin and collective: merged */
+    oc_trace_count(&t, 0, 7, 2, 8920, 1.0012);  /* the other direction */
+    oc_trace_count(&t, 1, 8, 1, 100, 1.0013);   /* another collective */
+    oc_trace_count(&t, 1, 7, 1, 100, 1.0031);   /* the next bin */
+    CHECK(t.n == 4, "bins: %zu", t.n);
+    uint64_t frame = 100 + OC_OVERHEAD_BYTES + 20 + 8 + 14;
+    CHECK(t.bins[0].seq == 7 && t.bins[0].tx == 1 && t.bins[0].bin == 500 &&
+              t.bins[0].bytes == 4 * frame, "merged: %llu", (unsigned long long)t.bins[0].bytes);
+    CHECK(t.bins[1].tx == 0 && t.bins[1].bytes == 2 * (8920 + OC_OVERHEAD_BYTES + 42), "rx");
+    CHECK(t.bins[2].seq == 8 && t.bins[3].bin == 501, "apart");
+    for (int i = 0; i < 1000; i++) oc_trace_count(&t, i & 1, (uint32_t)i, 1, 1, 2.0);
+    CHECK(t.n == 1004, "grows: %zu", t.n);
+    oc_trace_clear(&t);
+    CHECK(t.n == 0, "cleared");
+    oc_trace_free(&t);
+}
+
 int main(void) {
     test_header();
     test_seal_and_open();
@@ -900,6 +923,7 @@ int main(void) {
     test_gathers(0.0);
     test_gathers(0.1);
     test_port();
+    test_trace();
     printf("%d passed, %d failed\n", passed, failed);
     return failed != 0;
 }

@@ -1,0 +1,29 @@
+#include "trace.h"
+
+#include "grow.h"
+#include "wire.h"
+
+void oc_trace_count(oc_trace *t, int tx, uint32_t seq, uint64_t datagrams, size_t payload,
+                    double now) {
+    if (t->bin_seconds <= 0 || datagrams == 0) return;
+    int64_t bin = (int64_t)(now / t->bin_seconds); /* as Python bins: the clock is >= 0 */
+    uint64_t bytes = datagrams * (uint64_t)OC_LINK_BYTES(payload);
+    /* a batch's datagrams mostly belong to the collective of the one before: merge with it */
+    for (size_t i = t->n; i > 0 && i + 4 > t->n; i--) {
+        oc_trace_bin *b = &t->bins[i - 1];
+        if (b->seq == seq && b->tx == (uint8_t)tx && b->bin == bin) {
+            b->bytes += bytes;
+            return;
+        }
+    }
+    if (oc_grow((void **)&t->bins, &t->cap, t->n + 1, sizeof(oc_trace_bin))) return;
+    t->bins[t->n++] = (oc_trace_bin){.seq = seq, .tx = (uint8_t)tx, .bin = bin, .bytes = bytes};
+}
+
+void oc_trace_clear(oc_trace *t) { t->n = 0; }
+
+void oc_trace_free(oc_trace *t) {
+    free(t->bins);
+    t->bins = NULL;
+    t->n = t->cap = 0;
+}
