@@ -175,8 +175,7 @@ class Engine:
             wait = _MAX_WAIT if timer is None else min(_MAX_WAIT, max(0.0, timer - now))
             if self._close_deadline is not None:
                 wait = min(wait, 0.05)
-            entered = time.thread_time()
-            self.python_cpu_seconds += entered - left
+            self.python_cpu_seconds += time.thread_time() - left
             why = self.plane.serve(now + wait)
             left = time.thread_time()
             if self.trace:

@@ -140,8 +140,8 @@ void oc_port_flush(oc_port *port) {
     oc_trace *t = oc_plane_trace(port->plane);
     if (t->bin_seconds > 0) {
         double now = oc_monotonic();
-        for (size_t i = 0; i < o->n; i++)
-            oc_trace_count(t, 1, o->msgs[i].seq, 1, o->msgs[i].head_len + o->msgs[i].body_len, now);
+        for (const oc_msg *m = o->msgs; m < o->msgs + o->n; m++)
+            oc_trace_count(t, 1, m->seq, 1, m->head_len + m->body_len, now);
     }
     oc_plane_drops_mut(port->plane)[OC_PLANE_DROP_unsealable] += oc_outbox_seal(o, s, emit, port);
     int want = port->npending > 0;

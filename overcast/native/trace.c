@@ -3,13 +3,15 @@
 #include "grow.h"
 #include "wire.h"
 
+#define MERGE_BACK 4
+
 void oc_trace_count(oc_trace *t, int tx, uint32_t seq, uint64_t datagrams, size_t payload,
                     double now) {
     if (t->bin_seconds <= 0 || datagrams == 0) return;
     int64_t bin = (int64_t)(now / t->bin_seconds); /* as Python bins: the clock is >= 0 */
     uint64_t bytes = datagrams * (uint64_t)OC_LINK_BYTES(payload);
-    /* a batch's datagrams mostly belong to the collective of the one before: merge with it */
-    for (size_t i = t->n; i > 0 && i + 4 > t->n; i--) {
+    /* a flush or a read interleaves a few collectives at most: merge with one of the last few */
+    for (size_t i = t->n; i > 0 && t->n - i < MERGE_BACK; i--) {
         oc_trace_bin *b = &t->bins[i - 1];
         if (b->seq == seq && b->tx == (uint8_t)tx && b->bin == bin) {
             b->bytes += bytes;

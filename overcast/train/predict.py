@@ -19,7 +19,7 @@ communication.
 
 from __future__ import annotations
 
-from overcast.schedules.cost import pair_floor_seconds
+from overcast.schedules.cost import floor_seconds, pair_floor_seconds
 from overcast.train.gpt import GPTConfig, TinyGPT
 
 # fp32 parameters and gradients: the trainer keeps FSDP2's default dtypes
@@ -70,7 +70,8 @@ def collective_seconds(kind: str, gather: int, scatter: int, world: int, overlap
     rather than two rings."""
     if kind == "pair" and overlapped:
         return pair_floor_seconds(gather, scatter, world, link_bytes_per_s)
-    return (world - 1) * (gather + scatter) / link_bytes_per_s
+    return floor_seconds("all_gather", gather, world, link_bytes_per_s) + \
+        floor_seconds("reduce_scatter", scatter, world, link_bytes_per_s)
 
 
 def counts(collectives: list[tuple[str, int, int]]) -> dict:
