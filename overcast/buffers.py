@@ -16,7 +16,11 @@ from overcast.errors import InvalidArgumentError
 BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
 DTYPES = {np.dtype(t) for t in ("float32", "float64", "float16", "int32", "int64", "uint8",
                                 "int8")} | {BFLOAT16}
-REDUCE_OPS = ("sum", "avg")
+REDUCE_OPS = ("sum", "avg", "max", "min", "product")
+# What the aggregator computes: in-network reduction sums (and averages) only.
+SUMMING_OPS = ("sum", "avg")
+_UFUNCS = {"sum": np.add, "avg": np.add, "max": np.maximum, "min": np.minimum,
+           "product": np.multiply}
 
 
 def as_array(buf, what: str) -> np.ndarray:
@@ -80,9 +84,10 @@ def check_reduce(dtype: np.dtype, op: str) -> None:
         raise InvalidArgumentError(f"op 'avg' needs a floating-point dtype, not {dtype}")
 
 
-def add_into(out: np.ndarray, a: np.ndarray, b: np.ndarray) -> None:
-    """out = a + b in the dtype of `out`, 16-bit floats summed in float32 and rounded once."""
-    np.add(a, b, out=out, dtype=accumulator_dtype(out.dtype), casting="unsafe")
+def reduce_into(out: np.ndarray, a: np.ndarray, b: np.ndarray, op: str) -> None:
+    """out = a op b in the dtype of `out` ("avg" adds; divide_into finishes it), 16-bit floats
+    computed in float32 and rounded once."""
+    _UFUNCS[op](a, b, out=out, dtype=accumulator_dtype(out.dtype), casting="unsafe")
 
 
 def divide_into(out: np.ndarray, world: int) -> None:

@@ -7,7 +7,7 @@ import threading
 
 import numpy as np
 
-from overcast.buffers import as_array, check_dtype, check_reduce
+from overcast.buffers import SUMMING_OPS, as_array, check_dtype, check_reduce
 from overcast.engine.engine import Engine, Work
 from overcast.engine.trace import Trace
 from overcast.errors import InvalidArgumentError, OvercastError
@@ -15,7 +15,7 @@ from overcast.limits import check_count, check_link_rate, check_positive, check_
 from overcast.native import _core
 from overcast.protocols.base import Descriptor
 from overcast.protocols.multicast import MulticastGather
-from overcast.protocols.ring import RingAllGather, RingReduceScatter
+from overcast.protocols.ring import RingAllGather, RingBroadcast, RingReduceScatter
 from overcast.protocols.session import Session
 from overcast.protocols.budget import LinkBudget
 from overcast.protocols.innetwork import InNetworkReduceScatter
@@ -32,7 +32,12 @@ from overcast.wire.messages import CONTRIB_PREFIX
 # no longer than at 0.95 (docs/results.md).
 DEFAULT_PACING_SHARE = 1.0
 ALGORITHMS = {"all_gather": ("ring", "multicast"), "reduce_scatter": ("ring", "innetwork"),
-              "broadcast": ("multicast",)}
+              "broadcast": ("multicast", "ring"), "all_reduce": ("ring", "fullduplex")}
+# The full-duplex all_reduce's pieces: small enough that the first ReduceScatter and the last
+# AllGather, which overlap nothing, are a small share of the whole; large enough that each
+# piece's collectives are not dominated by their fixed costs.
+FULLDUPLEX_PIECES = 8
+FULLDUPLEX_MIN_PIECE_BYTES = 64 << 10
 
 
 class Communicator:
@@ -119,13 +124,11 @@ class Communicator:
 
     def reduce_scatter(self, output, input, op: str = "sum", async_op: bool = False,
                        algorithm: str = "ring"):
-        """Sum (or average) `input` across ranks and leave block `rank` of the result in
+        """Reduce `input` across ranks (op "sum", "avg", "max", "min" or "product"; the
+        in-network algorithm sums and averages only) and leave block `rank` of the result in
         `output`, as torch.distributed.reduce_scatter_tensor."""
         out, inp = self._arrays(output, input, "reduce_scatter")
-        try:
-            check_reduce(inp.dtype, op)
-        except InvalidArgumentError as err:
-            self._reject(str(err))
+        self._check_reduce(inp.dtype, op, algorithm)
         if inp.size != out.size * self.world_size:
             self._reject(f"reduce_scatter input has {inp.size} elements; it needs world_size "
                          f"({self.world_size}) x output ({out.size}) = "
@@ -135,10 +138,61 @@ class Communicator:
         return self._issue(Descriptor("reduce_scatter", algorithm, inp.dtype, out.size, op), out,
                            inp, async_op)
 
+    def all_reduce(self, buffer, op: str = "sum", algorithm: str = "ring") -> None:
+        """Reduce `buffer` across ranks in place, as torch.distributed.all_reduce; every rank
+        ends with the same bits. "ring": a ring ReduceScatter, then a ring AllGather of its
+        result. "fullduplex": the buffer in pieces, each reduced in the network (each rank
+        sends the piece, receives its shard of the sum) while the piece before is multicast
+        (each rank sends its shard once, receives the others'), so that both directions of
+        every link carry data at once: about N/B for N bytes at link rate B, against the
+        ring's 2N(P-1)/(PB). Returns when the result is in place."""
+        buf, _ = self._arrays(buffer, buffer, "all_reduce")
+        if algorithm not in ALGORITHMS["all_reduce"]:
+            self._reject(f"all_reduce has no algorithm {algorithm!r}; available: "
+                         f"{', '.join(ALGORITHMS['all_reduce'])}")
+        rs_algorithm, ag_algorithm = (("innetwork", "multicast") if algorithm == "fullduplex"
+                                      else ("ring", "ring"))
+        self._check_reduce(buf.dtype, op, rs_algorithm)
+        self.check_algorithm("all_gather", ag_algorithm)
+        world = self.world_size
+        if buf.size == 0:
+            return
+        shard = -(-buf.size // world)
+        padded = buf if buf.size == shard * world else np.zeros(shard * world, buf.dtype)
+        if padded is not buf:
+            padded[:buf.size] = buf
+        results = np.empty(shard, buf.dtype)
+        pieces = 1
+        if algorithm == "fullduplex":
+            piece_bytes = max(FULLDUPLEX_MIN_PIECE_BYTES,
+                              -(-padded.nbytes // FULLDUPLEX_PIECES))
+            pieces = max(1, min(shard, -(-padded.nbytes // piece_bytes)))
+        # Piece k: elements world * bounds[k] .. world * bounds[k+1] of the buffer, reduced and
+        # scattered into results[bounds[k]:bounds[k+1]], then gathered back in place. The next
+        # piece's ReduceScatter is posted before this piece's AllGather (the same order on
+        # every rank), so the two run at once.
+        bounds = [shard * k // pieces for k in range(pieces + 1)]
+        spans = list(zip(bounds, bounds[1:]))
+        reductions, gathers = [], []
+        for k in range(pieces + 1):
+            if k < pieces:
+                a, b = spans[k]
+                reductions.append(self.reduce_scatter(results[a:b], padded[world * a:world * b],
+                                                      op, True, rs_algorithm))
+            if k > 0:
+                a, b = spans[k - 1]
+                reductions[k - 1].wait()
+                gathers.append(self.all_gather(padded[world * a:world * b], results[a:b], True,
+                                               ag_algorithm))
+        for work in gathers:
+            work.wait()
+        if padded is not buf:
+            buf[:] = padded[:buf.size]
+
     def broadcast(self, buffer, root: int, async_op: bool = False,
                   algorithm: str = "multicast"):
         """Copy `buffer` of rank `root` into `buffer` on every rank, as
-        torch.distributed.broadcast, by reliable multicast."""
+        torch.distributed.broadcast: by reliable multicast, or passed along the ring."""
         buf, _ = self._arrays(buffer, buffer, "broadcast")
         if not 0 <= root < self.world_size:
             self._reject(f"broadcast root {root} is outside world_size {self.world_size}")
@@ -150,10 +204,20 @@ class Communicator:
         mine = np.zeros(1, np.int64)
         self.all_gather(np.empty(self.world_size, np.int64), mine)
 
+    def _check_reduce(self, dtype: np.dtype, op: str, algorithm: str) -> None:
+        try:
+            check_reduce(dtype, op)
+        except InvalidArgumentError as err:
+            self._reject(str(err))
+        if algorithm == "innetwork" and op not in SUMMING_OPS:
+            self._reject(f"in-network reduction sums; op {op!r} needs algorithm 'ring'")
+
     # -- protocol choice -------------------------------------------------------------------
     def _protocol(self, seq: int, desc: Descriptor, out: np.ndarray, inp: np.ndarray):
         rank, world = self.rank, self.world_size
         if desc.algorithm == "ring":
+            if desc.collective == "broadcast":
+                return RingBroadcast(seq, rank, world, desc, out, self.frame_bytes)
             cls = RingAllGather if desc.collective == "all_gather" else RingReduceScatter
             return cls(seq, rank, world, desc, out, inp, self.frame_bytes)
         if desc.algorithm == "innetwork":

@@ -13,10 +13,7 @@ block i-1 are being gathered.
 from __future__ import annotations
 
 import contextlib
-import datetime
 import itertools
-import os
-import secrets as secrets_module
 
 import torch
 import torch.distributed as dist
@@ -27,8 +24,7 @@ from overcast.buffers import DTYPES, as_array
 from overcast.comm import ALGORITHMS, Communicator
 from overcast.errors import InvalidArgumentError, OvercastError
 from overcast.fsdp.collectives import CommTime, TimedAllGather, TimedReduceScatter
-from overcast.switch.launch import SwitchStartError, start_switch, stop_switch
-from overcast.transport.rendezvous import local_address
+from overcast.job import group_communicator
 
 BACKENDS = ("overcast", "torch")
 _names = itertools.count()
@@ -217,78 +213,12 @@ def _job_store():
     return dist.distributed_c10d._get_default_store()
 
 
-# How long rank 0 waits for the other ranks, before stopping the aggregator it started or before
-# failing when it could not start one (a rank that died never answers).
-CLOSE_WAIT_SECONDS = 10.0
-
-
-class _JobSwitch:
-    """An aggregator rank 0 started for this job: the others learn its address (or why it did
-    not start) through the store, and tell rank 0 when they closed, so that it is not stopped
-    while a peer still waits for a result."""
-
-    def __init__(self, store, key: str, world: int, proc=None):
-        self.store, self.key, self.world, self.proc = store, key, world, proc
-
-    def wait_for_others(self, what: str) -> None:
-        """Until every other rank has said `what`, or CLOSE_WAIT_SECONDS: rank 0 serves the
-        store, so it must not leave before they have read what they need from it."""
-        try:
-            self.store.wait([f"{self.key}{what}/{r}" for r in range(1, self.world)],
-                            datetime.timedelta(seconds=CLOSE_WAIT_SECONDS))
-        except RuntimeError:  # torch's DistStoreError on timeout: a rank that died or hangs
-            pass
-
-    def close(self, rank: int) -> None:
-        if self.proc is None:
-            self.store.set(f"{self.key}closed/{rank}", b"1")
-            return
-        try:
-            self.wait_for_others("closed")
-        finally:
-            stop_switch(self.proc)
-
-
 def _communicator(group: dist.ProcessGroup, reduce_scatter: str, trace: bool):
-    """An overcast Communicator over `group`'s ranks, meeting through the job's store. With no
-    OVERCAST_SWITCH and in-network reduction asked for, rank 0 starts an aggregator beside
-    itself and tells the others where it is. Returns (communicator, _JobSwitch or None)."""
-    store, rank, world = _job_store(), group.rank(), group.size()
+    """An overcast Communicator over `group`'s ranks, meeting through the job's store (see
+    overcast.job). Returns (communicator, JobSwitch or None)."""
     name = f"fsdp-{group.group_name}-{next(_names)}"  # unique per group and per overlap() call
-    key = f"overcast/{name}/"
-    secret_hex = os.environ.get("OVERCAST_SECRET")
-    switch = os.environ.get("OVERCAST_SWITCH")
-    job_switch = None
-    if not switch and reduce_scatter == "innetwork" and world > 1:
-        job_switch = _JobSwitch(store, key, world)
-    if rank == 0:
-        if not secret_hex:
-            secret_hex = secrets_module.token_hex(32)
-            store.set(key + "secret", secret_hex)
-        if job_switch is not None:
-            try:
-                host = local_address(os.environ.get("MASTER_ADDR", "127.0.0.1"))
-                job_switch.proc, switch = start_switch(host, 0, secrets=[secret_hex])
-            except (SwitchStartError, OSError) as err:
-                store.set(key + "switch", f"error: rank 0 could not start an aggregator: {err}")
-                job_switch.wait_for_others("read")
-                raise
-        store.set(key + "switch", switch or "")
-    else:
-        if not secret_hex:
-            secret_hex = bytes(store.get(key + "secret")).decode()
-        switch = bytes(store.get(key + "switch")).decode() or None
-        if switch and switch.startswith("error: "):
-            store.set(f"{key}read/{rank}", b"1")  # rank 0 waits for this before it leaves
-            raise OvercastError(switch[len("error: "):])
-    try:
-        comm = Communicator(rank, world, name=name, store=store,
-                            secret=bytes.fromhex(secret_hex), switch=switch or "", trace=trace)
-    except BaseException:
-        if job_switch is not None and job_switch.proc is not None:
-            stop_switch(job_switch.proc)
-        raise
-    return comm, job_switch
+    return group_communicator(_job_store(), group.rank(), group.size(), name,
+                              in_network=reduce_scatter == "innetwork", trace=trace)
 
 
 @contextlib.contextmanager

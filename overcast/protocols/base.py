@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from overcast.buffers import dtype_code, dtype_from_code
+from overcast.buffers import REDUCE_OPS, dtype_code, dtype_from_code
 from overcast.errors import ProtocolError, Rejected
 from overcast.wire.header import AGGREGATOR, Kind
 from overcast.wire.runs import Run
@@ -28,7 +28,7 @@ STREAM, DATAGRAM, MULTICAST = 0, 1, 2
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "broadcast")
 ALGORITHMS = ("ring", "multicast", "innetwork")
-OPS = ("none", "sum", "avg")
+OPS = ("none",) + REDUCE_OPS
 
 _DESCRIPTOR = struct.Struct("<BBBBQI")
 

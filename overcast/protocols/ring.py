@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from overcast.buffers import add_into, divide_into
+from overcast.buffers import divide_into, reduce_into
 from overcast.protocols.base import STREAM, Accept, Collective, Descriptor, Outgoing, Phase
 from overcast.schedules import ring as schedule
 from overcast.wire.header import Kind
@@ -100,8 +100,9 @@ class RingAllGather(_RingStream):
 
 
 class RingReduceScatter(_RingStream):
-    """Each rank adds its contribution to the partial sum it receives and forwards it; the
-    partial sums in flight are the only extra memory, one frame each."""
+    """Each rank combines its contribution with the partial result it receives (sum, max, min
+    or product) and forwards it; the partial results in flight are the only extra memory, one
+    frame each."""
 
     def __init__(self, seq, rank, world, desc, output: np.ndarray, input: np.ndarray,
                  frame_bytes: int):
@@ -130,12 +131,44 @@ class RingReduceScatter(_RingStream):
         mine = self.input[self._elements(block, j)]
         if step + 1 <= self.world - 2:
             partial = np.empty_like(mine)
-            add_into(partial, incoming, mine)
+            reduce_into(partial, incoming, mine, self.desc.op)
             self.send_frame(step + 1, j, partial.view(np.uint8))
         else:
             off, length = self.layout[j]
             size = self.desc.dtype.itemsize
             out = self.output[off // size:(off + length) // size]
-            add_into(out, incoming, mine)
+            reduce_into(out, incoming, mine, self.desc.op)
             if self.desc.op == "avg":
                 divide_into(out, self.world)
+
+
+class RingBroadcast(_RingStream):
+    """The root's buffer passed along the ring frame by frame, each rank storing every frame in
+    place and forwarding it unless its successor is the root: every link carries the buffer
+    once, pipelined, whatever P."""
+
+    def __init__(self, seq, rank, world, desc, buffer: np.ndarray, frame_bytes: int):
+        super().__init__(seq, rank, world, desc, frame_bytes)
+        self.buffer = buffer.view(np.uint8)
+        self.root = desc.param
+        self.expected = 0 if rank == self.root else self.frames_per_block
+
+    def start(self, now: float) -> None:
+        if self.expected:
+            self.enter(Phase.RECEIVING)
+        else:
+            self.enter(Phase.DRAINING)
+            if self.world > 1:
+                for j in range(self.frames_per_block):
+                    self.send_frame(0, j, self._frame(j))
+        self._check_done()
+
+    def _frame(self, j: int):
+        off, length = self.layout[j]
+        return self.buffer[off:off + length]
+
+    def on_frame(self, step: int, j: int, payload: memoryview) -> None:
+        stored = self._frame(j)
+        stored[:] = np.frombuffer(payload, np.uint8)
+        if self.successor != self.root:
+            self.send_frame(0, j, stored)

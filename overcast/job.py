@@ -1,0 +1,88 @@
+"""A Communicator for a torch.distributed job's group: the ranks meet through the group's store,
+and when in-network reduction is wanted and no aggregator is configured (OVERCAST_SWITCH), the
+group's rank 0 starts one beside itself and tells the others where it is. The FSDP adapter and
+the "overcast" torch.distributed backend both make their communicators here."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import secrets as secrets_module
+
+from overcast.comm import Communicator
+from overcast.errors import OvercastError
+from overcast.switch.launch import SwitchStartError, start_switch, stop_switch
+from overcast.transport.rendezvous import local_address
+
+# How long rank 0 waits for the other ranks, before stopping the aggregator it started or before
+# failing when it could not start one (a rank that died never answers).
+CLOSE_WAIT_SECONDS = 10.0
+
+
+class JobSwitch:
+    """An aggregator rank 0 started for one communicator: the others learn its address (or why
+    it did not start) through the store, and tell rank 0 when they closed, so that it is not
+    stopped while a peer still waits for a result."""
+
+    def __init__(self, store, key: str, world: int, proc=None):
+        self.store, self.key, self.world, self.proc = store, key, world, proc
+
+    def wait_for_others(self, what: str) -> None:
+        """Until every other rank has said `what`, or CLOSE_WAIT_SECONDS: rank 0 serves the
+        store, so it must not leave before they have read what they need from it."""
+        try:
+            self.store.wait([f"{self.key}{what}/{r}" for r in range(1, self.world)],
+                            datetime.timedelta(seconds=CLOSE_WAIT_SECONDS))
+        except RuntimeError:  # torch's DistStoreError on timeout: a rank that died or hangs
+            pass
+
+    def close(self, rank: int) -> None:
+        if self.proc is None:
+            self.store.set(f"{self.key}closed/{rank}", b"1")
+            return
+        try:
+            self.wait_for_others("closed")
+        finally:
+            stop_switch(self.proc)
+
+
+def group_communicator(store, rank: int, world: int, name: str, *, in_network: bool,
+                       **settings) -> tuple[Communicator, JobSwitch | None]:
+    """An overcast Communicator `name` (unique in the store) over `world` ranks meeting through
+    `store`, a torch.distributed Store. With `in_network` and no OVERCAST_SWITCH, rank 0 starts
+    an aggregator. `settings` go to the Communicator. Returns the communicator and the
+    JobSwitch to close after it (None when no aggregator was started here)."""
+    key = f"overcast/{name}/"
+    secret_hex = os.environ.get("OVERCAST_SECRET")
+    switch = os.environ.get("OVERCAST_SWITCH")
+    job_switch = None
+    if not switch and in_network and world > 1:
+        job_switch = JobSwitch(store, key, world)
+    if rank == 0:
+        if not secret_hex:
+            secret_hex = secrets_module.token_hex(32)
+            store.set(key + "secret", secret_hex)
+        if job_switch is not None:
+            try:
+                host = local_address(os.environ.get("MASTER_ADDR", "127.0.0.1"))
+                job_switch.proc, switch = start_switch(host, 0, secrets=[secret_hex])
+            except (SwitchStartError, OSError) as err:
+                store.set(key + "switch", f"error: rank 0 could not start an aggregator: {err}")
+                job_switch.wait_for_others("read")
+                raise
+        store.set(key + "switch", switch or "")
+    else:
+        if not secret_hex:
+            secret_hex = bytes(store.get(key + "secret")).decode()
+        switch = bytes(store.get(key + "switch")).decode() or None
+        if switch and switch.startswith("error: "):
+            store.set(f"{key}read/{rank}", b"1")  # rank 0 waits for this before it leaves
+            raise OvercastError(switch[len("error: "):])
+    try:
+        comm = Communicator(rank, world, name=name, store=store,
+                            secret=bytes.fromhex(secret_hex), switch=switch or "", **settings)
+    except BaseException:
+        if job_switch is not None and job_switch.proc is not None:
+            stop_switch(job_switch.proc)
+        raise
+    return comm, job_switch
