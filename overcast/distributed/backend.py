@@ -20,7 +20,6 @@ import weakref
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import _create_work_from_future
 
 from overcast.buffers import DTYPES, as_array
 from overcast.comm import ALGORITHMS, Communicator
@@ -81,6 +80,25 @@ def _reducible(t: torch.Tensor, op: str, what: str) -> np.ndarray:
     return arr
 
 
+class _Work(dist._Work):
+    """A call's handle: wait() raises what the call raised (a Work made by torch from the
+    Future alone returns True whatever happened), get_future() is what DDP chains on."""
+
+    def __init__(self, fut: torch.futures.Future):
+        super().__init__()
+        self._fut = fut
+
+    def wait(self, timeout=None) -> bool:
+        self._fut.wait()
+        return True
+
+    def is_completed(self) -> bool:
+        return self._fut.done()
+
+    def get_future(self) -> torch.futures.Future:
+        return self._fut
+
+
 class _Worker:
     """One thread that runs the group's calls in order, each completing its torch Future."""
 
@@ -92,7 +110,7 @@ class _Worker:
     def submit(self, fn, result) -> dist.Work:
         fut = torch.futures.Future()
         self._calls.put((fn, result, fut))
-        return _create_work_from_future(fut)
+        return _Work(fut)
 
     def _run(self) -> None:
         while (call := self._calls.get()) is not None:

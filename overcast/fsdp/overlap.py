@@ -246,7 +246,8 @@ def overlap(model, *, comm: Communicator | None = None, backend: str = "overcast
     backward pass, and return the handle (close it when done, or use it in a `with`).
 
     Call it after fully_shard (each block, then the root) and dist.init_process_group, on every
-    rank. backend="overcast" routes FSDP2's collectives through `comm` (by default a new
+    rank. backend="overcast" routes FSDP2's collectives through `comm` (by default the mesh's
+    own when its process group is the "overcast" torch.distributed backend, otherwise a new
     Communicator over the FSDP mesh's ranks, meeting through the job's store) with the given
     AllGather ("multicast" or "ring") and ReduceScatter ("innetwork" or "ring") algorithms.
     backend="torch" keeps the process group's collectives and gives ReduceScatter its own group
@@ -281,6 +282,8 @@ def overlap(model, *, comm: Communicator | None = None, backend: str = "overcast
                 f"the communicator is rank {comm.rank} of {comm.world_size}, but the FSDP mesh "
                 f"makes this process rank {group.rank()} of {group.size()}; create it over "
                 f"the mesh's ranks")
+        if comm is None and isinstance(getattr(group, "communicator", None), Communicator):
+            comm = group.communicator  # the group is the "overcast" backend's: one communicator
         job_switch, owns = None, comm is None
         if owns:
             comm, job_switch = _communicator(group, reduce_scatter, trace)

@@ -1,0 +1,322 @@
+"""The "overcast" torch.distributed backend (overcast.distributed) between real processes over
+loopback: every collective and reduce op against gloo's result in the same job, DDP and FSDP2
+trained on it against a single-process reference, a subgroup, and the named errors."""
+
+import copy
+import datetime
+import os
+import signal
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import overcast
+import overcast.distributed
+import overcast.fsdp
+from overcast.cluster.launch import RankError, loopback_placements, run_ranks
+
+LINK = {"OVERCAST_LINK_BITS_PER_S": "1e9"}  # loopback has no rate; multicast paces to this
+SETTINGS = {"ring": {}, "fastest": LINK}
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64,
+          torch.uint8, torch.int8]
+SIZES = [1, 7, 1001, 65537]  # none divisible by 2, 3 or 4 but the first
+OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX,
+       "min": dist.ReduceOp.MIN, "product": dist.ReduceOp.PRODUCT}
+
+
+def start(timeout=60):
+    torch.set_num_threads(1)
+    dist.init_process_group("overcast", timeout=datetime.timedelta(seconds=timeout))
+    return dist.new_group(backend="gloo")
+
+
+def values(rank, count, dtype, modulus=5):
+    """Small integers (exact in every dtype, their sums and products over 4 ranks too)."""
+    ints = (torch.arange(count) * 3 + rank) % modulus + (1 if dtype.is_floating_point else 0)
+    return ints.to(dtype)
+
+
+def same(a, b) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8),
+                                                                      b.view(torch.uint8))
+
+
+def against_gloo(rank):
+    """Each collective, op, dtype and size on the backend and on gloo; the cases that differ."""
+    gloo = start()
+    world = dist.get_world_size()
+    differ = []
+    for dtype in DTYPES:
+        for count in SIZES:
+            case = f"{dtype} x {count}"
+            for name, op in OPS.items():
+                if name == "avg" and not dtype.is_floating_point:
+                    continue
+                mine, theirs = values(rank, count, dtype), values(rank, count, dtype)
+                dist.all_reduce(mine, op=op)
+                if name == "avg":  # gloo has no AVG: its exact sum, divided, rounded once
+                    total = theirs.double()
+                    dist.all_reduce(total, group=gloo)
+                    theirs = (total / world).to(dtype)
+                else:
+                    dist.all_reduce(theirs, op=op, group=gloo)
+                if not same(mine, theirs):
+                    differ.append(f"all_reduce {name} {case}")
+                if name == "avg":
+                    continue
+                big = values(rank, count * world, dtype)
+                mine, theirs = torch.empty(count, dtype=dtype), torch.empty(count, dtype=dtype)
+                dist.reduce_scatter_tensor(mine, big, op=op)
+                dist.reduce_scatter_tensor(theirs, big.clone(), op=op, group=gloo)
+                if not same(mine, theirs):
+                    differ.append(f"reduce_scatter {name} {case}")
+            mine, theirs = (torch.empty(count * world, dtype=dtype) for _ in range(2))
+            dist.all_gather_into_tensor(mine, values(rank, count, dtype))
+            dist.all_gather_into_tensor(theirs, values(rank, count, dtype), group=gloo)
+            if not same(mine, theirs):
+                differ.append(f"all_gather {case}")
+            for root in range(world):
+                mine, theirs = values(rank, count, dtype), values(rank, count, dtype)
+                dist.broadcast(mine, root)
+                dist.broadcast(theirs, root, group=gloo)
+                if not same(mine, theirs):
+                    differ.append(f"broadcast root {root} {case}")
+    # The list forms, PREMUL_SUM, coalesced all_reduce, all_to_all, bool and complex tensors.
+    outs = [torch.empty(3, dtype=torch.bool) for _ in range(world)]
+    dist.all_gather(outs, torch.tensor([rank % 2 == 0, True, False]))
+    if not all(torch.equal(o, torch.tensor([r % 2 == 0, True, False]))
+               for r, o in enumerate(outs)):
+        differ.append("all_gather list bool")
+    ins = [values(rank + r, 11, torch.float32) for r in range(world)]
+    mine, theirs = torch.empty(11), torch.empty(11)
+    dist.reduce_scatter(mine, ins)
+    dist.reduce_scatter(theirs, [i.clone() for i in ins], group=gloo)
+    if not same(mine, theirs):
+        differ.append("reduce_scatter list")
+    mine = values(rank, 1001, torch.float32)
+    dist.all_reduce(mine, op=dist._make_nccl_premul_sum(0.5))
+    theirs = values(rank, 1001, torch.float32) * 0.5
+    dist.all_reduce(theirs, group=gloo)
+    if not same(mine, theirs):
+        differ.append("all_reduce premul_sum")
+    complex_in = torch.complex(values(rank, 101, torch.float32), values(rank + 1, 101,
+                                                                        torch.float32))
+    mine, theirs = complex_in.clone(), complex_in.clone()
+    dist.all_reduce(mine)
+    dist.all_reduce(theirs, group=gloo)
+    if not same(mine, theirs):
+        differ.append("all_reduce complex64")
+    tensors = [values(rank, n, torch.float32) for n in (5, 1001, 3)]
+    copies = [t.clone() for t in tensors]
+    dist.all_reduce_coalesced(tensors)
+    for t in copies:
+        dist.all_reduce(t, group=gloo)
+    if not all(same(a, b) for a, b in zip(tensors, copies)):
+        differ.append("all_reduce_coalesced")
+    splits = [(rank + r) % 3 + 1 for r in range(world)]  # uneven, different on every rank
+    received = [(r + rank) % 3 + 1 for r in range(world)]
+    send = torch.arange(sum(splits) * 2, dtype=torch.int64).view(-1, 2) + 1000 * rank
+    mine = torch.empty(sum(received), 2, dtype=torch.int64)
+    theirs = torch.empty_like(mine)
+    dist.all_to_all_single(mine, send, received, splits)
+    dist.all_to_all_single(theirs, send, received, splits, group=gloo)
+    if not same(mine, theirs):
+        differ.append("all_to_all_single uneven")
+    work = dist.all_reduce(values(rank, 3, torch.float32), async_op=True)
+    work.wait()
+    if not isinstance(work, dist.Work):
+        differ.append("async work")
+    dist.barrier()
+    algorithms = dict(dist.group.WORLD.algorithms)
+    dist.destroy_process_group()
+    return {"differ": differ, "algorithms": algorithms}
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("settings", ["ring", "fastest"])
+def test_collectives_agree_with_gloo(world, settings):
+    results = run_ranks(against_gloo, loopback_placements(world, SETTINGS[settings]),
+                        timeout=300)
+    for r in results:
+        assert r["differ"] == [], r["differ"]
+    expected = ({"all_gather": "ring", "reduce_scatter": "ring", "all_reduce": "ring",
+                 "broadcast": "ring"} if settings == "ring" else
+                {"all_gather": "multicast", "reduce_scatter": "innetwork",
+                 "all_reduce": "fullduplex", "broadcast": "multicast"})
+    assert results[0]["algorithms"] == expected
+
+
+def refusals(rank):
+    """What the backend refuses, and the message each gives."""
+    start()
+    said = {}
+    for what, call in [
+            ("bxor", lambda: dist.all_reduce(torch.ones(3, dtype=torch.int32),
+                                             op=dist.ReduceOp.BXOR)),
+            ("int16 sum", lambda: dist.all_reduce(torch.ones(3, dtype=torch.int16))),
+            ("complex max", lambda: dist.all_reduce(torch.ones(3, dtype=torch.complex64),
+                                                    op=dist.ReduceOp.MAX)),
+            ("send", lambda: dist.send(torch.ones(3), (rank + 1) % 2))]:
+        try:
+            call()
+            said[what] = None
+        except Exception as err:  # torch re-raises the worker's error as its own type
+            said[what] = str(err)
+    dist.destroy_process_group()
+    return said
+
+
+def test_unsupported_ops_and_dtypes_are_named():
+    said = run_ranks(refusals, loopback_placements(1), timeout=60)[0]
+    assert "BXOR" in said["bxor"] and "SUM, AVG, PREMUL_SUM, MAX, MIN, PRODUCT" in said["bxor"]
+    assert "torch.int16" in said["int16 sum"] and "supported" in said["int16 sum"]
+    assert "complex" in said["complex max"]
+    assert "send/recv" in said["send"]
+
+
+def just_start(rank):
+    start()
+
+
+def test_an_unknown_algorithm_is_named():
+    with pytest.raises(RankError) as info:
+        run_ranks(just_start, loopback_placements(1, {"OVERCAST_ALL_REDUCE": "tree"}),
+                  timeout=60)
+    for message in info.value.failures.values():
+        assert "OVERCAST_ALL_REDUCE='tree' is not one of auto, ring, fullduplex" in message
+
+
+def subgroup(rank):
+    """Collectives on the even ranks' group while the odd ones stay out of it."""
+    start()
+    evens = dist.new_group([0, 2])
+    result = None
+    if rank in (0, 2):
+        t = torch.full((1001,), float(rank + 1))
+        dist.all_reduce(t, group=evens)
+        out = torch.empty(2 * 5, dtype=torch.int64)
+        dist.all_gather_into_tensor(out, torch.full((5,), rank), group=evens)
+        result = [bool((t == 4).all()), out.tolist(), evens.getBackendName()]
+    dist.barrier()
+    dist.destroy_process_group()
+    return result
+
+
+def test_subgroup():
+    results = run_ranks(subgroup, loopback_placements(4, LINK), timeout=120)
+    assert results[1] is None and results[3] is None
+    for r in (results[0], results[2]):
+        assert r == [True, [0] * 5 + [2] * 5, "overcast"]
+
+
+def mismatched(rank):
+    start(timeout=20)
+    try:
+        if rank == 0:
+            dist.all_reduce(torch.ones(10))
+        else:
+            dist.all_gather_into_tensor(torch.empty(20), torch.ones(10))
+        return None
+    except Exception as err:
+        return [type(err).__name__, str(err)]
+    finally:
+        dist.destroy_process_group()
+
+
+def test_mismatched_calls_are_named():
+    for kind, message in run_ranks(mismatched, loopback_placements(2), timeout=60):
+        assert kind == "CollectiveMismatchError", (kind, message)
+        assert "collective #0 differs across ranks" in message
+        assert "rank 1 issued all_gather" in message and "rank 0 issued reduce_scatter" in message
+
+
+def killed(rank):
+    start(timeout=20)
+    dist.all_reduce(torch.ones(10))
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    began = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(100000))
+        return None
+    except Exception as err:
+        return {"kind": type(err).__name__, "message": str(err),
+                "seconds": time.monotonic() - began}
+
+
+def test_a_killed_rank_is_named_within_the_timeout():
+    with pytest.raises(RankError) as info:
+        run_ranks(killed, loopback_placements(3), timeout=120)
+    assert set(info.value.failures) == {1}
+    for r in (info.value.results[0], info.value.results[2]):
+        assert r["kind"] == "PeerFailureError" and "rank 1" in r["message"], r
+        assert r["seconds"] < 20, r
+
+
+HIDDEN, ROWS, STEPS = 37, 12, 3
+
+
+def small_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(7, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, HIDDEN), nn.Tanh(),
+                         nn.Linear(HIDDEN, 5))
+
+
+def batch(step):
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(ROWS, 7, generator=g), torch.randn(ROWS, 5, generator=g)
+
+
+def train(rank, how):
+    """STEPS of SGD with DDP, FSDP2 alone, or FSDP2 with overlap(), on the backend, and on one
+    process unsharded; the largest difference of the parameters after, and of the losses."""
+    start()
+    world = dist.get_world_size()
+    ref = small_model()
+    model = copy.deepcopy(ref)
+    handle = None
+    if how == "ddp":
+        model = nn.parallel.DistributedDataParallel(model)
+    else:
+        from torch.distributed.fsdp import fully_shard
+        for layer in (model[0], model[2], model[4]):
+            fully_shard(layer)
+        fully_shard(model)
+        if how == "overlap":
+            handle = overcast.fsdp.overlap(model)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.3) for m in (model, ref)]
+    rows = ROWS // world
+    losses = []
+    for step in range(STEPS):
+        x, y = batch(step)
+        loss = nn.functional.mse_loss(model(x[rank * rows:(rank + 1) * rows]),
+                                      y[rank * rows:(rank + 1) * rows])
+        loss.backward()
+        ref_loss = nn.functional.mse_loss(ref(x), y)
+        ref_loss.backward()
+        whole = loss.detach().clone()
+        dist.all_reduce(whole, op=dist.ReduceOp.AVG)
+        losses.append(abs(whole.item() - ref_loss.item()))
+        for o in opts:
+            o.step()
+            o.zero_grad()
+    if how == "ddp":
+        diff = max((p - q).abs().max().item()
+                   for p, q in zip(model.module.parameters(), ref.parameters()))
+    else:
+        diff = max((p.to_local() - torch.chunk(q.detach(), world)[rank]).abs().max().item()
+                   for p, q in zip(model.parameters(), ref.parameters()))
+    one = handle is None or handle.comm is dist.group.WORLD.communicator
+    if handle is not None:
+        handle.close()
+    dist.destroy_process_group()
+    return {"param": diff, "loss": max(losses), "one_communicator": one}
+
+
+@pytest.mark.parametrize("how", ["ddp", "fsdp", "overlap"])
+def test_training_on_the_backend_matches_one_process(how):
+    for r in run_ranks(train, loopback_placements(3, LINK), args=(how,), timeout=180):
+        assert r["param"] < 1e-5 and r["loss"] < 1e-5 and r["one_communicator"], r
