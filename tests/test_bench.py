@@ -83,6 +83,26 @@ def test_overlap_bench_and_timeline(tmp_path):
         assert png[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_all_reduce_bench_moves_what_each_algorithm_must(tmp_path):
+    out = tmp_path / "all_reduce.json"
+    subprocess.run([sys.executable, "-m", "overcast.cli.main", "bench", "--hosts", "4",
+                    "--link-mbit", "200", "--sizes", "1MiB", "--collectives", "all_reduce",
+                    "--algorithms", "ring,fullduplex,gloo", "--reps", "2", "--warmup", "0",
+                    "--json", str(out)], check=True, capture_output=True, text=True,
+                   timeout=600)
+    rows = {r["algorithm"]: r for r in json.loads(out.read_text())["results"]}
+    assert set(rows) == {"ring", "fullduplex", "gloo"}
+    assert all(r["correct"] for r in rows.values())
+    n = 1 << 20
+    # the floor is N/B; the rings move 2N(P-1)/P each way, the full-duplex one N each way
+    assert rows["fullduplex"]["floor_seconds"] == n / (200e6 / 8)
+    assert rows["ring"]["payload_sent_per_host"] == 2 * n * 3 / 4
+    assert rows["fullduplex"]["payload_sent_per_host"] == n
+    for algorithm in ("ring", "fullduplex"):
+        assert 1.0 <= rows[algorithm]["tx_over_payload"] < 1.08, rows[algorithm]
+        assert 1.0 <= rows[algorithm]["rx_over_payload"] < 1.08, rows[algorithm]
+
+
 def test_a_sweep_runs_every_point_on_a_cluster_of_each_rate(tmp_path):
     out = tmp_path / "sweep.json"
     run = subprocess.run([sys.executable, "-m", "overcast.cli.main", "bench", "--hosts", "2",

@@ -24,14 +24,16 @@ from overcast.limits import (check_algorithms, check_count, check_hosts, check_l
 from overcast.schedules import cost
 from overcast.wire.header import OVERHEAD_BYTES
 
-COLLECTIVES = ("allgather", "reduce_scatter", "overlap")
+COLLECTIVES = ("allgather", "reduce_scatter", "overlap", "all_reduce")
 ALGORITHMS = {"allgather": ("ring", "multicast", "gloo"),
               "reduce_scatter": ("ring", "innetwork", "gloo"),
-              "overlap": ("overcast", "ring", "gloo")}
+              "overlap": ("overcast", "ring", "gloo"),
+              "all_reduce": ("ring", "fullduplex", "gloo")}
 # Algorithms that need the aggregator (overcast switch) on the cluster.
-NEEDS_SWITCH = {("reduce_scatter", "innetwork"), ("overlap", "overcast")}
+NEEDS_SWITCH = {("reduce_scatter", "innetwork"), ("overlap", "overcast"),
+                ("all_reduce", "fullduplex")}
 # Algorithms whose ranks move datagrams, and so feel injected loss.
-DATAGRAM_ALGORITHMS = {"multicast", "innetwork", "overcast"}
+DATAGRAM_ALGORITHMS = {"multicast", "innetwork", "overcast", "fullduplex"}
 
 
 def process_cpu_seconds(pid: int) -> float:
@@ -120,8 +122,8 @@ def summarize(collective: str, algorithm: str, hosts: int, nbytes: int, link_bit
         "bytes_per_rank": n, "link_bits_per_s": link_bits,
         "seconds": median, "seconds_all": seconds,
         "floor_seconds": floor, "ratio_to_floor": median / floor,
-        "algbw_bytes_per_s": cost.algbw(n, hosts, median),
-        "busbw_bytes_per_s": cost.busbw(n, hosts, median),
+        "algbw_bytes_per_s": cost.algbw(n, hosts, median, collective),
+        "busbw_bytes_per_s": cost.busbw(n, hosts, median, collective),
         "tx_bytes_per_host": round(tx), "rx_bytes_per_host": round(rx),
         "tx_bytes_max_host": round(max(r["tx_bytes"] for r in per_rank)),
         "rx_bytes_max_host": round(max(r["rx_bytes"] for r in per_rank)),

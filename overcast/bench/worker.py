@@ -56,6 +56,9 @@ class _Gloo:
         return self.dist.all_gather_into_tensor(self.torch.from_numpy(out),
                                                 self.torch.from_numpy(inp), async_op=async_op)
 
+    def all_reduce(self, buf):
+        self.dist.all_reduce(self.torch.from_numpy(buf))
+
     def reduce_scatter(self, out, inp, async_op=False):
         return self.dist.reduce_scatter_tensor(self.torch.from_numpy(out),
                                                self.torch.from_numpy(inp), group=self.rs_group,
@@ -82,6 +85,16 @@ def workload(comm, gloo, collective: str, algorithm: str, rank: int, count: int,
         ag = lambda o, i, async_op=False: comm.all_gather(o, i, async_op, algorithm=ag_algo)  # noqa
         rs = lambda o, i, async_op=False: comm.reduce_scatter(o, i, async_op=async_op,  # noqa
                                                               algorithm=rs_algo)
+    if collective == "all_reduce":  # `count` elements per rank: the whole buffer, reduced
+        base = np.arange(count) % 1021
+        source, buffer = (base + rank).astype(DTYPE), np.empty(count, DTYPE)
+        expect = (base * world + world * (world - 1) // 2).astype(DTYPE)
+        run = (lambda: gloo.all_reduce(buffer)) if gloo else \
+            (lambda: comm.all_reduce(buffer, algorithm=algorithm))
+
+        def reset():
+            buffer[:] = source
+        return run, reset, lambda: np.array_equal(buffer, expect)
     if collective == "allgather":
         buffers, run = [(ag_out, ag_expect)], lambda: ag(ag_out, ag_in)
     elif collective == "reduce_scatter":

@@ -297,7 +297,12 @@ class ProcessGroupOvercast(dist.ProcessGroup):
         return self._submit("all_gather", list(inputs) + [o for outs in output_lists
                                                          for o in outs], run, output_lists)
 
-    allgather_coalesced = allgather
+    def allgather_coalesced(self, output_lists, inputs, opts) -> dist.Work:
+        """output_lists[r][i] receives rank r's inputs[i]."""
+        def run():
+            for i, inp in enumerate(inputs):
+                self._all_gather_list([outs[i] for outs in output_lists], inp)
+        return self._submit("all_gather_coalesced", list(inputs), run, output_lists)
 
     def all_gather_single(self, output, input, opts) -> dist.Work:
         return self._submit("all_gather_into_tensor", [output, input],
