@@ -320,3 +320,38 @@ def train(rank, how):
 def test_training_on_the_backend_matches_one_process(how):
     for r in run_ranks(train, loopback_placements(3, LINK), args=(how,), timeout=180):
         assert r["param"] < 1e-5 and r["loss"] < 1e-5 and r["one_communicator"], r
+
+
+def names_and_meshes(rank):
+    """As PyTorch's test_c10d_pypg.py checks a Python process group: the backend's name, the
+    groups' names as torch resolves them, a 2-D DeviceMesh's subgroups, and a DDP comm hook
+    chained on the Work's future."""
+    start()
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    world = dist.get_world_size()
+    pg = dist.group.WORLD
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    shard = mesh.get_group("shard")
+    t = torch.full((5,), float(rank))
+    dist.all_reduce(t, group=shard)
+    mine = [r for r in range(world) if r // (world // 2) == rank // (world // 2)]
+    model = nn.parallel.DistributedDataParallel(nn.Linear(3, 2))
+    model.register_comm_hook(None, default_hooks.allreduce_hook)
+    model(torch.ones(4, 3)).sum().backward()
+    grads = model.module.weight.grad.clone()
+    dist.all_reduce(grads, op=dist.ReduceOp.MAX)
+    same_grads = torch.equal(grads, model.module.weight.grad)
+    out = {"backend": dist.get_backend(), "name": pg.getBackendName(),
+           "resolves": dist.distributed_c10d._resolve_process_group(pg.group_name) is pg,
+           "shard_backend": shard.getBackendName(), "distinct": shard.group_name != pg.group_name,
+           "shard_sum": bool((t == sum(mine)).all()), "hooked_ddp_agrees": same_grads}
+    dist.destroy_process_group()
+    return out
+
+
+def test_names_meshes_and_ddp_hooks():
+    for r in run_ranks(names_and_meshes, loopback_placements(4), timeout=120):
+        assert r == {"backend": "overcast", "name": "overcast", "resolves": True,
+                     "shard_backend": "overcast", "distinct": True, "shard_sum": True,
+                     "hooked_ddp_agrees": True}, r
