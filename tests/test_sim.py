@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from overcast.schedules import cost
+from overcast.sim.collectives import ALGORITHMS as SIM_ALGORITHMS
 from overcast.sim.engine import Engine
 from overcast.sim.fairness import max_min_rates
 from overcast.sim.plan import Model, plan_point
@@ -19,7 +20,7 @@ from overcast.sim.run import compare, simulate
 from overcast.sim.topology import fat_tree, placement, star
 
 MIB = 1 << 20
-PAIRS = sorted(cost.TRAFFIC)
+PAIRS = sorted((c, a) for c, algorithms in SIM_ALGORITHMS.items() for a in algorithms)
 
 
 def expected_seconds(collective, algorithm, n, p, b):
