@@ -33,6 +33,8 @@ from overcast.wire.messages import CONTRIB_PREFIX
 DEFAULT_PACING_SHARE = 1.0
 ALGORITHMS = {"all_gather": ("ring", "multicast"), "reduce_scatter": ("ring", "innetwork"),
               "broadcast": ("multicast", "ring"), "all_reduce": ("ring", "fullduplex")}
+# What each all_reduce algorithm runs: (its ReduceScatter's algorithm, its AllGather's).
+ALL_REDUCE_PARTS = {"ring": ("ring", "ring"), "fullduplex": ("innetwork", "multicast")}
 # The full-duplex all_reduce's pieces: small enough that the first ReduceScatter and the last
 # AllGather, which overlap nothing, are a small share of the whole; large enough that each
 # piece's collectives are not dominated by their fixed costs.
@@ -147,13 +149,9 @@ class Communicator:
         every link carry data at once: about N/B for N bytes at link rate B, against the
         ring's 2N(P-1)/(PB). Returns when the result is in place."""
         buf, _ = self._arrays(buffer, buffer, "all_reduce")
-        if algorithm not in ALGORITHMS["all_reduce"]:
-            self._reject(f"all_reduce has no algorithm {algorithm!r}; available: "
-                         f"{', '.join(ALGORITHMS['all_reduce'])}")
-        rs_algorithm, ag_algorithm = (("innetwork", "multicast") if algorithm == "fullduplex"
-                                      else ("ring", "ring"))
+        self.check_algorithm("all_reduce", algorithm)
+        rs_algorithm, ag_algorithm = ALL_REDUCE_PARTS[algorithm]
         self._check_reduce(buf.dtype, op, rs_algorithm)
-        self.check_algorithm("all_gather", ag_algorithm)
         world = self.world_size
         if buf.size == 0:
             return
@@ -237,6 +235,10 @@ class Communicator:
         known = ALGORITHMS[collective]
         if algorithm not in known:
             return f"{collective} has no algorithm {algorithm!r}; available: {', '.join(known)}"
+        if collective == "all_reduce":
+            rs_algorithm, ag_algorithm = ALL_REDUCE_PARTS[algorithm]
+            return (self.unavailable("reduce_scatter", rs_algorithm) or
+                    self.unavailable("all_gather", ag_algorithm))
         if algorithm in ("multicast", "innetwork") and self.world_size > 1:
             if algorithm == "multicast" and self._multicast_error:
                 return f"multicast is unavailable here: {self._multicast_error}"

@@ -11,6 +11,7 @@ run several at a time (the full-duplex all_reduce's point).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import queue
@@ -21,7 +22,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from overcast.buffers import DTYPES, as_array
+from overcast.buffers import DTYPES, SUMMING_OPS, as_array
 from overcast.comm import ALGORITHMS, Communicator
 from overcast.errors import InvalidArgumentError, OvercastError
 from overcast.job import group_communicator
@@ -78,6 +79,15 @@ def _reducible(t: torch.Tensor, op: str, what: str) -> np.ndarray:
                                    f"float32, float64, float16, bfloat16, complex64, "
                                    f"complex128, int8, int32, int64, uint8")
     return arr
+
+
+@contextlib.contextmanager
+def _contiguous(t: torch.Tensor):
+    """`t` itself if it is contiguous; otherwise a contiguous copy, written back after."""
+    work = t if t.is_contiguous() else t.contiguous()
+    yield work
+    if work is not t:
+        t.copy_(work)
 
 
 class _Work(dist._Work):
@@ -172,12 +182,11 @@ class ProcessGroupOvercast(dist.ProcessGroup):
 
     def _auto(self, collective: str) -> str:
         fastest = FASTEST[collective]
-        parts = {"all_reduce": [("reduce_scatter", "innetwork"), ("all_gather", "multicast")],
-                 "broadcast": [("broadcast", "multicast")]}.get(collective,
-                                                                 [(collective, fastest)])
-        if all(self.communicator.unavailable(c, a) is None for c, a in parts):
-            return fastest
-        return "ring"
+        return fastest if self.communicator.unavailable(collective, fastest) is None else "ring"
+
+    def _algorithm(self, collective: str, op: str) -> str:
+        """The group's algorithm for a reduction, or the ring for ops the network cannot do."""
+        return self.algorithms[collective] if op in SUMMING_OPS else "ring"
 
     # -- names torch asks for --------------------------------------------------------------
     def getBackendName(self) -> str:
@@ -216,26 +225,20 @@ class ProcessGroupOvercast(dist.ProcessGroup):
 
     def _all_reduce(self, t: torch.Tensor, op) -> None:
         name, factor = _reduce_op(op)
-        work = t if t.is_contiguous() else t.contiguous()
-        if factor is not None:
-            work.mul_(factor)
-        comm = self.communicator
-        algorithm = self.algorithms["all_reduce"] if name in ("sum", "avg") else "ring"
-        comm.all_reduce(_reducible(work, name, "all_reduce"), name, algorithm)
-        if work is not t:
-            t.copy_(work)
+        with _contiguous(t) as work:
+            if factor is not None:
+                work.mul_(factor)
+            self.communicator.all_reduce(_reducible(work, name, "all_reduce"), name,
+                                         self._algorithm("all_reduce", name))
 
     def _all_gather_into(self, out: torch.Tensor, inp: torch.Tensor) -> None:
         if out.numel() != inp.numel() * self.size() or out.dtype != inp.dtype:
             raise InvalidArgumentError(
                 f"all_gather: the output holds {out.numel()} x {out.dtype}, it needs "
                 f"world_size ({self.size()}) x the input's {inp.numel()} x {inp.dtype}")
-        dest = out if out.is_contiguous() else torch.empty_like(out, memory_format=
-                                                                 torch.contiguous_format)
-        self.communicator.all_gather(_bytes(dest), _bytes(inp.contiguous()),
-                                     algorithm=self.algorithms["all_gather"])
-        if dest is not out:
-            out.copy_(dest)
+        with _contiguous(out) as dest:
+            self.communicator.all_gather(_bytes(dest), _bytes(inp.contiguous()),
+                                         algorithm=self.algorithms["all_gather"])
 
     def _all_gather_list(self, outs, inp: torch.Tensor, keep: bool = True) -> None:
         """All ranks' `inp` into the tensors `outs` (rank order), if `keep`."""
@@ -258,20 +261,16 @@ class ProcessGroupOvercast(dist.ProcessGroup):
         source = inp.contiguous()
         if factor is not None:
             source = source * factor
-        dest = out if out.is_contiguous() else torch.empty_like(out, memory_format=
-                                                                 torch.contiguous_format)
-        algorithm = self.algorithms["reduce_scatter"] if name in ("sum", "avg") else "ring"
-        self.communicator.reduce_scatter(_reducible(dest, name, "reduce_scatter output"),
-                                         _reducible(source, name, "reduce_scatter input"),
-                                         name, algorithm=algorithm)
-        if dest is not out:
-            out.copy_(dest)
+        with _contiguous(out) as dest:
+            self.communicator.reduce_scatter(_reducible(dest, name, "reduce_scatter output"),
+                                             _reducible(source, name, "reduce_scatter input"),
+                                             name, algorithm=self._algorithm("reduce_scatter",
+                                                                             name))
 
     def _broadcast(self, t: torch.Tensor, root: int) -> None:
-        work = t if t.is_contiguous() else t.contiguous()
-        self.communicator.broadcast(_bytes(work), root, algorithm=self.algorithms["broadcast"])
-        if work is not t:
-            t.copy_(work)
+        with _contiguous(t) as work:
+            self.communicator.broadcast(_bytes(work), root,
+                                        algorithm=self.algorithms["broadcast"])
 
     # -- collectives ------------------------------------------------------------------------
     def allreduce(self, tensors, opts) -> dist.Work:

@@ -21,7 +21,7 @@ TRAFFIC = {
 }
 
 
-def traffic(collective: str, algorithm: str, n: int, p: int) -> tuple[int, int]:
+def traffic(collective: str, algorithm: str, n: int, p: int) -> tuple[float, float]:
     """Payload bytes (sent, received) per rank; gloo is treated as its ring equivalent."""
     sent, received = TRAFFIC[(collective, "ring" if algorithm == "gloo" else algorithm)]
     return n * sent(p), n * received(p)

@@ -70,7 +70,7 @@ def collective_seconds(kind: str, gather: int, scatter: int, world: int, overlap
     rather than two rings."""
     if kind == "pair" and overlapped:
         return pair_floor_seconds(gather, scatter, world, link_bytes_per_s)
-    return floor_seconds("all_gather", gather, world, link_bytes_per_s) + \
+    return floor_seconds("allgather", gather, world, link_bytes_per_s) + \
         floor_seconds("reduce_scatter", scatter, world, link_bytes_per_s)
 
 
