@@ -63,8 +63,31 @@ static void Sealer_dealloc(Sealer *self) {
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
-/* seal_into(buf, offset, kind, seq, dst, chunk, payload): payload a buffer or a tuple of up to
- * two; returns the message's end in buf. */
+/* A payload as sealing takes it: a buffer, or a tuple of up to two laid one after the other.
+ * Fills parts[0..n) (released by the caller, n set even on failure); 0, or -1 with an error. */
+static int payload_parts(PyObject *payload, Py_buffer parts[2], int *n) {
+    *n = 0;
+    if (!PyTuple_Check(payload)) {
+        if (PyObject_GetBuffer(payload, &parts[0], PyBUF_C_CONTIGUOUS) != 0) return -1;
+        *n = 1;
+        return 0;
+    }
+    if (PyTuple_GET_SIZE(payload) > 2) {
+        PyErr_SetString(PyExc_ValueError, "a payload has at most two parts");
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(payload); i++) {
+        if (PyObject_GetBuffer(PyTuple_GET_ITEM(payload, i), &parts[i], PyBUF_C_CONTIGUOUS) != 0)
+            return -1;
+        *n += 1;
+    }
+    return 0;
+}
+
+#define PART(parts, n, i) ((n) > (i) ? (const uint8_t *)(parts)[i].buf : NULL)
+#define PART_LEN(parts, n, i) ((n) > (i) ? (size_t)(parts)[i].len : 0)
+
+/* seal_into(buf, offset, kind, seq, dst, chunk, payload): returns the message's end in buf. */
 static PyObject *Sealer_seal_into(Sealer *self, PyObject *args) {
     Py_buffer buf;
     Py_ssize_t offset;
@@ -74,31 +97,40 @@ static PyObject *Sealer_seal_into(Sealer *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "w*nIIIIO", &buf, &offset, &kind, &seq, &dst, &chunk, &payload))
         return NULL;
     Py_buffer parts[2] = {{0}, {0}};
-    int nparts = 0, ok = 1;
-    if (PyTuple_Check(payload)) {
-        if (PyTuple_GET_SIZE(payload) > 2) {
-            PyErr_SetString(PyExc_ValueError, "a payload has at most two parts");
-            ok = 0;
-        }
-        for (Py_ssize_t i = 0; ok && i < PyTuple_GET_SIZE(payload); i++) {
-            ok = PyObject_GetBuffer(PyTuple_GET_ITEM(payload, i), &parts[i], PyBUF_C_CONTIGUOUS) == 0;
-            nparts += ok;
-        }
-    } else {
-        ok = PyObject_GetBuffer(payload, &parts[0], PyBUF_C_CONTIGUOUS) == 0;
-        nparts = ok;
-    }
+    int nparts;
+    int ok = payload_parts(payload, parts, &nparts) == 0;
     size_t n = 0;
     if (ok && offset >= 0 && offset <= buf.len)
         n = oc_seal_parts(&self->s, (uint8_t *)buf.buf + offset, (size_t)(buf.len - offset),
-                          (uint8_t)kind, seq, (uint16_t)dst, chunk, parts[0].buf,
-                          nparts > 0 ? (size_t)parts[0].len : 0,
-                          nparts > 1 ? parts[1].buf : NULL, nparts > 1 ? (size_t)parts[1].len : 0);
+                          (uint8_t)kind, seq, (uint16_t)dst, chunk, PART(parts, nparts, 0),
+                          PART_LEN(parts, nparts, 0), PART(parts, nparts, 1),
+                          PART_LEN(parts, nparts, 1));
     for (int i = 0; i < nparts; i++) PyBuffer_Release(&parts[i]);
     PyBuffer_Release(&buf);
     if (!ok) return NULL;
     if (!n) return PyErr_Format(PyExc_ValueError, "the message does not fit the buffer");
     return PyLong_FromSsize_t(offset + (Py_ssize_t)n);
+}
+
+/* seal_detached(kind, seq, dst, chunk, payload) -> bytes: the header and the tag (header first)
+ * of the message whose payload is sent from where it lies. */
+static PyObject *Sealer_seal_detached(Sealer *self, PyObject *args) {
+    unsigned int kind, seq, dst, chunk;
+    PyObject *payload;
+    if (!self->ready) return PyErr_Format(PyExc_RuntimeError, "the sealer has no key");
+    if (!PyArg_ParseTuple(args, "IIIIO", &kind, &seq, &dst, &chunk, &payload)) return NULL;
+    Py_buffer parts[2] = {{0}, {0}};
+    int nparts;
+    uint8_t out[OC_OVERHEAD_BYTES];
+    int ok = payload_parts(payload, parts, &nparts) == 0, sealed = 0;
+    if (ok)
+        sealed = oc_seal_detached(&self->s, out, (uint8_t)kind, seq, (uint16_t)dst, chunk,
+                                  PART(parts, nparts, 0), PART_LEN(parts, nparts, 0),
+                                  PART(parts, nparts, 1), PART_LEN(parts, nparts, 1)) == 0;
+    for (int i = 0; i < nparts; i++) PyBuffer_Release(&parts[i]);
+    if (!ok) return NULL;
+    if (!sealed) return PyErr_Format(PyExc_ValueError, "the payload is too large to seal");
+    return PyBytes_FromStringAndSize((const char *)out, OC_OVERHEAD_BYTES);
 }
 
 static PyObject *Sealer_counter(Sealer *self, void *closure) {
@@ -121,6 +153,8 @@ static int Sealer_set_counter(Sealer *self, PyObject *value, void *closure) {
 static PyMethodDef Sealer_methods[] = {
     {"seal_into", (PyCFunction)Sealer_seal_into, METH_VARARGS,
      "seal_into(buf, offset, kind, seq, dst, chunk, payload) -> end"},
+    {"seal_detached", (PyCFunction)Sealer_seal_detached, METH_VARARGS,
+     "seal_detached(kind, seq, dst, chunk, payload) -> header and tag"},
     {NULL, NULL, 0, NULL},
 };
 static PyGetSetDef Sealer_getset[] = {

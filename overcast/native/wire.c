@@ -97,20 +97,32 @@ static void nonce(uint8_t iv[12], uint16_t src, uint64_t counter) {
     put64(iv + 4, counter);
 }
 
-/* EVP takes int lengths: messages are at most OC_MAX_PAYLOAD + overhead, far below INT_MAX. */
-int oc_gmac_tag(oc_gmac *g, uint16_t src, uint64_t counter, const uint8_t *data, size_t len,
-                uint8_t tag[OC_TAG_BYTES]) {
+/* EVP takes int lengths: messages are at most OC_MAX_PAYLOAD + overhead, far below INT_MAX. The
+ * tag is over the pieces laid end to end (GCM takes associated data in parts). */
+static int gmac_tag_pieces(oc_gmac *g, uint16_t src, uint64_t counter, const uint8_t *const *data,
+                           const size_t *len, int n, uint8_t tag[OC_TAG_BYTES]) {
     EVP_CIPHER_CTX *ctx = g->ctx;
     uint8_t iv[12], none[16];
-    int n;
-    if (!g->sealing || len > OC_MAX_PAYLOAD + OC_HEADER_BYTES) return -1;
+    int out;
+    size_t total = 0;
+    for (int i = 0; i < n; i++) {
+        if (len[i] > OC_MAX_PAYLOAD + OC_HEADER_BYTES - total) return -1;
+        total += len[i];
+    }
+    if (!g->sealing) return -1;
     nonce(iv, src, counter);
-    if (EVP_EncryptInit_ex2(ctx, NULL, NULL, iv, NULL) != 1 ||
-        EVP_EncryptUpdate(ctx, NULL, &n, data, (int)len) != 1 ||
-        EVP_EncryptFinal_ex(ctx, none, &n) != 1 ||
+    if (EVP_EncryptInit_ex2(ctx, NULL, NULL, iv, NULL) != 1) return -1;
+    for (int i = 0; i < n; i++)
+        if (len[i] && EVP_EncryptUpdate(ctx, NULL, &out, data[i], (int)len[i]) != 1) return -1;
+    if (EVP_EncryptFinal_ex(ctx, none, &out) != 1 ||
         EVP_CIPHER_CTX_ctrl(ctx, EVP_CTRL_GCM_GET_TAG, OC_TAG_BYTES, tag) != 1)
         return -1;
     return 0;
+}
+
+int oc_gmac_tag(oc_gmac *g, uint16_t src, uint64_t counter, const uint8_t *data, size_t len,
+                uint8_t tag[OC_TAG_BYTES]) {
+    return gmac_tag_pieces(g, src, counter, &data, &len, 1, tag);
 }
 
 int oc_gmac_check(oc_gmac *g, uint16_t src, uint64_t counter, const uint8_t *data, size_t len,
@@ -128,11 +140,15 @@ int oc_gmac_check(oc_gmac *g, uint16_t src, uint64_t counter, const uint8_t *dat
     return EVP_DecryptFinal_ex(ctx, none, &n) == 1;
 }
 
+static int payload_fits(size_t head_len, size_t body_len) {
+    return head_len <= OC_MAX_PAYLOAD && body_len <= OC_MAX_PAYLOAD - head_len;
+}
+
 size_t oc_seal_parts(oc_sealer *s, uint8_t *buf, size_t cap, uint8_t kind, uint32_t seq,
                      uint16_t dst, uint32_t chunk, const uint8_t *head, size_t head_len,
                      const uint8_t *body, size_t body_len) {
-    if (head_len > OC_MAX_PAYLOAD || body_len > OC_MAX_PAYLOAD - head_len ||
-        cap < OC_OVERHEAD_BYTES || head_len + body_len > cap - OC_OVERHEAD_BYTES)
+    if (!payload_fits(head_len, body_len) || cap < OC_OVERHEAD_BYTES ||
+        head_len + body_len > cap - OC_OVERHEAD_BYTES)
         return 0;
     size_t len = head_len + body_len;
     oc_header h = {kind, s->job, s->comm, seq, s->src, dst, chunk, (uint32_t)len, s->counter + 1};
@@ -149,6 +165,21 @@ size_t oc_seal_parts(oc_sealer *s, uint8_t *buf, size_t cap, uint8_t kind, uint3
 size_t oc_seal_into(oc_sealer *s, uint8_t *buf, size_t cap, uint8_t kind, uint32_t seq,
                     uint16_t dst, uint32_t chunk, const uint8_t *payload, size_t len) {
     return oc_seal_parts(s, buf, cap, kind, seq, dst, chunk, NULL, 0, payload, len);
+}
+
+int oc_seal_detached(oc_sealer *s, uint8_t out[OC_OVERHEAD_BYTES], uint8_t kind, uint32_t seq,
+                     uint16_t dst, uint32_t chunk, const uint8_t *head, size_t head_len,
+                     const uint8_t *body, size_t body_len) {
+    if (!payload_fits(head_len, body_len)) return -1;
+    size_t len = head_len + body_len;
+    oc_header h = {kind, s->job, s->comm, seq, s->src, dst, chunk, (uint32_t)len, s->counter + 1};
+    oc_header_write(out, &h);
+    const uint8_t *data[3] = {out, head, body};
+    size_t lens[3] = {OC_HEADER_BYTES, head_len, body_len};
+    if (gmac_tag_pieces(&s->gmac, s->src, h.counter, data, lens, 3, out + OC_HEADER_BYTES) != 0)
+        return -1;
+    s->counter = h.counter;
+    return 0;
 }
 
 int oc_replay_init(oc_replay *w, uint32_t width) {

@@ -87,6 +87,14 @@ size_t oc_seal_parts(oc_sealer *s, uint8_t *buf, size_t cap, uint8_t kind, uint3
                      uint16_t dst, uint32_t chunk, const uint8_t *head, size_t head_len,
                      const uint8_t *body, size_t body_len);
 
+/* The same message for a payload sent from where it lies (a stream's gather write): only the
+ * header, at out[0..OC_HEADER_BYTES), and the tag after it are written; the tag covers the header
+ * and both parts as they are now, so they must not change until they are sent. 0, or -1 (nothing
+ * written, no counter spent) if the payload is too large. */
+int oc_seal_detached(oc_sealer *s, uint8_t out[OC_OVERHEAD_BYTES], uint8_t kind, uint32_t seq,
+                     uint16_t dst, uint32_t chunk, const uint8_t *head, size_t head_len,
+                     const uint8_t *body, size_t body_len);
+
 /* Each counter accepted at most once, none `width` or more below the highest accepted (RFC
  * 6479's ring of 64-bit words; width 0: strictly increasing). */
 typedef struct {

@@ -106,6 +106,12 @@ class Sealer:
         (bytes, a byte memoryview, a 1-D uint8 array), or a tuple of up to two of them."""
         return self.native.seal_into(buf, offset, kind, seq, dst, chunk, payload)
 
+    def seal_detached(self, kind: int, seq: int, dst: int, chunk: int, payload=b"") -> bytes:
+        """The header and the tag (header first, HEADER_BYTES of it) of the message whose
+        payload is sent from where it lies, between them: no copy of the payload, which must
+        not change until it is sent."""
+        return self.native.seal_detached(kind, seq, dst, chunk, payload)
+
 
 def sealed_bytes(payload=b"") -> int:
     """The length of a sealed message carrying `payload` (as Sealer.seal_into takes it)."""

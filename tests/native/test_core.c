@@ -113,6 +113,35 @@ static void test_seal_and_open(void) {
     oc_gmac_free(&s.gmac);
 }
 
+/* A payload sealed where it lies: the header and tag are those of the same message sealed whole,
+ * for a payload in one part or two. */
+static void test_seal_detached(void) {
+    oc_sealer whole = {.job = 5, .comm = 6, .src = 2, .counter = 7};
+    oc_sealer apart = whole;
+    CHECK(oc_gmac_init(&whole.gmac, KEY, 1) == 0 && oc_gmac_init(&apart.gmac, KEY, 1) == 0,
+          "keys");
+    uint8_t payload[1000], msg[1100], out[OC_OVERHEAD_BYTES];
+    for (size_t i = 0; i < sizeof payload; i++) payload[i] = (uint8_t)next();
+    for (size_t split = 0; split <= sizeof payload; split += 250) {
+        size_t n = oc_seal_parts(&whole, msg, sizeof msg, OC_RING_DATA, 3, 1, 9, payload, split,
+                                 payload + split, sizeof payload - split);
+        CHECK(oc_seal_detached(&apart, out, OC_RING_DATA, 3, 1, 9, payload, split,
+                               payload + split, sizeof payload - split) == 0,
+              "sealed apart at %zu", split);
+        CHECK(n == OC_OVERHEAD_BYTES + sizeof payload &&
+                  memcmp(out, msg, OC_HEADER_BYTES) == 0 &&
+                  memcmp(out + OC_HEADER_BYTES, msg + n - OC_TAG_BYTES, OC_TAG_BYTES) == 0 &&
+                  apart.counter == whole.counter,
+              "the same header, tag and counter as sealed whole (split at %zu)", split);
+    }
+    uint64_t spent = apart.counter;
+    CHECK(oc_seal_detached(&apart, out, OC_RING_DATA, 3, 1, 9, payload, OC_MAX_PAYLOAD,
+                           payload, 1) == -1 && apart.counter == spent,
+          "a payload over the largest is refused and spends no counter");
+    oc_gmac_free(&whole.gmac);
+    oc_gmac_free(&apart.gmac);
+}
+
 /* The window against its definition: a set of what was taken and the highest taken. */
 static void test_replay_window(void) {
     static const uint32_t widths[] = {0, 1, 63, 64, 65, 1000};
@@ -908,6 +937,7 @@ static void test_trace(void) {
 int main(void) {
     test_header();
     test_seal_and_open();
+    test_seal_detached();
     test_replay_window();
     test_conversions();
     test_sums();
