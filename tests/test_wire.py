@@ -144,6 +144,111 @@ def test_a_stream_closes_on_a_frame_from_anyone_but_its_peer():
         listener.close()
 
 
+def test_a_detached_seal_is_the_whole_seal_in_parts():
+    """The header and tag sealed for a payload where it lies are those of the whole message, in
+    one part or two, and the counter advances the same."""
+    whole, opener, drops = make()
+    apart = Sealer(KEY, JOB, 7, 1)
+    payload = os.urandom(5000)
+    for body in (payload, (payload[:100], payload[100:]), b""):
+        message = bytes(whole.seal(Kind.RING_DATA, 3, 0, 4, body))
+        head_and_tag = apart.seal_detached(Kind.RING_DATA, 3, 0, 4, body)
+        assert len(head_and_tag) == OVERHEAD_BYTES
+        assert head_and_tag[:HEADER_BYTES] == message[:HEADER_BYTES]
+        assert head_and_tag[HEADER_BYTES:] == message[-TAG_BYTES:]
+        assert apart.counter == whole.counter
+        assert opener.open(message, window=ReplayWindow(0)) is not None
+    assert not drops
+
+
+@pytest.fixture
+def tcp_pair():
+    import socket
+    listener = socket.create_server(("127.0.0.1", 0))
+    a = socket.create_connection(listener.getsockname())
+    b, _ = listener.accept()
+    listener.close()
+    yield a, b
+    a.close()
+    b.close()
+
+
+def queued_in(sock) -> int:
+    """Bytes waiting in the socket's receive queue (SIOCINQ)."""
+    import fcntl
+    import struct
+    import termios
+    return struct.unpack("i", fcntl.ioctl(sock, termios.FIONREAD, b"\0" * 4))[0]
+
+
+def test_a_stream_writes_payloads_from_where_they_lie_and_holds_them_until_written(tcp_pair):
+    """A frame queued on a stream is written from its caller's buffer: the stream `holds` its tag
+    until the socket has taken the last byte, and a payload changed before that goes out as it
+    is then, failing its tag."""
+    import select
+
+    from overcast.transport.stream import Stream
+    a, b = tcp_pair
+    sealer, opener, drops = make()
+    sender = Stream(a, 0, opener)
+    receiver = Stream(b, 1, opener)
+    big = bytearray(os.urandom(8 << 20))  # more than both socket buffers hold
+    changed = bytearray(1000)
+    for seq, payload in ((5, big), (6, changed)):
+        head_and_tag = memoryview(sealer.seal_detached(Kind.RING_DATA, seq, 0, 0, payload))
+        sender.enqueue((head_and_tag[:HEADER_BYTES], payload, head_and_tag[HEADER_BYTES:]), seq)
+    changed[0] ^= 1
+    got = []
+    sender.flush()
+    assert sender.holds(5) and sender.holds(6)  # the reader has not read
+    while sender.queued_bytes:
+        readable, writable, _ = select.select([b], [a], [], 10.0)
+        assert readable or writable, "neither side moved in 10 s"
+        if readable:
+            receiver.read(lambda hdr, p: got.append((hdr.seq, bytes(p))))
+        sender.flush()
+    assert not sender.holds(5) and not sender.holds(6)
+    while len(got) + drops.get("bad_mac", 0) < 2:
+        assert select.select([b], [], [], 10.0)[0], "the last frame did not arrive in 10 s"
+        receiver.read(lambda hdr, p: got.append((hdr.seq, bytes(p))))
+    assert got == [(5, bytes(big))] and drops == {"bad_mac": 1}
+
+
+def test_a_stream_wakes_its_reader_only_once_the_next_frame_is_whole(tcp_pair):
+    """After a read the socket's low-water mark is what the next frame still lacks: part of a
+    frame leaves the socket unreadable, the rest makes it readable."""
+    import select
+    import socket
+    import time
+
+    from overcast.transport.stream import Stream
+    a, b = tcp_pair
+    sealer, opener, drops = make()
+    stream = Stream(b, 1, opener)
+    frames = [bytes(sealer.seal(Kind.RING_DATA, 1, 0, j, os.urandom(20_000))) for j in range(2)]
+
+    def arrived(nbytes):  # loopback has what was sent at once, as a rule
+        deadline = time.monotonic() + 10.0
+        while queued_in(b) < nbytes:
+            assert time.monotonic() < deadline, "the bytes sent did not arrive in 10 s"
+            select.select([b], [], [], 0.01)
+
+    a.sendall(frames[0] + frames[1][:5_000])
+    arrived(len(frames[0]) + 5_000)
+    got = []
+    stream.read(lambda hdr, p: got.append(hdr.chunk))
+    assert got == [0]
+    missing = len(frames[1]) - 5_000
+    assert b.getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT) == missing
+    a.sendall(frames[1][5_000:-1])
+    arrived(missing - 1)
+    assert select.select([b], [], [], 0)[0] == [], "readable with a byte of the frame missing"
+    a.sendall(frames[1][-1:])
+    assert select.select([b], [], [], 10.0)[0] == [b]
+    stream.read(lambda hdr, p: got.append(hdr.chunk))
+    assert got == [0, 1] and not drops
+
+
 def read_of(*frames) -> memoryview:
     """Datagrams laid back to back as one GRO read hands them over."""
     return memoryview(b"".join(bytes(f) for f in frames))

@@ -28,7 +28,7 @@ from overcast.transport.datagram import enlarge_receive_buffer
 from overcast.transport.loss import LossSpec
 from overcast.transport.rendezvous import Links
 from overcast.transport.stream import Stream, StreamClosed
-from overcast.wire.header import AGGREGATOR, Header, datagram_link_bytes
+from overcast.wire.header import AGGREGATOR, HEADER_BYTES, Header, datagram_link_bytes
 from overcast.wire.runs import Run
 
 # Bytes sealed ahead into a stream's queue: enough to keep the socket busy, small enough that
@@ -112,6 +112,7 @@ class Engine:
         self._lock = threading.Lock()
         self._submitted: collections.deque = collections.deque()
         self._works: dict[int, Work] = {}
+        self._finishing: list[Collective] = []  # done, waiting for their streams to write them
         self._close_requested = False
         self._close_deadline: float | None = None
         self._thread = threading.Thread(target=self._run, name=f"overcast-engine-{links.rank}",
@@ -275,7 +276,7 @@ class Engine:
     def _fill_and_flush(self) -> None:
         """Seal what the session has for each route and write until the sockets are full.
         Datagrams go out as soon as the protocols release them: pacing is theirs."""
-        session, seal = self.session, self.sealer.seal
+        session, seal = self.session, self.sealer.seal_detached
         for channel, peer in session.pending_routes():
             if channel != STREAM:
                 self._send_datagrams(session.drain((channel, peer)), (channel, peer))
@@ -289,7 +290,9 @@ class Engine:
                     msg = session.pop((channel, peer))
                     if msg is None:
                         break
-                    stream.enqueue((seal(msg.kind, msg.seq, msg.dst, msg.chunk, msg.payload),),
+                    sealed = memoryview(seal(msg.kind, msg.seq, msg.dst, msg.chunk, msg.payload))
+                    body = msg.payload if type(msg.payload) is tuple else (msg.payload,)
+                    stream.enqueue((sealed[:HEADER_BYTES], *body, sealed[HEADER_BYTES:]),
                                    msg.seq)
                 if not stream.queued_bytes:
                     break
@@ -314,12 +317,22 @@ class Engine:
     def _report(self) -> None:
         finished = self.session.finished
         while finished:
-            coll = finished.pop()
-            if self.trace:
-                self.trace.end(coll.seq, time.monotonic())
-            work = self._works.pop(coll.seq, None)
-            if work is not None:
-                work._finish(coll.error)
+            self._finishing.append(finished.pop())
+        if self._finishing:
+            self._finishing = [coll for coll in self._finishing if not self._finish(coll)]
+
+    def _finish(self, coll: Collective) -> bool:
+        """Complete the collective's Work, unless a stream has yet to write bytes it sent: those
+        are written from the collective's own buffers, which the caller may reuse once the Work
+        is complete. A failed collective completes at once."""
+        if coll.error is None and any(s.holds(coll.seq) for s in self.streams.values()):
+            return False
+        if self.trace:
+            self.trace.end(coll.seq, time.monotonic())
+        work = self._works.pop(coll.seq, None)
+        if work is not None:
+            work._finish(coll.error)
+        return True
 
     def _shutdown(self) -> None:
         self.session.fail(CommunicatorClosedError("the communicator is closed"))
@@ -333,6 +346,7 @@ class Engine:
                 work._finish(CommunicatorClosedError("the communicator is closed"))
         for stream in list(self.streams.values()):
             self._drop_stream(stream)
+        self._report()  # what waited for its streams: they are gone
         self._selector.close()
         self._wake_r.close()
         self._wake_w.close()

@@ -20,6 +20,10 @@ _READ_BYTES = 1 << 21
 SEND_BUFFER_BYTES = 256 * 1024
 _READS_PER_EVENT = 8
 _IOV_MAX = 64
+# The most the socket is asked to hold before it wakes the engine (SO_RCVLOWAT): one ring frame
+# and its overhead. Without it every TCP segment that lands wakes the engine and runs this
+# module's Python once; with it the engine wakes when the next whole frame is there.
+_MAX_LOW_WATER = 1 << 20
 
 
 class StreamClosed(Exception):
@@ -35,8 +39,10 @@ class Stream:
         self._rbuf = bytearray(_READ_BYTES)
         self._filled = 0
         self._window = ReplayWindow(0)
+        self._low_water = 1
         self._out: collections.deque[memoryview] = collections.deque()
-        self._tags: collections.deque[int] = collections.deque()  # the caller's tag per frame
+        self._tags: collections.deque[int] = collections.deque()  # the caller's tag per part
+        self._held: collections.Counter[int] = collections.Counter()  # parts queued per tag
         self.queued_bytes = 0
         self.bytes_in = self.bytes_out = 0
 
@@ -87,7 +93,10 @@ class Stream:
             if msg is not None:
                 on_message(*msg)
             pos += total
+        else:
+            total = HEADER_BYTES
         rest = filled - pos
+        self._wake_at(total - rest)
         if pos or rest == len(self._rbuf):
             # Move the partial frame to the front (a copy: the regions may overlap), into a
             # larger buffer if one frame does not fit.
@@ -96,13 +105,29 @@ class Stream:
             grown[:rest] = bytes(view[pos:filled])
             self._rbuf, self._filled = grown, rest
 
+    def _wake_at(self, missing: int) -> None:
+        """Have the socket report readable only once the `missing` bytes of the next frame
+        (or of its header) are there; EOF and errors still wake at once."""
+        low_water = max(1, min(missing, _MAX_LOW_WATER))
+        if low_water != self._low_water:
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, low_water)
+            self._low_water = low_water
+
     # -- writing ---------------------------------------------------------------------------
     def enqueue(self, parts, tag: int = 0) -> None:
-        """Queue one frame, given as the buffers that make it up, in order."""
+        """Queue one frame, given as the buffers that make it up, in order. They are written
+        from where they lie: each must stay unchanged while `holds(tag)`."""
         for part in parts:
-            self._out.append(memoryview(part))
-            self._tags.append(tag)
-            self.queued_bytes += len(part)
+            view = memoryview(part).cast("B")
+            if view:
+                self._out.append(view)
+                self._tags.append(tag)
+                self._held[tag] += 1
+                self.queued_bytes += len(view)
+
+    def holds(self, tag: int) -> bool:
+        """Whether bytes of a frame queued with `tag` are still to be written."""
+        return tag in self._held
 
     def flush(self, on_written=None) -> None:
         """Write as much of the queue as the socket takes; call on_written(tag, nbytes) for the
@@ -123,7 +148,10 @@ class Stream:
                     on_written(self._tags[0], done)
                 if len(head) <= n:
                     self._out.popleft()
-                    self._tags.popleft()
+                    tag = self._tags.popleft()
+                    self._held[tag] -= 1
+                    if not self._held[tag]:
+                        del self._held[tag]
                 else:
                     self._out[0] = head[n:]
                 n -= done
