@@ -13,7 +13,7 @@ LANES = {"all_gather": (1, "AllGather"), "reduce_scatter": (2, "ReduceScatter"),
          "broadcast": (1, "Broadcast")}
 BARRIER = "all_gather(ring, 1 x int64)"
 # The plot averages over this many bins at least, or over 1/WINDOWS of the run if longer: a
-# 128 KiB stream frame at 100 Mbit/s takes 10 ms on the wire.
+# 512 KiB ring frame at 400 Mbit/s takes 10 ms on the wire.
 SMOOTH_BINS = 5
 WINDOWS = 40
 
