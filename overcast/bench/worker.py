@@ -16,7 +16,8 @@ DTYPE = np.float32
 PROTOCOL_COUNTERS = ("injected_losses", "multicast_chunks", "duplicate_chunks", "repaired_chunks",
                      "repair_bytes", "repair_requests", "results", "duplicate_results",
                      "contributions_resent", "credit_probes", "datagrams_in", "datagrams_out",
-                     "datagram_reads", "datagram_sends")
+                     "datagram_reads", "datagram_sends", "wakeups", "python_cpu_seconds",
+                     "data_path_cpu_seconds")
 GLOO_PORT_OFFSET = 1
 
 
