@@ -152,10 +152,13 @@ def test_a_detached_seal_is_the_whole_seal_in_parts():
     payload = os.urandom(5000)
     for body in (payload, (payload[:100], payload[100:]), b""):
         message = bytes(whole.seal(Kind.RING_DATA, 3, 0, 4, body))
-        head_and_tag = apart.seal_detached(Kind.RING_DATA, 3, 0, 4, body)
-        assert len(head_and_tag) == OVERHEAD_BYTES
-        assert head_and_tag[:HEADER_BYTES] == message[:HEADER_BYTES]
-        assert head_and_tag[HEADER_BYTES:] == message[-TAG_BYTES:]
+        parts = apart.seal_detached(Kind.RING_DATA, 3, 0, 4, body)
+        header, tag = parts[0], parts[-1]
+        assert len(header) + len(tag) == OVERHEAD_BYTES
+        assert header == message[:HEADER_BYTES] and tag == message[-TAG_BYTES:]
+        assert b"".join(parts) == message
+        assert all(part is original for part, original in
+                   zip(parts[1:-1], body if type(body) is tuple else (body,)))  # not copied
         assert apart.counter == whole.counter
         assert opener.open(message, window=ReplayWindow(0)) is not None
     assert not drops
@@ -195,8 +198,7 @@ def test_a_stream_writes_payloads_from_where_they_lie_and_holds_them_until_writt
     big = bytearray(os.urandom(8 << 20))  # more than both socket buffers hold
     changed = bytearray(1000)
     for seq, payload in ((5, big), (6, changed)):
-        head_and_tag = memoryview(sealer.seal_detached(Kind.RING_DATA, seq, 0, 0, payload))
-        sender.enqueue((head_and_tag[:HEADER_BYTES], payload, head_and_tag[HEADER_BYTES:]), seq)
+        sender.enqueue(sealer.seal_detached(Kind.RING_DATA, seq, 0, 0, payload), seq)
     changed[0] ^= 1
     got = []
     sender.flush()

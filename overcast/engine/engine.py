@@ -28,7 +28,7 @@ from overcast.transport.datagram import enlarge_receive_buffer
 from overcast.transport.loss import LossSpec
 from overcast.transport.rendezvous import Links
 from overcast.transport.stream import Stream, StreamClosed
-from overcast.wire.header import AGGREGATOR, HEADER_BYTES, Header, datagram_link_bytes
+from overcast.wire.header import AGGREGATOR, Header, datagram_link_bytes
 from overcast.wire.runs import Run
 
 # Bytes sealed ahead into a stream's queue: enough to keep the socket busy, small enough that
@@ -290,9 +290,7 @@ class Engine:
                     msg = session.pop((channel, peer))
                     if msg is None:
                         break
-                    sealed = memoryview(seal(msg.kind, msg.seq, msg.dst, msg.chunk, msg.payload))
-                    body = msg.payload if type(msg.payload) is tuple else (msg.payload,)
-                    stream.enqueue((sealed[:HEADER_BYTES], *body, sealed[HEADER_BYTES:]),
+                    stream.enqueue(seal(msg.kind, msg.seq, msg.dst, msg.chunk, msg.payload),
                                    msg.seq)
                 if not stream.queued_bytes:
                     break

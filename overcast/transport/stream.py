@@ -43,7 +43,6 @@ class Stream:
         self._low_water = 1
         self._out: collections.deque[memoryview] = collections.deque()
         self._tags: collections.deque[int] = collections.deque()  # the caller's tag per part
-        self._held: collections.Counter[int] = collections.Counter()  # parts queued per tag
         self.queued_bytes = 0
         self.bytes_in = self.bytes_out = 0
 
@@ -123,12 +122,11 @@ class Stream:
             if view:
                 self._out.append(view)
                 self._tags.append(tag)
-                self._held[tag] += 1
                 self.queued_bytes += len(view)
 
     def holds(self, tag: int) -> bool:
         """Whether bytes of a frame queued with `tag` are still to be written."""
-        return tag in self._held
+        return tag in self._tags
 
     def flush(self, on_written=None) -> None:
         """Write as much of the queue as the socket takes; call on_written(tag, nbytes) for the
@@ -149,10 +147,7 @@ class Stream:
                     on_written(self._tags[0], done)
                 if len(head) <= n:
                     self._out.popleft()
-                    tag = self._tags.popleft()
-                    self._held[tag] -= 1
-                    if not self._held[tag]:
-                        del self._held[tag]
+                    self._tags.popleft()
                 else:
                     self._out[0] = head[n:]
                 n -= done

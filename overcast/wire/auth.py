@@ -106,17 +106,22 @@ class Sealer:
         (bytes, a byte memoryview, a 1-D uint8 array), or a tuple of up to two of them."""
         return self.native.seal_into(buf, offset, kind, seq, dst, chunk, payload)
 
-    def seal_detached(self, kind: int, seq: int, dst: int, chunk: int, payload=b"") -> bytes:
-        """The header and the tag (header first, HEADER_BYTES of it) of the message whose
-        payload is sent from where it lies, between them: no copy of the payload, which must
-        not change until it is sent."""
-        return self.native.seal_detached(kind, seq, dst, chunk, payload)
+    def seal_detached(self, kind: int, seq: int, dst: int, chunk: int, payload=b"") -> tuple:
+        """The whole message as the buffers to write in order, the payload's parts where they
+        lie: (header, *payload parts, tag). Nothing of the payload is copied, so it must not
+        change until it is sent."""
+        ends = memoryview(self.native.seal_detached(kind, seq, dst, chunk, payload))
+        return (ends[:HEADER_BYTES], *_parts(payload), ends[HEADER_BYTES:])
+
+
+def _parts(payload) -> tuple:
+    """A payload as sealing takes it (a buffer, or a tuple of them), as a tuple."""
+    return payload if type(payload) is tuple else (payload,)
 
 
 def sealed_bytes(payload=b"") -> int:
     """The length of a sealed message carrying `payload` (as Sealer.seal_into takes it)."""
-    parts = payload if type(payload) is tuple else (payload,)
-    return HEADER_BYTES + sum(map(len, parts)) + TAG_BYTES
+    return HEADER_BYTES + sum(map(len, _parts(payload))) + TAG_BYTES
 
 
 class Opener:
