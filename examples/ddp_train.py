@@ -6,7 +6,12 @@ process group is "overcast" (or gloo, to compare). Run it with torchrun:
 
 Rank 0 prints each step's loss (averaged over the ranks with all_reduce) to 9 significant
 digits, so the two runs can be compared line by line. The data are the same whatever the
-backend: each rank takes its rows of one seeded global batch per step.
+backend: each rank takes its rows of one seeded global batch per step, so the losses are also
+those of one process training on the whole batch.
+
+On gloo, torch 2.13 can abort a process at exit ("terminate called without an active
+exception") after the last step has printed: a gloo worker thread frees a backward's Work while
+the interpreter finalizes (docs/fsdp.md).
 """
 
 import argparse
@@ -24,6 +29,16 @@ def model() -> nn.Module:
                          nn.LayerNorm(256), nn.Linear(256, 10))
 
 
+def optimizer(params) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-3)
+
+
+def batch(step: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global batch of a step: inputs and class labels, the same on every rank."""
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(rows, 32, generator=g), torch.randint(0, 10, (rows,), generator=g)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--backend", default="overcast", choices=("overcast", "gloo"))
@@ -34,12 +49,10 @@ def main() -> None:
     dist.init_process_group(args.backend)
     rank, world = dist.get_rank(), dist.get_world_size()
     ddp = nn.parallel.DistributedDataParallel(model())
-    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+    opt = optimizer(ddp.parameters())
     rows = args.batch // world
     for step in range(args.steps):
-        g = torch.Generator().manual_seed(step)
-        x, y = torch.randn(args.batch, 32, generator=g), torch.randint(0, 10, (args.batch,),
-                                                                       generator=g)
+        x, y = batch(step, args.batch)
         loss = nn.functional.cross_entropy(ddp(x[rank * rows:(rank + 1) * rows]),
                                            y[rank * rows:(rank + 1) * rows])
         opt.zero_grad()
