@@ -226,6 +226,24 @@ def test_the_pool_bounds_the_aggregator_for_a_message_larger_than_the_pool():
     assert agg.pool_bytes == 0 and not agg.reductions("comm")
 
 
+def test_a_finished_reductions_pool_serves_the_next_and_goes_with_the_last_communicator():
+    world, slots = 4, 8
+    agg = Aggregator(slots=slots)
+    fabric = Fabric(world, seed=5, loss=0.02, reorder=True, aggregator=agg)
+    count = 20 * CHUNK // 4
+    for seq in range(3):
+        colls, outs, inputs = reduce_scatter(fabric, count, np.int32, slots=slots, seq=seq)
+        fabric.run_timed()
+        check_done(colls)
+        total = sum(inputs)
+        assert all(outs[r].tobytes() == total[r * count:(r + 1) * count].tobytes()
+                   for r in range(world))
+        assert agg.pool_bytes == 0 and agg.kept_pool_bytes == agg.peak_pool_bytes > 0
+    assert agg.stats["pools_reused"] == 2 and agg.stats["reductions"] == 3
+    agg.unregister("comm")
+    assert agg.kept_pool_bytes == 0
+
+
 def test_two_communicators_share_one_aggregator_and_stay_apart():
     agg = Aggregator(slots=8)
     a = Fabric(3, seed=1, loss=0.05, reorder=True, aggregator=agg, key="a")

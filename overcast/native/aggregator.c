@@ -42,7 +42,8 @@ typedef struct {
     slot_t *slots;                /* window */
     uint64_t *have;               /* window x words: contributors per slot */
     uint32_t words;
-    uint8_t *pool;                /* window x world x row_bytes */
+    uint8_t *pool;                /* window x world x row_bytes, within pool_cap bytes */
+    size_t pool_cap;
 } reduction_t;
 
 /* What the aggregator knows of one rank of a communicator. */
@@ -78,6 +79,11 @@ struct oc_agg {
     size_t arena_len, arena_cap;
     uint64_t drops[OC_DROP_COUNT], stats[OC_STAT_COUNT];
     uint64_t pool_bytes, peak_pool_bytes;
+    /* The largest pool a finished reduction left, for the next one: a fresh pool of tens of MiB
+     * comes from mmap, and faulting in and zeroing its pages took about a sixth of the
+     * aggregator's CPU on loopback. Freed when no communicator is left. */
+    uint8_t *spare;
+    size_t spare_cap;
     double next_tick;             /* < 0: none */
     uint32_t *chunks;             /* scratch: a run's chunks (oc_agg_feed) */
     size_t chunks_cap;
@@ -162,8 +168,15 @@ static uint8_t *row_of(reduction_t *r, uint32_t g, uint32_t rank) {
 }
 
 static void free_pool(oc_agg *a, reduction_t *r) {
-    if (r->pool) a->pool_bytes -= (uint64_t)r->window * r->world * r->row_bytes;
-    free(r->pool);
+    if (r->pool == NULL) return;
+    a->pool_bytes -= (uint64_t)r->window * r->world * r->row_bytes;
+    if (r->pool_cap > a->spare_cap) {
+        free(a->spare);
+        a->spare = r->pool;
+        a->spare_cap = r->pool_cap;
+    } else {
+        free(r->pool);
+    }
     r->pool = NULL;
 }
 
@@ -216,13 +229,23 @@ static reduction_t *new_reduction(oc_agg *a, comm_t *c, uint32_t seq, uint8_t co
  * (its rows kept) if a wider one comes (ranks send their widest chunks first: rare). */
 static int widen_pool(oc_agg *a, reduction_t *r, size_t bytes) {
     if (r->pool && r->row_bytes >= bytes) return 0;
-    size_t rows = (size_t)r->window * r->world;
-    uint8_t *wider = malloc(rows * bytes > 0 ? rows * bytes : 1);
-    if (wider == NULL) return -1;
+    size_t rows = (size_t)r->window * r->world, need = rows * bytes > 0 ? rows * bytes : 1;
+    uint8_t *wider;
+    size_t cap = need;
+    if (r->pool == NULL && a->spare_cap >= need) {
+        wider = a->spare;
+        cap = a->spare_cap;
+        a->spare = NULL;
+        a->spare_cap = 0;
+        a->stats[OC_STAT_pools_reused]++;
+    } else if ((wider = malloc(need)) == NULL) {
+        return -1;
+    }
     if (r->pool)
         for (size_t i = 0; i < rows; i++) memcpy(wider + i * bytes, r->pool + i * r->row_bytes, r->row_bytes);
     free_pool(a, r);
     r->pool = wider;
+    r->pool_cap = cap;
     r->row_bytes = bytes;
     a->pool_bytes += (uint64_t)rows * bytes;
     if (a->pool_bytes > a->peak_pool_bytes) a->peak_pool_bytes = a->pool_bytes;
@@ -779,6 +802,12 @@ void oc_agg_unregister(oc_agg *a, int h) {
         if (a->out[i].handle == h) a->out[i].handle = -1;
     free_comm(a, c);
     a->comms[h] = NULL;
+    for (h = 0; h < a->ncomms && a->comms[h] == NULL; h++) {}
+    if (h == a->ncomms) {
+        free(a->spare);
+        a->spare = NULL;
+        a->spare_cap = 0;
+    }
 }
 
 int oc_agg_set_address(oc_agg *a, int h, uint32_t rank, uint32_t ip, uint16_t port,
@@ -883,6 +912,7 @@ void oc_agg_free(oc_agg *a) {
     for (int h = 0; h < a->ncomms; h++)
         if (a->comms[h]) free_comm(a, a->comms[h]);
     free(a->comms);
+    free(a->spare);
     free(a->out);
     free(a->arena);
     free(a->chunks);
@@ -906,6 +936,7 @@ uint64_t *oc_agg_drops_mut(oc_agg *a) { return a->drops; }
 const uint64_t *oc_agg_stats(const oc_agg *a) { return a->stats; }
 uint64_t oc_agg_pool_bytes(const oc_agg *a) { return a->pool_bytes; }
 uint64_t oc_agg_peak_pool_bytes(const oc_agg *a) { return a->peak_pool_bytes; }
+uint64_t oc_agg_kept_pool_bytes(const oc_agg *a) { return a->spare_cap; }
 uint32_t oc_agg_slots(const oc_agg *a) { return a->slots; }
 
 double oc_agg_resend_timeout(const oc_agg *a, int h, uint32_t owner) {

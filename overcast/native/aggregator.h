@@ -18,7 +18,8 @@
  * Memory and lifetime: the engine owns everything it points to. A reduction's pool (window x
  * world x widest row) is allocated with its first contribution and freed when the reduction
  * finishes, when its communicator is unregistered or registered again with another world, and
- * in oc_agg_free. Payloads are copied into the engine (rows, outbox), so the caller's buffers
+ * in oc_agg_free; the largest pool freed is kept for the next reduction to take (not counted in
+ * the pool's bytes) until no communicator is registered. Payloads are copied into the engine (rows, outbox), so the caller's buffers
  * may be freed or reused as soon as a call returns; the outbox holds its own copies until
  * oc_agg_flush or oc_agg_outbox_clear. A rank that dies mid-reduction leaves its slots
  * incomplete: they ask again (bounded by the window) until the communicator is unregistered
@@ -47,7 +48,8 @@
     X(inconsistent) X(out_of_range) X(beyond_window) X(wrong_length) X(stray_acks)          \
     X(send_error) X(send_buffer_full)
 #define OC_STATS(X) X(contributions) X(results) X(results_resent) X(results_resent_early)    \
-    X(nacks) X(refused) X(late_contributions) X(duplicate_contributions) X(reductions)
+    X(nacks) X(refused) X(late_contributions) X(duplicate_contributions) X(reductions)        \
+    X(pools_reused)
 #define OC_ENUM_DROP(name) OC_DROP_##name,
 #define OC_ENUM_STAT(name) OC_STAT_##name,
 enum { OC_DROPS(OC_ENUM_DROP) OC_DROP_COUNT };
@@ -122,6 +124,7 @@ uint64_t *oc_agg_drops_mut(oc_agg *a);
 const uint64_t *oc_agg_stats(const oc_agg *a);
 uint64_t oc_agg_pool_bytes(const oc_agg *a);
 uint64_t oc_agg_peak_pool_bytes(const oc_agg *a);
+uint64_t oc_agg_kept_pool_bytes(const oc_agg *a); /* the pool kept for the next reduction */
 uint32_t oc_agg_slots(const oc_agg *a);
 /* How long a result to `owner` now waits for its acknowledgement before it is sent again
  * (seconds; -1 for no such communicator or rank), and a communicator's reductions in flight:

@@ -294,8 +294,9 @@ static PyObject *Aggregator_counters(Aggregator *self, PyObject *Py_UNUSED(ignor
 
 static PyObject *Aggregator_memory(Aggregator *self, PyObject *Py_UNUSED(ignored)) {
     if (!ready(self)) return NULL;
-    return Py_BuildValue("KK", (unsigned long long)oc_agg_pool_bytes(self->agg),
-                         (unsigned long long)oc_agg_peak_pool_bytes(self->agg));
+    return Py_BuildValue("KKK", (unsigned long long)oc_agg_pool_bytes(self->agg),
+                         (unsigned long long)oc_agg_peak_pool_bytes(self->agg),
+                         (unsigned long long)oc_agg_kept_pool_bytes(self->agg));
 }
 
 static PyObject *Aggregator_resend_timeout(Aggregator *self, PyObject *args) {
@@ -408,7 +409,7 @@ static PyMethodDef Aggregator_methods[] = {
     {"seal", (PyCFunction)Aggregator_seal, METH_VARARGS,
      "seal(handle, kind, seq, dst, chunk, payload) -> one sealed message"},
     {"counters", (PyCFunction)Aggregator_counters, METH_NOARGS, "(drops, stats) by name"},
-    {"memory", (PyCFunction)Aggregator_memory, METH_NOARGS, "(pool bytes, peak pool bytes)"},
+    {"memory", (PyCFunction)Aggregator_memory, METH_NOARGS, "(pool bytes, peak pool bytes, bytes of the pool kept for the next reduction)"},
     {"resend_timeout", (PyCFunction)Aggregator_resend_timeout, METH_VARARGS,
      "resend_timeout(handle, owner) -> seconds"},
     {"reductions", (PyCFunction)Aggregator_reductions, METH_O,

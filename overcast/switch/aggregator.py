@@ -107,6 +107,12 @@ class Aggregator:
     def peak_pool_bytes(self) -> int:
         return self.engine.memory()[1]
 
+    @property
+    def kept_pool_bytes(self) -> int:
+        """The largest pool a finished reduction left, kept for the next one until no
+        communicator is registered."""
+        return self.engine.memory()[2]
+
     def resend_timeout(self, key, owner: int) -> float:
         """How long a result to `owner` waits for its acknowledgement before it is sent again
         (RFC 6298's, from the round trips measured to that owner)."""

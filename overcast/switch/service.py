@@ -210,6 +210,7 @@ class SwitchService:
         return {"drops": dict(self.drops + agg.drops), "stats": dict(stats), "slots": agg.slots,
                 "receive_buffer_bytes": self.receive_buffer,
                 "pool_bytes": agg.pool_bytes, "peak_pool_bytes": agg.peak_pool_bytes,
+                "kept_pool_bytes": agg.kept_pool_bytes,
                 "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                 "cpu_seconds": time.process_time(),
                 "data_path_cpu_seconds": io["serve_cpu_seconds"],
