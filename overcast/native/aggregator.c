@@ -68,6 +68,13 @@ typedef struct {
     int has_group;
 } comm_t;
 
+/* A chunk whose last contribution came in the run being read: that one is summed from the
+ * datagram, not copied into the pool first. */
+typedef struct {
+    uint32_t g;
+    const uint8_t *last;
+} completion;
+
 struct oc_agg {
     uint32_t slots;
     comm_t **comms;
@@ -91,7 +98,7 @@ struct oc_agg {
     size_t pairs_len, pairs_cap;
     uint32_t *nacked;             /* scratch: one rank's chunks to send again */
     size_t nacked_cap;
-    uint32_t *completed;          /* scratch: the chunks a run of contributions completes */
+    completion *completed;        /* scratch: the chunks a run of contributions completes */
     size_t completed_cap;
     uint8_t *sealed;              /* scratch: one GSO batch (oc_agg_flush) */
     uint8_t *done;                /* scratch: outbox entries flushed */
@@ -122,19 +129,21 @@ static uint32_t owner_span(const reduction_t *r, uint32_t g, uint32_t *first, ui
 
 /* -- the outbox ---------------------------------------------------------------------------- */
 
+static oc_out *queue_header(oc_agg *a, int h, uint16_t dst, uint8_t kind, uint32_t seq,
+                           uint32_t chunk, size_t len) {
+    if (oc_grow((void **)&a->out, &a->out_cap, a->nout + 1, sizeof(oc_out))) return NULL;
+    oc_out *o = &a->out[a->nout++];
+    *o = (oc_out){.handle = h, .dst = dst, .kind = kind, .seq = seq, .chunk = chunk, .len = len};
+    return o;
+}
+
+/* A message whose payload is copied into the arena: where to write it, or NULL. */
 static uint8_t *queue(oc_agg *a, int h, uint16_t dst, uint8_t kind, uint32_t seq, uint32_t chunk,
                       size_t len) {
-    if (oc_grow((void **)&a->out, &a->out_cap, a->nout + 1, sizeof(oc_out)) ||
-        oc_grow((void **)&a->arena, &a->arena_cap, a->arena_len + len, 1))
-        return NULL;
-    oc_out *o = &a->out[a->nout++];
-    o->handle = h;
-    o->dst = dst;
-    o->kind = kind;
-    o->seq = seq;
-    o->chunk = chunk;
+    if (oc_grow((void **)&a->arena, &a->arena_cap, a->arena_len + len, 1)) return NULL;
+    oc_out *o = queue_header(a, h, dst, kind, seq, chunk, len);
+    if (o == NULL) return NULL;
     o->offset = a->arena_len;
-    o->len = len;
     a->arena_len += len;
     return a->arena + o->offset;
 }
@@ -252,12 +261,13 @@ static int widen_pool(oc_agg *a, reduction_t *r, size_t bytes) {
     return 0;
 }
 
+/* The result is sealed from the owner's row when the outbox is flushed (oc_agg_payload). */
 static void send_result(oc_agg *a, int h, reduction_t *r, slot_t *s, double now) {
     s->sent_at = now;
     s->sent = ++r->results_sent;
-    size_t len = (size_t)s->elems * r->itemsize;
-    uint8_t *p = queue(a, h, (uint16_t)s->owner, OC_RESULT, r->seq, s->g, len);
-    if (p && len) memcpy(p, row_of(r, s->g, s->owner), len);
+    oc_out *o = queue_header(a, h, (uint16_t)s->owner, OC_RESULT, r->seq, s->g,
+                             (size_t)s->elems * r->itemsize);
+    if (o) o->in_pool = 1;
 }
 
 static void announce(oc_agg *a, int h, reduction_t *r) {
@@ -365,8 +375,8 @@ static void on_contributions(oc_agg *a, int h, comm_t *c, const oc_header *hdr,
     uint64_t bit = (uint64_t)1 << (src & 63);
     int late = 0;
     /* the chunks this run completes, in order: at most `count` */
-    if (oc_grow((void **)&a->completed, &a->completed_cap, count, sizeof(uint32_t))) return;
-    uint32_t *complete = a->completed;
+    if (oc_grow((void **)&a->completed, &a->completed_cap, count, sizeof(completion))) return;
+    completion *complete = a->completed;
     size_t ncomplete = 0;
     for (size_t i = 0; i < count; i++) {
         uint32_t g = chunks[i];
@@ -411,24 +421,25 @@ static void on_contributions(oc_agg *a, int h, comm_t *c, const oc_header *hdr,
         }
         have[src >> 6] |= bit;
         s->count++;
-        memcpy(row_of(r, g, src), data + offset + i * stride + PREFIX_BYTES, nbytes);
+        const uint8_t *payload = data + offset + i * stride + PREFIX_BYTES;
         a->stats[OC_STAT_contributions]++;
-        if (s->count == r->world - 1) complete[ncomplete++] = g;
+        if (s->count == r->world - 1) complete[ncomplete++] = (completion){g, payload};
+        else memcpy(row_of(r, g, src), payload, nbytes);
     }
     if (late) answer_credit(a, h, c, hdr->seq, (uint16_t)src, NULL, 0);
     for (size_t i = 0; i < ncomplete; i++) {
-        slot_t *s = &r->slots[complete[i] % r->window];
+        slot_t *s = &r->slots[complete[i].g % r->window];
         oc_sum_rows(r->code, row_of(r, s->g, s->owner), row_of(r, s->g, 0), r->row_bytes,
-                    r->world, s->owner, s->elems);
+                    r->world, s->owner, s->elems, src, complete[i].last);
         s->state = SUMMED;
         a->stats[OC_STAT_results]++;
         send_result(a, h, r, s, now);
     }
     /* each owner of a completed slot hears the credit once, in the order they came */
     for (size_t i = 0; i < ncomplete; i++) {
-        uint32_t o = r->slots[complete[i] % r->window].owner;
+        uint32_t o = r->slots[complete[i].g % r->window].owner;
         int told = 0;
-        for (size_t j = 0; j < i && !told; j++) told = r->slots[complete[j] % r->window].owner == o;
+        for (size_t j = 0; j < i && !told; j++) told = r->slots[complete[j].g % r->window].owner == o;
         if (!told) credit(a, h, (uint16_t)o, r->seq, r->released, NULL, 0);
     }
 }
@@ -876,12 +887,14 @@ void oc_agg_flush(oc_agg *a, oc_emit emit, void *ctx) {
             if (c == NULL || !c->keyed) continue;
             size_t length = OC_OVERHEAD_BYTES + o->len;
             if (length > OC_MAX_DATAGRAM) continue; /* never made: payloads are bounded */
+            const uint8_t *payload = oc_agg_payload(a, o);
+            if (payload == NULL) continue;
             if (!oc_gso_joins(end, size, length)) {
                 emit(ctx, h, dst, a->sealed, end, size);
                 end = 0;
             }
             size_t n = oc_seal_into(&c->sealer, a->sealed + end, OC_MAX_DATAGRAM - end, o->kind,
-                                    o->seq, dst, o->chunk, a->arena + o->offset, o->len);
+                                    o->seq, dst, o->chunk, payload, o->len);
             if (n == 0) continue;
             if (end == 0) size = n;
             end += n;
@@ -926,7 +939,16 @@ void oc_agg_free(oc_agg *a) {
 
 size_t oc_agg_outbox_count(const oc_agg *a) { return a->nout; }
 const oc_out *oc_agg_outbox(const oc_agg *a, size_t i) { return i < a->nout ? &a->out[i] : NULL; }
-const uint8_t *oc_agg_payload(const oc_agg *a, const oc_out *o) { return a->arena + o->offset; }
+const uint8_t *oc_agg_payload(const oc_agg *a, const oc_out *o) {
+    if (!o->in_pool) return a->arena + o->offset;
+    comm_t *c = comm_of(a, o->handle);
+    reduction_t *r = c ? find_reduction(c, o->seq) : NULL;
+    slot_t *s = r ? slot_of(r, o->chunk) : NULL;
+    if (s == NULL || s->state != SUMMED || s->owner != o->dst ||
+        (size_t)s->elems * r->itemsize != o->len)
+        return NULL;
+    return row_of(r, o->chunk, o->dst);
+}
 void oc_agg_outbox_clear(oc_agg *a) {
     a->nout = 0;
     a->arena_len = 0;

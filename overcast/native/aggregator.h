@@ -7,7 +7,8 @@
  * Protocol (docs/protocols.md): per reduction a window of `slots` slots; chunk g may occupy slot
  * g mod window once every chunk below g - window is released. A slot keeps one row per rank; a
  * contribution lands in its sender's row once (a bitmap of contributors), and when all P-1 are
- * in, the rows are summed in rank order into the owner's row (the owner contributes nothing),
+ * in, the rows are summed in rank order into the owner's row (the owner contributes nothing;
+ * the last contribution is read from its datagram, never copied into the pool),
  * which is the result: the same bits whatever the arrival order. The result goes to the owner;
  * its acknowledgement releases the slot; releases are announced to every rank as credit now and
  * then, and to an owner after every batch of results. Slots waiting on contributors ask them
@@ -59,11 +60,14 @@ extern const char *const oc_stat_names[OC_STAT_COUNT];
 
 typedef struct oc_agg oc_agg;
 
-/* A message waiting to be sent; its payload lies in the engine's arena (oc_agg_payload). */
+/* A message waiting to be sent. Its payload (oc_agg_payload) lies in the engine's arena, or
+ * for a result in its reduction's pool, read when it is sent: a result whose slot was released
+ * in the meantime (its owner acknowledged an earlier copy) is not sent. */
 typedef struct {
     int handle;           /* the communicator */
     uint16_t dst;         /* a rank, or OC_ANY for every rank */
     uint8_t kind;
+    uint8_t in_pool;      /* the payload is the result in slot `chunk` of reduction `seq` */
     uint32_t seq, chunk;
     size_t offset, len;
 } oc_out;
@@ -106,6 +110,8 @@ void oc_agg_handle_timer(oc_agg *a, double now);
 
 size_t oc_agg_outbox_count(const oc_agg *a);
 const oc_out *oc_agg_outbox(const oc_agg *a, size_t i);
+/* A message's payload, valid until the next call that changes the engine; NULL for a result
+ * that is no longer to be sent. */
 const uint8_t *oc_agg_payload(const oc_agg *a, const oc_out *o);
 void oc_agg_outbox_clear(oc_agg *a);
 

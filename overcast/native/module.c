@@ -213,18 +213,20 @@ static PyObject *Aggregator_handle_timer(Aggregator *self, PyObject *arg) {
 static PyObject *Aggregator_take_outbox(Aggregator *self, PyObject *Py_UNUSED(ignored)) {
     if (!ready(self)) return NULL;
     size_t n = oc_agg_outbox_count(self->agg);
-    PyObject *list = PyList_New((Py_ssize_t)n);
+    PyObject *list = PyList_New(0);
     if (list == NULL) return NULL;
     for (size_t i = 0; i < n; i++) {
         const oc_out *o = oc_agg_outbox(self->agg, i);
+        const uint8_t *payload = oc_agg_payload(self->agg, o);
+        if (payload == NULL) continue; /* a result no longer to be sent */
         PyObject *item = Py_BuildValue("iIIIIy#", o->handle, o->dst, o->kind, o->seq, o->chunk,
-                                       (const char *)oc_agg_payload(self->agg, o),
-                                       (Py_ssize_t)o->len);
-        if (item == NULL) {
+                                       (const char *)payload, (Py_ssize_t)o->len);
+        if (item == NULL || PyList_Append(list, item)) {
+            Py_XDECREF(item);
             Py_DECREF(list);
             return NULL;
         }
-        PyList_SET_ITEM(list, (Py_ssize_t)i, item);
+        Py_DECREF(item);
     }
     oc_agg_outbox_clear(self->agg);
     return list;

@@ -53,25 +53,32 @@ uint16_t oc_float_to_half(float f) {
 #define CLONES
 #endif
 
-/* Rows are read in place: every row starts a whole number of elements into a malloc'd pool
- * (the engine's rows are whole elements wide), so each is aligned for its type. A block of
- * sums stays in L1 while every row's block is added to it. */
+/* Row r's bytes: in the pool, or where row `late` was read (a datagram's payload). */
+static const uint8_t *row_at(const uint8_t *rows, size_t stride, unsigned r, unsigned late,
+                             const uint8_t *late_row) {
+    return r == late ? late_row : rows + r * stride;
+}
+
+/* Rows are read in place through memcpy (a late row lies in a datagram, at any alignment: the
+ * compiler makes unaligned vector loads of it). A block of sums stays in L1 while every row's
+ * block is added to it. */
 #define SUM_SAME_TYPE(name, type, utype)                                                        \
     CLONES static void name(uint8_t *out, const uint8_t *rows, size_t stride, unsigned nrows,   \
-                            unsigned skip, size_t elems) {                                      \
+                            unsigned skip, size_t elems, unsigned late,                         \
+                            const uint8_t *late_row) {                                          \
         utype acc[256];                                                                         \
         for (size_t at = 0; at < elems; at += 256) {                                            \
             size_t n = elems - at < 256 ? elems - at : 256;                                     \
             int first = 1;                                                                      \
             for (unsigned r = 0; r < nrows; r++) {                                              \
                 if (r == skip) continue;                                                        \
-                const utype *v = (const utype *)(rows + r * stride + at * sizeof(type));        \
-                if (first) {                                                                    \
-                    for (size_t i = 0; i < n; i++) acc[i] = v[i];                               \
-                    first = 0;                                                                  \
-                } else {                                                                        \
-                    for (size_t i = 0; i < n; i++) acc[i] = (utype)(acc[i] + v[i]);             \
+                const uint8_t *v = row_at(rows, stride, r, late, late_row) + at * sizeof(type); \
+                for (size_t i = 0; i < n; i++) {                                                \
+                    utype x;                                                                    \
+                    memcpy(&x, v + i * sizeof x, sizeof x);                                     \
+                    acc[i] = first ? x : (utype)(acc[i] + x);                                   \
                 }                                                                               \
+                first = 0;                                                                      \
             }                                                                                   \
             if (first) memset(acc, 0, sizeof acc);                                              \
             memcpy(out + at * sizeof(type), acc, n * sizeof(type));                             \
@@ -87,16 +94,19 @@ SUM_SAME_TYPE(sum_i64, int64_t, uint64_t)
 SUM_SAME_TYPE(sum_i8, int8_t, uint8_t)
 
 CLONES static void sum_16(uint8_t *out, const uint8_t *rows, size_t stride, unsigned nrows,
-                          unsigned skip, size_t elems, int brain) {
+                          unsigned skip, size_t elems, unsigned late, const uint8_t *late_row,
+                          int brain) {
     float acc[256];
     for (size_t at = 0; at < elems; at += 256) {
         size_t n = elems - at < 256 ? elems - at : 256;
         int first = 1;
         for (unsigned r = 0; r < nrows; r++) {
             if (r == skip) continue;
-            const uint16_t *v = (const uint16_t *)(rows + r * stride + at * 2);
+            const uint8_t *v = row_at(rows, stride, r, late, late_row) + at * 2;
             for (size_t i = 0; i < n; i++) {
-                float x = brain ? oc_bfloat_to_float(v[i]) : oc_half_to_float(v[i]);
+                uint16_t h;
+                memcpy(&h, v + 2 * i, 2);
+                float x = brain ? oc_bfloat_to_float(h) : oc_half_to_float(h);
                 acc[i] = first ? x : acc[i] + x;
             }
             first = 0;
@@ -110,15 +120,16 @@ CLONES static void sum_16(uint8_t *out, const uint8_t *rows, size_t stride, unsi
 }
 
 void oc_sum_rows(unsigned code, uint8_t *out, const uint8_t *rows, size_t stride,
-                 unsigned nrows, unsigned skip, size_t elems) {
+                 unsigned nrows, unsigned skip, size_t elems, unsigned late,
+                 const uint8_t *late_row) {
     switch (code) {
-    case OC_FLOAT32: sum_f32(out, rows, stride, nrows, skip, elems); break;
-    case OC_FLOAT64: sum_f64(out, rows, stride, nrows, skip, elems); break;
-    case OC_INT32: sum_i32(out, rows, stride, nrows, skip, elems); break;
-    case OC_INT64: sum_i64(out, rows, stride, nrows, skip, elems); break;
-    case OC_INT8: case OC_UINT8: sum_i8(out, rows, stride, nrows, skip, elems); break;
-    case OC_BFLOAT16: sum_16(out, rows, stride, nrows, skip, elems, 1); break;
-    case OC_FLOAT16: sum_16(out, rows, stride, nrows, skip, elems, 0); break;
+    case OC_FLOAT32: sum_f32(out, rows, stride, nrows, skip, elems, late, late_row); break;
+    case OC_FLOAT64: sum_f64(out, rows, stride, nrows, skip, elems, late, late_row); break;
+    case OC_INT32: sum_i32(out, rows, stride, nrows, skip, elems, late, late_row); break;
+    case OC_INT64: sum_i64(out, rows, stride, nrows, skip, elems, late, late_row); break;
+    case OC_INT8: case OC_UINT8: sum_i8(out, rows, stride, nrows, skip, elems, late, late_row); break;
+    case OC_BFLOAT16: sum_16(out, rows, stride, nrows, skip, elems, late, late_row, 1); break;
+    case OC_FLOAT16: sum_16(out, rows, stride, nrows, skip, elems, late, late_row, 0); break;
     default: break;
     }
 }

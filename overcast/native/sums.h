@@ -18,11 +18,12 @@ enum oc_dtype {
 /* Bytes per element, 0 for an unknown code. */
 size_t oc_dtype_size(unsigned code);
 
-/* out = the sum of rows 0 .. nrows - 1 but `skip`, `elems` elements each, row r at rows + r *
- * stride (rows and stride aligned for the dtype); zeros if no row is left. `out` may be row
- * `skip` itself, never another. */
+/* out = the sum of rows 0 .. nrows - 1 but `skip`, `elems` elements each, in row order, row r
+ * at rows + r * stride but row `late` at `late_row` (none if late >= nrows); no alignment is
+ * assumed. Zeros if no row is left. `out` may be row `skip` itself, never another. */
 void oc_sum_rows(unsigned code, uint8_t *out, const uint8_t *rows, size_t stride,
-                 unsigned nrows, unsigned skip, size_t elems);
+                 unsigned nrows, unsigned skip, size_t elems, unsigned late,
+                 const uint8_t *late_row);
 
 /* out = a + b, `elems` elements of the dtype, each summed as oc_sum_rows sums two rows (a
  * rank's own contribution added to the aggregator's sum). No alignment is assumed: `a` may be a

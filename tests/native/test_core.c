@@ -234,7 +234,8 @@ static void test_conversions(void) {
 /* Every dtype against a sum taken element by element in rank order, the owner skipped. */
 static void test_sums(void) {
     enum { ROWS = 7, ELEMS = 1031 };
-    static _Alignas(16) uint8_t rows[ROWS][ELEMS * 8], out[ELEMS * 8];
+    static _Alignas(16) uint8_t rows[ROWS][ELEMS * 8], out[ELEMS * 8], out_late[ELEMS * 8],
+        moved[ELEMS * 8 + 1];
     for (unsigned code = 0; code < OC_DTYPES; code++) {
         size_t size = oc_dtype_size(code);
         for (unsigned skip = 0; skip < ROWS; skip += 3) {
@@ -250,7 +251,16 @@ static void test_sums(void) {
                         if (code == OC_FLOAT16) { uint16_t h = oc_float_to_half(v); memcpy(rows[r] + 2 * i, &h, 2); }
                         if (code == OC_BFLOAT16) { uint16_t b = oc_float_to_bfloat(v); memcpy(rows[r] + 2 * i, &b, 2); }
                     }
-            oc_sum_rows(code, out, rows[0], sizeof rows[0], ROWS, skip, ELEMS);
+            oc_sum_rows(code, out, rows[0], sizeof rows[0], ROWS, skip, ELEMS, ROWS, NULL);
+            /* the same with one row read from elsewhere, one byte off any alignment */
+            unsigned late = (skip + 1) % ROWS;
+            memcpy(moved + 1, rows[late], ELEMS * size);
+            memset(rows[late], 0xA5, ELEMS * size);
+            oc_sum_rows(code, out_late, rows[0], sizeof rows[0], ROWS, skip, ELEMS, late, moved + 1);
+            memcpy(rows[late], moved + 1, ELEMS * size);
+            CHECK(memcmp(out, out_late, ELEMS * size) == 0,
+                  "dtype %u, owner %u: row %u read from a misaligned datagram sums the same", code,
+                  skip, late);
             int same = 1;
             for (size_t i = 0; i < ELEMS; i++) {
                 uint64_t u = 0;
@@ -286,8 +296,8 @@ static void test_sums(void) {
         }
     }
     /* the owner's own row may be the output (the engine sums into it) */
-    oc_sum_rows(OC_INT32, rows[2], rows[0], sizeof rows[0], ROWS, 2, ELEMS);
-    oc_sum_rows(OC_INT32, out, rows[0], sizeof rows[0], ROWS, 2, ELEMS);
+    oc_sum_rows(OC_INT32, rows[2], rows[0], sizeof rows[0], ROWS, 2, ELEMS, ROWS, NULL);
+    oc_sum_rows(OC_INT32, out, rows[0], sizeof rows[0], ROWS, 2, ELEMS, ROWS, NULL);
     CHECK(memcmp(out, rows[2], ELEMS * 4) == 0, "summed into the skipped row");
 }
 
