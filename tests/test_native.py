@@ -175,6 +175,23 @@ def test_acknowledged_results_release_the_window_and_the_credit_says_so():
     assert engine.reductions(0) == [(0, 4)]
 
 
+def test_a_result_released_before_the_flush_is_not_sent():
+    """Results are sealed from the pool when the outbox is flushed: one whose owner
+    acknowledged it in the meantime (its slot released) does not go; the others do."""
+    engine, _ = keyed_engine(slots=4)
+    sealers = [Sealer(KEY, JOB, COMM, r) for r in range(WORLD)]
+    rows = np.ones((WORLD - 1, 2), np.float32)
+    for r in range(WORLD):
+        chunks = [g for g in range(4) if g != r]
+        engine.feed(contributions(sealers[r], np.float32, rows, chunks, 4 * WORLD),
+                    HEADER_BYTES + 16 + 8 + 8, 0.0)
+    ack = sealers[0].seal(Kind.RESULT_ACK, 0, AGGREGATOR, 1, pack_acks([0]))
+    engine.feed(ack, len(ack), 0.01)
+    results = {h.chunk: p for h, p in opened(engine.flush()) if h.kind == Kind.RESULT}
+    assert sorted(results) == [1, 2, 3]
+    assert all(p == np.full(2, WORLD - 1, np.float32).tobytes() for p in results.values())
+
+
 def test_an_outbox_of_a_communicator_gone_is_never_sealed():
     engine, handle = keyed_engine()
     probe = Sealer(KEY, JOB, COMM, 1).seal(Kind.CREDIT, 5, AGGREGATOR, 0, (3).to_bytes(4, "little"))
