@@ -20,9 +20,10 @@
  * world x widest row) is allocated with its first contribution and freed when the reduction
  * finishes, when its communicator is unregistered or registered again with another world, and
  * in oc_agg_free; the largest pool freed is kept for the next reduction to take (not counted in
- * the pool's bytes) until no communicator is registered. Payloads are copied into the engine (rows, outbox), so the caller's buffers
- * may be freed or reused as soon as a call returns; the outbox holds its own copies until
- * oc_agg_flush or oc_agg_outbox_clear. A rank that dies mid-reduction leaves its slots
+ * the pool's bytes) until no communicator is registered. Payloads are copied into the engine
+ * (rows, outbox), so the caller's buffers may be freed or reused as soon as a call returns; the
+ * outbox holds its own copies until oc_agg_flush or oc_agg_outbox_clear, but for results, which
+ * it names by slot and seals from the pool. A rank that dies mid-reduction leaves its slots
  * incomplete: they ask again (bounded by the window) until the communicator is unregistered
  * (its last connection closes), which frees them. The engine is not thread-safe: one thread at
  * a time, which in the service is the one running oc_serve. */
