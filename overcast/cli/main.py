@@ -363,7 +363,7 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("--algorithms", default="ring,multicast,innetwork,overcast")
     m.add_argument("--roots", default="all", help="multicast roots sending at once, or 'all'")
     m.add_argument("--engine", default="ideal",
-                   help="ideal (links only), python (overcast's engine as measured, one core "
+                   help="ideal (links only), native (overcast's engine as measured, one core "
                         "per host) or offload (the paper's SmartNIC engine)")
     m.add_argument("--cores", type=float, help="engine cores per host (default: the engine's)")
     m.add_argument("--machine-cores", type=float,

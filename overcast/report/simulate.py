@@ -91,14 +91,14 @@ def plan_table(doc: dict) -> Table:
                 f"{meta['dtype']} gathered, {meta['reduce_dtype']} reduced, "
                 f"{meta['micro_steps']} micro-step(s); communication per step",
                 ("nodes", "link", "rings", "rings-separate", "overcast", "speedup",
-                 "cores (python)", "engines (offload)", "use"), left=("use",))
+                 "cores (native)", "engines (offload)", "use"), left=("use",))
     for p in doc["results"]:
         ways = p["ways"]
         t.add_row(str(p["nodes"]), rate_text(p["link_bits_per_s"]),
                   *(seconds_text(ways[w]["seconds"]) for w in ("rings", "rings-separate",
                                                                 "overcast")),
                   f"{p['speedup_over_rings']:.2f}x",
-                  f"{ways['overcast']['engine_cores_python']:.1f}",
+                  f"{ways['overcast']['engine_cores_native']:.1f}",
                   f"{ways['overcast']['engine_cores_offload']:.2f}", p["choice"])
     return t
 

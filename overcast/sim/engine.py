@@ -1,8 +1,8 @@
 """What moving bytes costs the engine that moves them: CPU per datagram and per stream byte,
 headers on the wire, and the pacing share.
 
-An engine is the thing on each host that runs the protocol: overcast's Python progress engine
-on the host CPU, or an offloaded one (the paper's SmartNIC data-path accelerator). It spends
+An engine is the thing on each host that runs the protocol: overcast's engine on the host CPU
+(its datagrams in the native core, its rings' streams in Python), or an offloaded one (the paper's SmartNIC data-path accelerator). It spends
 `us_per_datagram` of one core on every datagram a host sends or receives, and
 `stream_s_per_gib` per GiB a ring's TCP stream sends or receives. The simulator turns that
 into a constraint per host (`cores` core-seconds per second), so a run says when the CPU, not
@@ -60,17 +60,17 @@ class Engine:
 IDEAL = Engine("ideal", note="no CPU cost, no headers, senders may fill the whole link")
 
 # Measured with `overcast bench` on the emulated cluster (8 hosts, 400 Mbit/s, 4 MiB, MTU 9000,
-# medians of three runs; docs/results.md, "Calibrating the simulator"), on the batched datapath
-# (GSO and GRO, 14 datagrams a batch): the overlapped pair's CPU per rank over the datagrams
-# each rank sent and received, the aggregator's over the P²·K datagrams it handled, the ring
-# pair's per GiB sent and received.
-PYTHON = Engine(
-    "python", chunk_bytes=8920, us_per_datagram=18.3, stream_s_per_gib=1.45,
-    switch_us_per_datagram=14.2,
+# medians of three runs at commit aa969d5; docs/results.md, "Calibrating the simulator"): the
+# overlapped pair's CPU per rank (every thread) over the datagrams each rank sent and received,
+# the aggregator's data path over the P²·K datagrams it handled, the ring pair's CPU per GiB
+# sent and received. Multicast senders fill the whole link.
+NATIVE = Engine(
+    "native", chunk_bytes=8920, us_per_datagram=5.6, stream_s_per_gib=0.77,
+    switch_us_per_datagram=4.5,
     datagram_headers=OVERHEAD_BYTES + IP_UDP_BYTES + ETHERNET_BYTES,
-    stream_headers_per_byte=TCP_SEGMENT_HEADERS / 8948, pacing_share=0.95, cores=1.0,
-    note="overcast's engine with every rank's datagram in Python (before the native plane), one "
-         "core per host, as measured by overcast bench")
+    stream_headers_per_byte=TCP_SEGMENT_HEADERS / 8948, pacing_share=1.0, cores=1.0,
+    note="overcast's engine on the host CPU (datagrams in its native core, rings' streams in "
+         "Python), one core per host, as measured by overcast bench")
 
 # The paper (SC24, arXiv 2408.13356): a SmartNIC data-path accelerator sustains line rate at
 # 1.6 Tbit/s with 4 KiB chunks: 4096 B / 200 GB/s = 20.5 ns per chunk in one direction.
@@ -80,7 +80,7 @@ OFFLOAD = Engine(
     stream_headers_per_byte=TCP_SEGMENT_HEADERS / 1448, pacing_share=1.0, cores=math.inf,
     note="the paper's offloaded engine: one keeps up with 1.6 Tbit/s of 4 KiB chunks")
 
-ENGINES = {e.name: e for e in (IDEAL, PYTHON, OFFLOAD)}
+ENGINES = {e.name: e for e in (IDEAL, NATIVE, OFFLOAD)}
 
 
 def engine(name: str) -> Engine:

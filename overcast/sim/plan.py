@@ -14,8 +14,9 @@ layer's gradients are reduce-scattered (in the reduce dtype). The three ways:
 
 Each collective is simulated (overcast.sim.run) on the cluster; the engine cores each way needs
 come from the engine cost model: cores = CPU-seconds per host / seconds of communication, for
-overcast's Python engine (rings: its TCP streams) and for an offloaded one (rings: NCCL on the
-GPU, no host CPU). With the Python engine and `host_cores` cores per host, a way whose CPU
+overcast's engine on the host CPU (datagrams in its native core; rings: its TCP streams) and
+for an offloaded one (rings: NCCL on the GPU, no host CPU). With the host's engine and
+`host_cores` cores per host, a way whose CPU
 needs more than that takes CPU-seconds / host_cores instead.
 """
 
@@ -27,7 +28,7 @@ from dataclasses import dataclass
 
 from overcast.errors import InvalidArgumentError
 from overcast.limits import check_count, check_positive
-from overcast.sim.engine import OFFLOAD, PYTHON
+from overcast.sim.engine import NATIVE, OFFLOAD
 from overcast.sim.run import simulate
 from overcast.sim.topology import Topology, build
 
@@ -106,13 +107,13 @@ def plan_point(model: Model, topo: Topology, host_cores: float) -> dict:
     for way in WAYS:
         total = sum(seconds[way])
         cpu = {name: moved[way][0] * e.cpu_per_byte(False) + moved[way][1] * e.cpu_per_byte(True)
-               for name, e in (("python", PYTHON), ("offload", OFFLOAD))}
+               for name, e in (("native", NATIVE), ("offload", OFFLOAD))}
         out["ways"][way] = {
             "forward_seconds": seconds[way][0], "backward_seconds": seconds[way][1],
             "seconds": total,
-            "engine_cores_python": cpu["python"] / total, "engine_cores_offload":
+            "engine_cores_native": cpu["native"] / total, "engine_cores_offload":
                 cpu["offload"] / total,
-            "seconds_on_host_cores": max(total, cpu["python"] / host_cores)}
+            "seconds_on_host_cores": max(total, cpu["native"] / host_cores)}
     out["speedup_over_rings"] = out["ways"]["rings"]["seconds"] / out["ways"]["overcast"]["seconds"]
     out["speedup_over_rings_separate"] = (out["ways"]["rings-separate"]["seconds"]
                                           / out["ways"]["overcast"]["seconds"])
@@ -146,15 +147,15 @@ def _choose(point: dict, host_cores: float) -> tuple[str, str]:
     if gain < 1.05:
         return best_ring, (f"overcast would save {100 * (1 - 1 / gain):.0f}% at most: the "
                            f"step's communication is not bandwidth-bound here")
-    if oc["engine_cores_python"] <= host_cores:
+    if oc["engine_cores_native"] <= host_cores:
         return "overcast", (f"communication {gain:.2f}x faster than {best_ring}; "
-                            f"overcast's Python engine needs {oc['engine_cores_python']:.1f} "
+                            f"overcast's engine needs {oc['engine_cores_native']:.1f} "
                             f"cores per host at this rate (of {host_cores:g})")
     return "overcast-offloaded", (
         f"communication {gain:.2f}x faster than {best_ring} with an offloaded engine "
         f"(or NCCL's NVLS + CollNet/SHARP), which needs {oc['engine_cores_offload']:.2f} "
         f"engines per host; "
-        f"overcast's Python engine would need {oc['engine_cores_python']:.0f} cores per host "
+        f"overcast's engine would need {oc['engine_cores_native']:.0f} cores per host "
         f"(of {host_cores:g}) and take {oc['seconds_on_host_cores'] / rings['seconds']:.1f}x "
         f"the rings' time")
 
