@@ -158,7 +158,9 @@ def test_a_python_opener_takes_what_the_engine_seals_and_its_counter_goes_on():
         Engine(4).seal(0, Kind.HELLO, 0, 0, 0, b"")
 
 
-def test_acknowledged_results_release_the_window_and_the_credit_says_so():
+def first_chunks_summed() -> tuple[Engine, list[Sealer]]:
+    """A 4-slot engine into which every rank has sent its contributions (ones) to chunks 0-3
+    of a reduction of 16, so their results wait in its outbox; and the ranks' sealers."""
     engine, _ = keyed_engine(slots=4)
     sealers = [Sealer(KEY, JOB, COMM, r) for r in range(WORLD)]
     rows = np.ones((WORLD - 1, 2), np.float32)
@@ -166,6 +168,11 @@ def test_acknowledged_results_release_the_window_and_the_credit_says_so():
         chunks = [g for g in range(4) if g != r]
         engine.feed(contributions(sealers[r], np.float32, rows, chunks, 4 * WORLD),
                     HEADER_BYTES + 16 + 8 + 8, 0.0)
+    return engine, sealers
+
+
+def test_acknowledged_results_release_the_window_and_the_credit_says_so():
+    engine, sealers = first_chunks_summed()
     engine.flush()
     for r in range(WORLD):
         ack = sealers[r].seal(Kind.RESULT_ACK, 0, AGGREGATOR, 1, pack_acks([r]))
@@ -178,13 +185,7 @@ def test_acknowledged_results_release_the_window_and_the_credit_says_so():
 def test_a_result_released_before_the_flush_is_not_sent():
     """Results are sealed from the pool when the outbox is flushed: one whose owner
     acknowledged it in the meantime (its slot released) does not go; the others do."""
-    engine, _ = keyed_engine(slots=4)
-    sealers = [Sealer(KEY, JOB, COMM, r) for r in range(WORLD)]
-    rows = np.ones((WORLD - 1, 2), np.float32)
-    for r in range(WORLD):
-        chunks = [g for g in range(4) if g != r]
-        engine.feed(contributions(sealers[r], np.float32, rows, chunks, 4 * WORLD),
-                    HEADER_BYTES + 16 + 8 + 8, 0.0)
+    engine, sealers = first_chunks_summed()
     ack = sealers[0].seal(Kind.RESULT_ACK, 0, AGGREGATOR, 1, pack_acks([0]))
     engine.feed(ack, len(ack), 0.01)
     results = {h.chunk: p for h, p in opened(engine.flush()) if h.kind == Kind.RESULT}

@@ -144,6 +144,14 @@ static int payload_fits(size_t head_len, size_t body_len) {
     return head_len <= OC_MAX_PAYLOAD && body_len <= OC_MAX_PAYLOAD - head_len;
 }
 
+/* Write the header of the sealer's next message at out; its counter (spent once sealed). */
+static uint64_t next_header(const oc_sealer *s, uint8_t *out, uint8_t kind, uint32_t seq,
+                            uint16_t dst, uint32_t chunk, size_t len) {
+    oc_header h = {kind, s->job, s->comm, seq, s->src, dst, chunk, (uint32_t)len, s->counter + 1};
+    oc_header_write(out, &h);
+    return h.counter;
+}
+
 size_t oc_seal_parts(oc_sealer *s, uint8_t *buf, size_t cap, uint8_t kind, uint32_t seq,
                      uint16_t dst, uint32_t chunk, const uint8_t *head, size_t head_len,
                      const uint8_t *body, size_t body_len) {
@@ -151,14 +159,13 @@ size_t oc_seal_parts(oc_sealer *s, uint8_t *buf, size_t cap, uint8_t kind, uint3
         head_len + body_len > cap - OC_OVERHEAD_BYTES)
         return 0;
     size_t len = head_len + body_len;
-    oc_header h = {kind, s->job, s->comm, seq, s->src, dst, chunk, (uint32_t)len, s->counter + 1};
-    oc_header_write(buf, &h);
+    uint64_t counter = next_header(s, buf, kind, seq, dst, chunk, len);
     if (head_len) memcpy(buf + OC_HEADER_BYTES, head, head_len);
     if (body_len) memcpy(buf + OC_HEADER_BYTES + head_len, body, body_len);
-    if (oc_gmac_tag(&s->gmac, s->src, h.counter, buf, OC_HEADER_BYTES + len,
+    if (oc_gmac_tag(&s->gmac, s->src, counter, buf, OC_HEADER_BYTES + len,
                     buf + OC_HEADER_BYTES + len) != 0)
         return 0;
-    s->counter = h.counter;
+    s->counter = counter;
     return OC_OVERHEAD_BYTES + len;
 }
 
@@ -171,14 +178,12 @@ int oc_seal_detached(oc_sealer *s, uint8_t out[OC_OVERHEAD_BYTES], uint8_t kind,
                      uint16_t dst, uint32_t chunk, const uint8_t *head, size_t head_len,
                      const uint8_t *body, size_t body_len) {
     if (!payload_fits(head_len, body_len)) return -1;
-    size_t len = head_len + body_len;
-    oc_header h = {kind, s->job, s->comm, seq, s->src, dst, chunk, (uint32_t)len, s->counter + 1};
-    oc_header_write(out, &h);
+    uint64_t counter = next_header(s, out, kind, seq, dst, chunk, head_len + body_len);
     const uint8_t *data[3] = {out, head, body};
     size_t lens[3] = {OC_HEADER_BYTES, head_len, body_len};
-    if (gmac_tag_pieces(&s->gmac, s->src, h.counter, data, lens, 3, out + OC_HEADER_BYTES) != 0)
+    if (gmac_tag_pieces(&s->gmac, s->src, counter, data, lens, 3, out + OC_HEADER_BYTES) != 0)
         return -1;
-    s->counter = h.counter;
+    s->counter = counter;
     return 0;
 }
 
