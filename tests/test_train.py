@@ -9,6 +9,9 @@ import sys
 import pytest
 
 from conftest import root_only
+from overcast.train.waits import TRACEFS, TRAINING
+
+INSTANCES = os.path.join(TRACEFS, "instances")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = [sys.executable, os.path.join(ROOT, "examples", "train_gpt.py"), "--steps", "2",
@@ -74,6 +77,18 @@ def test_overcast_train_compares_four_ways(tmp_path):
         assert 0 <= r["gil_wait_seconds"] <= r["compute_seconds"] <= r["step_seconds"], r
     assert doc["meta"]["cpu_waits_measured"]
     assert all(ways[w]["cpu_wait_seconds"] > 0 for w in ways)  # 3 hosts share 2 cores
+    # What the training threads waited behind, from a trace of the scheduler (where tracefs
+    # is): the trace's waits are the kernel's run delay of the same steps, and some are behind
+    # the other hosts' training threads, which on a real cluster would have cores of their own
+    assert doc["meta"]["cpu_waits_traced"] == os.path.isdir(INSTANCES), doc["meta"]
+    if doc["meta"]["cpu_waits_traced"]:
+        for r in ways.values():
+            assert r["trace_overrun_events"] == 0
+            assert r["traced_step_wait_seconds"] == pytest.approx(
+                r["step_run_delay_seconds"], rel=0.1, abs=0.005), r
+            assert r["cpu_wait_behind_seconds"][TRAINING] > 0, r
+            assert 0 < r["own_host_compute_seconds"] <= r["compute_seconds"], r
+        assert not [n for n in os.listdir(INSTANCES) if n.startswith("overcast-")]
     # the engine's Python holds the GIL: none with gloo, some with overcast's engine
     assert ways["gloo"]["engine_python_cpu_seconds"] == 0
     assert ways["overcast"]["engine_python_cpu_seconds"] > 0

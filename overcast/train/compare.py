@@ -18,6 +18,7 @@ from overcast.limits import check_hosts, check_link_rate
 from overcast.report.timeline import every_span, write_timeline
 from overcast.train.gpt import GPTConfig
 from overcast.train.predict import predict
+from overcast.train.waits import CATEGORIES, TRAINING, SchedTrace, attribute, parse
 from overcast.train.worker import OVERCAST_WAYS, WAYS, train_rank
 
 # The fair peer: gloo with the same prefetch and asynchronous unshard, ReduceScatter on its own
@@ -58,8 +59,32 @@ def split_step(row: dict) -> dict:
     compute = row["seconds"] - comm
     cpu = row["thread_cpu_seconds"] - row["comm_thread_cpu_seconds"]
     cpu_wait = row["run_delay_seconds"] - row["comm_run_delay_seconds"]
-    return {**row, "compute_seconds": compute, "cpu_wait_seconds": cpu_wait,
-            "gil_wait_seconds": max(0.0, compute - cpu - cpu_wait)}
+    out = {**row, "compute_seconds": compute, "cpu_wait_seconds": cpu_wait,
+           "gil_wait_seconds": max(0.0, compute - cpu - cpu_wait)}
+    traced = row.get("waited_behind")
+    if traced is not None:
+        # The trace covers the whole step, hooks included; the compute's own CPU wait is
+        # shared out in the same proportions. Without the other hosts' training threads on its
+        # cores (a host of its own, as on a real cluster), that share of it would not be.
+        total = sum(traced.values())
+        behind = {k: cpu_wait * v / total if total else 0.0 for k, v in traced.items()}
+        out.update(traced_wait_seconds=total, cpu_wait_behind=behind,
+                   own_host_compute_seconds=compute - behind[TRAINING])
+    return out
+
+
+def attribute_waits(trace_text: str, per_rank: list[dict], aggregator: int | None) -> None:
+    """Each step's CPU wait of each rank's training thread by what ran instead, from the
+    scheduler trace of the run (overcast.train.waits), into the steps' rows."""
+    events, tgid = parse(trace_text)
+    windows = {r["training_tid"]: [tuple(row["window"]) for row in r["steps"]]
+               for r in per_rank}
+    waits = attribute(events, tgid, os.cpu_count() or 1, windows,
+                      {r["pid"] for r in per_rank}, aggregator)
+    for r in per_rank:
+        for k, row in enumerate(r["steps"]):
+            row["waited_behind"] = waits.seconds.get((r["training_tid"], k),
+                                                     dict.fromkeys(CATEGORIES, 0.0))
 
 
 def summarize(way: str, per_rank: list[dict], warmup: int, switch_cpu: float | None) -> dict:
@@ -67,16 +92,27 @@ def summarize(way: str, per_rank: list[dict], warmup: int, switch_cpu: float | N
     steps = len(per_rank[0]["steps"])
 
     def per_step(key, over_ranks=max):
-        """Each step's value of `key` across ranks (the slowest, by default)."""
-        return [over_ranks(r["steps"][k][key] for r in per_rank) for k in range(steps)]
+        """Each step's value of `key` (a row's key, or a function of the row) across ranks (the
+        slowest, by default)."""
+        get = key if callable(key) else (lambda row: row[key])
+        return [over_ranks(get(r["steps"][k]) for r in per_rank) for k in range(steps)]
 
     def slowest(key):
         return statistics.median(per_step(key)[warmup:])
 
     def median_of_means(key):
         return statistics.median(per_step(key, statistics.fmean)[warmup:])
+    traced = "cpu_wait_behind" in per_rank[0]["steps"][0]
+    waits = {
+        "own_host_compute_seconds": median_of_means("own_host_compute_seconds"),
+        "cpu_wait_behind_seconds": {c: median_of_means(lambda row, c=c: row["cpu_wait_behind"][c])
+                                    for c in CATEGORIES},
+        # the trace's whole-step wait beside the kernel's run delay for the same steps
+        "traced_step_wait_seconds": median_of_means("traced_wait_seconds"),
+        "step_run_delay_seconds": median_of_means("run_delay_seconds"),
+    } if traced else {}
     return {
-        "way": way, "description": WAYS[way],
+        "way": way, "description": WAYS[way], **waits,
         "step_seconds": slowest("seconds"),
         "step_seconds_all": per_step("seconds"),
         "forward_comm_seconds": slowest("forward_comm_seconds"),
@@ -138,7 +174,7 @@ def run_training(hosts: int, link_bits: int, ways: list[str], steps: int, warmup
         check_request(ways, hosts, steps, warmup, link_bits, cfg, lr)
     import torch  # imported once here so that forked hosts start fast
 
-    runs, total = [], len(shapes) * len(ways)
+    runs, total, why_untraced = [], len(shapes) * len(ways), None
     with Cluster(hosts, link_bits) as cluster, kernel_run_delays() as delays_kept:
         switch = cluster.start_switch() if "overcast" in ways else None
         for name, cfg in shapes:
@@ -149,10 +185,16 @@ def run_training(hosts: int, link_bits: int, ways: list[str], steps: int, warmup
                              f"{name}: training {way}, {steps} steps on {hosts} hosts")
                 cpu0 = process_cpu_seconds(switch.pid) if switch and way == "overcast" else None
                 trace = bool(out_dir) and way in OVERCAST_WAYS
-                per_rank = cluster.run(train_rank, timeout=1800,
-                                       args=(way, cfg.as_dict(), steps, lr, trace))
+                with SchedTrace() as sched:
+                    traced = sched.start()
+                    per_rank = cluster.run(train_rank, timeout=1800,
+                                           args=(way, cfg.as_dict(), steps, lr, trace))
+                    if traced:
+                        attribute_waits(sched.stop(), per_rank, switch.pid if switch else None)
                 switch_cpu = process_cpu_seconds(switch.pid) - cpu0 if cpu0 is not None else None
                 results.append(summarize(way, per_rank, warmup, switch_cpu))
+                results[-1]["trace_overrun_events"] = sched.overrun if traced else None
+                why_untraced = sched.unavailable
                 if trace:
                     path = os.path.join(out_dir, f"timeline-{name}-{way}")
                     write_timeline([r["trace"] for r in per_rank], path, link_bits,
@@ -171,6 +213,7 @@ def run_training(hosts: int, link_bits: int, ways: list[str], steps: int, warmup
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "hosts": hosts, "link_bits_per_s": link_bits, "steps": steps, "warmup": warmup,
             "lr": lr, "cpu_waits_measured": delays_kept, "machine": machine(),
+            "cpu_waits_traced": why_untraced is None, "untraced_because": why_untraced,
             "torch": torch.__version__}
     return {"meta": meta, "shapes": runs}
 

@@ -9,6 +9,7 @@ from rich.table import Table
 
 from overcast.bench.report import human_bytes
 from overcast.train.compare import PEER
+from overcast.train.waits import AGGREGATOR, COMMUNICATION, NETWORK, TRAINING
 
 
 def _shape_text(run: dict) -> str:
@@ -28,7 +29,8 @@ def table(doc: dict, run: dict) -> Table:
                     f"{meta['warmup'] + 1}-{meta['steps']}")
     waits = meta.get("cpu_waits_measured", True)
     for name in ("way", "step s", f"speedup vs {PEER}", "fwd comm s", "bwd comm s",
-                 "compute s", "GIL wait ms", "CPU wait ms", "engine py ms",
+                 "compute s", "GIL wait ms", "CPU wait ms", "behind hosts / comm ms",
+                 "own-host compute s", "engine py ms",
                  "tx/host/step", "rx/host/step", "cpu s/rank", "max |loss diff|"):
         t.add_column(name, justify="left" if name == "way" else "right")
     key = "speedup_vs_" + PEER.replace("-", "_")
@@ -39,15 +41,23 @@ def table(doc: dict, run: dict) -> Table:
                   f"{r['compute_seconds']:.3f}",
                   f"{r['gil_wait_seconds'] * 1e3:.1f}" if waits else "-",
                   f"{r['cpu_wait_seconds'] * 1e3:.1f}" if waits else "-",
+                  _behind(r), f"{r['own_host_compute_seconds']:.3f}"
+                  if "own_host_compute_seconds" in r else "-",
                   f"{r['engine_python_cpu_seconds'] * 1e3:.0f}",
                   human_bytes(r["tx_bytes_per_host_per_step"]),
                   human_bytes(r["rx_bytes_per_host_per_step"]),
                   f"{r['cpu_seconds_per_rank']:.3f}",
                   f"{r['max_loss_difference']:.2e}")
+    if meta.get("cpu_waits_traced"):
+        t.caption = ("CPU wait: the training thread runnable, not running, outside the "
+                     "collective hooks; behind hosts: while other hosts' training threads held "
+                     "the cores; behind comm: the ranks' communication threads, the aggregator "
+                     "and the kernel's network (a scheduler trace). Own-host compute: compute "
+                     "less the wait behind other hosts.\n")
     if run["prediction"]:
         p = run["prediction"]
         c = p["collectives"]
-        t.caption = (f"per step: {c['pair']} backward pairs, {c['allgather']} AllGathers and "
+        t.caption = (t.caption or "") + (f"per step: {c['pair']} backward pairs, {c['allgather']} AllGathers and "
                      f"{c['reduce_scatter']} ReduceScatters alone; predicted (compute from "
                      f"{p['compute_from']} + communication at its floor): overcast "
                      f"{p['step_seconds']['overcast']:.3f} s, rings "
@@ -56,13 +66,22 @@ def table(doc: dict, run: dict) -> Table:
     return t
 
 
+def _behind(result: dict) -> str:
+    behind = result.get("cpu_wait_behind_seconds")
+    if not behind:
+        return "-"
+    comm = behind[COMMUNICATION] + behind[AGGREGATOR] + behind[NETWORK]
+    return f"{behind[TRAINING] * 1e3:.0f} / {comm * 1e3:.0f}"
+
+
 def matrix_table(doc: dict) -> Table:
     """Every shape: overcast against its rings and gloo, predicted beside measured."""
     meta = doc["meta"]
     t = Table(title=f"Shapes on {meta['hosts']} hosts, {meta['link_bits_per_s'] / 1e6:g} Mbit/s: "
                     f"step seconds, median of steps {meta['warmup'] + 1}-{meta['steps']}")
     for name in ("shape", "pairs", "overcast s", "rings s", PEER + " s", "vs rings",
-                 "predicted", "overcast / predicted", "compute vs gloo", "same losses"):
+                 "predicted", "overcast / predicted", "compute vs gloo",
+                 "own-host compute vs gloo", "same losses"):
         t.add_column(name, justify="left" if name == "shape" else "right")
     for run in doc["shapes"]:
         ways = {r["way"]: r for r in run["results"]}
@@ -71,15 +90,18 @@ def matrix_table(doc: dict) -> Table:
         def step(way):
             return f"{ways[way]['step_seconds']:.3f}" if way in ways else "-"
 
-        compute = (f"{ways['overcast']['compute_seconds'] / ways[PEER]['compute_seconds']:.2f}x"
-                   if "overcast" in ways and PEER in ways else "-")
+        def against_gloo(key):
+            if "overcast" not in ways or PEER not in ways or key not in ways[PEER]:
+                return "-"
+            return f"{ways['overcast'][key] / ways[PEER][key]:.2f}x"
+
         t.add_row(run["shape"], str(p.get("collectives", {}).get("pair", "-")),
                   step("overcast"), step("overcast-ring"), step(PEER),
                   f"{p['measured_speedup_over_rings']:.2f}x"
                   if "measured_speedup_over_rings" in p else "-",
                   f"{p['speedup_over_rings']:.2f}x" if p else "-",
                   f"{p['overcast_over_predicted']:.3f}" if "overcast_over_predicted" in p else "-",
-                  compute,
+                  against_gloo("compute_seconds"), against_gloo("own_host_compute_seconds"),
                   f"{max(r['max_loss_difference'] for r in run['results']):.1e}")
     return t
 

@@ -3,6 +3,8 @@ timed per step, its communication time and NIC bytes counted, its losses recorde
 
 from __future__ import annotations
 
+import os
+import threading
 import time
 import warnings
 
@@ -71,7 +73,7 @@ def train_rank(rank: int, way: str, config: dict, steps: int, lr: float, trace: 
             nic0 = read_nic_counters()
             micro = cfg.micro_steps
             for step in range(steps):
-                t0, cpu0, (thread0, delay0) = time.perf_counter(), time.process_time(), \
+                t0, cpu0, (thread0, delay0) = time.monotonic(), time.process_time(), \
                     thread_clock()
                 comm_start, engine0 = times.as_dict(), engine_python_cpu(handle)
                 losses, forward_comm, backward_comm, backward_seconds = [], 0.0, 0.0, 0.0
@@ -92,7 +94,9 @@ def train_rank(rank: int, way: str, config: dict, steps: int, lr: float, trace: 
                 optimizer.zero_grad()
                 thread, delay = thread_clock()
                 comm = {k: v - comm_start[k] for k, v in times.as_dict().items()}
-                rows.append({"loss": sum(losses) / micro, "seconds": time.perf_counter() - t0,
+                t1 = time.monotonic()
+                rows.append({"loss": sum(losses) / micro, "seconds": t1 - t0,
+                             "window": [t0, t1],  # CLOCK_MONOTONIC, the scheduler trace's
                              "forward_comm_seconds": forward_comm,
                              "backward_comm_seconds": backward_comm,
                              "backward_seconds": backward_seconds,
@@ -108,6 +112,7 @@ def train_rank(rank: int, way: str, config: dict, steps: int, lr: float, trace: 
             timeline = handle.timeline()
             backward = rows[-1]["backward_window"]
             return {"steps": rows, "tx_bytes": nic.tx_bytes, "rx_bytes": nic.rx_bytes,
+                    "pid": os.getpid(), "training_tid": threading.get_native_id(),
                     "comm": handle.stats(),
                     "trace": _window(timeline, *backward) if timeline else None}
     finally:
