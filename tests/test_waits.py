@@ -75,7 +75,7 @@ def test_each_slice_of_waiting_is_shared_among_what_the_cores_ran():
     events, tgid = parse(TRACE)
     waits = attribute(events, tgid, 2, {101: [(1.0, 1.052), (1.052, 1.1)], 201: [(1.0, 1.1)]},
                       ranks={101, 201}, aggregator=300)
-    first, second = waits.seconds[(101, 0)], waits.seconds[(101, 1)]
+    first, second = waits[(101, 0)], waits[(101, 1)]
     expected_first = {COMMUNICATION: 0.005, TRAINING: 0.004 + 0.001, NETWORK: 0.001,
                       AGGREGATOR: 0.001}
     expected_second = {AGGREGATOR: 0.002, TRAINING: 0.002, OTHER: 0.001, IDLE: 0.001}
@@ -83,13 +83,13 @@ def test_each_slice_of_waiting_is_shared_among_what_the_cores_ran():
         assert set(got) == set(CATEGORIES)
         for name in CATEGORIES:
             assert got[name] == pytest.approx(expected.get(name, 0.0), abs=1e-9), name
-    assert (201, 0) not in waits.seconds  # it never waited
+    assert (201, 0) not in waits  # it never waited
 
 
 def test_waits_outside_every_window_are_not_counted():
     events, tgid = parse(TRACE)
     waits = attribute(events, tgid, 2, {101: [(1.021, 1.049)]}, ranks={101}, aggregator=None)
-    assert waits.seconds == {}
+    assert waits == {}
 
 
 @root_only

@@ -83,7 +83,7 @@ def attribute_waits(trace_text: str, per_rank: list[dict], aggregator: int | Non
                       {r["pid"] for r in per_rank}, aggregator)
     for r in per_rank:
         for k, row in enumerate(r["steps"]):
-            row["waited_behind"] = waits.seconds.get((r["training_tid"], k),
+            row["waited_behind"] = waits.get((r["training_tid"], k),
                                                      dict.fromkeys(CATEGORIES, 0.0))
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 TRACEFS = "/sys/kernel/tracing"
 EVENTS = ("sched/sched_switch", "sched/sched_wakeup", "irq/softirq_entry", "irq/softirq_exit")
@@ -63,20 +63,14 @@ def parse(text: str) -> tuple[list[Event], dict[int, int]]:
     return events, tgid
 
 
-@dataclass
-class Waits:
-    """Per training thread and window, the seconds it waited for a CPU, by what ran instead."""
-    cpus: int
-    seconds: dict = field(default_factory=dict)  # (tid, window index) -> {category: seconds}
-
-
 def attribute(events: list[Event], tgid: dict[int, int], cpus: int,
               windows: dict[int, list[tuple[float, float]]], ranks: set[int],
-              aggregator: int | None) -> Waits:
-    """Share each training thread's waits (`windows`: its tid -> time windows, sorted) among
-    what the `cpus` cores ran; `ranks` are the rank processes' ids, `aggregator` its process's."""
+              aggregator: int | None) -> dict[tuple[int, int], dict[str, float]]:
+    """Each training thread's waits within its windows (`windows`: its tid -> time windows,
+    sorted), shared among what the `cpus` cores ran: {(tid, window index): {category: seconds}};
+    `ranks` are the rank processes' ids, `aggregator` its process's."""
     training = set(windows)
-    out = Waits(cpus)
+    out: dict[tuple[int, int], dict[str, float]] = {}
     running: dict[int, int] = {}      # core -> tid on it
     softirq: dict[int, str] = {}      # core -> softirq in progress
     waiting: set[int] = set()
@@ -113,7 +107,7 @@ def attribute(events: list[Event], tgid: dict[int, int], cpus: int,
                     if lo >= e.seconds:
                         break
                     if hi > lo:
-                        slot = out.seconds.setdefault((tid, k), dict.fromkeys(CATEGORIES, 0.0))
+                        slot = out.setdefault((tid, k), dict.fromkeys(CATEGORIES, 0.0))
                         for name, share in shares.items():
                             slot[name] += (hi - lo) * share
         previous = e.seconds
