@@ -2,11 +2,12 @@
 headers on the wire, and the pacing share.
 
 An engine is the thing on each host that runs the protocol: overcast's engine on the host CPU
-(its datagrams in the native core, its rings' streams in Python), or an offloaded one (the paper's SmartNIC data-path accelerator). It spends
-`us_per_datagram` of one core on every datagram a host sends or receives, and
-`stream_s_per_gib` per GiB a ring's TCP stream sends or receives. The simulator turns that
-into a constraint per host (`cores` core-seconds per second), so a run says when the CPU, not
-the link, is the floor, and how many cores the link rate asks for.
+(its datagrams in the native core, its rings' streams in Python), or an offloaded one (the
+paper's SmartNIC data-path accelerator). It spends `us_per_datagram` of one core on every
+datagram a host sends or receives, and `stream_s_per_gib` per GiB a ring's TCP stream sends or
+receives. The simulator turns that into a constraint per host (`cores` core-seconds per
+second), so a run says when the CPU, not the link, is the floor, and how many cores the link
+rate asks for.
 
 `IDEAL` costs nothing and adds no headers: the closed forms hold exactly under it.
 """

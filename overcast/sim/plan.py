@@ -16,8 +16,8 @@ Each collective is simulated (overcast.sim.run) on the cluster; the engine cores
 come from the engine cost model: cores = CPU-seconds per host / seconds of communication, for
 overcast's engine on the host CPU (datagrams in its native core; rings: its TCP streams) and
 for an offloaded one (rings: NCCL on the GPU, no host CPU). With the host's engine and
-`host_cores` cores per host, a way whose CPU
-needs more than that takes CPU-seconds / host_cores instead.
+`host_cores` cores per host, a way whose CPU needs more than that takes CPU-seconds /
+host_cores instead.
 """
 
 from __future__ import annotations

@@ -84,7 +84,7 @@ def attribute_waits(trace_text: str, per_rank: list[dict], aggregator: int | Non
     for r in per_rank:
         for k, row in enumerate(r["steps"]):
             row["waited_behind"] = waits.get((r["training_tid"], k),
-                                                     dict.fromkeys(CATEGORIES, 0.0))
+                                             dict.fromkeys(CATEGORIES, 0.0))
 
 
 def summarize(way: str, per_rank: list[dict], warmup: int, switch_cpu: float | None) -> dict:

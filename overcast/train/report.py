@@ -48,21 +48,23 @@ def table(doc: dict, run: dict) -> Table:
                   human_bytes(r["rx_bytes_per_host_per_step"]),
                   f"{r['cpu_seconds_per_rank']:.3f}",
                   f"{r['max_loss_difference']:.2e}")
+    captions = []
     if meta.get("cpu_waits_traced"):
-        t.caption = ("CPU wait: the training thread runnable, not running, outside the "
-                     "collective hooks; behind hosts: while other hosts' training threads held "
-                     "the cores; behind comm: the ranks' communication threads, the aggregator "
-                     "and the kernel's network (a scheduler trace). Own-host compute: compute "
-                     "less the wait behind other hosts.\n")
+        captions.append("CPU wait: the training thread runnable, not running, outside the "
+                        "collective hooks; behind hosts: while other hosts' training threads "
+                        "held the cores; behind comm: the ranks' communication threads, the "
+                        "aggregator and the kernel's network (a scheduler trace). Own-host "
+                        "compute: compute less the wait behind other hosts.")
     if run["prediction"]:
         p = run["prediction"]
         c = p["collectives"]
-        t.caption = (t.caption or "") + (f"per step: {c['pair']} backward pairs, {c['allgather']} AllGathers and "
-                     f"{c['reduce_scatter']} ReduceScatters alone; predicted (compute from "
-                     f"{p['compute_from']} + communication at its floor): overcast "
-                     f"{p['step_seconds']['overcast']:.3f} s, rings "
-                     f"{p['step_seconds']['rings']:.3f} s, speed-up over rings "
-                     f"{p['speedup_over_rings']:.2f}x")
+        captions.append(f"per step: {c['pair']} backward pairs, {c['allgather']} AllGathers and "
+                        f"{c['reduce_scatter']} ReduceScatters alone; predicted (compute from "
+                        f"{p['compute_from']} + communication at its floor): overcast "
+                        f"{p['step_seconds']['overcast']:.3f} s, rings "
+                        f"{p['step_seconds']['rings']:.3f} s, speed-up over rings "
+                        f"{p['speedup_over_rings']:.2f}x")
+    t.caption = "\n".join(captions) or None
     return t
 
 

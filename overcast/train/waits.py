@@ -103,9 +103,9 @@ def attribute(events: list[Event], tgid: dict[int, int], cpus: int,
                     i += 1
                 cursor[tid] = i
                 for k in range(i, len(spans)):
-                    lo, hi = max(previous, spans[k][0]), min(e.seconds, spans[k][1])
-                    if lo >= e.seconds:
+                    if spans[k][0] >= e.seconds:
                         break
+                    lo, hi = max(previous, spans[k][0]), min(e.seconds, spans[k][1])
                     if hi > lo:
                         slot = out.setdefault((tid, k), dict.fromkeys(CATEGORIES, 0.0))
                         for name, share in shares.items():
