@@ -172,6 +172,7 @@ def bad_arguments(rank):
         attempt("reduce_scatter", lambda: overcast.fsdp.overlap(model, reduce_scatter="tree"))
         attempt("prefetch", lambda: overcast.fsdp.overlap(model, prefetch=-1))
         attempt("prefetch bool", lambda: overcast.fsdp.overlap(model, prefetch=True))
+        attempt("defer", lambda: overcast.fsdp.overlap(model, defer_reduce_scatter="yes"))
         attempt("comm with torch", lambda: overcast.fsdp.overlap(model, backend="torch",
                                                                  comm=object()))
         swapped = overcast.Communicator(1 - rank, 2, name="swapped",
@@ -200,7 +201,8 @@ def test_wrong_arguments_get_named_errors():
     assert {**first, "ranks": None} == {**second, "ranks": None}  # the same words on every rank
     expect = {"plain module": "fully_shard() has been applied", "backend": "'nccl'",
               "allgather": "'tree'", "reduce_scatter": "'tree'", "prefetch": "-1",
-              "prefetch bool": "True", "comm with torch": "backend='torch'",
+              "prefetch bool": "True", "defer": "True or False, not 'yes'",
+              "comm with torch": "backend='torch'",
               "ranks": "rank 1 of 2, but the FSDP mesh makes this process rank 0 of 2",
               "dtype": "torch.int16"}
     for name, words in expect.items():

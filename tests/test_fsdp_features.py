@@ -210,6 +210,53 @@ def test_feature_trains_as_plain_fsdp2_on_gloo(name):
             assert r["counts"][b]["reduce_scatters"] > 0, r["counts"][b]
 
 
+def backward_reduce_scatters(rank, backend):
+    """Two backward passes each with ReduceScatters deferred (the default) and blocking, the
+    second onto the first's gradients: each pass's ReduceScatter spans, in posting order, and
+    the gradients. (Both handles open at once: a process group made right after one is
+    destroyed can hang in gloo's rendezvous.)"""
+    mesh = start((2,))
+    try:
+        out = {}
+        models = {way: shard_blocks(small_model(), mesh) for way in ("deferred", "blocking")}
+        handles = {way: overcast.fsdp.overlap(model, backend=backend, trace=True,
+                                              defer_reduce_scatter=way == "deferred")
+                   for way, model in models.items()}
+        for way, model in models.items():
+            passes = []
+            for step in range(2):  # no zero_grad: the second accumulates onto the first
+                posted = len(handles[way].spans())
+                mse_step(model, step, rank, 2)
+                passes.append(sorted((a, b) for kind, _, a, b in handles[way].spans()[posted:]
+                                     if kind == "RS"))
+            out[way] = {"passes": passes,
+                        "grads": [p.grad.to_local().tolist() for p in model.parameters()]}
+        for handle in handles.values():
+            handle.close()
+        return out
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("backend", ["overcast", "torch"])
+def test_reduce_scatter_runs_behind_the_backward_until_it_ends(backend):
+    """Deferred, every ReduceScatter of the first pass is still in flight when the last one is
+    posted (the training thread went on to the next blocks) and the backward pass waits for
+    them at its end; onto gradients already there (FSDP2 then adds the result to them at once)
+    and with defer_reduce_scatter=False, each one ends before the next is posted. The
+    gradients are bit-exact the same either way."""
+    for r in run_ranks(backward_reduce_scatters, loopback_placements(2, LINK),
+                       args=(backend,), timeout=120):
+        deferred, blocking = r["deferred"], r["blocking"]
+        first = deferred["passes"][0]
+        assert len(first) == 4, first  # the three blocks and the root
+        assert min(end for _, end in first) > max(posted for posted, _ in first), first
+        for spans in deferred["passes"][1:] + blocking["passes"]:
+            assert len(spans) == 4 and all(end <= nxt for (_, end), (nxt, _) in
+                                           zip(spans, spans[1:])), spans
+        assert deferred["grads"] == blocking["grads"]
+
+
 def offloaded(model, mesh):
     from torch.distributed.fsdp import CPUOffloadPolicy
     return shard_blocks(model, mesh, offload_policy=CPUOffloadPolicy())

@@ -4,10 +4,11 @@ FSDP2 (torch 2.13) calls `AllGather.__call__(output_tensor, input_tensor, group,
 `ReduceScatter.__call__(output_tensor, input_tensor, group, op, async_op)` on flat buffers from
 their `allocate`. It waits on an AllGather's result only if it is a `torch.distributed` Work, so
 an asynchronous AllGather returns `TimedWork`, a Work subclass whose `wait` waits on
-overcast's handle. On CPU the ReduceScatter is called synchronously: it blocks the training thread
-while the engine thread drives it and, beside it, the AllGather FSDP prefetched for the block
-before: that is the overlap. The same objects can call the process group's collectives instead,
-so that FSDP2's own path is timed the same way.
+overcast's handle. On CPU FSDP2 calls the ReduceScatter synchronously; where it will not read the
+result before the backward pass ends, the ReduceScatter returns once posted and the backward
+pass waits for it at its end, so that the next blocks compute and gather beside it, as they do on
+a GPU (docs/fsdp.md). The same objects can call the process group's collectives instead, so that
+FSDP2's own path is timed the same way.
 
 The training thread only posts and waits; `CommTime` counts how long it spends doing each. Each
 collective is also a `torch.profiler` range ("overcast AllGather blocks.1 (multicast)") from its
@@ -24,11 +25,13 @@ import torch
 import torch.distributed as dist
 from torch.autograd.profiler import record_function
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+from torch.distributed.fsdp._fully_shard._fsdp_common import DDPMeshInfo
 
 from overcast.engine.engine import Work
 from overcast.errors import InvalidArgumentError
 
 RedOpType = dist.ReduceOp.RedOpType
+_plain_grad = torch._C.TensorBase.grad.__get__
 
 
 def thread_clock() -> tuple[float, float]:
@@ -155,7 +158,7 @@ class _Hook:
                                        f"buffer on {device}")
         return torch.empty(*size, dtype=dtype, device=device)
 
-    def _post(self, kind: str, issue, async_op: bool):
+    def _post(self, kind: str, issue) -> TimedWork:
         name = f"overcast {_NAMES[kind]} {self.label} ({self.algorithm or 'process group'})"
         with _Clock(self.times, "post"):
             in_flight = _InFlight(self.times, kind, self.label, name)
@@ -170,11 +173,7 @@ class _Hook:
                 self.times.reduce_scatters += 1
             if self.times.keep_labels and isinstance(work, Work):
                 self.times.labels[work.seq] = f"{kind} {self.label}"
-        timed = TimedWork(work, self.times, in_flight)
-        if async_op:
-            return timed
-        timed.wait()
-        return None
+        return TimedWork(work, self.times, in_flight)
 
 
 class TimedAllGather(_Hook, AllGather):
@@ -189,7 +188,11 @@ class TimedAllGather(_Hook, AllGather):
         else:
             issue = lambda: self.comm.all_gather(output_tensor, input_tensor,  # noqa: E731
                                                  async_op=True, algorithm=self.algorithm)
-        return self._post("AG", issue, async_op)
+        work = self._post("AG", issue)
+        if async_op:
+            return work
+        work.wait()
+        return None
 
 
 def premultiplied(op, tensor: torch.Tensor, group: dist.ProcessGroup | None):
@@ -221,19 +224,69 @@ def reduce_op(op) -> str:
                                f"reduces with SUM, AVG and PREMUL_SUM (what FSDP2 uses)")
 
 
+def _output_unread(module, output: torch.Tensor, op) -> bool:
+    """Whether FSDP2 (torch 2.13's foreach_reduce) leaves a ReduceScatter's output unread until
+    the backward pass ends: it only makes the sharded gradients views of it. It reads it at once
+    to divide after the reduction (its op is then SUM, not AVG or PREMUL_SUM), to cast to the
+    parameters' dtype, to all-reduce it (HSDP, an all-reduce hook), to add it to gradients
+    already there (accumulating), or for a post-accumulate-grad hook or CPU offload."""
+    if getattr(op, "op", op) == RedOpType.SUM:
+        return False
+    for pg in module._get_fsdp_state()._fsdp_param_groups:
+        if isinstance(pg.mesh_info, DDPMeshInfo) or pg._all_reduce_hook is not None or \
+                pg._orig_dtype != output.dtype:
+            return False
+        for p in pg.fsdp_params:
+            param = p.sharded_param
+            # Tensor's own getter: DTensor's torch-function dispatch of `.grad` allocates
+            if _plain_grad(param) is not None or p.offload_to_cpu or \
+                    vars(param).get("_post_accumulate_grad_hooks"):
+                return False
+    return True
+
+
+def _wait_when_backward_ends(work: TimedWork) -> bool:
+    """Have the backward pass running now wait for `work` once its graph is done (an autograd
+    final callback, run before backward() returns); False outside a backward pass. The
+    collective holds its buffers until it completes, so FSDP2 may drop its own references."""
+    try:
+        torch.autograd.Variable._execution_engine.queue_callback(work.wait)
+    except RuntimeError:
+        return False
+    return True
+
+
 class TimedReduceScatter(_Hook, ReduceScatter):
     """FSDP2's gradient ReduceScatter of one module, through overcast with `algorithm` or
-    through the process group as FSDP2's default does."""
+    through the process group as FSDP2's default does.
+
+    FSDP2 calls it synchronously on CPU. Given its `module`, it returns at once when FSDP2 will
+    not read the output before the backward pass ends, and the backward pass waits for it at
+    its end: the next blocks' backward computes meanwhile and their AllGathers are prefetched
+    beside it, as FSDP2 does on a GPU, where the ReduceScatter runs on a stream of its own.
+    Without a module it blocks, as FSDP2's own does."""
+
+    def __init__(self, comm, algorithm: str | None, label: str, times: CommTime,
+                 module=None):
+        super().__init__(comm, algorithm, label, times)
+        self.module = module
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                  group: dist.ProcessGroup, op, async_op: bool = False):
+        deferrable = not async_op and self.module is not None and \
+            _output_unread(self.module, output_tensor, op)
         if self.comm is None:
             op = premultiplied(op, input_tensor, group)
             issue = lambda: dist.reduce_scatter_single(output_tensor, input_tensor,  # noqa
                                                        group=group, op=op, async_op=True)
-            return self._post("RS", issue, async_op)
-        name = reduce_op(premultiplied(op, input_tensor, None))
-        issue = lambda: self.comm.reduce_scatter(output_tensor, input_tensor,  # noqa: E731
-                                                 op=name, async_op=True,
-                                                 algorithm=self.algorithm)
-        return self._post("RS", issue, async_op)
+        else:
+            name = reduce_op(premultiplied(op, input_tensor, None))
+            issue = lambda: self.comm.reduce_scatter(output_tensor, input_tensor,  # noqa: E731
+                                                     op=name, async_op=True,
+                                                     algorithm=self.algorithm)
+        work = self._post("RS", issue)
+        if async_op:
+            return work
+        if not (deferrable and _wait_when_backward_ends(work)):
+            work.wait()
+        return None

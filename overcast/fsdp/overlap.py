@@ -5,9 +5,9 @@ Either through overcast (backend="overcast": multicast AllGather and in-network 
 one overcast Communicator, set with FSDP2's `set_custom_all_gather`/`set_custom_reduce_scatter`),
 or through the process group's own collectives (backend="torch": ReduceScatter on a process group
 of its own, the path for NCCL, whose NVLS and CollNet/SHARP algorithms are the hardware multicast
-and in-network reduction). Both get the same schedule: asynchronous unshard, and explicit forward
-and backward prefetch so that while block i's gradients are reduce-scattered, the parameters of
-block i-1 are being gathered.
+and in-network reduction). Both get the same schedule: asynchronous unshard, explicit forward
+and backward prefetch, and ReduceScatters that run behind the backward pass, so that while
+block i's gradients are reduce-scattered, the parameters of block i-1 are being gathered.
 """
 
 from __future__ import annotations
@@ -126,9 +126,10 @@ def _set_prefetch(blocks: list[FSDPModule], root: FSDPModule, prefetch: int) -> 
 
 
 def _install(modules, comm, allgather: str | None, reduce_scatter: str | None,
-             times: CommTime) -> dict:
+             times: CommTime, defer_reduce_scatter: bool) -> dict:
     """Give each module timed collectives (overcast's through `comm`, or the process group's if
-    None); return what they had, to give back on close."""
+    None), their ReduceScatters deferred to the end of the backward pass where FSDP2 allows;
+    return what they had, to give back on close."""
     saved = {}
     for name, module in modules:
         pg = _param_groups(module)
@@ -136,7 +137,8 @@ def _install(modules, comm, allgather: str | None, reduce_scatter: str | None,
             continue
         saved[module] = (pg[0]._all_gather_comm, pg[0]._reduce_scatter_comm)
         module.set_custom_all_gather(TimedAllGather(comm, allgather, name, times))
-        module.set_custom_reduce_scatter(TimedReduceScatter(comm, reduce_scatter, name, times))
+        module.set_custom_reduce_scatter(TimedReduceScatter(
+            comm, reduce_scatter, name, times, module if defer_reduce_scatter else None))
     return saved
 
 
@@ -241,7 +243,8 @@ def job_communicator(group: dist.ProcessGroup | None = None, *, reduce_scatter: 
 
 def overlap(model, *, comm: Communicator | None = None, backend: str = "overcast",
             allgather: str = "multicast", reduce_scatter: str = "innetwork",
-            prefetch: int = 1, trace: bool = False) -> Overlap:
+            prefetch: int = 1, defer_reduce_scatter: bool = True,
+            trace: bool = False) -> Overlap:
     """Configure every FSDPModule in `model` for AllGather overlapped with ReduceScatter in the
     backward pass, and return the handle (close it when done, or use it in a `with`).
 
@@ -253,7 +256,9 @@ def overlap(model, *, comm: Communicator | None = None, backend: str = "overcast
     backend="torch" keeps the process group's collectives and gives ReduceScatter its own group
     (`allgather` and `reduce_scatter` apply to backend="overcast" only).
     `prefetch` is how many blocks ahead FSDP gathers (forward) and behind (backward); 0 turns
-    explicit prefetching off. `trace` records each collective's span (spans()) and, for
+    explicit prefetching off. `defer_reduce_scatter` lets a ReduceScatter run behind the rest of
+    the backward pass, which waits for it at its end, wherever FSDP2 does not read its result
+    sooner (docs/fsdp.md). `trace` records each collective's span (spans()) and, for
     backend="overcast", the communicator's timeline (timeline()).
     """
     modules = _fsdp_modules(model)
@@ -261,6 +266,9 @@ def overlap(model, *, comm: Communicator | None = None, backend: str = "overcast
     if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
         raise InvalidArgumentError(f"prefetch must be a whole number of blocks >= 0, not "
                                    f"{prefetch!r}")
+    if not isinstance(defer_reduce_scatter, bool):
+        raise InvalidArgumentError(f"defer_reduce_scatter must be True or False, not "
+                                   f"{defer_reduce_scatter!r}")
     group = _shard_group(modules, backend)
     blocks = [m for _, m in modules if m is not model]
     times = CommTime(keep_labels=trace)
@@ -292,7 +300,8 @@ def overlap(model, *, comm: Communicator | None = None, backend: str = "overcast
         if comm is not None:
             comm.check_algorithm("all_gather", allgather)
             comm.check_algorithm("reduce_scatter", reduce_scatter)
-        handle._saved = _install(modules, comm, allgather, reduce_scatter, times)
+        handle._saved = _install(modules, comm, allgather, reduce_scatter, times,
+                                 defer_reduce_scatter)
         model._set_unshard_async_op(True)
         _set_prefetch(blocks, model, prefetch)
     except BaseException:
@@ -306,7 +315,8 @@ def timed(model) -> Overlap:
     same terms as overlap()'s (handle.stats())."""
     modules = _fsdp_modules(model)
     times = CommTime()
-    return Overlap(model, None, False, times, saved=_install(modules, None, None, None, times))
+    return Overlap(model, None, False, times,
+                   saved=_install(modules, None, None, None, times, False))
 
 
 __all__ = ["overlap", "timed", "Overlap", "BACKENDS"]
