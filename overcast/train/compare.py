@@ -119,6 +119,11 @@ def summarize(way: str, per_rank: list[dict], warmup: int, switch_cpu: float | N
         "backward_comm_seconds": slowest("backward_comm_seconds"),
         "backward_seconds": slowest("backward_seconds"),
         "compute_seconds": median_of_means("compute_seconds"),
+        # of the compute, the forward passes' and the backward passes'
+        "forward_compute_seconds": median_of_means(
+            lambda row: row["forward_seconds"] - row["forward_comm_seconds"]),
+        "backward_compute_seconds": median_of_means(
+            lambda row: row["backward_seconds"] - row["backward_comm_seconds"]),
         "gil_wait_seconds": median_of_means("gil_wait_seconds"),
         "cpu_wait_seconds": median_of_means("cpu_wait_seconds"),
         "comm_cpu_wait_seconds": median_of_means("comm_run_delay_seconds"),
@@ -155,7 +160,11 @@ def prediction(cfg: GPTConfig, hosts: int, link_bits: float, results: list[dict]
         next((r for r in results if r["way"] == "gloo"), None)
     if gloo is None:
         return None
-    out = predict(cfg, hosts, link_bits, gloo["compute_seconds"])
+    forward, backward = gloo["forward_compute_seconds"], gloo["backward_compute_seconds"]
+    other = max(0.0, gloo["compute_seconds"] - forward - backward)
+    out = predict(cfg, hosts, link_bits, {"forward": forward / cfg.micro_steps,
+                                          "backward": backward / cfg.micro_steps,
+                                          "other": other})
     out["compute_from"] = gloo["way"]
     measured = {r["way"]: r["step_seconds"] for r in results}
     if "overcast" in measured:

@@ -9,17 +9,25 @@ its parameters has no backward AllGather, so the ReduceScatter before stays alon
 0's, and the root's, which FSDP2 runs once the whole backward is done. Micro-steps that do not
 sync gradients have no ReduceScatter at all.
 
-Each collective is taken at its floor on links of B bytes/s per direction, fully exposed: the
-step's communication is the sum. Rings (and gloo, in one group or two) move (P-1)N each way for
-an AllGather or a ReduceScatter, so a ring pair costs the two added; overcast's pair costs
-max(gather + (P-1)·scatter, (P-1)·gather + scatter) / B. The predicted step is the compute
-measured with gloo (its step less its exposed communication, in the same run) plus the way's
-communication.
+The predicted step runs the training thread's schedule (`step_schedule`) against links of B
+bytes/s per direction (`simulate_step`): the compute gloo showed in the same run (per micro-step
+its forward and backward, shared among the modules by their multiply-adds, and the optimizer),
+and every collective moving at the link's rate, the ones in flight sharing each direction.
+Rings (and gloo, in one group or two) move (P-1)N each way for an AllGather or a ReduceScatter;
+overcast's multicast AllGather sends N and receives (P-1)N, its in-network ReduceScatter the
+reverse, so beside each other the two fill both directions: a pair alone takes
+max(gather + (P-1)·scatter, (P-1)·gather + scatter) / B. What the compute hides (a prefetched
+AllGather, a ReduceScatter behind the next block's backward) is not counted; what it does not
+is the exposed communication.
 """
 
 from __future__ import annotations
 
-from overcast.schedules.cost import floor_seconds, pair_floor_seconds
+import math
+
+import numpy as np
+
+from overcast.sim.fairness import max_min_rates
 from overcast.train.gpt import GPTConfig, TinyGPT
 
 # fp32 parameters and gradients: the trainer keeps FSDP2's default dtypes
@@ -64,30 +72,122 @@ def step_collectives(cfg: GPTConfig, world: int) -> list[tuple[str, int, int]]:
     return out
 
 
-def collective_seconds(kind: str, gather: int, scatter: int, world: int, overlapped: bool,
-                       link_bytes_per_s: float) -> float:
-    """One collective at its floor; `overlapped`: overcast's pair (multicast + in-network)
-    rather than two rings."""
-    if kind == "pair" and overlapped:
-        return pair_floor_seconds(gather, scatter, world, link_bytes_per_s)
-    return floor_seconds("allgather", gather, world, link_bytes_per_s) + \
-        floor_seconds("reduce_scatter", scatter, world, link_bytes_per_s)
-
-
 def counts(collectives: list[tuple[str, int, int]]) -> dict:
     """How many of each kind a step has."""
     return {kind: sum(1 for c in collectives if c[0] == kind)
             for kind in ("allgather", "reduce_scatter", "pair")}
 
 
-def predict(cfg: GPTConfig, world: int, link_bits_per_s: float, compute_seconds: float) -> dict:
-    """Each way's predicted communication and step; the speed-up over rings it implies."""
-    collectives = step_collectives(cfg, world)
-    comm = {}
-    for name, overlapped in (("rings", False), ("overcast", True)):
-        comm[name] = sum(collective_seconds(kind, g, s, world, overlapped, link_bits_per_s / 8)
-                         for kind, g, s in collectives)
-    step = {name: compute_seconds + seconds for name, seconds in comm.items()}
-    return {"collectives": counts(collectives), "compute_seconds": compute_seconds,
-            "comm_seconds": comm, "step_seconds": step,
-            "speedup_over_rings": step["rings"] / step["overcast"]}
+def compute_shares(cfg: GPTConfig) -> tuple[float, float]:
+    """(one block's, the head's) share of the forward's and of the backward's compute, from
+    the multiply-adds per token: a block's projections and MLP (12 d^2) and attention (2 seq d),
+    the head's d x vocab; the embeddings' lookups count for nothing."""
+    block = 12 * cfg.dim * cfg.dim + 2 * cfg.seq * cfg.dim
+    head = cfg.dim * cfg.vocab
+    total = cfg.blocks * block + head
+    return block / total, head / total
+
+
+def step_schedule(cfg: GPTConfig, world: int, compute: dict) -> list[tuple]:
+    """The training thread's step as overcast.fsdp.overlap drives FSDP2: ("compute", seconds),
+    ("post", name, kind, N) with kind "allgather" or "reduce_scatter" and N bytes per rank,
+    ("wait", name), and ("wait_all",) where the backward pass waits for its ReduceScatters.
+
+    Each module waits for its own AllGather, then posts its prefetch (forward: the next block,
+    backward: the block before); ReduceScatters are posted when a block's backward ends and
+    waited for at the end of the backward pass. `compute` is a micro-step's seconds of
+    "forward" and "backward" (shared among the modules by `compute_shares`) and the step's
+    "other" (the optimizer)."""
+    root, block = shard_bytes(cfg, world)
+    resharded = cfg.resharded()
+    block_share, head_share = compute_shares(cfg)
+    fwd, bwd = compute["forward"], compute["backward"]
+    out = []
+    for m in range(cfg.micro_steps):
+        sync = m == cfg.micro_steps - 1
+        out += [("post", f"AG root {m}", "allgather", root), ("wait", f"AG root {m}"),
+                ("post", f"AG 0 {m}", "allgather", block)]
+        for i in range(cfg.blocks):
+            out.append(("wait", f"AG {i} {m}"))
+            if i + 1 < cfg.blocks:
+                out.append(("post", f"AG {i + 1} {m}", "allgather", block))
+            out.append(("compute", fwd * block_share))
+        out.append(("compute", fwd * head_share))
+        out.append(("compute", bwd * head_share))
+        last = cfg.blocks - 1
+        if resharded[last]:  # gathered again at once: nothing before it prefetches it
+            out.append(("post", f"BAG {last} {m}", "allgather", block))
+        for i in reversed(range(cfg.blocks)):
+            if resharded[i]:
+                out.append(("wait", f"BAG {i} {m}"))
+            if i > 0 and resharded[i - 1]:
+                out.append(("post", f"BAG {i - 1} {m}", "allgather", block))
+            out.append(("compute", bwd * block_share))
+            if sync:
+                out.append(("post", f"RS {i}", "reduce_scatter", block))
+        if sync:
+            out += [("post", "RS root", "reduce_scatter", root), ("wait_all",)]
+    out.append(("compute", compute["other"]))
+    return out
+
+
+def _bytes_each_way(kind: str, n: int, world: int, overlapped: bool) -> tuple[float, float]:
+    """(sent, received) per rank: a ring's (P-1)N each way; multicast AllGather sends its shard
+    once, in-network ReduceScatter receives only its result."""
+    if not overlapped:
+        return (world - 1) * n, (world - 1) * n
+    return (n, (world - 1) * n) if kind == "allgather" else ((world - 1) * n, n)
+
+
+def simulate_step(schedule: list[tuple], world: int, link_bytes_per_s: float,
+                  overlapped: bool) -> float:
+    """Seconds the schedule takes with every collective at the link's rate: the collectives in
+    flight share each direction of a rank's link max-min fairly (a flow's rate is the bytes/s
+    of its busier direction), while the training thread computes or waits."""
+    flights: dict[str, list[float]] = {}  # name -> [bytes left, sent share, received share]
+    now = 0.0
+
+    def run(until: float = math.inf, done=lambda: False) -> None:
+        nonlocal now
+        while flights and not done() and now < until:
+            names = list(flights)
+            demand = np.array([[flights[n][1] for n in names], [flights[n][2] for n in names]])
+            rates = max_min_rates(demand, np.full(2, link_bytes_per_s),
+                                  np.full(len(names), np.inf), np.ones(len(names), bool))
+            step = min(min(flights[n][0] / r for n, r in zip(names, rates)), until - now)
+            now += step
+            for n, r in zip(names, rates):
+                flights[n][0] -= r * step
+                if flights[n][0] <= 1e-9 * link_bytes_per_s:
+                    del flights[n]
+        if not flights and until < math.inf:
+            now = max(now, until)
+
+    for action in schedule:
+        if action[0] == "compute":
+            run(until=now + action[1])
+        elif action[0] == "post":
+            _, name, kind, n = action
+            sent, received = _bytes_each_way(kind, n, world, overlapped)
+            if max(sent, received) > 0:
+                busier = max(sent, received)
+                flights[name] = [busier, sent / busier, received / busier]
+        elif action[0] == "wait":
+            run(done=lambda name=action[1]: name not in flights)
+        else:  # the backward pass's end: every ReduceScatter in flight
+            run(done=lambda: not any(n.startswith("RS") for n in flights))
+    return now
+
+
+def predict(cfg: GPTConfig, world: int, link_bits_per_s: float, compute: dict) -> dict:
+    """Each way's predicted step (`simulate_step` of `step_schedule`), the communication it
+    leaves exposed, and the speed-up over rings it implies. `compute`: as `step_schedule`."""
+    schedule = step_schedule(cfg, world, compute)
+    total_compute = cfg.micro_steps * (compute["forward"] + compute["backward"]) + \
+        compute["other"]
+    step = {name: float(simulate_step(schedule, world, link_bits_per_s / 8, overlapped))
+            for name, overlapped in (("rings", False), ("overcast", True))}
+    return {"collectives": counts(step_collectives(cfg, world)),
+            "compute_seconds": total_compute, "compute_split": compute,
+            "comm_seconds": {name: seconds - total_compute for name, seconds in step.items()},
+            "step_seconds": step, "speedup_over_rings": step["rings"] / step["overcast"]}

@@ -76,12 +76,13 @@ def train_rank(rank: int, way: str, config: dict, steps: int, lr: float, trace: 
                 t0, cpu0, (thread0, delay0) = time.monotonic(), time.process_time(), \
                     thread_clock()
                 comm_start, engine0 = times.as_dict(), engine_python_cpu(handle)
-                losses, forward_comm, backward_comm, backward_seconds = [], 0.0, 0.0, 0.0
+                losses, forward_comm, backward_comm = [], 0.0, 0.0
+                forward_seconds = backward_seconds = 0.0
                 for m in range(micro):  # gradient accumulation: only the last one reduces
                     if micro > 1:
                         model.set_requires_gradient_sync(m == micro - 1)
                     inputs, targets = rank_batch(cfg, step * micro + m, rank, world)
-                    comm0 = times.seconds
+                    forward_start, comm0 = time.monotonic(), times.seconds
                     loss = model(inputs, targets)
                     backward_start, comm1 = time.monotonic(), times.seconds
                     (loss / micro).backward()
@@ -89,6 +90,7 @@ def train_rank(rank: int, way: str, config: dict, steps: int, lr: float, trace: 
                     losses.append(loss.item())
                     forward_comm += comm1 - comm0
                     backward_comm += comm2 - comm1
+                    forward_seconds += backward_start - forward_start
                     backward_seconds += backward_end - backward_start
                 optimizer.step()
                 optimizer.zero_grad()
@@ -99,6 +101,7 @@ def train_rank(rank: int, way: str, config: dict, steps: int, lr: float, trace: 
                              "window": [t0, t1],  # CLOCK_MONOTONIC, the scheduler trace's
                              "forward_comm_seconds": forward_comm,
                              "backward_comm_seconds": backward_comm,
+                             "forward_seconds": forward_seconds,
                              "backward_seconds": backward_seconds,
                              "cpu_seconds": time.process_time() - cpu0,
                              "thread_cpu_seconds": thread - thread0,
