@@ -210,27 +210,40 @@ def test_feature_trains_as_plain_fsdp2_on_gloo(name):
             assert r["counts"][b]["reduce_scatters"] > 0, r["counts"][b]
 
 
+# How each model of backward_reduce_scatters is set up: (defer_reduce_scatter, FSDP2's
+# ReduceScatter input buffers in flight, a post-accumulate-grad hook on every parameter)
+DEFERRALS = {"deferred": (True, 1, False), "deferred, 4 in flight": (True, 4, False),
+             "blocking": (False, 1, False), "hooked": (True, 4, True)}
+
+
 def backward_reduce_scatters(rank, backend):
-    """Two backward passes each with ReduceScatters deferred (the default) and blocking, the
-    second onto the first's gradients: each pass's ReduceScatter spans, in posting order, and
-    the gradients. (Both handles open at once: a process group made right after one is
-    destroyed can hang in gloo's rendezvous.)"""
+    """Two backward passes of each model of DEFERRALS, the second onto the first's gradients:
+    each pass's spans (kind, posted, waited) in posting order, the gradients, and what the
+    hooks saw. (All handles open at once: a process group made right after one is destroyed
+    can hang in gloo's rendezvous.)"""
     mesh = start((2,))
     try:
-        out = {}
-        models = {way: shard_blocks(small_model(), mesh) for way in ("deferred", "blocking")}
-        handles = {way: overcast.fsdp.overlap(model, backend=backend, trace=True,
-                                              defer_reduce_scatter=way == "deferred")
-                   for way, model in models.items()}
+        out, handles, models = {}, {}, {}
+        for way, (defer, buffers, hooked) in DEFERRALS.items():
+            models[way] = model = shard_blocks(small_model(), mesh)
+            model.set_reduce_scatter_max_input_buffers(buffers)
+            seen = out.setdefault(way, {"hooks": []})["hooks"]
+            if hooked:  # it reads the gradient as soon as FSDP2 sets it
+                for p in model.parameters():
+                    p.register_post_accumulate_grad_hook(
+                        lambda p, seen=seen: seen.append(p.grad.to_local().sum().item()))
+            handles[way] = overcast.fsdp.overlap(model, backend=backend, trace=True,
+                                                 defer_reduce_scatter=defer)
         for way, model in models.items():
             passes = []
             for step in range(2):  # no zero_grad: the second accumulates onto the first
                 posted = len(handles[way].spans())
                 mse_step(model, step, rank, 2)
-                passes.append(sorted((a, b) for kind, _, a, b in handles[way].spans()[posted:]
-                                     if kind == "RS"))
-            out[way] = {"passes": passes,
-                        "grads": [p.grad.to_local().tolist() for p in model.parameters()]}
+                passes.append(sorted((kind, a, b) for kind, _, a, b in
+                                     handles[way].spans()[posted:]))
+            out[way].update(passes=passes, grads=[p.grad.to_local().tolist()
+                                                  for p in model.parameters()],
+                            final=[p.grad.to_local().sum().item() for p in model.parameters()])
         for handle in handles.values():
             handle.close()
         return out
@@ -238,23 +251,36 @@ def backward_reduce_scatters(rank, backend):
         dist.destroy_process_group()
 
 
+def _gathered_behind(spans) -> bool:
+    """Whether some AllGather was posted while a ReduceScatter was in flight."""
+    return any(a_post > r_post and a_post < r_end for kind, r_post, r_end in spans
+               if kind == "RS" for other, a_post, _ in spans if other == "AG")
+
+
 @pytest.mark.parametrize("backend", ["overcast", "torch"])
 def test_reduce_scatter_runs_behind_the_backward_until_it_ends(backend):
-    """Deferred, every ReduceScatter of the first pass is still in flight when the last one is
-    posted (the training thread went on to the next blocks) and the backward pass waits for
-    them at its end; onto gradients already there (FSDP2 then adds the result to them at once)
-    and with defer_reduce_scatter=False, each one ends before the next is posted. The
-    gradients are bit-exact the same either way."""
+    """Deferred, the next blocks' AllGathers are posted while a ReduceScatter is in flight, and
+    with room for 4 every ReduceScatter of the pass is still in flight when the last is
+    posted: the backward pass waits for them at its end. Blocking (defer_reduce_scatter=False),
+    onto gradients already there, or with a post-accumulate-grad hook (FSDP2 then reads the
+    result at once), each one ends before anything else is posted. The gradients are bit-exact
+    the same every way, and the hooks saw the final ones."""
     for r in run_ranks(backward_reduce_scatters, loopback_placements(2, LINK),
                        args=(backend,), timeout=120):
-        deferred, blocking = r["deferred"], r["blocking"]
-        first = deferred["passes"][0]
-        assert len(first) == 4, first  # the three blocks and the root
-        assert min(end for _, end in first) > max(posted for posted, _ in first), first
-        for spans in deferred["passes"][1:] + blocking["passes"]:
-            assert len(spans) == 4 and all(end <= nxt for (_, end), (nxt, _) in
-                                           zip(spans, spans[1:])), spans
-        assert deferred["grads"] == blocking["grads"]
+        first = {way: r[way]["passes"][0] for way in DEFERRALS}
+        assert _gathered_behind(first["deferred"]), first["deferred"]
+        four = [(a, b) for kind, a, b in first["deferred, 4 in flight"] if kind == "RS"]
+        assert len(four) == 4 and min(b for _, b in four) > max(a for a, _ in four), four
+        for spans in [first["blocking"], first["hooked"]] + \
+                [r[way]["passes"][1] for way in DEFERRALS]:
+            assert not _gathered_behind(spans), spans
+            reduces = [(a, b) for kind, a, b in spans if kind == "RS"]
+            assert len(reduces) == 4 and all(end <= nxt for (_, end), (nxt, _) in
+                                             zip(reduces, reduces[1:])), reduces
+        for way in DEFERRALS:
+            assert r[way]["grads"] == r["blocking"]["grads"], way
+        hooked = r["hooked"]  # the second pass's hooks, in the order FSDP2 reduced them
+        assert sorted(hooked["hooks"][-len(hooked["final"]):]) == sorted(hooked["final"])
 
 
 def offloaded(model, mesh):

@@ -17,6 +17,7 @@ post to the end of its wait, so the overlap shows in the traces users already ta
 
 from __future__ import annotations
 
+import collections
 import os
 import time
 from dataclasses import dataclass, field
@@ -31,7 +32,6 @@ from overcast.engine.engine import Work
 from overcast.errors import InvalidArgumentError
 
 RedOpType = dist.ReduceOp.RedOpType
-_plain_grad = torch._C.TensorBase.grad.__get__
 
 
 def thread_clock() -> tuple[float, float]:
@@ -238,43 +238,70 @@ def _output_unread(module, output: torch.Tensor, op) -> bool:
             return False
         for p in pg.fsdp_params:
             param = p.sharded_param
-            # Tensor's own getter: DTensor's torch-function dispatch of `.grad` allocates
-            if _plain_grad(param) is not None or p.offload_to_cpu or \
-                    vars(param).get("_post_accumulate_grad_hooks"):
+            if param.grad is not None or p.offload_to_cpu or \
+                    getattr(param, "_post_accumulate_grad_hooks", None):
                 return False
     return True
 
 
-def _wait_when_backward_ends(work: TimedWork) -> bool:
-    """Have the backward pass running now wait for `work` once its graph is done (an autograd
-    final callback, run before backward() returns); False outside a backward pass. The
-    collective holds its buffers until it completes, so FSDP2 may drop its own references."""
-    try:
-        torch.autograd.Variable._execution_engine.queue_callback(work.wait)
-    except RuntimeError:
-        return False
-    return True
+class DeferredReduceScatters:
+    """The ReduceScatters of one overlap() left running behind the backward pass, oldest
+    first. No more stay in flight than FSDP2 keeps inputs of (`set_reduce_scatter_max_input_
+    buffers`, 1 by default), as on a GPU, so that deferring does not keep every block's
+    unsharded gradients alive at once."""
+
+    def __init__(self):
+        self._works: collections.deque[TimedWork] = collections.deque()
+
+    def make_room(self, limit: int) -> None:
+        """Wait for the oldest until fewer than `limit` are in flight."""
+        while len(self._works) >= limit:
+            self._works.popleft().wait()
+
+    def add(self, work: TimedWork) -> bool:
+        """Have the backward pass running now wait for `work` (and those before it) once its
+        graph is done: an autograd final callback, run before backward() returns. False
+        outside a backward pass. The collective holds its buffers until it completes, so
+        FSDP2 may drop its own references meanwhile."""
+        try:
+            torch.autograd.Variable._execution_engine.queue_callback(
+                lambda: self._wait_through(work))
+        except RuntimeError:
+            return False
+        self._works.append(work)
+        return True
+
+    def _wait_through(self, work: TimedWork) -> None:
+        while work in self._works:
+            self._works.popleft().wait()
+
+    def drain(self) -> None:
+        """Wait for every one still in flight (a backward pass that raised leaves them)."""
+        self.make_room(1)
 
 
 class TimedReduceScatter(_Hook, ReduceScatter):
     """FSDP2's gradient ReduceScatter of one module, through overcast with `algorithm` or
     through the process group as FSDP2's default does.
 
-    FSDP2 calls it synchronously on CPU. Given its `module`, it returns at once when FSDP2 will
-    not read the output before the backward pass ends, and the backward pass waits for it at
-    its end: the next blocks' backward computes meanwhile and their AllGathers are prefetched
-    beside it, as FSDP2 does on a GPU, where the ReduceScatter runs on a stream of its own.
-    Without a module it blocks, as FSDP2's own does."""
+    FSDP2 calls it synchronously on CPU. Given its `module` and `deferred`, it returns at once
+    when FSDP2 will not read the output before the backward pass ends, and the backward pass
+    waits for it at its end: the next blocks' backward computes meanwhile and their AllGathers
+    are prefetched beside it, as FSDP2 does on a GPU, where the ReduceScatter runs on a stream
+    of its own. Without them it blocks, as FSDP2's own does."""
 
     def __init__(self, comm, algorithm: str | None, label: str, times: CommTime,
-                 module=None):
+                 module=None, deferred: DeferredReduceScatters | None = None):
         super().__init__(comm, algorithm, label, times)
-        self.module = module
+        self.module, self.deferred = module, deferred
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                  group: dist.ProcessGroup, op, async_op: bool = False):
-        deferrable = not async_op and self.module is not None and \
+        deferrable = not async_op and self.deferred is not None and \
             _output_unread(self.module, output_tensor, op)
+        if deferrable:
+            groups = self.module._get_fsdp_state()._fsdp_param_groups
+            self.deferred.make_room(groups[0].comm_ctx.reduce_scatter_max_input_buffers)
         if self.comm is None:
             op = premultiplied(op, input_tensor, group)
             issue = lambda: dist.reduce_scatter_single(output_tensor, input_tensor,  # noqa
@@ -287,6 +314,6 @@ class TimedReduceScatter(_Hook, ReduceScatter):
         work = self._post("RS", issue)
         if async_op:
             return work
-        if not (deferrable and _wait_when_backward_ends(work)):
+        if not (deferrable and self.deferred.add(work)):
             work.wait()
         return None

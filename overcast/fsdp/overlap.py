@@ -23,7 +23,8 @@ from torch.distributed.fsdp import FSDPModule
 from overcast.buffers import DTYPES, as_array
 from overcast.comm import ALGORITHMS, Communicator
 from overcast.errors import InvalidArgumentError, OvercastError
-from overcast.fsdp.collectives import CommTime, TimedAllGather, TimedReduceScatter
+from overcast.fsdp.collectives import (CommTime, DeferredReduceScatters, TimedAllGather,
+                                      TimedReduceScatter)
 from overcast.job import group_communicator
 
 BACKENDS = ("overcast", "torch")
@@ -126,9 +127,9 @@ def _set_prefetch(blocks: list[FSDPModule], root: FSDPModule, prefetch: int) -> 
 
 
 def _install(modules, comm, allgather: str | None, reduce_scatter: str | None,
-             times: CommTime, defer_reduce_scatter: bool) -> dict:
+             times: CommTime, deferred: DeferredReduceScatters | None) -> dict:
     """Give each module timed collectives (overcast's through `comm`, or the process group's if
-    None), their ReduceScatters deferred to the end of the backward pass where FSDP2 allows;
+    None), their ReduceScatters left behind the backward pass in `deferred` where FSDP2 allows;
     return what they had, to give back on close."""
     saved = {}
     for name, module in modules:
@@ -138,7 +139,7 @@ def _install(modules, comm, allgather: str | None, reduce_scatter: str | None,
         saved[module] = (pg[0]._all_gather_comm, pg[0]._reduce_scatter_comm)
         module.set_custom_all_gather(TimedAllGather(comm, allgather, name, times))
         module.set_custom_reduce_scatter(TimedReduceScatter(
-            comm, reduce_scatter, name, times, module if defer_reduce_scatter else None))
+            comm, reduce_scatter, name, times, module, deferred))
     return saved
 
 
@@ -150,6 +151,7 @@ class Overlap:
                  rs_group=None):
         self.model, self.comm, self._owns_comm, self.times = model, comm, owns_comm, times
         self._switch, self._saved, self._rs_group = switch, saved or {}, rs_group
+        self._deferred = DeferredReduceScatters()
         self._closed = False
 
     def stats(self) -> dict:
@@ -181,6 +183,13 @@ class Overlap:
         if self._closed:
             return
         self._closed = True
+        try:
+            self._deferred.drain()
+        finally:
+            self._restore()
+
+    def _restore(self) -> None:
+        """Give the modules their collectives back; release what overlap() opened."""
         for module, (ag, rs) in self._saved.items():
             module.set_custom_all_gather(ag)
             module.set_custom_reduce_scatter(rs)
@@ -301,7 +310,7 @@ def overlap(model, *, comm: Communicator | None = None, backend: str = "overcast
             comm.check_algorithm("all_gather", allgather)
             comm.check_algorithm("reduce_scatter", reduce_scatter)
         handle._saved = _install(modules, comm, allgather, reduce_scatter, times,
-                                 defer_reduce_scatter)
+                                 handle._deferred if defer_reduce_scatter else None)
         model._set_unshard_async_op(True)
         _set_prefetch(blocks, model, prefetch)
     except BaseException:
@@ -316,7 +325,7 @@ def timed(model) -> Overlap:
     modules = _fsdp_modules(model)
     times = CommTime()
     return Overlap(model, None, False, times,
-                   saved=_install(modules, None, None, None, times, False))
+                   saved=_install(modules, None, None, None, times, None))
 
 
 __all__ = ["overlap", "timed", "Overlap", "BACKENDS"]

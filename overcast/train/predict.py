@@ -94,8 +94,9 @@ def step_schedule(cfg: GPTConfig, world: int, compute: dict) -> list[tuple]:
     ("wait", name), and ("wait_all",) where the backward pass waits for its ReduceScatters.
 
     Each module waits for its own AllGather, then posts its prefetch (forward: the next block,
-    backward: the block before); ReduceScatters are posted when a block's backward ends and
-    waited for at the end of the backward pass. `compute` is a micro-step's seconds of
+    backward: the block before; the root prefetches the last block); a block's ReduceScatter is
+    posted when its backward ends, once the one before it has finished, and the last is waited
+    for at the end of the backward pass. `compute` is a micro-step's seconds of
     "forward" and "backward" (shared among the modules by `compute_shares`) and the step's
     "other" (the optimizer)."""
     root, block = shard_bytes(cfg, world)
@@ -113,20 +114,23 @@ def step_schedule(cfg: GPTConfig, world: int, compute: dict) -> list[tuple]:
                 out.append(("post", f"AG {i + 1} {m}", "allgather", block))
             out.append(("compute", fwd * block_share))
         out.append(("compute", fwd * head_share))
-        out.append(("compute", bwd * head_share))
         last = cfg.blocks - 1
-        if resharded[last]:  # gathered again at once: nothing before it prefetches it
+        if resharded[last]:  # FSDP2's own prefetch, in the root's pre-backward
             out.append(("post", f"BAG {last} {m}", "allgather", block))
+        out.append(("compute", bwd * head_share))
         for i in reversed(range(cfg.blocks)):
             if resharded[i]:
                 out.append(("wait", f"BAG {i} {m}"))
             if i > 0 and resharded[i - 1]:
                 out.append(("post", f"BAG {i - 1} {m}", "allgather", block))
             out.append(("compute", bwd * block_share))
-            if sync:
+            if sync:  # one ReduceScatter in flight at a time (FSDP2's one input buffer)
+                if i < last:
+                    out.append(("wait", f"RS {i + 1}"))
                 out.append(("post", f"RS {i}", "reduce_scatter", block))
         if sync:
-            out += [("post", "RS root", "reduce_scatter", root), ("wait_all",)]
+            out += [("wait", "RS 0"), ("post", "RS root", "reduce_scatter", root),
+                    ("wait_all",)]
     out.append(("compute", compute["other"]))
     return out
 
@@ -134,6 +138,8 @@ def step_schedule(cfg: GPTConfig, world: int, compute: dict) -> list[tuple]:
 def _bytes_each_way(kind: str, n: int, world: int, overlapped: bool) -> tuple[float, float]:
     """(sent, received) per rank: a ring's (P-1)N each way; multicast AllGather sends its shard
     once, in-network ReduceScatter receives only its result."""
+    if world == 1:
+        return 0, 0
     if not overlapped:
         return (world - 1) * n, (world - 1) * n
     return (n, (world - 1) * n) if kind == "allgather" else ((world - 1) * n, n)
@@ -144,7 +150,8 @@ def simulate_step(schedule: list[tuple], world: int, link_bytes_per_s: float,
     """Seconds the schedule takes with every collective at the link's rate: the collectives in
     flight share each direction of a rank's link max-min fairly (a flow's rate is the bytes/s
     of its busier direction), while the training thread computes or waits."""
-    flights: dict[str, list[float]] = {}  # name -> [bytes left, sent share, received share]
+    flights: dict[str, list] = {}  # name -> [bytes left, sent share, received share, kind]
+    posted: set[str] = set()
     now = 0.0
 
     def run(until: float = math.inf, done=lambda: False) -> None:
@@ -168,14 +175,17 @@ def simulate_step(schedule: list[tuple], world: int, link_bytes_per_s: float,
             run(until=now + action[1])
         elif action[0] == "post":
             _, name, kind, n = action
+            posted.add(name)
             sent, received = _bytes_each_way(kind, n, world, overlapped)
             if max(sent, received) > 0:
                 busier = max(sent, received)
-                flights[name] = [busier, sent / busier, received / busier]
+                flights[name] = [busier, sent / busier, received / busier, kind]
         elif action[0] == "wait":
+            if action[1] not in posted:
+                raise ValueError(f"the schedule waits for {action[1]!r} before posting it")
             run(done=lambda name=action[1]: name not in flights)
         else:  # the backward pass's end: every ReduceScatter in flight
-            run(done=lambda: not any(n.startswith("RS") for n in flights))
+            run(done=lambda: all(f[3] != "reduce_scatter" for f in flights.values()))
     return now
 
 
