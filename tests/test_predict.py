@@ -39,7 +39,7 @@ def test_a_reduce_scatter_behind_the_backward_pairs_with_the_next_allgather():
     """A ReduceScatter left in flight while the next block's AllGather runs: overcast's two share
     the link as a pair (N·P/B), rings add up (2(P-1)N/B); the backward waits for both."""
     schedule = [("post", "RS 1", "reduce_scatter", N), ("post", "AG 0", "allgather", N),
-                ("wait", "AG 0"), ("wait_all",)]
+                ("wait", "AG 0"), ("wait", "RS 1")]
     assert simulate_step(schedule, 4, B, True) == pytest.approx(4 * N / B)
     assert simulate_step(schedule, 4, B, False) == pytest.approx(6 * N / B)
 

@@ -224,7 +224,12 @@ def reduce_op(op) -> str:
                                f"reduces with SUM, AVG and PREMUL_SUM (what FSDP2 uses)")
 
 
-def _output_unread(module, output: torch.Tensor, op) -> bool:
+def param_groups(module) -> list:
+    """An FSDPModule's parameter groups (FSDP2's FSDPParamGroup), usually one."""
+    return module._get_fsdp_state()._fsdp_param_groups
+
+
+def _output_unread(groups: list, output: torch.Tensor, op) -> bool:
     """Whether FSDP2 (torch 2.13's foreach_reduce) leaves a ReduceScatter's output unread until
     the backward pass ends: it only makes the sharded gradients views of it. It reads it at once
     to divide after the reduction (its op is then SUM, not AVG or PREMUL_SUM), to cast to the
@@ -232,7 +237,7 @@ def _output_unread(module, output: torch.Tensor, op) -> bool:
     already there (accumulating), or for a post-accumulate-grad hook or CPU offload."""
     if getattr(op, "op", op) == RedOpType.SUM:
         return False
-    for pg in module._get_fsdp_state()._fsdp_param_groups:
+    for pg in groups:
         if isinstance(pg.mesh_info, DDPMeshInfo) or pg._all_reduce_hook is not None or \
                 pg._orig_dtype != output.dtype:
             return False
@@ -297,10 +302,10 @@ class TimedReduceScatter(_Hook, ReduceScatter):
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                  group: dist.ProcessGroup, op, async_op: bool = False):
-        deferrable = not async_op and self.deferred is not None and \
-            _output_unread(self.module, output_tensor, op)
+        groups = param_groups(self.module) if self.deferred is not None else None
+        deferrable = not async_op and groups is not None and \
+            _output_unread(groups, output_tensor, op)
         if deferrable:
-            groups = self.module._get_fsdp_state()._fsdp_param_groups
             self.deferred.make_room(groups[0].comm_ctx.reduce_scatter_max_input_buffers)
         if self.comm is None:
             op = premultiplied(op, input_tensor, group)

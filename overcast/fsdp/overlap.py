@@ -24,7 +24,7 @@ from overcast.buffers import DTYPES, as_array
 from overcast.comm import ALGORITHMS, Communicator
 from overcast.errors import InvalidArgumentError, OvercastError
 from overcast.fsdp.collectives import (CommTime, DeferredReduceScatters, TimedAllGather,
-                                      TimedReduceScatter)
+                                      TimedReduceScatter, param_groups)
 from overcast.job import group_communicator
 
 BACKENDS = ("overcast", "torch")
@@ -55,16 +55,12 @@ def _fsdp_modules(model) -> list[tuple[str, FSDPModule]]:
             if isinstance(m, FSDPModule)]
 
 
-def _param_groups(module: FSDPModule):
-    return module._get_fsdp_state()._fsdp_param_groups
-
-
 def _shard_group(modules, backend: str) -> dist.ProcessGroup:
     """The one shard process group every module's parameters are sharded over (with HSDP, the
     replica group this rank is in); FSDP2 gathers and reduce-scatters over it."""
     group, ranks = None, None
     for name, module in modules:
-        for pg in _param_groups(module):
+        for pg in param_groups(module):
             info = pg.mesh_info
             if backend == "overcast" and pg._use_post_forward_mesh:
                 raise InvalidArgumentError(
@@ -90,7 +86,7 @@ def _check_dtypes(modules) -> None:
     or as uint8 bytes when its dtypes differ; gradients of the parameters that have them are
     reduced in reduce_dtype (or the gathered dtype)."""
     for name, module in modules:
-        for pg in _param_groups(module):
+        for pg in param_groups(module):
             policy = pg.mp_policy
             gathered, reduced = set(), set()
             for p in pg.fsdp_params:
@@ -133,7 +129,7 @@ def _install(modules, comm, allgather: str | None, reduce_scatter: str | None,
     return what they had, to give back on close."""
     saved = {}
     for name, module in modules:
-        pg = _param_groups(module)
+        pg = param_groups(module)
         if not pg:
             continue
         saved[module] = (pg[0]._all_gather_comm, pg[0]._reduce_scatter_comm)
@@ -288,7 +284,7 @@ def overlap(model, *, comm: Communicator | None = None, backend: str = "overcast
         allgather = reduce_scatter = None  # the process group's own
         model.set_separate_reduce_scatter_group(True)
         rs_group = next(pg.mesh_info.reduce_scatter_process_group for _, m in modules
-                        for pg in _param_groups(m))
+                        for pg in param_groups(m))
         handle = Overlap(model, None, False, times, rs_group=rs_group)
     else:
         _check_choice("allgather", allgather, ALGORITHMS["all_gather"])

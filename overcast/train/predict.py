@@ -24,6 +24,7 @@ is the exposed communication.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -90,8 +91,8 @@ def compute_shares(cfg: GPTConfig) -> tuple[float, float]:
 
 def step_schedule(cfg: GPTConfig, world: int, compute: dict) -> list[tuple]:
     """The training thread's step as overcast.fsdp.overlap drives FSDP2: ("compute", seconds),
-    ("post", name, kind, N) with kind "allgather" or "reduce_scatter" and N bytes per rank,
-    ("wait", name), and ("wait_all",) where the backward pass waits for its ReduceScatters.
+    ("post", name, kind, N) with kind "allgather" or "reduce_scatter" and N bytes per rank, and
+    ("wait", name).
 
     Each module waits for its own AllGather, then posts its prefetch (forward: the next block,
     backward: the block before; the root prefetches the last block); a block's ReduceScatter is
@@ -130,7 +131,7 @@ def step_schedule(cfg: GPTConfig, world: int, compute: dict) -> list[tuple]:
                 out.append(("post", f"RS {i}", "reduce_scatter", block))
         if sync:
             out += [("wait", "RS 0"), ("post", "RS root", "reduce_scatter", root),
-                    ("wait_all",)]
+                    ("wait", "RS root")]
     out.append(("compute", compute["other"]))
     return out
 
@@ -138,11 +139,18 @@ def step_schedule(cfg: GPTConfig, world: int, compute: dict) -> list[tuple]:
 def _bytes_each_way(kind: str, n: int, world: int, overlapped: bool) -> tuple[float, float]:
     """(sent, received) per rank: a ring's (P-1)N each way; multicast AllGather sends its shard
     once, in-network ReduceScatter receives only its result."""
-    if world == 1:
-        return 0, 0
     if not overlapped:
         return (world - 1) * n, (world - 1) * n
     return (n, (world - 1) * n) if kind == "allgather" else ((world - 1) * n, n)
+
+
+@dataclass
+class _Flight:
+    """A collective in flight: bytes left in its busier direction, and the share of those its
+    send and its receive direction each carry."""
+    left: float
+    sent: float
+    received: float
 
 
 def simulate_step(schedule: list[tuple], world: int, link_bytes_per_s: float,
@@ -150,24 +158,26 @@ def simulate_step(schedule: list[tuple], world: int, link_bytes_per_s: float,
     """Seconds the schedule takes with every collective at the link's rate: the collectives in
     flight share each direction of a rank's link max-min fairly (a flow's rate is the bytes/s
     of its busier direction), while the training thread computes or waits."""
-    flights: dict[str, list] = {}  # name -> [bytes left, sent share, received share, kind]
+    flights: dict[str, _Flight] = {}
     posted: set[str] = set()
     now = 0.0
 
-    def run(until: float = math.inf, done=lambda: False) -> None:
+    def run(until: float = math.inf, name: str | None = None) -> None:
+        """Move the flights on until `until`, or until `name` has landed."""
         nonlocal now
-        while flights and not done() and now < until:
+        while flights and (name in flights if name else now < until):
             names = list(flights)
-            demand = np.array([[flights[n][1] for n in names], [flights[n][2] for n in names]])
+            demand = np.array([[flights[n].sent for n in names],
+                               [flights[n].received for n in names]])
             rates = max_min_rates(demand, np.full(2, link_bytes_per_s),
                                   np.full(len(names), np.inf), np.ones(len(names), bool))
-            step = min(min(flights[n][0] / r for n, r in zip(names, rates)), until - now)
+            step = min(min(flights[n].left / r for n, r in zip(names, rates)), until - now)
             now += step
             for n, r in zip(names, rates):
-                flights[n][0] -= r * step
-                if flights[n][0] <= 1e-9 * link_bytes_per_s:
+                flights[n].left -= r * step
+                if flights[n].left <= 1e-9 * link_bytes_per_s:
                     del flights[n]
-        if not flights and until < math.inf:
+        if until < math.inf:
             now = max(now, until)
 
     for action in schedule:
@@ -177,15 +187,13 @@ def simulate_step(schedule: list[tuple], world: int, link_bytes_per_s: float,
             _, name, kind, n = action
             posted.add(name)
             sent, received = _bytes_each_way(kind, n, world, overlapped)
-            if max(sent, received) > 0:
-                busier = max(sent, received)
-                flights[name] = [busier, sent / busier, received / busier, kind]
-        elif action[0] == "wait":
+            busier = max(sent, received)
+            if busier > 0:
+                flights[name] = _Flight(busier, sent / busier, received / busier)
+        else:
             if action[1] not in posted:
                 raise ValueError(f"the schedule waits for {action[1]!r} before posting it")
-            run(done=lambda name=action[1]: name not in flights)
-        else:  # the backward pass's end: every ReduceScatter in flight
-            run(done=lambda: all(f[3] != "reduce_scatter" for f in flights.values()))
+            run(name=action[1])
     return now
 
 

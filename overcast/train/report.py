@@ -59,10 +59,9 @@ def table(doc: dict, run: dict) -> Table:
         p = run["prediction"]
         c = p["collectives"]
         captions.append(f"per step: {c['pair']} backward pairs, {c['allgather']} AllGathers and "
-                        f"{c['reduce_scatter']} ReduceScatters alone; predicted (the step's schedule, "
-                        f"{p['compute_from']}'s compute, collectives at the link's rate): "
-                        f"overcast "
-                        f"{p['step_seconds']['overcast']:.3f} s, rings "
+                        f"{c['reduce_scatter']} ReduceScatters alone; predicted (the step's "
+                        f"schedule, {p['compute_from']}'s compute, collectives at the link's "
+                        f"rate): overcast {p['step_seconds']['overcast']:.3f} s, rings "
                         f"{p['step_seconds']['rings']:.3f} s, speed-up over rings "
                         f"{p['speedup_over_rings']:.2f}x")
     t.caption = "\n".join(captions) or None
