@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import json
+import sys
 import tracemalloc
 from dataclasses import dataclass, field
 from typing import Callable
@@ -361,9 +362,13 @@ def test_collectives_appear_in_torch_profiler_traces(backend, algorithms, tmp_pa
 
 def quiet(handle) -> None:
     """Let the engine settle before a snapshot: a barrier after the step's collectives, so the
-    engine thread holds the same (a finished barrier) at every snapshot, then a collection."""
+    engine thread holds the same (a finished barrier) at every snapshot, then a collection, and
+    the interpreter's type attribute cache emptied (it keeps the name strings of lookups made
+    from C, such as torch's for a DTensor's `.grad`, and tracemalloc counts them where the
+    lookup was made)."""
     handle.comm.barrier()
     gc.collect()
+    sys._clear_type_cache()
 
 
 def held_memory(rank, steps, compare_from):
