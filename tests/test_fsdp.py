@@ -109,6 +109,48 @@ def test_one_step_equals_unsharded_reference(world, backend, allgather, reduce_s
         assert r["stats"]["allgathers"] == 7 and r["stats"]["reduce_scatters"] == 4, r
 
 
+def reopened(rank, opens):
+    """overlap(backend="torch") opened and closed `opens` times on one model, a step each, beside
+    plain FSDP2 on another copy: the parameters' largest difference, the ReduceScatter group
+    each opening used, and whether FSDP2 was back on its shared group after each close."""
+    from torch.distributed.fsdp import FSDPModule
+    from overcast.fsdp.collectives import param_groups
+    mesh = start()
+    world = dist.get_world_size()
+    try:
+        model, plain = shard_model(small_model(), mesh), shard_model(small_model(), mesh)
+        fsdp_groups = [g for m in model.modules() if isinstance(m, FSDPModule)
+                       for g in param_groups(m)]
+        groups, released = [], []
+        for step in range(opens):
+            x, y = (local_rows(t, rank, world) for t in batch(step))
+            with overcast.fsdp.overlap(model, backend="torch"):
+                nn.functional.mse_loss(model(x), y).backward()
+                groups.append(sorted({g.mesh_info.reduce_scatter_process_group.group_name
+                                      for g in fsdp_groups}))
+            released.append(all(g.mesh_info.reduce_scatter_process_group is None
+                                for g in fsdp_groups))
+            nn.functional.mse_loss(plain(x), y).backward()
+            for m in (model, plain):
+                torch.optim.SGD(m.parameters(), lr=0.5).step()
+                m.zero_grad()
+        diff = max(max_diff(p.to_local(), q.to_local())
+                   for p, q in zip(model.parameters(), plain.parameters()))
+        return {"diff": diff, "groups": groups, "released": released}
+    finally:
+        dist.destroy_process_group()
+
+
+def test_torch_backend_reopens_on_the_same_reduce_scatter_group():
+    """A group made after one was destroyed takes its name in torch 2.13, and gloo's rendezvous
+    can then read the destroyed group's keys and hang: overlap() keeps its group instead."""
+    opens = 6
+    for r in run_ranks(reopened, loopback_placements(4), args=(opens,), timeout=120):
+        assert r["diff"] == 0.0, r
+        assert len(r["groups"][0]) == 1 and r["groups"] == r["groups"][:1] * opens, r
+        assert r["released"] == [True] * opens, r
+
+
 def test_mixed_dtypes_travel_as_bytes():
     for r in run_ranks(one_step, loopback_placements(3, LINK),
                        args=("overcast", "multicast", "innetwork", True), timeout=120):

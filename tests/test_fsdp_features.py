@@ -220,8 +220,8 @@ DEFERRALS = {"deferred": (True, 1, False), "deferred, 4 in flight": (True, 4, Fa
 def backward_reduce_scatters(rank, backend):
     """Two backward passes of each model of DEFERRALS, the second onto the first's gradients:
     each pass's spans (kind, posted, waited) in posting order, the gradients, and what the
-    hooks saw. (All handles open at once: a process group made right after one is destroyed
-    can hang in gloo's rendezvous.)"""
+    hooks saw. All handles are open at once, sharing backend="torch"'s one ReduceScatter
+    group."""
     mesh = start((2,))
     try:
         out, handles, models = {}, {}, {}

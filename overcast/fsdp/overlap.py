@@ -12,6 +12,7 @@ block i's gradients are reduce-scattered, the parameters of block i-1 are being 
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import itertools
 
@@ -144,9 +145,9 @@ class Overlap:
     communication time, and `close()` to undo it (also as a context manager)."""
 
     def __init__(self, model, comm, owns_comm: bool, times: CommTime, switch=None, saved=None,
-                 rs_group=None):
+                 separate_group: bool = False):
         self.model, self.comm, self._owns_comm, self.times = model, comm, owns_comm, times
-        self._switch, self._saved, self._rs_group = switch, saved or {}, rs_group
+        self._switch, self._saved, self._separate_group = switch, saved or {}, separate_group
         self._deferred = DeferredReduceScatters()
         self._closed = False
 
@@ -189,9 +190,8 @@ class Overlap:
         for module, (ag, rs) in self._saved.items():
             module.set_custom_all_gather(ag)
             module.set_custom_reduce_scatter(rs)
-        if self._rs_group is not None:
-            group, self._rs_group = self._rs_group, None  # ours must not be the last reference
-            _release_reduce_scatter_group(self.model, group)
+        if self._separate_group:
+            self.model.set_separate_reduce_scatter_group(False)
         try:
             if self._owns_comm and self.comm is not None:
                 self.comm.close()
@@ -206,13 +206,40 @@ class Overlap:
         self.close()
 
 
-def _release_reduce_scatter_group(model, group: dist.ProcessGroup) -> None:
-    """Undo set_separate_reduce_scatter_group so that FSDP drops its references to the group,
-    then destroy it: it is freed now, its gloo threads joined while the interpreter is alive,
-    not at exit, where they abort the process (docs/fsdp.md). No barrier: a barrier's Work,
-    freed later on a gloo thread, is itself a way to abort at exit."""
-    model.set_separate_reduce_scatter_group(False)
-    dist.destroy_process_group(group)
+# backend="torch"'s ReduceScatter groups, by shard ranks, kept from one overlap() to the next
+# and shared by the models open at once. torch 2.13 names a subgroup by its ranks and the number
+# of groups alive, so a group made after one was destroyed takes the destroyed one's name, and
+# its gloo rendezvous can read that group's keys in the store and hang (4 ranks reopening
+# overlap() hung in each of 3 runs). They are destroyed at exit, while the interpreter is alive
+# (docs/fsdp.md).
+_reduce_scatter_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
+
+
+def _live_reduce_scatter_groups() -> dict[tuple[int, ...], dist.ProcessGroup]:
+    """The kept groups, less any destroy_process_group() has since destroyed (the world's)."""
+    alive = dist.distributed_c10d._world.pg_map
+    for ranks, group in list(_reduce_scatter_groups.items()):
+        if group not in alive:
+            del _reduce_scatter_groups[ranks]
+    return _reduce_scatter_groups
+
+
+def _set_separate_reduce_scatter_group(modules) -> None:
+    """FSDP2's set_separate_reduce_scatter_group(True), with the groups it makes kept across
+    calls (the cache FSDP2 keeps within one call): a group for a set of ranks is made once."""
+    groups = _live_reduce_scatter_groups()
+    for _, module in modules:
+        for group in param_groups(module):
+            group._set_separate_reduce_scatter_group(True, groups)
+
+
+@atexit.register
+def _destroy_reduce_scatter_groups() -> None:
+    """Free the kept groups while the interpreter is alive: a gloo group freed while it
+    finalizes can abort the process (docs/fsdp.md)."""
+    for group in _live_reduce_scatter_groups().values():
+        dist.destroy_process_group(group)
+    _reduce_scatter_groups.clear()
 
 
 def _job_store():
@@ -282,10 +309,8 @@ def overlap(model, *, comm: Communicator | None = None, backend: str = "overcast
             raise InvalidArgumentError("comm= is for backend='overcast'; backend='torch' uses "
                                        "the process group's own collectives")
         allgather = reduce_scatter = None  # the process group's own
-        model.set_separate_reduce_scatter_group(True)
-        rs_group = next(pg.mesh_info.reduce_scatter_process_group for _, m in modules
-                        for pg in param_groups(m))
-        handle = Overlap(model, None, False, times, rs_group=rs_group)
+        _set_separate_reduce_scatter_group(modules)
+        handle = Overlap(model, None, False, times, separate_group=True)
     else:
         _check_choice("allgather", allgather, ALGORITHMS["all_gather"])
         _check_choice("reduce_scatter", reduce_scatter, ALGORITHMS["reduce_scatter"])
