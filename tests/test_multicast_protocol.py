@@ -15,7 +15,9 @@ CHUNK = 64
 RATE = 1e6  # link bytes per second of one stream: pacing in simulated time
 
 
-def all_gather(fabric, nbytes, roots=2, seq=0):
+def all_gather(fabric, nbytes, roots=2, seq=0, budgets=None):
+    """Every rank's AllGather of `nbytes` each; `budgets`, one per rank, are the links its
+    collectives share (default: a link of its own for this one)."""
     world = fabric.world
     shards = [np.frombuffer(np.random.default_rng(r + 17 * seq).bytes(nbytes), np.uint8)
               for r in range(world)]
@@ -26,11 +28,16 @@ def all_gather(fabric, nbytes, roots=2, seq=0):
         coll = MulticastGather(seq, r, world, desc, outs[r],
                                [(q, q * nbytes, nbytes) for q in range(world)], source=shards[r],
                                roots=roots, chunk_bytes=CHUNK,
-                               budget=LinkBudget(RATE * concurrent_senders(world, roots),
-                                                 batch=fabric.runs))
+                               budget=budgets[r] if budgets else link(world, roots,
+                                                                      fabric.runs))
         colls.append(coll)
         fabric.post(r, coll)
     return colls, outs, np.concatenate(shards)
+
+
+def link(world, roots, batch=1):
+    """A host's link, paced so that each of the streams a receiver takes at once gets RATE."""
+    return LinkBudget(RATE * concurrent_senders(world, roots), batch=batch)
 
 
 def broadcast(fabric, nbytes, root):
@@ -131,6 +138,24 @@ def test_pacing_spreads_a_stream_over_time():
     fabric.run_timed()
     check(colls, outs, expect)
     wire = 100 * (CHUNK + 52 + 42)
+    assert fabric.now == pytest.approx(wire / RATE, rel=0.05)
+
+
+def test_gathers_in_flight_at_once_share_the_link():
+    """Two AllGathers posted together on one link each per host: each root's streams share its
+    pace, so together they take as long as one after the other. At the full pace each, what
+    reaches a receiver would be twice what its link carries."""
+    world = 3
+    fabric = Fabric(world)
+    budgets = [link(world, world) for _ in range(world)]
+    gathers = [all_gather(fabric, 100 * CHUNK, roots=world, seq=seq, budgets=budgets)
+               for seq in (0, 1)]
+    assert [b.native.gathers_sending for b in budgets] == [2] * world
+    fabric.run_timed()
+    for colls, outs, expect in gathers:
+        check(colls, outs, expect)
+    assert [b.native.gathers_sending for b in budgets] == [0] * world
+    wire = 2 * 100 * (CHUNK + 52 + 42)
     assert fabric.now == pytest.approx(wire / RATE, rel=0.05)
 
 

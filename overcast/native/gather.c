@@ -51,7 +51,15 @@ int oc_gather_init(oc_gather *g, uint32_t seq, uint32_t world, uint8_t *buffer, 
     return 0;
 }
 
+/* Whether this gather's own segment is going out: the budget counts the gathers that are. */
+static void set_sending(oc_gather *g, int sending) {
+    if (g->sending == sending) return;
+    g->sending = sending;
+    g->budget->gathers_sending += sending ? 1 : -1;
+}
+
 void oc_gather_free(oc_gather *g) {
+    if (g->budget) set_sending(g, 0); /* released while sending: the others take its share */
     free(g->roots);
     free(g->offsets);
     free(g->state);
@@ -214,12 +222,17 @@ int oc_gather_have(const oc_gather *g, uint32_t first, uint32_t count) {
     return 1;
 }
 
+/* Gathers of this host sending at once: their streams reach the same receivers' links. */
+static uint32_t gathers(const oc_gather *g) {
+    return g->budget->gathers_sending > 1 ? (uint32_t)g->budget->gathers_sending : 1;
+}
+
 /* Link bytes per second of this rank's stream: what receivers can take, shared among the
- * streams they take at once, less their results' share while reductions run
- * (overcast.schedules.chains.stream_rate). */
+ * streams they take at once and among this host's gathers sending at once, less the results'
+ * share while reductions run (overcast.schedules.chains.stream_rate gives one gather's). */
 static double stream_rate(const oc_gather *g) {
     double share = g->budget->reductions_in_flight ? (double)(g->world - 1) / g->world : 1.0;
-    return g->budget->rate * share / g->concurrent;
+    return g->budget->rate * share / g->concurrent / gathers(g);
 }
 
 static void pump(oc_gather *g, oc_outbox *o, double now) {
@@ -232,9 +245,10 @@ static void pump(oc_gather *g, oc_outbox *o, double now) {
                                                                   : now - OC_MAX_BURST_SECONDS;
     /* each chunk is due at its own time; those due within a batch's time leave together. The
      * link's batch is shared by the streams a receiver takes in at once, so what reaches a
-     * receiver's switch port at once stays near one link batch, whatever the number of roots;
-     * but never fewer than OC_STREAM_BATCH, each a wake-up of every receiver. */
-    uint32_t batch = (g->budget->batch + g->concurrent - 1) / g->concurrent;
+     * receiver's switch port at once stays near one link batch, whatever the number of roots
+     * and gathers; but never fewer than OC_STREAM_BATCH, each a wake-up of every receiver. */
+    uint32_t streams = g->concurrent * gathers(g);
+    uint32_t batch = (g->budget->batch + streams - 1) / streams;
     if (batch < OC_STREAM_BATCH) batch = OC_STREAM_BATCH;
     double due = rate > 0 ? now + (batch - 1) * full / rate : now;
     double wire = 0;
@@ -258,7 +272,7 @@ static void pump(oc_gather *g, oc_outbox *o, double now) {
         stepped(g, end - first, now);
     }
     if (g->next_chunk == g->k) {
-        g->sending = 0;
+        set_sending(g, 0);
         g->sent_all = 1;
         g->news = 1;
     }
@@ -270,7 +284,7 @@ void oc_gather_activate(oc_gather *g, oc_outbox *o, double now) {
         g->sent_all = g->news = 1;
         return;
     }
-    g->sending = 1;
+    set_sending(g, 1);
     g->next_send = now;
     pump(g, o, now);
 }
