@@ -143,18 +143,18 @@ def test_pacing_spreads_a_stream_over_time():
 
 def test_gathers_in_flight_at_once_share_the_link():
     """Two AllGathers posted together on one link each per host: each root's streams share its
-    pace, so together they take as long as one after the other. At the full pace each, what
-    reaches a receiver would be twice what its link carries."""
+    pace while both are in flight, so together they take as long as one after the other. At
+    the full pace each, what reaches a receiver would be twice what its link carries."""
     world = 3
     fabric = Fabric(world)
     budgets = [link(world, world) for _ in range(world)]
     gathers = [all_gather(fabric, 100 * CHUNK, roots=world, seq=seq, budgets=budgets)
                for seq in (0, 1)]
-    assert [b.native.gathers_sending for b in budgets] == [2] * world
+    assert [b.gathers_in_flight for b in budgets] == [2] * world
     fabric.run_timed()
     for colls, outs, expect in gathers:
         check(colls, outs, expect)
-    assert [b.native.gathers_sending for b in budgets] == [0] * world
+    assert [b.gathers_in_flight for b in budgets] == [0] * world
     wire = 2 * 100 * (CHUNK + 52 + 42)
     assert fabric.now == pytest.approx(wire / RATE, rel=0.05)
 

@@ -11,7 +11,7 @@ void oc_budget_init(oc_budget *b, double rate, double burst_seconds, uint32_t ba
     b->updated = 0;
     b->fresh = 1;
     b->reductions_in_flight = 0;
-    b->gathers_sending = 0;
+    b->gathers_in_flight = 0;
 }
 
 static void refill(oc_budget *b, double now) {

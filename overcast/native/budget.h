@@ -3,7 +3,7 @@
  * Multicast streams take from it at their own pace, into debt if need be (they keep their
  * schedule); in-network contributions go only when it holds their batch, so they fill what the
  * multicast leaves. It also counts the in-network reductions in flight, so a multicast knows to
- * leave receivers room for the results, and the multicast gathers sending, which share the
+ * leave receivers room for the results, and the multicast gathers in flight, which share the
  * streams' rate between them. Plain data: the owner frees it, nothing inside is
  * allocated. */
 #ifndef OVERCAST_NATIVE_BUDGET_H
@@ -18,7 +18,9 @@ typedef struct {
     uint32_t batch;         /* datagrams a multicast pacer releases per wake-up */
     uint32_t reduction_batch; /* what an in-network sender releases (at least `batch`) */
     int32_t reductions_in_flight;
-    int32_t gathers_sending; /* multicast gathers sending their own segment on this link */
+    /* multicast gathers posted and not yet released: every rank posts the same collectives in
+     * the same order, so every root divides its streams' pace by the same count */
+    int32_t gathers_in_flight;
 } oc_budget;
 
 /* The bucket holds `burst_seconds` at the rate, and at least two of the larger batches of

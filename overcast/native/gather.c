@@ -48,18 +48,13 @@ int oc_gather_init(oc_gather *g, uint32_t seq, uint32_t world, uint8_t *buffer, 
         memset(g->state + (size_t)mine * g->k, OC_CHUNK_HAVE, g->k);
         g->missing[mine] = 0;
     }
+    budget->gathers_in_flight++;
+    g->counted = 1;
     return 0;
 }
 
-/* Whether this gather's own segment is going out: the budget counts the gathers that are. */
-static void set_sending(oc_gather *g, int sending) {
-    if (g->sending == sending) return;
-    g->sending = sending;
-    g->budget->gathers_sending += sending ? 1 : -1;
-}
-
 void oc_gather_free(oc_gather *g) {
-    if (g->budget) set_sending(g, 0); /* released while sending: the others take its share */
+    if (g->counted && g->budget->gathers_in_flight > 0) g->budget->gathers_in_flight--;
     free(g->roots);
     free(g->offsets);
     free(g->state);
@@ -222,13 +217,13 @@ int oc_gather_have(const oc_gather *g, uint32_t first, uint32_t count) {
     return 1;
 }
 
-/* Gathers of this host sending at once: their streams reach the same receivers' links. */
+/* Gathers in flight at once: their streams reach the same receivers' links. */
 static uint32_t gathers(const oc_gather *g) {
-    return g->budget->gathers_sending > 1 ? (uint32_t)g->budget->gathers_sending : 1;
+    return g->budget->gathers_in_flight > 1 ? (uint32_t)g->budget->gathers_in_flight : 1;
 }
 
 /* Link bytes per second of this rank's stream: what receivers can take, shared among the
- * streams they take at once and among this host's gathers sending at once, less the results'
+ * streams they take at once and among the gathers in flight, less the results'
  * share while reductions run (overcast.schedules.chains.stream_rate gives one gather's). */
 static double stream_rate(const oc_gather *g) {
     double share = g->budget->reductions_in_flight ? (double)(g->world - 1) / g->world : 1.0;
@@ -272,7 +267,7 @@ static void pump(oc_gather *g, oc_outbox *o, double now) {
         stepped(g, end - first, now);
     }
     if (g->next_chunk == g->k) {
-        set_sending(g, 0);
+        g->sending = 0;
         g->sent_all = 1;
         g->news = 1;
     }
@@ -284,7 +279,7 @@ void oc_gather_activate(oc_gather *g, oc_outbox *o, double now) {
         g->sent_all = g->news = 1;
         return;
     }
-    set_sending(g, 1);
+    g->sending = 1;
     g->next_send = now;
     pump(g, o, now);
 }

@@ -285,7 +285,7 @@ static PyObject *Budget_get(Budget *self, void *which) {
     case 2: return PyLong_FromUnsignedLong(self->b.reduction_batch);
     case 3: return PyFloat_FromDouble(self->b.burst);
     case 4: return PyFloat_FromDouble(self->b.tokens);
-    case 6: return PyLong_FromLong(self->b.gathers_sending);
+    case 6: return PyLong_FromLong(self->b.gathers_in_flight);
     default: return PyLong_FromLong(self->b.reductions_in_flight);
     }
 }
@@ -318,8 +318,8 @@ static PyGetSetDef Budget_getset[] = {
     {"tokens", (getter)Budget_get, NULL, "bytes the bucket holds now", (void *)4},
     {"reductions_in_flight", (getter)Budget_get, (setter)Budget_set_in_flight,
      "in-network reductions sending on this link", (void *)5},
-    {"gathers_sending", (getter)Budget_get, NULL,
-     "multicast gathers sending their own segment on this link", (void *)6},
+    {"gathers_in_flight", (getter)Budget_get, NULL,
+     "multicast gathers posted on this link and not yet released", (void *)6},
     {NULL, NULL, NULL, NULL, NULL},
 };
 static PyTypeObject BudgetType = {

@@ -4,7 +4,8 @@ A token bucket at the link's rate times the pacing share. Multicast streams take
 own pace (they must keep their schedule, so they may run it into debt); in-network reductions
 send only when it has tokens, so they fill what the multicast leaves. It also counts the
 in-network reductions in flight, so a multicast AllGather knows to leave receivers room for the
-reduction's results (BRIEF section 3: the uplink and downlink budgets are shared).
+reduction's results (the uplink and downlink budgets are shared), and the multicast gathers in
+flight, whose streams divide the pace between them.
 """
 
 from __future__ import annotations
@@ -35,6 +36,11 @@ class LinkBudget:
     @property
     def reductions_in_flight(self) -> int:
         return self.native.reductions_in_flight
+
+    @property
+    def gathers_in_flight(self) -> int:
+        """Multicast gathers posted and not yet released: their streams share the pace."""
+        return self.native.gathers_in_flight
 
     def take(self, nbytes: int, now: float) -> None:
         """Spend `nbytes` whatever the balance."""

@@ -1,4 +1,4 @@
-"""Reliable multicast Broadcast, and the AllGather built from chained broadcasts (BRIEF section 3).
+"""Reliable multicast Broadcast, and the AllGather built from chained broadcasts.
 
 Each root cuts its segment into MTU-sized chunks and multicasts them, paced; receivers write each
 chunk straight to its place and mark it in a per-chunk state array. A chunk counts as lost once
@@ -45,8 +45,9 @@ class MulticastGather(Collective):
 
     `segments` lists (root, byte offset, byte length) in order: one per rank for AllGather, one
     for Broadcast. All segments have the same length. `budget` is this host's uplink: each
-    stream goes at its rate over the number of streams a receiver takes in at once, less the
-    share of the receivers' links that in-network reductions in flight need for their results.
+    stream goes at its rate over the number of streams a receiver takes in at once and over the
+    multicast gathers in flight, less the share of the receivers' links that in-network
+    reductions in flight need for their results.
     """
 
     verify_every_peer = True

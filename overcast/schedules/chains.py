@@ -1,4 +1,4 @@
-"""The chained schedule of the multicast AllGather (BRIEF section 3).
+"""The chained schedule of the multicast AllGather.
 
 Ranks are split into `roots` contiguous chains. The first rank of each chain multicasts at once;
 every other rank multicasts after its chain predecessor has finished and activated it. So at most
