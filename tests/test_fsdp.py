@@ -111,8 +111,10 @@ def test_one_step_equals_unsharded_reference(world, backend, allgather, reduce_s
 
 def reopened(rank, opens):
     """overlap(backend="torch") opened and closed `opens` times on one model, a step each, beside
-    plain FSDP2 on another copy: the parameters' largest difference, the ReduceScatter group
-    each opening used, and whether FSDP2 was back on its shared group after each close."""
+    plain FSDP2 on another copy: the parameters' largest difference, whether every opening used
+    the first one's ReduceScatter group (the object: a group made again would have its name),
+    the number of groups alive after each close, and whether FSDP2 was back on its shared
+    group."""
     from torch.distributed.fsdp import FSDPModule
     from overcast.fsdp.collectives import param_groups
     mesh = start()
@@ -121,13 +123,14 @@ def reopened(rank, opens):
         model, plain = shard_model(small_model(), mesh), shard_model(small_model(), mesh)
         fsdp_groups = [g for m in model.modules() if isinstance(m, FSDPModule)
                        for g in param_groups(m)]
-        groups, released = [], []
+        groups, alive, released = [], [], []
         for step in range(opens):
             x, y = (local_rows(t, rank, world) for t in batch(step))
             with overcast.fsdp.overlap(model, backend="torch"):
                 nn.functional.mse_loss(model(x), y).backward()
-                groups.append(sorted({g.mesh_info.reduce_scatter_process_group.group_name
-                                      for g in fsdp_groups}))
+                groups.append({id(g.mesh_info.reduce_scatter_process_group)
+                               for g in fsdp_groups})
+            alive.append(len(dist.distributed_c10d._world.pg_names))
             released.append(all(g.mesh_info.reduce_scatter_process_group is None
                                 for g in fsdp_groups))
             nn.functional.mse_loss(plain(x), y).backward()
@@ -136,7 +139,8 @@ def reopened(rank, opens):
                 m.zero_grad()
         diff = max(max_diff(p.to_local(), q.to_local())
                    for p, q in zip(model.parameters(), plain.parameters()))
-        return {"diff": diff, "groups": groups, "released": released}
+        return {"diff": diff, "one_group": all(g == groups[0] and len(g) == 1 for g in groups),
+                "alive": alive, "released": released}
     finally:
         dist.destroy_process_group()
 
@@ -147,7 +151,7 @@ def test_torch_backend_reopens_on_the_same_reduce_scatter_group():
     opens = 6
     for r in run_ranks(reopened, loopback_placements(4), args=(opens,), timeout=120):
         assert r["diff"] == 0.0, r
-        assert len(r["groups"][0]) == 1 and r["groups"] == r["groups"][:1] * opens, r
+        assert r["one_group"] and r["alive"] == r["alive"][:1] * opens, r
         assert r["released"] == [True] * opens, r
 
 

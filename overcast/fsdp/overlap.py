@@ -238,7 +238,8 @@ def _destroy_reduce_scatter_groups() -> None:
     """Free the kept groups while the interpreter is alive: a gloo group freed while it
     finalizes can abort the process (docs/fsdp.md)."""
     for group in _live_reduce_scatter_groups().values():
-        dist.destroy_process_group(group)
+        with contextlib.suppress(Exception):  # one that fails must not keep the rest
+            dist.destroy_process_group(group)
     _reduce_scatter_groups.clear()
 
 
