@@ -4,7 +4,7 @@ import pytest
 
 from overcast.schedules.cost import pair_floor_seconds
 from overcast.train.gpt import SHAPES, GPTConfig
-from overcast.train.predict import predict, simulate_step, step_collectives
+from overcast.train.predict import predict, simulate_step, step_collectives, step_schedule
 
 B = 12.5e6  # 100 Mbit/s in bytes/s
 N = 1_000_000
@@ -53,3 +53,32 @@ def test_the_compute_is_shared_by_the_modules_and_counted_once():
     assert p["compute_seconds"] == pytest.approx(3 * 0.7 + 0.1)
     for seconds in p["step_seconds"].values():
         assert seconds == pytest.approx(2.2, rel=1e-6)
+
+
+@pytest.mark.parametrize("prefetch", [1, 2, 3, 5])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_a_deeper_prefetch_posts_each_allgather_once_and_earlier(shape, prefetch):
+    """overlap(prefetch=k): when block i waits for its forward AllGather, blocks up to i+k-1
+    have been posted (the root posted the first k); each AllGather is posted once, so a step
+    has as many as with k=1."""
+    cfg = GPTConfig(**SHAPES[shape])
+    schedule = step_schedule(cfg, 4, NO_COMPUTE, prefetch)
+    posts = [a[1] for a in schedule if a[0] == "post"]
+    assert len(posts) == len(set(posts)) == \
+        sum(1 for a in step_schedule(cfg, 4, NO_COMPUTE) if a[0] == "post")
+    for i in range(cfg.blocks):
+        waited = schedule.index(("wait", f"AG {i} 0"))
+        posted = {a[1] for a in schedule[:waited] if a[0] == "post" and a[1].startswith("AG ")}
+        assert posted == {"AG root 0"} | {f"AG {j} 0"
+                                          for j in range(min(i + prefetch, cfg.blocks))}
+
+
+@pytest.mark.parametrize("prefetch", [2, 3])
+def test_without_compute_a_deeper_prefetch_moves_the_same_bytes(prefetch):
+    """With nothing to hide behind and no backward AllGathers, AllGathers in flight together
+    share the link: the step takes what one at a time takes, either way."""
+    cfg = GPTConfig(reshard="none")
+    one = predict(cfg, 4, 8 * B, NO_COMPUTE)
+    deeper = predict(cfg, 4, 8 * B, NO_COMPUTE, prefetch)
+    for way in ("rings", "overcast"):
+        assert deeper["step_seconds"][way] == pytest.approx(one["step_seconds"][way], rel=1e-9)

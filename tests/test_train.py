@@ -116,17 +116,21 @@ def test_overcast_train_compares_four_ways(tmp_path):
 
 @root_only
 def test_overcast_train_shapes_with_accumulation_and_checkpointing(tmp_path):
-    """Two shapes of the matrix, each with 4 micro-steps (only the last one reducing) and every
-    block recomputed in backward: overcast trains exactly as gloo with a separate ReduceScatter
-    group does, and each issues the collectives the cost model counts for it."""
+    """Two shapes of the matrix, each with 4 micro-steps (only the last one reducing), every
+    block recomputed in backward and two blocks prefetched: overcast trains exactly as gloo with
+    a separate ReduceScatter group does, and each issues the collectives the cost model counts
+    for it."""
     proc = subprocess.run(CLI + ["train", "--hosts", "3", "--link-mbit", "200", "--steps", "2",
                                  "--warmup", "1", "--shapes", "small,kept", "--dim", "64",
                                  "--micro-steps", "4", "--activation-checkpointing",
+                                 "--prefetch", "2",
                                  "--ways", "gloo-separate,overcast", "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "4 micro-steps, activation checkpointing" in proc.stdout
+    assert "prefetch 2 blocks" in proc.stdout
     doc = json.loads((tmp_path / "train.json").read_text())
+    assert doc["meta"]["prefetch"] == 2
     assert [run["shape"] for run in doc["shapes"]] == ["small", "kept"]
     small, kept = doc["shapes"]
     assert (small["model"]["dim"], small["model"]["blocks"], kept["model"]["dim"]) == (128, 2, 64)
@@ -180,7 +184,8 @@ def _overlap(a: dict, b: dict) -> float:
     (["--seq", "0"], "--seq (0)"), (["--reshard", "4"], "--reshard takes all-but-last, all, "
                                     "none or block numbers from 0 to 3"),
     (["--reshard", "x"], "not 'x'"), (["--shapes", "small,huge"], "unknown shape huge"),
-    (["--lr", "0"], "--lr must be above 0")])
+    (["--lr", "0"], "--lr must be above 0"),
+    (["--prefetch", "0"], "--prefetch must be 1 or more blocks, not 0")])
 def test_train_flags_checked_before_anything_is_built(flags, words, tmp_path):
     proc = subprocess.run(CLI + ["train", "--out", str(tmp_path / "out"), *flags],
                           capture_output=True, text=True, timeout=60)

@@ -198,12 +198,13 @@ def _train(args) -> int:
         shapes = [("default" if given == GPTConfig() else "given", given)]
     for _, cfg in shapes:
         check_request(ways, args.hosts, args.steps, args.warmup, args.link_mbit * 1e6, cfg,
-                      args.lr)
+                      args.lr, args.prefetch)
     os.makedirs(args.out, exist_ok=True)
     bar, progress = _progress(console)
     with bar:
         doc = run_training(args.hosts, int(args.link_mbit * 1e6), ways, args.steps, args.warmup,
-                           shapes, lr=args.lr, out_dir=args.out, progress=progress)
+                           shapes, lr=args.lr, out_dir=args.out, progress=progress,
+                           prefetch=args.prefetch)
     doc["meta"]["command"] = "overcast " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     for run in doc["shapes"]:
         console.print(table(doc, run))
@@ -320,6 +321,9 @@ def parser() -> argparse.ArgumentParser:
                         "reduced on the last only (set_requires_gradient_sync)")
     t.add_argument("--activation-checkpointing", action="store_true",
                    help="recompute each block's activations in backward (checkpoint_wrapper)")
+    t.add_argument("--prefetch", type=int, default=1,
+                   help="blocks each gathers ahead in forward and behind in backward "
+                        "(overlap(prefetch=)), every way but gloo")
     t.add_argument("--lr", type=float, default=1e-3)
     t.add_argument("--out", default="out/train", help="folder for results, plots and traces")
     t.set_defaults(func=_train)

@@ -27,7 +27,8 @@ PEER = "gloo-separate"
 
 
 def check_request(ways: list[str], hosts: int, steps: int, warmup: int,
-                  link_bits: float = 1e8, cfg: GPTConfig = GPTConfig(), lr: float = 1e-3) -> None:
+                  link_bits: float = 1e8, cfg: GPTConfig = GPTConfig(), lr: float = 1e-3,
+                  prefetch: int = 1) -> None:
     """Raise ValueError naming what is wrong, before any cluster is built."""
     unknown = [w for w in ways if w not in WAYS]
     if unknown or not ways:
@@ -48,6 +49,8 @@ def check_request(ways: list[str], hosts: int, steps: int, warmup: int,
                          f"heads), not {cfg.dim}")
     if not lr > 0:
         raise ValueError(f"--lr must be above 0, not {lr:g}")
+    if prefetch < 1:
+        raise ValueError(f"--prefetch must be 1 or more blocks, not {prefetch}")
 
 
 def split_step(row: dict) -> dict:
@@ -153,7 +156,8 @@ def compare(results: list[dict]) -> None:
         r["max_loss_difference"] = max(abs(a - b) for a, b in zip(r["losses"], reference))
 
 
-def prediction(cfg: GPTConfig, hosts: int, link_bits: float, results: list[dict]) -> dict | None:
+def prediction(cfg: GPTConfig, hosts: int, link_bits: float, results: list[dict],
+               prefetch: int) -> dict | None:
     """The cost model's step per way (overcast.train.predict) from the compute gloo showed in
     this run, beside what was measured; None without a gloo way to take the compute from."""
     gloo = next((r for r in results if r["way"] == PEER), None) or \
@@ -164,7 +168,7 @@ def prediction(cfg: GPTConfig, hosts: int, link_bits: float, results: list[dict]
     other = max(0.0, gloo["compute_seconds"] - forward - backward)
     out = predict(cfg, hosts, link_bits, {"forward": forward / cfg.micro_steps,
                                           "backward": backward / cfg.micro_steps,
-                                          "other": other})
+                                          "other": other}, prefetch)
     out["compute_from"] = gloo["way"]
     measured = {r["way"]: r["step_seconds"] for r in results}
     if "overcast" in measured:
@@ -176,11 +180,11 @@ def prediction(cfg: GPTConfig, hosts: int, link_bits: float, results: list[dict]
 
 def run_training(hosts: int, link_bits: int, ways: list[str], steps: int, warmup: int,
                  shapes: list[tuple[str, GPTConfig]], lr: float = 1e-3,
-                 out_dir: str | None = None, progress=None) -> dict:
+                 out_dir: str | None = None, progress=None, prefetch: int = 1) -> dict:
     """Train every shape every way on one cluster; return {"meta": ..., "shapes": [...]} and,
     with `out_dir`, write the backward-step timelines of the overcast ways there."""
     for _, cfg in shapes:
-        check_request(ways, hosts, steps, warmup, link_bits, cfg, lr)
+        check_request(ways, hosts, steps, warmup, link_bits, cfg, lr, prefetch)
     import torch  # imported once here so that forked hosts start fast
 
     runs, total, why_untraced = [], len(shapes) * len(ways), None
@@ -197,7 +201,8 @@ def run_training(hosts: int, link_bits: int, ways: list[str], steps: int, warmup
                 with SchedTrace() as sched:
                     traced = sched.start()
                     per_rank = cluster.run(train_rank, timeout=1800,
-                                           args=(way, cfg.as_dict(), steps, lr, trace))
+                                           args=(way, cfg.as_dict(), steps, lr, trace,
+                                                 prefetch))
                     if traced:
                         attribute_waits(sched.stop(), per_rank, switch.pid if switch else None)
                 switch_cpu = process_cpu_seconds(switch.pid) - cpu0 if cpu0 is not None else None
@@ -213,7 +218,7 @@ def run_training(hosts: int, link_bits: int, ways: list[str], steps: int, warmup
             compare(results)
             runs.append({"shape": name, "model": cfg.as_dict(), "parameters": cfg.parameters(),
                          "block_parameters": cfg.block_parameters(), "results": results,
-                         "prediction": prediction(cfg, hosts, link_bits, results),
+                         "prediction": prediction(cfg, hosts, link_bits, results, prefetch),
                          "timelines": timelines})
         if switch:
             cluster.stop_switch(switch)
@@ -221,7 +226,7 @@ def run_training(hosts: int, link_bits: int, ways: list[str], steps: int, warmup
             progress(total, total, "done")
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "hosts": hosts, "link_bits_per_s": link_bits, "steps": steps, "warmup": warmup,
-            "lr": lr, "cpu_waits_measured": delays_kept, "machine": machine(),
+            "lr": lr, "prefetch": prefetch, "cpu_waits_measured": delays_kept, "machine": machine(),
             "cpu_waits_traced": why_untraced is None, "untraced_because": why_untraced,
             "torch": torch.__version__}
     return {"meta": meta, "shapes": runs}

@@ -89,13 +89,14 @@ def compute_shares(cfg: GPTConfig) -> tuple[float, float]:
     return block / total, head / total
 
 
-def step_schedule(cfg: GPTConfig, world: int, compute: dict) -> list[tuple]:
-    """The training thread's step as overcast.fsdp.overlap drives FSDP2: ("compute", seconds),
-    ("post", name, kind, N) with kind "allgather" or "reduce_scatter" and N bytes per rank, and
-    ("wait", name).
+def step_schedule(cfg: GPTConfig, world: int, compute: dict, prefetch: int = 1) -> list[tuple]:
+    """The training thread's step as overcast.fsdp.overlap(prefetch=) drives FSDP2: ("compute",
+    seconds), ("post", name, kind, N) with kind "allgather" or "reduce_scatter" and N bytes per
+    rank, and ("wait", name).
 
-    Each module waits for its own AllGather, then posts its prefetch (forward: the next block,
-    backward: the block before; the root prefetches the last block); a block's ReduceScatter is
+    Each module waits for its own AllGather, then posts its prefetch of the `prefetch` blocks
+    after it (forward; the root, the first ones) or before it (backward; the root prefetches
+    the last block), those not already posted; a block's ReduceScatter is
     posted when its backward ends, once the one before it has finished, and the last is waited
     for at the end of the backward pass. `compute` is a micro-step's seconds of
     "forward" and "backward" (shared among the modules by `compute_shares`) and the step's
@@ -107,23 +108,27 @@ def step_schedule(cfg: GPTConfig, world: int, compute: dict) -> list[tuple]:
     out = []
     for m in range(cfg.micro_steps):
         sync = m == cfg.micro_steps - 1
-        out += [("post", f"AG root {m}", "allgather", root), ("wait", f"AG root {m}"),
-                ("post", f"AG 0 {m}", "allgather", block)]
+        out += [("post", f"AG root {m}", "allgather", root), ("wait", f"AG root {m}")]
+        out += [("post", f"AG {j} {m}", "allgather", block)
+                for j in range(min(prefetch, cfg.blocks))]
         for i in range(cfg.blocks):
             out.append(("wait", f"AG {i} {m}"))
-            if i + 1 < cfg.blocks:
-                out.append(("post", f"AG {i + 1} {m}", "allgather", block))
+            if i + prefetch < cfg.blocks:
+                out.append(("post", f"AG {i + prefetch} {m}", "allgather", block))
             out.append(("compute", fwd * block_share))
         out.append(("compute", fwd * head_share))
         last = cfg.blocks - 1
+        gathered = {last} if resharded[last] else set()
         if resharded[last]:  # FSDP2's own prefetch, in the root's pre-backward
             out.append(("post", f"BAG {last} {m}", "allgather", block))
         out.append(("compute", bwd * head_share))
         for i in reversed(range(cfg.blocks)):
             if resharded[i]:
                 out.append(("wait", f"BAG {i} {m}"))
-            if i > 0 and resharded[i - 1]:
-                out.append(("post", f"BAG {i - 1} {m}", "allgather", block))
+            for j in range(i - 1, max(-1, i - 1 - prefetch), -1):
+                if resharded[j] and j not in gathered:
+                    gathered.add(j)
+                    out.append(("post", f"BAG {j} {m}", "allgather", block))
             out.append(("compute", bwd * block_share))
             if sync:  # one ReduceScatter in flight at a time (FSDP2's one input buffer)
                 if i < last:
@@ -197,10 +202,12 @@ def simulate_step(schedule: list[tuple], world: int, link_bytes_per_s: float,
     return now
 
 
-def predict(cfg: GPTConfig, world: int, link_bits_per_s: float, compute: dict) -> dict:
+def predict(cfg: GPTConfig, world: int, link_bits_per_s: float, compute: dict,
+            prefetch: int = 1) -> dict:
     """Each way's predicted step (`simulate_step` of `step_schedule`), the communication it
-    leaves exposed, and the speed-up over rings it implies. `compute`: as `step_schedule`."""
-    schedule = step_schedule(cfg, world, compute)
+    leaves exposed, and the speed-up over rings it implies. `compute`, `prefetch`: as
+    `step_schedule`."""
+    schedule = step_schedule(cfg, world, compute, prefetch)
     total_compute = cfg.micro_steps * (compute["forward"] + compute["backward"]) + \
         compute["other"]
     step = {name: float(simulate_step(schedule, world, link_bits_per_s / 8, overlapped))

@@ -24,9 +24,11 @@ def _shape_text(run: dict) -> str:
 def table(doc: dict, run: dict) -> Table:
     """One shape: each way's step, its parts, traffic and CPU."""
     meta = doc["meta"]
+    prefetch = meta.get("prefetch", 1)
     t = Table(title=f"GPT {_shape_text(run)}; FSDP2 on {meta['hosts']} hosts, "
-                    f"{meta['link_bits_per_s'] / 1e6:g} Mbit/s per direction; median of steps "
-                    f"{meta['warmup'] + 1}-{meta['steps']}")
+                    f"{meta['link_bits_per_s'] / 1e6:g} Mbit/s per direction"
+                    f"{f', prefetch {prefetch} blocks' if prefetch != 1 else ''}; median of "
+                    f"steps {meta['warmup'] + 1}-{meta['steps']}")
     waits = meta.get("cpu_waits_measured", True)
     for name in ("way", "step s", f"speedup vs {PEER}", "fwd comm s", "bwd comm s",
                  "compute s", "GIL wait ms", "CPU wait ms", "behind hosts / comm ms",

@@ -19,17 +19,19 @@ WAYS = {
 OVERCAST_WAYS = ("overcast-ring", "overcast")
 
 
-def configure(model, way: str, trace: bool):
-    """The overcast.fsdp handle that makes `model` train `way`."""
+def configure(model, way: str, trace: bool, prefetch: int):
+    """The overcast.fsdp handle that makes `model` train `way`; every way but gloo (FSDP2's
+    defaults) gathers `prefetch` blocks ahead."""
     import overcast.fsdp
     if way == "gloo":
         return overcast.fsdp.timed(model)
     if way == "gloo-separate":
-        return overcast.fsdp.overlap(model, backend="torch")
+        return overcast.fsdp.overlap(model, backend="torch", prefetch=prefetch)
     if way == "overcast-ring":
-        return overcast.fsdp.overlap(model, allgather="ring", reduce_scatter="ring", trace=trace)
+        return overcast.fsdp.overlap(model, allgather="ring", reduce_scatter="ring", trace=trace,
+                                     prefetch=prefetch)
     if way == "overcast":
-        return overcast.fsdp.overlap(model, trace=trace)
+        return overcast.fsdp.overlap(model, trace=trace, prefetch=prefetch)
     raise ValueError(f"unknown way {way!r}; available: {', '.join(WAYS)}")
 
 
@@ -47,7 +49,8 @@ def engine_python_cpu(handle) -> float:
     return handle.comm.counters()["python_cpu_seconds"] if handle.comm is not None else 0.0
 
 
-def train_rank(rank: int, way: str, config: dict, steps: int, lr: float, trace: bool) -> dict:
+def train_rank(rank: int, way: str, config: dict, steps: int, lr: float, trace: bool,
+               prefetch: int) -> dict:
     """Train `steps` steps; return per-step loss, time, communication seconds, CPU, and the NIC
     bytes of the whole run; with `trace`, the last step's backward timeline (overcast ways)."""
     import torch
@@ -65,7 +68,7 @@ def train_rank(rank: int, way: str, config: dict, steps: int, lr: float, trace: 
     world = dist.get_world_size()
     try:
         model = shard(build(cfg), init_device_mesh("cpu", (world,)))
-        with configure(model, way, trace) as handle:
+        with configure(model, way, trace, prefetch) as handle:
             optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
             times = handle.times
             rows = []
