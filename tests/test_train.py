@@ -77,6 +77,8 @@ def test_overcast_train_compares_four_ways(tmp_path):
         assert 0 <= r["gil_wait_seconds"] <= r["compute_seconds"] <= r["step_seconds"], r
     assert doc["meta"]["cpu_waits_measured"]
     assert all(ways[w]["cpu_wait_seconds"] > 0 for w in ways)  # 3 hosts share 2 cores
+    assert ("The 3 hosts share this machine's" in proc.stdout) == \
+        (doc["meta"]["machine"]["cpus"] < 3)
     # What the training threads waited behind, from a trace of the scheduler (where tracefs
     # is): the trace's waits are the kernel's run delay of the same steps, and some are behind
     # the other hosts' training threads, which on a real cluster would have cores of their own

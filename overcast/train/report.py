@@ -51,6 +51,11 @@ def table(doc: dict, run: dict) -> Table:
                   f"{r['cpu_seconds_per_rank']:.3f}",
                   f"{r['max_loss_difference']:.2e}")
     captions = []
+    cores = meta["machine"]["cpus"]
+    if cores < meta["hosts"]:
+        captions.append(f"The {meta['hosts']} hosts share this machine's {cores} cores: training "
+                        f"threads that compute at once wait for each other, which a cluster "
+                        f"would not make them do (own-host compute leaves that wait out).")
     if meta.get("cpu_waits_traced"):
         captions.append("CPU wait: the training thread runnable, not running, outside the "
                         "collective hooks; behind hosts: while other hosts' training threads "
