@@ -2,6 +2,7 @@
 checked against a single-process unsharded reference, on real processes over loopback."""
 
 import copy
+import importlib
 import os
 import signal
 import time
@@ -153,6 +154,38 @@ def test_torch_backend_reopens_on_the_same_reduce_scatter_group():
         assert r["diff"] == 0.0, r
         assert r["one_group"] and r["alive"] == r["alive"][:1] * opens, r
         assert r["released"] == [True] * opens, r
+
+
+def own_group(rank):
+    """A model given a separate ReduceScatter group of its own before overlap(backend="torch"):
+    whether overlap() used it, gave it back at close, and left it out of what it keeps."""
+    from torch.distributed.fsdp import FSDPModule
+    overlap_module = importlib.import_module("overcast.fsdp.overlap")  # the package's
+    # `overlap` is the function
+    from overcast.fsdp.collectives import param_groups
+    mesh = start()
+    world = dist.get_world_size()
+    try:
+        model = shard_model(small_model(), mesh)
+        model.set_separate_reduce_scatter_group(True)
+        fsdp_groups = [g for m in model.modules() if isinstance(m, FSDPModule)
+                       for g in param_groups(m)]
+        theirs = fsdp_groups[0].mesh_info.reduce_scatter_process_group
+        x, y = (local_rows(t, rank, world) for t in batch(0))
+        with overcast.fsdp.overlap(model, backend="torch"):
+            nn.functional.mse_loss(model(x), y).backward()
+            used = all(g.mesh_info.reduce_scatter_process_group is theirs for g in fsdp_groups)
+        return {"used": used,
+                "given_back": all(g.mesh_info.reduce_scatter_process_group is theirs
+                                  for g in fsdp_groups),
+                "kept": any(g is theirs for g in overlap_module._reduce_scatter_groups.values())}
+    finally:
+        dist.destroy_process_group()
+
+
+def test_torch_backend_uses_and_gives_back_a_group_the_model_already_had():
+    for r in run_ranks(own_group, loopback_placements(2), timeout=120):
+        assert r == {"used": True, "given_back": True, "kept": False}, r
 
 
 def test_mixed_dtypes_travel_as_bytes():

@@ -145,9 +145,11 @@ class Overlap:
     communication time, and `close()` to undo it (also as a context manager)."""
 
     def __init__(self, model, comm, owns_comm: bool, times: CommTime, switch=None, saved=None,
-                 separate_group: bool = False):
+                 reduce_scatter_groups=None):
         self.model, self.comm, self._owns_comm, self.times = model, comm, owns_comm, times
-        self._switch, self._saved, self._separate_group = switch, saved or {}, separate_group
+        self._switch, self._saved = switch, saved or {}
+        # backend="torch": each FSDP2 parameter group's ReduceScatter group before overlap()
+        self._rs_groups = reduce_scatter_groups or {}
         self._deferred = DeferredReduceScatters()
         self._closed = False
 
@@ -190,8 +192,8 @@ class Overlap:
         for module, (ag, rs) in self._saved.items():
             module.set_custom_all_gather(ag)
             module.set_custom_reduce_scatter(rs)
-        if self._separate_group:
-            self.model.set_separate_reduce_scatter_group(False)
+        for group, before in self._rs_groups.items():
+            group.mesh_info.reduce_scatter_process_group = before
         try:
             if self._owns_comm and self.comm is not None:
                 self.comm.close()
@@ -224,13 +226,19 @@ def _live_reduce_scatter_groups() -> dict[tuple[int, ...], dist.ProcessGroup]:
     return _reduce_scatter_groups
 
 
-def _set_separate_reduce_scatter_group(modules) -> None:
+def _set_separate_reduce_scatter_group(modules) -> dict:
     """FSDP2's set_separate_reduce_scatter_group(True), with the groups it makes kept across
-    calls (the cache FSDP2 keeps within one call): a group for a set of ranks is made once."""
-    groups = _live_reduce_scatter_groups()
-    for _, module in modules:
-        for group in param_groups(module):
-            group._set_separate_reduce_scatter_group(True, groups)
+    calls (the cache FSDP2 keeps within one call): a group for a set of ranks is made once. A
+    group the model already had (the user's own) is used, not kept. Returns each parameter
+    group's ReduceScatter group before, for close() to put back."""
+    groups = [group for _, module in modules for group in param_groups(module)]
+    before = {group: group.mesh_info.reduce_scatter_process_group for group in groups}
+    made = dict(_live_reduce_scatter_groups())
+    for group in groups:
+        group._set_separate_reduce_scatter_group(True, made)
+    users = set(before.values())
+    _reduce_scatter_groups.update((ranks, g) for ranks, g in made.items() if g not in users)
+    return before
 
 
 @atexit.register
@@ -310,8 +318,8 @@ def overlap(model, *, comm: Communicator | None = None, backend: str = "overcast
             raise InvalidArgumentError("comm= is for backend='overcast'; backend='torch' uses "
                                        "the process group's own collectives")
         allgather = reduce_scatter = None  # the process group's own
-        _set_separate_reduce_scatter_group(modules)
-        handle = Overlap(model, None, False, times, separate_group=True)
+        handle = Overlap(model, None, False, times,
+                         reduce_scatter_groups=_set_separate_reduce_scatter_group(modules))
     else:
         _check_choice("allgather", allgather, ALGORITHMS["all_gather"])
         _check_choice("reduce_scatter", reduce_scatter, ALGORITHMS["reduce_scatter"])
