@@ -234,8 +234,13 @@ def _set_separate_reduce_scatter_group(modules) -> dict:
     groups = [group for _, module in modules for group in param_groups(module)]
     before = {group: group.mesh_info.reduce_scatter_process_group for group in groups}
     made = dict(_live_reduce_scatter_groups())
-    for group in groups:
-        group._set_separate_reduce_scatter_group(True, made)
+    try:
+        for group in groups:
+            group._set_separate_reduce_scatter_group(True, made)
+    except BaseException:  # new_group failed: no handle will close, so undo it here
+        for group, was in before.items():
+            group.mesh_info.reduce_scatter_process_group = was
+        raise
     users = set(before.values())
     _reduce_scatter_groups.update((ranks, g) for ranks, g in made.items() if g not in users)
     return before
