@@ -110,20 +110,24 @@ def test_one_step_equals_unsharded_reference(world, backend, allgather, reduce_s
         assert r["stats"]["allgathers"] == 7 and r["stats"]["reduce_scatters"] == 4, r
 
 
+def fsdp_param_groups(model) -> list:
+    """Every FSDP2 parameter group of `model`."""
+    from torch.distributed.fsdp import FSDPModule
+    from overcast.fsdp.collectives import param_groups
+    return [g for m in model.modules() if isinstance(m, FSDPModule) for g in param_groups(m)]
+
+
 def reopened(rank, opens):
     """overlap(backend="torch") opened and closed `opens` times on one model, a step each, beside
     plain FSDP2 on another copy: the parameters' largest difference, whether every opening used
     the first one's ReduceScatter group (the object: a group made again would have its name),
     the number of groups alive after each close, and whether FSDP2 was back on its shared
     group."""
-    from torch.distributed.fsdp import FSDPModule
-    from overcast.fsdp.collectives import param_groups
     mesh = start()
     world = dist.get_world_size()
     try:
         model, plain = shard_model(small_model(), mesh), shard_model(small_model(), mesh)
-        fsdp_groups = [g for m in model.modules() if isinstance(m, FSDPModule)
-                       for g in param_groups(m)]
+        fsdp_groups = fsdp_param_groups(model)
         groups, alive, released = [], [], []
         for step in range(opens):
             x, y = (local_rows(t, rank, world) for t in batch(step))
@@ -159,17 +163,14 @@ def test_torch_backend_reopens_on_the_same_reduce_scatter_group():
 def own_group(rank):
     """A model given a separate ReduceScatter group of its own before overlap(backend="torch"):
     whether overlap() used it, gave it back at close, and left it out of what it keeps."""
-    from torch.distributed.fsdp import FSDPModule
     overlap_module = importlib.import_module("overcast.fsdp.overlap")  # the package's
     # `overlap` is the function
-    from overcast.fsdp.collectives import param_groups
     mesh = start()
     world = dist.get_world_size()
     try:
         model = shard_model(small_model(), mesh)
         model.set_separate_reduce_scatter_group(True)
-        fsdp_groups = [g for m in model.modules() if isinstance(m, FSDPModule)
-                       for g in param_groups(m)]
+        fsdp_groups = fsdp_param_groups(model)
         theirs = fsdp_groups[0].mesh_info.reduce_scatter_process_group
         x, y = (local_rows(t, rank, world) for t in batch(0))
         with overcast.fsdp.overlap(model, backend="torch"):

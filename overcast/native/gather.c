@@ -21,7 +21,8 @@ int oc_gather_init(oc_gather *g, uint32_t seq, uint32_t world, uint8_t *buffer, 
     g->k = (uint32_t)((segment_bytes + chunk_bytes - 1) / chunk_bytes);
     g->mine = mine;
     g->concurrent = concurrent;
-    g->budget = budget;
+    g->budget = budget; /* counted in flight from here until oc_gather_free, failure included */
+    budget->gathers_in_flight++;
     g->progress_at = -1;
     g->roots = malloc(nseg * sizeof *g->roots);
     g->offsets = malloc(nseg * sizeof *g->offsets);
@@ -48,13 +49,11 @@ int oc_gather_init(oc_gather *g, uint32_t seq, uint32_t world, uint8_t *buffer, 
         memset(g->state + (size_t)mine * g->k, OC_CHUNK_HAVE, g->k);
         g->missing[mine] = 0;
     }
-    budget->gathers_in_flight++;
-    g->counted = 1;
     return 0;
 }
 
 void oc_gather_free(oc_gather *g) {
-    if (g->counted && g->budget->gathers_in_flight > 0) g->budget->gathers_in_flight--;
+    if (g->budget && g->budget->gathers_in_flight > 0) g->budget->gathers_in_flight--;
     free(g->roots);
     free(g->offsets);
     free(g->state);

@@ -51,7 +51,6 @@ typedef struct {
     size_t *gap_head, *gap_n, gap_cap;
     oc_range *requests;        /* ranges marked requested, for the owner to ask for */
     size_t nrequests, requests_cap;
-    int counted;               /* in the budget's gathers in flight */
     int sending, sent_all, told_sent, told_complete, news;
     uint32_t next_chunk;
     double next_send;

@@ -118,8 +118,9 @@ def step_schedule(cfg: GPTConfig, world: int, compute: dict, prefetch: int = 1) 
             out.append(("compute", fwd * block_share))
         out.append(("compute", fwd * head_share))
         last = cfg.blocks - 1
-        gathered = {last} if resharded[last] else set()
+        gathered = set()  # blocks whose backward AllGather is posted
         if resharded[last]:  # FSDP2's own prefetch, in the root's pre-backward
+            gathered.add(last)
             out.append(("post", f"BAG {last} {m}", "allgather", block))
         out.append(("compute", bwd * head_share))
         for i in reversed(range(cfg.blocks)):
