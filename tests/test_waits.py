@@ -7,7 +7,8 @@ import pytest
 
 from conftest import root_only
 from overcast.train.waits import (AGGREGATOR, CATEGORIES, COMMUNICATION, IDLE, NETWORK, OTHER,
-                                  TRAINING, SchedTrace, attribute, parse)
+                                  TRACEFS, TRAINING, SchedTrace, attribute, parse,
+                                  tracefs_mounted)
 
 HEADER = """# tracer: nop
 #
@@ -94,28 +95,33 @@ def test_waits_outside_every_window_are_not_counted():
 
 @root_only
 def test_the_trace_records_this_machine_and_leaves_nothing_behind():
-    """A real trace of a thread woken on this machine; the instance goes on close, and on an
-    exception; one left by a process that is gone is removed by the next start."""
-    instances = "/sys/kernel/tracing/instances"
-    if not os.path.isdir(instances):
-        pytest.skip("no tracefs")
-    orphan = os.path.join(instances, "overcast-999999999")
-    os.mkdir(orphan)
-    with SchedTrace() as trace:
-        assert trace.start(), trace.unavailable
-        assert not os.path.exists(orphan)
-        pid = os.fork()
-        if pid == 0:
-            os._exit(0)
-        os.waitpid(pid, 0)
-        events, tgid = parse(trace.stop())
-    assert not os.path.exists(trace.path)
-    assert trace.overrun == 0
-    assert any(e.kind == "sched_switch" and e.fields["prev_pid"] == str(pid) for e in events)
-    assert any(e.kind == "sched_wakeup" for e in events)
-    assert tgid.get(pid) == pid
-    with pytest.raises(RuntimeError):
+    """A real trace of a thread woken on this machine, with tracefs mounted for it where the
+    machine had not; the instance goes on close, and on an exception; one left by a process that
+    is gone is removed by the next start; tracefs is left as it was found."""
+    if "tracefs" not in open("/proc/filesystems").read():
+        pytest.skip("no tracefs in this kernel")
+    instances = os.path.join(TRACEFS, "instances")
+    was_mounted = os.path.isdir(instances)
+    with tracefs_mounted() as there:
+        assert there
+        orphan = os.path.join(instances, "overcast-999999999")
+        os.mkdir(orphan)
         with SchedTrace() as trace:
-            assert trace.start()
-            raise RuntimeError
-    assert not os.path.exists(trace.path)
+            assert trace.start(), trace.unavailable
+            assert not os.path.exists(orphan)
+            pid = os.fork()
+            if pid == 0:
+                os._exit(0)
+            os.waitpid(pid, 0)
+            events, tgid = parse(trace.stop())
+        assert not os.path.exists(trace.path)
+        assert trace.overrun == 0
+        assert any(e.kind == "sched_switch" and e.fields["prev_pid"] == str(pid) for e in events)
+        assert any(e.kind == "sched_wakeup" for e in events)
+        assert tgid.get(pid) == pid
+        with pytest.raises(RuntimeError):
+            with SchedTrace() as trace:
+                assert trace.start()
+                raise RuntimeError
+        assert not os.path.exists(trace.path)
+    assert os.path.isdir(instances) == was_mounted

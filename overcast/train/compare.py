@@ -18,7 +18,8 @@ from overcast.limits import check_hosts, check_link_rate
 from overcast.report.timeline import every_span, write_timeline
 from overcast.train.gpt import GPTConfig
 from overcast.train.predict import predict
-from overcast.train.waits import CATEGORIES, TRAINING, SchedTrace, attribute, parse
+from overcast.train.waits import (CATEGORIES, TRAINING, SchedTrace, attribute, parse,
+                                   tracefs_mounted)
 from overcast.train.worker import OVERCAST_WAYS, WAYS, train_rank
 
 # The fair peer: gloo with the same prefetch and asynchronous unshard, ReduceScatter on its own
@@ -188,7 +189,8 @@ def run_training(hosts: int, link_bits: int, ways: list[str], steps: int, warmup
     import torch  # imported once here so that forked hosts start fast
 
     runs, total, why_untraced = [], len(shapes) * len(ways), None
-    with Cluster(hosts, link_bits) as cluster, kernel_run_delays() as delays_kept:
+    with Cluster(hosts, link_bits) as cluster, kernel_run_delays() as delays_kept, \
+            tracefs_mounted():
         switch = cluster.start_switch() if "overcast" in ways else None
         for name, cfg in shapes:
             results, timelines = [], []

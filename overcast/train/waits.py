@@ -7,8 +7,9 @@ long a training thread was runnable but not running; this says what the cores ra
 The trace is a tracefs instance of its own (so it neither disturbs nor is disturbed by other
 tracing): `sched_switch`, `sched_wakeup` and the softirq entries and exits, stamped with
 CLOCK_MONOTONIC, the clock the ranks read with `time.monotonic()`, and each task's process id
-recorded. It needs root; without it, or without tracefs, `SchedTrace.start` says why and nothing
-is attributed. A training thread waits from its wake-up (or from being preempted) until it is
+recorded. It needs root; where tracefs is not mounted, `tracefs_mounted` mounts it for the run
+(as trace-cmd does) and unmounts it after; without root, or without tracefs in the kernel,
+`SchedTrace.start` says why and nothing is attributed. A training thread waits from its wake-up (or from being preempted) until it is
 switched in; every slice of that wait is shared among the cores, each core's share going to what
 it ran: another host's training thread, a communication thread of a rank (overcast's engine or
 gloo's), the aggregator, the kernel's network (softirq), nothing (a core idle while the thread
@@ -17,8 +18,10 @@ waited: the latency of its wake-up), or anything else.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import subprocess
 from dataclasses import dataclass
 
 TRACEFS = "/sys/kernel/tracing"
@@ -135,6 +138,23 @@ def attribute(events: list[Event], tgid: dict[int, int], cpus: int,
         elif e.kind == "softirq_exit":
             softirq.pop(e.cpu, None)
     return out
+
+
+@contextlib.contextmanager
+def tracefs_mounted():
+    """Mount tracefs at its usual place for the run if it is not there and this process may
+    (minimal machines boot without it), and unmount it after unless another overcast process
+    is still tracing in it. Yields whether tracefs is there."""
+    instances = os.path.join(TRACEFS, "instances")
+    mounted = False
+    if not os.path.isdir(instances) and os.geteuid() == 0 and os.path.isdir(TRACEFS):
+        mounted = subprocess.run(["mount", "-t", "tracefs", "tracefs", TRACEFS],
+                                 capture_output=True).returncode == 0
+    try:
+        yield os.path.isdir(instances)
+    finally:
+        if mounted and not any(n.startswith("overcast-") for n in os.listdir(instances)):
+            subprocess.run(["umount", TRACEFS], capture_output=True)
 
 
 def _remove_orphans() -> None:
