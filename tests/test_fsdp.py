@@ -189,6 +189,50 @@ def test_torch_backend_uses_and_gives_back_a_group_the_model_already_had():
         assert r == {"used": True, "given_back": True, "kept": False}, r
 
 
+def fails_part_way(rank):
+    """overlap(backend="torch") where FSDP2 fails to give the second parameter group its
+    ReduceScatter group (injected) after the first got a new one: what each group has after
+    the error, whether the group made was kept, and a step through the next overlap() against
+    plain FSDP2."""
+    overlap_module = importlib.import_module("overcast.fsdp.overlap")
+    mesh = start()
+    world = dist.get_world_size()
+    try:
+        model, plain = shard_model(small_model(), mesh), shard_model(small_model(), mesh)
+        fsdp_groups = fsdp_param_groups(model)
+
+        def fail(enable, cache):
+            raise RuntimeError("injected: no group for this parameter group")
+        fsdp_groups[1]._set_separate_reduce_scatter_group = fail
+        try:
+            overcast.fsdp.overlap(model, backend="torch")
+            error = None
+        except RuntimeError as e:
+            error = str(e)
+        del fsdp_groups[1]._set_separate_reduce_scatter_group
+        after_error = [g.mesh_info.reduce_scatter_process_group for g in fsdp_groups]
+        kept = list(overlap_module._reduce_scatter_groups.values())
+        x, y = (local_rows(t, rank, world) for t in batch(0))
+        with overcast.fsdp.overlap(model, backend="torch"):
+            nn.functional.mse_loss(model(x), y).backward()
+            reused = all(g.mesh_info.reduce_scatter_process_group is kept[0]
+                         for g in fsdp_groups)
+        nn.functional.mse_loss(plain(x), y).backward()
+        diff = max(max_diff(p.grad.to_local(), q.grad.to_local())
+                   for p, q in zip(model.parameters(), plain.parameters()))
+        return {"error": error, "after_error": after_error, "kept": len(kept),
+                "reused": reused, "diff": diff}
+    finally:
+        dist.destroy_process_group()
+
+
+def test_torch_backend_failing_part_way_gives_the_groups_back():
+    for r in run_ranks(fails_part_way, loopback_placements(2), timeout=120):
+        assert r["error"] == "injected: no group for this parameter group", r
+        assert r["after_error"] == [None] * len(r["after_error"]), r
+        assert r["kept"] == 1 and r["reused"] and r["diff"] == 0.0, r
+
+
 def test_mixed_dtypes_travel_as_bytes():
     for r in run_ranks(one_step, loopback_placements(3, LINK),
                        args=("overcast", "multicast", "innetwork", True), timeout=120):

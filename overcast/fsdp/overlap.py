@@ -230,19 +230,23 @@ def _set_separate_reduce_scatter_group(modules) -> dict:
     """FSDP2's set_separate_reduce_scatter_group(True), with the groups it makes kept across
     calls (the cache FSDP2 keeps within one call): a group for a set of ranks is made once. A
     group the model already had (the user's own) is used, not kept. Returns each parameter
-    group's ReduceScatter group before, for close() to put back."""
+    group's ReduceScatter group before, for close() to put back. If a parameter group fails,
+    all get their group back before the error is raised (no handle will close), and a group
+    already made is kept all the same, to be reused and destroyed at exit."""
     groups = [group for _, module in modules for group in param_groups(module)]
     before = {group: group.mesh_info.reduce_scatter_process_group for group in groups}
     made = dict(_live_reduce_scatter_groups())
     try:
         for group in groups:
             group._set_separate_reduce_scatter_group(True, made)
-    except BaseException:  # new_group failed: no handle will close, so undo it here
+    except BaseException:
         for group, was in before.items():
             group.mesh_info.reduce_scatter_process_group = was
         raise
-    users = set(before.values())
-    _reduce_scatter_groups.update((ranks, g) for ranks, g in made.items() if g not in users)
+    finally:
+        users = set(before.values())
+        _reduce_scatter_groups.update((ranks, g) for ranks, g in made.items()
+                                      if g not in users)
     return before
 
 
