@@ -126,11 +126,12 @@ def test_overcast_train_shapes_with_accumulation_and_checkpointing(tmp_path):
     """Two shapes of the matrix, each with 4 micro-steps (only the last one reducing), every
     block recomputed in backward and two blocks prefetched: overcast trains exactly as gloo with
     a separate ReduceScatter group does, and each issues the collectives the cost model counts
-    for it."""
+    for it. Without the scheduler trace, which touches nothing in tracefs."""
+    tracefs_was_mounted = os.path.isdir(INSTANCES)
     proc = subprocess.run(CLI + ["train", "--hosts", "3", "--link-mbit", "200", "--steps", "2",
                                  "--warmup", "1", "--shapes", "small,kept", "--dim", "64",
                                  "--micro-steps", "4", "--activation-checkpointing",
-                                 "--prefetch", "2",
+                                 "--prefetch", "2", "--no-sched-trace",
                                  "--ways", "gloo-separate,overcast", "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -138,6 +139,10 @@ def test_overcast_train_shapes_with_accumulation_and_checkpointing(tmp_path):
     assert "prefetch 2 blocks" in proc.stdout
     doc = json.loads((tmp_path / "train.json").read_text())
     assert doc["meta"]["prefetch"] == 2
+    assert (doc["meta"]["cpu_waits_traced"], doc["meta"]["untraced_because"]) == \
+        (False, "--no-sched-trace")
+    assert doc["meta"]["cpu_waits_measured"]  # the run delays need no trace
+    assert os.path.isdir(INSTANCES) == tracefs_was_mounted
     assert [run["shape"] for run in doc["shapes"]] == ["small", "kept"]
     small, kept = doc["shapes"]
     assert (small["model"]["dim"], small["model"]["blocks"], kept["model"]["dim"]) == (128, 2, 64)

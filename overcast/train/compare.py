@@ -181,16 +181,20 @@ def prediction(cfg: GPTConfig, hosts: int, link_bits: float, results: list[dict]
 
 def run_training(hosts: int, link_bits: int, ways: list[str], steps: int, warmup: int,
                  shapes: list[tuple[str, GPTConfig]], lr: float = 1e-3,
-                 out_dir: str | None = None, progress=None, prefetch: int = 1) -> dict:
+                 out_dir: str | None = None, progress=None, prefetch: int = 1,
+                 sched_trace: bool = True) -> dict:
     """Train every shape every way on one cluster; return {"meta": ..., "shapes": [...]} and,
-    with `out_dir`, write the backward-step timelines of the overcast ways there."""
+    with `out_dir`, write the backward-step timelines of the overcast ways there.
+    `sched_trace` records the scheduler to say what the training threads waited behind
+    (overcast.train.waits); it slows overcast's steps more than the others' where steps are
+    short (docs/results.md), so step times meant for comparison are best taken without it."""
     for _, cfg in shapes:
         check_request(ways, hosts, steps, warmup, link_bits, cfg, lr, prefetch)
     import torch  # imported once here so that forked hosts start fast
 
     runs, total, why_untraced = [], len(shapes) * len(ways), None
     with Cluster(hosts, link_bits) as cluster, kernel_run_delays() as delays_kept, \
-            tracefs_mounted():
+            (tracefs_mounted() if sched_trace else contextlib.nullcontext()):
         switch = cluster.start_switch() if "overcast" in ways else None
         for name, cfg in shapes:
             results, timelines = [], []
@@ -201,7 +205,7 @@ def run_training(hosts: int, link_bits: int, ways: list[str], steps: int, warmup
                 cpu0 = process_cpu_seconds(switch.pid) if switch and way == "overcast" else None
                 trace = bool(out_dir) and way in OVERCAST_WAYS
                 with SchedTrace() as sched:
-                    traced = sched.start()
+                    traced = sched_trace and sched.start()
                     per_rank = cluster.run(train_rank, timeout=1800,
                                            args=(way, cfg.as_dict(), steps, lr, trace,
                                                  prefetch))
@@ -210,7 +214,7 @@ def run_training(hosts: int, link_bits: int, ways: list[str], steps: int, warmup
                 switch_cpu = process_cpu_seconds(switch.pid) - cpu0 if cpu0 is not None else None
                 results.append(summarize(way, per_rank, warmup, switch_cpu))
                 results[-1]["trace_overrun_events"] = sched.overrun if traced else None
-                why_untraced = sched.unavailable
+                why_untraced = sched.unavailable if sched_trace else "--no-sched-trace"
                 if trace:
                     path = os.path.join(out_dir, f"timeline-{name}-{way}")
                     write_timeline([r["trace"] for r in per_rank], path, link_bits,
