@@ -326,8 +326,9 @@ def parser() -> argparse.ArgumentParser:
                         "(overlap(prefetch=)), every way but gloo")
     t.add_argument("--sched-trace", action=argparse.BooleanOptionalAction, default=True,
                    help="record the scheduler (tracefs, root) to say what the training threads "
-                        "waited behind for a CPU; it slows overcast's short steps more than the "
-                        "others' (about 4%% on the small shape), so compare step times without")
+                        "waited behind for a CPU; it slowed overcast's short steps more than the "
+                        "others' (4%% on the small shape run alone), so compare step times "
+                        "without")
     t.add_argument("--lr", type=float, default=1e-3)
     t.add_argument("--out", default="out/train", help="folder for results, plots and traces")
     t.set_defaults(func=_train)
