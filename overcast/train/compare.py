@@ -18,8 +18,8 @@ from overcast.limits import check_hosts, check_link_rate
 from overcast.report.timeline import every_span, write_timeline
 from overcast.train.gpt import GPTConfig
 from overcast.train.predict import predict
-from overcast.train.waits import (CATEGORIES, TRAINING, SchedTrace, attribute, parse,
-                                   tracefs_mounted)
+from overcast.train.waits import (CATEGORIES, TRAINING, SchedTrace, attribute, mount_tracefs,
+                                   parse)
 from overcast.train.worker import OVERCAST_WAYS, WAYS, train_rank
 
 # The fair peer: gloo with the same prefetch and asynchronous unshard, ReduceScatter on its own
@@ -192,9 +192,9 @@ def run_training(hosts: int, link_bits: int, ways: list[str], steps: int, warmup
         check_request(ways, hosts, steps, warmup, link_bits, cfg, lr, prefetch)
     import torch  # imported once here so that forked hosts start fast
 
-    runs, total, why_untraced = [], len(shapes) * len(ways), None
-    with Cluster(hosts, link_bits) as cluster, kernel_run_delays() as delays_kept, \
-            (tracefs_mounted() if sched_trace else contextlib.nullcontext()):
+    runs, total = [], len(shapes) * len(ways)
+    why_untraced = mount_tracefs() if sched_trace else "--no-sched-trace"
+    with Cluster(hosts, link_bits) as cluster, kernel_run_delays() as delays_kept:
         switch = cluster.start_switch() if "overcast" in ways else None
         for name, cfg in shapes:
             results, timelines = [], []
@@ -205,7 +205,7 @@ def run_training(hosts: int, link_bits: int, ways: list[str], steps: int, warmup
                 cpu0 = process_cpu_seconds(switch.pid) if switch and way == "overcast" else None
                 trace = bool(out_dir) and way in OVERCAST_WAYS
                 with SchedTrace() as sched:
-                    traced = sched_trace and sched.start()
+                    traced = why_untraced is None and sched.start()
                     per_rank = cluster.run(train_rank, timeout=1800,
                                            args=(way, cfg.as_dict(), steps, lr, trace,
                                                  prefetch))
@@ -214,7 +214,7 @@ def run_training(hosts: int, link_bits: int, ways: list[str], steps: int, warmup
                 switch_cpu = process_cpu_seconds(switch.pid) - cpu0 if cpu0 is not None else None
                 results.append(summarize(way, per_rank, warmup, switch_cpu))
                 results[-1]["trace_overrun_events"] = sched.overrun if traced else None
-                why_untraced = sched.unavailable if sched_trace else "--no-sched-trace"
+                why_untraced = why_untraced or sched.unavailable
                 if trace:
                     path = os.path.join(out_dir, f"timeline-{name}-{way}")
                     write_timeline([r["trace"] for r in per_rank], path, link_bits,

@@ -7,10 +7,10 @@ long a training thread was runnable but not running; this says what the cores ra
 The trace is a tracefs instance of its own (so it neither disturbs nor is disturbed by other
 tracing): `sched_switch`, `sched_wakeup` and the softirq entries and exits, stamped with
 CLOCK_MONOTONIC, the clock the ranks read with `time.monotonic()`, and each task's process id
-recorded. It needs root; where tracefs is not mounted, `tracefs_mounted` mounts it for the run
-(as trace-cmd does) and unmounts it after; without root, or without tracefs in the kernel,
-`SchedTrace.start` says why and nothing is attributed. A training thread waits from its wake-up (or from being preempted) until it is
-switched in; every slice of that wait is shared among the cores, each core's share going to what
+recorded. It needs root. Where tracefs is not mounted, `mount_tracefs` mounts it at its usual
+place and leaves it there, as trace-cmd does; where that fails, or `SchedTrace.start` does, they
+say why and nothing is attributed. A training thread waits from its wake-up (or from being
+preempted) until it is switched in; every slice of that wait is shared among the cores, each core's share going to what
 it ran: another host's training thread, a communication thread of a rank (overcast's engine or
 gloo's), the aggregator, the kernel's network (softirq), nothing (a core idle while the thread
 waited: the latency of its wake-up), or anything else.
@@ -18,7 +18,6 @@ waited: the latency of its wake-up), or anything else.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
 import subprocess
@@ -140,21 +139,23 @@ def attribute(events: list[Event], tgid: dict[int, int], cpus: int,
     return out
 
 
-@contextlib.contextmanager
-def tracefs_mounted():
-    """Mount tracefs at its usual place for the run if it is not there and this process may
-    (minimal machines boot without it), and unmount it after unless another overcast process
-    is still tracing in it. Yields whether tracefs is there."""
-    instances = os.path.join(TRACEFS, "instances")
-    mounted = False
-    if not os.path.isdir(instances) and os.geteuid() == 0 and os.path.isdir(TRACEFS):
-        mounted = subprocess.run(["mount", "-t", "tracefs", "tracefs", TRACEFS],
-                                 capture_output=True).returncode == 0
+def mount_tracefs() -> str | None:
+    """Mount tracefs at its usual place if it is not there (minimal machines boot without it;
+    most mount it there at boot) and leave it mounted, as trace-cmd does: unmounting it could
+    pull it from under another run's trace. None once it is there, else why it is not."""
+    if os.path.isdir(os.path.join(TRACEFS, "instances")):
+        return None
+    if os.geteuid() != 0:
+        return "no scheduler trace (tracefs is not mounted, and mounting it needs root)"
     try:
-        yield os.path.isdir(instances)
-    finally:
-        if mounted and not any(n.startswith("overcast-") for n in os.listdir(instances)):
-            subprocess.run(["umount", TRACEFS], capture_output=True)
+        done = subprocess.run(["mount", "-t", "tracefs", "tracefs", TRACEFS],
+                              capture_output=True, text=True)
+    except OSError as e:
+        return f"no scheduler trace (mount: {e.strerror})"
+    if done.returncode:
+        said = done.stderr.strip().splitlines() or [f"exit status {done.returncode}"]
+        return f"no scheduler trace ({said[0]})"
+    return None
 
 
 def _remove_orphans() -> None:
