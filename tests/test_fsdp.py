@@ -20,6 +20,8 @@ from overcast.fsdp.collectives import premultiplied, reduce_op
 HIDDEN = 37  # every unit's parameter count (37*37 = 1369; root 449) is divisible by no P in 2..4
 ROWS = 12    # global batch, split evenly over 2, 3 or 4 ranks
 LINK = {"OVERCAST_LINK_BITS_PER_S": "1e9"}  # loopback has no rate; multicast paces to this
+# overcast.fsdp.overlap the module (the package's `overlap` is the function): what it keeps
+OVERLAP_MODULE = importlib.import_module("overcast.fsdp.overlap")
 
 
 def small_model() -> nn.Sequential:
@@ -163,8 +165,6 @@ def test_torch_backend_reopens_on_the_same_reduce_scatter_group():
 def own_group(rank):
     """A model given a separate ReduceScatter group of its own before overlap(backend="torch"):
     whether overlap() used it, gave it back at close, and left it out of what it keeps."""
-    overlap_module = importlib.import_module("overcast.fsdp.overlap")  # the package's
-    # `overlap` is the function
     mesh = start()
     world = dist.get_world_size()
     try:
@@ -179,7 +179,7 @@ def own_group(rank):
         return {"used": used,
                 "given_back": all(g.mesh_info.reduce_scatter_process_group is theirs
                                   for g in fsdp_groups),
-                "kept": any(g is theirs for g in overlap_module._reduce_scatter_groups.values())}
+                "kept": any(g is theirs for g in OVERLAP_MODULE._reduce_scatter_groups.values())}
     finally:
         dist.destroy_process_group()
 
@@ -194,7 +194,6 @@ def fails_part_way(rank):
     ReduceScatter group (injected) after the first got a new one: what each group has after
     the error, whether the group made was kept, and a step through the next overlap() against
     plain FSDP2."""
-    overlap_module = importlib.import_module("overcast.fsdp.overlap")
     mesh = start()
     world = dist.get_world_size()
     try:
@@ -211,7 +210,7 @@ def fails_part_way(rank):
             error = str(e)
         del fsdp_groups[1]._set_separate_reduce_scatter_group
         after_error = [g.mesh_info.reduce_scatter_process_group for g in fsdp_groups]
-        kept = list(overlap_module._reduce_scatter_groups.values())
+        kept = list(OVERLAP_MODULE._reduce_scatter_groups.values())
         x, y = (local_rows(t, rank, world) for t in batch(0))
         with overcast.fsdp.overlap(model, backend="torch"):
             nn.functional.mse_loss(model(x), y).backward()

@@ -10,10 +10,10 @@ CLOCK_MONOTONIC, the clock the ranks read with `time.monotonic()`, and each task
 recorded. It needs root. Where tracefs is not mounted, `mount_tracefs` mounts it at its usual
 place and leaves it there, as trace-cmd does; where that fails, or `SchedTrace.start` does, they
 say why and nothing is attributed. A training thread waits from its wake-up (or from being
-preempted) until it is switched in; every slice of that wait is shared among the cores, each core's share going to what
-it ran: another host's training thread, a communication thread of a rank (overcast's engine or
-gloo's), the aggregator, the kernel's network (softirq), nothing (a core idle while the thread
-waited: the latency of its wake-up), or anything else.
+preempted) until it is switched in; every slice of that wait is shared among the cores, each
+core's share going to what it ran: another host's training thread, a communication thread of a
+rank (overcast's engine or gloo's), the aggregator, the kernel's network (softirq), nothing (a
+core idle while the thread waited: the latency of its wake-up), or anything else.
 """
 
 from __future__ import annotations
