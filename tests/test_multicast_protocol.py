@@ -159,6 +159,37 @@ def test_gathers_in_flight_at_once_share_the_link():
     assert fabric.now == pytest.approx(wire / RATE, rel=0.05)
 
 
+@pytest.mark.parametrize("seed", range(5))
+def test_a_gather_whose_streams_have_ended_stops_sharing_the_pace(seed):
+    """Once every root of a gather has ended its multicast, it sends nothing more into the
+    receivers' links: while it still waits for repairs and its FIN, it no longer divides the
+    pace of the gather beside it. Checked on every rank at every step, under loss (so repairs
+    keep gathers open after their streams end)."""
+    world = 3
+    fabric = Fabric(world, seed=seed, loss=0.1)
+    budgets = [link(world, world) for _ in range(world)]
+    gathers = [all_gather(fabric, n * CHUNK, roots=world, seq=seq, budgets=budgets)
+               for seq, n in ((0, 20), (1, 200))]
+    ended_before_done = 0
+    while True:
+        fabric.run()
+        for r in range(world):
+            sharing = [colls[r] for colls, _, _ in gathers if not colls[r].done and not (
+                colls[r].phase in (Phase.RECEIVING, Phase.DRAINING)
+                and len(colls[r].ended) == world - 1)]
+            assert budgets[r].gathers_in_flight == len(sharing), (r, fabric.now)
+            ended_before_done += sum(colls[r].streams_ended and not colls[r].done
+                                     for colls, _, _ in gathers)
+        timers = [t for s in fabric.sessions if (t := s.get_timer()) is not None]
+        if not timers:
+            break
+        fabric.advance(min(timers) - fabric.now)
+    for colls, outs, expect in gathers:
+        check(colls, outs, expect)
+    assert ended_before_done > 0
+    assert [b.gathers_in_flight for b in budgets] == [0] * world
+
+
 def test_a_root_that_never_sends_times_out_everywhere():
     world = 3
     fabric = Fabric(world, timeout=2.0)

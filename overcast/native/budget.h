@@ -18,8 +18,9 @@ typedef struct {
     uint32_t batch;         /* datagrams a multicast pacer releases per wake-up */
     uint32_t reduction_batch; /* what an in-network sender releases (at least `batch`) */
     int32_t reductions_in_flight;
-    /* multicast gathers posted and not yet released: every rank posts the same collectives in
-     * the same order, so every root divides its streams' pace by the same count */
+    /* multicast gathers posted whose streams have not all ended (oc_gather_streams_ended):
+     * every rank posts the same collectives in the same order and hears of every root's end,
+     * so every root divides its streams' pace by the same count, a notice's latency aside */
     int32_t gathers_in_flight;
 } oc_budget;
 

@@ -21,8 +21,9 @@ int oc_gather_init(oc_gather *g, uint32_t seq, uint32_t world, uint8_t *buffer, 
     g->k = (uint32_t)((segment_bytes + chunk_bytes - 1) / chunk_bytes);
     g->mine = mine;
     g->concurrent = concurrent;
-    g->budget = budget; /* counted in flight from here until oc_gather_free, failure included */
+    g->budget = budget; /* counted in flight from here until its streams end or it is freed */
     budget->gathers_in_flight++;
+    g->pacing = 1;
     g->progress_at = -1;
     g->roots = malloc(nseg * sizeof *g->roots);
     g->offsets = malloc(nseg * sizeof *g->offsets);
@@ -52,8 +53,13 @@ int oc_gather_init(oc_gather *g, uint32_t seq, uint32_t world, uint8_t *buffer, 
     return 0;
 }
 
+void oc_gather_streams_ended(oc_gather *g) {
+    if (g->pacing) g->budget->gathers_in_flight--;
+    g->pacing = 0;
+}
+
 void oc_gather_free(oc_gather *g) {
-    if (g->budget && g->budget->gathers_in_flight > 0) g->budget->gathers_in_flight--;
+    oc_gather_streams_ended(g);
     free(g->roots);
     free(g->offsets);
     free(g->state);

@@ -52,6 +52,7 @@ typedef struct {
     oc_range *requests;        /* ranges marked requested, for the owner to ask for */
     size_t nrequests, requests_cap;
     int sending, sent_all, told_sent, told_complete, news;
+    int pacing;                /* counted in the budget's gathers in flight */
     uint32_t next_chunk;
     double next_send;
     uint64_t progress;
@@ -66,6 +67,11 @@ int oc_gather_init(oc_gather *g, uint32_t seq, uint32_t world, uint8_t *buffer, 
                    const uint32_t *roots, const uint64_t *offsets, uint64_t segment_bytes,
                    uint32_t chunk_bytes, int mine, uint32_t concurrent, oc_budget *budget);
 void oc_gather_free(oc_gather *g);
+/* Every root has ended its multicast (this rank's own all sent, the others' end-of-multicast
+ * notices in): the gather sends nothing more into the receivers' links, so it stops dividing
+ * the other gathers' pace. Each rank comes to it within a notice's latency of the others, and
+ * only once the streams have stopped, so no receiver is asked for more than its link. */
+void oc_gather_streams_ended(oc_gather *g);
 /* Start multicasting this rank's segment (at once for a chain's head, else on activation). */
 void oc_gather_activate(oc_gather *g, oc_outbox *o, double now);
 /* A run of multicast chunks from `src`: OC_FIT, or why the first that did not fit did not. */

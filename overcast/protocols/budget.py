@@ -39,7 +39,8 @@ class LinkBudget:
 
     @property
     def gathers_in_flight(self) -> int:
-        """Multicast gathers posted and not yet released: their streams share the pace."""
+        """Multicast gathers posted whose roots have not all ended their multicast: their
+        streams share the pace."""
         return self.native.gathers_in_flight
 
     def take(self, nbytes: int, now: float) -> None:

@@ -46,7 +46,7 @@ class MulticastGather(Collective):
     `segments` lists (root, byte offset, byte length) in order: one per rank for AllGather, one
     for Broadcast. All segments have the same length. `budget` is this host's uplink: each
     stream goes at its rate over the number of streams a receiver takes in at once and over the
-    multicast gathers in flight, less the share of the receivers' links that in-network
+    multicast gathers whose streams have not all ended, less the share of the receivers' links that in-network
     reductions in flight need for their results.
     """
 
@@ -89,6 +89,7 @@ class MulticastGather(Collective):
         self.sent_fin = False
         self.deferred: list[tuple[int, int]] = []
         self.posted = False
+        self.streams_ended = False  # told the plane: it no longer divides the other gathers' pace
 
     # -- geometry --------------------------------------------------------------------------
     def _span(self, gid: int, count: int = 1) -> tuple[int, int]:
@@ -275,6 +276,10 @@ class MulticastGather(Collective):
     def _progress(self, now: float) -> None:
         if self.deferred:
             self._serve_deferred()
+        if self.posted and not self.streams_ended and len(self.ended) == len(self.other_roots) \
+                and self.phase not in (Phase.WAITING, Phase.SENDING):
+            self.streams_ended = True
+            self.plane.gather_streams_ended(self.seq)
         state = self._state()
         complete = state is None or state["complete"]
         if complete and not self.sent_fin and self.world > 1:

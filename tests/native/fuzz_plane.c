@@ -105,9 +105,14 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
             for (size_t i = 0; i < len; i++) payload[i] = (uint8_t)take(&s, 1);
             oc_gather_store(g, first, payload, len, now, &fresh);
             oc_gather_have(g, first, take(&s, 1) % 8);
-        } else if (op % 16 == 13) { /* a tail timer's request of what is still missing */
-            oc_gather_request(g, take(&s, 1) % (WORLD + 1), take(&s, 1) % 8, take(&s, 1) % 8);
-            g->nrequests = 0;
+        } else if (op % 16 == 13) {
+            if (take(&s, 1) % 4 == 0) { /* every root's end of multicast heard */
+                oc_gather_streams_ended(g);
+            } else { /* a tail timer's request of what is still missing */
+                oc_gather_request(g, take(&s, 1) % (WORLD + 1), take(&s, 1) % 8,
+                                  take(&s, 1) % 8);
+                g->nrequests = 0;
+            }
         } else if (op % 8 == 6) { /* raw bytes as one read */
             size_t len = take(&s, 1) + 1, segment = 1 + take(&s, 1) % len;
             for (size_t i = 0; i < len; i++) batch[i] = (uint8_t)take(&s, 1);
@@ -136,6 +141,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
         check_state(p, 0);
         check_state(p, 1);
         check_state(p, 2);
+        if (budget.gathers_in_flight != g->pacing) abort(); /* counted while it paces, once */
         uint32_t seqs[3];
         oc_plane_news(p, seqs, 3);
         oc_outbox_seal(oc_plane_outbox(p), &own, check_sealed, NULL);

@@ -697,7 +697,7 @@ static void to_group(void *ctx, uint8_t route, uint16_t dst, const uint8_t *data
 }
 
 /* Two gathers in flight at once share the streams' pace (each gets half, and half the batch)
- * until one is released, sent or not. */
+ * until one is released, sent or not, or every root of it has ended its multicast. */
 static void test_gathers_share_the_link(void) {
     oc_budget b; /* 1e4 B/s, 32 datagrams a batch: 2 streams a receiver, 5e3 B/s and 16 each */
     oc_budget_init(&b, 1e4, 0.005, 32, GCHUNK + 100, 32);
@@ -724,7 +724,23 @@ static void test_gathers_share_the_link(void) {
     for (double now = 0; !g[0].sent_all && now < 100; now += 0.01)
         oc_gather_handle_timer(&g[0], &o, now);
     CHECK(g[0].sent_all && b.gathers_in_flight == 1, "all sent, still in flight");
+    oc_gather_streams_ended(&g[0]);
+    oc_gather_streams_ended(&g[0]); /* twice: counted once */
+    CHECK(b.gathers_in_flight == 0, "every root ended: no longer sharing the pace");
     oc_gather_free(&g[0]);
+    CHECK(b.gathers_in_flight == 0, "freed after: not counted again");
+    CHECK(oc_gather_init(&g[0], 2, GW, buffers[0], GW, roots, offsets, GBYTES, GCHUNK, 0,
+                         GW - 1, &b) == 0 &&
+              oc_gather_init(&g[1], 3, GW, buffers[1], GW, roots, offsets, GBYTES, GCHUNK, 0,
+                             GW - 1, &b) == 0,
+          "two more");
+    oc_gather_streams_ended(&g[1]);
+    oc_gather_activate(&g[0], &o, 0);
+    CHECK(b.gathers_in_flight == 1 && g[0].next_chunk == 16 &&
+              fabs(g[0].next_send - 16 * full / 5e3) < 1e-9,
+          "beside one whose streams ended: alone, a batch of 16 at 5e3 B/s");
+    oc_gather_free(&g[0]);
+    oc_gather_free(&g[1]);
     CHECK(b.gathers_in_flight == 0, "none in flight");
     oc_outbox_free(&o);
 }
