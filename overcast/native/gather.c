@@ -53,13 +53,18 @@ int oc_gather_init(oc_gather *g, uint32_t seq, uint32_t world, uint8_t *buffer, 
     return 0;
 }
 
-void oc_gather_streams_ended(oc_gather *g) {
+static void stop_pacing(oc_gather *g) {
     if (g->pacing) g->budget->gathers_in_flight--;
     g->pacing = 0;
 }
 
+void oc_gather_streams_ended(oc_gather *g) {
+    if (g->mine >= 0 && !g->sent_all) return; /* its own stream has not ended */
+    stop_pacing(g);
+}
+
 void oc_gather_free(oc_gather *g) {
-    oc_gather_streams_ended(g);
+    stop_pacing(g);
     free(g->roots);
     free(g->offsets);
     free(g->state);

@@ -319,7 +319,8 @@ static PyGetSetDef Budget_getset[] = {
     {"reductions_in_flight", (getter)Budget_get, (setter)Budget_set_in_flight,
      "in-network reductions sending on this link", (void *)5},
     {"gathers_in_flight", (getter)Budget_get, NULL,
-     "multicast gathers posted on this link and not yet released", (void *)6},
+     "multicast gathers posted on this link whose roots have not all ended their multicast",
+     (void *)6},
     {NULL, NULL, NULL, NULL, NULL},
 };
 static PyTypeObject BudgetType = {

@@ -46,8 +46,8 @@ class MulticastGather(Collective):
     `segments` lists (root, byte offset, byte length) in order: one per rank for AllGather, one
     for Broadcast. All segments have the same length. `budget` is this host's uplink: each
     stream goes at its rate over the number of streams a receiver takes in at once and over the
-    multicast gathers whose streams have not all ended, less the share of the receivers' links that in-network
-    reductions in flight need for their results.
+    multicast gathers whose streams have not all ended, less the share of the receivers' links
+    that in-network reductions in flight need for their results.
     """
 
     verify_every_peer = True

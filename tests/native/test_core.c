@@ -731,9 +731,11 @@ static void test_gathers_share_the_link(void) {
     CHECK(b.gathers_in_flight == 0, "freed after: not counted again");
     CHECK(oc_gather_init(&g[0], 2, GW, buffers[0], GW, roots, offsets, GBYTES, GCHUNK, 0,
                          GW - 1, &b) == 0 &&
-              oc_gather_init(&g[1], 3, GW, buffers[1], GW, roots, offsets, GBYTES, GCHUNK, 0,
+              oc_gather_init(&g[1], 3, GW, buffers[1], GW, roots, offsets, GBYTES, GCHUNK, -1,
                              GW - 1, &b) == 0,
-          "two more");
+          "two more, the second only received here");
+    oc_gather_streams_ended(&g[0]);
+    CHECK(b.gathers_in_flight == 2 && g[0].pacing, "its own segment not sent: still sharing");
     oc_gather_streams_ended(&g[1]);
     oc_gather_activate(&g[0], &o, 0);
     CHECK(b.gathers_in_flight == 1 && g[0].next_chunk == 16 &&
