@@ -16,7 +16,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 import overcast.fsdp
-from overcast.train.gpt import GPTConfig, build, rank_batch, shard
+from overcast.train.config import GPTConfig
+from overcast.train.gpt import build, rank_batch, shard
 
 
 def main() -> None:

@@ -3,7 +3,7 @@
 import pytest
 
 from overcast.schedules.cost import pair_floor_seconds
-from overcast.train.gpt import SHAPES, GPTConfig
+from overcast.train.config import SHAPES, GPTConfig
 from overcast.train.predict import predict, simulate_step, step_collectives, step_schedule
 
 B = 12.5e6  # 100 Mbit/s in bytes/s

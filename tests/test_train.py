@@ -157,7 +157,7 @@ def test_overcast_train_shapes_with_accumulation_and_checkpointing(tmp_path):
 def check_prediction(run: dict, hosts: int) -> None:
     """The cost model's collectives are the ones the step ran, and their bytes the ones the
     rings' NICs carried."""
-    from overcast.train.gpt import GPTConfig
+    from overcast.train.config import GPTConfig
     from overcast.train.predict import step_collectives
     cfg = GPTConfig(**run["model"])
     p = run["prediction"]
@@ -176,6 +176,16 @@ def check_prediction(run: dict, hosts: int) -> None:
 
 def _overlap(a: dict, b: dict) -> float:
     return min(a["ts"] + a["dur"], b["ts"] + b["dur"]) - max(a["ts"], b["ts"])
+
+
+def test_the_request_is_checked_without_torch():
+    """What `overcast train` checks before anything is built loads no torch, so a bad flag is
+    named at once."""
+    code = ("import sys, overcast.train.config, overcast.cli.main; "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "False", (out.stdout, out.stderr)
 
 
 @root_only

@@ -177,9 +177,7 @@ def _progress(console: Console):
 
 
 def _train(args) -> int:
-    from overcast.train.compare import check_request, run_training
-    from overcast.train.gpt import SHAPES, GPTConfig
-    from overcast.train.report import matrix_table, table, write
+    from overcast.train.config import SHAPES, GPTConfig, check_request
 
     console = Console(width=None if sys.stdout.isatty() else 200)
     ways = _csv(args.ways)
@@ -200,6 +198,9 @@ def _train(args) -> int:
         check_request(ways, args.hosts, args.steps, args.warmup, args.link_mbit * 1e6, cfg,
                       args.lr, args.prefetch)
     os.makedirs(args.out, exist_ok=True)
+    # torch loads with these: only once every flag has been checked
+    from overcast.train.compare import run_training
+    from overcast.train.report import matrix_table, table, write
     bar, progress = _progress(console)
     with bar:
         doc = run_training(args.hosts, int(args.link_mbit * 1e6), ways, args.steps, args.warmup,
@@ -304,7 +305,7 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--warmup", type=int, default=1, help="first steps left out of the times")
     t.add_argument("--shapes",
                    help="train several model shapes in turn, comma-separated: small, default, "
-                        "long, deep, wide, kept (overcast/train/gpt.py SHAPES); each changes "
+                        "long, deep, wide, kept (overcast/train/config.py SHAPES); each changes "
                         "the shape flags' values, the rest hold for all")
     t.add_argument("--vocab", type=int, default=512, help="vocabulary size")
     t.add_argument("--blocks", type=int, default=4, help="transformer blocks")

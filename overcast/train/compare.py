@@ -14,44 +14,16 @@ import statistics
 
 from overcast.bench.run import machine, process_cpu_seconds
 from overcast.cluster.netns import Cluster
-from overcast.limits import check_hosts, check_link_rate
 from overcast.report.timeline import every_span, write_timeline
-from overcast.train.gpt import GPTConfig
+from overcast.train.config import OVERCAST_WAYS, WAYS, GPTConfig, check_request
 from overcast.train.predict import predict
 from overcast.train.waits import (CATEGORIES, TRAINING, SchedTrace, attribute, mount_tracefs,
                                    parse)
-from overcast.train.worker import OVERCAST_WAYS, WAYS, train_rank
+from overcast.train.worker import train_rank
 
 # The fair peer: gloo with the same prefetch and asynchronous unshard, ReduceScatter on its own
 # group. Speed-ups are against it, and losses are compared with the first way run.
 PEER = "gloo-separate"
-
-
-def check_request(ways: list[str], hosts: int, steps: int, warmup: int,
-                  link_bits: float = 1e8, cfg: GPTConfig = GPTConfig(), lr: float = 1e-3,
-                  prefetch: int = 1) -> None:
-    """Raise ValueError naming what is wrong, before any cluster is built."""
-    unknown = [w for w in ways if w not in WAYS]
-    if unknown or not ways:
-        raise ValueError(f"unknown way {', '.join(unknown) or '(none)'}; available: "
-                         f"{', '.join(WAYS)}")
-    check_hosts(hosts)
-    if warmup < 0 or steps <= warmup:
-        raise ValueError(f"--steps ({steps}) must be more than --warmup ({warmup}), which must "
-                         f"be 0 or more")
-    check_link_rate(link_bits)
-    if min(cfg.blocks, cfg.batch_per_rank, cfg.micro_steps, cfg.seq) < 1 or cfg.vocab < 2:
-        raise ValueError(f"--blocks ({cfg.blocks}), --batch ({cfg.batch_per_rank}), --seq "
-                         f"({cfg.seq}) and --micro-steps ({cfg.micro_steps}) must be 1 or more, "
-                         f"--vocab ({cfg.vocab}) 2 or more")
-    cfg.resharded()  # names what is wrong with --reshard
-    if cfg.dim < cfg.heads or cfg.dim % cfg.heads:
-        raise ValueError(f"--dim must be a positive multiple of {cfg.heads} (the attention "
-                         f"heads), not {cfg.dim}")
-    if not lr > 0:
-        raise ValueError(f"--lr must be above 0, not {lr:g}")
-    if prefetch < 1:
-        raise ValueError(f"--prefetch must be 1 or more blocks, not {prefetch}")
 
 
 def split_step(row: dict) -> dict:

@@ -1,70 +1,14 @@
 """A small decoder-only transformer and seeded synthetic tokens: the training workload of
-`overcast train` and examples/train_gpt.py. Pure torch; nothing here knows about overcast."""
+`overcast train` and examples/train_gpt.py. Pure torch, built to a shape of
+overcast.train.config."""
 
 from __future__ import annotations
-
-from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-
-# --reshard's names: (block, blocks) -> whether that block reshards after forward
-RESHARD = {
-    "all-but-last": lambda i, n: i < n - 1,  # torchtitan's: backward needs the last block at once
-    "all": lambda i, n: True,
-    "none": lambda i, n: False,
-}
-
-
-# `overcast train --shapes`: each shape's changes to the defaults, small to communication-heavy
-SHAPES = {
-    "small": {"vocab": 256, "dim": 128, "blocks": 2},       # little to move: latency shows
-    "default": {},
-    "long": {"seq": 256, "batch_per_rank": 8},              # the default's weights, 8x the compute
-    "deep": {"vocab": 4096, "blocks": 8, "reshard": "all"},  # more blocks, a wide vocabulary
-    "wide": {"dim": 512},                                   # 4x the bytes per block
-    "kept": {"reshard": "none"},                            # no block gathers in backward: no pair
-}
-
-
-@dataclass(frozen=True)
-class GPTConfig:
-    vocab: int = 512
-    dim: int = 256
-    heads: int = 4
-    blocks: int = 4
-    seq: int = 64
-    batch_per_rank: int = 4
-    seed: int = 0
-    micro_steps: int = 1                    # gradient accumulation: batches per optimizer step
-    activation_checkpointing: bool = False  # recompute each block's activations in backward
-    reshard: str = "all-but-last"           # which blocks free their parameters after forward
-
-    def as_dict(self) -> dict:
-        return asdict(self)
-
-    def resharded(self) -> list[bool]:
-        """Per block, whether it reshards after forward (and so gathers again in backward)."""
-        if self.reshard in RESHARD:
-            return [RESHARD[self.reshard](i, self.blocks) for i in range(self.blocks)]
-        try:
-            chosen = {int(x) for x in self.reshard.split(",") if x.strip()}
-        except ValueError:
-            chosen = None
-        if chosen is None or not chosen <= set(range(self.blocks)):
-            raise ValueError(f"--reshard takes {', '.join(RESHARD)} or block numbers from 0 to "
-                             f"{self.blocks - 1}, comma-separated; not {self.reshard!r}")
-        return [i in chosen for i in range(self.blocks)]
-
-    def block_parameters(self) -> int:
-        return 12 * self.dim * self.dim + 13 * self.dim  # attention 4d^2+4d, MLP 8d^2+5d, norms 4d
-
-    def parameters(self) -> int:
-        """The whole model's: embeddings, blocks, final norm and head."""
-        return (self.vocab + self.seq) * self.dim + self.blocks * self.block_parameters() \
-            + 2 * self.dim + self.dim * self.vocab
+from overcast.train.config import GPTConfig
 
 
 class Block(nn.Module):

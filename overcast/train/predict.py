@@ -29,7 +29,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from overcast.sim.fairness import max_min_rates
-from overcast.train.gpt import GPTConfig, TinyGPT
+from overcast.train.config import GPTConfig
+from overcast.train.gpt import TinyGPT
 
 # fp32 parameters and gradients: the trainer keeps FSDP2's default dtypes
 BYTES_PER_ELEMENT = 4

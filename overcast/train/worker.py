@@ -8,16 +8,7 @@ import threading
 import time
 import warnings
 
-# (description, how overcast.fsdp configures the model) of each way, in report order.
-WAYS = {
-    "gloo": "gloo, one process group (FSDP2's defaults)",
-    "gloo-separate": "gloo, ReduceScatter on its own group, same prefetch as overcast",
-    "overcast-ring": "overcast rings for AllGather and ReduceScatter",
-    "overcast": "overcast multicast AllGather + in-network ReduceScatter",
-}
-# The ways whose collectives run on an overcast Communicator (and so can be traced).
-OVERCAST_WAYS = ("overcast-ring", "overcast")
-
+from overcast.train.config import WAYS, GPTConfig
 
 def configure(model, way: str, trace: bool, prefetch: int):
     """The overcast.fsdp handle that makes `model` train `way`; every way but gloo (FSDP2's
@@ -59,7 +50,7 @@ def train_rank(rank: int, way: str, config: dict, steps: int, lr: float, trace: 
 
     from overcast.cluster.netns import read_nic_counters
     from overcast.fsdp.collectives import thread_clock
-    from overcast.train.gpt import GPTConfig, build, rank_batch, shard
+    from overcast.train.gpt import build, rank_batch, shard
 
     warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
     torch.set_num_threads(1)  # the hosts share the machine's cores
