@@ -4,8 +4,8 @@
  * schedule); in-network contributions go only when it holds their batch, so they fill what the
  * multicast leaves. It also counts the in-network reductions in flight, so a multicast knows to
  * leave receivers room for the results, and the multicast gathers whose streams have not all
- * ended, which share the streams' rate between them. Plain data: the owner frees it, nothing inside is
- * allocated. */
+ * ended, which share the streams' rate between them. Plain data: the owner frees it, nothing
+ * inside is allocated. */
 #ifndef OVERCAST_NATIVE_BUDGET_H
 #define OVERCAST_NATIVE_BUDGET_H
 

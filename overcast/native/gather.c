@@ -58,9 +58,10 @@ static void stop_pacing(oc_gather *g) {
     g->pacing = 0;
 }
 
-void oc_gather_streams_ended(oc_gather *g) {
-    if (g->mine >= 0 && !g->sent_all) return; /* its own stream has not ended */
+int oc_gather_streams_ended(oc_gather *g) {
+    if (g->mine >= 0 && !g->sent_all) return 0; /* its own stream has not ended */
     stop_pacing(g);
+    return 1;
 }
 
 void oc_gather_free(oc_gather *g) {

@@ -70,9 +70,9 @@ void oc_gather_free(oc_gather *g);
 /* Every root has ended its multicast (this rank's own all sent, the others' end-of-multicast
  * notices in): the gather sends nothing more into the receivers' links, so it stops dividing
  * the other gathers' pace. Each rank comes to it within a notice's latency of the others, and
- * only once the streams have stopped, so no receiver is asked for more than its link. Ignored
- * while this rank's own segment is not all sent. */
-void oc_gather_streams_ended(oc_gather *g);
+ * only once the streams have stopped, so no receiver is asked for more than its link. 1, or 0
+ * (and nothing done) while this rank's own segment is not all sent. */
+int oc_gather_streams_ended(oc_gather *g);
 /* Start multicasting this rank's segment (at once for a chain's head, else on activation). */
 void oc_gather_activate(oc_gather *g, oc_outbox *o, double now);
 /* A run of multicast chunks from `src`: OC_FIT, or why the first that did not fit did not. */

@@ -896,8 +896,7 @@ static PyObject *Plane_gather_streams_ended(Plane *self, PyObject *args) {
     if (!usable(self) || !PyArg_ParseTuple(args, "I", &seq)) return NULL;
     oc_gather *g = gather_of(self, seq);
     if (g == NULL) return NULL;
-    oc_gather_streams_ended(g);
-    Py_RETURN_NONE;
+    return PyBool_FromLong(oc_gather_streams_ended(g));
 }
 
 static PyObject *Plane_gather_store(Plane *self, PyObject *args) {
@@ -1085,8 +1084,8 @@ static PyMethodDef Plane_methods[] = {
     {"gather_activate", (PyCFunction)Plane_gather_activate, METH_VARARGS,
      "gather_activate(seq, now): start multicasting this rank's segment"},
     {"gather_streams_ended", (PyCFunction)Plane_gather_streams_ended, METH_VARARGS,
-     "gather_streams_ended(seq): every root has ended its multicast; the gather stops sharing "
-     "the streams' pace"},
+     "gather_streams_ended(seq) -> whether taken: every other root has ended its multicast; "
+     "once this rank's own is all sent too, the gather stops sharing the streams' pace"},
     {"gather_store", (PyCFunction)Plane_gather_store, METH_VARARGS,
      "gather_store(seq, first, payload, now) -> (misfit code, chunks put in place)"},
     {"gather_have", (PyCFunction)Plane_gather_have, METH_VARARGS,

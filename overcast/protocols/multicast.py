@@ -276,10 +276,8 @@ class MulticastGather(Collective):
     def _progress(self, now: float) -> None:
         if self.deferred:
             self._serve_deferred()
-        if self.posted and not self.streams_ended and len(self.ended) == len(self.other_roots) \
-                and self.phase not in (Phase.WAITING, Phase.SENDING):
-            self.streams_ended = True
-            self.plane.gather_streams_ended(self.seq)
+        if self.posted and not self.streams_ended and len(self.ended) == len(self.other_roots):
+            self.streams_ended = self.plane.gather_streams_ended(self.seq)  # once its own is sent
         state = self._state()
         complete = state is None or state["complete"]
         if complete and not self.sent_fin and self.world > 1:

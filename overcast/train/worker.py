@@ -10,6 +10,7 @@ import warnings
 
 from overcast.train.config import WAYS, GPTConfig
 
+
 def configure(model, way: str, trace: bool, prefetch: int):
     """The overcast.fsdp handle that makes `model` train `way`; every way but gloo (FSDP2's
     defaults) gathers `prefetch` blocks ahead."""

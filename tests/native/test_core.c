@@ -724,9 +724,9 @@ static void test_gathers_share_the_link(void) {
     for (double now = 0; !g[0].sent_all && now < 100; now += 0.01)
         oc_gather_handle_timer(&g[0], &o, now);
     CHECK(g[0].sent_all && b.gathers_in_flight == 1, "all sent, still in flight");
-    oc_gather_streams_ended(&g[0]);
-    oc_gather_streams_ended(&g[0]); /* twice: counted once */
-    CHECK(b.gathers_in_flight == 0, "every root ended: no longer sharing the pace");
+    CHECK(oc_gather_streams_ended(&g[0]) && oc_gather_streams_ended(&g[0]) && /* counted once */
+              b.gathers_in_flight == 0,
+          "every root ended: no longer sharing the pace");
     oc_gather_free(&g[0]);
     CHECK(b.gathers_in_flight == 0, "freed after: not counted again");
     CHECK(oc_gather_init(&g[0], 2, GW, buffers[0], GW, roots, offsets, GBYTES, GCHUNK, 0,
@@ -734,9 +734,9 @@ static void test_gathers_share_the_link(void) {
               oc_gather_init(&g[1], 3, GW, buffers[1], GW, roots, offsets, GBYTES, GCHUNK, -1,
                              GW - 1, &b) == 0,
           "two more, the second only received here");
-    oc_gather_streams_ended(&g[0]);
-    CHECK(b.gathers_in_flight == 2 && g[0].pacing, "its own segment not sent: still sharing");
-    oc_gather_streams_ended(&g[1]);
+    CHECK(!oc_gather_streams_ended(&g[0]) && b.gathers_in_flight == 2 && g[0].pacing,
+          "its own segment not sent: still sharing");
+    CHECK(oc_gather_streams_ended(&g[1]), "only received here: taken");
     oc_gather_activate(&g[0], &o, 0);
     CHECK(b.gathers_in_flight == 1 && g[0].next_chunk == 16 &&
               fabs(g[0].next_send - 16 * full / 5e3) < 1e-9,
