@@ -11,7 +11,7 @@ import os
 from setuptools import Extension, setup
 
 PARTS = ["wire", "sums", "udp", "aggregator", "service", "budget", "outbox", "contribute",
-         "gather", "plane", "port", "trace", "plane_module", "module"]
+         "stream", "gather", "plane", "port", "trace", "plane_module", "module"]
 flags = ["-std=c11", "-Wall", "-Wextra", "-Wshadow", "-fno-strict-aliasing",
          "-Werror=implicit-function-declaration", "-Werror=int-conversion"]
 link = []

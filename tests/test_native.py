@@ -22,11 +22,12 @@ from overcast.wire.messages import pack_acks, pack_contribution_prefix, unpack_c
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 NATIVE = ROOT / "overcast" / "native"
 PARTS = ["wire", "sums", "udp", "aggregator", "service", "budget", "outbox", "contribute",
-         "gather", "plane", "port", "trace"]
+         "stream", "gather", "plane", "port", "trace"]
 SANITIZE = ["-fsanitize=address,undefined", "-fno-sanitize-recover=all",
             "-fno-omit-frame-pointer"]
 # Inputs per fuzz target in the suite; tools/fuzz runs millions, coverage-guided.
-FUZZ_RUNS = {"fuzz_datagrams": 300_000, "fuzz_aggregator": 60_000, "fuzz_plane": 60_000}
+FUZZ_RUNS = {"fuzz_datagrams": 300_000, "fuzz_aggregator": 60_000, "fuzz_plane": 60_000,
+             "fuzz_stream": 100_000}
 
 
 def build(out: pathlib.Path, *sources: pathlib.Path) -> pathlib.Path:

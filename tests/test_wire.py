@@ -4,7 +4,8 @@ import os
 
 import pytest
 
-from overcast.wire.auth import Drops, Opener, ReplayWindow, Sealer, derive_key, job_id_of
+from overcast.wire.auth import (STREAM_COPY_BYTES, Drops, Opener, ReplayWindow, Sealer, derive_key,
+                                job_id_of)
 from overcast.wire.header import HEADER_BYTES, OVERHEAD_BYTES, TAG_BYTES, Kind, unpack_header
 
 SECRET = b"s" * 32
@@ -162,6 +163,50 @@ def test_a_detached_seal_is_the_whole_seal_in_parts():
         assert apart.counter == whole.counter
         assert opener.open(message, window=ReplayWindow(0)) is not None
     assert not drops
+
+
+def test_a_stream_seals_small_messages_whole_and_large_ones_in_place():
+    """A control message is copied into one sealed buffer (one part to queue and write); a ring
+    frame's payload is written from where it lies. Both are the message sealed whole."""
+    whole, _, _ = make()
+    sealer = Sealer(KEY, JOB, 7, 1)
+    small, large = os.urandom(STREAM_COPY_BYTES), os.urandom(STREAM_COPY_BYTES + 1)
+    for payload, parts_expected in ((b"", 1), (small, 1), (large, 3)):
+        message = bytes(whole.seal(Kind.DESCRIBE, 3, 0, 4, payload))
+        parts = sealer.seal_for_stream(Kind.DESCRIBE, 3, 0, 4, payload)
+        assert len(parts) == parts_expected and b"".join(parts) == message
+    assert parts[1] is large
+
+
+def test_a_stream_opens_frames_cut_anywhere_once_each_and_skips_what_does_not_open(tcp_pair):
+    """Frames that reach the reader a few bytes at a time are each delivered once, whole and in
+    order; a replayed one, one of another communicator and one with a flipped bit are skipped
+    and counted, and the stream goes on."""
+    import select
+
+    from overcast.transport.stream import Stream
+    a, b = tcp_pair
+    sealer, opener, drops = make()
+    receiver = Stream(b, 1, opener)
+    frames = [sealer.seal(Kind.FIN, seq, 0, 0, os.urandom(seq * 37)) for seq in range(6)]
+    replayed = bytes(frames[1])
+    foreign = Sealer(KEY, JOB, 8, 1).seal(Kind.FIN, 9, 0, 0)
+    forged = bytearray(sealer.seal(Kind.FIN, 10, 0, 0, b"x" * 50))
+    forged[HEADER_BYTES + 3] ^= 1
+    last = sealer.seal(Kind.FIN, 11, 0, 0, b"y" * 9000)
+    stream = b"".join(bytes(f) for f in frames[:3]) + replayed + bytes(foreign) + \
+        bytes(forged) + b"".join(bytes(f) for f in frames[3:]) + bytes(last)
+    got = []
+    for start in range(0, len(stream), 7):
+        a.sendall(stream[start:start + 7])
+        while select.select([b], [], [], 0.0)[0]:
+            receiver.read(lambda hdr, payload: got.append((hdr.seq, bytes(payload))))
+    while len(got) < 7:
+        assert select.select([b], [], [], 10.0)[0], "the last frame did not arrive in 10 s"
+        receiver.read(lambda hdr, payload: got.append((hdr.seq, bytes(payload))))
+    assert [seq for seq, _ in got] == [0, 1, 2, 3, 4, 5, 11]
+    assert [p for _, p in got[:6]] == [bytes(f[HEADER_BYTES:-TAG_BYTES]) for f in frames]
+    assert drops == {"replayed": 1, "foreign": 1, "bad_mac": 1}
 
 
 @pytest.fixture

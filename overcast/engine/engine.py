@@ -276,7 +276,7 @@ class Engine:
     def _fill_and_flush(self) -> None:
         """Seal what the session has for each route and write until the sockets are full.
         Datagrams go out as soon as the protocols release them: pacing is theirs."""
-        session, seal = self.session, self.sealer.seal_detached
+        session, seal = self.session, self.sealer.seal_for_stream
         for channel, peer in session.pending_routes():
             if channel != STREAM:
                 self._send_datagrams(session.drain((channel, peer)), (channel, peer))

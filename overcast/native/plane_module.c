@@ -18,6 +18,7 @@
 #include "plane.h"
 #include "port.h"
 #include "service.h"
+#include "stream.h"
 #include "sums.h"
 #include "wire.h"
 
@@ -223,9 +224,67 @@ static PyObject *TagCheck_check(TagCheck *self, PyObject *args) {
     return PyBool_FromLong(ok);
 }
 
+/* open_stream(buffer, end, job, comm, peer, next_counter): the frames of buffer[0:end], a
+ * peer's stream's read (stream.h): (frames, used, need, fault, next_counter, (foreign, bad_mac,
+ * replayed)), each frame (kind, job, comm, seq, src, dst, chunk, length, counter, payload
+ * offset). The GIL is let go while a large read is opened (its tags are most of the work). */
+static PyObject *TagCheck_open_stream(TagCheck *self, PyObject *args) {
+    Py_buffer b;
+    Py_ssize_t end;
+    unsigned int job, comm, peer;
+    unsigned long long next;
+    if (!self->ready) return PyErr_Format(PyExc_RuntimeError, "no key");
+    if (!PyArg_ParseTuple(args, "y*nIIIK", &b, &end, &job, &comm, &peer, &next)) return NULL;
+    if (end < 0 || end > b.len || peer > 0xFFFFu) {
+        PyBuffer_Release(&b);
+        return PyErr_Format(PyExc_ValueError, "end %zd is outside the buffer's %zd bytes, or "
+                            "peer %u is not a u16", end, b.len, peer);
+    }
+    oc_stream_in in = {.job = job, .comm = comm, .peer = (uint16_t)peer, .next_counter = next};
+    enum { BATCH = 64 };
+    oc_frame frames[BATCH];
+    size_t done = 0, need = 0;
+    int fault = 0;
+    PyObject *list = PyList_New(0);
+    while (list != NULL) {
+        const uint8_t *at = (const uint8_t *)b.buf + done;
+        size_t left = (size_t)end - done, used = 0, n;
+        if (left >= (1 << 16)) {
+            Py_BEGIN_ALLOW_THREADS
+            n = oc_stream_open(&in, &self->g, at, left, frames, BATCH, &used, &need, &fault);
+            Py_END_ALLOW_THREADS
+        } else {
+            n = oc_stream_open(&in, &self->g, at, left, frames, BATCH, &used, &need, &fault);
+        }
+        for (size_t i = 0; i < n; i++) {
+            const oc_header *h = &frames[i].h;
+            PyObject *t = Py_BuildValue("(BIIIHHIIKn)", h->kind, h->job, h->comm, h->seq,
+                                        h->src, h->dst, h->chunk, h->length,
+                                        (unsigned long long)h->counter,
+                                        (Py_ssize_t)(done + frames[i].payload));
+            if (t == NULL || PyList_Append(list, t)) {
+                Py_XDECREF(t);
+                Py_CLEAR(list);
+                break;
+            }
+            Py_DECREF(t);
+        }
+        done += used;
+        if (n < BATCH || need || fault) break;
+    }
+    PyBuffer_Release(&b);
+    if (list == NULL) return NULL;
+    return Py_BuildValue("(NnniK(KKK))", list, (Py_ssize_t)done, (Py_ssize_t)need, fault,
+                         (unsigned long long)in.next_counter, (unsigned long long)in.foreign,
+                         (unsigned long long)in.bad_mac, (unsigned long long)in.replayed);
+}
+
 static PyMethodDef TagCheck_methods[] = {
     {"check", (PyCFunction)TagCheck_check, METH_VARARGS,
      "check(message, src, counter) -> whether its tag is right"},
+    {"open_stream", (PyCFunction)TagCheck_open_stream, METH_VARARGS,
+     "open_stream(buffer, end, job, comm, peer, next_counter) -> (frames, used, need, fault, "
+     "next_counter, (foreign, bad_mac, replayed)): a stream's read, opened"},
     {NULL, NULL, 0, NULL},
 };
 static PyTypeObject TagCheckType = {

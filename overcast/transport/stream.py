@@ -10,8 +10,8 @@ import collections
 import itertools
 import socket
 
-from overcast.wire.auth import Opener, ReplayWindow
-from overcast.wire.header import HEADER_BYTES, MalformedError, unpack_header
+from overcast.wire.auth import Opener
+from overcast.wire.header import MalformedError, unpack_header
 
 _READ_BYTES = 1 << 21
 # The send buffer (the kernel doubles it): two ring frames' worth, so that the engine wakes
@@ -39,7 +39,7 @@ class Stream:
         self.sock, self.peer, self.opener = sock, peer, opener
         self._rbuf = bytearray(_READ_BYTES)
         self._filled = 0
-        self._window = ReplayWindow(0)
+        self._next_counter = 0  # the peer's counters rise strictly
         self._low_water = 1
         self._out: collections.deque[memoryview] = collections.deque()
         self._tags: collections.deque[int] = collections.deque()  # the caller's tag per part
@@ -76,34 +76,31 @@ class Stream:
                 return
 
     def _parse(self, view: memoryview, on_message) -> None:
-        pos, filled = 0, self._filled
-        while filled - pos >= HEADER_BYTES:
-            try:
-                hdr = unpack_header(view[pos:pos + HEADER_BYTES])
-            except MalformedError as err:
-                self.opener.drops["malformed"] += 1
-                raise StreamClosed(f"corrupt stream from rank {self.peer}: {err}") from None
-            if hdr.src != self.peer:  # every rank holds the key: only the peer speaks here
-                self.opener.drops["wrong_sender"] += 1
-                raise StreamClosed(f"rank {hdr.src} spoke on rank {self.peer}'s stream")
-            total = hdr.frame_bytes()
-            if filled - pos < total:
-                break
-            msg = self.opener.open(view[pos:pos + total], window=self._window)
-            if msg is not None:
-                on_message(*msg)
-            pos += total
-        else:
-            total = HEADER_BYTES
-        rest = filled - pos
-        self._wake_at(total - rest)
+        frames, pos, missing, fault, self._next_counter = self.opener.open_stream(
+            view, self._filled, self.peer, self._next_counter)
+        for hdr, offset in frames:
+            on_message(hdr, view[offset:offset + hdr.length])
+        if fault is not None:
+            raise StreamClosed(self._fault(view[pos:self._filled]))
+        rest = self._filled - pos
+        self._wake_at(missing)
         if pos or rest == len(self._rbuf):
-            # Move the partial frame to the front (a copy: the regions may overlap), into a
-            # larger buffer if one frame does not fit.
-            grown = bytearray(max(len(self._rbuf), 2 * rest)) if rest == len(self._rbuf) \
-                else self._rbuf
-            grown[:rest] = bytes(view[pos:filled])
-            self._rbuf, self._filled = grown, rest
+            if rest == len(self._rbuf):  # one frame does not fit: a larger buffer
+                grown = bytearray(2 * rest)
+                grown[:rest] = view
+                self._rbuf = grown
+            elif rest:  # the partial frame to the front (memoryview copies overlaps safely)
+                view[:rest] = view[pos:self._filled]
+            self._filled = rest
+
+    def _fault(self, rest: memoryview) -> str:
+        """Why the header at the front of `rest` ended the stream (the error path only)."""
+        try:
+            hdr = unpack_header(rest)
+        except MalformedError as err:
+            return f"corrupt stream from rank {self.peer}: {err}"
+        # every rank holds the key: only the peer speaks here
+        return f"rank {hdr.src} spoke on rank {self.peer}'s stream"
 
     def _wake_at(self, missing: int) -> None:
         """Have the socket report readable only once the `missing` bytes of the next frame

@@ -114,6 +114,15 @@ class Sealer:
         return (ends[:HEADER_BYTES], *_parts(payload), ends[HEADER_BYTES:])
 
 
+    def seal_for_stream(self, kind: int, seq: int, dst: int, chunk: int, payload=b"") -> tuple:
+        """The buffers a stream writes for the message: a small one sealed whole into one
+        buffer (a copy of a few bytes costs less than two more parts to queue and write), a
+        larger one detached (`seal_detached`: its payload must not change until sent)."""
+        if type(payload) is not tuple and len(payload) <= STREAM_COPY_BYTES:
+            return (self.seal(kind, seq, dst, chunk, payload),)
+        return self.seal_detached(kind, seq, dst, chunk, payload)
+
+
 def _parts(payload) -> tuple:
     """A payload as sealing takes it (a buffer, or a tuple of them), as a tuple."""
     return payload if type(payload) is tuple else (payload,)
@@ -122,6 +131,14 @@ def _parts(payload) -> tuple:
 def sealed_bytes(payload=b"") -> int:
     """The length of a sealed message carrying `payload` (as Sealer.seal_into takes it)."""
     return HEADER_BYTES + sum(map(len, _parts(payload))) + TAG_BYTES
+
+
+# Payloads up to this size are copied into their sealed message for a stream, not written from
+# where they lie: control messages, repair requests.
+STREAM_COPY_BYTES = 4096
+# What oc_stream_open (overcast/native/stream.h) counts and names, as the drop counters call it.
+_SKIPPED = ("foreign", "bad_mac", "replayed")
+_FAULTS = {3: "malformed", 4: "wrong_sender"}
 
 
 class Opener:
@@ -154,6 +171,24 @@ class Opener:
                 found = windows[src] = ReplayWindow(width)
             return self, found
         return choose
+
+    def open_stream(self, buf, end: int, peer: int, next_counter: int):
+        """The whole frames of buf[:end], a read of `peer`'s stream, opened natively in one
+        call: (frames, used, need, fault, next_counter). Each frame is (Header, payload
+        offset); `used` bytes of whole frames were consumed (skipped ones, counted in `drops`,
+        among them), the next frame lacks `need` more, and `fault` names a header that ends
+        the stream ("malformed", "wrong_sender"; counted) or is None. Authentic frames carry
+        counters of at least `next_counter`, and the one to pass next comes back."""
+        frames, used, need, fault, next_counter, skipped = self._tags.open_stream(
+            buf, end, self.job, self.comm, peer, next_counter)
+        for why, count in zip(_SKIPPED, skipped):
+            if count:
+                self.drops[why] += count
+        fault = _FAULTS.get(fault)
+        if fault is not None:
+            self.drops[fault] += 1
+        make = Header._make
+        return [(make(f[:9]), f[9]) for f in frames], used, need, fault, next_counter
 
     def open(self, buf: memoryview, window: ReplayWindow | None = None,
              windows: dict | None = None, window_width: int = 0):

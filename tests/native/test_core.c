@@ -15,6 +15,7 @@
 #include "plane.h"
 #include "port.h"
 #include "service.h"
+#include "stream.h"
 #include "sums.h"
 #include "udp.h"
 #include "wire.h"
@@ -140,6 +141,74 @@ static void test_seal_detached(void) {
           "a payload over the largest is refused and spends no counter");
     oc_gmac_free(&whole.gmac);
     oc_gmac_free(&apart.gmac);
+}
+
+/* A stream's read opened in place: whole frames in order, the partial one left with what it
+ * lacks, skipped frames counted by why, a header that ends the stream named, `max` honoured. */
+static void test_stream_open(void) {
+    oc_sealer peer = {.job = 5, .comm = 6, .src = 3, .counter = 10};
+    oc_sealer other = {.job = 5, .comm = 7, .src = 3, .counter = 50};
+    oc_gmac g;
+    CHECK(oc_gmac_init(&peer.gmac, KEY, 1) == 0 && oc_gmac_init(&other.gmac, KEY, 1) == 0 &&
+              oc_gmac_init(&g, KEY, 0) == 0,
+          "keys");
+    uint8_t buf[1024], payload[100];
+    for (size_t i = 0; i < sizeof payload; i++) payload[i] = (uint8_t)next();
+    size_t at = 0, ends[6];
+    at += oc_seal_into(&peer, buf + at, sizeof buf - at, OC_FIN, 1, 0, 0, NULL, 0);
+    ends[0] = at;
+    at += oc_seal_into(&peer, buf + at, sizeof buf - at, OC_DESCRIBE, 2, 0, 4, payload, 100);
+    ends[1] = at;
+    at += oc_seal_into(&other, buf + at, sizeof buf - at, OC_FIN, 3, 0, 0, NULL, 0);  /* foreign */
+    ends[2] = at;
+    peer.counter = 5;                                                          /* replayed */
+    at += oc_seal_into(&peer, buf + at, sizeof buf - at, OC_FIN, 4, 0, 0, NULL, 0);
+    ends[3] = at;
+    peer.counter = 12;
+    at += oc_seal_into(&peer, buf + at, sizeof buf - at, OC_MCAST_END, 5, 0, 0, payload, 7);
+    buf[at - 1] ^= 1;                                                          /* bad tag */
+    ends[4] = at;
+    at += oc_seal_into(&peer, buf + at, sizeof buf - at, OC_FIN, 6, 0, 0, payload, 20);
+    ends[5] = at;
+    oc_frame frames[8];
+    size_t used, need;
+    int fault;
+    oc_stream_in in = {.job = 5, .comm = 6, .peer = 3};
+    size_t n = oc_stream_open(&in, &g, buf, ends[5] - 9, frames, 8, &used, &need, &fault);
+    CHECK(n == 2 && used == ends[4] && need == 9 && fault == 0,
+          "two authentic frames, three skipped, the last lacking 9 bytes: %zu %zu %zu %d", n,
+          used, need, fault);
+    CHECK(frames[0].h.kind == OC_FIN && frames[0].h.seq == 1 &&
+              frames[1].h.counter == frames[0].h.counter + 1 &&
+              frames[0].payload == OC_HEADER_BYTES && frames[1].h.seq == 2 &&
+              frames[1].h.chunk == 4 && frames[1].h.length == 100 &&
+              frames[1].payload == ends[0] + OC_HEADER_BYTES &&
+              memcmp(buf + frames[1].payload, payload, 100) == 0,
+          "each frame's header and payload offset");
+    CHECK(in.foreign == 1 && in.replayed == 1 && in.bad_mac == 1 &&
+              in.next_counter == frames[1].h.counter + 1,
+          "skipped by why: %llu foreign, %llu replayed, %llu bad tag; next counter %llu",
+          (unsigned long long)in.foreign, (unsigned long long)in.replayed,
+          (unsigned long long)in.bad_mac, (unsigned long long)in.next_counter);
+    n = oc_stream_open(&in, &g, buf + used, ends[5] - used, frames, 8, &used, &need, &fault);
+    CHECK(n == 1 && frames[0].h.seq == 6 && need == OC_HEADER_BYTES && fault == 0,
+          "the rest, once whole; then a header's worth lacking");
+    n = oc_stream_open(&in, &g, buf, 10, frames, 8, &used, &need, &fault);
+    CHECK(n == 0 && used == 0 && need == OC_HEADER_BYTES - 10, "a partial header");
+    in = (oc_stream_in){.job = 5, .comm = 6, .peer = 3};
+    n = oc_stream_open(&in, &g, buf, ends[5], frames, 1, &used, &need, &fault);
+    CHECK(n == 1 && used == ends[0] && need == 0 && fault == 0, "stops at max");
+    in = (oc_stream_in){.job = 5, .comm = 6, .peer = 2};
+    n = oc_stream_open(&in, &g, buf, ends[5], frames, 8, &used, &need, &fault);
+    CHECK(n == 0 && used == 0 && fault == OC_MISFIT_WRONG_SENDER, "another sender ends it");
+    in = (oc_stream_in){.job = 5, .comm = 6, .peer = 3};
+    buf[ends[0] + 3] = 99;                                                     /* unknown kind */
+    n = oc_stream_open(&in, &g, buf, ends[5], frames, 8, &used, &need, &fault);
+    CHECK(n == 1 && used == ends[0] && fault == OC_MISFIT_MALFORMED,
+          "a header that is no frame ends it after the frames before");
+    oc_gmac_free(&peer.gmac);
+    oc_gmac_free(&other.gmac);
+    oc_gmac_free(&g);
 }
 
 /* The window against its definition: a set of what was taken and the highest taken. */
@@ -1000,6 +1069,7 @@ int main(void) {
     test_seal_and_open();
     test_seal_detached();
     test_replay_window();
+    test_stream_open();
     test_conversions();
     test_sums();
     test_aggregator();
