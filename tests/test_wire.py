@@ -2,6 +2,7 @@
 
 import os
 
+import numpy as np
 import pytest
 
 from overcast.wire.auth import (STREAM_COPY_BYTES, Drops, Opener, ReplayWindow, Sealer, derive_key,
@@ -176,6 +177,44 @@ def test_a_stream_seals_small_messages_whole_and_large_ones_in_place():
         parts = sealer.seal_for_stream(Kind.DESCRIBE, 3, 0, 4, payload)
         assert len(parts) == parts_expected and b"".join(parts) == message
     assert parts[1] is large
+    floats = np.arange(100, dtype=np.float32)  # its bytes count, not its elements
+    assert b"".join(sealer.seal_for_stream(Kind.DESCRIBE, 3, 0, 4, floats)) == \
+        bytes(whole.seal(Kind.DESCRIBE, 3, 0, 4, floats.view(np.uint8)))
+    assert len(sealer.seal_for_stream(Kind.DESCRIBE, 3, 0, 4, np.zeros(2000, np.float32))) == 3
+
+
+def test_a_streams_read_of_many_frames_and_one_larger_than_its_buffer_opens_whole(tcp_pair):
+    """Hundreds of frames in a read (opened natively in batches, the GIL let go for large
+    reads), then one frame larger than the read buffer (which grows), then more: each arrives
+    once, whole and in order."""
+    import select
+    import threading
+
+    from overcast.transport.stream import Stream
+    a, b = tcp_pair
+    sealer, opener, drops = make()
+    receiver = Stream(b, 1, opener)
+    payloads = [os.urandom(i % 300) for i in range(400)]
+    payloads.insert(200, os.urandom(3 << 20))
+    stream = b"".join(bytes(sealer.seal(Kind.FIN, i, 0, 0, p)) for i, p in enumerate(payloads))
+    writer = threading.Thread(target=a.sendall, args=(stream,))
+    writer.start()
+    got = []
+    while len(got) < len(payloads):
+        assert select.select([b], [], [], 10.0)[0], "nothing arrived in 10 s"
+        receiver.read(lambda hdr, payload: got.append((hdr.seq, bytes(payload))))
+    writer.join()
+    assert got == list(enumerate(payloads)) and not drops
+
+
+def test_a_streams_opener_refuses_arguments_out_of_range():
+    _, opener, _ = make()
+    tags = opener._tags
+    for peer, counter in ((1 << 16, 0), ((1 << 32) + 1, 0), (-1, 0), (1, -1), (1, 1 << 64)):
+        with pytest.raises((ValueError, OverflowError)):
+            tags.open_stream(bytearray(64), 64, JOB, 7, peer, counter)
+    with pytest.raises(ValueError):
+        tags.open_stream(bytearray(64), 65, JOB, 7, 1, 0)
 
 
 def test_a_stream_opens_frames_cut_anywhere_once_each_and_skips_what_does_not_open(tcp_pair):

@@ -178,15 +178,24 @@ static PyTypeObject SealerType = {
 
 /* -- TagCheck ----------------------------------------------------------------------------- */
 
+/* One EVP context: open_stream uses it without the GIL, so `busy` turns away any other call
+ * meanwhile (from another thread) rather than let two share it or free it under the first. */
 typedef struct {
     PyObject_HEAD
     oc_gmac g;
     int ready;
+    int busy;
 } TagCheck;
+
+static int tag_check_in_use(TagCheck *self) {
+    if (self->busy) PyErr_SetString(PyExc_RuntimeError, "the TagCheck is in use by another thread");
+    return self->busy;
+}
 
 static int TagCheck_init(TagCheck *self, PyObject *args, PyObject *kw) {
     static char *names[] = {"key", NULL};
     Py_buffer key;
+    if (tag_check_in_use(self)) return -1;
     if (!PyArg_ParseTupleAndKeywords(args, kw, "y*", names, &key)) return -1;
     int bad = key.len != OC_KEY_BYTES;
     if (!bad) {
@@ -216,6 +225,7 @@ static PyObject *TagCheck_check(TagCheck *self, PyObject *args) {
     unsigned int src;
     unsigned long long counter;
     if (!self->ready) return PyErr_Format(PyExc_RuntimeError, "no key");
+    if (tag_check_in_use(self)) return NULL;
     if (!PyArg_ParseTuple(args, "y*IK", &m, &src, &counter)) return NULL;
     int ok = m.len >= OC_TAG_BYTES &&
              oc_gmac_check(&self->g, (uint16_t)src, counter, m.buf, (size_t)m.len - OC_TAG_BYTES,
@@ -231,14 +241,20 @@ static PyObject *TagCheck_check(TagCheck *self, PyObject *args) {
 static PyObject *TagCheck_open_stream(TagCheck *self, PyObject *args) {
     Py_buffer b;
     Py_ssize_t end;
-    unsigned int job, comm, peer;
-    unsigned long long next;
+    unsigned int job, comm;
+    PyObject *peer_obj, *next_obj;
     if (!self->ready) return PyErr_Format(PyExc_RuntimeError, "no key");
-    if (!PyArg_ParseTuple(args, "y*nIIIK", &b, &end, &job, &comm, &peer, &next)) return NULL;
-    if (end < 0 || end > b.len || peer > 0xFFFFu) {
+    if (tag_check_in_use(self)) return NULL;
+    if (!PyArg_ParseTuple(args, "y*nIIOO", &b, &end, &job, &comm, &peer_obj, &next_obj))
+        return NULL;
+    /* Range-checked, not wrapped as the I and K formats would */
+    unsigned long long peer = PyLong_AsUnsignedLongLong(peer_obj);
+    unsigned long long next = PyErr_Occurred() ? 0 : PyLong_AsUnsignedLongLong(next_obj);
+    if (PyErr_Occurred() || end < 0 || end > b.len || peer > 0xFFFFu) {
         PyBuffer_Release(&b);
+        if (PyErr_Occurred()) return NULL;
         return PyErr_Format(PyExc_ValueError, "end %zd is outside the buffer's %zd bytes, or "
-                            "peer %u is not a u16", end, b.len, peer);
+                            "peer %llu is not a u16", end, b.len, peer);
     }
     oc_stream_in in = {.job = job, .comm = comm, .peer = (uint16_t)peer, .next_counter = next};
     enum { BATCH = 64 };
@@ -250,9 +266,11 @@ static PyObject *TagCheck_open_stream(TagCheck *self, PyObject *args) {
         const uint8_t *at = (const uint8_t *)b.buf + done;
         size_t left = (size_t)end - done, used = 0, n;
         if (left >= (1 << 16)) {
+            self->busy = 1;
             Py_BEGIN_ALLOW_THREADS
             n = oc_stream_open(&in, &self->g, at, left, frames, BATCH, &used, &need, &fault);
             Py_END_ALLOW_THREADS
+            self->busy = 0;
         } else {
             n = oc_stream_open(&in, &self->g, at, left, frames, BATCH, &used, &need, &fault);
         }

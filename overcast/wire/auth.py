@@ -102,8 +102,8 @@ class Sealer:
     def seal_into(self, buf: bytearray, offset: int, kind: int, seq: int, dst: int, chunk: int,
                   payload=b"") -> int:
         """Write the whole message (header, payload, tag) into `buf` at `offset`, copying the
-        payload once; returns its end. The payload is a buffer whose len() is its size in bytes
-        (bytes, a byte memoryview, a 1-D uint8 array), or a tuple of up to two of them."""
+        payload once; returns its end. The payload is a contiguous buffer (its bytes are sent,
+        whatever its item size), or a tuple of up to two of them."""
         return self.native.seal_into(buf, offset, kind, seq, dst, chunk, payload)
 
     def seal_detached(self, kind: int, seq: int, dst: int, chunk: int, payload=b"") -> tuple:
@@ -118,7 +118,7 @@ class Sealer:
         """The buffers a stream writes for the message: a small one sealed whole into one
         buffer (a copy of a few bytes costs less than two more parts to queue and write), a
         larger one detached (`seal_detached`: its payload must not change until sent)."""
-        if type(payload) is not tuple and len(payload) <= STREAM_COPY_BYTES:
+        if type(payload) is not tuple and memoryview(payload).nbytes <= STREAM_COPY_BYTES:
             return (self.seal(kind, seq, dst, chunk, payload),)
         return self.seal_detached(kind, seq, dst, chunk, payload)
 
@@ -130,7 +130,7 @@ def _parts(payload) -> tuple:
 
 def sealed_bytes(payload=b"") -> int:
     """The length of a sealed message carrying `payload` (as Sealer.seal_into takes it)."""
-    return HEADER_BYTES + sum(map(len, _parts(payload))) + TAG_BYTES
+    return HEADER_BYTES + sum(memoryview(part).nbytes for part in _parts(payload)) + TAG_BYTES
 
 
 # Payloads up to this size are copied into their sealed message for a stream, not written from

@@ -206,6 +206,20 @@ static void test_stream_open(void) {
     n = oc_stream_open(&in, &g, buf, ends[5], frames, 8, &used, &need, &fault);
     CHECK(n == 1 && used == ends[0] && fault == OC_MISFIT_MALFORMED,
           "a header that is no frame ends it after the frames before");
+    /* A counter equal to the last accepted is a replay; UINT64_MAX would leave none above. */
+    at = 0;
+    peer.counter = 20;
+    at += oc_seal_into(&peer, buf + at, sizeof buf - at, OC_FIN, 1, 0, 0, NULL, 0);
+    peer.counter = 20;
+    at += oc_seal_into(&peer, buf + at, sizeof buf - at, OC_FIN, 2, 0, 0, NULL, 0);
+    peer.counter = UINT64_MAX - 1;
+    at += oc_seal_into(&peer, buf + at, sizeof buf - at, OC_FIN, 3, 0, 0, NULL, 0);
+    in = (oc_stream_in){.job = 5, .comm = 6, .peer = 3};
+    n = oc_stream_open(&in, &g, buf, at, frames, 8, &used, &need, &fault);
+    CHECK(n == 1 && frames[0].h.seq == 1 && in.replayed == 2 && in.next_counter == 22 &&
+              used == at,
+          "an equal counter and UINT64_MAX are replays: %zu opened, %llu replayed", n,
+          (unsigned long long)in.replayed);
     oc_gmac_free(&peer.gmac);
     oc_gmac_free(&other.gmac);
     oc_gmac_free(&g);
