@@ -1,13 +1,15 @@
-"""Where a rank's engine spends its CPU in the overlapped pair.
+"""Where a rank's engine spends its CPU in the overlapped pair (or the full-duplex all_reduce).
 
     .venv/bin/python tools/profile_engine.py --hosts 8 --link-mbit 100 --size 4MiB --pairs 3
     .venv/bin/python tools/profile_engine.py --mode parts --link-mbit 100
     .venv/bin/python tools/profile_engine.py --mode time --link-mbit 400
+    .venv/bin/python tools/profile_engine.py --mode perf --all-reduce --pairs 20
 
 Runs `--pairs` pairs (multicast AllGather beside in-network ReduceScatter, float32) on the
 emulated cluster with its aggregator, after one AllGather to warm up, and prints per pair the
 median rank's time and CPU and the aggregator's CPU (its whole life, start-up included, over
-pairs + 1). Then, by `--mode`:
+pairs + 1). With `--all-reduce` the calls are full-duplex all_reduces of `--size` per rank
+instead (16 collectives each at 4 MiB). Then, by `--mode`:
 
 - profile: rank 1's progress-engine thread under cProfile, the time its functions took sorted
   into syscalls, authentication, protocol bookkeeping, numpy, the engine and transport's own
@@ -124,7 +126,10 @@ def profile_engine(profile_path: str) -> None:
     engine_module.Engine._run = profiled
 
 
-def pairs(rank: int, nbytes: int, count: int, mode: str, profile_path: str):
+def pairs(rank: int, nbytes: int, count: int, mode: str, profile_path: str,
+          all_reduce: bool = False):
+    """`count` overlapped pairs (or, with `all_reduce`, full-duplex all_reduces of the whole
+    `nbytes` buffer) on this rank: (CPU s, seconds, parts, datagrams, pid) per call."""
     seconds, calls = collections.Counter(), collections.Counter()
     if mode == "parts":
         time_parts(seconds, calls)
@@ -140,6 +145,9 @@ def pairs(rank: int, nbytes: int, count: int, mode: str, profile_path: str):
         calls.clear()
         cpu, start = time.process_time(), time.perf_counter()
         for _ in range(count):
+            if all_reduce:
+                comm.all_reduce(shard, algorithm="fullduplex")
+                continue
             ag = comm.all_gather(gathered, shard, algorithm="multicast", async_op=True)
             rs = comm.reduce_scatter(reduced, grads, algorithm="innetwork", async_op=True)
             ag.wait()
@@ -189,7 +197,7 @@ def stop_sampling(proc: subprocess.Popen) -> None:
 
 
 def machine_profile(path: str, ranks: list[int], aggregator: int, pairs: int) -> None:
-    """Print, per pair, the CPU of a rank (the mean of the ranks) and of the aggregator by
+    """Print, per call, the CPU of a rank (the mean of the ranks) and of the aggregator by
     WHERE, from the samples in `path`."""
     out = subprocess.run(["perf", "script", "-i", path, "-F", "pid,ip,sym,dso"],
                          capture_output=True, text=True, check=True).stdout
@@ -212,7 +220,7 @@ def machine_profile(path: str, ranks: list[int], aggregator: int, pairs: int) ->
     print(f"  machine sampled: {busy / total:.0%} busy; ranks {whole['rank'] / total:.0%}, "
           f"aggregator {whole['aggregator'] / total:.0%} of all samples")
     width = max(map(len, WHERE))
-    print(f"  {'CPU per pair (warm-up included)':{width}s}   a rank (mean)     aggregator")
+    print(f"  {'CPU per call (warm-up included)':{width}s}   a rank (mean)     aggregator")
     for kind in (*WHERE, None):
         row = []
         for role in ("rank", "aggregator"):
@@ -226,7 +234,9 @@ def main() -> int:
     p.add_argument("--hosts", type=int, default=8)
     p.add_argument("--link-mbit", type=float, default=100.0)
     p.add_argument("--size", default="4MiB")
-    p.add_argument("--pairs", type=int, default=3)
+    p.add_argument("--pairs", type=int, default=3, help="calls timed (pairs, or all_reduces)")
+    p.add_argument("--all-reduce", action="store_true", help="full-duplex all_reduces of "
+                   "--size per rank instead of pairs")
     p.add_argument("--mode", choices=("profile", "parts", "time", "perf"), default="profile")
     p.add_argument("--top", type=int, default=0, help="profile: also list the N functions that "
                    "took the most time of their own")
@@ -238,15 +248,16 @@ def main() -> int:
             sampler = sample_machine(f"{tmp}/perf.data") if args.mode == "perf" else None
             try:
                 ranks = cluster.run(pairs, args=(parse_size(args.size), args.pairs, args.mode,
-                                                 path))
+                                                 path, args.all_reduce))
             finally:
                 if sampler is not None:
                     stop_sampling(sampler)
             cluster.stop_switch(switch)
         with open(stats) as f:
             aggregator = json.load(f)["cpu_seconds"] / (args.pairs + 1)
-        print(f"{args.hosts} hosts, {args.link_mbit:g} Mbit/s, {args.size}, {args.pairs} pairs: "
-              f"per pair {np.median([r[1] for r in ranks]):.3f} s, CPU per rank "
+        what = "all_reduces" if args.all_reduce else "pairs"
+        print(f"{args.hosts} hosts, {args.link_mbit:g} Mbit/s, {args.size}, {args.pairs} {what}: "
+              f"per call {np.median([r[1] for r in ranks]):.3f} s, CPU per rank "
               f"{np.median([r[0] for r in ranks]):.3f} s (median of the ranks), aggregator "
               f"{aggregator:.3f} s")
         if args.mode == "profile":
