@@ -113,7 +113,6 @@ class Sealer:
         ends = memoryview(self.native.seal_detached(kind, seq, dst, chunk, payload))
         return (ends[:HEADER_BYTES], *_parts(payload), ends[HEADER_BYTES:])
 
-
     def seal_for_stream(self, kind: int, seq: int, dst: int, chunk: int, payload=b"") -> tuple:
         """The buffers a stream writes for the message: a small one sealed whole into one
         buffer (a copy of a few bytes costs less than two more parts to queue and write), a
