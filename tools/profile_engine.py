@@ -126,7 +126,7 @@ def profile_engine(profile_path: str) -> None:
     engine_module.Engine._run = profiled
 
 
-def pairs(rank: int, nbytes: int, count: int, mode: str, profile_path: str,
+def timed_calls(rank: int, nbytes: int, count: int, mode: str, profile_path: str,
           all_reduce: bool = False):
     """`count` overlapped pairs (or, with `all_reduce`, full-duplex all_reduces of the whole
     `nbytes` buffer) on this rank: (CPU s, seconds, parts, datagrams, pid) per call."""
@@ -247,7 +247,7 @@ def main() -> int:
             switch = cluster.start_switch(stats_path=stats)
             sampler = sample_machine(f"{tmp}/perf.data") if args.mode == "perf" else None
             try:
-                ranks = cluster.run(pairs, args=(parse_size(args.size), args.pairs, args.mode,
+                ranks = cluster.run(timed_calls, args=(parse_size(args.size), args.pairs, args.mode,
                                                  path, args.all_reduce))
             finally:
                 if sampler is not None:

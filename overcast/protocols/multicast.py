@@ -27,7 +27,7 @@ import numpy as np
 from overcast.protocols.base import STREAM, Accept, Collective, Descriptor, Outgoing, Phase
 from overcast.protocols.budget import LinkBudget
 from overcast.schedules.chains import chain_position, chunk_count, concurrent_senders
-from overcast.wire.header import Kind, MalformedError
+from overcast.wire.header import MISFITS, Kind, MalformedError
 from overcast.wire.messages import pack_ranges, unpack_ranges
 
 # After a root's end-of-multicast notice, datagrams still in flight get this long to land.
@@ -36,8 +36,6 @@ REPAIR_FRAME_BYTES = 128 * 1024
 _RANGES_PER_REQUEST = 512
 # Phases in which a rank may still be asked for chunks, told a root has ended, or get the FIN.
 _BEFORE_DRAINING = frozenset((Phase.WAITING, Phase.SENDING, Phase.RECEIVING))
-# The plane's reasons a message did not fit (overcast/native/wire.h), by name.
-_MISFITS = {1: "out_of_range", 2: "wrong_length", 3: "malformed", 4: "wrong_sender"}
 
 
 class MulticastGather(Collective):
@@ -237,7 +235,7 @@ class MulticastGather(Collective):
         why, fresh = self.plane.gather_store(self.seq, hdr.chunk, payload, now) \
             if self.posted else (1, 0)
         if why:
-            self.reject(_MISFITS[why], f"repair of chunks from {hdr.chunk} carrying "
+            self.reject(MISFITS[why], f"repair of chunks from {hdr.chunk} carrying "
                                        f"{len(payload)} bytes does not fit chunks of "
                                        f"{self.chunk_bytes} within one segment")
         self.progress += fresh

@@ -19,8 +19,8 @@ import hashlib
 import hmac
 
 from overcast.native import _core
-from overcast.wire.header import (HEADER, HEADER_BYTES, KINDS, MAGIC, OVERHEAD_BYTES, TAG_BYTES,
-                                  VERSION, Header, unpack_header)
+from overcast.wire.header import (HEADER, HEADER_BYTES, KINDS, MAGIC, MISFITS, OVERHEAD_BYTES,
+                                  TAG_BYTES, VERSION, Header, unpack_header)
 from overcast.wire.runs import Run
 
 
@@ -135,9 +135,8 @@ def sealed_bytes(payload=b"") -> int:
 # Payloads up to this size are copied into their sealed message for a stream, not written from
 # where they lie: control messages, repair requests.
 STREAM_COPY_BYTES = 4096
-# What oc_stream_open (overcast/native/stream.h) counts and names, as the drop counters call it.
+# What oc_stream_open (overcast/native/stream.h) skips and counts, as the drop counters call it.
 _SKIPPED = ("foreign", "bad_mac", "replayed")
-_FAULTS = {3: "malformed", 4: "wrong_sender"}
 
 
 class Opener:
@@ -183,7 +182,7 @@ class Opener:
         for why, count in zip(_SKIPPED, skipped):
             if count:
                 self.drops[why] += count
-        fault = _FAULTS.get(fault)
+        fault = MISFITS.get(fault)  # malformed or wrong_sender: the stream ends
         if fault is not None:
             self.drops[fault] += 1
         make = Header._make

@@ -59,6 +59,9 @@ class Kind(enum.IntEnum):
 
 
 KINDS = frozenset(int(k) for k in Kind)
+# Why an authentic message did not fit its receiver's state, as the native core reports it
+# (overcast/native/wire.h, OC_MISFIT_*), by the drop counters' names.
+MISFITS = {1: "out_of_range", 2: "wrong_length", 3: "malformed", 4: "wrong_sender"}
 
 
 class Header(NamedTuple):
