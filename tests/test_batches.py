@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 import time
 
 import numpy as np
@@ -125,6 +126,58 @@ def test_a_forged_datagram_among_others_costs_only_itself():
     finally:
         sender.close()
         receiver.close()
+
+
+def test_messages_are_sent_as_given_whatever_their_attributes_do_meanwhile():
+    """send reads every message's attributes (the caller's Python code may run there) before
+    it queues any: a list emptied meanwhile, or a call back into the plane, cannot make it read
+    past the list or queue a payload it no longer holds."""
+    sender, receiver = ports()
+    try:
+        data = chunks(2)
+        given = messages(data)
+        first = given[0]
+
+        class Meddling:
+            def __getattr__(self, name):
+                if name == "kind":
+                    given.clear()
+                    sender.plane.take_outbox()
+                return getattr(first, name)
+
+        given[0] = Meddling()
+        sender.send(given)
+        got = receiver.receive(2)
+        assert [p for _, p in got] == [d.tobytes() for d in data]
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_a_plane_serving_keeps_its_sealer_to_itself():
+    """While the plane seals without the GIL the sealer's counter is its own: a seal from
+    another thread would spend the same counter, the GCM nonce, twice."""
+    port = Port(0)
+    try:
+        ended, refused = [], None
+        server = threading.Thread(target=lambda: ended.append(
+            port.plane.serve(time.monotonic() + 60)))
+        server.start()
+        deadline = time.monotonic() + 30
+        while refused is None and time.monotonic() < deadline:
+            try:
+                port.sealer.native.seal_detached(Kind.FIN, 1, 1, 0, b"")
+            except RuntimeError as err:
+                refused = str(err)
+        port.quiet[1].send(b"x")
+        server.join(30)
+        assert refused == "the sealer is in use by a plane serving on another thread"
+        assert ended == [_core.PORT_PYTHON]
+        spent = port.sealer.native.counter
+        port.sealer.native.seal_detached(Kind.FIN, 1, 1, 0, b"")  # its own again
+        assert port.sealer.native.counter == spent + 1
+    finally:
+        port.close()
 
 
 PORT = 47000

@@ -15,6 +15,7 @@ import pytest
 
 from overcast.buffers import BFLOAT16, DTYPES, accumulator_dtype, dtype_code
 from overcast.native import Aggregator as Engine
+from overcast.native import _core
 from overcast.wire.auth import Drops, Opener, ReplayWindow, Sealer
 from overcast.wire.header import AGGREGATOR, HEADER_BYTES, Kind
 from overcast.wire.messages import pack_acks, pack_contribution_prefix, unpack_credit
@@ -237,3 +238,54 @@ def test_nothing_touches_the_engine_while_it_serves_without_the_gil():
     for fd in (wake_r, wake_w):
         os.close(fd)
     udp.close()
+
+
+# -- the bindings' arguments ------------------------------------------------------------------
+
+def test_numbers_out_of_their_wire_range_are_refused_not_wrapped():
+    """A kind is a u8, a destination or a port a u16, a sequence number a u32: 266 would have
+    sealed a RING_DATA header, route 256 set the aggregator's address, -1 slots a window of
+    2^32 - 1."""
+    sealer = Sealer(KEY, JOB, COMM, 1).native
+    for kind, seq, dst in ((Kind.FIN + 256, 1, 0), (Kind.FIN, -1, 0), (Kind.FIN, 1, 1 << 16),
+                           (Kind.FIN, 1 << 32, 0)):
+        with pytest.raises(OverflowError):
+            sealer.seal_detached(kind, seq, dst, 0, b"")
+    with pytest.raises(OverflowError):
+        sealer.counter = -1
+    plane = _core.Plane(0, 2, JOB, COMM, KEY, sealer)
+    with pytest.raises(OverflowError):
+        plane.set_address(256, 1, "127.0.0.1", 9)
+    with pytest.raises(OverflowError):
+        plane.set_address(_core.ROUTE_RANK, 1, "127.0.0.1", 70000)
+    with pytest.raises(OverflowError):
+        plane.gather_state(-1)
+    with pytest.raises(OverflowError):
+        Engine(-1)
+    engine, handle = keyed_engine()
+    with pytest.raises(OverflowError):
+        engine.set_group(handle, bytes(4), 70000)
+    with pytest.raises(OverflowError):
+        engine.unregister(1 << 32)
+    assert sealer.counter == 0  # nothing was sealed
+
+
+def test_a_spent_key_seals_nothing_more():
+    """The counter is the GCM nonce: after 2^64 - 1 under one key there is none left."""
+    sealer = Sealer(KEY, JOB, COMM, 1).native
+    sealer.counter = (1 << 64) - 2
+    sealer.seal_detached(Kind.FIN, 1, 0, 0, b"")
+    with pytest.raises(ValueError, match="spent"):
+        sealer.seal_detached(Kind.FIN, 2, 0, 0, b"")
+    with pytest.raises(ValueError, match="spent"):
+        sealer.seal_into(bytearray(128), 0, Kind.FIN, 2, 0, 0, b"")
+    assert sealer.counter == (1 << 64) - 1
+
+
+def test_a_budget_is_set_up_once():
+    """Gathers and reductions count themselves in their budget; set up again, its counts would
+    go negative when they leave."""
+    budget = _core.Budget(1e6)
+    with pytest.raises(RuntimeError, match="once"):
+        budget.__init__(2e6)
+    assert budget.rate == 1e6

@@ -122,7 +122,7 @@ static void pump(oc_reducer *r, oc_outbox *o, double now) {
             oc_owner_span(after, r->world, r->k, r->group, &first, &end);
             uint64_t take = end;
             if (take > limit) take = limit;
-            if (take > after + group - n) take = after + group - n;
+            if (take > (uint64_t)after + group - n) take = (uint64_t)after + group - n;
             for (uint32_t g = after; g < take; g++) chunks[n++] = g;
             after = take < end ? (uint32_t)take : next_to_send(r, end);
         }

@@ -9,7 +9,7 @@ int oc_gather_init(oc_gather *g, uint32_t seq, uint32_t world, uint8_t *buffer, 
                    const uint32_t *roots, const uint64_t *offsets, uint64_t segment_bytes,
                    uint32_t chunk_bytes, int mine, uint32_t concurrent, oc_budget *budget) {
     memset(g, 0, sizeof *g);
-    if (nseg == 0 || chunk_bytes == 0 || budget == NULL || concurrent == 0 ||
+    if (nseg == 0 || chunk_bytes == 0 || budget == NULL || concurrent == 0 || concurrent > world ||
         mine >= (int)nseg || segment_bytes / chunk_bytes >= UINT32_MAX / nseg)
         return -1;
     g->seq = seq;
@@ -221,7 +221,7 @@ int oc_gather_store(oc_gather *g, uint32_t first, const uint8_t *payload, size_t
 
 int oc_gather_have(const oc_gather *g, uint32_t first, uint32_t count) {
     if (count == 0 || g->k == 0 || first >= g->nseg * g->k || count > g->k ||
-        first / g->k != (first + count - 1) / g->k)
+        first / g->k != ((uint64_t)first + count - 1) / g->k)
         return -1;
     for (uint32_t i = 0; i < count; i++)
         if (g->state[first + i] != OC_CHUNK_HAVE) return 0;
@@ -253,8 +253,8 @@ static void pump(oc_gather *g, oc_outbox *o, double now) {
      * link's batch is shared by the streams a receiver takes in at once, so what reaches a
      * receiver's switch port at once stays near one link batch, whatever the number of roots
      * and gathers; but never fewer than OC_STREAM_BATCH, each a wake-up of every receiver. */
-    uint32_t streams = g->concurrent * gathers(g);
-    uint32_t batch = (g->budget->batch + streams - 1) / streams;
+    uint64_t streams = (uint64_t)g->concurrent * gathers(g);
+    uint32_t batch = (uint32_t)((g->budget->batch + streams - 1) / streams);
     if (batch < OC_STREAM_BATCH) batch = OC_STREAM_BATCH;
     double due = rate > 0 ? now + (batch - 1) * full / rate : now;
     double wire = 0;

@@ -61,8 +61,8 @@ typedef struct {
 } oc_gather;
 
 /* segments: nseg (root, byte offset) pairs of segment_bytes each; `mine` this rank's segment
- * (already in place in the buffer) or -1. 0, or -1 (nothing to free) for a shape it cannot
- * take or no memory. */
+ * (already in place in the buffer) or -1; `concurrent` 1..world. 0, or -1 (nothing to free) for
+ * a shape it cannot take or no memory. */
 int oc_gather_init(oc_gather *g, uint32_t seq, uint32_t world, uint8_t *buffer, uint32_t nseg,
                    const uint32_t *roots, const uint64_t *offsets, uint64_t segment_bytes,
                    uint32_t chunk_bytes, int mine, uint32_t concurrent, oc_budget *budget);

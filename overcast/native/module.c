@@ -9,6 +9,7 @@
 #include <arpa/inet.h>
 
 #include "aggregator.h"
+#include "pyargs.h"
 #include "service.h"
 #include "udp.h"
 
@@ -23,8 +24,8 @@ typedef struct {
 
 static int Aggregator_init(Aggregator *self, PyObject *args, PyObject *kw) {
     static char *names[] = {"slots", NULL};
-    unsigned int slots;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "I", names, &slots)) return -1;
+    uint32_t slots;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O&", names, oc_arg_u32, &slots)) return -1;
     if (self->serving) {
         PyErr_SetString(PyExc_RuntimeError, "the aggregator is serving on another thread");
         return -1;
@@ -62,12 +63,13 @@ static int ready(Aggregator *self) {
 
 static PyObject *Aggregator_register(Aggregator *self, PyObject *args, PyObject *kw) {
     static char *names[] = {"job", "comm", "world", "slots", "key", "counter", NULL};
-    unsigned int job, comm, world, slots = 0;
-    unsigned long long counter = 0;
+    uint32_t job, comm, world, slots = 0;
+    uint64_t counter = 0;
     Py_buffer key = {0};
     if (!ready(self) ||
-        !PyArg_ParseTupleAndKeywords(args, kw, "III|Iz*K", names, &job, &comm, &world, &slots,
-                                     &key, &counter))
+        !PyArg_ParseTupleAndKeywords(args, kw, "O&O&O&|O&z*O&", names, oc_arg_u32, &job,
+                                     oc_arg_u32, &comm, oc_arg_u32, &world, oc_arg_u32, &slots,
+                                     &key, oc_arg_u64, &counter))
         return NULL;
     if (key.buf && key.len != OC_KEY_BYTES) {
         PyBuffer_Release(&key);
@@ -82,8 +84,8 @@ static PyObject *Aggregator_register(Aggregator *self, PyObject *args, PyObject 
 }
 
 static PyObject *Aggregator_unregister(Aggregator *self, PyObject *arg) {
-    int h = PyLong_AsLong(arg);
-    if (!ready(self) || (h == -1 && PyErr_Occurred())) return NULL;
+    int h;
+    if (!ready(self) || !PyArg_Parse(arg, "i", &h)) return NULL;
     oc_agg_unregister(self->agg, h);
     Py_RETURN_NONE;
 }
@@ -99,11 +101,13 @@ static int ipv4(Py_buffer *ip, uint32_t *out) {
 
 static PyObject *Aggregator_set_address(Aggregator *self, PyObject *args) {
     int h, hears;
-    unsigned int rank;
-    unsigned short port;
+    uint32_t rank;
+    uint16_t port;
     Py_buffer ip;
     uint32_t addr;
-    if (!ready(self) || !PyArg_ParseTuple(args, "iIy*Hp", &h, &rank, &ip, &port, &hears)) return NULL;
+    if (!ready(self) || !PyArg_ParseTuple(args, "iO&y*O&p", &h, oc_arg_u32, &rank, &ip,
+                                          oc_arg_u16, &port, &hears))
+        return NULL;
     int bad = ipv4(&ip, &addr);
     PyBuffer_Release(&ip);
     if (bad) return NULL;
@@ -114,10 +118,10 @@ static PyObject *Aggregator_set_address(Aggregator *self, PyObject *args) {
 
 static PyObject *Aggregator_set_group(Aggregator *self, PyObject *args) {
     int h;
-    unsigned short port;
+    uint16_t port;
     Py_buffer ip;
     uint32_t addr;
-    if (!ready(self) || !PyArg_ParseTuple(args, "iy*H", &h, &ip, &port)) return NULL;
+    if (!ready(self) || !PyArg_ParseTuple(args, "iy*O&", &h, &ip, oc_arg_u16, &port)) return NULL;
     int bad = ipv4(&ip, &addr);
     PyBuffer_Release(&ip);
     if (bad) return NULL;
@@ -129,27 +133,30 @@ static PyObject *Aggregator_set_group(Aggregator *self, PyObject *args) {
 /* receive_run(handle, kind, seq, src, dst, length, chunks, data, offset, stride, now) */
 static PyObject *Aggregator_receive_run(Aggregator *self, PyObject *args) {
     int h;
-    unsigned int kind, seq, src, dst, length;
+    uint8_t kind;
+    uint16_t src, dst;
+    uint32_t seq, length;
     PyObject *chunks;
     Py_buffer data;
     Py_ssize_t offset, stride;
     double now;
-    if (!ready(self) || !PyArg_ParseTuple(args, "iIIIIIOy*nnd", &h, &kind, &seq, &src, &dst,
-                                          &length, &chunks, &data, &offset, &stride, &now))
+    if (!ready(self) || !PyArg_ParseTuple(args, "iO&O&O&O&O&Oy*nnd", &h, oc_arg_u8, &kind,
+                                          oc_arg_u32, &seq, oc_arg_u16, &src, oc_arg_u16, &dst,
+                                          oc_arg_u32, &length, &chunks, &data, &offset, &stride,
+                                          &now))
         return NULL;
-    PyObject *seq_fast = PySequence_Fast(chunks, "chunks must be a sequence");
+    PyObject *seq_fast = PySequence_Tuple(chunks); /* a list changed meanwhile cannot move it */
     PyObject *result = NULL;
     uint32_t *gs = NULL;
     if (seq_fast == NULL) goto done;
-    Py_ssize_t count = PySequence_Fast_GET_SIZE(seq_fast);
+    Py_ssize_t count = PyTuple_GET_SIZE(seq_fast);
     if (count == 0) {
         result = Py_None;
         Py_INCREF(result);
         goto done;
     }
     /* the run must lie inside the buffer: every payload, at its stride */
-    if (offset < 0 || stride < 0 || kind > 255 || src > 0xFFFF || dst > 0xFFFF ||
-        offset > data.len || (Py_ssize_t)length > data.len - offset ||
+    if (offset < 0 || stride < 0 || offset > data.len || (Py_ssize_t)length > data.len - offset ||
         (count > 1 && (stride == 0 || stride < (Py_ssize_t)length ||
                        (data.len - offset - (Py_ssize_t)length) / stride < count - 1))) {
         PyErr_SetString(PyExc_ValueError, "the run does not lie inside its buffer");
@@ -160,16 +167,9 @@ static PyObject *Aggregator_receive_run(Aggregator *self, PyObject *args) {
         PyErr_NoMemory();
         goto done;
     }
-    for (Py_ssize_t i = 0; i < count; i++) {
-        unsigned long g = PyLong_AsUnsignedLong(PySequence_Fast_GET_ITEM(seq_fast, i));
-        if (g == (unsigned long)-1 && PyErr_Occurred()) goto done;
-        if (g > 0xFFFFFFFFul) {
-            PyErr_SetString(PyExc_ValueError, "a chunk number is 32 bits");
-            goto done;
-        }
-        gs[i] = (uint32_t)g;
-    }
-    oc_header hdr = {(uint8_t)kind, 0, 0, seq, (uint16_t)src, (uint16_t)dst, gs[0], length, 0};
+    for (Py_ssize_t i = 0; i < count; i++)
+        if (!oc_arg_u32(PyTuple_GET_ITEM(seq_fast, i), &gs[i])) goto done;
+    oc_header hdr = {kind, 0, 0, seq, src, dst, gs[0], length, 0};
     oc_agg_receive_run(self->agg, h, &hdr, gs, (size_t)count, data.buf, (size_t)offset,
                        (size_t)stride, now);
     result = Py_None;
@@ -252,15 +252,18 @@ static PyObject *Aggregator_flush(Aggregator *self, PyObject *Py_UNUSED(ignored)
 
 static PyObject *Aggregator_seal(Aggregator *self, PyObject *args) {
     int h;
-    unsigned int kind, seq, dst, chunk;
+    uint8_t kind;
+    uint16_t dst;
+    uint32_t seq, chunk;
     Py_buffer payload;
-    if (!ready(self) || !PyArg_ParseTuple(args, "iIIIIy*", &h, &kind, &seq, &dst, &chunk, &payload))
+    if (!ready(self) || !PyArg_ParseTuple(args, "iO&O&O&O&y*", &h, oc_arg_u8, &kind, oc_arg_u32,
+                                          &seq, oc_arg_u16, &dst, oc_arg_u32, &chunk, &payload))
         return NULL;
     PyObject *out = NULL;
-    if (kind > 255 || dst > 0xFFFF || payload.len > OC_MAX_DATAGRAM - OC_OVERHEAD_BYTES) {
+    if (payload.len > OC_MAX_DATAGRAM - OC_OVERHEAD_BYTES) {
         PyErr_SetString(PyExc_ValueError, "not a message the aggregator can seal");
     } else if ((out = PyBytes_FromStringAndSize(NULL, payload.len + OC_OVERHEAD_BYTES))) {
-        size_t n = oc_agg_seal(self->agg, h, (uint8_t)kind, seq, (uint16_t)dst, chunk,
+        size_t n = oc_agg_seal(self->agg, h, kind, seq, dst, chunk,
                                payload.buf, (size_t)payload.len,
                                (uint8_t *)PyBytes_AS_STRING(out), (size_t)PyBytes_GET_SIZE(out));
         if (n == 0) {
@@ -303,8 +306,8 @@ static PyObject *Aggregator_memory(Aggregator *self, PyObject *Py_UNUSED(ignored
 
 static PyObject *Aggregator_resend_timeout(Aggregator *self, PyObject *args) {
     int h;
-    unsigned int owner;
-    if (!ready(self) || !PyArg_ParseTuple(args, "iI", &h, &owner)) return NULL;
+    uint32_t owner;
+    if (!ready(self) || !PyArg_ParseTuple(args, "iO&", &h, oc_arg_u32, &owner)) return NULL;
     double t = oc_agg_resend_timeout(self->agg, h, owner);
     if (t < 0) return PyErr_Format(PyExc_ValueError, "no rank %u in communicator %d", owner, h);
     return PyFloat_FromDouble(t);
@@ -312,8 +315,8 @@ static PyObject *Aggregator_resend_timeout(Aggregator *self, PyObject *args) {
 
 /* [(seq, chunks released)] of a communicator's reductions in flight */
 static PyObject *Aggregator_reductions(Aggregator *self, PyObject *arg) {
-    int h = PyLong_AsLong(arg);
-    if (!ready(self) || (h == -1 && PyErr_Occurred())) return NULL;
+    int h;
+    if (!ready(self) || !PyArg_Parse(arg, "i", &h)) return NULL;
     uint32_t seqs[OC_MAX_REDUCTIONS], released[OC_MAX_REDUCTIONS];
     int n = oc_agg_reductions(self->agg, h, seqs, released, OC_MAX_REDUCTIONS);
     if (n < 0) return PyErr_Format(PyExc_ValueError, "no communicator %d", h);
@@ -331,8 +334,8 @@ static PyObject *Aggregator_reductions(Aggregator *self, PyObject *arg) {
 
 /* attach(fd): the UDP socket serve reads and sends on (the caller keeps it open) */
 static PyObject *Aggregator_attach(Aggregator *self, PyObject *arg) {
-    int fd = PyLong_AsLong(arg);
-    if (!ready(self) || (fd == -1 && PyErr_Occurred())) return NULL;
+    int fd;
+    if (!ready(self) || !PyArg_Parse(arg, "i", &fd)) return NULL;
     if (self->attached) oc_udp_free(&self->udp);
     self->attached = 0;
     if (oc_udp_init(&self->udp, fd)) return PyErr_NoMemory();

@@ -319,15 +319,16 @@ static int open_one(oc_plane *p, const uint8_t *d, size_t len, oc_header *h) {
         p->drops[OC_PLANE_DROP_foreign]++;
         return -1;
     }
-    if (h->src == p->rank) return -1; /* its own multicast, looped back: not news */
-    uint32_t w = h->src == OC_AGGREGATOR ? p->world : h->src;
-    if (h->src != OC_AGGREGATOR && h->src >= p->world) { /* index world is the aggregator's */
-        p->drops[OC_PLANE_DROP_wrong_sender]++;
-        return -1;
-    }
+    /* its own multicast, looped back: not news, and common enough to spare the tag check */
+    if (h->src == p->rank) return -1;
     if (!p->keyed || !oc_gmac_check(&p->opener, h->src, h->counter, d, OC_HEADER_BYTES + h->length,
                                     d + OC_HEADER_BYTES + h->length)) {
         p->drops[OC_PLANE_DROP_bad_mac]++;
+        return -1;
+    }
+    uint32_t w = h->src == OC_AGGREGATOR ? p->world : h->src;
+    if (h->src != OC_AGGREGATOR && h->src >= p->world) { /* authentic, but no rank of its world */
+        p->drops[OC_PLANE_DROP_wrong_sender]++;
         return -1;
     }
     if (!oc_replay_accept(&p->windows[w], h->counter)) {

@@ -15,6 +15,7 @@
 #include <math.h>
 
 #include "budget.h"
+#include "pyargs.h"
 #include "plane.h"
 #include "port.h"
 #include "service.h"
@@ -28,24 +29,34 @@ typedef struct {
     PyObject_HEAD
     oc_sealer s;
     int ready;
+    int lent; /* planes sealing with it now, the GIL released: its counter is theirs meanwhile */
 } Sealer;
+
+/* Two sealings at once would spend the same counter: the GCM nonce, repeated under one key. */
+static int sealer_lent(Sealer *self) {
+    if (self->lent)
+        PyErr_SetString(PyExc_RuntimeError, "the sealer is in use by a plane serving on another "
+                                            "thread");
+    return self->lent;
+}
 
 static int Sealer_init(Sealer *self, PyObject *args, PyObject *kw) {
     static char *names[] = {"key", "job", "comm", "src", NULL};
     Py_buffer key;
-    unsigned int job, comm, src;
+    uint32_t job, comm;
+    uint16_t src;
     if (self->ready) { /* its counter must never go back under the same key */
         PyErr_SetString(PyExc_RuntimeError, "a sealer is keyed once");
         return -1;
     }
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "y*III", names, &key, &job, &comm, &src))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "y*O&O&O&", names, &key, oc_arg_u32, &job,
+                                     oc_arg_u32, &comm, oc_arg_u16, &src))
         return -1;
-    int bad = key.len != OC_KEY_BYTES || src > 0xFFFF;
+    int bad = key.len != OC_KEY_BYTES;
     if (!bad) self->ready = oc_gmac_init(&self->s.gmac, key.buf, 1) == 0;
     PyBuffer_Release(&key);
     if (bad) {
-        PyErr_Format(PyExc_ValueError, "a communicator key has %d bytes; a sender is a u16",
-                     OC_KEY_BYTES);
+        PyErr_Format(PyExc_ValueError, "a communicator key has %d bytes", OC_KEY_BYTES);
         return -1;
     }
     if (!self->ready) {
@@ -54,7 +65,7 @@ static int Sealer_init(Sealer *self, PyObject *args, PyObject *kw) {
     }
     self->s.job = job;
     self->s.comm = comm;
-    self->s.src = (uint16_t)src;
+    self->s.src = src;
     self->s.counter = 0;
     return 0;
 }
@@ -92,10 +103,14 @@ static int payload_parts(PyObject *payload, Py_buffer parts[2], int *n) {
 static PyObject *Sealer_seal_into(Sealer *self, PyObject *args) {
     Py_buffer buf;
     Py_ssize_t offset;
-    unsigned int kind, seq, dst, chunk;
+    uint8_t kind;
+    uint16_t dst;
+    uint32_t seq, chunk;
     PyObject *payload;
     if (!self->ready) return PyErr_Format(PyExc_RuntimeError, "the sealer has no key");
-    if (!PyArg_ParseTuple(args, "w*nIIIIO", &buf, &offset, &kind, &seq, &dst, &chunk, &payload))
+    if (sealer_lent(self)) return NULL;
+    if (!PyArg_ParseTuple(args, "w*nO&O&O&O&O", &buf, &offset, oc_arg_u8, &kind, oc_arg_u32,
+                          &seq, oc_arg_u16, &dst, oc_arg_u32, &chunk, &payload))
         return NULL;
     Py_buffer parts[2] = {{0}, {0}};
     int nparts;
@@ -103,34 +118,43 @@ static PyObject *Sealer_seal_into(Sealer *self, PyObject *args) {
     size_t n = 0;
     if (ok && offset >= 0 && offset <= buf.len)
         n = oc_seal_parts(&self->s, (uint8_t *)buf.buf + offset, (size_t)(buf.len - offset),
-                          (uint8_t)kind, seq, (uint16_t)dst, chunk, PART(parts, nparts, 0),
+                          kind, seq, dst, chunk, PART(parts, nparts, 0),
                           PART_LEN(parts, nparts, 0), PART(parts, nparts, 1),
                           PART_LEN(parts, nparts, 1));
     for (int i = 0; i < nparts; i++) PyBuffer_Release(&parts[i]);
     PyBuffer_Release(&buf);
     if (!ok) return NULL;
-    if (!n) return PyErr_Format(PyExc_ValueError, "the message does not fit the buffer");
+    if (!n)
+        return PyErr_Format(PyExc_ValueError, "the message does not fit the buffer, or the key "
+                            "is spent (its counter at 2^64 - 1)");
     return PyLong_FromSsize_t(offset + (Py_ssize_t)n);
 }
 
 /* seal_detached(kind, seq, dst, chunk, payload) -> bytes: the header and the tag (header first)
  * of the message whose payload is sent from where it lies. */
 static PyObject *Sealer_seal_detached(Sealer *self, PyObject *args) {
-    unsigned int kind, seq, dst, chunk;
+    uint8_t kind;
+    uint16_t dst;
+    uint32_t seq, chunk;
     PyObject *payload;
     if (!self->ready) return PyErr_Format(PyExc_RuntimeError, "the sealer has no key");
-    if (!PyArg_ParseTuple(args, "IIIIO", &kind, &seq, &dst, &chunk, &payload)) return NULL;
+    if (sealer_lent(self)) return NULL;
+    if (!PyArg_ParseTuple(args, "O&O&O&O&O", oc_arg_u8, &kind, oc_arg_u32, &seq, oc_arg_u16,
+                          &dst, oc_arg_u32, &chunk, &payload))
+        return NULL;
     Py_buffer parts[2] = {{0}, {0}};
     int nparts;
     uint8_t out[OC_OVERHEAD_BYTES];
     int ok = payload_parts(payload, parts, &nparts) == 0, sealed = 0;
     if (ok)
-        sealed = oc_seal_detached(&self->s, out, (uint8_t)kind, seq, (uint16_t)dst, chunk,
+        sealed = oc_seal_detached(&self->s, out, kind, seq, dst, chunk,
                                   PART(parts, nparts, 0), PART_LEN(parts, nparts, 0),
                                   PART(parts, nparts, 1), PART_LEN(parts, nparts, 1)) == 0;
     for (int i = 0; i < nparts; i++) PyBuffer_Release(&parts[i]);
     if (!ok) return NULL;
-    if (!sealed) return PyErr_Format(PyExc_ValueError, "the payload is too large to seal");
+    if (!sealed)
+        return PyErr_Format(PyExc_ValueError, "the payload is too large to seal, or the key is "
+                            "spent (its counter at 2^64 - 1)");
     return PyBytes_FromStringAndSize((const char *)out, OC_OVERHEAD_BYTES);
 }
 
@@ -145,8 +169,8 @@ static int Sealer_set_counter(Sealer *self, PyObject *value, void *closure) {
         PyErr_SetString(PyExc_TypeError, "the counter cannot be deleted");
         return -1;
     }
-    unsigned long long v = PyLong_AsUnsignedLongLong(value);
-    if (v == (unsigned long long)-1 && PyErr_Occurred()) return -1;
+    uint64_t v;
+    if (sealer_lent(self) || !oc_arg_u64(value, &v)) return -1;
     self->s.counter = v;
     return 0;
 }
@@ -222,13 +246,14 @@ static void TagCheck_dealloc(TagCheck *self) {
 /* check(message, src, counter): whether the message's last 16 bytes are the tag of the rest. */
 static PyObject *TagCheck_check(TagCheck *self, PyObject *args) {
     Py_buffer m;
-    unsigned int src;
-    unsigned long long counter;
+    uint16_t src;
+    uint64_t counter;
     if (!self->ready) return PyErr_Format(PyExc_RuntimeError, "no key");
     if (tag_check_in_use(self)) return NULL;
-    if (!PyArg_ParseTuple(args, "y*IK", &m, &src, &counter)) return NULL;
+    if (!PyArg_ParseTuple(args, "y*O&O&", &m, oc_arg_u16, &src, oc_arg_u64, &counter))
+        return NULL;
     int ok = m.len >= OC_TAG_BYTES &&
-             oc_gmac_check(&self->g, (uint16_t)src, counter, m.buf, (size_t)m.len - OC_TAG_BYTES,
+             oc_gmac_check(&self->g, src, counter, m.buf, (size_t)m.len - OC_TAG_BYTES,
                            (const uint8_t *)m.buf + m.len - OC_TAG_BYTES);
     PyBuffer_Release(&m);
     return PyBool_FromLong(ok);
@@ -241,22 +266,20 @@ static PyObject *TagCheck_check(TagCheck *self, PyObject *args) {
 static PyObject *TagCheck_open_stream(TagCheck *self, PyObject *args) {
     Py_buffer b;
     Py_ssize_t end;
-    unsigned int job, comm;
-    PyObject *peer_obj, *next_obj;
+    uint32_t job, comm;
+    uint16_t peer;
+    uint64_t next;
     if (!self->ready) return PyErr_Format(PyExc_RuntimeError, "no key");
     if (tag_check_in_use(self)) return NULL;
-    if (!PyArg_ParseTuple(args, "y*nIIOO", &b, &end, &job, &comm, &peer_obj, &next_obj))
+    if (!PyArg_ParseTuple(args, "y*nO&O&O&O&", &b, &end, oc_arg_u32, &job, oc_arg_u32, &comm,
+                          oc_arg_u16, &peer, oc_arg_u64, &next))
         return NULL;
-    /* Range-checked, not wrapped as the I and K formats would */
-    unsigned long long peer = PyLong_AsUnsignedLongLong(peer_obj);
-    unsigned long long next = PyErr_Occurred() ? 0 : PyLong_AsUnsignedLongLong(next_obj);
-    if (PyErr_Occurred() || end < 0 || end > b.len || peer > 0xFFFFu) {
+    if (end < 0 || end > b.len) {
         PyBuffer_Release(&b);
-        if (PyErr_Occurred()) return NULL;
-        return PyErr_Format(PyExc_ValueError, "end %zd is outside the buffer's %zd bytes, or "
-                            "peer %llu is not a u16", end, b.len, peer);
+        return PyErr_Format(PyExc_ValueError, "end %zd is outside the buffer's %zd bytes", end,
+                            b.len);
     }
-    oc_stream_in in = {.job = job, .comm = comm, .peer = (uint16_t)peer, .next_counter = next};
+    oc_stream_in in = {.job = job, .comm = comm, .peer = peer, .next_counter = next};
     enum { BATCH = 64 };
     oc_frame frames[BATCH];
     size_t done = 0, need = 0;
@@ -322,17 +345,23 @@ static PyTypeObject TagCheckType = {
 typedef struct {
     PyObject_HEAD
     oc_budget b;
+    int ready; /* gathers and reductions count themselves in it: it is set up once */
 } Budget;
 
 static int Budget_init(Budget *self, PyObject *args, PyObject *kw) {
     static char *names[] = {"rate", "burst_seconds", "batch", "datagram_bytes", "reduction_batch",
                             NULL};
     double rate = 0, burst = 0.005;
-    unsigned int batch = 1, datagram = 0, reduction = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "|ddIII", names, &rate, &burst, &batch, &datagram,
-                                     &reduction))
+    uint32_t batch = 1, datagram = 0, reduction = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|ddO&O&O&", names, &rate, &burst, oc_arg_u32,
+                                     &batch, oc_arg_u32, &datagram, oc_arg_u32, &reduction))
         return -1;
+    if (self->ready) {
+        PyErr_SetString(PyExc_RuntimeError, "a budget is set up once");
+        return -1;
+    }
     oc_budget_init(&self->b, rate, burst, batch, datagram, reduction);
+    self->ready = 1;
     return 0;
 }
 
@@ -367,18 +396,6 @@ static PyObject *Budget_get(Budget *self, void *which) {
     }
 }
 
-static int Budget_set_in_flight(Budget *self, PyObject *value, void *which) {
-    (void)which;
-    if (value == NULL) {
-        PyErr_SetString(PyExc_TypeError, "reductions_in_flight cannot be deleted");
-        return -1;
-    }
-    long v = PyLong_AsLong(value);
-    if (v == -1 && PyErr_Occurred()) return -1;
-    self->b.reductions_in_flight = (int32_t)v;
-    return 0;
-}
-
 static PyMethodDef Budget_methods[] = {
     {"take", (PyCFunction)Budget_take, METH_VARARGS, "take(nbytes, now): spend, into debt"},
     {"try_take", (PyCFunction)Budget_try_take, METH_VARARGS,
@@ -393,7 +410,7 @@ static PyGetSetDef Budget_getset[] = {
     {"reduction_batch", (getter)Budget_get, NULL, "datagrams per contribution batch", (void *)2},
     {"burst", (getter)Budget_get, NULL, "the bucket's depth in bytes", (void *)3},
     {"tokens", (getter)Budget_get, NULL, "bytes the bucket holds now", (void *)4},
-    {"reductions_in_flight", (getter)Budget_get, (setter)Budget_set_in_flight,
+    {"reductions_in_flight", (getter)Budget_get, NULL,
      "in-network reductions sending on this link", (void *)5},
     {"gathers_in_flight", (getter)Budget_get, NULL,
      "multicast gathers posted on this link whose roots have not all ended their multicast",
@@ -464,14 +481,16 @@ static void take_snapshot(Plane *self) {
 
 static int Plane_init(Plane *self, PyObject *args, PyObject *kw) {
     static char *names[] = {"rank", "world", "job", "comm", "key", "sealer", NULL};
-    unsigned int rank, world, job = 0, comm = 0;
+    uint16_t rank;
+    uint32_t world, job = 0, comm = 0;
     Py_buffer key = {0};
     PyObject *sealer = Py_None;
     if (self->plane) {
         PyErr_SetString(PyExc_RuntimeError, "a plane is made once");
         return -1;
     }
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "II|IIz*O", names, &rank, &world, &job, &comm,
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O&O&|O&O&z*O", names, oc_arg_u16, &rank,
+                                     oc_arg_u32, &world, oc_arg_u32, &job, oc_arg_u32, &comm,
                                      &key, &sealer))
         return -1;
     if ((key.buf && key.len != OC_KEY_BYTES) ||
@@ -485,7 +504,7 @@ static int Plane_init(Plane *self, PyObject *args, PyObject *kw) {
         PyErr_Format(PyExc_ValueError, "rank %u of a world of %u", rank, world);
         return -1;
     }
-    self->plane = oc_plane_new((uint16_t)rank, world, job, comm, key.buf,
+    self->plane = oc_plane_new(rank, world, job, comm, key.buf,
                                sealer == Py_None ? NULL : &((Sealer *)sealer)->s);
     if (key.buf) PyBuffer_Release(&key);
     if (self->plane == NULL) {
@@ -528,23 +547,35 @@ static int usable(Plane *self) {
     return 1;
 }
 
+/* While the plane works without the GIL no other call may touch it, nor seal with its sealer. */
+static void set_serving(Plane *self, int on) {
+    self->serving = on;
+    if (self->sealer) ((Sealer *)self->sealer)->lent += on ? 1 : -1;
+}
+
 static PyObject *Plane_set_loss(Plane *self, PyObject *args) {
     double rate, burst;
-    unsigned long long seed;
-    if (!usable(self) || !PyArg_ParseTuple(args, "ddK", &rate, &burst, &seed)) return NULL;
+    uint64_t seed;
+    if (!usable(self) || !PyArg_ParseTuple(args, "ddO&", &rate, &burst, oc_arg_u64, &seed))
+        return NULL;
     oc_plane_set_loss(self->plane, rate, burst, seed);
     Py_RETURN_NONE;
 }
 
 /* set_address(route, rank, "a.b.c.d", port) */
 static PyObject *Plane_set_address(Plane *self, PyObject *args) {
-    unsigned int route, rank, port;
+    uint8_t route;
+    uint16_t port;
+    uint32_t rank;
     const char *ip;
     struct in_addr a;
-    if (!usable(self) || !PyArg_ParseTuple(args, "IIsI", &route, &rank, &ip, &port)) return NULL;
-    if (inet_pton(AF_INET, ip, &a) != 1 || port > 0xFFFF ||
-        oc_plane_set_address(self->plane, (uint8_t)route, rank, a.s_addr, htons((uint16_t)port)))
-        return PyErr_Format(PyExc_ValueError, "cannot route %u/%u to %s:%u", route, rank, ip, port);
+    if (!usable(self) || !PyArg_ParseTuple(args, "O&O&sO&", oc_arg_u8, &route, oc_arg_u32, &rank,
+                                           &ip, oc_arg_u16, &port))
+        return NULL;
+    if (inet_pton(AF_INET, ip, &a) != 1 ||
+        oc_plane_set_address(self->plane, route, rank, a.s_addr, htons(port)))
+        return PyErr_Format(PyExc_ValueError, "cannot route %u/%u to %s:%u", (unsigned)route,
+                            rank, ip, (unsigned)port);
     Py_RETURN_NONE;
 }
 
@@ -578,11 +609,11 @@ static PyObject *Plane_serve(Plane *self, PyObject *arg) {
     if (!usable(self)) return NULL;
     if (!self->attached) return PyErr_Format(PyExc_RuntimeError, "the plane has no sockets");
     int reason;
-    self->serving = 1;
+    set_serving(self, 1);
     Py_BEGIN_ALLOW_THREADS
     reason = oc_port_serve(&self->port, until);
     Py_END_ALLOW_THREADS
-    self->serving = 0;
+    set_serving(self, 0);
     take_snapshot(self);
     return PyLong_FromLong(reason);
 }
@@ -652,28 +683,27 @@ static PyObject *Plane_feed(Plane *self, PyObject *args) {
 
 /* receive_run(kind, seq, src, dst, length, chunks, data, offset, stride, now) -> taken */
 static PyObject *Plane_receive_run(Plane *self, PyObject *args) {
-    unsigned int kind, seq, src, dst, length;
+    uint8_t kind;
+    uint16_t src, dst;
+    uint32_t seq, length;
     PyObject *chunks;
     Py_buffer data;
     Py_ssize_t offset, stride;
     double now;
     if (!usable(self) ||
-        !PyArg_ParseTuple(args, "IIIIIOy*nnd", &kind, &seq, &src, &dst, &length, &chunks, &data,
-                          &offset, &stride, &now))
+        !PyArg_ParseTuple(args, "O&O&O&O&O&Oy*nnd", oc_arg_u8, &kind, oc_arg_u32, &seq,
+                          oc_arg_u16, &src, oc_arg_u16, &dst, oc_arg_u32, &length, &chunks,
+                          &data, &offset, &stride, &now))
         return NULL;
-    PyObject *seqf = PySequence_Fast(chunks, "chunks must be a sequence");
+    PyObject *seqf = PySequence_Tuple(chunks); /* a list changed meanwhile cannot move it */
     if (seqf == NULL) {
         PyBuffer_Release(&data);
         return NULL;
     }
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seqf);
+    Py_ssize_t n = PyTuple_GET_SIZE(seqf);
     uint32_t *cs = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(uint32_t));
     int ok = cs != NULL;
-    for (Py_ssize_t i = 0; ok && i < n; i++) {
-        unsigned long v = PyLong_AsUnsignedLong(PySequence_Fast_GET_ITEM(seqf, i));
-        ok = !(v == (unsigned long)-1 && PyErr_Occurred()) && v <= UINT32_MAX;
-        if (ok) cs[i] = (uint32_t)v;
-    }
+    for (Py_ssize_t i = 0; ok && i < n; i++) ok = oc_arg_u32(PyTuple_GET_ITEM(seqf, i), &cs[i]);
     /* the payloads must lie within the data */
     if (ok && n && (offset < 0 || stride < 0 || (size_t)offset > (size_t)data.len ||
                     length > (size_t)data.len - (size_t)offset ||
@@ -684,8 +714,7 @@ static PyObject *Plane_receive_run(Plane *self, PyObject *args) {
     }
     int taken = 0;
     if (ok) {
-        oc_header h = {(uint8_t)kind, 0, 0, seq, (uint16_t)src, (uint16_t)dst, n ? cs[0] : 0,
-                       length, 0};
+        oc_header h = {kind, 0, 0, seq, src, dst, n ? cs[0] : 0, length, 0};
         taken = oc_plane_receive_run(self->plane, &h, cs, (size_t)n, data.buf, (size_t)offset,
                                      (size_t)stride, now);
     } else if (!PyErr_Occurred()) {
@@ -700,15 +729,16 @@ static PyObject *Plane_receive_run(Plane *self, PyObject *args) {
 
 /* reduce(seq, dtype, avg, count, input, output, chunk_bytes, slots, group, budget, now) */
 static PyObject *Plane_reduce(Plane *self, PyObject *args) {
-    unsigned int seq, dtype, slots, group;
+    uint32_t seq, dtype, slots, group;
     int avg;
-    unsigned long long count;
+    uint64_t count;
     Py_ssize_t chunk_bytes;
     PyObject *in, *out, *budget;
     double now;
     if (!usable(self) ||
-        !PyArg_ParseTuple(args, "IIpKOOnIIO!d", &seq, &dtype, &avg, &count, &in, &out,
-                          &chunk_bytes, &slots, &group, &BudgetType, &budget, &now))
+        !PyArg_ParseTuple(args, "O&O&pO&OOnO&O&O!d", oc_arg_u32, &seq, oc_arg_u32, &dtype, &avg,
+                          oc_arg_u64, &count, &in, &out, &chunk_bytes, oc_arg_u32, &slots,
+                          oc_arg_u32, &group, &BudgetType, &budget, &now))
         return NULL;
     if (self->nheld == self->held_cap) {
         size_t cap = self->held_cap ? 2 * self->held_cap : 8;
@@ -763,11 +793,10 @@ static PyObject *Plane_news(Plane *self, PyObject *unused) {
 }
 
 static PyObject *Plane_release(Plane *self, PyObject *arg) {
-    unsigned long seq = PyLong_AsUnsignedLong(arg);
-    if (seq == (unsigned long)-1 && PyErr_Occurred()) return NULL;
-    if (seq > UINT32_MAX) return PyErr_Format(PyExc_ValueError, "a sequence number is a u32");
+    uint32_t seq;
+    if (!oc_arg_u32(arg, &seq)) return NULL;
     if (!usable(self)) return NULL;
-    oc_plane_release(self->plane, (uint32_t)seq);
+    oc_plane_release(self->plane, seq);
     for (size_t i = 0; i < self->nheld; i++)
         if (self->held[i].seq == seq) {
             release_held(&self->held[i]);
@@ -780,10 +809,10 @@ static PyObject *Plane_release(Plane *self, PyObject *arg) {
 
 /* reducer(seq) -> dict of its state, or None */
 static PyObject *Plane_reducer(Plane *self, PyObject *arg) {
-    unsigned long seq = PyLong_AsUnsignedLong(arg);
-    if (seq == (unsigned long)-1 && PyErr_Occurred()) return NULL;
+    uint32_t seq;
+    if (!oc_arg_u32(arg, &seq)) return NULL;
     if (!usable(self)) return NULL;
-    const oc_reducer *r = oc_plane_reducer(self->plane, (uint32_t)seq);
+    const oc_reducer *r = oc_plane_reducer(self->plane, seq);
     if (r == NULL) Py_RETURN_NONE;
     static const char *phases[] = {"sending", "receiving", "drained"};
     return Py_BuildValue("{sssKsdsIsIsIsIsIsnsKsKsKsK}", "phase", phases[r->phase],
@@ -838,60 +867,64 @@ static PyObject *Plane_take_outbox(Plane *self, PyObject *unused) {
 
 /* send(route, messages): seal Python's own datagrams (objects with kind, seq, dst, chunk and a
  * payload buffer) after what the plane has queued, and send them now, the GIL released; what
- * the socket cannot take waits, copied, for serve. */
+ * the socket cannot take waits, copied, for serve. Every attribute is read (which may run Python
+ * code, even a call into this plane) before anything is queued. */
 static PyObject *Plane_send(Plane *self, PyObject *args) {
-    unsigned int route;
+    uint8_t route;
     PyObject *messages;
-    if (!usable(self) || !PyArg_ParseTuple(args, "IO", &route, &messages)) return NULL;
+    if (!usable(self) || !PyArg_ParseTuple(args, "O&O", oc_arg_u8, &route, &messages))
+        return NULL;
     if (!self->attached) return PyErr_Format(PyExc_RuntimeError, "the plane has no sockets");
-    PyObject *seqf = PySequence_Fast(messages, "messages must be a sequence");
-    if (seqf == NULL) return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seqf);
-    Py_buffer *views = PyMem_Calloc((size_t)(n ? n : 1), sizeof(Py_buffer));
+    PyObject *items = PySequence_Tuple(messages); /* a list changed meanwhile cannot move it */
+    if (items == NULL) return NULL;
+    Py_ssize_t n = PyTuple_GET_SIZE(items);
+    typedef struct { uint8_t kind; uint16_t dst; uint32_t seq, chunk; Py_buffer view; } message_t;
+    message_t *ms = PyMem_Calloc((size_t)(n ? n : 1), sizeof *ms);
     Py_ssize_t got = 0;
-    int ok = views != NULL;
-    oc_outbox *o = oc_plane_outbox(self->plane);
-    size_t queued = o->n;
-    for (Py_ssize_t i = 0; ok && i < n; i++) {
-        PyObject *m = PySequence_Fast_GET_ITEM(seqf, i);
+    int ok = ms != NULL;
+    if (!ok) PyErr_NoMemory();
+    for (Py_ssize_t i = 0; ok && i < n; i++, got += ok) {
+        PyObject *m = PyTuple_GET_ITEM(items, i);
         PyObject *kind = PyObject_GetAttrString(m, "kind"), *seq = PyObject_GetAttrString(m, "seq"),
                  *dst = PyObject_GetAttrString(m, "dst"), *chunk = PyObject_GetAttrString(m, "chunk"),
                  *payload = PyObject_GetAttrString(m, "payload");
-        ok = kind && seq && dst && chunk && payload &&
-             PyObject_GetBuffer(payload, &views[i], PyBUF_C_CONTIGUOUS) == 0;
-        if (ok) {
-            got++;
-            long k = PyLong_AsLong(kind), s = PyLong_AsLong(seq), d = PyLong_AsLong(dst),
-                 c = PyLong_AsLong(chunk);
-            ok = !PyErr_Occurred() &&
-                 oc_outbox_add(o, (uint8_t)route, (uint16_t)d, (uint8_t)k, (uint32_t)s,
-                               (uint32_t)c, NULL, 0, views[i].buf, (size_t)views[i].len) == 0;
-            if (ok == 0 && !PyErr_Occurred()) PyErr_NoMemory();
-        }
+        ok = kind && seq && dst && chunk && payload && oc_arg_u8(kind, &ms[i].kind) &&
+             oc_arg_u32(seq, &ms[i].seq) && oc_arg_u16(dst, &ms[i].dst) &&
+             oc_arg_u32(chunk, &ms[i].chunk) &&
+             PyObject_GetBuffer(payload, &ms[i].view, PyBUF_C_CONTIGUOUS) == 0;
         Py_XDECREF(kind);
         Py_XDECREF(seq);
         Py_XDECREF(dst);
         Py_XDECREF(chunk);
         Py_XDECREF(payload);
     }
+    if (ok && !usable(self)) ok = 0; /* an attribute's code served or freed it meanwhile */
     if (ok) {
-        self->serving = 1;
-        Py_BEGIN_ALLOW_THREADS
-        oc_port_flush(&self->port);
-        Py_END_ALLOW_THREADS
-        self->serving = 0;
-    } else {
-        o->n = queued; /* nothing borrowed from a released buffer may stay; the plane's own do */
+        oc_outbox *o = oc_plane_outbox(self->plane);
+        size_t queued = o->n;
+        for (Py_ssize_t i = 0; ok && i < n; i++)
+            ok = oc_outbox_add(o, route, ms[i].dst, ms[i].kind, ms[i].seq, ms[i].chunk, NULL, 0,
+                               ms[i].view.buf, (size_t)ms[i].view.len) == 0;
+        if (ok) {
+            set_serving(self, 1);
+            Py_BEGIN_ALLOW_THREADS
+            oc_port_flush(&self->port);
+            Py_END_ALLOW_THREADS
+            set_serving(self, 0);
+        } else {
+            o->n = queued; /* nothing borrowed from a released buffer may stay; the plane's do */
+            PyErr_NoMemory();
+        }
     }
-    for (Py_ssize_t i = 0; i < got; i++) PyBuffer_Release(&views[i]);
-    PyMem_Free(views);
-    Py_DECREF(seqf);
-    take_snapshot(self);
+    for (Py_ssize_t i = 0; i < got; i++) PyBuffer_Release(&ms[i].view);
+    PyMem_Free(ms);
+    Py_DECREF(items);
+    if (self->plane) take_snapshot(self);
     if (!ok) return NULL;
     Py_RETURN_NONE;
 }
 
-static oc_gather *gather_of(Plane *self, unsigned int seq) {
+static oc_gather *gather_of(Plane *self, uint32_t seq) {
     oc_gather *g = oc_plane_gatherer(self->plane, seq);
     if (g == NULL) PyErr_Format(PyExc_KeyError, "no gather #%u posted", seq);
     return g;
@@ -899,23 +932,25 @@ static oc_gather *gather_of(Plane *self, unsigned int seq) {
 
 /* gather(seq, buffer, [(root, offset)], segment_bytes, chunk_bytes, mine, concurrent, budget) */
 static PyObject *Plane_gather(Plane *self, PyObject *args) {
-    unsigned int seq, chunk_bytes, concurrent;
-    unsigned long long segment_bytes;
+    uint32_t seq, chunk_bytes, concurrent;
+    uint64_t segment_bytes;
     int mine;
     PyObject *buffer, *segments, *budget;
     if (!usable(self) ||
-        !PyArg_ParseTuple(args, "IOOKIiIO!", &seq, &buffer, &segments, &segment_bytes,
-                          &chunk_bytes, &mine, &concurrent, &BudgetType, &budget))
+        !PyArg_ParseTuple(args, "O&OOO&O&iO&O!", oc_arg_u32, &seq, &buffer, &segments, oc_arg_u64,
+                          &segment_bytes, oc_arg_u32, &chunk_bytes, &mine, oc_arg_u32,
+                          &concurrent, &BudgetType, &budget))
         return NULL;
-    PyObject *seqf = PySequence_Fast(segments, "segments must be a sequence");
+    PyObject *seqf = PySequence_Tuple(segments); /* a list changed meanwhile cannot move it */
     if (seqf == NULL) return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seqf);
+    Py_ssize_t n = PyTuple_GET_SIZE(seqf);
     uint32_t *roots = PyMem_Malloc((size_t)(n ? n : 1) * sizeof *roots);
     uint64_t *offsets = PyMem_Malloc((size_t)(n ? n : 1) * sizeof *offsets);
     held_t h = {seq, {0}, {0}, NULL};
     int ok = roots && offsets && n > 0 && self->nheld < ((size_t)1 << 20);
     for (Py_ssize_t i = 0; ok && i < n; i++)
-        ok = PyArg_ParseTuple(PySequence_Fast_GET_ITEM(seqf, i), "IK", &roots[i], &offsets[i]);
+        ok = PyArg_ParseTuple(PyTuple_GET_ITEM(seqf, i), "O&O&", oc_arg_u32, &roots[i], oc_arg_u64,
+                              &offsets[i]);
     if (ok && chunk_bytes > OC_MAX_DATAGRAM - OC_OVERHEAD_BYTES) {
         PyErr_Format(PyExc_ValueError, "a chunk of %u bytes does not fit a datagram", chunk_bytes);
         ok = 0;
@@ -959,9 +994,9 @@ static PyObject *Plane_gather(Plane *self, PyObject *args) {
 }
 
 static PyObject *Plane_gather_activate(Plane *self, PyObject *args) {
-    unsigned int seq;
+    uint32_t seq;
     double now;
-    if (!usable(self) || !PyArg_ParseTuple(args, "Id", &seq, &now)) return NULL;
+    if (!usable(self) || !PyArg_ParseTuple(args, "O&d", oc_arg_u32, &seq, &now)) return NULL;
     oc_gather *g = gather_of(self, seq);
     if (g == NULL) return NULL;
     oc_gather_activate(g, oc_plane_outbox(self->plane), now);
@@ -969,18 +1004,19 @@ static PyObject *Plane_gather_activate(Plane *self, PyObject *args) {
 }
 
 static PyObject *Plane_gather_streams_ended(Plane *self, PyObject *args) {
-    unsigned int seq;
-    if (!usable(self) || !PyArg_ParseTuple(args, "I", &seq)) return NULL;
+    uint32_t seq;
+    if (!usable(self) || !PyArg_ParseTuple(args, "O&", oc_arg_u32, &seq)) return NULL;
     oc_gather *g = gather_of(self, seq);
     if (g == NULL) return NULL;
     return PyBool_FromLong(oc_gather_streams_ended(g));
 }
 
 static PyObject *Plane_gather_store(Plane *self, PyObject *args) {
-    unsigned int seq, first;
+    uint32_t seq, first;
     Py_buffer payload;
     double now;
-    if (!usable(self) || !PyArg_ParseTuple(args, "IIy*d", &seq, &first, &payload, &now))
+    if (!usable(self) ||
+        !PyArg_ParseTuple(args, "O&O&y*d", oc_arg_u32, &seq, oc_arg_u32, &first, &payload, &now))
         return NULL;
     oc_gather *g = gather_of(self, seq);
     uint32_t fresh = 0;
@@ -991,16 +1027,20 @@ static PyObject *Plane_gather_store(Plane *self, PyObject *args) {
 }
 
 static PyObject *Plane_gather_have(Plane *self, PyObject *args) {
-    unsigned int seq, first, count;
-    if (!usable(self) || !PyArg_ParseTuple(args, "III", &seq, &first, &count)) return NULL;
+    uint32_t seq, first, count;
+    if (!usable(self) || !PyArg_ParseTuple(args, "O&O&O&", oc_arg_u32, &seq, oc_arg_u32, &first,
+                                           oc_arg_u32, &count))
+        return NULL;
     oc_gather *g = gather_of(self, seq);
     if (g == NULL) return NULL;
     return PyLong_FromLong(oc_gather_have(g, first, count));
 }
 
 static PyObject *Plane_gather_request(Plane *self, PyObject *args) {
-    unsigned int seq, s, lo, hi;
-    if (!usable(self) || !PyArg_ParseTuple(args, "IIII", &seq, &s, &lo, &hi)) return NULL;
+    uint32_t seq, s, lo, hi;
+    if (!usable(self) || !PyArg_ParseTuple(args, "O&O&O&O&", oc_arg_u32, &seq, oc_arg_u32, &s,
+                                           oc_arg_u32, &lo, oc_arg_u32, &hi))
+        return NULL;
     oc_gather *g = gather_of(self, seq);
     if (g == NULL) return NULL;
     oc_gather_request(g, s, lo, hi);
@@ -1008,9 +1048,9 @@ static PyObject *Plane_gather_request(Plane *self, PyObject *args) {
 }
 
 static PyObject *Plane_gather_requests(Plane *self, PyObject *arg) {
-    unsigned long seq = PyLong_AsUnsignedLong(arg);
-    if ((seq == (unsigned long)-1 && PyErr_Occurred()) || !usable(self)) return NULL;
-    oc_gather *g = gather_of(self, (unsigned int)seq);
+    uint32_t seq;
+    if (!oc_arg_u32(arg, &seq) || !usable(self)) return NULL;
+    oc_gather *g = gather_of(self, seq);
     if (g == NULL) return NULL;
     PyObject *list = PyList_New((Py_ssize_t)g->nrequests);
     for (size_t i = 0; list && i < g->nrequests; i++) {
@@ -1023,9 +1063,9 @@ static PyObject *Plane_gather_requests(Plane *self, PyObject *arg) {
 }
 
 static PyObject *Plane_gather_state(Plane *self, PyObject *arg) {
-    unsigned long seq = PyLong_AsUnsignedLong(arg);
-    if ((seq == (unsigned long)-1 && PyErr_Occurred()) || !usable(self)) return NULL;
-    oc_gather *g = oc_plane_gatherer(self->plane, (uint32_t)seq);
+    uint32_t seq;
+    if (!oc_arg_u32(arg, &seq) || !usable(self)) return NULL;
+    oc_gather *g = oc_plane_gatherer(self->plane, seq);
     if (g == NULL) Py_RETURN_NONE;
     PyObject *missing = PyList_New(g->nseg);
     for (uint32_t s = 0; missing && s < g->nseg; s++) {

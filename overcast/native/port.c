@@ -157,9 +157,10 @@ static int read_socket(oc_port *port, oc_udp *u) {
     oc_plane *p = port->plane;
     for (int reads = 0; reads < READS_PER_WAKEUP; reads++) {
         size_t segment;
-        int truncated;
-        ssize_t got = oc_udp_read(u, &segment, &truncated);
-        if (truncated) oc_plane_drops_mut(p)[OC_PLANE_DROP_truncated]++;
+        int misfit;
+        ssize_t got = oc_udp_read(u, &segment, &misfit);
+        if (misfit == OC_UDP_TRUNCATED) oc_plane_drops_mut(p)[OC_PLANE_DROP_truncated]++;
+        if (misfit == OC_UDP_EMPTY) oc_plane_drops_mut(p)[OC_PLANE_DROP_malformed]++;
         if (got == 0) return 0;
         if (got < 0) continue;
         oc_plane_feed(p, u->buf, (size_t)got, segment, oc_monotonic());

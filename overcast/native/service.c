@@ -109,9 +109,10 @@ int oc_serve(oc_agg *a, oc_udp *u, const int *control, int ncontrol, double unti
             int emptied = 0;
             for (int reads = 0; reads < READS_PER_WAKEUP && !emptied; reads++) {
                 size_t segment;
-                int truncated;
-                ssize_t got = oc_udp_read(u, &segment, &truncated);
-                if (truncated) oc_agg_drops_mut(a)[OC_DROP_truncated]++;
+                int misfit;
+                ssize_t got = oc_udp_read(u, &segment, &misfit);
+                if (misfit == OC_UDP_TRUNCATED) oc_agg_drops_mut(a)[OC_DROP_truncated]++;
+                if (misfit == OC_UDP_EMPTY) oc_agg_drops_mut(a)[OC_DROP_malformed]++;
                 if (got == 0) emptied = 1;
                 else if (got > 0) oc_agg_feed(a, u->buf, (size_t)got, segment, oc_monotonic());
                 if (reads % READS_PER_FLUSH == READS_PER_FLUSH - 1) oc_agg_flush(a, send_batch, &s);

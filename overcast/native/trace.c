@@ -7,8 +7,9 @@
 
 void oc_trace_count(oc_trace *t, int tx, uint32_t seq, uint64_t datagrams, size_t payload,
                     double now) {
-    if (t->bin_seconds <= 0 || datagrams == 0) return;
-    int64_t bin = (int64_t)(now / t->bin_seconds); /* as Python bins: the clock is >= 0 */
+    double at = now / t->bin_seconds;
+    if (t->bin_seconds <= 0 || datagrams == 0 || !(at >= 0 && at < 0x1p62)) return; /* a clock */
+    int64_t bin = (int64_t)at; /* as Python bins */
     uint64_t bytes = datagrams * (uint64_t)OC_LINK_BYTES(payload);
     /* a flush or a read interleaves a few collectives at most: merge with one of the last few */
     for (size_t i = t->n; i > 0 && t->n - i < MERGE_BACK; i--) {

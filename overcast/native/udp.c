@@ -32,7 +32,7 @@ void oc_udp_free(oc_udp *u) {
     u->buf = NULL;
 }
 
-ssize_t oc_udp_read(oc_udp *u, size_t *segment, int *truncated) {
+ssize_t oc_udp_read(oc_udp *u, size_t *segment, int *misfit) {
     struct iovec iov = {u->buf, OC_GRO_READ_BYTES};
     union { char buf[CMSG_SPACE(sizeof(int))]; struct cmsghdr align; } control;
     struct msghdr msg = {0};
@@ -41,9 +41,13 @@ ssize_t oc_udp_read(oc_udp *u, size_t *segment, int *truncated) {
     msg.msg_control = control.buf;
     msg.msg_controllen = sizeof control.buf;
     ssize_t n = recvmsg(u->fd, &msg, MSG_DONTWAIT);
-    *truncated = 0;
+    *misfit = OC_UDP_WHOLE;
     if (n < 0) return errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR ? 0 : -1;
     u->reads++;
+    if (n == 0) {
+        *misfit = OC_UDP_EMPTY;
+        return -1;
+    }
     size_t size = (size_t)n;
     for (struct cmsghdr *c = CMSG_FIRSTHDR(&msg); c; c = CMSG_NXTHDR(&msg, c)) {
         if (c->cmsg_level == SOL_UDP && c->cmsg_type == UDP_GRO &&
@@ -55,7 +59,7 @@ ssize_t oc_udp_read(oc_udp *u, size_t *segment, int *truncated) {
     }
     if (msg.msg_flags & MSG_TRUNC) { /* the segment the buffer cut; any after it never came */
         u->truncated++;
-        *truncated = 1;
+        *misfit = OC_UDP_TRUNCATED;
         n = size < (size_t)n ? n - (ssize_t)((size_t)n % size) : 0;
         if (n == 0) return -1; /* nothing whole in it; more may be waiting */
     }

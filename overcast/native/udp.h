@@ -32,9 +32,11 @@ int oc_udp_init(oc_udp *u, int fd);
 void oc_udp_free(oc_udp *u);
 /* One read into u->buf: its length (> 0), with *segment the size of every datagram in it but
  * the last; 0 when nothing is waiting; -1 for a read to pass over (an ICMP report of an earlier
- * send, or nothing whole in it). A datagram the buffer cut short is left out and counted in
- * *truncated. */
-ssize_t oc_udp_read(oc_udp *u, size_t *segment, int *truncated);
+ * send, or nothing whole in it). *misfit says what the caller drops and counts: a datagram the
+ * buffer cut short (left out), or an empty datagram (which must not read as "nothing waiting",
+ * or anyone could end a read burst with one). */
+enum { OC_UDP_WHOLE, OC_UDP_TRUNCATED, OC_UDP_EMPTY };
+ssize_t oc_udp_read(oc_udp *u, size_t *segment, int *misfit);
 /* Send `len` bytes of datagrams, each `segment` bytes but the last, to `to`, until the socket is
  * full: the bytes that went (whole datagrams), or -1 with errno for an error. */
 ssize_t oc_udp_send(oc_udp *u, const uint8_t *data, size_t len, size_t segment,

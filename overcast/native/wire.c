@@ -159,6 +159,7 @@ size_t oc_seal_parts(oc_sealer *s, uint8_t *buf, size_t cap, uint8_t kind, uint3
         head_len + body_len > cap - OC_OVERHEAD_BYTES)
         return 0;
     size_t len = head_len + body_len;
+    if (s->counter == UINT64_MAX) return 0; /* a counter never repeats under one key */
     uint64_t counter = next_header(s, buf, kind, seq, dst, chunk, len);
     if (head_len) memcpy(buf + OC_HEADER_BYTES, head, head_len);
     if (body_len) memcpy(buf + OC_HEADER_BYTES + head_len, body, body_len);
@@ -177,7 +178,7 @@ size_t oc_seal_into(oc_sealer *s, uint8_t *buf, size_t cap, uint8_t kind, uint32
 int oc_seal_detached(oc_sealer *s, uint8_t out[OC_OVERHEAD_BYTES], uint8_t kind, uint32_t seq,
                      uint16_t dst, uint32_t chunk, const uint8_t *head, size_t head_len,
                      const uint8_t *body, size_t body_len) {
-    if (!payload_fits(head_len, body_len)) return -1;
+    if (!payload_fits(head_len, body_len) || s->counter == UINT64_MAX) return -1;
     uint64_t counter = next_header(s, out, kind, seq, dst, chunk, head_len + body_len);
     const uint8_t *data[3] = {out, head, body};
     size_t lens[3] = {OC_HEADER_BYTES, head_len, body_len};
@@ -193,7 +194,11 @@ int oc_replay_init(oc_replay *w, uint32_t width) {
     w->width = width;
     w->nwords = width ? (width - 1) / 64 + 2 : 0;
     w->words = w->nwords ? calloc(w->nwords, sizeof(uint64_t)) : NULL;
-    return w->nwords && w->words == NULL ? -1 : 0;
+    if (w->nwords && w->words == NULL) {
+        w->nwords = 0; /* uninitialised, so the next datagram tries again */
+        return -1;
+    }
+    return 0;
 }
 
 void oc_replay_free(oc_replay *w) {

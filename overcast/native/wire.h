@@ -78,7 +78,8 @@ typedef struct {
 } oc_sealer;
 
 /* Write header, payload and tag at buf[0..]; `cap` bytes available. Returns the message's
- * length, or 0 (nothing written, no counter spent) if it does not fit or is too large. */
+ * length, or 0 (nothing written, no counter spent) if it does not fit or is too large, or if the
+ * counter has reached UINT64_MAX (the key is spent). */
 size_t oc_seal_into(oc_sealer *s, uint8_t *buf, size_t cap, uint8_t kind, uint32_t seq,
                     uint16_t dst, uint32_t chunk, const uint8_t *payload, size_t len);
 
@@ -90,7 +91,7 @@ size_t oc_seal_parts(oc_sealer *s, uint8_t *buf, size_t cap, uint8_t kind, uint3
 /* The same message for a payload sent from where it lies (a stream's gather write): only the
  * header, at out[0..OC_HEADER_BYTES), and the tag after it are written; the tag covers the header
  * and both parts as they are now, so they must not change until they are sent. 0, or -1 (nothing
- * written, no counter spent) if the payload is too large. */
+ * written, no counter spent) if the payload is too large or the key is spent. */
 int oc_seal_detached(oc_sealer *s, uint8_t out[OC_OVERHEAD_BYTES], uint8_t kind, uint32_t seq,
                      uint16_t dst, uint32_t chunk, const uint8_t *head, size_t head_len,
                      const uint8_t *body, size_t body_len);
@@ -105,6 +106,7 @@ typedef struct {
     uint64_t *words;  /* owned */
 } oc_replay;
 
+/* 0, or -1 if its words could not be allocated (then left with nwords 0, as before init). */
 int oc_replay_init(oc_replay *w, uint32_t width);
 void oc_replay_free(oc_replay *w);
 int oc_replay_accept(oc_replay *w, uint64_t counter);

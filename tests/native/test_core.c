@@ -139,6 +139,16 @@ static void test_seal_detached(void) {
     CHECK(oc_seal_detached(&apart, out, OC_RING_DATA, 3, 1, 9, payload, OC_MAX_PAYLOAD,
                            payload, 1) == -1 && apart.counter == spent,
           "a payload over the largest is refused and spends no counter");
+    /* the last counter under a key is UINT64_MAX: after it, nothing more is sealed */
+    whole.counter = apart.counter = UINT64_MAX - 1;
+    CHECK(oc_seal_into(&whole, msg, sizeof msg, OC_FIN, 1, 1, 0, NULL, 0) == OC_OVERHEAD_BYTES &&
+              oc_seal_into(&whole, msg, sizeof msg, OC_FIN, 2, 1, 0, NULL, 0) == 0 &&
+              whole.counter == UINT64_MAX,
+          "a spent key seals nothing more whole");
+    CHECK(oc_seal_detached(&apart, out, OC_FIN, 1, 1, 0, NULL, 0, NULL, 0) == 0 &&
+              oc_seal_detached(&apart, out, OC_FIN, 2, 1, 0, NULL, 0, NULL, 0) == -1 &&
+              apart.counter == UINT64_MAX,
+          "nor detached");
     oc_gmac_free(&whole.gmac);
     oc_gmac_free(&apart.gmac);
 }
@@ -583,8 +593,8 @@ static void test_udp(void) {
     oc_udp r, t;
     CHECK(oc_udp_init(&r, rx) == 0 && oc_udp_init(&t, tx) == 0, "sockets");
     size_t segment, got_bytes = 0;
-    int truncated;
-    CHECK(oc_udp_read(&r, &segment, &truncated) == 0, "nothing waiting: 0");
+    int misfit;
+    CHECK(oc_udp_read(&r, &segment, &misfit) == 0, "nothing waiting: 0");
     /* five datagrams of 1000 bytes and one of 300, in one send where GSO is offered */
     uint8_t batch[5300];
     for (size_t i = 0; i < sizeof batch; i++) batch[i] = (uint8_t)(i / 1000 + 1);
@@ -592,15 +602,20 @@ static void test_udp(void) {
     CHECK(t.datagrams_out == 6 && t.bytes_out == sizeof batch, "counted as six datagrams");
     int datagrams = 0, in_order = 1;
     for (;;) {
-        ssize_t n = oc_udp_read(&r, &segment, &truncated);
+        ssize_t n = oc_udp_read(&r, &segment, &misfit);
         if (n <= 0) break;
         for (size_t at = 0; at < (size_t)n; at += segment, datagrams++)
             if (r.buf[at] != datagrams + 1) in_order = 0;
         got_bytes += (size_t)n;
     }
-    CHECK(got_bytes == sizeof batch && datagrams == 6 && in_order && !truncated,
+    CHECK(got_bytes == sizeof batch && datagrams == 6 && in_order && misfit == OC_UDP_WHOLE,
           "read back whole, cut at the segment size the kernel reports (%d datagrams)", datagrams);
     CHECK(r.datagrams_in == 6 && r.bytes_in == sizeof batch, "counted on the way in");
+    /* an empty datagram is a misfit to pass over, not "nothing waiting": what follows it is read */
+    CHECK(sendto(tx, batch, 0, 0, (struct sockaddr *)&to, sizeof to) == 0 &&
+          sendto(tx, batch, 7, 0, (struct sockaddr *)&to, sizeof to) == 7, "sent");
+    CHECK(oc_udp_read(&r, &segment, &misfit) == -1 && misfit == OC_UDP_EMPTY, "empty: -1");
+    CHECK(oc_udp_read(&r, &segment, &misfit) == 7 && misfit == OC_UDP_WHOLE, "then the next");
     oc_udp_free(&r);
     oc_udp_free(&t);
     close(rx);
