@@ -135,7 +135,9 @@ def test_silent_rank_gives_the_others_a_timeout_naming_what_they_waited_for():
     for rank in (0, 2):
         name, message, elapsed = results[rank]
         assert name in ("CollectiveTimeoutError", "PeerFailureError"), message
-        assert TIMEOUT * 0.9 < elapsed < TIMEOUT * 2, elapsed
+        assert elapsed < TIMEOUT * 2, elapsed
+        if "reported by" not in message:  # its own timer, not the other's abort (which may
+            assert TIMEOUT * 0.9 < elapsed, elapsed  # come sooner if that one posted first)
     assert any("made no progress" in r[1] for r in (results[0], results[2]))
 
 

@@ -99,11 +99,10 @@ def test_a_silent_connection_and_a_replayed_hello_neither_delay_nor_join_the_ren
 
 
 def test_the_aggregator_takes_no_replayed_registration_and_drops_a_silent_one(monkeypatch):
-    monkeypatch.setattr("overcast.switch.service.REGISTRATION_SECONDS", 0.2)
     service = SwitchService("127.0.0.1", 0, [secret := os.urandom(32)])
     serving = threading.Thread(target=service.serve)
     serving.start()
-    silent = socket.create_connection(("127.0.0.1", service.port))
+    silent = replay = None
     ranks = Ranks(secret, switch=f"127.0.0.1:{service.port}")
     try:
         for rank in range(WORLD):
@@ -122,12 +121,18 @@ def test_the_aggregator_takes_no_replayed_registration_and_drops_a_silent_one(mo
         replay.sendall(captured_hello(secret, salt, 1, AGGREGATOR, hello))
         assert replay.recv(4096) == b""  # closed, no WELCOME
         replay.close()
+        # a short registration time for this connection only: the ranks and the replay had
+        # the usual one, so a stall of this process could not have timed them out instead
+        monkeypatch.setattr("overcast.switch.service.REGISTRATION_SECONDS", 0.2)
+        silent = socket.create_connection(("127.0.0.1", service.port))
         silent.settimeout(TIMEOUT)
         assert len(silent.recv(SWITCH_CHALLENGE.size)) == SWITCH_CHALLENGE.size
         assert silent.recv(4096) == b""  # closed once its registration time was up
         assert service.drops["replayed"] == 1 and service.drops["registration_timeout"] == 1
     finally:
-        silent.close()
+        for conn in (silent, replay):
+            if conn is not None:
+                conn.close()
         ranks.join()
         service.stop()
         serving.join()

@@ -178,12 +178,17 @@ class Overlap:
         return trace
 
     def close(self) -> None:
-        """Give the model back its own collectives, and close what overlap() opened."""
+        """Give the model back its own collectives, and close what overlap() opened. It raises
+        no error of the collectives it waits for: the ReduceScatters still in flight here are
+        those of a backward pass that raised, whose caller has had the error already (a
+        `finally: handle.close()` must not replace it)."""
         if self._closed:
             return
         self._closed = True
         try:
             self._deferred.drain()
+        except OvercastError:
+            pass
         finally:
             self._restore()
 
