@@ -96,14 +96,18 @@ def test_a_root_dying_mid_broadcast_is_an_error_everywhere_in_bounded_time():
 
 
 def peak_growth(rank, nbytes):
-    """Peak RSS growth during lossy multicast AllGathers, beyond the buffers already touched."""
+    """Peak RSS growth during lossy multicast AllGathers, beyond the buffers already touched.
+    Each starts after a barrier: a rank still repairing the last one would otherwise keep the
+    next one's early datagrams (up to the session's EARLY_DATAGRAM_BYTES, a bound of its own)."""
     with overcast.Communicator(timeout=60, loss=LossSpec(0.05, seed=rank)) as comm:
         world = comm.world_size
         out = np.ones(world * nbytes, np.uint8)
         inp = np.ones(nbytes, np.uint8)
         comm.all_gather(out, inp, algorithm="multicast")  # warm: imports, socket buffers
+        comm.barrier()
         before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         for _ in range(3):
+            comm.barrier()
             comm.all_gather(out, inp, algorithm="multicast")
         after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         return after - before
