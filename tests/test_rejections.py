@@ -115,7 +115,13 @@ def test_a_datagram_that_does_not_fit_is_dropped_and_counted(case):
         assert result(coll).tobytes() == expected(name, r).tobytes()
 
 
-# (collective, [(kind, src, chunk, payload, dst), ...]) -> the reason rank 1 aborts with
+# (collective, [(kind, src, chunk, payload, dst), ...]) -> the reason rank 1 aborts with;
+# described(rest) stands for the collective's own descriptor followed by rest (an end-of-multicast
+# notice and a repair request open with their sender's)
+def described(rest=b""):
+    return ("described", rest)
+
+
 STREAMS = {
     "activation from a rank not before it in its chain": (
         "all_gather in chains", [(Kind.ACTIVATE, 2, 0, b"", None)], "wrong_sender"),
@@ -125,20 +131,22 @@ STREAMS = {
     "FIN from a rank that is not the predecessor": (
         "all_gather", [(Kind.FIN, 3, 0, b"", None)], "wrong_sender"),
     "repair request from a rank that is not the predecessor": (
-        "all_gather", [(Kind.REPAIR_REQUEST, 3, 0, pack_ranges([(0, 1)]), None)],
+        "all_gather", [(Kind.REPAIR_REQUEST, 3, 0, described(pack_ranges([(0, 1)])), None)],
         "wrong_sender"),
-    "torn repair request": ("all_gather", [(Kind.REPAIR_REQUEST, 0, 0, bytes(5), None)],
-                            "malformed"),
-    "empty repair request": ("all_gather", [(Kind.REPAIR_REQUEST, 0, 0, b"", None)],
+    "torn repair request": ("all_gather", [(Kind.REPAIR_REQUEST, 0, 0, described(bytes(5)),
+                                            None)], "malformed"),
+    "empty repair request": ("all_gather", [(Kind.REPAIR_REQUEST, 0, 0, described(), None)],
                              "malformed"),
+    "repair request without a descriptor": (
+        "all_gather", [(Kind.REPAIR_REQUEST, 0, 0, pack_ranges([(0, 1)]), None)], "malformed"),
     "repair request across segments": (
-        "all_gather", [(Kind.REPAIR_REQUEST, 0, 0, pack_ranges([(1, 2)]), None)],
+        "all_gather", [(Kind.REPAIR_REQUEST, 0, 0, described(pack_ranges([(1, 2)])), None)],
         "out_of_range"),
     "repair request beyond the buffer": (
-        "all_gather", [(Kind.REPAIR_REQUEST, 0, 0, pack_ranges([(7, 5)]), None)],
+        "all_gather", [(Kind.REPAIR_REQUEST, 0, 0, described(pack_ranges([(7, 5)])), None)],
         "out_of_range"),
     "repair request of no chunks": (
-        "all_gather", [(Kind.REPAIR_REQUEST, 0, 0, pack_ranges([(0, 0)]), None)],
+        "all_gather", [(Kind.REPAIR_REQUEST, 0, 0, described(pack_ranges([(0, 0)])), None)],
         "out_of_range"),
     "repair data of the wrong length": (
         "all_gather", [(Kind.REPAIR_DATA, 2, 0, bytes(10), None)], "wrong_length"),
@@ -147,9 +155,11 @@ STREAMS = {
     "repair data from a rank that is not the successor": (
         "all_gather", [(Kind.REPAIR_DATA, 3, 0, bytes(64), None)], "wrong_sender"),
     "end-of-multicast from a rank that is not a root": (
-        "broadcast", [(Kind.MCAST_END, 2, 0, b"", None)], "wrong_sender"),
-    "end-of-multicast twice": ("all_gather", [(Kind.MCAST_END, 0, 0, b"", None)] * 2,
+        "broadcast", [(Kind.MCAST_END, 2, 0, described(), None)], "wrong_sender"),
+    "end-of-multicast twice": ("all_gather", [(Kind.MCAST_END, 0, 0, described(), None)] * 2,
                                "duplicate"),
+    "end-of-multicast without a descriptor": (
+        "all_gather", [(Kind.MCAST_END, 0, 0, b"", None)], "malformed"),
     "ring frame to a multicast collective": (
         "all_gather", [(Kind.RING_DATA, 0, 0, bytes(64), None)], "unexpected_kind"),
     "ring frame from a rank that is not the predecessor": (
@@ -171,6 +181,8 @@ def test_a_stream_frame_that_does_not_fit_is_a_protocol_error_on_every_rank(case
     name, messages, reason = STREAMS[case]
     fabric, colls = start(name)
     for kind, src, chunk, payload, dst in messages:
+        if isinstance(payload, tuple):
+            payload = colls[1].desc.pack() + payload[1]
         inject(fabric, 1, kind, src, payload, chunk, dst, datagram=False)
     fabric.run_timed()
     error = colls[1].error
@@ -291,29 +303,49 @@ def test_a_goodbye_carries_a_count():
 
 
 def done_but_unverified():
-    """Rank 1 of 2 with its multicast AllGather done, waiting only for rank 0's DESCRIBE."""
-    fabric = Fabric(2)
-    coll = MulticastGather(0, 1, 2, Descriptor("all_gather", "multicast", U8, 64, param=2),
-                           np.empty(128, np.uint8), [(0, 0, 64), (1, 64, 64)],
-                           source=np.ones(64, np.uint8), roots=2, chunk_bytes=CHUNK_BYTES,
-                           budget=LinkBudget(1e6))
+    """Rank 1 of 3 with its multicast Broadcast from rank 0 done, waiting only for rank 2's
+    DESCRIBE (rank 0's end-of-multicast notice carried rank 0's descriptor)."""
+    fabric = Fabric(3)
+    coll = MulticastGather(0, 1, 3, Descriptor("broadcast", "multicast", U8, 64, param=0),
+                           np.empty(64, np.uint8), [(0, 0, 64)], source=None, roots=1,
+                           chunk_bytes=CHUNK_BYTES, budget=LinkBudget(1e6))
     fabric.post(1, coll)
     inject(fabric, 1, Kind.MCAST_DATA, 0, bytes(64), 0, ANY)
-    inject(fabric, 1, Kind.MCAST_END, 0)
+    inject(fabric, 1, Kind.MCAST_END, 0, coll.desc.pack())
     inject(fabric, 1, Kind.FIN, 0)
     session = fabric.sessions[1]
     for route in list(session.pending_routes()):
         session.drain(route)
     assert coll.phase is Phase.DONE and coll in session.active.values()
+    assert session.unverified[0] == {2}
     return fabric, session, coll
 
 
 def test_a_repair_that_crossed_its_chunk_is_taken_after_done():
     fabric, session, coll = done_but_unverified()
-    inject(fabric, 1, Kind.REPAIR_DATA, 0, bytes(64), 0)  # rank 0 is also rank 1's successor
+    inject(fabric, 1, Kind.REPAIR_DATA, 2, bytes(64), 0)  # from rank 1's successor
     assert session.error is None and coll.stats["repaired_chunks"] == 0
-    inject(fabric, 1, Kind.DESCRIBE, 0, coll.desc.pack())
+    inject(fabric, 1, Kind.DESCRIBE, 2, coll.desc.pack())
     assert coll in session.finished and coll.error is None
+
+
+@pytest.mark.parametrize("kind,rest", [(Kind.MCAST_END, b""),
+                                       (Kind.REPAIR_REQUEST, pack_ranges([(0, 1)]))])
+def test_an_all_gather_describes_itself_by_its_end_notices_only(kind, rest):
+    """Every rank of a multicast AllGather ends its multicast with a notice to every other,
+    which the AllGather waits for anyway: the notices carry the descriptor, no DESCRIBE is
+    sent. A repair request, which may reach the successor before the notice, carries it too.
+    Either naming another call fails it on every rank as a DESCRIBE would."""
+    fabric, colls = start("all_gather")
+    sent = [m for s in fabric.sessions for route in list(s.pending_routes())
+            for m in s.drain(route)]
+    assert sent and not [m for m in sent if m.kind == Kind.DESCRIBE]
+    other = Descriptor("all_gather", "multicast", U8, 65, param=WORLD)
+    inject(fabric, 1, kind, 0, other.pack() + rest)  # rank 0: a root, and rank 1's predecessor
+    assert isinstance(colls[1].error, CollectiveMismatchError), colls[1].error
+    fabric.run_timed()
+    assert all(isinstance(c.error, CollectiveMismatchError) for c in colls), \
+        [c.error for c in colls]
 
 
 def test_an_abort_fails_a_collective_done_but_not_yet_verified():

@@ -44,6 +44,8 @@ class Descriptor:
     op: str = "none"
     param: int = 0  # broadcast root, or the number of multicast roots
 
+    SIZE = _DESCRIPTOR.size
+
     def pack(self) -> bytes:
         return _DESCRIPTOR.pack(COLLECTIVES.index(self.collective),
                                 ALGORITHMS.index(self.algorithm), dtype_code(self.dtype),
@@ -128,6 +130,10 @@ class Collective:
     # data passes every rank on the streams behind the DESCRIBEs, so a mismatch always shows
     # first; datagram protocols need the check, or a rank could finish a mismatched call.
     verify_every_peer = False
+    # Whether every peer will send it an end-of-multicast notice before anything else it
+    # sends on its stream but repair requests (both carry the sender's descriptor, checked as
+    # a DESCRIBE is): then it describes itself to no one.
+    described_by_end_notices = False
     ACCEPTS: dict[int, Accept] = {}
 
     def __init__(self, seq: int, rank: int, world: int, desc: Descriptor):

@@ -88,6 +88,10 @@ class MulticastGather(Collective):
         self.deferred: list[tuple[int, int]] = []
         self.posted = False
         self.streams_ended = False  # told the plane: it no longer divides the other gathers' pace
+        # An AllGather's every rank is a root and ends its multicast with a notice to every
+        # other: the notices, which it waits for anyway, describe the call (and the repair
+        # requests, which may come first).
+        self.described_by_end_notices = len(segments) == world > 1 and self.k > 0
 
     # -- geometry --------------------------------------------------------------------------
     def _span(self, gid: int, count: int = 1) -> tuple[int, int]:
@@ -152,7 +156,8 @@ class MulticastGather(Collective):
         if self.phase is Phase.SENDING and self._state()["sent_all"]:
             for peer in range(self.world):
                 if peer != self.rank:
-                    self.queue((STREAM, peer), Outgoing(Kind.MCAST_END, self.seq, 0, b"", peer))
+                    self.queue((STREAM, peer), Outgoing(Kind.MCAST_END, self.seq, 0,
+                                                        self.desc.pack(), peer))
             if self.chain_next is not None:
                 self.queue((STREAM, self.chain_next),
                            Outgoing(Kind.ACTIVATE, self.seq, 0, b"", self.chain_next))
@@ -165,7 +170,7 @@ class MulticastGather(Collective):
 
     def _on_repair_request(self, hdr, payload, now: float) -> None:
         try:
-            ranges = unpack_ranges(payload)
+            ranges = unpack_ranges(payload[Descriptor.SIZE:])  # the session checked the rest
         except MalformedError as err:
             self.reject("malformed", str(err))
         have = [self.plane.gather_have(self.seq, first, count) if self.posted else -1
@@ -246,7 +251,7 @@ class MulticastGather(Collective):
         """Ask the successor for the ranges the plane has marked requested."""
         ranges = self.plane.gather_requests(self.seq)
         for i in range(0, len(ranges), _RANGES_PER_REQUEST):
-            body = pack_ranges(ranges[i:i + _RANGES_PER_REQUEST])
+            body = self.desc.pack() + pack_ranges(ranges[i:i + _RANGES_PER_REQUEST])
             self.queue((STREAM, self.successor),
                        Outgoing(Kind.REPAIR_REQUEST, self.seq, 0, body, self.successor))
         self.stats["repair_requests"] += len(ranges)

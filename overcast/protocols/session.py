@@ -19,6 +19,9 @@ from overcast.wire.messages import pack_abort, pack_goodbye, unpack_abort, unpac
 from overcast.wire.runs import Run
 
 _CONTROL = (Kind.DESCRIBE, Kind.ABORT, Kind.GOODBYE)
+# Stream messages that open with their sender's descriptor: a multicast AllGather's are the
+# first it sends a peer, in place of a DESCRIBE (Collective.described_by_end_notices).
+_DESCRIBED = (Kind.MCAST_END, Kind.REPAIR_REQUEST)
 # The kinds that travel by datagram; every other kind goes on a peer's stream, and arriving by
 # the other channel is a misfit. Datagrams may also be dropped when they arrive before their
 # collective is posted and too many bytes are held already: the protocols repair such losses.
@@ -97,7 +100,7 @@ class Session:
                 peers = self.unverified[coll.seq] = set(range(self.world)) - {self.rank}
             else:
                 peers = {(self.rank + 1) % self.world}
-            for peer in sorted(peers):
+            for peer in sorted(peers) if not coll.described_by_end_notices else ():
                 self._send_control(Kind.DESCRIBE, coll.seq, peer, described)
         self._guard(coll, coll.start, now)
         for hdr, payload in self.early.pop(coll.seq, ()):
@@ -161,6 +164,11 @@ class Session:
             for hdr, payload in run.messages():
                 self._hold(hdr, payload, datagram)
             return
+        if kind in _DESCRIBED:  # checked before all else, as a DESCRIBE is
+            for one, payload in run.messages():
+                theirs = self._descriptor(one, payload)
+                if theirs is None or not self._verify(coll.desc, theirs, one, coll, now):
+                    return
         steps = coll.progress
         try:
             coll.receive(run, now)
@@ -210,10 +218,8 @@ class Session:
 
     def _receive_control(self, hdr, payload, now: float) -> None:
         if hdr.kind == Kind.DESCRIBE:
-            try:
-                theirs = Descriptor.unpack(payload)
-            except ProtocolError as err:
-                self.abort(err)
+            theirs = self._descriptor(hdr, payload)
+            if theirs is None:
                 return
             coll = self.active.get(hdr.seq)
             mine = coll.desc if coll is not None else self.history.get(hdr.seq)
@@ -221,13 +227,7 @@ class Session:
                 if hdr.seq >= self.next_seq:
                     self.early[hdr.seq].append((hdr, bytes(payload)))
                 return
-            if theirs != mine:
-                self.abort(CollectiveMismatchError(
-                    f"collective #{hdr.seq} differs across ranks: rank {hdr.src} issued "
-                    f"{theirs}, rank {self.rank} issued {mine}"))
-            elif coll is not None and hdr.seq in self.unverified:
-                self.unverified[hdr.seq].discard(hdr.src)
-                self.last_progress[hdr.seq] = now
+            if self._verify(mine, theirs, hdr, coll, now) and coll is not None:
                 self._settle(coll)
         elif hdr.kind == Kind.ABORT:
             try:
@@ -248,6 +248,29 @@ class Session:
                         f"rank {hdr.src} closed the communicator after {count} collectives "
                         f"while {coll.desc} #{coll.seq} was pending here"))
                     self._settle(coll)
+
+    def _descriptor(self, hdr, payload) -> Descriptor | None:
+        """A peer's descriptor (a DESCRIBE, or what a message of _DESCRIBED opens with); None,
+        the communicator aborted, if it cannot be decoded."""
+        try:
+            return Descriptor.unpack(payload[:Descriptor.SIZE])
+        except ProtocolError as err:
+            self.abort(Rejected(f"rank {hdr.src}: {err}", "malformed"))
+            return None
+
+    def _verify(self, mine: Descriptor, theirs: Descriptor, hdr, coll: Collective | None,
+                now: float) -> bool:
+        """Check a peer's call against this rank's: a mismatch aborts the communicator
+        (False); a match counts the peer as verified for `coll`."""
+        if theirs != mine:
+            self.abort(CollectiveMismatchError(
+                f"collective #{hdr.seq} differs across ranks: rank {hdr.src} issued "
+                f"{theirs}, rank {self.rank} issued {mine}"))
+            return False
+        if coll is not None and hdr.seq in self.unverified:
+            self.unverified[hdr.seq].discard(hdr.src)
+            self.last_progress[hdr.seq] = now
+        return True
 
     # -- failure ---------------------------------------------------------------------------
     def fail(self, error: OvercastError) -> None:

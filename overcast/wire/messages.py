@@ -19,7 +19,8 @@ CONTRIB_PREFIX = struct.Struct("<BBHI")
 # must send again. CREDIT (rank -> aggregator, when its credit stalls): the next chunk it has not
 # sent yet, and nothing after.
 _U32 = struct.Struct("<I")
-# REPAIR_REQUEST (rank -> rank): (first chunk, count) ranges.
+# REPAIR_REQUEST (rank -> rank): the sender's collective descriptor (protocols.base), then
+# (first chunk, count) ranges. MCAST_END (rank -> rank): the sender's collective descriptor.
 REPAIR_RANGE = struct.Struct("<II")
 # ABORT: the error class's abort code, then the reason in UTF-8.
 _ABORT = struct.Struct("<B")
