@@ -112,6 +112,41 @@ def test_one_step_equals_unsharded_reference(world, backend, allgather, reduce_s
         assert r["stats"]["allgathers"] == 7 and r["stats"]["reduce_scatters"] == 4, r
 
 
+def algorithms(rank, options, sync):
+    """One forward and backward through overlap(**options), gradient sync on or off: each
+    collective's label and algorithm, in the order posted."""
+    mesh = start()
+    world = dist.get_world_size()
+    try:
+        model = shard_model(small_model(), mesh)
+        with overcast.fsdp.overlap(model, trace=True, **options) as handle:
+            model.set_requires_gradient_sync(sync)
+            x, y = (local_rows(t, rank, world) for t in batch(0))
+            nn.functional.mse_loss(model(x), y).backward()
+            return [(span["label"], span["name"].split("(")[1].split(",")[0])
+                    for span in handle.timeline()["spans"]]
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("options,sync,forward,backward", [
+    ({}, True, "ring", "multicast"),
+    ({}, False, "ring", "ring"),
+    ({"unpaired_allgather": None}, True, "multicast", "multicast"),
+    ({"unpaired_allgather": None}, False, "multicast", "multicast"),
+    ({"allgather": "ring"}, True, "ring", "ring")])
+def test_an_allgather_is_multicast_only_where_a_reduce_scatter_runs_beside_it(
+        options, sync, forward, backward):
+    """By default the forward's AllGathers, and the backward's when gradients are not synced,
+    run on the ring: nothing fills the other direction of the link beside them."""
+    for used in run_ranks(algorithms, loopback_placements(2, LINK), args=(options, sync),
+                          timeout=120):
+        gathers = [algorithm for label, algorithm in used if label.startswith("AG")]
+        assert gathers == [forward] * 4 + [backward] * 3, used
+        scatters = [algorithm for label, algorithm in used if label.startswith("RS")]
+        assert scatters == (["innetwork"] * 4 if sync else []), used
+
+
 def fsdp_param_groups(model) -> list:
     """Every FSDP2 parameter group of `model`."""
     from torch.distributed.fsdp import FSDPModule
@@ -293,6 +328,8 @@ def bad_arguments(rank):
         attempt("backend", lambda: overcast.fsdp.overlap(model, backend="nccl"))
         attempt("allgather", lambda: overcast.fsdp.overlap(model, allgather="tree"))
         attempt("reduce_scatter", lambda: overcast.fsdp.overlap(model, reduce_scatter="tree"))
+        attempt("unpaired_allgather",
+                lambda: overcast.fsdp.overlap(model, unpaired_allgather="tree"))
         attempt("prefetch", lambda: overcast.fsdp.overlap(model, prefetch=-1))
         attempt("prefetch bool", lambda: overcast.fsdp.overlap(model, prefetch=True))
         attempt("defer", lambda: overcast.fsdp.overlap(model, defer_reduce_scatter="yes"))
@@ -323,7 +360,8 @@ def test_wrong_arguments_get_named_errors():
     assert "rank 0 of 2, but the FSDP mesh makes this process rank 1 of 2" in second.pop("ranks")
     assert {**first, "ranks": None} == {**second, "ranks": None}  # the same words on every rank
     expect = {"plain module": "fully_shard() has been applied", "backend": "'nccl'",
-              "allgather": "'tree'", "reduce_scatter": "'tree'", "prefetch": "-1",
+              "allgather": "'tree'", "reduce_scatter": "'tree'",
+              "unpaired_allgather": "unpaired_allgather='tree'", "prefetch": "-1",
               "prefetch bool": "True", "defer": "True or False, not 'yes'",
               "comm with torch": "backend='torch'",
               "ranks": "rank 1 of 2, but the FSDP mesh makes this process rank 0 of 2",

@@ -342,19 +342,21 @@ def profiled(rank, backend, path):
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("backend,algorithms", [("overcast", ("multicast", "innetwork")),
-                                                ("torch", ("process group",) * 2)])
+@pytest.mark.parametrize("backend,algorithms", [
+    ("overcast", ("ring", "multicast", "innetwork")), ("torch", ("process group",) * 3)])
 def test_collectives_appear_in_torch_profiler_traces(backend, algorithms, tmp_path):
     path = str(tmp_path / "trace.json")
     run_ranks(profiled, loopback_placements(2, LINK), args=(backend, path), timeout=120)
     events = [e for e in json.load(open(path))["traceEvents"]
               if e.get("ph") == "X" and e["name"].startswith("overcast ")]
     names = {e["name"] for e in events}
-    ag, rs = algorithms
+    forward, backward, rs = algorithms
     # forward: root and blocks 1-3; backward: blocks 3-1 again; a ReduceScatter per unit
     for unit in ("root", "1", "2", "3"):
-        assert f"overcast AllGather {unit} ({ag})" in names, names
+        assert f"overcast AllGather {unit} ({forward})" in names, names
         assert f"overcast ReduceScatter {unit} ({rs})" in names, names
+    for unit in ("1", "2", "3"):
+        assert f"overcast AllGather {unit} ({backward})" in names, names
     spans = [("AG" if "AllGather" in e["name"] else "RS", e["name"], e["ts"], e["ts"] + e["dur"])
              for e in events]
     assert overlapped(spans), spans

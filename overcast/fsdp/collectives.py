@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd.profiler import record_function
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
-from torch.distributed.fsdp._fully_shard._fsdp_common import DDPMeshInfo
+from torch.distributed.fsdp._fully_shard._fsdp_common import DDPMeshInfo, is_bw
 
 from overcast.engine.engine import Work
 from overcast.errors import InvalidArgumentError
@@ -158,8 +158,8 @@ class _Hook:
                                        f"buffer on {device}")
         return torch.empty(*size, dtype=dtype, device=device)
 
-    def _post(self, kind: str, issue) -> TimedWork:
-        name = f"overcast {_NAMES[kind]} {self.label} ({self.algorithm or 'process group'})"
+    def _post(self, kind: str, issue, algorithm: str | None) -> TimedWork:
+        name = f"overcast {_NAMES[kind]} {self.label} ({algorithm or 'process group'})"
         with _Clock(self.times, "post"):
             in_flight = _InFlight(self.times, kind, self.label, name)
             try:
@@ -177,18 +177,33 @@ class _Hook:
 
 
 class TimedAllGather(_Hook, AllGather):
-    """FSDP2's parameter AllGather of one module, through overcast with `algorithm` or through
-    the process group as FSDP2's default does."""
+    """FSDP2's parameter AllGather of one module, through overcast or through the process group
+    as FSDP2's default does. Through overcast, `algorithm` in a backward pass that reduces
+    gradients, where a ReduceScatter runs beside it; `unpaired` (if given) elsewhere: in the
+    forward pass, and in the backward of a micro-step whose gradients are not synced (nothing
+    beside it to fill the other direction of the link, so a multicast gains nothing there)."""
+
+    def __init__(self, comm, algorithm: str | None, label: str, times: CommTime, module=None,
+                 unpaired: str | None = None):
+        super().__init__(comm, algorithm, label, times)
+        self.module, self.unpaired = module, unpaired
+
+    def _algorithm(self) -> str | None:
+        if self.unpaired is None or self.unpaired == self.algorithm:
+            return self.algorithm
+        paired = is_bw() and all(pg.reduce_grads for pg in param_groups(self.module))
+        return self.algorithm if paired else self.unpaired
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                  group: dist.ProcessGroup, async_op: bool = False):
+        algorithm = None if self.comm is None else self._algorithm()
         if self.comm is None:
             issue = lambda: dist.all_gather_single(output_tensor, input_tensor,  # noqa: E731
                                                    group=group, async_op=True)
         else:
             issue = lambda: self.comm.all_gather(output_tensor, input_tensor,  # noqa: E731
-                                                 async_op=True, algorithm=self.algorithm)
-        work = self._post("AG", issue)
+                                                 async_op=True, algorithm=algorithm)
+        work = self._post("AG", issue, algorithm)
         if async_op:
             return work
         work.wait()
@@ -316,7 +331,7 @@ class TimedReduceScatter(_Hook, ReduceScatter):
             issue = lambda: self.comm.reduce_scatter(output_tensor, input_tensor,  # noqa: E731
                                                      op=name, async_op=True,
                                                      algorithm=self.algorithm)
-        work = self._post("RS", issue)
+        work = self._post("RS", issue, self.algorithm)
         if async_op:
             return work
         if not (deferrable and self.deferred.add(work)):

@@ -124,17 +124,20 @@ def _set_prefetch(blocks: list[FSDPModule], root: FSDPModule, prefetch: int) -> 
 
 
 def _install(modules, comm, allgather: str | None, reduce_scatter: str | None,
-             times: CommTime, deferred: DeferredReduceScatters | None) -> dict:
+             times: CommTime, deferred: DeferredReduceScatters | None,
+             unpaired_allgather: str | None = None) -> dict:
     """Give each module timed collectives (overcast's through `comm`, or the process group's if
-    None), their ReduceScatters left behind the backward pass in `deferred` where FSDP2 allows;
-    return what they had, to give back on close."""
+    None), their ReduceScatters left behind the backward pass in `deferred` where FSDP2 allows,
+    their AllGathers with no ReduceScatter beside them on `unpaired_allgather` if given; return
+    what they had, to give back on close."""
     saved = {}
     for name, module in modules:
         pg = param_groups(module)
         if not pg:
             continue
         saved[module] = (pg[0]._all_gather_comm, pg[0]._reduce_scatter_comm)
-        module.set_custom_all_gather(TimedAllGather(comm, allgather, name, times))
+        module.set_custom_all_gather(TimedAllGather(comm, allgather, name, times, module,
+                                                    unpaired_allgather))
         module.set_custom_reduce_scatter(TimedReduceScatter(
             comm, reduce_scatter, name, times, module, deferred))
     return saved
@@ -298,8 +301,8 @@ def job_communicator(group: dist.ProcessGroup | None = None, *, reduce_scatter: 
 
 def overlap(model, *, comm: Communicator | None = None, backend: str = "overcast",
             allgather: str = "multicast", reduce_scatter: str = "innetwork",
-            prefetch: int = 1, defer_reduce_scatter: bool = True,
-            trace: bool = False) -> Overlap:
+            unpaired_allgather: str | None = "ring", prefetch: int = 1,
+            defer_reduce_scatter: bool = True, trace: bool = False) -> Overlap:
     """Configure every FSDPModule in `model` for AllGather overlapped with ReduceScatter in the
     backward pass, and return the handle (close it when done, or use it in a `with`).
 
@@ -308,8 +311,12 @@ def overlap(model, *, comm: Communicator | None = None, backend: str = "overcast
     own when its process group is the "overcast" torch.distributed backend, otherwise a new
     Communicator over the FSDP mesh's ranks, meeting through the job's store) with the given
     AllGather ("multicast" or "ring") and ReduceScatter ("innetwork" or "ring") algorithms.
-    backend="torch" keeps the process group's collectives and gives ReduceScatter its own group
-    (`allgather` and `reduce_scatter` apply to backend="overcast" only).
+    `allgather` applies where a ReduceScatter runs beside the AllGather (a backward pass that
+    reduces gradients); `unpaired_allgather` everywhere else (the forward pass, and the backward
+    of a micro-step with gradient sync off), None for `allgather` there too: alone, a multicast
+    AllGather takes as long as a ring (both receive (P-1)N), and on a few ranks the ring costs
+    less per call (docs/fsdp.md). backend="torch" keeps the process group's collectives and
+    gives ReduceScatter its own group (the algorithms apply to backend="overcast" only).
     `prefetch` is how many blocks ahead FSDP gathers (forward) and behind (backward); 0 turns
     explicit prefetching off. `defer_reduce_scatter` lets a ReduceScatter run behind the rest of
     the backward pass, which waits for it at its end, wherever FSDP2 does not read its result
@@ -331,11 +338,13 @@ def overlap(model, *, comm: Communicator | None = None, backend: str = "overcast
         if comm is not None:
             raise InvalidArgumentError("comm= is for backend='overcast'; backend='torch' uses "
                                        "the process group's own collectives")
-        allgather = reduce_scatter = None  # the process group's own
+        allgather = reduce_scatter = unpaired_allgather = None  # the process group's own
         handle = Overlap(model, None, False, times,
                          reduce_scatter_groups=_set_separate_reduce_scatter_group(modules))
     else:
         _check_choice("allgather", allgather, ALGORITHMS["all_gather"])
+        if unpaired_allgather is not None:
+            _check_choice("unpaired_allgather", unpaired_allgather, ALGORITHMS["all_gather"])
         _check_choice("reduce_scatter", reduce_scatter, ALGORITHMS["reduce_scatter"])
         _check_dtypes(modules)
         if comm is not None and (comm.rank, comm.world_size) != (group.rank(), group.size()):
@@ -352,9 +361,12 @@ def overlap(model, *, comm: Communicator | None = None, backend: str = "overcast
     try:
         if comm is not None:
             comm.check_algorithm("all_gather", allgather)
+            if unpaired_allgather is not None:
+                comm.check_algorithm("all_gather", unpaired_allgather)
             comm.check_algorithm("reduce_scatter", reduce_scatter)
         handle._saved = _install(modules, comm, allgather, reduce_scatter, times,
-                                 handle._deferred if defer_reduce_scatter else None)
+                                 handle._deferred if defer_reduce_scatter else None,
+                                 unpaired_allgather)
         model._set_unshard_async_op(True)
         _set_prefetch(blocks, model, prefetch)
     except BaseException:

@@ -10,7 +10,11 @@ layer's gradients are reduce-scattered (in the reduce dtype). The three ways:
   AllGather and ReduceScatter share one ring schedule, one after the other;
 - rings-separate: the ReduceScatter on a process group of its own, so the two rings overlap
   (they then share both directions of every link: no faster on the wire, only less exposed);
-- overcast: multicast AllGather beside in-network ReduceScatter, overlapped.
+- overcast: multicast AllGather beside in-network ReduceScatter, overlapped; the forward's
+  AllGathers multicast too (`overlap(model, unpaired_allgather=None)`). overlap() runs them on
+  its ring by default, which on a few ranks costs less per call; here, with no per-call cost in
+  the engine model, the two take the same time, multicast with less CPU per byte, and at a
+  thousand ranks the ring's P-1 steps make it latency-bound.
 
 Each collective is simulated (overcast.sim.run) on the cluster; the engine cores each way needs
 come from the engine cost model: cores = CPU-seconds per host / seconds of communication, for

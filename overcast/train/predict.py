@@ -16,7 +16,9 @@ and every collective moving at the link's rate, the ones in flight sharing each 
 Rings (and gloo, in one group or two) move (P-1)N each way for an AllGather or a ReduceScatter;
 overcast's multicast AllGather sends N and receives (P-1)N, its in-network ReduceScatter the
 reverse, so beside each other the two fill both directions: a pair alone takes
-max(gather + (P-1)·scatter, (P-1)·gather + scatter) / B. What the compute hides (a prefetched
+max(gather + (P-1)·scatter, (P-1)·gather + scatter) / B. overcast runs the AllGathers that no
+ReduceScatter meets (the forward's, and the backward's of micro-steps that do not sync) on its
+ring, as overlap() does by default; alone, the two take the same time. What the compute hides (a prefetched
 AllGather, a ReduceScatter behind the next block's backward) is not counted; what it does not
 is the exposed communication.
 """
@@ -92,8 +94,9 @@ def compute_shares(cfg: GPTConfig) -> tuple[float, float]:
 
 def step_schedule(cfg: GPTConfig, world: int, compute: dict, prefetch: int = 1) -> list[tuple]:
     """The training thread's step as overcast.fsdp.overlap(prefetch=) drives FSDP2: ("compute",
-    seconds), ("post", name, kind, N) with kind "allgather" or "reduce_scatter" and N bytes per
-    rank, and ("wait", name).
+    seconds), ("post", name, kind, N) with kind "allgather" (in a backward pass that reduces
+    gradients), "unpaired_allgather" (elsewhere) or "reduce_scatter" and N bytes per rank, and
+    ("wait", name).
 
     Each module waits for its own AllGather, then posts its prefetch of the `prefetch` blocks
     after it (forward; the root, the first ones) or before it (backward; the root prefetches
@@ -109,20 +112,21 @@ def step_schedule(cfg: GPTConfig, world: int, compute: dict, prefetch: int = 1) 
     out = []
     for m in range(cfg.micro_steps):
         sync = m == cfg.micro_steps - 1
-        out += [("post", f"AG root {m}", "allgather", root), ("wait", f"AG root {m}")]
-        out += [("post", f"AG {j} {m}", "allgather", block)
+        backward_gather = "allgather" if sync else "unpaired_allgather"
+        out += [("post", f"AG root {m}", "unpaired_allgather", root), ("wait", f"AG root {m}")]
+        out += [("post", f"AG {j} {m}", "unpaired_allgather", block)
                 for j in range(min(prefetch, cfg.blocks))]
         for i in range(cfg.blocks):
             out.append(("wait", f"AG {i} {m}"))
             if i + prefetch < cfg.blocks:
-                out.append(("post", f"AG {i + prefetch} {m}", "allgather", block))
+                out.append(("post", f"AG {i + prefetch} {m}", "unpaired_allgather", block))
             out.append(("compute", fwd * block_share))
         out.append(("compute", fwd * head_share))
         last = cfg.blocks - 1
         gathered = set()  # blocks whose backward AllGather is posted
         if resharded[last]:  # FSDP2's own prefetch, in the root's pre-backward
             gathered.add(last)
-            out.append(("post", f"BAG {last} {m}", "allgather", block))
+            out.append(("post", f"BAG {last} {m}", backward_gather, block))
         out.append(("compute", bwd * head_share))
         for i in reversed(range(cfg.blocks)):
             if resharded[i]:
@@ -130,7 +134,7 @@ def step_schedule(cfg: GPTConfig, world: int, compute: dict, prefetch: int = 1) 
             for j in range(i - 1, max(-1, i - 1 - prefetch), -1):
                 if resharded[j] and j not in gathered:
                     gathered.add(j)
-                    out.append(("post", f"BAG {j} {m}", "allgather", block))
+                    out.append(("post", f"BAG {j} {m}", backward_gather, block))
             out.append(("compute", bwd * block_share))
             if sync:  # one ReduceScatter in flight at a time (FSDP2's one input buffer)
                 if i < last:
@@ -146,7 +150,7 @@ def step_schedule(cfg: GPTConfig, world: int, compute: dict, prefetch: int = 1) 
 def _bytes_each_way(kind: str, n: int, world: int, overlapped: bool) -> tuple[float, float]:
     """(sent, received) per rank: a ring's (P-1)N each way; multicast AllGather sends its shard
     once, in-network ReduceScatter receives only its result."""
-    if not overlapped:
+    if not overlapped or kind == "unpaired_allgather":
         return (world - 1) * n, (world - 1) * n
     return (n, (world - 1) * n) if kind == "allgather" else ((world - 1) * n, n)
 
