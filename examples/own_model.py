@@ -7,7 +7,8 @@ AdamW, its collectives routed by `overcast.fsdp.overlap(model)`. One process per
     overcast cluster run --hosts 4 --link-mbit 100 -- python examples/own_model.py --way torch
     OVERCAST_LINK_BITS_PER_S=10e9 torchrun --standalone --nproc-per-node 4 examples/own_model.py
 
-`--way` picks overcast (multicast AllGather, in-network ReduceScatter), overcast's rings, or the
+`--way` picks overcast (multicast AllGather beside in-network ReduceScatter in the backward, the
+forward's AllGathers on its ring), overcast's rings, or the
 process group's own collectives (gloo here) with ReduceScatter on a group of its own; all three
 see the same weights and batches, so their losses agree. Rank 0 prints each step's loss and
 time (the slowest rank's).

@@ -70,7 +70,8 @@ WAYS = {
     "gloo": "gloo, one process group (FSDP2's defaults)",
     "gloo-separate": "gloo, ReduceScatter on its own group, same prefetch as overcast",
     "overcast-ring": "overcast rings for AllGather and ReduceScatter",
-    "overcast": "overcast multicast AllGather + in-network ReduceScatter",
+    "overcast": "overcast multicast AllGather + in-network ReduceScatter (forward AllGathers on "
+                "its ring)",
 }
 # The ways whose collectives run on an overcast Communicator (and so can be traced).
 OVERCAST_WAYS = ("overcast-ring", "overcast")
