@@ -18,9 +18,9 @@ overcast's multicast AllGather sends N and receives (P-1)N, its in-network Reduc
 reverse, so beside each other the two fill both directions: a pair alone takes
 max(gather + (P-1)·scatter, (P-1)·gather + scatter) / B. overcast runs the AllGathers that no
 ReduceScatter meets (the forward's, and the backward's of micro-steps that do not sync) on its
-ring, as overlap() does by default; alone, the two take the same time. What the compute hides (a prefetched
-AllGather, a ReduceScatter behind the next block's backward) is not counted; what it does not
-is the exposed communication.
+ring, as overlap() does by default; alone, the two take the same time. What the compute hides
+(a prefetched AllGather, a ReduceScatter behind the next block's backward) is not counted; what
+it does not is the exposed communication.
 """
 
 from __future__ import annotations
