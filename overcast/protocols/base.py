@@ -138,6 +138,7 @@ class Collective:
 
     def __init__(self, seq: int, rank: int, world: int, desc: Descriptor):
         self.seq, self.rank, self.world, self.desc = seq, rank, world, desc
+        self.described = desc.pack()  # as DESCRIBEs, end notices and repair requests carry it
         self.outbox: dict[tuple[int, int], collections.deque[Outgoing]] = {}
         self.phase = Phase.POSTED
         # Steps toward the result (data stored, own data sent, a notice or credit taken), not

@@ -157,7 +157,7 @@ class MulticastGather(Collective):
             for peer in range(self.world):
                 if peer != self.rank:
                     self.queue((STREAM, peer), Outgoing(Kind.MCAST_END, self.seq, 0,
-                                                        self.desc.pack(), peer))
+                                                        self.described, peer))
             if self.chain_next is not None:
                 self.queue((STREAM, self.chain_next),
                            Outgoing(Kind.ACTIVATE, self.seq, 0, b"", self.chain_next))
@@ -251,7 +251,7 @@ class MulticastGather(Collective):
         """Ask the successor for the ranges the plane has marked requested."""
         ranges = self.plane.gather_requests(self.seq)
         for i in range(0, len(ranges), _RANGES_PER_REQUEST):
-            body = self.desc.pack() + pack_ranges(ranges[i:i + _RANGES_PER_REQUEST])
+            body = self.described + pack_ranges(ranges[i:i + _RANGES_PER_REQUEST])
             self.queue((STREAM, self.successor),
                        Outgoing(Kind.REPAIR_REQUEST, self.seq, 0, body, self.successor))
         self.stats["repair_requests"] += len(ranges)

@@ -95,13 +95,13 @@ class Session:
         self.last_progress[coll.seq] = now
         coll.plane = self.plane
         if self.world > 1:
-            described = coll.desc.pack()
             if coll.verify_every_peer:
                 peers = self.unverified[coll.seq] = set(range(self.world)) - {self.rank}
             else:
                 peers = {(self.rank + 1) % self.world}
-            for peer in sorted(peers) if not coll.described_by_end_notices else ():
-                self._send_control(Kind.DESCRIBE, coll.seq, peer, described)
+            if not coll.described_by_end_notices:
+                for peer in sorted(peers):
+                    self._send_control(Kind.DESCRIBE, coll.seq, peer, coll.described)
         self._guard(coll, coll.start, now)
         for hdr, payload in self.early.pop(coll.seq, ()):
             datagram = hdr.kind in DATAGRAM_KINDS  # checked against the channel on arrival
