@@ -5,8 +5,8 @@ from overcast.engine.engine import Work
 from overcast.transport.loss import LossSpec
 from overcast.errors import (CollectiveMismatchError, CollectiveTimeoutError,
                              CommunicatorClosedError, InvalidArgumentError, OvercastError,
-                             PeerFailureError, ProtocolError)
+                             PeerFailureError, ProtocolError, TorchFeatureError)
 
 __all__ = ["Communicator", "Work", "LossSpec", "OvercastError", "InvalidArgumentError",
            "CollectiveMismatchError", "CollectiveTimeoutError", "CommunicatorClosedError",
-           "PeerFailureError", "ProtocolError"]
+           "PeerFailureError", "ProtocolError", "TorchFeatureError"]

@@ -18,6 +18,11 @@ class InvalidArgumentError(OvercastError, ValueError):
     abort_code = 6
 
 
+class TorchFeatureError(OvercastError):
+    """The installed torch lacks something overcast needs for what was asked; the message says
+    which torch has it. Raised on every rank alike (each checks its own torch)."""
+
+
 class CollectiveMismatchError(OvercastError):
     """Ranks issued different collectives (kind, size, dtype, op, order) at one sequence number."""
 

@@ -3,7 +3,9 @@ import subprocess
 
 import pytest
 
+from overcast.cluster.launch import loopback_placements, run_ranks
 from overcast.cluster.netns import list_namespaces
+
 
 def pytest_addoption(parser):
     parser.addoption("--fuzz-scale", type=int, default=1,
@@ -26,3 +28,32 @@ def nothing_left_behind():
                               capture_output=True, text=True).stdout.split("\n")
     alive = [c for c in children if c.strip() and " Z" not in c and "ps -o" not in c]
     assert not alive, f"child processes left behind: {alive}"
+
+
+def _integer_parameter_refusal(rank):
+    """What this torch's fully_shard says to an int16 parameter (None: it shards it)."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn as nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    dist.init_process_group("gloo")
+    try:
+        module = nn.Module()
+        module.register_parameter("count", nn.Parameter(torch.zeros(2, dtype=torch.int16),
+                                                        requires_grad=False))
+        fully_shard(module, mesh=init_device_mesh("cpu", (1,)))
+        return None
+    except RuntimeError as err:
+        return str(err)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="session")
+def integer_parameters():
+    """Skips a test with integer parameters where torch's own fully_shard refuses them (2.11
+    makes every sharded parameter require gradients; 2.13 shards them)."""
+    refusal = run_ranks(_integer_parameter_refusal, loopback_placements(1), timeout=60)[0]
+    if refusal is not None:
+        pytest.skip(f"this torch's fully_shard refuses an integer parameter: {refusal}")

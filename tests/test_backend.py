@@ -20,6 +20,7 @@ import overcast
 import overcast.distributed
 import overcast.fsdp
 from overcast.cluster.launch import RankError, loopback_placements, run_ranks
+from overcast.torch_api import premul_sum
 
 LINK = {"OVERCAST_LINK_BITS_PER_S": "1e9"}  # loopback has no rate; multicast paces to this
 SETTINGS = {"ring": {}, "fastest": LINK}
@@ -100,7 +101,7 @@ def against_gloo(rank):
     if not same(mine, theirs):
         differ.append("reduce_scatter list")
     mine = values(rank, 1001, torch.float32)
-    dist.all_reduce(mine, op=dist._make_nccl_premul_sum(0.5))
+    dist.all_reduce(mine, op=premul_sum(0.5))
     theirs = values(rank, 1001, torch.float32) * 0.5
     dist.all_reduce(theirs, group=gloo)
     if not same(mine, theirs):
@@ -284,10 +285,12 @@ def train(rank, how):
     if how == "ddp":
         model = nn.parallel.DistributedDataParallel(model)
     else:
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
+        mesh = init_device_mesh("cpu", (world,))  # FSDP2's default follows the accelerator
         for layer in (model[0], model[2], model[4]):
-            fully_shard(layer)
-        fully_shard(model)
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
         if how == "overlap":
             handle = overcast.fsdp.overlap(model)
     opts = [torch.optim.SGD(m.parameters(), lr=0.3) for m in (model, ref)]

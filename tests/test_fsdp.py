@@ -11,11 +11,13 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule
 
 import overcast
 import overcast.fsdp
 from overcast.cluster.launch import RankError, loopback_placements, run_ranks
 from overcast.fsdp.collectives import premultiplied, reduce_op
+from overcast.torch_api import collectives, own_reduce_scatter_group, param_groups, premul_sum
 
 HIDDEN = 37  # every unit's parameter count (37*37 = 1369; root 449) is divisible by no P in 2..4
 ROWS = 12    # global batch, split evenly over 2, 3 or 4 ranks
@@ -149,39 +151,41 @@ def test_an_allgather_is_multicast_only_where_a_reduce_scatter_runs_beside_it(
 
 def fsdp_param_groups(model) -> list:
     """Every FSDP2 parameter group of `model`."""
-    from torch.distributed.fsdp import FSDPModule
-    from overcast.fsdp.collectives import param_groups
     return [g for m in model.modules() if isinstance(m, FSDPModule) for g in param_groups(m)]
+
+
+def reduce_scatter_groups(model) -> list:
+    """The process group each module's ReduceScatter hook runs on (None: the one FSDP2
+    passes), or "default" where FSDP2's own ReduceScatter is back."""
+    return [getattr(collectives(g)[1], "group", "default") for g in fsdp_param_groups(model)]
 
 
 def reopened(rank, opens):
     """overlap(backend="torch") opened and closed `opens` times on one model, a step each, beside
     plain FSDP2 on another copy: the parameters' largest difference, whether every opening used
     the first one's ReduceScatter group (the object: a group made again would have its name),
-    the number of groups alive after each close, and whether FSDP2 was back on its shared
-    group."""
+    the number of groups alive after each close, and whether FSDP2 had its own collectives
+    back after each."""
     mesh = start()
     world = dist.get_world_size()
     try:
         model, plain = shard_model(small_model(), mesh), shard_model(small_model(), mesh)
-        fsdp_groups = fsdp_param_groups(model)
         groups, alive, released = [], [], []
         for step in range(opens):
             x, y = (local_rows(t, rank, world) for t in batch(step))
-            with overcast.fsdp.overlap(model, backend="torch"):
+            with overcast.fsdp.overlap(model, backend="torch") as handle:
                 nn.functional.mse_loss(model(x), y).backward()
-                groups.append({id(g.mesh_info.reduce_scatter_process_group)
-                               for g in fsdp_groups})
+                used = set(map(id, reduce_scatter_groups(model)))
+                groups.append(used if used == {id(handle.reduce_scatter_group)} else None)
             alive.append(len(dist.distributed_c10d._world.pg_names))
-            released.append(all(g.mesh_info.reduce_scatter_process_group is None
-                                for g in fsdp_groups))
+            released.append(set(reduce_scatter_groups(model)) == {"default"})
             nn.functional.mse_loss(plain(x), y).backward()
             for m in (model, plain):
                 torch.optim.SGD(m.parameters(), lr=0.5).step()
                 m.zero_grad()
         diff = max(max_diff(p.to_local(), q.to_local())
                    for p, q in zip(model.parameters(), plain.parameters()))
-        return {"diff": diff, "one_group": all(g == groups[0] and len(g) == 1 for g in groups),
+        return {"diff": diff, "one_group": groups[0] is not None and groups == groups[:1] * opens,
                 "alive": alive, "released": released}
     finally:
         dist.destroy_process_group()
@@ -199,58 +203,58 @@ def test_torch_backend_reopens_on_the_same_reduce_scatter_group():
 
 def own_group(rank):
     """A model given a separate ReduceScatter group of its own before overlap(backend="torch"):
-    whether overlap() used it, gave it back at close, and left it out of what it keeps."""
+    whether overlap() left it to FSDP2 to pass, made none, and left it in place at close."""
     mesh = start()
     world = dist.get_world_size()
     try:
         model = shard_model(small_model(), mesh)
         model.set_separate_reduce_scatter_group(True)
         fsdp_groups = fsdp_param_groups(model)
-        theirs = fsdp_groups[0].mesh_info.reduce_scatter_process_group
+        theirs = own_reduce_scatter_group(fsdp_groups[0])
         x, y = (local_rows(t, rank, world) for t in batch(0))
-        with overcast.fsdp.overlap(model, backend="torch"):
+        with overcast.fsdp.overlap(model, backend="torch") as handle:
             nn.functional.mse_loss(model(x), y).backward()
-            used = all(g.mesh_info.reduce_scatter_process_group is theirs for g in fsdp_groups)
-        return {"used": used,
-                "given_back": all(g.mesh_info.reduce_scatter_process_group is theirs
-                                  for g in fsdp_groups),
+            used = set(reduce_scatter_groups(model)) == {None}
+            made = handle.reduce_scatter_group
+        return {"used": used, "made": made,
+                "given_back": all(own_reduce_scatter_group(g) is theirs for g in fsdp_groups),
                 "kept": any(g is theirs for g in OVERLAP_MODULE._reduce_scatter_groups.values())}
     finally:
         dist.destroy_process_group()
 
 
-def test_torch_backend_uses_and_gives_back_a_group_the_model_already_had():
+@pytest.mark.skipif(not hasattr(FSDPModule, "set_separate_reduce_scatter_group"),
+                    reason="this torch has no set_separate_reduce_scatter_group (2.13 on)")
+def test_torch_backend_uses_a_group_the_model_already_had():
     for r in run_ranks(own_group, loopback_placements(2), timeout=120):
-        assert r == {"used": True, "given_back": True, "kept": False}, r
+        assert r == {"used": True, "made": None, "given_back": True, "kept": False}, r
 
 
 def fails_part_way(rank):
-    """overlap(backend="torch") where FSDP2 fails to give the second parameter group its
-    ReduceScatter group (injected) after the first got a new one: what each group has after
-    the error, whether the group made was kept, and a step through the next overlap() against
-    plain FSDP2."""
+    """overlap(backend="torch") where giving the second module its ReduceScatter fails
+    (injected) after the first got one: what each module has after the error, whether the
+    group made was kept, and a step through the next overlap() against plain FSDP2."""
     mesh = start()
     world = dist.get_world_size()
     try:
         model, plain = shard_model(small_model(), mesh), shard_model(small_model(), mesh)
-        fsdp_groups = fsdp_param_groups(model)
 
-        def fail(enable, cache):
-            raise RuntimeError("injected: no group for this parameter group")
-        fsdp_groups[1]._set_separate_reduce_scatter_group = fail
+        def fail(comm):
+            raise RuntimeError("injected: no ReduceScatter for this module")
+        model[2].set_custom_reduce_scatter = fail
         try:
             overcast.fsdp.overlap(model, backend="torch")
             error = None
         except RuntimeError as e:
             error = str(e)
-        del fsdp_groups[1]._set_separate_reduce_scatter_group
-        after_error = [g.mesh_info.reduce_scatter_process_group for g in fsdp_groups]
+        del model[2].set_custom_reduce_scatter
+        after_error = reduce_scatter_groups(model)
         kept = list(OVERLAP_MODULE._reduce_scatter_groups.values())
         x, y = (local_rows(t, rank, world) for t in batch(0))
-        with overcast.fsdp.overlap(model, backend="torch"):
+        with overcast.fsdp.overlap(model, backend="torch") as handle:
             nn.functional.mse_loss(model(x), y).backward()
-            reused = bool(kept) and all(g.mesh_info.reduce_scatter_process_group is kept[0]
-                                        for g in fsdp_groups)
+            reused = bool(kept) and handle.reduce_scatter_group is kept[0] and \
+                set(reduce_scatter_groups(model)) == {kept[0]}
         nn.functional.mse_loss(plain(x), y).backward()
         diff = max(max_diff(p.grad.to_local(), q.grad.to_local())
                    for p, q in zip(model.parameters(), plain.parameters()))
@@ -260,14 +264,14 @@ def fails_part_way(rank):
         dist.destroy_process_group()
 
 
-def test_torch_backend_failing_part_way_gives_the_groups_back():
+def test_torch_backend_failing_part_way_gives_the_collectives_back():
     for r in run_ranks(fails_part_way, loopback_placements(2), timeout=120):
-        assert r["error"] == "injected: no group for this parameter group", r
-        assert r["after_error"] == [None] * len(r["after_error"]), r
+        assert r["error"] == "injected: no ReduceScatter for this module", r
+        assert r["after_error"] == ["default"] * len(r["after_error"]), r
         assert r["kept"] == 1 and r["reused"] and r["diff"] == 0.0, r
 
 
-def test_mixed_dtypes_travel_as_bytes():
+def test_mixed_dtypes_travel_as_bytes(integer_parameters):
     for r in run_ranks(one_step, loopback_placements(3, LINK),
                        args=("overcast", "multicast", "innetwork", True), timeout=120):
         assert r["grad"] < 1e-6 and r["param"] < 1e-6, r
@@ -340,16 +344,6 @@ def bad_arguments(rank):
         attempt("ranks", lambda: overcast.fsdp.overlap(model, comm=swapped,
                                                        allgather="ring", reduce_scatter="ring"))
         swapped.close()
-        mixed = small_model()  # gathered as uint8 bytes with the float32 weight: carried
-        mixed[1].register_parameter("count", nn.Parameter(torch.zeros(4, dtype=torch.int16),
-                                                          requires_grad=False))
-        attempt("mixed dtypes", lambda: overcast.fsdp.overlap(
-            shard_model(mixed, mesh), allgather="ring", reduce_scatter="ring").close())
-        odd = small_model()  # a unit of int16 alone is gathered as int16: not carried
-        odd[1] = nn.Module()
-        odd[1].register_parameter("count", nn.Parameter(torch.zeros(4, dtype=torch.int16),
-                                                        requires_grad=False))
-        attempt("dtype", lambda: overcast.fsdp.overlap(shard_model(odd, mesh)))
         return errors
     finally:
         dist.destroy_process_group()
@@ -364,11 +358,44 @@ def test_wrong_arguments_get_named_errors():
               "unpaired_allgather": "unpaired_allgather='tree'", "prefetch": "-1",
               "prefetch bool": "True", "defer": "True or False, not 'yes'",
               "comm with torch": "backend='torch'",
-              "ranks": "rank 1 of 2, but the FSDP mesh makes this process rank 0 of 2",
-              "dtype": "torch.int16"}
+              "ranks": "rank 1 of 2, but the FSDP mesh makes this process rank 0 of 2"}
     for name, words in expect.items():
         assert first[name] is not None and words in first[name], (name, first[name])
+
+
+def integer_parameters_overlapped(rank):
+    """overlap() on a model whose block mixes an int16 parameter with float32 weights (FSDP2
+    gathers it as uint8 bytes: carried), and on one whose block holds the int16 parameter
+    alone (gathered as int16: not carried): the error each raised, or None."""
+    mesh = start()
+    errors = {}
+    try:
+        mixed = small_model()
+        mixed[1].register_parameter("count", nn.Parameter(torch.zeros(4, dtype=torch.int16),
+                                                          requires_grad=False))
+        odd = small_model()
+        odd[1] = nn.Module()
+        odd[1].register_parameter("count", nn.Parameter(torch.zeros(4, dtype=torch.int16),
+                                                        requires_grad=False))
+        for name, model, options in (("mixed dtypes", mixed, {"allgather": "ring",
+                                                              "reduce_scatter": "ring"}),
+                                     ("dtype", odd, {})):
+            try:
+                overcast.fsdp.overlap(shard_model(model, mesh), **options).close()
+                errors[name] = None
+            except overcast.InvalidArgumentError as e:
+                errors[name] = str(e)
+        return errors
+    finally:
+        dist.destroy_process_group()
+
+
+def test_integer_parameters_travel_as_bytes_or_get_a_named_error(integer_parameters):
+    first, second = run_ranks(integer_parameters_overlapped, loopback_placements(2),
+                              timeout=120)
+    assert first == second, (first, second)
     assert first["mixed dtypes"] is None
+    assert "torch.int16" in first["dtype"], first
 
 
 def test_multicast_without_a_link_rate_is_named_on_every_rank():
@@ -391,7 +418,7 @@ def test_reduce_ops():
     with pytest.raises(overcast.InvalidArgumentError, match="ReduceOp.MAX"):
         reduce_op(dist.ReduceOp.MAX)
     grads = torch.tensor([1.0, -2.0, 4.0])
-    assert premultiplied(dist.ReduceOp.PREMUL_SUM(0.25), grads, None) == dist.ReduceOp.SUM
+    assert premultiplied(premul_sum(0.25), grads, None) == dist.ReduceOp.SUM
     assert grads.tolist() == [0.25, -0.5, 1.0]  # scaled in place, as NCCL's PreMulSum does
     assert premultiplied(dist.ReduceOp.AVG, grads, None) == dist.ReduceOp.AVG
     assert grads.tolist() == [0.25, -0.5, 1.0]

@@ -26,6 +26,7 @@ from overcast.buffers import DTYPES, SUMMING_OPS, as_array
 from overcast.comm import ALGORITHMS, Communicator
 from overcast.errors import InvalidArgumentError, OvercastError
 from overcast.job import group_communicator
+from overcast.torch_api import premul_factor
 
 BACKEND_NAME = "overcast"
 # Which algorithm each collective runs, by environment variable; "auto" (the default) picks the
@@ -47,8 +48,7 @@ def _reduce_op(op) -> tuple[str, object]:
     kind = getattr(op, "op", op)
     for torch_op, name in REDUCE_OPS.items():
         if kind == torch_op:
-            factor = getattr(op, "factor", None) if kind == dist.ReduceOp.PREMUL_SUM else None
-            return name, factor
+            return name, premul_factor(op)
     raise InvalidArgumentError(f"reduce op {kind} is not offered by overcast; supported: SUM, "
                                f"AVG, PREMUL_SUM, MAX, MIN, PRODUCT")
 

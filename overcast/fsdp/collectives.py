@@ -1,6 +1,6 @@
 """FSDP2's custom-collective objects, backed by an overcast Communicator.
 
-FSDP2 (torch 2.13) calls `AllGather.__call__(output_tensor, input_tensor, group, async_op)` and
+FSDP2 calls `AllGather.__call__(output_tensor, input_tensor, group, async_op)` and
 `ReduceScatter.__call__(output_tensor, input_tensor, group, op, async_op)` on flat buffers from
 their `allocate`. It waits on an AllGather's result only if it is a `torch.distributed` Work, so
 an asynchronous AllGather returns `TimedWork`, a Work subclass whose `wait` waits on
@@ -25,13 +25,13 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch.autograd.profiler import record_function
-from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
-from torch.distributed.fsdp._fully_shard._fsdp_common import DDPMeshInfo, is_bw
 
 from overcast.engine.engine import Work
 from overcast.errors import InvalidArgumentError
-
-RedOpType = dist.ReduceOp.RedOpType
+from overcast.torch_api import (AllGather, ReduceScatter, RedOpType, all_gather_single, is_bw,
+                                output_unread, param_groups, premul_factor,
+                                reduce_scatter_input_buffers, reduce_scatter_single,
+                                reduces_gradients)
 
 
 def thread_clock() -> tuple[float, float]:
@@ -191,15 +191,15 @@ class TimedAllGather(_Hook, AllGather):
     def _algorithm(self) -> str | None:
         if self.unpaired is None or self.unpaired == self.algorithm:
             return self.algorithm
-        paired = is_bw() and all(pg.reduce_grads for pg in param_groups(self.module))
+        paired = is_bw() and reduces_gradients(param_groups(self.module))
         return self.algorithm if paired else self.unpaired
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                  group: dist.ProcessGroup, async_op: bool = False):
         algorithm = None if self.comm is None else self._algorithm()
         if self.comm is None:
-            issue = lambda: dist.all_gather_single(output_tensor, input_tensor,  # noqa: E731
-                                                   group=group, async_op=True)
+            issue = lambda: all_gather_single(output_tensor, input_tensor,  # noqa: E731
+                                              group=group, async_op=True)
         else:
             issue = lambda: self.comm.all_gather(output_tensor, input_tensor,  # noqa: E731
                                                  async_op=True, algorithm=algorithm)
@@ -215,9 +215,8 @@ def premultiplied(op, tensor: torch.Tensor, group: dist.ProcessGroup | None):
     gradient divide factor, becomes SUM after multiplying `tensor` by the factor here, as
     NCCL's PreMulSum does, wherever the reduction has no PREMUL_SUM of its own: overcast's
     (group None) and gloo's."""
-    factor = getattr(op, "factor", None)
-    if getattr(op, "op", None) != RedOpType.PREMUL_SUM or \
-            (group is not None and dist.get_backend(group) == "nccl"):
+    factor = premul_factor(op)
+    if factor is None or (group is not None and dist.get_backend(group) == "nccl"):
         return op
     if not isinstance(factor, float):
         raise InvalidArgumentError("ReduceOp.PREMUL_SUM with a tensor factor is not supported; "
@@ -239,36 +238,11 @@ def reduce_op(op) -> str:
                                f"reduces with SUM, AVG and PREMUL_SUM (what FSDP2 uses)")
 
 
-def param_groups(module) -> list:
-    """An FSDPModule's parameter groups (FSDP2's FSDPParamGroup), usually one."""
-    return module._get_fsdp_state()._fsdp_param_groups
-
-
-def _output_unread(groups: list, output: torch.Tensor, op) -> bool:
-    """Whether FSDP2 (torch 2.13's foreach_reduce) leaves a ReduceScatter's output unread until
-    the backward pass ends: it only makes the sharded gradients views of it. It reads it at once
-    to divide after the reduction (its op is then SUM, not AVG or PREMUL_SUM), to cast to the
-    parameters' dtype, to all-reduce it (HSDP, an all-reduce hook), to add it to gradients
-    already there (accumulating), or for a post-accumulate-grad hook or CPU offload."""
-    if getattr(op, "op", op) == RedOpType.SUM:
-        return False
-    for pg in groups:
-        if isinstance(pg.mesh_info, DDPMeshInfo) or pg._all_reduce_hook is not None or \
-                pg._orig_dtype != output.dtype:
-            return False
-        for p in pg.fsdp_params:
-            param = p.sharded_param
-            if param.grad is not None or p.offload_to_cpu or \
-                    getattr(param, "_post_accumulate_grad_hooks", None):
-                return False
-    return True
-
-
 class DeferredReduceScatters:
     """The ReduceScatters of one overlap() left running behind the backward pass, oldest
     first. No more stay in flight than FSDP2 keeps inputs of (`set_reduce_scatter_max_input_
-    buffers`, 1 by default), as on a GPU, so that deferring does not keep every block's
-    unsharded gradients alive at once."""
+    buffers` where torch has it, 1 by default), as on a GPU, so that deferring does not keep
+    every block's unsharded gradients alive at once."""
 
     def __init__(self):
         self._works: collections.deque[TimedWork] = collections.deque()
@@ -308,24 +282,28 @@ class TimedReduceScatter(_Hook, ReduceScatter):
     when FSDP2 will not read the output before the backward pass ends, and the backward pass
     waits for it at its end: the next blocks' backward computes meanwhile and their AllGathers
     are prefetched beside it, as FSDP2 does on a GPU, where the ReduceScatter runs on a stream
-    of its own. Without them it blocks, as FSDP2's own does."""
+    of its own. Without them it blocks, as FSDP2's own does. Through the process group,
+    `group` (if given) is the process group it runs on instead of the one FSDP2 passes: a
+    ReduceScatter group of its own, apart from the AllGathers'."""
 
     def __init__(self, comm, algorithm: str | None, label: str, times: CommTime,
-                 module=None, deferred: DeferredReduceScatters | None = None):
+                 module=None, deferred: DeferredReduceScatters | None = None,
+                 group: dist.ProcessGroup | None = None):
         super().__init__(comm, algorithm, label, times)
-        self.module, self.deferred = module, deferred
+        self.module, self.deferred, self.group = module, deferred, group
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                  group: dist.ProcessGroup, op, async_op: bool = False):
         groups = param_groups(self.module) if self.deferred is not None else None
         deferrable = not async_op and groups is not None and \
-            _output_unread(groups, output_tensor, op)
+            output_unread(groups, output_tensor, op)
         if deferrable:
-            self.deferred.make_room(groups[0].comm_ctx.reduce_scatter_max_input_buffers)
+            self.deferred.make_room(reduce_scatter_input_buffers(groups[0]))
         if self.comm is None:
+            group = self.group or group
             op = premultiplied(op, input_tensor, group)
-            issue = lambda: dist.reduce_scatter_single(output_tensor, input_tensor,  # noqa
-                                                       group=group, op=op, async_op=True)
+            issue = lambda: reduce_scatter_single(output_tensor, input_tensor,  # noqa: E731
+                                                  group=group, op=op, async_op=True)
         else:
             name = reduce_op(premultiplied(op, input_tensor, None))
             issue = lambda: self.comm.reduce_scatter(output_tensor, input_tensor,  # noqa: E731

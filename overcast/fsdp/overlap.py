@@ -25,8 +25,11 @@ from overcast.buffers import DTYPES, as_array
 from overcast.comm import ALGORITHMS, Communicator
 from overcast.errors import InvalidArgumentError, OvercastError
 from overcast.fsdp.collectives import (CommTime, DeferredReduceScatters, TimedAllGather,
-                                      TimedReduceScatter, param_groups)
+                                      TimedReduceScatter)
 from overcast.job import group_communicator
+from overcast.torch_api import (collectives, live_process_groups, own_reduce_scatter_group,
+                                param_groups, reshards_to_a_subgroup, set_unshard_async_op,
+                                shard_process_group, wire_dtypes)
 
 BACKENDS = ("overcast", "torch")
 _names = itertools.count()
@@ -62,16 +65,15 @@ def _shard_group(modules, backend: str) -> dist.ProcessGroup:
     group, ranks = None, None
     for name, module in modules:
         for pg in param_groups(module):
-            info = pg.mesh_info
-            if backend == "overcast" and pg._use_post_forward_mesh:
+            if backend == "overcast" and reshards_to_a_subgroup(pg):
                 raise InvalidArgumentError(
                     f"module {name!r} reshards to a smaller group after forward "
                     f"(reshard_after_forward=<int>), whose AllGathers run on a subgroup "
                     f"overcast has no communicator for; use reshard_after_forward=True or "
                     f"False, or backend='torch'")
-            these = dist.get_process_group_ranks(info.shard_process_group)
+            these = dist.get_process_group_ranks(shard_process_group(pg))
             if ranks is None:
-                group, ranks = info.shard_process_group, these
+                group, ranks = shard_process_group(pg), these
             elif these != ranks:
                 raise InvalidArgumentError(
                     f"module {name!r} is sharded over ranks {these}, others over {ranks}; "
@@ -82,21 +84,11 @@ def _shard_group(modules, backend: str) -> dist.ProcessGroup:
 
 
 def _check_dtypes(modules) -> None:
-    """The dtypes FSDP2 will hand the collectives, as it chooses them: a parameter group is
-    gathered in its one dtype (the mixed-precision param_dtype for floating-point parameters),
-    or as uint8 bytes when its dtypes differ; gradients of the parameters that have them are
-    reduced in reduce_dtype (or the gathered dtype)."""
+    """The dtypes FSDP2 will hand the collectives: a parameter group whose dtypes differ is
+    gathered as uint8 bytes."""
     for name, module in modules:
         for pg in param_groups(module):
-            policy = pg.mp_policy
-            gathered, reduced = set(), set()
-            for p in pg.fsdp_params:
-                orig = p.sharded_param.dtype
-                dtype = policy.param_dtype if policy.param_dtype and orig.is_floating_point \
-                    else orig
-                gathered.add(dtype)
-                if p.sharded_param.requires_grad:
-                    reduced.add(policy.reduce_dtype or dtype)
+            gathered, reduced = wire_dtypes(pg)
             wire = [("parameter", gathered.pop())] if len(gathered) == 1 else []
             wire += [("gradient reduction", d) for d in sorted(reduced, key=str)]
             for what, dtype in wire:
@@ -125,22 +117,38 @@ def _set_prefetch(blocks: list[FSDPModule], root: FSDPModule, prefetch: int) -> 
 
 def _install(modules, comm, allgather: str | None, reduce_scatter: str | None,
              times: CommTime, deferred: DeferredReduceScatters | None,
-             unpaired_allgather: str | None = None) -> dict:
+             unpaired_allgather: str | None = None,
+             reduce_scatter_group: dist.ProcessGroup | None = None) -> dict:
     """Give each module timed collectives (overcast's through `comm`, or the process group's if
     None), their ReduceScatters left behind the backward pass in `deferred` where FSDP2 allows,
-    their AllGathers with no ReduceScatter beside them on `unpaired_allgather` if given; return
-    what they had, to give back on close."""
+    their AllGathers with no ReduceScatter beside them on `unpaired_allgather` if given, the
+    process group's ReduceScatters on `reduce_scatter_group` if given, except where the user
+    gave the module one of its own. Returns what each had, to give back on close; if one fails,
+    those already set get theirs back before the error is raised."""
     saved = {}
-    for name, module in modules:
-        pg = param_groups(module)
-        if not pg:
-            continue
-        saved[module] = (pg[0]._all_gather_comm, pg[0]._reduce_scatter_comm)
-        module.set_custom_all_gather(TimedAllGather(comm, allgather, name, times, module,
-                                                    unpaired_allgather))
-        module.set_custom_reduce_scatter(TimedReduceScatter(
-            comm, reduce_scatter, name, times, module, deferred))
+    try:
+        for name, module in modules:
+            pg = param_groups(module)
+            if not pg:
+                continue
+            saved[module] = collectives(pg[0])
+            own = any(own_reduce_scatter_group(g) is not None for g in pg)
+            module.set_custom_all_gather(TimedAllGather(comm, allgather, name, times, module,
+                                                        unpaired_allgather))
+            module.set_custom_reduce_scatter(TimedReduceScatter(
+                comm, reduce_scatter, name, times, module, deferred,
+                None if own else reduce_scatter_group))
+    except BaseException:
+        _give_back(saved)
+        raise
     return saved
+
+
+def _give_back(saved: dict) -> None:
+    """Give each module the collectives `_install` saved."""
+    for module, (ag, rs) in saved.items():
+        module.set_custom_all_gather(ag)
+        module.set_custom_reduce_scatter(rs)
 
 
 class Overlap:
@@ -148,11 +156,12 @@ class Overlap:
     communication time, and `close()` to undo it (also as a context manager)."""
 
     def __init__(self, model, comm, owns_comm: bool, times: CommTime, switch=None, saved=None,
-                 reduce_scatter_groups=None):
+                 reduce_scatter_group: dist.ProcessGroup | None = None):
         self.model, self.comm, self._owns_comm, self.times = model, comm, owns_comm, times
         self._switch, self._saved = switch, saved or {}
-        # backend="torch": each FSDP2 parameter group's ReduceScatter group before overlap()
-        self._rs_groups = reduce_scatter_groups or {}
+        # backend="torch": the process group its ReduceScatters run on, apart from the
+        # AllGathers' (None where every module has a ReduceScatter group of its own)
+        self.reduce_scatter_group = reduce_scatter_group
         self._deferred = DeferredReduceScatters()
         self._closed = False
 
@@ -197,11 +206,7 @@ class Overlap:
 
     def _restore(self) -> None:
         """Give the modules their collectives back; release what overlap() opened."""
-        for module, (ag, rs) in self._saved.items():
-            module.set_custom_all_gather(ag)
-            module.set_custom_reduce_scatter(rs)
-        for group, before in self._rs_groups.items():
-            group.mesh_info.reduce_scatter_process_group = before
+        _give_back(self._saved)
         try:
             if self._owns_comm and self.comm is not None:
                 self.comm.close()
@@ -227,35 +232,23 @@ _reduce_scatter_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
 
 def _live_reduce_scatter_groups() -> dict[tuple[int, ...], dist.ProcessGroup]:
     """The kept groups, less any destroy_process_group() has since destroyed (the world's)."""
-    alive = dist.distributed_c10d._world.pg_map
+    alive = live_process_groups()
     for ranks, group in list(_reduce_scatter_groups.items()):
         if group not in alive:
             del _reduce_scatter_groups[ranks]
     return _reduce_scatter_groups
 
 
-def _set_separate_reduce_scatter_group(modules) -> dict:
-    """FSDP2's set_separate_reduce_scatter_group(True), with the groups it makes kept across
-    calls (the cache FSDP2 keeps within one call): a group for a set of ranks is made once. A
-    group the model already had (the user's own) is used, not kept. Returns each parameter
-    group's ReduceScatter group before, for close() to put back. If a parameter group fails,
-    all get their group back before the error is raised (no handle will close), and a group
-    already made is kept all the same, to be reused and destroyed at exit."""
-    groups = [group for _, module in modules for group in param_groups(module)]
-    before = {group: group.mesh_info.reduce_scatter_process_group for group in groups}
-    made = dict(_live_reduce_scatter_groups())
-    try:
-        for group in groups:
-            group._set_separate_reduce_scatter_group(True, made)
-    except BaseException:
-        for group, was in before.items():
-            group.mesh_info.reduce_scatter_process_group = was
-        raise
-    finally:
-        users = set(before.values())
-        _reduce_scatter_groups.update((ranks, g) for ranks, g in made.items()
-                                      if g not in users)
-    return before
+def _kept_reduce_scatter_group(shard_group: dist.ProcessGroup) -> dist.ProcessGroup:
+    """backend="torch"'s ReduceScatter group over the shard group's ranks, made as FSDP2's
+    set_separate_reduce_scatter_group makes one (only the members meet), once, then kept."""
+    ranks = tuple(dist.get_process_group_ranks(shard_group))
+    group = _live_reduce_scatter_groups().get(ranks)
+    if group is None:
+        group = dist.new_group(list(ranks), use_local_synchronization=True,
+                               group_desc="overcast_reduce_scatter")
+        _reduce_scatter_groups[ranks] = group
+    return group
 
 
 @atexit.register
@@ -339,8 +332,10 @@ def overlap(model, *, comm: Communicator | None = None, backend: str = "overcast
             raise InvalidArgumentError("comm= is for backend='overcast'; backend='torch' uses "
                                        "the process group's own collectives")
         allgather = reduce_scatter = unpaired_allgather = None  # the process group's own
-        handle = Overlap(model, None, False, times,
-                         reduce_scatter_groups=_set_separate_reduce_scatter_group(modules))
+        lacking = any(own_reduce_scatter_group(pg) is None
+                      for _, module in modules for pg in param_groups(module))
+        handle = Overlap(model, None, False, times, reduce_scatter_group=
+                         _kept_reduce_scatter_group(group) if lacking else None)
     else:
         _check_choice("allgather", allgather, ALGORITHMS["all_gather"])
         if unpaired_allgather is not None:
@@ -366,8 +361,8 @@ def overlap(model, *, comm: Communicator | None = None, backend: str = "overcast
             comm.check_algorithm("reduce_scatter", reduce_scatter)
         handle._saved = _install(modules, comm, allgather, reduce_scatter, times,
                                  handle._deferred if defer_reduce_scatter else None,
-                                 unpaired_allgather)
-        model._set_unshard_async_op(True)
+                                 unpaired_allgather, handle.reduce_scatter_group)
+        set_unshard_async_op(model, True)
         _set_prefetch(blocks, model, prefetch)
     except BaseException:
         handle.close()
