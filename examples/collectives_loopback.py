@@ -47,7 +47,6 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=5)
     args = p.parse_args()
 
-    torch.set_num_threads(1)
     dist.init_process_group("gloo")
     second = dist.new_group()  # gloo's pair: the ReduceScatter on a group of its own
     rank, world = dist.get_rank(), dist.get_world_size()

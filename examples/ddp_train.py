@@ -45,7 +45,6 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--batch", type=int, default=64, help="global rows per step")
     args = parser.parse_args()
-    torch.set_num_threads(1)
     dist.init_process_group(args.backend)
     rank, world = dist.get_rank(), dist.get_world_size()
     ddp = nn.parallel.DistributedDataParallel(model())

@@ -76,7 +76,6 @@ def main() -> None:
     p.add_argument("--checkpoint", action="store_true", help="activation checkpointing")
     args = p.parse_args()
 
-    torch.set_num_threads(1)
     dist.init_process_group("gloo")            # RANK, WORLD_SIZE, MASTER_ADDR/PORT from the launcher
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)                       # the same weights on every rank and in every way

@@ -30,7 +30,6 @@ def main() -> None:
     p.add_argument("--dim", type=int, default=256)
     args = p.parse_args()
 
-    torch.set_num_threads(1)
     dist.init_process_group("gloo")            # RANK, WORLD_SIZE, MASTER_ADDR/PORT from the launcher
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = GPTConfig(blocks=args.blocks, dim=args.dim)

@@ -190,6 +190,30 @@ def test_cluster_run_runs_a_command_on_every_host():
                                               for r in range(3)]
 
 
+@pytest.mark.parametrize("users", [None, "3"])
+def test_cluster_run_shares_the_cores_among_the_hosts_compute_threads(users):
+    """As torchrun: OMP_NUM_THREADS, where the user has not set it, is the cores divided among
+    the hosts (at least 1), said once on stderr; the user's own stands, unsaid."""
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    if users:
+        env["OMP_NUM_THREADS"] = users
+    hosts = 3
+    run = subprocess.run([*CLI, "cluster", "run", "--hosts", str(hosts), "--", sys.executable,
+                          "-c", "import os, torch; print(os.environ['OMP_NUM_THREADS'], "
+                                "torch.get_num_threads())"],
+                         capture_output=True, text=True, check=True, timeout=120, env=env)
+    threads = users or str(max(1, len(os.sched_getaffinity(0)) // hosts))
+    seen = [line.split() for line in run.stdout.splitlines()]
+    assert [env for env, _ in seen] == [threads] * hosts, run.stdout
+    if not users:  # torch read it (it caps a user's number at the cores it finds)
+        assert [torch_threads for _, torch_threads in seen] == [threads] * hosts, run.stdout
+    said = [line for line in run.stderr.splitlines() if "OMP_NUM_THREADS" in line]
+    assert said == ([] if users else [f"overcast: OMP_NUM_THREADS={threads} for each of {hosts} "
+                                      f"ranks sharing {len(os.sched_getaffinity(0))} cores, so "
+                                      f"that their compute threads do not overload the machine; "
+                                      f"set OMP_NUM_THREADS to choose another number"]), run.stderr
+
+
 def test_the_cluster_runs_inside_a_user_namespace_of_its_own():
     """What the command does when it is not root: the whole cluster inside a fresh user,
     network and mount namespace, leaving nothing in the machine's own /run/netns."""

@@ -1,8 +1,9 @@
 """Run one Python function per rank, each in its own process (and network namespace, if given).
 
 Children are forked, so the function and its arguments need no serialisation; each child enters
-its namespace with setns(2), gets torchrun-style rendezvous variables in its environment, and
-sends back its return value as JSON through a pipe (never pickle). Children die with the parent
+its namespace with setns(2), gets torchrun-style rendezvous variables in its environment (and,
+as torchrun gives them, a share of the machine's cores for its compute threads), and sends back
+its return value as JSON through a pipe (never pickle). Children die with the parent
 (PR_SET_PDEATHSIG) and are killed on timeout, error or Ctrl-C: nothing is left running.
 """
 
@@ -14,6 +15,7 @@ import os
 import selectors
 import signal
 import socket
+import sys
 import time
 import traceback
 from dataclasses import dataclass
@@ -52,6 +54,27 @@ def enter_netns(name: str) -> None:
         os.close(fd)
 
 
+_threads_said = False
+
+
+def compute_threads(ranks: int) -> dict[str, str]:
+    """torchrun's convention for `ranks` processes sharing this machine: unless the user set
+    OMP_NUM_THREADS (torch's intra-op threads), each gets the cores this process may use
+    divided among them, at least 1, said once per process on stderr as torchrun says it.
+    Returns the variable to add to each rank's environment ({} where the user's stands)."""
+    global _threads_said
+    if "OMP_NUM_THREADS" in os.environ:
+        return {}
+    cores = len(os.sched_getaffinity(0))
+    threads = max(1, cores // max(1, ranks))
+    if not _threads_said:
+        _threads_said = True
+        print(f"overcast: OMP_NUM_THREADS={threads} for each of {ranks} ranks sharing {cores} "
+              f"cores, so that their compute threads do not overload the machine; set "
+              f"OMP_NUM_THREADS to choose another number", file=sys.stderr)
+    return {"OMP_NUM_THREADS": str(threads)}
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -60,10 +83,10 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def loopback_placements(world: int, extra_env: dict[str, str] | None = None) -> list[Placement]:
     """Every rank on this host's loopback, as a single-machine torchrun would place them."""
-    port = free_port()
+    port, threads = free_port(), compute_threads(world)
     return [Placement(None, {"RANK": str(r), "WORLD_SIZE": str(world), "LOCAL_RANK": str(r),
                              "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                             **(extra_env or {})}) for r in range(world)]
+                             **threads, **(extra_env or {})}) for r in range(world)]
 
 
 def _child(fn, rank: int, placement: Placement, args, write_fd: int) -> None:
@@ -75,6 +98,9 @@ def _child(fn, rank: int, placement: Placement, args, write_fd: int) -> None:
         if placement.netns:
             enter_netns(placement.netns)
         os.environ.update(placement.env)
+        torch = sys.modules.get("torch")  # imported before the fork: it read its threads then
+        if torch is not None and "OMP_NUM_THREADS" in placement.env:
+            torch.set_num_threads(int(placement.env["OMP_NUM_THREADS"]))
         reply = {"ok": fn(rank, *args)}
     except BaseException:
         reply = {"error": traceback.format_exc()}

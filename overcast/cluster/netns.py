@@ -25,7 +25,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from overcast.cluster.launch import Placement, run_ranks
+from overcast.cluster.launch import Placement, compute_threads, run_ranks
 from overcast.limits import check_hosts, check_link_rate, check_mtu
 from overcast.switch.launch import SwitchStartError, start_switch, stop_switch
 from overcast.transport.datagram import reduction_batch
@@ -269,8 +269,9 @@ class Cluster:
         return host_address(0)
 
     def environment(self, rank: int, extra: dict[str, str] | None = None) -> dict[str, str]:
-        """torchrun-style variables for host `rank`, plus the job secret and link rate."""
-        return {"RANK": str(rank), "WORLD_SIZE": str(self.hosts), "LOCAL_RANK": "0",
+        """torchrun-style variables for host `rank` (a share of the cores for its compute
+        threads among them), plus the job secret and link rate."""
+        return {**compute_threads(self.hosts), "RANK": str(rank), "WORLD_SIZE": str(self.hosts), "LOCAL_RANK": "0",
                 "MASTER_ADDR": self.master_addr, "MASTER_PORT": str(MASTER_PORT),
                 "OVERCAST_SECRET": self.secret,
                 "OVERCAST_LINK_BITS_PER_S": str(self.link_bits_per_s),

@@ -54,7 +54,6 @@ def train_rank(rank: int, way: str, config: dict, steps: int, lr: float, trace: 
     from overcast.train.gpt import build, rank_batch, shard
 
     warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
-    torch.set_num_threads(1)  # the hosts share the machine's cores
     cfg = GPTConfig(**config)
     dist.init_process_group("gloo")
     world = dist.get_world_size()
