@@ -106,24 +106,36 @@ def reduces_gradients(groups) -> bool:
 
 
 def wire_dtypes(group) -> tuple[set, set]:
-    """The dtypes FSDP2 will hand the collectives for a parameter group, as it chooses them:
-    (gathered, reduced). Parameters are gathered in their dtype (the mixed-precision
-    param_dtype for floating point; several dtypes travel as bytes); gradients of the
-    parameters that have them are reduced in reduce_dtype (or the gathered dtype)."""
-    policy = group.mp_policy
+    """The dtypes FSDP2 may hand the collectives for a parameter group: (gathered, reduced).
+    Parameters are gathered in their dtype (the mixed-precision param_dtype for floating point;
+    several dtypes travel as bytes). Gradients of the parameters that have them are reduced in
+    reduce_dtype or, without one, in the gathered dtype (up to torch 2.14) or the gradient's own
+    (2.15 on): both are counted, whichever this torch picks. The policy is each parameter's
+    (2.15 resolves one per parameter; before, each holds its module's)."""
     gathered, reduced = set(), set()
     for p in group.fsdp_params:
-        orig = p.sharded_param.dtype
-        dtype = policy.param_dtype if policy.param_dtype and orig.is_floating_point else orig
+        policy, param = p.mp_policy, p.sharded_param
+        dtype = policy.param_dtype if policy.param_dtype and param.dtype.is_floating_point \
+            else param.dtype
         gathered.add(dtype)
-        if p.sharded_param.requires_grad:
-            reduced.add(policy.reduce_dtype or dtype)
+        if param.requires_grad:
+            reduced |= {policy.reduce_dtype} if policy.reduce_dtype else \
+                {dtype, getattr(param, "grad_dtype", None) or param.dtype}
     return gathered, reduced
 
 
+def _casts_after_reduction(group, output: torch.Tensor) -> bool:
+    """Whether FSDP2 casts the reduced gradients to another dtype: to the group's one original
+    dtype up to torch 2.14, to each parameter's gradient dtype from 2.15."""
+    if hasattr(group, "_orig_dtype"):
+        return group._orig_dtype != output.dtype
+    return any(getattr(p, "sharded_grad_dtype", None) not in (None, output.dtype)
+               for p in group.fsdp_params)
+
+
 def output_unread(groups: list, output: torch.Tensor, op) -> bool:
-    """Whether FSDP2's foreach_reduce (the same from 2.11 to 2.15) leaves a ReduceScatter's
-    output unread until the backward pass ends: it only makes the sharded gradients views of
+    """Whether FSDP2's foreach_reduce (torch 2.11 to 2.15 alike, but for the cast) leaves a
+    ReduceScatter's output unread until the backward pass ends: it only makes the sharded gradients views of
     it. It reads it at once to divide after the reduction (its op is then SUM, not AVG or
     PREMUL_SUM), to cast to the parameters' dtype, to all-reduce it (HSDP, an all-reduce hook),
     to add it to gradients already there (accumulating), or for a post-accumulate-grad hook or
@@ -132,7 +144,7 @@ def output_unread(groups: list, output: torch.Tensor, op) -> bool:
         return False
     for group in groups:
         if isinstance(group.mesh_info, _fsdp_common.DDPMeshInfo) or \
-                group._all_reduce_hook is not None or group._orig_dtype != output.dtype:
+                group._all_reduce_hook is not None or _casts_after_reduction(group, output):
             return False
         for p in group.fsdp_params:
             param = p.sharded_param
