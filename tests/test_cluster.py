@@ -151,8 +151,11 @@ def test_ring_collectives_across_namespaces():
 
 
 def start_cluster_cli(hosts=2):
+    # as from a terminal: a suite started in the background (`pytest &`) ignores SIGINT, and
+    # Python keeps an ignored SIGINT ignored, as a background job should be
     proc = subprocess.Popen([*CLI, "cluster", "up", "--hosts", str(hosts)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     line = proc.stdout.readline()  # printed once the cluster is up
     assert line.startswith("cluster "), line + proc.stderr.read()
     run_id = line.split()[1].rstrip(":")
