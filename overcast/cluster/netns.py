@@ -271,7 +271,8 @@ class Cluster:
     def environment(self, rank: int, extra: dict[str, str] | None = None) -> dict[str, str]:
         """torchrun-style variables for host `rank` (a share of the cores for its compute
         threads among them), plus the job secret and link rate."""
-        return {**compute_threads(self.hosts), "RANK": str(rank), "WORLD_SIZE": str(self.hosts), "LOCAL_RANK": "0",
+        return {**compute_threads(self.hosts),
+                "RANK": str(rank), "WORLD_SIZE": str(self.hosts), "LOCAL_RANK": "0",
                 "MASTER_ADDR": self.master_addr, "MASTER_PORT": str(MASTER_PORT),
                 "OVERCAST_SECRET": self.secret,
                 "OVERCAST_LINK_BITS_PER_S": str(self.link_bits_per_s),
