@@ -135,8 +135,8 @@ def _casts_after_reduction(group, output: torch.Tensor) -> bool:
 
 def output_unread(groups: list, output: torch.Tensor, op) -> bool:
     """Whether FSDP2's foreach_reduce (torch 2.11 to 2.15 alike, but for the cast) leaves a
-    ReduceScatter's output unread until the backward pass ends: it only makes the sharded gradients views of
-    it. It reads it at once to divide after the reduction (its op is then SUM, not AVG or
+    ReduceScatter's output unread until the backward pass ends: it only makes the sharded
+    gradients views of it. It reads it at once to divide after the reduction (its op is then SUM, not AVG or
     PREMUL_SUM), to cast to the parameters' dtype, to all-reduce it (HSDP, an all-reduce hook),
     to add it to gradients already there (accumulating), or for a post-accumulate-grad hook or
     CPU offload."""
