@@ -255,7 +255,7 @@ def _switch(args) -> int:
               "OVERCAST_SECRETS to several, comma-separated", file=sys.stderr)
         return 2
     run(args.host, args.port, secrets, args.slots, args.stats,
-        ready=lambda line: print(line, flush=True))
+        ready=lambda line: print(line, flush=True), lifeline=args.lifeline)
     return 0
 
 
@@ -427,6 +427,9 @@ def parser() -> argparse.ArgumentParser:
     w.add_argument("--slots", type=int, default=256,
                    help="chunks each reduction may have in the aggregator at once (its pool)")
     w.add_argument("--stats", help="write counters and peak memory here (JSON) on exit")
+    w.add_argument("--lifeline", type=int, metavar="FD",
+                   help="exit when this inherited pipe closes (how a process that starts the "
+                        "aggregator ties its life to its own)")
     w.set_defaults(func=_switch)
     c.epilog = "run: overcast cluster run --hosts 4 -- COMMAND [ARGS...]"
     return p

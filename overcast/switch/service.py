@@ -56,8 +56,10 @@ class _Registration:
 
 
 class SwitchService:
-    def __init__(self, host: str, port: int, job_secrets: list[bytes], slots: int = 256):
+    def __init__(self, host: str, port: int, job_secrets: list[bytes], slots: int = 256,
+                 lifeline: int | None = None):
         check_port(port)
+        self.lifeline = lifeline  # a pipe whose closing (its writer gone) stops the service
         self.secrets = {job_id_of(s): s for s in job_secrets}
         self.drops = Drops()  # the registrations'; the data path counts its own
         self.aggregator = Aggregator(slots)
@@ -179,17 +181,21 @@ class SwitchService:
 
     # -- the loop --------------------------------------------------------------------------
     def serve(self) -> None:
-        """Run until stop() or SIGTERM/SIGINT: the native data path until a registration
-        connection is readable, a signal comes, or a registration's time is up."""
+        """Run until stop(), SIGTERM/SIGINT or the lifeline closes: the native data path until
+        a registration connection is readable, a signal comes, or a registration's time is up."""
         engine = self.aggregator.engine
         while not self.stopped:
             now = time.monotonic()
             self._expire_registrations(now)
             due = min((r.due for r in self.unregistered), default=now + 0.5)
             control = [self.listener, *self.connections]
+            if self.lifeline is not None:
+                control.append(self.lifeline)
             ready = engine.serve(control, min(due, now + 0.5))
             if ready == 0:
                 self._accept()
+            elif self.lifeline is not None and ready == len(control) - 1:
+                self.stopped = True  # whoever started it has ended
             elif ready > 0:
                 self._on_registration(self.connections[control[ready]])
 
@@ -223,8 +229,8 @@ class SwitchService:
 
 
 def run(host: str, port: int, job_secrets: list[bytes], slots: int, stats_path: str | None,
-        ready=print) -> None:
-    service = SwitchService(host, port, job_secrets, slots)
+        ready=print, lifeline: int | None = None) -> None:
+    service = SwitchService(host, port, job_secrets, slots, lifeline)
     signal.signal(signal.SIGTERM, service.stop)
     signal.signal(signal.SIGINT, service.stop)
     ready(f"overcast switch listening on {host}:{service.port} (tcp and udp), "
