@@ -5,6 +5,7 @@ the "overcast" torch.distributed backend both make their communicators here."""
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
 import secrets as secrets_module
@@ -12,7 +13,7 @@ import secrets as secrets_module
 from overcast.comm import Communicator
 from overcast.errors import OvercastError
 from overcast.switch.launch import SwitchStartError, start_switch, stop_switch
-from overcast.transport.rendezvous import local_address
+from overcast.transport.rendezvous import local_address, meeting_host
 
 # How long rank 0 waits for the other ranks, before stopping the aggregator it started or before
 # failing when it could not start one (a rank that died never answers).
@@ -46,15 +47,44 @@ class JobSwitch:
             stop_switch(self.proc)
 
 
-def group_communicator(store, rank: int, world: int, name: str, *, in_network: bool,
-                       **settings) -> tuple[Communicator, JobSwitch | None]:
-    """An overcast Communicator `name` (unique in the store) over `world` ranks meeting through
-    `store`, a torch.distributed Store. With `in_network` and no OVERCAST_SWITCH, rank 0 starts
-    an aggregator. `settings` go to the Communicator. Returns the communicator and the
-    JobSwitch to close after it (None when no aggregator was started here)."""
+@dataclasses.dataclass
+class GroupCommunicator:
+    """What group_communicator made: the communicator; the aggregator rank 0 started for it
+    (close it after the communicator), or None; and what another communicator of the same ranks
+    needs to share that aggregator: the job secret (hex) and the aggregator's "host:port"."""
+
+    comm: Communicator
+    job_switch: JobSwitch | None
+    secret_hex: str
+    switch: str | None
+
+    def close(self) -> None:
+        try:
+            self.comm.close()
+        finally:
+            if self.job_switch is not None:
+                self.job_switch.close(self.comm.rank)
+
+
+def agreed_name(store, base: str, world: int) -> str:
+    """`base` made unique in `store` by how many communicators of that base met there before,
+    the same number on every member rank: each adds one, and all of a group's ranks have added
+    before any of them can meet under that base again."""
+    count = store.add(f"overcast/{base}/members", 1)
+    return f"{base}-{(count - 1) // world}"
+
+
+def group_communicator(store, rank: int, world: int, base: str, *, in_network: bool,
+                       secret_hex: str | None = None, switch: str | None = None,
+                       **settings) -> GroupCommunicator:
+    """An overcast Communicator named after `base` over `world` ranks meeting through `store`,
+    a torch.distributed Store. The aggregator is `switch`, else OVERCAST_SWITCH; with neither,
+    and `in_network`, rank 0 starts one. The secret is `secret_hex`, else OVERCAST_SECRET, else
+    one rank 0 draws. `settings` go to the Communicator."""
+    name = agreed_name(store, base, world)
     key = f"overcast/{name}/"
-    secret_hex = os.environ.get("OVERCAST_SECRET")
-    switch = os.environ.get("OVERCAST_SWITCH")
+    secret_hex = secret_hex or os.environ.get("OVERCAST_SECRET")
+    switch = switch or os.environ.get("OVERCAST_SWITCH")
     job_switch = None
     if not switch and in_network and world > 1:
         job_switch = JobSwitch(store, key, world)
@@ -64,7 +94,7 @@ def group_communicator(store, rank: int, world: int, name: str, *, in_network: b
             store.set(key + "secret", secret_hex)
         if job_switch is not None:
             try:
-                host = local_address(os.environ.get("MASTER_ADDR", "127.0.0.1"))
+                host = local_address(meeting_host(store))
                 job_switch.proc, switch = start_switch(host, 0, secrets=[secret_hex])
             except (SwitchStartError, OSError) as err:
                 store.set(key + "switch", f"error: rank 0 could not start an aggregator: {err}")
@@ -85,4 +115,4 @@ def group_communicator(store, rank: int, world: int, name: str, *, in_network: b
         if job_switch is not None and job_switch.proc is not None:
             stop_switch(job_switch.proc)
         raise
-    return comm, job_switch
+    return GroupCommunicator(comm, job_switch, secret_hex, switch or None)

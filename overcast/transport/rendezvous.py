@@ -88,6 +88,24 @@ def store_from_env(rank: int, timeout: float):
     return StoreClient(host, port, timeout)
 
 
+def meeting_host(store=None) -> str:
+    """The host the ranks meet at, to pick this host's interface toward it: MASTER_ADDR; else
+    the host of the TCPStore `store` is or wraps (a tcp:// init_method); else the address this
+    host's name resolves to (gloo's choice where nothing else says, as under file://); else
+    loopback."""
+    if os.environ.get("MASTER_ADDR"):
+        return os.environ["MASTER_ADDR"]
+    while store is not None:
+        host = getattr(store, "host", None)
+        if isinstance(host, str) and host:
+            return host
+        store = getattr(store, "underlying_store", None)
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
 def local_address(peer_host: str) -> str:
     """The address of this host's interface toward `peer_host` (OVERCAST_ADDR overrides)."""
     override = os.environ.get("OVERCAST_ADDR")
@@ -272,8 +290,7 @@ def rendezvous(rank: int, world: int, *, name: str = "default", store=None,
             secret = bytes(store.get(prefix + "secret"))
         salt = bytes(store.get(prefix + "salt"))
 
-        master = os.environ.get("MASTER_ADDR", "127.0.0.1")
-        address = local_address(master)
+        address = local_address(meeting_host(store))
         listener = socket.create_server((address, 0), backlog=max(world, 8))
         udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         udp.bind((address, 0))
