@@ -58,6 +58,14 @@ class Communicator:
     (default: OVERCAST_LOSS, OVERCAST_LOSS_BURST, OVERCAST_LOSS_SEED). `switch` is the
     aggregator for in-network reduction, "host:port" (default: OVERCAST_SWITCH). With `trace`,
     the engine records each collective's span and bytes over time (see `trace()`).
+
+    Bad input (a wrong size, dtype, op or algorithm) raises InvalidArgumentError on the rank
+    that gave it, before anything is sent. With `fail_peers_on_bad_input` (the default, as
+    NCCL's abort) it also fails the communicator on every other rank, which would otherwise wait
+    for this rank's part; without it (gloo's contract, the torch.distributed backend's) the
+    communicator stays usable, and a rank whose peers did issue the call meets them at its next
+    call (a CollectiveMismatchError) or at the timeout. A group of one rank runs every
+    collective as a local copy.
     """
 
     def __init__(self, rank: int | None = None, world_size: int | None = None, *,
@@ -65,10 +73,12 @@ class Communicator:
                  timeout: float = 120.0, frame_bytes: int = DEFAULT_FRAME_BYTES,
                  link_bits_per_s: float | None = None, roots: int | None = None,
                  pacing_share: float = DEFAULT_PACING_SHARE, loss: LossSpec | None = None,
-                 switch: str | None = None, trace: bool = False):
+                 switch: str | None = None, trace: bool = False,
+                 fail_peers_on_bad_input: bool = True):
         self.rank = int(os.environ["RANK"]) if rank is None else rank
         self.world_size = int(os.environ["WORLD_SIZE"]) if world_size is None else world_size
         self.name, self.timeout, self.frame_bytes = name, timeout, frame_bytes
+        self.fail_peers_on_bad_input = fail_peers_on_bad_input
         if link_bits_per_s is None and os.environ.get("OVERCAST_LINK_BITS_PER_S"):
             link_bits_per_s = float(os.environ["OVERCAST_LINK_BITS_PER_S"])
         check_count("world_size", self.world_size, 1, "WORLD_SIZE, world_size")
@@ -120,6 +130,8 @@ class Communicator:
         if algorithm == "multicast" and not 1 <= roots <= self.world_size:
             self._reject(f"roots must be between 1 and world_size ({self.world_size}), "
                          f"not {roots}")
+        if np.shares_memory(out, inp):  # torch's in-place form: input is the output's slot
+            inp = inp.copy()
         desc = Descriptor("all_gather", algorithm, inp.dtype, inp.size,
                           param=roots if algorithm == "multicast" else 0)
         return self._issue(desc, out, inp, async_op)
@@ -135,8 +147,8 @@ class Communicator:
             self._reject(f"reduce_scatter input has {inp.size} elements; it needs world_size "
                          f"({self.world_size}) x output ({out.size}) = "
                          f"{out.size * self.world_size}")
-        if np.shares_memory(out, inp):
-            self._reject("reduce_scatter output and input overlap; give separate buffers")
+        if np.shares_memory(out, inp):  # in place, as Megatron's: buf.chunk(P)[rank] from buf
+            inp = inp.copy()
         return self._issue(Descriptor("reduce_scatter", algorithm, inp.dtype, out.size, op), out,
                            inp, async_op)
 
@@ -272,10 +284,11 @@ class Communicator:
         return out, inp
 
     def _reject(self, message: str):
-        """Bad input on this rank: raise here and fail the communicator on every other rank,
-        which would otherwise wait for this rank's part of the collective."""
+        """Bad input on this rank: raise here, and fail the communicator on every other rank
+        (which would otherwise wait for this rank's part) if it is to."""
         error = InvalidArgumentError(f"rank {self.rank}: {message}")
-        self._engine.abort(OvercastError(f"bad input on rank {self.rank}: {message}"))
+        if self.fail_peers_on_bad_input:
+            self._engine.abort(OvercastError(f"bad input on rank {self.rank}: {message}"))
         raise error
 
     def _issue(self, desc: Descriptor, out, inp, async_op: bool) -> Work | None:
@@ -283,15 +296,32 @@ class Communicator:
         with self._lock:
             if self._closed:
                 raise OvercastError("the communicator is closed")
-            seq = self._seq
-            self._seq += 1
-            coll = self._protocol(seq, desc, out, inp)
-            work = Work(seq, str(desc))
-            self._engine.submit(coll, work)
+            if self.world_size == 1:
+                work = self._local(desc, out, inp)
+            else:
+                seq = self._seq
+                self._seq += 1
+                coll = self._protocol(seq, desc, out, inp)
+                work = Work(seq, str(desc))
+                self._engine.submit(coll, work)
         if async_op:
             return work
         work.wait()
         return None
+
+    @staticmethod
+    def _local(desc: Descriptor, out: np.ndarray, inp: np.ndarray) -> Work:
+        """A collective of one rank, done: every op over one input is that input."""
+        if desc.collective != "broadcast":
+            out[:] = inp
+        work = Work(-1, str(desc))
+        work._finish(None)
+        return work
+
+    def abort(self, reason: str) -> None:
+        """Fail every collective in flight and every later one, here and on every other rank,
+        with `reason` (torch's abort of a process group); close() after it."""
+        self._engine.abort(OvercastError(f"rank {self.rank}: {reason}"))
 
     def counters(self) -> dict:
         """Dropped messages by reason, stale messages, bytes and datagrams, and the protocols'
