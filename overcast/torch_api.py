@@ -154,6 +154,28 @@ def output_unread(groups: list, output: torch.Tensor, op) -> bool:
     return True
 
 
+def schedule(modules) -> dict:
+    """What overlap() changes of FSDP2's schedule, per FSDPModule (of (name, module) pairs):
+    whether each parameter group unshards asynchronously, and the modules it prefetches."""
+    saved = {}
+    for _, module in modules:
+        state = module._get_fsdp_state()
+        saved[module] = ([g.unshard_async_op for g in param_groups(module)],
+                         list(state._states_to_forward_prefetch),
+                         list(state._states_to_backward_prefetch))
+    return saved
+
+
+def restore_schedule(saved: dict) -> None:
+    """Put back what schedule() saved."""
+    for module, (async_ops, forward, backward) in saved.items():
+        for group, async_op in zip(param_groups(module), async_ops):
+            group.unshard_async_op = async_op
+        state = module._get_fsdp_state()
+        state._states_to_forward_prefetch = list(forward)
+        state._states_to_backward_prefetch = list(backward)
+
+
 def set_unshard_async_op(model, async_op: bool) -> None:
     """Unshard asynchronously in the pre-forward and pre-backward hooks (so an explicitly
     prefetched AllGather runs beside compute), on `model` and every FSDPModule in it."""

@@ -2,17 +2,21 @@
 overcast Communicator per group.
 
 torch calls the methods below from Python (dist.all_reduce...) and from C++ (DDP's reducer,
-FSDP2, functional collectives); each returns a dist.Work made from a torch Future. The group's
-one worker thread runs the calls in the order they were made, the same order on every rank, so
-that a collective made of several overcast collectives (all_reduce's pieces, all_to_all's
-exchange of sizes) keeps its sequence numbers together; inside one call, overcast's collectives
-run several at a time (the full-duplex all_reduce's point).
+FSDP2, functional collectives); each returns a dist.Work whose future's value is the call's
+outputs. The group's one worker thread runs the calls in the order they were made, the same
+order on every rank, so that a collective made of several overcast collectives (all_reduce's
+pieces, all_to_all's exchange of sizes) keeps its sequence numbers together; inside one call,
+overcast's collectives run several at a time (the full-duplex all_reduce's point). A call made
+by a callback of the group's own call (a DDP comm hook) runs at once, on that thread.
+
+Bad arguments raise InvalidArgumentError from the call on the rank that gave them and leave the
+group usable, as gloo does; nothing of such a call reaches the network.
 """
 
 from __future__ import annotations
 
 import contextlib
-import itertools
+import json
 import os
 import queue
 import threading
@@ -23,9 +27,9 @@ import torch
 import torch.distributed as dist
 
 from overcast.buffers import DTYPES, SUMMING_OPS, as_array
-from overcast.comm import ALGORITHMS, Communicator
-from overcast.errors import InvalidArgumentError, OvercastError
-from overcast.job import group_communicator
+from overcast.comm import ALGORITHMS
+from overcast.errors import CollectiveTimeoutError, CommunicatorClosedError, InvalidArgumentError
+from overcast.job import GroupCommunicator, group_communicator
 from overcast.torch_api import premul_factor
 
 BACKEND_NAME = "overcast"
@@ -40,7 +44,6 @@ FASTEST = {"all_gather": "multicast", "reduce_scatter": "innetwork", "all_reduce
 REDUCE_OPS = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.AVG: "avg", dist.ReduceOp.MAX: "max",
               dist.ReduceOp.MIN: "min", dist.ReduceOp.PRODUCT: "product",
               dist.ReduceOp.PREMUL_SUM: "sum"}
-_names = itertools.count()
 
 
 def _reduce_op(op) -> tuple[str, object]:
@@ -51,6 +54,15 @@ def _reduce_op(op) -> tuple[str, object]:
             return name, premul_factor(op)
     raise InvalidArgumentError(f"reduce op {kind} is not offered by overcast; supported: SUM, "
                                f"AVG, PREMUL_SUM, MAX, MIN, PRODUCT")
+
+
+def _op_of(opts) -> dist.ReduceOp:
+    """The reduce op a call's options name (torch's default, SUM, when called without)."""
+    return dist.ReduceOp.SUM if opts is None else opts.reduceOp
+
+
+def _root_of(opts) -> int:
+    return 0 if opts is None else opts.rootRank
 
 
 def _check_cpu(tensors, what: str) -> None:
@@ -90,66 +102,140 @@ def _contiguous(t: torch.Tensor):
         t.copy_(work)
 
 
-class _Work(dist._Work):
-    """A call's handle: wait() raises what the call raised (a Work made by torch from the
-    Future alone returns True whatever happened), get_future() is what DDP chains on."""
+def _seconds(timeout) -> float | None:
+    """A Work.wait timeout (a timedelta, or seconds) in seconds; None for none (torch's 0)."""
+    if timeout is None:
+        return None
+    seconds = timeout.total_seconds() if hasattr(timeout, "total_seconds") else float(timeout)
+    return seconds if seconds > 0 else None
 
-    def __init__(self, fut: torch.futures.Future):
+
+def _tensors(result) -> list[torch.Tensor]:
+    """A call's outputs (a tensor list, or a list of lists) as one flat list."""
+    if result is None:
+        return []
+    return [t for item in result for t in (item if isinstance(item, (list, tuple)) else [item])]
+
+
+class _Work(dist._Work):
+    """A call's handle, as gloo's: wait() raises what the call raised (a Work made by torch from
+    a Future alone returns True whatever happened), and honours its timeout; the future's value
+    is the call's outputs, so DDP's comm hooks chain on it."""
+
+    def __init__(self, what: str, result):
         super().__init__()
-        self._fut = fut
+        self._what, self._result = what, result
+        self._fut = torch.futures.Future()
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+
+    def _finish(self, error: BaseException | None) -> None:
+        """Complete it; the future's callbacks run here, on this thread (the future is done
+        while they run, so one that waits on this Work returns)."""
+        self._error = error
+        try:
+            if error is None:
+                self._fut.set_result(self._result)
+            else:
+                self._fut.set_exception(error)
+        finally:
+            self._done.set()
 
     def wait(self, timeout=None) -> bool:
-        self._fut.wait()
+        seconds = _seconds(timeout)
+        if not (self._fut.done() or self._done.wait(seconds)):
+            raise CollectiveTimeoutError(f"{self._what} not complete after {seconds} s "
+                                         f"(the timeout given to wait(); the call goes on)")
+        if self._error is not None:
+            raise self._error
         return True
 
     def is_completed(self) -> bool:
         return self._fut.done()
+
+    def is_success(self) -> bool:
+        return self._fut.done() and self._error is None
+
+    def exception(self) -> BaseException | None:
+        return self._error
+
+    def result(self) -> list[torch.Tensor]:
+        """The call's output tensors, once it completed."""
+        self.wait()
+        return _tensors(self._result)
+
+    def synchronize(self) -> None:
+        """Nothing to order on a CPU tensor: the results are in place once completed."""
 
     def get_future(self) -> torch.futures.Future:
         return self._fut
 
 
 class _Worker:
-    """One thread that runs the group's calls in order, each completing its torch Future."""
+    """One thread that runs the group's calls in the order they were made, each completing its
+    Work (whose future's callbacks then run on this thread)."""
 
     def __init__(self, name: str):
         self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._closed = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def submit(self, fn, result) -> dist.Work:
-        fut = torch.futures.Future()
-        self._calls.put((fn, result, fut))
-        return _Work(fut)
+    def submit(self, what: str, fn, result) -> _Work:
+        work = _Work(what, result)
+        if threading.current_thread() is self._thread:
+            # A callback of one of this group's calls (a DDP comm hook's then(), as PowerSGD's)
+            # issued another: run it now. Queued, it would wait behind the call whose callback
+            # waits for it. Every rank runs it at the same point: as that call completes.
+            self._execute(fn, work)
+            return work
+        with self._lock:
+            if self._closed:
+                raise CommunicatorClosedError(f"{what}: the overcast process group is shut down")
+            self._calls.put((fn, work))
+        return work
+
+    @staticmethod
+    def _execute(fn, work: _Work) -> None:
+        try:
+            fn()
+        except BaseException as err:  # the caller's wait() raises it
+            work._finish(err)
+        else:
+            work._finish(None)
 
     def _run(self) -> None:
         while (call := self._calls.get()) is not None:
-            fn, result, fut = call
-            try:
-                fn()
-            except BaseException as err:  # the caller's wait() raises it
-                fut.set_exception(err)
-            else:
-                fut.set_result(result)
+            self._execute(*call)
 
-    def stop(self) -> None:
-        self._calls.put(None)
-        if self._thread is not threading.current_thread():
-            self._thread.join()
+    def stop(self, seconds: float) -> bool:
+        """Take no more calls, run those queued; True once they have run, False if one is still
+        running after `seconds`."""
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                self._calls.put(None)
+        if self._thread is threading.current_thread():
+            return True
+        self._thread.join(seconds)
+        return not self._thread.is_alive()
 
 
-def _close(worker: _Worker, comm: Communicator, job_switch) -> None:
-    """Stop the worker, close the communicator and, on rank 0, the aggregator it started;
-    when the group is destroyed or at exit."""
+def _close(worker: _Worker, group: GroupCommunicator, seconds: float) -> None:
+    """Stop the worker and close the communicator and, on rank 0, the aggregator it started;
+    when the group is destroyed, shut down or aborted, or at exit. The calls queued run first,
+    for half the group's timeout at most: then the communicator closes under them, failing
+    them on every rank."""
     try:
-        worker.stop()
-        comm.close()
+        if not worker.stop(seconds / 2):
+            group.comm.close()
+            worker.stop(seconds / 4)
     finally:
-        if job_switch is not None:
-            try:
-                job_switch.close(comm.rank)
-            except Exception:  # at exit the store's host may be gone; nothing waits for us
-                pass
+        try:
+            group.close()
+        except Exception:  # at exit the store's host may be gone; nothing waits for us
+            pass
 
 
 class ProcessGroupOvercast(dist.ProcessGroup):
@@ -160,6 +246,7 @@ class ProcessGroupOvercast(dist.ProcessGroup):
     def __init__(self, store, rank: int, world: int, timeout: float, group_id: str):
         super().__init__(rank, world)
         self._group_name, self._group_desc = group_id, ""
+        self._store, self._timeout = store, timeout
         link = os.environ.get("OVERCAST_LINK_BITS_PER_S")
         chosen = {c: os.environ.get(env, "auto") for c, env in ALGORITHM_ENV.items()}
         for collective, algorithm in chosen.items():
@@ -171,18 +258,53 @@ class ProcessGroupOvercast(dist.ProcessGroup):
         in_network = any(chosen[c] in ("innetwork", "fullduplex") or
                          (chosen[c] == "auto" and link)
                          for c in ("reduce_scatter", "all_reduce"))
-        name = f"pg-{group_id}-{next(_names)}"
-        self.communicator, job_switch = group_communicator(store, rank, world, name,
-                                                           in_network=in_network,
-                                                           timeout=timeout)
-        self.algorithms = {c: self._auto(c) if a == "auto" else a for c, a in chosen.items()}
-        self._worker = _Worker(f"overcast-{name}")
-        self._finalizer = weakref.finalize(self, _close, self._worker, self.communicator,
-                                           job_switch)
+        # torch names a group alike on every rank (its ranks' hash, or a count every rank
+        # keeps); the store tells this group from an earlier one of the same name.
+        self._group = group_communicator(store, rank, world, f"pg-{group_id}",
+                                         in_network=in_network, timeout=timeout,
+                                         fail_peers_on_bad_input=False)
+        self.communicator = self._group.comm
+        self.fallbacks: dict[str, str] = {}  # why "auto" runs the ring, by collective
+        self.algorithms = self._agree_auto(chosen)
+        self._worker = _Worker(f"overcast-{self.communicator.name}")
+        self._finalizer = weakref.finalize(self, _close, self._worker, self._group, timeout)
 
-    def _auto(self, collective: str) -> str:
-        fastest = FASTEST[collective]
-        return fastest if self.communicator.unavailable(collective, fastest) is None else "ring"
+    def _agree_auto(self, chosen: dict[str, str]) -> dict[str, str]:
+        """The algorithms, "auto" resolved alike on every rank: the fastest unless any rank
+        cannot run it (its multicast join or its registration with the aggregator failed),
+        the ring otherwise. Ranks meet through the store: each says what it cannot run, rank 0
+        decides."""
+        comm, store = self.communicator, self._store
+        auto = [c for c, a in chosen.items() if a == "auto"]
+        mine = {c: comm.unavailable(c, FASTEST[c]) for c in auto}
+        if comm.world_size > 1 and auto:
+            key = f"overcast/{comm.name}/auto/"
+            store.set(f"{key}{comm.rank}", json.dumps(mine))
+            if comm.rank == 0:
+                reasons: dict[str, str] = {}
+                for r in range(comm.world_size):
+                    for c, why in json.loads(bytes(store.get(f"{key}{r}"))).items():
+                        if why and c not in reasons:
+                            reasons[c] = f"rank {r}: {why}"
+                store.set(key + "agreed", json.dumps(reasons))
+            else:
+                reasons = json.loads(bytes(store.get(key + "agreed")))
+        else:
+            reasons = {c: why for c, why in mine.items() if why}
+        self.fallbacks = reasons
+        return {c: ("ring" if c in reasons else FASTEST[c]) if a == "auto" else a
+                for c, a in chosen.items()}
+
+    def companion_communicator(self, *, in_network: bool, trace: bool = False) -> \
+            GroupCommunicator:
+        """Another communicator over this group's ranks, meeting through its store and sharing
+        its aggregator and secret: for a caller that posts collectives from its own thread
+        (overlap()), so that each communicator has one issuing order on every rank. Call it on
+        every rank of the group; close it before the group."""
+        return group_communicator(self._store, self.rank(), self.size(),
+                                  f"{self.communicator.name}-companion",
+                                  in_network=in_network, secret_hex=self._group.secret_hex,
+                                  switch=self._group.switch, timeout=self._timeout, trace=trace)
 
     def _algorithm(self, collective: str, op: str) -> str:
         """The group's algorithm for a reduction, or the ring for ops the network cannot do."""
@@ -213,15 +335,21 @@ class ProcessGroupOvercast(dist.ProcessGroup):
         return self._group_desc
 
     def shutdown(self) -> None:
-        """Close the communicator now (destroy_process_group, or by hand)."""
+        """Run the calls queued (for half the group's timeout at most), then close the
+        communicator: destroy_process_group, or by hand. Later calls raise."""
+        self._finalizer()
+
+    def abort(self) -> None:
+        """End every call in flight now, on every rank of the group (theirs fail naming this
+        rank), and close: torch's _abort_process_group."""
+        if self._finalizer.alive:
+            self.communicator.abort("the process group was aborted")
         self._finalizer()
 
     # -- plumbing --------------------------------------------------------------------------
     def _submit(self, what: str, tensors, fn, result) -> dist.Work:
         _check_cpu(tensors, what)
-        if not self._finalizer.alive:
-            raise OvercastError(f"{what}: the overcast process group is shut down")
-        return self._worker.submit(fn, result)
+        return self._worker.submit(what, fn, result)
 
     def _all_reduce(self, t: torch.Tensor, op) -> None:
         name, factor = _reduce_op(op)
@@ -240,8 +368,9 @@ class ProcessGroupOvercast(dist.ProcessGroup):
             self.communicator.all_gather(_bytes(dest), _bytes(inp.contiguous()),
                                          algorithm=self.algorithms["all_gather"])
 
-    def _all_gather_list(self, outs, inp: torch.Tensor, keep: bool = True) -> None:
-        """All ranks' `inp` into the tensors `outs` (rank order), if `keep`."""
+    def _all_gather_list(self, outs, inp: torch.Tensor, keep: bool = True) -> torch.Tensor:
+        """All ranks' `inp` into the tensors `outs` (rank order), if `keep`; returns them as
+        one tensor (world_size x the input's shape)."""
         if keep and (len(outs) != self.size() or any(o.numel() != inp.numel() for o in outs)):
             raise InvalidArgumentError(
                 f"all_gather: needs world_size ({self.size()}) outputs of the input's "
@@ -251,6 +380,7 @@ class ProcessGroupOvercast(dist.ProcessGroup):
         if keep:
             for o, piece in zip(outs, gathered):
                 o.copy_(piece)
+        return gathered
 
     def _reduce_scatter_into(self, out: torch.Tensor, inp: torch.Tensor, op) -> None:
         name, factor = _reduce_op(op)
@@ -273,43 +403,47 @@ class ProcessGroupOvercast(dist.ProcessGroup):
                                         algorithm=self.algorithms["broadcast"])
 
     # -- collectives ------------------------------------------------------------------------
-    def allreduce(self, tensors, opts) -> dist.Work:
+    def allreduce(self, tensors, opts=None) -> dist.Work:
         def run():
             for t in tensors:
-                self._all_reduce(t, opts.reduceOp)
+                self._all_reduce(t, _op_of(opts))
         return self._submit("all_reduce", tensors, run, tensors)
 
-    def allreduce_coalesced(self, tensors, opts) -> dist.Work:
+    def allreduce_coalesced(self, tensors, opts=None) -> dist.Work:
         def run():
             for dtype in dict.fromkeys(t.dtype for t in tensors):
                 same = [t for t in tensors if t.dtype == dtype]
                 flat = torch.cat([t.reshape(-1) for t in same])
-                self._all_reduce(flat, opts.reduceOp)
+                self._all_reduce(flat, _op_of(opts))
                 for t, piece in zip(same, flat.split([t.numel() for t in same])):
                     t.copy_(piece.view_as(t))
         return self._submit("all_reduce_coalesced", tensors, run, tensors)
 
-    def allgather(self, output_lists, inputs, opts) -> dist.Work:
+    def allgather(self, output_lists, inputs, opts=None) -> dist.Work:
+        """The future's value is each input's gathered outputs as one tensor (world_size x the
+        input's shape), as NCCL's: PyTorch's quantization comm hooks index it so."""
+        gathered: list[torch.Tensor] = []
+
         def run():
             for outs, inp in zip(output_lists, inputs):
-                self._all_gather_list(outs, inp)
+                gathered.append(self._all_gather_list(outs, inp))
         return self._submit("all_gather", list(inputs) + [o for outs in output_lists
-                                                         for o in outs], run, output_lists)
+                                                         for o in outs], run, gathered)
 
-    def allgather_coalesced(self, output_lists, inputs, opts) -> dist.Work:
+    def allgather_coalesced(self, output_lists, inputs, opts=None) -> dist.Work:
         """output_lists[r][i] receives rank r's inputs[i]."""
         def run():
             for i, inp in enumerate(inputs):
                 self._all_gather_list([outs[i] for outs in output_lists], inp)
         return self._submit("all_gather_coalesced", list(inputs), run, output_lists)
 
-    def all_gather_single(self, output, input, opts) -> dist.Work:
+    def all_gather_single(self, output, input, opts=None) -> dist.Work:
         return self._submit("all_gather_into_tensor", [output, input],
                             lambda: self._all_gather_into(output, input), [output])
 
     _allgather_base = all_gather_single
 
-    def allgather_into_tensor_coalesced(self, outputs, inputs, opts) -> dist.Work:
+    def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None) -> dist.Work:
         def run():
             for out, inp in zip(outputs, inputs):
                 self._all_gather_into(out, inp)
@@ -318,7 +452,7 @@ class ProcessGroupOvercast(dist.ProcessGroup):
 
     all_gather_single_coalesced = allgather_into_tensor_coalesced
 
-    def reduce_scatter(self, outputs, input_lists, opts) -> dist.Work:
+    def reduce_scatter(self, outputs, input_lists, opts=None) -> dist.Work:
         def run():
             for out, ins in zip(outputs, input_lists):
                 if len(ins) != self.size() or any(i.numel() != out.numel() for i in ins):
@@ -326,63 +460,63 @@ class ProcessGroupOvercast(dist.ProcessGroup):
                         f"reduce_scatter: needs world_size ({self.size()}) inputs of the "
                         f"output's {out.numel()} elements; got {[i.numel() for i in ins]}")
                 self._reduce_scatter_into(out, torch.cat([i.reshape(-1) for i in ins]),
-                                          opts.reduceOp)
+                                          _op_of(opts))
         return self._submit("reduce_scatter", list(outputs), run, outputs)
 
-    def reduce_scatter_single(self, output, input, opts) -> dist.Work:
+    def reduce_scatter_single(self, output, input, opts=None) -> dist.Work:
         return self._submit("reduce_scatter_tensor", [output, input],
-                            lambda: self._reduce_scatter_into(output, input, opts.reduceOp),
+                            lambda: self._reduce_scatter_into(output, input, _op_of(opts)),
                             [output])
 
     _reduce_scatter_base = reduce_scatter_single
 
-    def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts) -> dist.Work:
+    def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None) -> dist.Work:
         def run():
             for out, inp in zip(outputs, inputs):
-                self._reduce_scatter_into(out, inp, opts.reduceOp)
+                self._reduce_scatter_into(out, inp, _op_of(opts))
         return self._submit("reduce_scatter_tensor_coalesced", list(outputs) + list(inputs),
                             run, outputs)
 
     reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
 
-    def broadcast(self, tensors, opts) -> dist.Work:
+    def broadcast(self, tensors, opts=None) -> dist.Work:
         def run():
             for t in tensors:
-                self._broadcast(t, opts.rootRank)
+                self._broadcast(t, _root_of(opts))
         return self._submit("broadcast", tensors, run, tensors)
 
     def barrier(self, opts=None) -> dist.Work:
         return self._submit("barrier", [], self.communicator.barrier, None)
 
-    def reduce(self, tensors, opts) -> dist.Work:
+    def reduce(self, tensors, opts=None) -> dist.Work:
         """An all_reduce whose result only the root keeps (the others reduce a copy)."""
         def run():
             for t in tensors:
-                self._all_reduce(t if self.rank() == opts.rootRank else t.clone(),
-                                 opts.reduceOp)
+                self._all_reduce(t if self.rank() == _root_of(opts) else t.clone(),
+                                 _op_of(opts))
         return self._submit("reduce", tensors, run, tensors)
 
-    def gather(self, output_lists, inputs, opts) -> dist.Work:
+    def gather(self, output_lists, inputs, opts=None) -> dist.Work:
         """An all_gather whose result only the root keeps."""
         def run():
             for i, inp in enumerate(inputs):
                 self._all_gather_list(output_lists[i] if output_lists else [], inp,
-                                      keep=self.rank() == opts.rootRank)
+                                      keep=self.rank() == _root_of(opts))
         return self._submit("gather", inputs, run, output_lists)
 
-    def scatter(self, outputs, input_lists, opts) -> dist.Work:
+    def scatter(self, outputs, input_lists, opts=None) -> dist.Work:
         """The root's inputs broadcast as one buffer, each rank keeping its own piece."""
         def run():
             for i, out in enumerate(outputs):
                 whole = (torch.stack([x.reshape(out.shape) for x in input_lists[i]])
-                         if self.rank() == opts.rootRank else
+                         if self.rank() == _root_of(opts) else
                          torch.empty((self.size(),) + tuple(out.shape), dtype=out.dtype))
-                self._broadcast(whole, opts.rootRank)
+                self._broadcast(whole, _root_of(opts))
                 out.copy_(whole[self.rank()])
         return self._submit("scatter", outputs, run, outputs)
 
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes,
-                      opts) -> dist.Work:
+                      opts=None) -> dist.Work:
         """Every rank's input gathered by every rank (P times the bytes an all-to-all needs:
         correct, not fast), after an all_gather of the split sizes."""
         return self._submit("all_to_all_single", [output, input],
@@ -391,7 +525,7 @@ class ProcessGroupOvercast(dist.ProcessGroup):
 
     all_to_all_single = alltoall_base
 
-    def alltoall(self, outputs, inputs, opts) -> dist.Work:
+    def alltoall(self, outputs, inputs, opts=None) -> dist.Work:
         def run():
             flat_out = torch.empty(sum(o.numel() for o in outputs), dtype=outputs[0].dtype)
             flat_in = torch.cat([i.reshape(-1) for i in inputs])
@@ -402,19 +536,35 @@ class ProcessGroupOvercast(dist.ProcessGroup):
         return self._submit("all_to_all", list(outputs) + list(inputs), run, outputs)
 
     def _all_to_all(self, output, input, out_splits, in_splits) -> None:
+        """Every rank's split sizes, what it sends and what it expects, are gathered first, so
+        that sizes which do not fit raise the same error on every rank, before any data moves."""
         world, rank = self.size(), self.rank()
         rows = input.shape[0] if input.dim() else 1
         row = input.numel() // rows if rows else 0
         in_splits = in_splits or [rows // world] * world
         out_rows = output.shape[0] if output.dim() else 1
         out_splits = out_splits or [out_rows // world] * world
-        if sum(in_splits) != rows or len(in_splits) != world or len(out_splits) != world:
-            raise InvalidArgumentError(f"all_to_all: input split sizes {in_splits} do not "
-                                       f"divide the input's {rows} rows among {world} ranks")
-        splits = torch.empty(world * world, dtype=torch.int64)
-        self._all_gather_into(splits, torch.tensor(in_splits, dtype=torch.int64))
-        splits = splits.view(world, world)
-        longest = int(splits.sum(dim=1).max()) * row
+        fits = (len(in_splits) == world and len(out_splits) == world and
+                sum(in_splits) == rows and sum(out_splits) == out_rows and
+                min(in_splits + out_splits) >= 0)
+        sizes = torch.empty(world, 2 * world, dtype=torch.int64)
+        self._all_gather_into(sizes, torch.tensor(in_splits + out_splits if fits else
+                                                  [-1] * 2 * world, dtype=torch.int64))
+        for src in range(world):
+            if int(sizes[src, 0]) < 0:
+                raise InvalidArgumentError(
+                    f"all_to_all: rank {src}'s split sizes do not divide its tensors' rows among "
+                    f"{world} ranks" + (f" (here: input split sizes {in_splits} for "
+                                        f"{rows} rows, output split sizes {out_splits} for "
+                                        f"{out_rows} rows)" if src == rank else ""))
+        sends, expects = sizes[:, :world], sizes[:, world:]
+        for src in range(world):
+            for dst in range(world):
+                if sends[src, dst] != expects[dst, src]:
+                    raise InvalidArgumentError(
+                        f"all_to_all: rank {src} sends {int(sends[src, dst])} rows to rank "
+                        f"{dst}, whose output split sizes expect {int(expects[dst, src])}")
+        longest = int(sends.sum(dim=1).max()) * row
         padded = torch.zeros(longest, dtype=input.dtype)
         padded[:input.numel()] = input.reshape(-1)
         gathered = torch.empty(world, longest, dtype=input.dtype)
@@ -423,12 +573,8 @@ class ProcessGroupOvercast(dist.ProcessGroup):
                                                                              dtype=output.dtype)
         at = 0
         for src in range(world):
-            start = int(splits[src, :rank].sum()) * row
-            length = int(splits[src, rank]) * row
-            if length != out_splits[src] * row:
-                raise InvalidArgumentError(
-                    f"all_to_all: rank {src} sends {int(splits[src, rank])} rows to rank "
-                    f"{rank}, whose output split sizes expect {out_splits[src]}")
+            start = int(sends[src, :rank].sum()) * row
+            length = int(sends[src, rank]) * row
             dest[at:at + length] = gathered[src, start:start + length]
             at += length
         if not output.is_contiguous():

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import itertools
 
 import torch
 import torch.distributed as dist
@@ -23,16 +22,15 @@ from torch.distributed.fsdp import FSDPModule
 
 from overcast.buffers import DTYPES, as_array
 from overcast.comm import ALGORITHMS, Communicator
-from overcast.errors import InvalidArgumentError, OvercastError
+from overcast.errors import InvalidArgumentError
 from overcast.fsdp.collectives import (CommTime, DeferredReduceScatters, TimedAllGather,
                                       TimedReduceScatter)
-from overcast.job import group_communicator
+from overcast.job import GroupCommunicator, group_communicator
 from overcast.torch_api import (collectives, live_process_groups, own_reduce_scatter_group,
-                                param_groups, reshards_to_a_subgroup, set_unshard_async_op,
-                                shard_process_group, wire_dtypes)
+                                param_groups, reshards_to_a_subgroup, restore_schedule, schedule,
+                                set_unshard_async_op, shard_process_group, wire_dtypes)
 
 BACKENDS = ("overcast", "torch")
-_names = itertools.count()
 
 
 def _torch_dtype_ok(dtype: torch.dtype) -> bool:
@@ -155,10 +153,11 @@ class Overlap:
     """What `overlap()` set up: the communicator (backend "overcast"), the training thread's
     communication time, and `close()` to undo it (also as a context manager)."""
 
-    def __init__(self, model, comm, owns_comm: bool, times: CommTime, switch=None, saved=None,
-                 reduce_scatter_group: dist.ProcessGroup | None = None):
-        self.model, self.comm, self._owns_comm, self.times = model, comm, owns_comm, times
-        self._switch, self._saved = switch, saved or {}
+    def __init__(self, model, comm, times: CommTime, made: GroupCommunicator | None = None,
+                 saved=None, reduce_scatter_group: dist.ProcessGroup | None = None):
+        self.model, self.comm, self.times = model, comm, times
+        self._made, self._saved = made, saved or {}  # what overlap() opened; what it replaced
+        self._schedule: dict | None = None  # FSDP2's schedule before overlap() set its own
         # backend="torch": the process group its ReduceScatters run on, apart from the
         # AllGathers' (None where every module has a ReduceScatter group of its own)
         self.reduce_scatter_group = reduce_scatter_group
@@ -199,20 +198,23 @@ class Overlap:
         self._closed = True
         try:
             self._deferred.drain()
-        except OvercastError:
+        except Exception:  # overcast's errors, or torch's re-raising of them
             pass
         finally:
             self._restore()
 
     def _restore(self) -> None:
-        """Give the modules their collectives back; release what overlap() opened."""
-        _give_back(self._saved)
+        """Give the modules their collectives and schedule back; release what overlap()
+        opened. Each step runs even if one before it raised."""
         try:
-            if self._owns_comm and self.comm is not None:
-                self.comm.close()
+            _give_back(self._saved)
         finally:
-            if self._switch is not None:
-                self._switch.close(self.comm.rank)
+            try:
+                if self._schedule is not None:
+                    restore_schedule(self._schedule)
+            finally:
+                if self._made is not None:
+                    self._made.close()
 
     def __enter__(self) -> "Overlap":
         return self
@@ -266,12 +268,18 @@ def _job_store():
     return dist.distributed_c10d._get_default_store()
 
 
-def _communicator(group: dist.ProcessGroup, reduce_scatter: str, trace: bool):
+def _communicator(group: dist.ProcessGroup, reduce_scatter: str, trace: bool) -> \
+        GroupCommunicator:
     """An overcast Communicator over `group`'s ranks, meeting through the job's store (see
-    overcast.job). Returns (communicator, JobSwitch or None)."""
-    name = f"fsdp-{group.group_name}-{next(_names)}"  # unique per group and per overlap() call
-    return group_communicator(_job_store(), group.rank(), group.size(), name,
-                              in_network=reduce_scatter == "innetwork", trace=trace)
+    overcast.job); an "overcast" group's companion, sharing its aggregator, if it is one. Never
+    the group's own communicator: the training thread would post collectives on it beside the
+    group's worker thread, in orders that may differ from rank to rank."""
+    in_network = reduce_scatter == "innetwork"
+    companion = getattr(group, "companion_communicator", None)
+    if companion is not None:
+        return companion(in_network=in_network, trace=trace)
+    return group_communicator(_job_store(), group.rank(), group.size(),
+                              f"fsdp-{group.group_name}", in_network=in_network, trace=trace)
 
 
 @contextlib.contextmanager
@@ -281,15 +289,11 @@ def job_communicator(group: dist.ProcessGroup | None = None, *, reduce_scatter: 
     through the job's store, as overlap() makes one: with reduce_scatter="innetwork" and no
     OVERCAST_SWITCH, rank 0 starts an aggregator beside itself. Use it in a `with` on every
     rank; leaving closes the communicator and, once every rank has closed, the aggregator."""
-    comm, job_switch = _communicator(group or dist.group.WORLD, reduce_scatter, trace)
+    made = _communicator(group or dist.group.WORLD, reduce_scatter, trace)
     try:
-        yield comm
+        yield made.comm
     finally:
-        try:
-            comm.close()
-        finally:
-            if job_switch is not None:
-                job_switch.close(comm.rank)
+        made.close()
 
 
 def overlap(model, *, comm: Communicator | None = None, backend: str = "overcast",
@@ -303,7 +307,8 @@ def overlap(model, *, comm: Communicator | None = None, backend: str = "overcast
     rank. backend="overcast" routes FSDP2's collectives through `comm` (by default the mesh's
     own when its process group is the "overcast" torch.distributed backend, otherwise a new
     Communicator over the FSDP mesh's ranks, meeting through the job's store) with the given
-    AllGather ("multicast" or "ring") and ReduceScatter ("innetwork" or "ring") algorithms.
+    AllGather ("multicast" or "ring") and ReduceScatter ("innetwork" or "ring") algorithms; an
+    "overcast" group's companion communicator sharing its aggregator, not the group's own.
     `allgather` applies where a ReduceScatter runs beside the AllGather (a backward pass that
     reduces gradients); `unpaired_allgather` everywhere else (the forward pass, and the backward
     of a micro-step with gradient sync off), None for `allgather` there too: alone, a multicast
@@ -334,7 +339,7 @@ def overlap(model, *, comm: Communicator | None = None, backend: str = "overcast
         allgather = reduce_scatter = unpaired_allgather = None  # the process group's own
         lacking = any(own_reduce_scatter_group(pg) is None
                       for _, module in modules for pg in param_groups(module))
-        handle = Overlap(model, None, False, times, reduce_scatter_group=
+        handle = Overlap(model, None, times, reduce_scatter_group=
                          _kept_reduce_scatter_group(group) if lacking else None)
     else:
         _check_choice("allgather", allgather, ALGORITHMS["all_gather"])
@@ -347,21 +352,21 @@ def overlap(model, *, comm: Communicator | None = None, backend: str = "overcast
                 f"the communicator is rank {comm.rank} of {comm.world_size}, but the FSDP mesh "
                 f"makes this process rank {group.rank()} of {group.size()}; create it over "
                 f"the mesh's ranks")
-        if comm is None and isinstance(getattr(group, "communicator", None), Communicator):
-            comm = group.communicator  # the group is the "overcast" backend's: one communicator
-        job_switch, owns = None, comm is None
-        if owns:
-            comm, job_switch = _communicator(group, reduce_scatter, trace)
-        handle = Overlap(model, comm, owns, times, job_switch)
+        made = _communicator(group, reduce_scatter, trace) if comm is None else None
+        handle = Overlap(model, made.comm if made else comm, times, made)
+        comm = handle.comm
     try:
-        if comm is not None:
-            comm.check_algorithm("all_gather", allgather)
-            if unpaired_allgather is not None:
-                comm.check_algorithm("all_gather", unpaired_allgather)
-            comm.check_algorithm("reduce_scatter", reduce_scatter)
+        if comm is not None:  # raised here alone: every rank finds the same
+            for collective, algorithm in [("all_gather", allgather),
+                                          ("all_gather", unpaired_allgather),
+                                          ("reduce_scatter", reduce_scatter)]:
+                reason = algorithm and comm.unavailable(collective, algorithm)
+                if reason:
+                    raise InvalidArgumentError(reason)
         handle._saved = _install(modules, comm, allgather, reduce_scatter, times,
                                  handle._deferred if defer_reduce_scatter else None,
                                  unpaired_allgather, handle.reduce_scatter_group)
+        handle._schedule = schedule(modules)
         set_unshard_async_op(model, True)
         _set_prefetch(blocks, model, prefetch)
     except BaseException:
@@ -375,8 +380,7 @@ def timed(model) -> Overlap:
     same terms as overlap()'s (handle.stats())."""
     modules = _fsdp_modules(model)
     times = CommTime()
-    return Overlap(model, None, False, times,
-                   saved=_install(modules, None, None, None, times, None))
+    return Overlap(model, None, times, saved=_install(modules, None, None, None, times, None))
 
 
 __all__ = ["overlap", "timed", "Overlap", "BACKENDS"]
