@@ -417,3 +417,52 @@ def test_ranks_meet_where_the_store_is_without_master_addr(monkeypatch):
     assert meeting_host(dist.HashStore()) == socket.gethostbyname(socket.gethostname())
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     assert meeting_host(store) == "127.0.0.1"
+
+
+def overlap_on_the_backend(rank):
+    """overlap() on a model whose group is an "overcast" group: a choice the group cannot run
+    raises on every rank and leaves the group's own communicator alone; a good one runs on a
+    communicator of its own, and close() gives FSDP2 back its schedule."""
+    start()
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+    import overcast.fsdp
+    from overcast.torch_api import param_groups
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+    def schedule():
+        modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+        return ([[g.unshard_async_op for g in param_groups(m)] for m in modules],
+                [(len(m._get_fsdp_state()._states_to_forward_prefetch),
+                  len(m._get_fsdp_state()._states_to_backward_prefetch)) for m in modules])
+
+    before = schedule()
+    said = {}
+    try:
+        overcast.fsdp.overlap(model)  # multicast without a link rate
+    except Exception as err:
+        said["refused"] = [type(err).__name__, str(err)]
+    t = torch.ones(5)
+    dist.all_reduce(t)
+    said["group_usable"] = t.tolist() == [float(dist.get_world_size())] * 5
+    handle = overcast.fsdp.overlap(model, allgather="ring", reduce_scatter="ring")
+    said["own_communicator"] = handle.comm is not dist.group.WORLD.communicator
+    said["scheduled"] = schedule() != before
+    model(torch.ones(3, 8)).sum().backward()
+    handle.close()
+    said["restored"] = schedule() == before
+    dist.destroy_process_group()
+    return said
+
+
+def test_overlap_on_the_backend_keeps_the_group_and_restores_fsdp2():
+    for said in run_ranks(overlap_on_the_backend, loopback_placements(2), timeout=60):
+        assert said["refused"][0] == "InvalidArgumentError"
+        assert "paces its senders to the link rate" in said["refused"][1]
+        assert said["group_usable"] and said["own_communicator"], said
+        assert said["scheduled"] and said["restored"], said
