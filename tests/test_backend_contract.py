@@ -107,9 +107,9 @@ def test_ddp_comm_hooks_train_as_on_gloo(world):
 
 def groups(rank):
     """new_group on some ranks then all of them, with and without local synchronization,
-    new_subgroups, and DeviceMesh sub-groups of every shape of 4 ranks (dimensions of one too):
-    an all_reduce and an all_gather on each. The sums are of small integers, exact in any
-    order: what gloo gives on the same ranks."""
+    new_subgroups, and DeviceMesh sub-groups of every shape (dimensions of one too): an
+    all_reduce and an all_gather on each. The sums are of small integers, exact in any order:
+    what gloo gives on the same ranks."""
     gloo = start()
     world = dist.get_world_size()
     results = {}
@@ -128,32 +128,35 @@ def groups(rank):
     # Hashed names (meshes, local synchronization) count the groups this process is in, so
     # they come first, while every rank is in as many as the others (torch's rule, gloo's too).
     from torch.distributed.device_mesh import init_device_mesh
-    for shape in [(4,), (2, 2), (1, 4), (4, 1)]:
+    shapes = [(world,), (1, world), (world, 1)] + ([(2, world // 2)] if world % 2 == 0 else [])
+    for shape in shapes:
         mesh = init_device_mesh("cpu", shape, mesh_dim_names=("a", "b")[:len(shape)])
         for dim, name in enumerate(mesh.mesh_dim_names):
             ranks = mesh.mesh.swapdims(dim, -1).reshape(-1, shape[dim])
             row = next(r.tolist() for r in ranks if rank in r.tolist())
             check(f"mesh {shape} {name}", mesh.get_group(name), row)
-    pair = [0, 1] if rank < 2 else [2, 3]
+    pairs = [list(range(world))[i:i + 2] for i in range(0, world, 2)]  # of 3 ranks: [2] alone
+    pair = next(p for p in pairs if rank in p)
     check("new_group pair, local sync", dist.new_group(pair, use_local_synchronization=True),
           pair)
     first = dist.new_group([0, 1])  # ranks 2 and 3 are not in it and make nothing
     check("new_group [0, 1]", first, [0, 1])
     everyone = dist.new_group(list(range(world)))
     check("new_group all", everyone, list(range(world)))
-    mine, _ = dist.new_subgroups(group_size=2)
-    check("new_subgroups of 2", mine, [r for r in range(world) if r // 2 == rank // 2])
+    mine, _ = dist.new_subgroups_by_enumeration(pairs)
+    check("new_subgroups by pairs", mine, pair)
     dist.barrier(gloo)
     dist.destroy_process_group()
     return results
 
 
-def test_groups_of_every_shape_agree_with_gloo():
+@pytest.mark.parametrize("world", [3, 4])
+def test_groups_of_every_shape_agree_with_gloo(world):
     began = time.monotonic()
-    results = run_ranks(groups, loopback_placements(4, LINK), timeout=120)
+    results = run_ranks(groups, loopback_placements(world, LINK), timeout=120)
     assert time.monotonic() - began < 60
     for rank, result in enumerate(results):
-        assert "new_group all" in result and "mesh (2, 2) b" in result, result
+        assert "new_group all" in result and f"mesh ({world}, 1) b" in result, result
         assert ("new_group [0, 1]" in result) == (rank < 2)
         for label, outcome in result.items():
             assert outcome == [True, True, "overcast"], (rank, label, outcome)
