@@ -7,8 +7,8 @@ and service.h (its socket loop); module.c is the Python binding.
 """
 
 try:
-    from overcast.native._core import (MAX_REDUCTIONS, MAX_RESEND_SECONDS,  # noqa: F401
-                                       RESEND_SECONDS, Aggregator)
+    from overcast.native._core import (EXPIRY_SECONDS, MAX_REDUCTIONS,  # noqa: F401
+                                       MAX_RESEND_SECONDS, RESEND_SECONDS, Aggregator)
 except ImportError as err:  # pragma: no cover - a build problem, said plainly
     raise ImportError(f"overcast's native core is not built ({err}); run tools/setup, or "
                       f"`pip install -e .` in the repository") from err

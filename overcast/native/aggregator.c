@@ -34,6 +34,7 @@ typedef struct {
 } slot_t;
 
 typedef struct {
+    double touched;               /* when a contribution or acknowledgement last came */
     uint32_t seq, world, total, k, window, released, announced, results_sent;
     uint8_t code, group;
     size_t itemsize, row_bytes;   /* row_bytes: the pool's width per row */
@@ -56,6 +57,7 @@ typedef struct {
 
 typedef struct {
     uint32_t job, comm, world, slots;
+    uint32_t max_row;             /* the widest contribution taken (bytes after the prefix) */
     reduction_t *reductions[OC_MAX_REDUCTIONS]; /* in the order they began */
     int nreductions;
     uint32_t finished_seq[OC_TOMBSTONES], finished_total[OC_TOMBSTONES];
@@ -77,6 +79,7 @@ typedef struct {
 
 struct oc_agg {
     uint32_t slots;
+    double expiry;                /* a reduction idle this long is given up (seconds) */
     comm_t **comms;
     int ncomms;
     int last;                     /* the handle found last, tried first */
@@ -107,6 +110,12 @@ struct oc_agg {
 
 /* -- small helpers ------------------------------------------------------------------------ */
 
+/* An allocation failed: counted, and the caller drops what needed it. */
+static int out_of_memory(oc_agg *a, uint64_t what) {
+    a->drops[OC_DROP_out_of_memory] += what;
+    return -1;
+}
+
 static uint32_t get32(const uint8_t *p) {
     return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
 }
@@ -131,7 +140,10 @@ static uint32_t owner_span(const reduction_t *r, uint32_t g, uint32_t *first, ui
 
 static oc_out *queue_header(oc_agg *a, int h, uint16_t dst, uint8_t kind, uint32_t seq,
                            uint32_t chunk, size_t len) {
-    if (oc_grow((void **)&a->out, &a->out_cap, a->nout + 1, sizeof(oc_out))) return NULL;
+    if (oc_grow((void **)&a->out, &a->out_cap, a->nout + 1, sizeof(oc_out))) {
+        out_of_memory(a, 1);
+        return NULL;
+    }
     oc_out *o = &a->out[a->nout++];
     *o = (oc_out){.handle = h, .dst = dst, .kind = kind, .seq = seq, .chunk = chunk, .len = len};
     return o;
@@ -140,7 +152,10 @@ static oc_out *queue_header(oc_agg *a, int h, uint16_t dst, uint8_t kind, uint32
 /* A message whose payload is copied into the arena: where to write it, or NULL. */
 static uint8_t *queue(oc_agg *a, int h, uint16_t dst, uint8_t kind, uint32_t seq, uint32_t chunk,
                       size_t len) {
-    if (oc_grow((void **)&a->arena, &a->arena_cap, a->arena_len + len, 1)) return NULL;
+    if (oc_grow((void **)&a->arena, &a->arena_cap, a->arena_len + len, 1)) {
+        out_of_memory(a, 1);
+        return NULL;
+    }
     oc_out *o = queue_header(a, h, dst, kind, seq, chunk, len);
     if (o == NULL) return NULL;
     o->offset = a->arena_len;
@@ -283,8 +298,9 @@ static void answer_credit(oc_agg *a, int h, comm_t *c, uint32_t seq, uint16_t ra
     else if ((i = finished_index(c, seq)) >= 0) credit(a, h, rank, seq, c->finished_total[i], NULL, 0);
 }
 
-static void finish(oc_agg *a, int h, comm_t *c, reduction_t *r) {
-    announce(a, h, r);
+/* Take `r` out of its communicator, remembering it as finished: contributions that come for it
+ * later are answered with credit, not taken as a new reduction. Frees it. */
+static void retire(oc_agg *a, comm_t *c, reduction_t *r) {
     int i = 0;
     while (c->reductions[i] != r) i++;
     memmove(&c->reductions[i], &c->reductions[i + 1], sizeof(r) * (size_t)(c->nreductions - i - 1));
@@ -301,6 +317,11 @@ static void finish(oc_agg *a, int h, comm_t *c, reduction_t *r) {
         c->finished_total[c->nfinished++] = r->total;
     }
     free_reduction(a, r);
+}
+
+static void finish(oc_agg *a, int h, comm_t *c, reduction_t *r) {
+    announce(a, h, r);
+    retire(a, c, r);
     a->stats[OC_STAT_reductions]++;
 }
 
@@ -352,15 +373,31 @@ static void on_contributions(oc_agg *a, int h, comm_t *c, const oc_header *hdr,
             a->drops[OC_DROP_malformed] += count;
             return;
         }
-        if (world != c->world || total % world || !group) {
+        if (world != c->world || total == 0 || total % world || !group ||
+            (length - PREFIX_BYTES) % oc_dtype_size(code)) {
             a->drops[OC_DROP_inconsistent] += count;
+            return;
+        }
+        if (length - PREFIX_BYTES > c->max_row) {
+            a->drops[OC_DROP_wrong_length] += count;
+            return;
+        }
+        /* a reduction is made only for a chunk it could take: in range, in the first window */
+        size_t fits = 0;
+        while (fits < count && (chunks[fits] >= total || chunks[fits] >= c->slots)) fits++;
+        if (fits == count) {
+            a->drops[chunks[0] >= total ? OC_DROP_out_of_range : OC_DROP_beyond_window] += count;
             return;
         }
         if (c->nreductions >= OC_MAX_REDUCTIONS) { /* sent again when the rank's credit stalls */
             a->stats[OC_STAT_refused] += count;
             return;
         }
-        if ((r = new_reduction(a, c, hdr->seq, code, group, total)) == NULL) return;
+        if ((r = new_reduction(a, c, hdr->seq, code, group, total)) == NULL) {
+            out_of_memory(a, count);
+            return;
+        }
+        r->touched = now;
         c->reductions[c->nreductions++] = r;
     }
     size_t nbytes = length - PREFIX_BYTES;
@@ -369,13 +406,20 @@ static void on_contributions(oc_agg *a, int h, comm_t *c, const oc_header *hdr,
         a->drops[OC_DROP_inconsistent] += count;
         return;
     }
+    if (nbytes > c->max_row) {
+        a->drops[OC_DROP_wrong_length] += count;
+        return;
+    }
     uint32_t elems = (uint32_t)(nbytes / r->itemsize);
-    if (widen_pool(a, r, nbytes)) return;
+    int pooled = 0; /* the pool is made wide enough once a chunk passes every check */
     uint32_t src = hdr->src, owner = 0, first = 1, end = 0;
     uint64_t bit = (uint64_t)1 << (src & 63);
     int late = 0;
     /* the chunks this run completes, in order: at most `count` */
-    if (oc_grow((void **)&a->completed, &a->completed_cap, count, sizeof(completion))) return;
+    if (oc_grow((void **)&a->completed, &a->completed_cap, count, sizeof(completion))) {
+        out_of_memory(a, count);
+        return;
+    }
     completion *complete = a->completed;
     size_t ncomplete = 0;
     for (size_t i = 0; i < count; i++) {
@@ -398,6 +442,14 @@ static void on_contributions(oc_agg *a, int h, comm_t *c, const oc_header *hdr,
             a->drops[OC_DROP_beyond_window]++;
             continue;
         }
+        if (!pooled) {
+            if (widen_pool(a, r, nbytes)) {
+                out_of_memory(a, count - i);
+                break;
+            }
+            pooled = 1;
+        }
+        r->touched = now;
         if ((int64_t)g > r->passed[src]) r->passed[src] = g;
         slot_t *s = &r->slots[g % r->window];
         uint64_t *have = have_of(r, g);
@@ -456,6 +508,7 @@ static uint32_t on_ack(oc_agg *a, int h, comm_t *c, reduction_t *r, uint32_t src
         return 0;
     }
     uint32_t sent = 0;
+    r->touched = now;
     if (!s->acked && !s->resends) {
         sample_rtt(&c->peers[src], now - s->sent_at);
         sent = s->sent;
@@ -621,6 +674,14 @@ void oc_agg_handle_timer(oc_agg *a, double now) {
         if (c == NULL) continue;
         for (int i = 0; i < c->nreductions; i++) {
             reduction_t *r = c->reductions[i];
+            if (now >= r->touched + a->expiry) {
+                /* no contribution or acknowledgement for that long: a rank died, or a member
+                 * is buggy. Its slot and pool go to others; its ranks time out. */
+                retire(a, c, r);
+                a->stats[OC_STAT_expired]++;
+                i--;
+                continue;
+            }
             a->pairs_len = 0;
             for (uint32_t j = 0; j < r->window; j++) {
                 uint32_t g = r->released + j;
@@ -750,7 +811,7 @@ static void free_comm(oc_agg *a, comm_t *c) {
 }
 
 int oc_agg_register(oc_agg *a, uint32_t job, uint32_t comm, uint32_t world, uint32_t slots,
-                    const uint8_t *key, uint64_t counter, uint32_t *granted) {
+                    uint32_t max_row, const uint8_t *key, uint64_t counter, uint32_t *granted) {
     int h = find_comm(a, job, comm);
     comm_t *c = comm_of(a, h);
     if (c && c->world == world) {
@@ -764,6 +825,7 @@ int oc_agg_register(oc_agg *a, uint32_t job, uint32_t comm, uint32_t world, uint
     fresh->comm = comm;
     fresh->world = world;
     fresh->slots = slots == 0 ? a->slots : slots < a->slots ? slots : a->slots;
+    fresh->max_row = max_row;
     fresh->peers = calloc(world, sizeof(peer_t));
     if (fresh->peers == NULL) {
         free_comm(a, fresh);
@@ -910,6 +972,7 @@ oc_agg *oc_agg_new(uint32_t slots) {
     oc_agg *a = calloc(1, sizeof *a);
     if (a == NULL) return NULL;
     a->slots = slots ? slots : 1;
+    a->expiry = OC_EXPIRY_SECONDS;
     a->next_tick = -1.0;
     a->last = -1;
     a->sealed = malloc(OC_MAX_DATAGRAM);
@@ -936,6 +999,8 @@ void oc_agg_free(oc_agg *a) {
     free(a->done);
     free(a);
 }
+
+void oc_agg_set_expiry(oc_agg *a, double seconds) { a->expiry = seconds; }
 
 size_t oc_agg_outbox_count(const oc_agg *a) { return a->nout; }
 const oc_out *oc_agg_outbox(const oc_agg *a, size_t i) { return i < a->nout ? &a->out[i] : NULL; }

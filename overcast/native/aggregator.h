@@ -42,16 +42,18 @@
 #define OC_RESEND_SECONDS 0.05
 #define OC_MAX_RESEND_SECONDS 1.0
 #define OC_TOMBSTONES 64
+/* A reduction with no contribution or acknowledgement for this long is given up (seconds). */
+#define OC_EXPIRY_SECONDS 300.0
 #define OC_REPLAY_WIDTH (1u << 14)
 
 /* Counters, by the names overcast's reports use. */
 #define OC_DROPS(X) X(malformed) X(foreign) X(bad_mac) X(replayed) X(truncated)            \
     X(unregistered) X(misdirected) X(wrong_sender) X(unexpected_kind) X(stale)              \
     X(inconsistent) X(out_of_range) X(beyond_window) X(wrong_length) X(stray_acks)          \
-    X(send_error) X(send_buffer_full)
+    X(send_error) X(send_buffer_full) X(out_of_memory)
 #define OC_STATS(X) X(contributions) X(results) X(results_resent) X(results_resent_early)    \
     X(nacks) X(refused) X(late_contributions) X(duplicate_contributions) X(reductions)        \
-    X(pools_reused)
+    X(pools_reused) X(expired)
 #define OC_ENUM_DROP(name) OC_DROP_##name,
 #define OC_ENUM_STAT(name) OC_STAT_##name,
 enum { OC_DROPS(OC_ENUM_DROP) OC_DROP_COUNT };
@@ -74,15 +76,20 @@ typedef struct {
 } oc_out;
 
 oc_agg *oc_agg_new(uint32_t slots);
+/* How long a reduction may go without a contribution or acknowledgement before it is given up
+ * (default OC_EXPIRY_SECONDS). */
+void oc_agg_set_expiry(oc_agg *a, double seconds);
 void oc_agg_free(oc_agg *a);
 
 /* Take a communicator of `world` ranks (job, comm: its ids on the wire), its reductions getting
- * at most `slots` slots (0: the aggregator's own). With `key`, it also opens and seals
- * datagrams, its own counter starting after `counter`. Returns a handle (>= 0) and the slots
- * granted, or -1 if memory ran out. Registering the same ids again keeps the communicator
- * unless its world differs. */
+ * at most `slots` slots (0: the aggregator's own) and contributions of at most `max_row` bytes
+ * (after their prefix): a reduction's pool is at most slots x world x max_row bytes, and a
+ * communicator has at most OC_MAX_REDUCTIONS. With `key`, it also opens and seals datagrams,
+ * its own counter starting after `counter`. Returns a handle (>= 0) and the slots granted, or
+ * -1 for a world outside 1..0xFFFD or if memory ran out. Registering the same ids again keeps
+ * the communicator unless its world differs. */
 int oc_agg_register(oc_agg *a, uint32_t job, uint32_t comm, uint32_t world, uint32_t slots,
-                    const uint8_t *key, uint64_t counter, uint32_t *granted);
+                    uint32_t max_row, const uint8_t *key, uint64_t counter, uint32_t *granted);
 void oc_agg_unregister(oc_agg *a, int handle);
 /* Where a rank's datagrams go (network byte order), and whether it hears the communicator's
  * multicast group; messages for every rank go to the group once all ranks hear it. */

@@ -23,23 +23,29 @@ typedef struct {
 } Aggregator;
 
 static int Aggregator_init(Aggregator *self, PyObject *args, PyObject *kw) {
-    static char *names[] = {"slots", NULL};
+    static char *names[] = {"slots", "expiry", NULL};
     uint32_t slots;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "O&", names, oc_arg_u32, &slots)) return -1;
-    if (self->serving) {
-        PyErr_SetString(PyExc_RuntimeError, "the aggregator is serving on another thread");
+    double expiry = OC_EXPIRY_SECONDS;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O&|d", names, oc_arg_u32, &slots, &expiry))
+        return -1;
+    if (self->agg != NULL) { /* its communicators, sockets and counters would be lost */
+        PyErr_SetString(PyExc_RuntimeError, "the aggregator is initialised already");
         return -1;
     }
     if (slots == 0) {
         PyErr_SetString(PyExc_ValueError, "an aggregator needs at least 1 slot");
         return -1;
     }
-    oc_agg_free(self->agg);
+    if (!(expiry > 0)) {
+        PyErr_SetString(PyExc_ValueError, "a reduction's expiry is a number of seconds above 0");
+        return -1;
+    }
     self->agg = oc_agg_new(slots);
     if (self->agg == NULL) {
         PyErr_NoMemory();
         return -1;
     }
+    oc_agg_set_expiry(self->agg, expiry);
     return 0;
 }
 
@@ -62,14 +68,14 @@ static int ready(Aggregator *self) {
 }
 
 static PyObject *Aggregator_register(Aggregator *self, PyObject *args, PyObject *kw) {
-    static char *names[] = {"job", "comm", "world", "slots", "key", "counter", NULL};
-    uint32_t job, comm, world, slots = 0;
+    static char *names[] = {"job", "comm", "world", "slots", "key", "counter", "max_row", NULL};
+    uint32_t job, comm, world, slots = 0, max_row = OC_MAX_DATAGRAM;
     uint64_t counter = 0;
     Py_buffer key = {0};
     if (!ready(self) ||
-        !PyArg_ParseTupleAndKeywords(args, kw, "O&O&O&|O&z*O&", names, oc_arg_u32, &job,
+        !PyArg_ParseTupleAndKeywords(args, kw, "O&O&O&|O&z*O&O&", names, oc_arg_u32, &job,
                                      oc_arg_u32, &comm, oc_arg_u32, &world, oc_arg_u32, &slots,
-                                     &key, oc_arg_u64, &counter))
+                                     &key, oc_arg_u64, &counter, oc_arg_u32, &max_row))
         return NULL;
     if (key.buf && key.len != OC_KEY_BYTES) {
         PyBuffer_Release(&key);
@@ -77,9 +83,12 @@ static PyObject *Aggregator_register(Aggregator *self, PyObject *args, PyObject 
                             OC_KEY_BYTES, key.len);
     }
     uint32_t granted = 0;
-    int h = oc_agg_register(self->agg, job, comm, world, slots, key.buf, counter, &granted);
+    int h = oc_agg_register(self->agg, job, comm, world, slots, max_row, key.buf, counter,
+                            &granted);
     if (key.buf) PyBuffer_Release(&key);
-    if (h < 0) return PyErr_Format(PyExc_ValueError, "cannot register a world of %u ranks", world);
+    if (h < 0 && (world == 0 || world > 0xFFFD))
+        return PyErr_Format(PyExc_ValueError, "cannot register a world of %u ranks", world);
+    if (h < 0) return PyErr_NoMemory();
     return Py_BuildValue("iI", h, granted);
 }
 
@@ -445,19 +454,27 @@ static struct PyModuleDef module = {
 
 int oc_add_rank_types(PyObject *m); /* plane_module.c */
 
+/* A float constant; the module holds its own reference, whatever happens. */
+static int add_float(PyObject *m, const char *name, double value) {
+    PyObject *f = PyFloat_FromDouble(value);
+    if (f == NULL) return -1;
+    int result = PyModule_AddObjectRef(m, name, f);
+    Py_DECREF(f);
+    return result;
+}
+
 PyMODINIT_FUNC PyInit__core(void) {
     if (PyType_Ready(&AggregatorType) < 0) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
-    Py_INCREF(&AggregatorType);
-    if (PyModule_AddObject(m, "Aggregator", (PyObject *)&AggregatorType) < 0 ||
+    if (PyModule_AddType(m, &AggregatorType) < 0 ||
         PyModule_AddIntConstant(m, "SERVE_DEADLINE", OC_SERVE_DEADLINE) < 0 ||
         PyModule_AddIntConstant(m, "SERVE_INTERRUPTED", OC_SERVE_INTERRUPTED) < 0 ||
         PyModule_AddIntConstant(m, "MAX_REDUCTIONS", OC_MAX_REDUCTIONS) < 0 ||
-        PyModule_AddObject(m, "RESEND_SECONDS", PyFloat_FromDouble(OC_RESEND_SECONDS)) < 0 ||
-        PyModule_AddObject(m, "MAX_RESEND_SECONDS", PyFloat_FromDouble(OC_MAX_RESEND_SECONDS)) < 0 ||
+        add_float(m, "RESEND_SECONDS", OC_RESEND_SECONDS) < 0 ||
+        add_float(m, "MAX_RESEND_SECONDS", OC_MAX_RESEND_SECONDS) < 0 ||
+        add_float(m, "EXPIRY_SECONDS", OC_EXPIRY_SECONDS) < 0 ||
         oc_add_rank_types(m) < 0) {
-        Py_DECREF(&AggregatorType);
         Py_DECREF(m);
         return NULL;
     }

@@ -18,18 +18,22 @@ import collections
 import itertools
 
 from overcast.limits import check_slots
-from overcast.native import MAX_REDUCTIONS, MAX_RESEND_SECONDS, RESEND_SECONDS
+from overcast.native import EXPIRY_SECONDS, MAX_REDUCTIONS, MAX_RESEND_SECONDS, RESEND_SECONDS
 from overcast.native import Aggregator as Engine
 from overcast.protocols.base import Outgoing
 from overcast.wire.header import AGGREGATOR
+from overcast.transport.datagram import MAX_DATAGRAM as MAX_ROW  # the widest a datagram holds
 from overcast.wire.runs import Run
 
 
 class Aggregator:
-    def __init__(self, slots: int = 256):
+    """`slots` per reduction at most; a reduction with no contribution or acknowledgement for
+    `expiry` seconds (default EXPIRY_SECONDS) is given up, its memory freed."""
+
+    def __init__(self, slots: int = 256, expiry: float | None = None):
         check_slots(slots)
         self.slots = slots
-        self.engine = Engine(slots)
+        self.engine = Engine(slots, EXPIRY_SECONDS if expiry is None else expiry)
         self.outbox: collections.deque[tuple[object, int, Outgoing]] = collections.deque()
         self._handles: dict[object, int] = {}
         self._keys: dict[int, object] = {}
@@ -39,15 +43,17 @@ class Aggregator:
     # -- registration ----------------------------------------------------------------------
     def register(self, key, world: int, slots: int | None = None, *,
                  ids: tuple[int, int] | None = None, secret_key: bytes | None = None,
-                 counter: int = 0) -> int:
+                 counter: int = 0, max_row: int = MAX_ROW) -> int:
         """Take a communicator of `world` ranks under `key`; its reductions get at most `slots`
-        slots (and never more than the aggregator's own). `ids` are its job and communicator
-        ids on the wire, and `secret_key` its key, for an engine that opens and seals its
-        datagrams (sealing counts on from `counter`). Returns the slots granted."""
+        slots (and never more than the aggregator's own) and contributions of at most
+        `max_row` bytes. `ids` are its job and communicator ids on the wire, and `secret_key`
+        its key, for an engine that opens and seals its datagrams (sealing counts on from
+        `counter`). Returns the slots granted."""
         if ids is None:
             ids = self._ids.get(key) or (0, next(self._unkeyed))
         self._ids[key] = ids
-        handle, granted = self.engine.register(*ids, world, slots or 0, secret_key, counter)
+        handle, granted = self.engine.register(*ids, world, slots or 0, secret_key, counter,
+                                               max_row)
         self._handles[key], self._keys[handle] = handle, key
         return granted
 

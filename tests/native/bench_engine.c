@@ -46,7 +46,7 @@ int main(int argc, char **argv) {
     for (unsigned round = 0; round < rounds; round++) {
         oc_agg *a = oc_agg_new(slots);
         uint32_t granted;
-        int h = oc_agg_register(a, 1, 1, world, 0, KEY, 0, &granted);
+        int h = oc_agg_register(a, 1, 1, world, 0, OC_MAX_DATAGRAM, KEY, 0, &granted);
         for (unsigned r = 0; r < world; r++) {
             ranks[r] = (oc_sealer){.job = 1, .comm = 1, .src = (uint16_t)r};
             oc_gmac_init(&ranks[r].gmac, KEY, 1);

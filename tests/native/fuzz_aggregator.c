@@ -40,7 +40,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     if (opener.ctx == NULL) oc_gmac_init(&opener, KEY, 0);
     oc_agg *a = oc_agg_new(SLOTS);
     uint32_t granted;
-    int h = oc_agg_register(a, 1, 1, WORLD, 0, KEY, 0, &granted);
+    int h = oc_agg_register(a, 1, 1, WORLD, 0, OC_MAX_DATAGRAM, KEY, 0, &granted);
     oc_agg_set_address(a, h, 0, 0x0100007f, 1, 0);
     oc_sealer ranks[WORLD + 1]; /* the last: a sender outside the world */
     for (int r = 0; r <= WORLD; r++) {
