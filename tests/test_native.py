@@ -289,3 +289,76 @@ def test_a_budget_is_set_up_once():
     with pytest.raises(RuntimeError, match="once"):
         budget.__init__(2e6)
     assert budget.rate == 1e6
+
+
+# -- nonces and what a peer may make the aggregator hold --------------------------------------
+
+def test_a_sealers_counter_only_moves_forward():
+    """The counters between would be spent twice under the key: GCM's nonces repeated."""
+    sealer = Sealer(KEY, JOB, COMM, 1).native
+    sealer.counter = 100
+    with pytest.raises(ValueError, match="only moves forward"):
+        sealer.counter = 99
+    sealer.counter = 100
+    sealer.counter = 101
+    assert sealer.counter == 101
+
+
+def test_a_sealer_seals_for_one_plane():
+    """Two planes serving at once would spend one counter twice; the second is refused until
+    the first is gone."""
+    sealer = Sealer(KEY, JOB, COMM, 1).native
+    first = _core.Plane(0, 2, JOB, COMM, KEY, sealer)
+    with pytest.raises(ValueError, match="another plane"):
+        _core.Plane(0, 2, JOB, COMM, KEY, sealer)
+    del first
+    _core.Plane(0, 2, JOB, COMM, KEY, sealer)
+
+
+def test_an_aggregator_is_set_up_once():
+    """Set up again, it would drop its communicators, its socket and its counters."""
+    engine, _ = keyed_engine()
+    with pytest.raises(RuntimeError, match="initialised already"):
+        engine.__init__(8)
+
+
+def test_an_idle_reduction_expires_and_frees_its_pool():
+    """Rank 1 contributes to a reduction whose other ranks never do (dead, or buggy): after
+    the expiry its pool is freed and its slot goes to others; the reduction is remembered as
+    finished, so its late contributions make nothing new."""
+    engine = Engine(16, 1.0)
+    handle, _ = engine.register(JOB, COMM, WORLD, 16, KEY, 1 << 40)
+    sealer = Sealer(KEY, JOB, COMM, 1)
+    rows = np.ones((2, 8), np.float32)
+    engine.feed(contributions(sealer, np.float32, rows, [0, 2], 8), sealer_segment(rows), 10.0)
+    assert engine.reductions(handle) == [(0, 0)] and engine.memory()[0] > 0
+    engine.handle_timer(10.5)
+    assert engine.reductions(handle) == [(0, 0)]
+    engine.handle_timer(11.1)
+    assert engine.reductions(handle) == [] and engine.memory()[0] == 0
+    assert dict(engine.counters()[1])["expired"] == 1
+    engine.feed(contributions(sealer, np.float32, rows, [6], 8), sealer_segment(rows), 11.2)
+    assert engine.reductions(handle) == []
+
+
+def sealer_segment(rows: np.ndarray) -> int:
+    """The size of one sealed contribution of a row of `rows`."""
+    return HEADER_BYTES + 8 + rows[0].nbytes + 16
+
+
+@pytest.mark.parametrize("case", ["total 0", "chunk out of range", "beyond the window",
+                                  "wider than registered"])
+def test_a_contribution_that_cannot_be_taken_holds_nothing(case):
+    """No reduction, slot or pool is made for it: it is dropped and counted by its reason."""
+    engine = Engine(4)
+    handle, _ = engine.register(JOB, COMM, WORLD, 4, KEY, 1 << 40, 64)
+    sealer = Sealer(KEY, JOB, COMM, 1)
+    rows = np.ones((1, 32 if case == "wider than registered" else 8), np.float32)
+    total, chunk = {"total 0": (0, 0), "chunk out of range": (8, 9),
+                    "beyond the window": (64, 40), "wider than registered": (8, 0)}[case]
+    engine.feed(contributions(sealer, np.float32, rows, [chunk], total), sealer_segment(rows),
+                1.0)
+    reason = {"total 0": "inconsistent", "chunk out of range": "out_of_range",
+              "beyond the window": "beyond_window", "wider than registered": "wrong_length"}
+    assert dict(engine.counters()[0])[reason[case]] == 1
+    assert engine.reductions(handle) == [] and engine.memory() == (0, 0, 0)

@@ -29,7 +29,8 @@ typedef struct {
     PyObject_HEAD
     oc_sealer s;
     int ready;
-    int lent; /* planes sealing with it now, the GIL released: its counter is theirs meanwhile */
+    int lent;  /* its plane seals with it now, the GIL released: its counter is the plane's */
+    int owned; /* a plane seals with it: no other plane may (their sealing would race) */
 } Sealer;
 
 /* Two sealings at once would spend the same counter: the GCM nonce, repeated under one key. */
@@ -171,6 +172,11 @@ static int Sealer_set_counter(Sealer *self, PyObject *value, void *closure) {
     }
     uint64_t v;
     if (sealer_lent(self) || !oc_arg_u64(value, &v)) return -1;
+    if (v < self->s.counter) { /* the counters between would be spent twice: nonces repeated */
+        PyErr_Format(PyExc_ValueError, "the counter only moves forward: it is at %llu, not %llu",
+                     (unsigned long long)self->s.counter, (unsigned long long)v);
+        return -1;
+    }
     self->s.counter = v;
     return 0;
 }
@@ -184,7 +190,8 @@ static PyMethodDef Sealer_methods[] = {
 };
 static PyGetSetDef Sealer_getset[] = {
     {"counter", (getter)Sealer_counter, (setter)Sealer_set_counter,
-     "the last counter spent (the next message takes the one after)", NULL},
+     "the last counter spent (the next message takes the one after); it may be set only "
+     "forward", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 static PyTypeObject SealerType = {
@@ -504,6 +511,12 @@ static int Plane_init(Plane *self, PyObject *args, PyObject *kw) {
         PyErr_Format(PyExc_ValueError, "rank %u of a world of %u", rank, world);
         return -1;
     }
+    if (sealer != Py_None && ((Sealer *)sealer)->owned) {
+        if (key.buf) PyBuffer_Release(&key);
+        PyErr_SetString(PyExc_ValueError, "the sealer seals for another plane already: two "
+                                          "planes serving at once would spend one counter twice");
+        return -1;
+    }
     self->plane = oc_plane_new(rank, world, job, comm, key.buf,
                                sealer == Py_None ? NULL : &((Sealer *)sealer)->s);
     if (key.buf) PyBuffer_Release(&key);
@@ -514,6 +527,7 @@ static int Plane_init(Plane *self, PyObject *args, PyObject *kw) {
     if (sealer != Py_None) {
         Py_INCREF(sealer);
         self->sealer = sealer;
+        ((Sealer *)sealer)->owned = 1;
     }
     self->port.epoll = -1;
     take_snapshot(self);
@@ -531,6 +545,7 @@ static void Plane_dealloc(Plane *self) {
     oc_plane_free(self->plane); /* before the buffers and budgets it points to go */
     for (size_t i = 0; i < self->nheld; i++) release_held(&self->held[i]);
     PyMem_Free(self->held);
+    if (self->sealer) ((Sealer *)self->sealer)->owned = 0;
     Py_CLEAR(self->sealer);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
@@ -1248,15 +1263,8 @@ static PyTypeObject PlaneType = {
 
 int oc_add_rank_types(PyObject *m) {
     PyTypeObject *types[] = {&SealerType, &TagCheckType, &BudgetType, &PlaneType};
-    const char *names[] = {"Sealer", "TagCheck", "Budget", "Plane"};
-    for (int i = 0; i < 4; i++) {
-        if (PyType_Ready(types[i]) < 0) return -1;
-        Py_INCREF(types[i]);
-        if (PyModule_AddObject(m, names[i], (PyObject *)types[i]) < 0) {
-            Py_DECREF(types[i]);
-            return -1;
-        }
-    }
+    for (int i = 0; i < 4; i++) /* each named by its tp_name's last part */
+        if (PyModule_AddType(m, types[i]) < 0) return -1;
     static const struct { const char *name; int value; } constants[] = {
         {"PORT_PYTHON", OC_PORT_PYTHON}, {"PORT_RUNS", OC_PORT_RUNS},
         {"PORT_NEWS", OC_PORT_NEWS}, {"PORT_DEADLINE", OC_PORT_DEADLINE},
