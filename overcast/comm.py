@@ -20,10 +20,10 @@ from overcast.protocols.session import Session
 from overcast.protocols.budget import LinkBudget
 from overcast.protocols.innetwork import InNetworkReduceScatter
 from overcast.schedules.ring import DEFAULT_FRAME_BYTES
-from overcast.transport.datagram import MAX_DATAGRAM, pace_batch, reduction_batch
+from overcast.transport.datagram import chunk_bytes, pace_batch, reduction_batch
 from overcast.transport.loss import LossSpec
 from overcast.transport.rendezvous import rendezvous
-from overcast.wire.header import IP_UDP_BYTES, OVERHEAD_BYTES, datagram_link_bytes
+from overcast.wire.header import datagram_link_bytes
 from overcast.wire.messages import CONTRIB_PREFIX
 
 # The share of a receiver's link the multicast streams may fill together (less leaves headroom
@@ -98,9 +98,8 @@ class Communicator:
         links = rendezvous(self.rank, self.world_size, name=name, store=store, secret=secret,
                            timeout=timeout, switch=switch)
         self.address, self.mtu = links.address, links.mtu
-        # One datagram per chunk, within the path MTU; a multiple of 8 so no element is split.
-        self.chunk_bytes = min(links.mtu - IP_UDP_BYTES, MAX_DATAGRAM) - OVERHEAD_BYTES
-        self.chunk_bytes -= self.chunk_bytes % 8
+        # One datagram per chunk, within the path MTU.
+        self.chunk_bytes = chunk_bytes(links.mtu)
         self._multicast_error = links.multicast_error
         self._switch_error, self._switch_slots = links.switch_error, links.switch_slots
         uplink = link_bits_per_s / 8 * pacing_share if link_bits_per_s else None

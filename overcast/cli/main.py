@@ -243,11 +243,16 @@ def _cluster(args) -> int:
 
 
 def _switch(args) -> int:
-    from overcast.limits import check_port, check_slots
-    from overcast.switch.service import run
+    from overcast.bench.run import parse_size
+    from overcast.limits import check_count, check_port, check_positive, check_slots
+    from overcast.switch.service import Limits, run
 
     check_port(args.port)
     check_slots(args.slots)
+    check_count("the largest world", args.max_world, 2, "--max-world")
+    check_count("communicators per job", args.max_communicators, 1, "--max-communicators")
+    check_positive("a reduction's expiry", args.expiry, "--expiry", " seconds")
+    limits = Limits(args.max_world, args.max_communicators, parse_size(args.pool_bytes))
     given = os.environ.get("OVERCAST_SECRETS", "") or os.environ.get("OVERCAST_SECRET", "")
     secrets = [bytes.fromhex(x) for x in _csv(given)]
     if not secrets:
@@ -255,7 +260,8 @@ def _switch(args) -> int:
               "OVERCAST_SECRETS to several, comma-separated", file=sys.stderr)
         return 2
     run(args.host, args.port, secrets, args.slots, args.stats,
-        ready=lambda line: print(line, flush=True), lifeline=args.lifeline)
+        ready=lambda line: print(line, flush=True), lifeline=args.lifeline, limits=limits,
+        expiry=args.expiry)
     return 0
 
 
@@ -420,6 +426,9 @@ def parser() -> argparse.ArgumentParser:
                         "attachment")
     c.set_defaults(func=_cluster)
 
+    from overcast.native import EXPIRY_SECONDS
+    from overcast.switch.service import Limits
+
     w = sub.add_parser("switch", help="the aggregator for in-network reduction, standing in the "
                                       "switch")
     w.add_argument("--host", default="0.0.0.0")
@@ -427,6 +436,17 @@ def parser() -> argparse.ArgumentParser:
     w.add_argument("--slots", type=int, default=256,
                    help="chunks each reduction may have in the aggregator at once (its pool)")
     w.add_argument("--stats", help="write counters and peak memory here (JSON) on exit")
+    w.add_argument("--max-world", type=int, default=Limits.max_world,
+                   help="the largest communicator it registers (ranks; default %(default)s)")
+    w.add_argument("--max-communicators", type=int, default=Limits.max_communicators,
+                   help="communicators one job may register at once (default %(default)s)")
+    w.add_argument("--pool-bytes", default=str(Limits.pool_bytes),
+                   help="what every communicator's reductions may hold together at their "
+                        "largest, set aside when each registers (bytes; k, M, G suffixes: "
+                        "powers of 1024; default 1G)")
+    w.add_argument("--expiry", type=float, default=EXPIRY_SECONDS,
+                   help="seconds a reduction may go without a contribution or acknowledgement "
+                        "before it is given up and its memory freed (default %(default)s)")
     w.add_argument("--lifeline", type=int, metavar="FD",
                    help="exit when this inherited pipe closes (how a process that starts the "
                         "aggregator ties its life to its own)")

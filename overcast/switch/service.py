@@ -5,6 +5,13 @@ a HELLO that carries it, sealed under its communicator key (the aggregator deriv
 the job secret it was given and the salt in the HELLO, so a HELLO it can verify comes from the
 job, and from this connection), and keeps the connection open: when the service dies, every rank
 sees it at once. A connection that has not registered within REGISTRATION_SECONDS is closed.
+
+A job member may be buggy or hostile, so what a HELLO asks is held to the aggregator's Limits: a
+registration beyond one (a world too large, too many communicators for its job, pools past the
+memory budget, a receive buffer too small for its world) is refused to that connection alone,
+with the reason, and everything else carries on. Every communicator's pools are bounded when it
+registers (at most MAX_REDUCTIONS reductions of slots x world x its widest row), so the budget
+holds by construction. Results go to the address the registration came from.
 One UDP port, the same number, carries the contributions, results, acknowledgements and credit,
 all authenticated per communicator and replay-checked like every other overcast datagram.
 
@@ -16,6 +23,7 @@ back. The reduction itself is the native engine's (overcast/native/aggregator.h)
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import resource
 import secrets
@@ -24,23 +32,46 @@ import socket
 import time
 
 from overcast.limits import check_port
+from overcast.native import MAX_REDUCTIONS
 from overcast.switch.aggregator import Aggregator
-from overcast.transport.datagram import (DATAGRAM_TRUESIZE, enlarge_receive_buffer,
+from overcast.transport.datagram import (DATAGRAM_TRUESIZE, MAX_DATAGRAM, enlarge_receive_buffer,
                                          multicast_group, prepare_sender)
 from overcast.wire.auth import Drops, Opener, ReplayWindow, derive_key, job_id_of
 from overcast.wire.header import HEADER_BYTES, Kind, MalformedError, unpack_header
-from overcast.wire.registration import (HELLO, NONCE_BYTES, SWITCH_CHALLENGE, SWITCH_MAGIC,
-                                        WELCOME)
+from overcast.wire.registration import (HELLO, NONCE_BYTES, REFUSAL_LABEL, SWITCH_CHALLENGE,
+                                        SWITCH_MAGIC, WELCOME, Refused, pack_refusal)
 
 REGISTRATION_SECONDS = 10.0
 
 
-class _Comm:
-    """A registered communicator: its handle in the engine, the slots its reductions were
-    granted, its ranks' connections."""
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """What one aggregator takes (overcast switch --max-world, --max-communicators,
+    --pool-bytes): the largest world, communicators per job, and the bytes every registered
+    communicator's reduction pools may reach together at their largest."""
 
-    def __init__(self, handle: int, world: int, slots: int):
-        self.handle, self.world, self.slots = handle, world, slots
+    max_world: int = 4096
+    max_communicators: int = 256
+    pool_bytes: int = 1 << 30
+
+
+class Refusal(Exception):
+    """A registration the aggregator does not take: its reason, and words for the rank."""
+
+    def __init__(self, reason: Refused, words: str):
+        super().__init__(words)
+        self.reason = reason
+
+
+class _Comm:
+    """A registered communicator: its handle in the engine, its world and widest row, the slots
+    its reductions were granted, the pool bytes set aside for them, its ranks' connections."""
+
+    def __init__(self, job: int, wire_id: int, handle: int, world: int, max_row: int,
+                 slots: int):
+        self.job, self.wire_id, self.handle = job, wire_id, handle
+        self.world, self.max_row, self.slots = world, max_row, slots
+        self.pool_bytes = MAX_REDUCTIONS * slots * world * max_row
         self.conns: set[socket.socket] = set()
 
 
@@ -50,20 +81,24 @@ class _Registration:
     def __init__(self, sock: socket.socket, due: float):
         self.sock = sock
         self.buf = bytearray()
-        self.comm_key: tuple[int, int] | None = None
         self.nonce = secrets.token_bytes(NONCE_BYTES)
         self.due = due  # until when it may take to register
+        self.comm_key: tuple[int, bytes] | None = None  # (job, salt) once registered
 
 
 class SwitchService:
     def __init__(self, host: str, port: int, job_secrets: list[bytes], slots: int = 256,
-                 lifeline: int | None = None):
+                 lifeline: int | None = None, limits: Limits = Limits(),
+                 expiry: float | None = None):
         check_port(port)
         self.lifeline = lifeline  # a pipe whose closing (its writer gone) stops the service
+        self.limits = limits
         self.secrets = {job_id_of(s): s for s in job_secrets}
         self.drops = Drops()  # the registrations'; the data path counts its own
-        self.aggregator = Aggregator(slots)
-        self.comms: dict[tuple[int, int], _Comm] = {}
+        self.aggregator = Aggregator(slots, expiry)
+        self.comms: dict[tuple[int, bytes], _Comm] = {}  # by job and salt
+        self.wire_ids: set[tuple[int, int]] = set()  # (job, id on the wire) of those
+        self.reserved_pool_bytes = 0
         self.listener = socket.create_server((host, port), backlog=256)
         self.listener.setblocking(False)
         self.port = self.listener.getsockname()[1]
@@ -130,9 +165,9 @@ class SwitchService:
         if secret is None or hdr.kind != Kind.HELLO or hdr.length != HELLO.size:
             self.drops["foreign"] += 1
             return False
-        salt, world, udp_port, ip, hears_group, nonce, theirs = HELLO.unpack_from(frame,
-                                                                                  HEADER_BYTES)
-        if hdr.comm != int.from_bytes(salt[:4], "little") or not 0 <= hdr.src < world:
+        salt, world, udp_port, hears_group, max_row, nonce, theirs = HELLO.unpack_from(
+            frame, HEADER_BYTES)
+        if hdr.comm != int.from_bytes(salt[:4], "little"):
             self.drops["foreign"] += 1
             return False
         key = derive_key(secret, salt, b"comm")
@@ -142,28 +177,86 @@ class SwitchService:
         if nonce != reg.nonce:  # an authentic HELLO, from another connection: replayed
             self.drops["replayed"] += 1
             return False
-        comm_key = (hdr.job, hdr.comm)
-        comm = self.comms.get(comm_key)
+        try:
+            comm = self._admit(hdr.job, salt, hdr.src, world, max_row, key)
+        except Refusal as refusal:
+            self.drops[f"refused_{refusal.reason.name.lower()}"] += 1
+            self._say(reg, pack_refusal(derive_key(secret, salt, REFUSAL_LABEL), theirs,
+                                        refusal.reason, str(refusal)))
+            return False
+        try:  # results go where the registration came from, not where a HELLO says
+            ip = socket.inet_aton(reg.sock.getpeername()[0])
+        except OSError:
+            return False
         engine = self.aggregator.engine
-        if comm is None or comm.world != world:
-            # A window no deeper than the receive buffer holds for all ranks at once: a slow
-            # aggregator then slows the senders (they wait for credit) instead of losing
-            # datagrams. Nonces must never repeat under a key, even across restarts of this
-            # service: its counter starts at the clock in nanoseconds.
-            slots = self.aggregator.register(comm_key, world,
-                                             self.receive_buffer // (world * DATAGRAM_TRUESIZE),
-                                             ids=comm_key, secret_key=key,
-                                             counter=time.time_ns())
-            comm = self.comms[comm_key] = _Comm(self.aggregator.handle(comm_key), world, slots)
-            group, port = multicast_group(hdr.comm)
-            engine.set_group(comm.handle, socket.inet_aton(group), port)
         engine.set_address(comm.handle, hdr.src, ip, udp_port, bool(hears_group))
         comm.conns.add(reg.sock)
-        reg.comm_key = comm_key
+        reg.comm_key = (hdr.job, salt)
         self.unregistered.discard(reg)
-        try:  # a few bytes into a socket it has only read from: it blocks only if broken
-            reg.sock.sendall(engine.seal(comm.handle, Kind.HELLO, 0, hdr.src, 0,
-                                         WELCOME.pack(comm.slots, self.port, theirs)))
+        return self._say(reg, engine.seal(comm.handle, Kind.HELLO, 0, hdr.src, 0,
+                                          WELCOME.pack(comm.slots, self.port, theirs)))
+
+    def _admit(self, job: int, salt: bytes, src: int, world: int, max_row: int,
+               key: bytes) -> _Comm:
+        """The registered communicator of this salt, or a new one within the limits."""
+        if not src < world:
+            raise Refusal(Refused.WORLD, f"rank {src} of a world of {world}")
+        comm = self.comms.get((job, salt))
+        if comm is not None:
+            if (comm.world, comm.max_row) != (world, max_row):
+                raise Refusal(Refused.INCONSISTENT,
+                              f"this communicator is registered with a world of {comm.world} "
+                              f"and rows of {comm.max_row} bytes, not {world} and {max_row}")
+            return comm
+        wire_id = int.from_bytes(salt[:4], "little")
+        limits = self.limits
+        if not 2 <= world <= limits.max_world:
+            raise Refusal(Refused.WORLD, f"a world of {world} ranks; this aggregator takes 2 "
+                                         f"to {limits.max_world} (--max-world)")
+        if not 0 < max_row <= MAX_DATAGRAM:
+            raise Refusal(Refused.INCONSISTENT, f"rows of {max_row} bytes; a datagram carries "
+                                                f"1 to {MAX_DATAGRAM}")
+        if (job, wire_id) in self.wire_ids:
+            raise Refusal(Refused.IDENTITY, "another communicator of this job has the same id "
+                                            "on the wire (its salt's first 4 bytes)")
+        if sum(c.job == job for c in self.comms.values()) >= limits.max_communicators:
+            raise Refusal(Refused.COMMUNICATORS,
+                          f"the job holds {limits.max_communicators} communicators here "
+                          f"already (--max-communicators)")
+        # A window no deeper than the receive buffer holds for all ranks at once: a slow
+        # aggregator then slows the senders (they wait for credit) instead of losing datagrams.
+        slots = min(self.aggregator.slots, self.receive_buffer // (world * DATAGRAM_TRUESIZE))
+        if slots < 1:
+            raise Refusal(Refused.BUFFER, f"the receive buffer ({self.receive_buffer} bytes) "
+                                          f"holds less than one datagram per rank of {world}")
+        per_slot = MAX_REDUCTIONS * world * max_row
+        left = limits.pool_bytes - self.reserved_pool_bytes
+        slots = min(slots, left // per_slot)
+        if slots < 1:
+            raise Refusal(Refused.POOL, f"its reductions need {per_slot} bytes of pool per slot; "
+                                        f"{max(left, 0)} of the aggregator's {limits.pool_bytes} "
+                                        f"are left (--pool-bytes)")
+        # A fresh random start for the aggregator's counter under this key: never the clock,
+        # which can step back, and never a start an earlier run of this service may have used.
+        counter = secrets.randbits(62)
+        try:
+            granted = self.aggregator.register((job, salt), world, slots, ids=(job, wire_id),
+                                               secret_key=key, counter=counter, max_row=max_row)
+        except (ValueError, MemoryError) as err:
+            raise Refusal(Refused.MEMORY, f"the aggregator could not take it: {err}") from None
+        comm = self.comms[(job, salt)] = _Comm(job, wire_id, self.aggregator.handle((job, salt)),
+                                               world, max_row, granted)
+        self.wire_ids.add((job, wire_id))
+        self.reserved_pool_bytes += comm.pool_bytes
+        group, port = multicast_group(wire_id)
+        self.aggregator.engine.set_group(comm.handle, socket.inet_aton(group), port)
+        return comm
+
+    @staticmethod
+    def _say(reg: _Registration, data: bytes) -> bool:
+        """A few bytes into a socket it has only read from: it blocks only if broken."""
+        try:
+            reg.sock.sendall(data)
         except OSError:
             return False
         return True
@@ -177,6 +270,8 @@ class SwitchService:
             comm.conns.discard(reg.sock)
             if not comm.conns:  # every rank has gone: forget the communicator
                 del self.comms[reg.comm_key]
+                self.wire_ids.discard((comm.job, comm.wire_id))
+                self.reserved_pool_bytes -= comm.pool_bytes
                 self.aggregator.unregister(reg.comm_key)
 
     # -- the loop --------------------------------------------------------------------------
@@ -225,12 +320,15 @@ class SwitchService:
                 "datagrams_in": io["datagrams_in"], "datagrams_out": io["datagrams_out"],
                 "reads": io["reads"], "sends": io["sends"], "wakeups": io["wakeups"],
                 "gro": bool(io["gro"]), "gso": bool(io["gso"]),
-                "communicators": len(self.comms)}
+                "communicators": len(self.comms),
+                "reserved_pool_bytes": self.reserved_pool_bytes,
+                "pool_budget_bytes": self.limits.pool_bytes}
 
 
 def run(host: str, port: int, job_secrets: list[bytes], slots: int, stats_path: str | None,
-        ready=print, lifeline: int | None = None) -> None:
-    service = SwitchService(host, port, job_secrets, slots, lifeline)
+        ready=print, lifeline: int | None = None, limits: Limits = Limits(),
+        expiry: float | None = None) -> None:
+    service = SwitchService(host, port, job_secrets, slots, lifeline, limits, expiry)
     signal.signal(signal.SIGTERM, service.stop)
     signal.signal(signal.SIGINT, service.stop)
     ready(f"overcast switch listening on {host}:{service.port} (tcp and udp), "

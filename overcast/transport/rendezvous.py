@@ -23,15 +23,17 @@ import socket
 import time
 from dataclasses import dataclass
 
-from overcast.transport.datagram import (multicast_group, open_multicast, path_mtu,
-                                         prepare_sender)
+from overcast.transport.datagram import (chunk_bytes, multicast_group, open_multicast,
+                                         path_mtu, prepare_sender)
 from overcast.transport.store import StoreClient, StoreError, StoreServer, connect_until
 from overcast.wire.auth import Drops, Opener, ReplayWindow, Sealer, derive_key, frame_length, \
     job_id_of
 from overcast.wire.header import (AGGREGATOR, ANY, HEADER_BYTES, TAG_BYTES, Kind, MalformedError,
                                   unpack_header)
+from overcast.wire.messages import CONTRIB_PREFIX
 from overcast.wire.registration import (ANSWER, CHALLENGE, DEFAULT_SWITCH_PORT, HELLO,
-                                        NONCE_BYTES, SWITCH_CHALLENGE, SWITCH_MAGIC, WELCOME)
+                                        NONCE_BYTES, REFUSAL, REFUSAL_LABEL, REFUSAL_MAGIC,
+                                        SWITCH_CHALLENGE, SWITCH_MAGIC, WELCOME, open_refusal)
 
 # How long an accepted connection has to answer the challenge.
 HANDSHAKE_SECONDS = 5.0
@@ -348,13 +350,15 @@ def rendezvous(rank: int, world: int, *, name: str = "default", store=None,
                   sealer, opener, key, job, comm, drops, mtu, group, multicast, multicast_error)
     switch = switch if switch is not None else os.environ.get("OVERCAST_SWITCH")
     if switch:
-        register_with_switch(links, switch, salt, min(timeout, 5.0))
+        register_with_switch(links, switch, secret, salt, min(timeout, 5.0))
     return links
 
 
-def register_with_switch(links: Links, spec: str, salt: bytes, timeout: float) -> None:
-    """Register this rank with the aggregator at `spec` (host[:port]); on failure, say why in
-    links.switch_error (only in-network collectives need it)."""
+def register_with_switch(links: Links, spec: str, secret: bytes, salt: bytes,
+                         timeout: float) -> None:
+    """Register this rank with the aggregator at `spec` (host[:port]); on failure, or when the
+    aggregator refuses the communicator (its reason), say why in links.switch_error (only
+    in-network collectives need it)."""
     host, _, port = spec.partition(":")
     port = int(port) if port else DEFAULT_SWITCH_PORT
     try:
@@ -369,12 +373,23 @@ def register_with_switch(links: Links, spec: str, salt: bytes, timeout: float) -
         if magic != SWITCH_MAGIC:
             raise ConnectionError("it did not greet as an overcast aggregator")
         mine = secrets.token_bytes(NONCE_BYTES)
+        widest = chunk_bytes(links.mtu) - CONTRIB_PREFIX.size
         hello = HELLO.pack(salt, links.world, links.udp.getsockname()[1],
-                           socket.inet_aton(links.address), links.multicast is not None,
-                           challenge, mine)
+                           links.multicast is not None, widest, challenge, mine)
         sock.sendall(links.sealer.seal(Kind.HELLO, 0, AGGREGATOR, 0, hello))
-        welcome = _open_hello(_read_frame(sock, deadline), links.opener, ReplayWindow(0),
-                              AGGREGATOR, WELCOME.size)
+        start = _read_exact(sock, len(REFUSAL_MAGIC), deadline)
+        if start == REFUSAL_MAGIC:
+            refusal = open_refusal(derive_key(secret, salt, REFUSAL_LABEL), mine,
+                                   start + _read_exact(sock, REFUSAL.size - len(start), deadline))
+            if refusal is None:
+                raise ConnectionError("its refusal did not authenticate")
+            sock.close()
+            links.switch_error = (f"the aggregator at {host}:{port} refused this communicator: "
+                                  f"{refusal[1]}")
+            return
+        head = start + _read_exact(sock, HEADER_BYTES - len(start), deadline)
+        frame = head + _read_exact(sock, frame_length(head) - HEADER_BYTES, deadline)
+        welcome = _open_hello(frame, links.opener, ReplayWindow(0), AGGREGATOR, WELCOME.size)
         if welcome is None or WELCOME.unpack(welcome)[2] != mine:
             raise ConnectionError("its answer did not authenticate (another job's aggregator?)")
         slots, udp_port, _ = WELCOME.unpack(welcome)

@@ -6,6 +6,9 @@ HELLO that carries it back under the communicator key's MAC, so a HELLO captured
 is worth nothing in another.
 """
 
+import enum
+import hashlib
+import hmac
 import struct
 
 DEFAULT_SWITCH_PORT = 18515
@@ -19,10 +22,58 @@ ANSWER = struct.Struct(f"<{NONCE_BYTES}s{NONCE_BYTES}s")
 # magic and a nonce.
 SWITCH_CHALLENGE = struct.Struct(f"<4s{NONCE_BYTES}s")
 SWITCH_MAGIC = b"OCCH"
-# HELLO from a rank: the communicator's salt, world size, the rank's datagram port and IPv4
-# address, whether it receives the communicator's multicast group, the aggregator's nonce, and
-# the rank's own. Sealed under the communicator key, which the aggregator derives from the job
-# secret and this salt.
-HELLO = struct.Struct(f"<16sHH4sB{NONCE_BYTES}s{NONCE_BYTES}s")
+# HELLO from a rank: the communicator's salt, world size, the rank's datagram port, whether it
+# receives the communicator's multicast group, the widest contribution it sends (bytes after
+# the contribution's prefix), the aggregator's nonce, and the rank's own. Sealed under the
+# communicator key, which the aggregator derives from the job secret and this salt. Results go
+# to the address the registration's connection came from.
+HELLO = struct.Struct(f"<16sHHBI{NONCE_BYTES}s{NONCE_BYTES}s")
 # HELLO back from the aggregator: slots per reduction, its datagram port, the rank's nonce.
 WELCOME = struct.Struct(f"<IH{NONCE_BYTES}s")
+# The aggregator's refusal of a registration, instead of the WELCOME: the magic (not a header's:
+# its version byte differs), the rank's nonce, the reason's code and words, and an HMAC-SHA256 of
+# all that under a key derived from the job secret and the salt for refusals alone. A refusal
+# spends no counter of the communicator key, which may yet be registered.
+REFUSAL_MAGIC = b"OCNO"
+REASON_BYTES = 200
+REFUSAL = struct.Struct(f"<4s{NONCE_BYTES}sH{REASON_BYTES}s32s")
+REFUSAL_LABEL = b"refusal"
+
+
+class Refused(enum.IntEnum):
+    """Why an aggregator refuses a registration."""
+
+    WORLD = 1          # a world outside 2..its largest
+    COMMUNICATORS = 2  # the job holds as many communicators as it may
+    POOL = 3           # its reductions' pools would pass the aggregator's budget
+    BUFFER = 4         # the receive buffer holds less than one datagram per rank
+    IDENTITY = 5       # another communicator of the job has its id on the wire
+    INCONSISTENT = 6   # the communicator is registered with another world or row width
+    MEMORY = 7         # the aggregator ran out of memory
+
+
+def _refusal_tag(key: bytes, body: bytes) -> bytes:
+    return hmac.new(key, body, hashlib.sha256).digest()
+
+
+def pack_refusal(key: bytes, nonce: bytes, reason: Refused, words: str) -> bytes:
+    """A refusal for the rank whose nonce is `nonce`, under the refusal key `key`."""
+    text = words.encode()[:REASON_BYTES]
+    body = REFUSAL.pack(REFUSAL_MAGIC, nonce, reason, text, b"")[:-32]
+    return body + _refusal_tag(key, body)
+
+
+def open_refusal(key: bytes, nonce: bytes, data: bytes) -> tuple[Refused | int, str] | None:
+    """(reason, words) of an authentic refusal to the registration whose nonce is `nonce`, or
+    None."""
+    if len(data) != REFUSAL.size:
+        return None
+    magic, theirs, code, text, tag = REFUSAL.unpack(data)
+    if magic != REFUSAL_MAGIC or theirs != nonce or \
+            not hmac.compare_digest(tag, _refusal_tag(key, data[:-32])):
+        return None
+    try:
+        reason = Refused(code)
+    except ValueError:
+        reason = code
+    return reason, text.rstrip(b"\0").decode(errors="replace")
