@@ -31,8 +31,8 @@ FUZZ_RUNS = {"fuzz_datagrams": 300_000, "fuzz_aggregator": 60_000, "fuzz_plane":
              "fuzz_stream": 100_000}
 
 
-def build(out: pathlib.Path, *sources: pathlib.Path) -> pathlib.Path:
-    cmd = ["gcc", "-std=c11", "-g", "-O1", "-Wall", "-Wextra", "-Werror", *SANITIZE,
+def build(out: pathlib.Path, *sources: pathlib.Path, sanitize=SANITIZE) -> pathlib.Path:
+    cmd = ["gcc", "-std=c11", "-g", "-O1", "-Wall", "-Wextra", "-Werror", *sanitize,
            f"-I{NATIVE}", *map(str, sources), *(str(NATIVE / f"{p}.c") for p in PARTS),
            "-lcrypto", "-lm", "-o", str(out)]
     subprocess.run(cmd, check=True, capture_output=True, text=True)
@@ -54,6 +54,17 @@ def test_the_cores_unit_tests_pass_under_the_sanitizers(programs):
     assert run.returncode == 0, run.stdout + run.stderr
     assert run.stdout.strip().endswith(" passed, 0 failed"), run.stdout
     assert "ERROR" not in run.stderr and "runtime error" not in run.stderr, run.stderr
+
+
+def test_planes_and_aggregators_of_several_threads_pass_under_threadsanitizer(tmp_path):
+    """What two communicators of one process are: rank planes, an aggregator's loop, ports and
+    sealers, each on a thread of its own, all at once."""
+    program = build(tmp_path / "test_core_tsan", ROOT / "tests" / "native" / "test_core.c",
+                    sanitize=["-fsanitize=thread"])
+    run = subprocess.run([program, "threads"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr[-3000:]
+    assert run.stdout.strip().endswith(" passed, 0 failed"), run.stdout
+    assert "ThreadSanitizer" not in run.stderr, run.stderr[-3000:]
 
 
 @pytest.mark.parametrize("target", list(FUZZ_RUNS))
@@ -362,3 +373,43 @@ def test_a_contribution_that_cannot_be_taken_holds_nothing(case):
               "beyond the window": "beyond_window", "wider than registered": "wrong_length"}
     assert dict(engine.counters()[0])[reason[case]] == 1
     assert engine.reductions(handle) == [] and engine.memory() == (0, 0, 0)
+
+
+def test_a_budget_paces_one_planes_collectives():
+    """A plane changes its budget without the GIL while it serves: a second plane's collective
+    on the same budget is refused while the first's hold it."""
+    budget = _core.Budget(1e6)
+    first, second = (_core.Plane(0, 2, JOB, COMM, KEY) for _ in range(2))
+    code = dtype_code(np.dtype(np.float32))
+    first.reduce(0, code, False, 8, np.zeros(16, np.float32), np.zeros(8, np.float32), 64, 4, 1,
+                 budget, 0.0)
+    with pytest.raises(ValueError, match="another plane"):
+        second.reduce(0, code, False, 8, np.zeros(16, np.float32), np.zeros(8, np.float32), 64,
+                      4, 1, budget, 0.0)
+    second.reduce(0, code, False, 8, np.zeros(16, np.float32), np.zeros(8, np.float32), 64, 4,
+                  1, _core.Budget(1e6), 0.0)
+
+
+def test_a_plane_detached_while_its_messages_are_read_sends_nothing():
+    """A message's attributes run Python code, which may detach the plane: its port is gone, and
+    the send must not use it."""
+    plane = _core.Plane(0, 2, JOB, COMM, KEY, Sealer(KEY, JOB, COMM, 0).native)
+    udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    udp.bind(("127.0.0.1", 0))
+    wake, other = socket.socketpair()
+    try:
+        plane.attach(udp.fileno(), -1, wake.fileno())
+        plane.set_address(_core.ROUTE_RANK, 1, "127.0.0.1", udp.getsockname()[1])
+
+        class Detaching:
+            kind, seq, dst, chunk = Kind.FIN, 0, 1, 0
+
+            @property
+            def payload(self):
+                plane.detach()
+                return b"x"
+        with pytest.raises(RuntimeError, match="detached"):
+            plane.send(_core.ROUTE_RANK, [Detaching()])
+    finally:
+        for s in (udp, wake, other):
+            s.close()

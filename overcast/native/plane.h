@@ -33,7 +33,8 @@
 
 /* Counters, by the names overcast's reports use. */
 #define OC_PLANE_DROPS(X) X(malformed) X(foreign) X(bad_mac) X(replayed) X(truncated)       \
-    X(wrong_sender) X(misdirected) X(out_of_range) X(wrong_length) X(send_error) X(unsealable)
+    X(wrong_sender) X(misdirected) X(out_of_range) X(wrong_length) X(send_error) X(unsealable) \
+    X(send_buffer_full)
 #define OC_PLANE_STATS(X) X(injected_losses) X(datagram_sends) X(datagram_bytes_out)
 #define OC_PLANE_ENUM_DROP(name) OC_PLANE_DROP_##name,
 #define OC_PLANE_ENUM_STAT(name) OC_PLANE_STAT_##name,

@@ -353,7 +353,21 @@ typedef struct {
     PyObject_HEAD
     oc_budget b;
     int ready; /* gathers and reductions count themselves in it: it is set up once */
+    /* The plane whose collectives pace with it (holds: how many), which changes it without the
+     * GIL while it serves: no other plane may take it meanwhile, nor Python touch it. */
+    const void *owner;
+    const int *owner_serving;
+    size_t holds;
 } Budget;
+
+static int budget_lent(Budget *self) {
+    if (self->owner_serving && *self->owner_serving) {
+        PyErr_SetString(PyExc_RuntimeError, "the budget is in use by a plane serving on another "
+                                            "thread");
+        return 1;
+    }
+    return 0;
+}
 
 static int Budget_init(Budget *self, PyObject *args, PyObject *kw) {
     static char *names[] = {"rate", "burst_seconds", "batch", "datagram_bytes", "reduction_batch",
@@ -374,24 +388,25 @@ static int Budget_init(Budget *self, PyObject *args, PyObject *kw) {
 
 static PyObject *Budget_take(Budget *self, PyObject *args) {
     double n, now;
-    if (!PyArg_ParseTuple(args, "dd", &n, &now)) return NULL;
+    if (budget_lent(self) || !PyArg_ParseTuple(args, "dd", &n, &now)) return NULL;
     oc_budget_take(&self->b, n, now);
     Py_RETURN_NONE;
 }
 
 static PyObject *Budget_try_take(Budget *self, PyObject *args) {
     double n, now;
-    if (!PyArg_ParseTuple(args, "dd", &n, &now)) return NULL;
+    if (budget_lent(self) || !PyArg_ParseTuple(args, "dd", &n, &now)) return NULL;
     return PyBool_FromLong(oc_budget_try_take(&self->b, n, now));
 }
 
 static PyObject *Budget_ready_at(Budget *self, PyObject *args) {
     double n, now;
-    if (!PyArg_ParseTuple(args, "dd", &n, &now)) return NULL;
+    if (budget_lent(self) || !PyArg_ParseTuple(args, "dd", &n, &now)) return NULL;
     return PyFloat_FromDouble(oc_budget_ready_at(&self->b, n, now));
 }
 
 static PyObject *Budget_get(Budget *self, void *which) {
+    if (budget_lent(self)) return NULL;
     switch ((intptr_t)which) {
     case 0: return PyFloat_FromDouble(self->b.rate);
     case 1: return PyLong_FromUnsignedLong(self->b.batch);
@@ -534,9 +549,27 @@ static int Plane_init(Plane *self, PyObject *args, PyObject *kw) {
     return 0;
 }
 
+/* A collective of `plane` paces with `budget`: 0, or -1 with an error if another plane's do. */
+static int hold_budget(Plane *plane, PyObject *budget) {
+    Budget *b = (Budget *)budget;
+    if (b->holds && b->owner != plane) {
+        PyErr_SetString(PyExc_ValueError, "the budget paces another plane's collectives: two "
+                                          "planes serving at once would change it together");
+        return -1;
+    }
+    b->owner = plane;
+    b->owner_serving = &plane->serving;
+    b->holds++;
+    return 0;
+}
+
 static void release_held(held_t *h) {
     PyBuffer_Release(&h->input);
     PyBuffer_Release(&h->output);
+    if (h->budget) {
+        Budget *b = (Budget *)h->budget;
+        if (--b->holds == 0) b->owner = b->owner_serving = NULL;
+    }
     Py_CLEAR(h->budget);
 }
 
@@ -762,8 +795,13 @@ static PyObject *Plane_reduce(Plane *self, PyObject *args) {
         self->held = h;
         self->held_cap = cap;
     }
-    held_t h = {seq, {0}, {0}, NULL};
-    if (PyObject_GetBuffer(in, &h.input, PyBUF_C_CONTIGUOUS)) return NULL;
+    if (hold_budget(self, budget)) return NULL;
+    held_t h = {seq, {0}, {0}, budget};
+    Py_INCREF(budget);
+    if (PyObject_GetBuffer(in, &h.input, PyBUF_C_CONTIGUOUS)) {
+        release_held(&h);
+        return NULL;
+    }
     if (PyObject_GetBuffer(out, &h.output, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE)) {
         PyBuffer_Release(&h.input);
         return NULL;
@@ -785,8 +823,6 @@ static PyObject *Plane_reduce(Plane *self, PyObject *args) {
         return PyErr_Format(PyExc_ValueError, "cannot post reduction #%u (posted already, or a "
                             "shape it cannot take)", seq);
     }
-    Py_INCREF(budget);
-    h.budget = budget;
     self->held[self->nheld++] = h;
     Py_RETURN_NONE;
 }
@@ -914,6 +950,10 @@ static PyObject *Plane_send(Plane *self, PyObject *args) {
         Py_XDECREF(payload);
     }
     if (ok && !usable(self)) ok = 0; /* an attribute's code served or freed it meanwhile */
+    if (ok && !self->attached) { /* ...or detached it: its port is gone */
+        PyErr_SetString(PyExc_RuntimeError, "the plane was detached while its messages were read");
+        ok = 0;
+    }
     if (ok) {
         oc_outbox *o = oc_plane_outbox(self->plane);
         size_t queued = o->n;
@@ -958,10 +998,15 @@ static PyObject *Plane_gather(Plane *self, PyObject *args) {
         return NULL;
     PyObject *seqf = PySequence_Tuple(segments); /* a list changed meanwhile cannot move it */
     if (seqf == NULL) return NULL;
+    if (hold_budget(self, budget)) {
+        Py_DECREF(seqf);
+        return NULL;
+    }
     Py_ssize_t n = PyTuple_GET_SIZE(seqf);
     uint32_t *roots = PyMem_Malloc((size_t)(n ? n : 1) * sizeof *roots);
     uint64_t *offsets = PyMem_Malloc((size_t)(n ? n : 1) * sizeof *offsets);
-    held_t h = {seq, {0}, {0}, NULL};
+    held_t h = {seq, {0}, {0}, budget};
+    Py_INCREF(budget);
     int ok = roots && offsets && n > 0 && self->nheld < ((size_t)1 << 20);
     for (Py_ssize_t i = 0; ok && i < n; i++)
         ok = PyArg_ParseTuple(PyTuple_GET_ITEM(seqf, i), "O&O&", oc_arg_u32, &roots[i], oc_arg_u64,
@@ -1002,8 +1047,6 @@ static PyObject *Plane_gather(Plane *self, PyObject *args) {
         if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "bad gather");
         return NULL;
     }
-    Py_INCREF(budget);
-    h.budget = budget;
     self->held[self->nheld++] = h;
     Py_RETURN_NONE;
 }

@@ -61,6 +61,12 @@ void oc_port_free(oc_port *port) {
 
 static void keep(oc_port *port, uint8_t route, uint16_t dst, const uint8_t *data, size_t len,
                  size_t segment) {
+    if (port->pending_bytes + len > OC_PORT_PENDING_BYTES) {
+        /* a socket that has stayed full this long: what does not fit is lost, as on a link */
+        oc_plane_drops_mut(port->plane)[OC_PLANE_DROP_send_buffer_full] +=
+            (len + segment - 1) / segment;
+        return;
+    }
     if (port->npending == port->pending_cap) {
         size_t cap = port->pending_cap ? 2 * port->pending_cap : 16;
         oc_pending *q = realloc(port->pending, cap * sizeof *q);
@@ -88,16 +94,13 @@ static int send_batch(oc_port *port, uint8_t route, uint16_t dst, const uint8_t 
         drops[OC_PLANE_DROP_send_error]++;
         return 0;
     }
-    uint64_t sends = port->udp.sends;
-    ssize_t n = oc_udp_send(&port->udp, data, len, segment, to);
+    uint64_t sends = port->udp.sends, errors = port->udp.send_errors, out = port->udp.bytes_out;
+    size_t n = (size_t)oc_udp_send(&port->udp, data, len, segment, to);
     stats[OC_PLANE_STAT_datagram_sends] += port->udp.sends - sends;
-    if (n < 0) {
-        drops[OC_PLANE_DROP_send_error]++;
-        return 0;
-    }
-    stats[OC_PLANE_STAT_datagram_bytes_out] += (uint64_t)n;
-    *sent = (size_t)n;
-    return (size_t)n < len;
+    drops[OC_PLANE_DROP_send_error] += port->udp.send_errors - errors;
+    stats[OC_PLANE_STAT_datagram_bytes_out] += port->udp.bytes_out - out;
+    *sent = n;
+    return n < len;
 }
 
 static void emit(void *ctx, uint8_t route, uint16_t dst, const uint8_t *data, size_t len,

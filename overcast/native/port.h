@@ -13,6 +13,9 @@
 #include "plane.h"
 #include "udp.h"
 
+/* The most sealed bytes kept for a full socket; past it, batches are dropped and counted. */
+#define OC_PORT_PENDING_BYTES ((size_t)64 << 20)
+
 enum { OC_PORT_PYTHON = 0, OC_PORT_RUNS = 1, OC_PORT_NEWS = 2, OC_PORT_DEADLINE = 3,
        OC_PORT_INTERRUPTED = 4, OC_PORT_ERROR = 5 };
 

@@ -40,11 +40,11 @@ typedef struct {
  * switch port would: the ranks ask again. */
 static void send_to(void *ctx, const struct sockaddr_in *address) {
     sender *s = ctx;
-    uint64_t *drops = oc_agg_drops_mut(s->agg);
-    ssize_t sent = oc_udp_send(s->udp, s->data, s->len, s->segment, address);
-    if (sent < 0) drops[OC_DROP_send_error]++;
-    else if ((size_t)sent < s->len)
-        drops[OC_DROP_send_buffer_full] += (s->len - (size_t)sent + s->segment - 1) / s->segment;
+    uint64_t *drops = oc_agg_drops_mut(s->agg), errors = s->udp->send_errors;
+    size_t sent = (size_t)oc_udp_send(s->udp, s->data, s->len, s->segment, address);
+    drops[OC_DROP_send_error] += s->udp->send_errors - errors;
+    if (sent < s->len)
+        drops[OC_DROP_send_buffer_full] += (s->len - sent + s->segment - 1) / s->segment;
 }
 
 /* Send a sealed batch to every address of its destination. */

@@ -46,8 +46,10 @@ uint16_t oc_float_to_half(float f) {
     return (uint16_t)(sign | q);
 }
 
-/* Each plain loop below vectorizes; built for AVX2 and the baseline, picked at load. */
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(OC_NO_CLONES)
+/* Each plain loop below vectorizes; built for AVX2 and the baseline, picked at load (not under
+ * ThreadSanitizer, whose runtime is not up yet when the loader runs the pickers). */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(OC_NO_CLONES) && \
+    !defined(__SANITIZE_THREAD__)
 #define CLONES __attribute__((target_clones("avx2", "default")))
 #else
 #define CLONES

@@ -76,6 +76,12 @@ static void count_out(oc_udp *u, size_t bytes, size_t segment) {
     u->bytes_out += bytes;
 }
 
+/* The datagrams from `sent` on are lost to an error: counted, and dealt with. */
+static ssize_t lost(oc_udp *u, size_t len, size_t segment, size_t sent) {
+    u->send_errors += (len - sent + segment - 1) / segment;
+    return (ssize_t)len;
+}
+
 ssize_t oc_udp_send(oc_udp *u, const uint8_t *data, size_t len, size_t segment,
                     const struct sockaddr_in *to) {
     size_t sent = 0;
@@ -103,10 +109,10 @@ ssize_t oc_udp_send(oc_udp *u, const uint8_t *data, size_t len, size_t segment,
             return n;
         }
         if (errno == EAGAIN || errno == EWOULDBLOCK) return 0;
-        if (errno != EIO && errno != EINVAL && errno != EOPNOTSUPP && errno != ENOPROTOOPT &&
-            errno != EMSGSIZE)
-            return -1;
-        u->gso = 0; /* the kernel or device will not segment: one by one from now on */
+        if (errno == EIO || errno == EINVAL || errno == EOPNOTSUPP || errno == ENOPROTOOPT)
+            u->gso = 0; /* the kernel or device will not segment: one by one from now on */
+        else if (errno != EMSGSIZE) /* this batch was too large, not the device: one by one */
+            return lost(u, len, segment, 0);
     }
     while (sent < len) {
         size_t n = len - sent < segment ? len - sent : segment;
@@ -115,7 +121,7 @@ ssize_t oc_udp_send(oc_udp *u, const uint8_t *data, size_t len, size_t segment,
                              sizeof *to);
         if (got < 0) {
             if (errno == EAGAIN || errno == EWOULDBLOCK) break;
-            return sent ? (ssize_t)sent : -1;
+            return lost(u, len, segment, sent);
         }
         count_out(u, (size_t)got, segment);
         sent += n;

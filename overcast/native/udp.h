@@ -26,6 +26,7 @@ typedef struct {
     int gro, gso;
     uint8_t *buf;   /* owned, OC_GRO_READ_BYTES */
     uint64_t reads, sends, datagrams_in, datagrams_out, bytes_in, bytes_out, truncated;
+    uint64_t send_errors;   /* datagrams lost to an error of the socket (not a full one) */
 } oc_udp;
 
 int oc_udp_init(oc_udp *u, int fd);
@@ -38,7 +39,10 @@ void oc_udp_free(oc_udp *u);
 enum { OC_UDP_WHOLE, OC_UDP_TRUNCATED, OC_UDP_EMPTY };
 ssize_t oc_udp_read(oc_udp *u, size_t *segment, int *misfit);
 /* Send `len` bytes of datagrams, each `segment` bytes but the last, to `to`, until the socket is
- * full: the bytes that went (whole datagrams), or -1 with errno for an error. */
+ * full: the bytes dealt with (whole datagrams), fewer than `len` only when the socket is full.
+ * A datagram an error refuses, and those after it in the batch, are lost as on a link and
+ * counted in send_errors. A GSO send the device cannot segment turns GSO off for the socket;
+ * one the kernel finds too large (EMSGSIZE) goes one datagram at a time, GSO kept. */
 ssize_t oc_udp_send(oc_udp *u, const uint8_t *data, size_t len, size_t segment,
                     const struct sockaddr_in *to);
 

@@ -1,8 +1,10 @@
 #include "wire.h"
 
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include <openssl/err.h>
 #include <openssl/evp.h>
 
 static uint16_t get16(const uint8_t *p) { return (uint16_t)(p[0] | p[1] << 8); }
@@ -63,24 +65,33 @@ void oc_header_write(uint8_t *b, const oc_header *h) {
 
 /* Fetched once (implicit fetches by name on every init are OpenSSL 3's slow path); never freed:
  * it lives as long as the process. */
+static EVP_CIPHER *cipher;
+static void fetch_cipher(void) { cipher = EVP_CIPHER_fetch(NULL, "AES-128-GCM", NULL); }
 static EVP_CIPHER *aes_gcm(void) {
-    static EVP_CIPHER *cipher;
-    if (cipher == NULL) cipher = EVP_CIPHER_fetch(NULL, "AES-128-GCM", NULL);
+    static pthread_once_t once = PTHREAD_ONCE_INIT; /* planes of several threads may be first */
+    pthread_once(&once, fetch_cipher);
     return cipher;
+}
+
+/* An OpenSSL call failed: its errors are left on this thread's queue, where the next caller of
+ * OpenSSL (Python's ssl and hashlib too) would find them as its own. */
+static int evp_failed(void) {
+    ERR_clear_error();
+    return -1;
 }
 
 int oc_gmac_init(oc_gmac *g, const uint8_t key[OC_KEY_BYTES], int sealing) {
     EVP_CIPHER *cipher = aes_gcm();
     g->ctx = NULL;
     g->sealing = sealing;
-    if (cipher == NULL) return -1;
+    if (cipher == NULL) return evp_failed();
     EVP_CIPHER_CTX *ctx = EVP_CIPHER_CTX_new();
-    if (ctx == NULL) return -1;
+    if (ctx == NULL) return evp_failed();
     int ok = sealing ? EVP_EncryptInit_ex2(ctx, cipher, key, NULL, NULL)
                      : EVP_DecryptInit_ex2(ctx, cipher, key, NULL, NULL);
     if (ok != 1) {
         EVP_CIPHER_CTX_free(ctx);
-        return -1;
+        return evp_failed();
     }
     g->ctx = ctx;
     return 0;
@@ -111,12 +122,13 @@ static int gmac_tag_pieces(oc_gmac *g, uint16_t src, uint64_t counter, const uin
     }
     if (!g->sealing) return -1;
     nonce(iv, src, counter);
-    if (EVP_EncryptInit_ex2(ctx, NULL, NULL, iv, NULL) != 1) return -1;
+    if (EVP_EncryptInit_ex2(ctx, NULL, NULL, iv, NULL) != 1) return evp_failed();
     for (int i = 0; i < n; i++)
-        if (len[i] && EVP_EncryptUpdate(ctx, NULL, &out, data[i], (int)len[i]) != 1) return -1;
+        if (len[i] && EVP_EncryptUpdate(ctx, NULL, &out, data[i], (int)len[i]) != 1)
+            return evp_failed();
     if (EVP_EncryptFinal_ex(ctx, none, &out) != 1 ||
         EVP_CIPHER_CTX_ctrl(ctx, EVP_CTRL_GCM_GET_TAG, OC_TAG_BYTES, tag) != 1)
-        return -1;
+        return evp_failed();
     return 0;
 }
 
@@ -135,9 +147,10 @@ int oc_gmac_check(oc_gmac *g, uint16_t src, uint64_t counter, const uint8_t *dat
     nonce(iv, src, counter);
     if (EVP_DecryptInit_ex2(ctx, NULL, NULL, iv, NULL) != 1 ||
         EVP_DecryptUpdate(ctx, NULL, &n, data, (int)len) != 1 ||
-        EVP_CIPHER_CTX_ctrl(ctx, EVP_CTRL_GCM_SET_TAG, OC_TAG_BYTES, expected) != 1)
-        return 0;
-    return EVP_DecryptFinal_ex(ctx, none, &n) == 1;
+        EVP_CIPHER_CTX_ctrl(ctx, EVP_CTRL_GCM_SET_TAG, OC_TAG_BYTES, expected) != 1 ||
+        EVP_DecryptFinal_ex(ctx, none, &n) != 1)
+        return evp_failed() + 1; /* a tag that does not match: 0 */
+    return 1;
 }
 
 static int payload_fits(size_t head_len, size_t body_len) {

@@ -7,8 +7,11 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <pthread.h>
 #include <sys/socket.h>
 #include <unistd.h>
+
+#include <openssl/err.h>
 
 #include "aggregator.h"
 #include "budget.h"
@@ -20,7 +23,8 @@
 #include "udp.h"
 #include "wire.h"
 
-static int passed, failed;
+/* Checks may run on several threads at once (main's "threads"). */
+static _Atomic int passed, failed;
 #define CHECK(cond, ...)                                                                      \
     do {                                                                                      \
         if (cond) {                                                                           \
@@ -33,7 +37,7 @@ static int passed, failed;
         }                                                                                     \
     } while (0)
 
-static uint64_t rng = 88172645463325252ull;
+static _Thread_local uint64_t rng = 88172645463325252ull;
 static uint64_t next(void) {
     rng ^= rng << 13;
     rng ^= rng >> 7;
@@ -616,6 +620,23 @@ static void test_udp(void) {
           sendto(tx, batch, 7, 0, (struct sockaddr *)&to, sizeof to) == 7, "sent");
     CHECK(oc_udp_read(&r, &segment, &misfit) == -1 && misfit == OC_UDP_EMPTY, "empty: -1");
     CHECK(oc_udp_read(&r, &segment, &misfit) == 7 && misfit == OC_UDP_WHOLE, "then the next");
+    /* a batch the kernel finds too large for one send goes one datagram at a time; GSO stays on
+     * for the batches after it */
+    static uint8_t big[70 * 1000];
+    int gso = t.gso;
+    CHECK(oc_udp_send(&t, big, sizeof big, 1000, &to) == (ssize_t)sizeof big &&
+          t.gso == gso && t.send_errors == 0, "too large for GSO: one by one, GSO kept");
+    /* an error of the socket (broadcast not allowed) loses the batch, counted as errors, not
+     * as a full socket */
+    struct sockaddr_in everyone = {.sin_family = AF_INET, .sin_port = to.sin_port,
+                                   .sin_addr.s_addr = htonl(INADDR_BROADCAST)};
+    CHECK(oc_udp_send(&t, batch, sizeof batch, 1000, &everyone) == (ssize_t)sizeof batch &&
+          t.send_errors == 6, "refused: all six counted lost (%llu)",
+          (unsigned long long)t.send_errors);
+    t.gso = 0;
+    CHECK(oc_udp_send(&t, batch, sizeof batch, 1000, &everyone) == (ssize_t)sizeof batch &&
+          t.send_errors == 12, "one by one too");
+    CHECK(ERR_peek_error() == 0, "OpenSSL's error queue left empty");
     oc_udp_free(&r);
     oc_udp_free(&t);
     close(rx);
@@ -1093,7 +1114,27 @@ static void test_trace(void) {
     oc_trace_free(&t);
 }
 
-int main(void) {
+/* Tests that share nothing but the process (OpenSSL, the allocator, the kernel's sockets), each
+ * on a thread of its own, all at once: what ThreadSanitizer checks (tests/test_native.py). */
+static void *rank_planes(void *unused) { (void)unused; test_rank_planes_with_the_aggregator(0.05); return NULL; }
+static void *gathers(void *unused) { (void)unused; test_gathers(0.1); return NULL; }
+static void *aggregator(void *unused) { (void)unused; test_aggregator(); return NULL; }
+static void *port(void *unused) { (void)unused; test_port(); return NULL; }
+static void *serve(void *unused) { (void)unused; test_serve(); return NULL; }
+static void *sealing(void *unused) { (void)unused; test_seal_and_open(); test_seal_detached(); return NULL; }
+
+static int at_once(void) {
+    void *(*tests[])(void *) = {rank_planes, gathers, aggregator, port, serve, sealing};
+    enum { N = sizeof tests / sizeof tests[0] };
+    pthread_t threads[N];
+    for (int i = 0; i < N; i++) CHECK(pthread_create(&threads[i], NULL, tests[i], NULL) == 0, "thread");
+    for (int i = 0; i < N; i++) pthread_join(threads[i], NULL);
+    printf("%d passed, %d failed\n", passed, failed);
+    return failed != 0;
+}
+
+int main(int argc, char **argv) {
+    if (argc > 1 && strcmp(argv[1], "threads") == 0) return at_once();
     test_header();
     test_seal_and_open();
     test_seal_detached();
