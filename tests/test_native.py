@@ -413,3 +413,13 @@ def test_a_plane_detached_while_its_messages_are_read_sends_nothing():
     finally:
         for s in (udp, wake, other):
             s.close()
+
+
+def test_the_registration_fuzz_target_finds_nothing():
+    """HELLOs of every shape from keyed members (tests/fuzz_registration.py): nothing raised out
+    of the service, its books within its limits after every input, another job served
+    bit-exact throughout. tools/fuzz runs millions."""
+    import fuzz_registration
+    stats = fuzz_registration.run(20_000, seed=7, report_every=0)
+    assert stats["inputs"] == 20_000 and stats["served"] == 2
+    assert stats["welcomed"] > 0 and stats["registration_drops"]["refused_world"] > 0

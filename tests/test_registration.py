@@ -78,13 +78,13 @@ def test_hostile_registrations_are_refused_and_the_aggregator_serves_on(tmp_path
         held.append(member(address, 2, salt=salt))
         said["inconsistent"] = member(address, 3, salt=salt, src=1).switch_error
         # a thousand communicators held open, where the job may hold 40
-        opened = [member(address, 2, mtu=576) for _ in range(1000)]
+        opened = [member(address, 2, mtu=300) for _ in range(1000)]
         said["communicators"] = opened[-1].switch_error
         welcomed = sum(m.switch is not None for m in opened)
         for m in opened:
             if m.switch is not None:
                 m.switch.close()  # the aggregator forgets them
-        # pools: loopback's 64 KiB rows, 16 ranks: 4 MiB a slot, 64 MiB in all
+        # pools: loopback's 64 KiB rows, 16 ranks: 4 MiB a slot; the job's share is 32 MiB
         big = [member(address, 16, mtu=65536) for _ in range(3)]
         held += big
         said["pool"] = big[-1].switch_error

@@ -442,8 +442,8 @@ def parser() -> argparse.ArgumentParser:
                    help="communicators one job may register at once (default %(default)s)")
     w.add_argument("--pool-bytes", default=str(Limits.pool_bytes),
                    help="what every communicator's reductions may hold together at their "
-                        "largest, set aside when each registers (bytes; k, M, G suffixes: "
-                        "powers of 1024; default 1G)")
+                        "largest, set aside when each registers, each job an even share "
+                        "(bytes; k, M, G suffixes: powers of 1024; default 1G)")
     w.add_argument("--expiry", type=float, default=EXPIRY_SECONDS,
                    help="seconds a reduction may go without a contribution or acknowledgement "
                         "before it is given up and its memory freed (default %(default)s)")

@@ -48,7 +48,8 @@ REGISTRATION_SECONDS = 10.0
 class Limits:
     """What one aggregator takes (overcast switch --max-world, --max-communicators,
     --pool-bytes): the largest world, communicators per job, and the bytes every registered
-    communicator's reduction pools may reach together at their largest."""
+    communicator's reduction pools may reach together at their largest, each job served an
+    even share of them."""
 
     max_world: int = 4096
     max_communicators: int = 256
@@ -229,13 +230,16 @@ class SwitchService:
         if slots < 1:
             raise Refusal(Refused.BUFFER, f"the receive buffer ({self.receive_buffer} bytes) "
                                           f"holds less than one datagram per rank of {world}")
+        # Each job has an even share of the budget: one job's members cannot take another's.
+        share = limits.pool_bytes // len(self.secrets)
         per_slot = MAX_REDUCTIONS * world * max_row
-        left = limits.pool_bytes - self.reserved_pool_bytes
+        left = min(limits.pool_bytes - self.reserved_pool_bytes,
+                   share - sum(c.pool_bytes for c in self.comms.values() if c.job == job))
         slots = min(slots, left // per_slot)
         if slots < 1:
             raise Refusal(Refused.POOL, f"its reductions need {per_slot} bytes of pool per slot; "
-                                        f"{max(left, 0)} of the aggregator's {limits.pool_bytes} "
-                                        f"are left (--pool-bytes)")
+                                        f"{max(left, 0)} of the job's {share} are left "
+                                        f"(--pool-bytes, shared among the jobs served)")
         # A fresh random start for the aggregator's counter under this key: never the clock,
         # which can step back, and never a start an earlier run of this service may have used.
         counter = secrets.randbits(62)
