@@ -31,10 +31,11 @@ FUZZ_RUNS = {"fuzz_datagrams": 300_000, "fuzz_aggregator": 60_000, "fuzz_plane":
              "fuzz_stream": 100_000}
 
 
-def build(out: pathlib.Path, *sources: pathlib.Path, sanitize=SANITIZE) -> pathlib.Path:
+def build(out: pathlib.Path, *sources: pathlib.Path, sanitize=SANITIZE,
+          link=()) -> pathlib.Path:
     cmd = ["gcc", "-std=c11", "-g", "-O1", "-Wall", "-Wextra", "-Werror", *sanitize,
            f"-I{NATIVE}", *map(str, sources), *(str(NATIVE / f"{p}.c") for p in PARTS),
-           "-lcrypto", "-lm", "-o", str(out)]
+           "-lcrypto", "-lm", *link, "-o", str(out)]
     subprocess.run(cmd, check=True, capture_output=True, text=True)
     return out
 
@@ -54,6 +55,16 @@ def test_the_cores_unit_tests_pass_under_the_sanitizers(programs):
     assert run.returncode == 0, run.stdout + run.stderr
     assert run.stdout.strip().endswith(" passed, 0 failed"), run.stdout
     assert "ERROR" not in run.stderr and "runtime error" not in run.stderr, run.stderr
+
+
+def test_the_aggregator_survives_out_of_memory_at_each_allocation(tmp_path):
+    """Its whole life run once per allocation it makes, that one failing (tests/native/
+    test_oom.c): no crash, no leak, and what it could not take counted as out_of_memory."""
+    program = build(tmp_path / "test_oom", ROOT / "tests" / "native" / "test_oom.c",
+                    link=["-Wl,--wrap=malloc,--wrap=calloc,--wrap=realloc"])
+    run = subprocess.run([program], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr[-3000:]
+    assert run.stdout.strip().endswith(" failed in turn, 0 failed"), run.stdout
 
 
 def test_planes_and_aggregators_of_several_threads_pass_under_threadsanitizer(tmp_path):

@@ -591,7 +591,10 @@ static size_t owed(reduction_t *r, uint32_t rank, uint32_t sent_below, uint32_t 
 static void on_credit_probe(oc_agg *a, int h, comm_t *c, const oc_header *hdr, uint32_t sent_below) {
     reduction_t *r = find_reduction(c, hdr->seq);
     size_t n = 0;
-    if (oc_grow((void **)&a->nacked, &a->nacked_cap, c->slots, sizeof(uint32_t))) return;
+    if (oc_grow((void **)&a->nacked, &a->nacked_cap, c->slots, sizeof(uint32_t))) {
+        out_of_memory(a, 1);
+        return;
+    }
     uint32_t *list = a->nacked;
     if (r == NULL && finished_index(c, hdr->seq) < 0) {
         uint32_t upto = sent_below < c->slots ? sent_below : c->slots;
@@ -648,7 +651,10 @@ double oc_agg_timer(const oc_agg *a) {
 }
 
 static void nack(oc_agg *a, uint32_t rank, uint32_t g) {
-    if (oc_grow((void **)&a->pairs, &a->pairs_cap, a->pairs_len + 1, sizeof(uint64_t))) return;
+    if (oc_grow((void **)&a->pairs, &a->pairs_cap, a->pairs_len + 1, sizeof(uint64_t))) {
+        out_of_memory(a, 1); /* a NACK not sent: the slot asks again at the next tick */
+        return;
+    }
     a->pairs[a->pairs_len++] = (uint64_t)rank << 32 | g;
 }
 
@@ -722,7 +728,10 @@ void oc_agg_handle_timer(oc_agg *a, double now) {
                 uint32_t rank = (uint32_t)(a->pairs[p] >> 32);
                 size_t q = p;
                 while (q < a->pairs_len && (uint32_t)(a->pairs[q] >> 32) == rank) q++;
-                if (oc_grow((void **)&a->nacked, &a->nacked_cap, q - p, sizeof(uint32_t))) return;
+                if (oc_grow((void **)&a->nacked, &a->nacked_cap, q - p, sizeof(uint32_t))) {
+                    out_of_memory(a, q - p);
+                    return;
+                }
                 for (size_t m = p; m < q; m++) a->nacked[m - p] = (uint32_t)a->pairs[m];
                 credit(a, h, (uint16_t)rank, r->seq, r->released, a->nacked, q - p);
                 a->stats[OC_STAT_nacks] += q - p;
@@ -756,7 +765,7 @@ static int open_datagram(oc_agg *a, const uint8_t *d, size_t len, oc_header *h, 
     if (h->src >= c->world) return OC_DROP_wrong_sender; /* authentic, but no rank of its world */
     oc_replay *w = &c->peers[h->src].window;
     if (w->nwords == 0 && oc_replay_init(w, OC_REPLAY_WIDTH))
-        return OC_DROP_replayed; /* no memory for its window: it cannot be checked */
+        return OC_DROP_out_of_memory; /* no window to check it against */
     return oc_replay_accept(w, h->counter) ? -1 : OC_DROP_replayed;
 }
 
@@ -765,7 +774,10 @@ void oc_agg_feed(oc_agg *a, const uint8_t *data, size_t n, size_t segment, doubl
         a->drops[OC_DROP_malformed]++;
         return;
     }
-    if (oc_grow((void **)&a->chunks, &a->chunks_cap, n / segment + 1, sizeof(uint32_t))) return;
+    if (oc_grow((void **)&a->chunks, &a->chunks_cap, n / segment + 1, sizeof(uint32_t))) {
+        out_of_memory(a, (n + segment - 1) / segment);
+        return;
+    }
     oc_header run, h;
     size_t count = 0, run_offset = 0;
     int run_handle = -1, handle;
@@ -934,7 +946,11 @@ size_t oc_agg_seal(oc_agg *a, int h, uint8_t kind, uint32_t seq, uint16_t dst, u
 }
 
 void oc_agg_flush(oc_agg *a, oc_emit emit, void *ctx) {
-    if (a->nout == 0 || oc_grow((void **)&a->done, &a->done_cap, a->nout, 1)) return;
+    if (a->nout == 0) return;
+    if (oc_grow((void **)&a->done, &a->done_cap, a->nout, 1)) {
+        out_of_memory(a, 1); /* the outbox waits for the next flush */
+        return;
+    }
     memset(a->done, 0, a->nout);
     for (size_t i = 0; i < a->nout; i++) {
         if (a->done[i]) continue;
