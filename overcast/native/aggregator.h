@@ -24,8 +24,10 @@
  * (rows, outbox), so the caller's buffers may be freed or reused as soon as a call returns; the
  * outbox holds its own copies until oc_agg_flush or oc_agg_outbox_clear, but for results, which
  * it names by slot and seals from the pool. A rank that dies mid-reduction leaves its slots
- * incomplete: they ask again (bounded by the window) until the communicator is unregistered
- * (its last connection closes), which frees them. The engine is not thread-safe: one thread at
+ * incomplete: they ask again (bounded by the window) until the reduction expires (no
+ * contribution or acknowledgement for the expiry) or the communicator is unregistered (its last
+ * connection closes), which frees them. Every allocation that fails is counted (out_of_memory)
+ * and drops what needed it. The engine is not thread-safe: one thread at
  * a time, which in the service is the one running oc_serve. */
 #ifndef OVERCAST_NATIVE_AGGREGATOR_H
 #define OVERCAST_NATIVE_AGGREGATOR_H
