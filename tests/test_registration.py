@@ -116,3 +116,32 @@ def test_hostile_registrations_are_refused_and_the_aggregator_serves_on(tmp_path
     assert report["drops"]["refused_world"] == 5 and report["drops"]["refused_pool"] >= 1
     assert report["drops"]["refused_communicators"] == 1000 - welcomed
     assert max(report["peak_pool_bytes"], report["reserved_pool_bytes"]) <= LIMITS.pool_bytes
+
+
+def test_a_fault_on_one_registration_costs_that_connection_alone():
+    """A fault in the service's own code on one peer's input (injected into its admission)
+    closes that connection and is counted; the loop serves the next registration."""
+    import threading
+    from overcast.switch.service import SwitchService
+    service = SwitchService("127.0.0.1", 0, [HOSTILE])
+    admit, faults = service._admit, []
+
+    def faulty(*args):
+        if not faults:
+            faults.append(1)
+            raise RuntimeError("a fault")
+        return admit(*args)
+    service._admit = faulty
+    serving = threading.Thread(target=service.serve)
+    serving.start()
+    try:
+        first = member(f"127.0.0.1:{service.port}", 2)
+        second = member(f"127.0.0.1:{service.port}", 2)
+    finally:
+        service.stop()
+        serving.join()
+        service.close()
+    assert first.switch is None and "failed" in first.switch_error
+    assert second.switch is not None and second.switch_error is None
+    assert service.drops["registration_error"] == 1
+    second.switch.close()

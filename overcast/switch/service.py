@@ -296,7 +296,13 @@ class SwitchService:
             elif self.lifeline is not None and ready == len(control) - 1:
                 self.stopped = True  # whoever started it has ended
             elif ready > 0:
-                self._on_registration(self.connections[control[ready]])
+                reg = self.connections[control[ready]]
+                try:
+                    self._on_registration(reg)
+                except Exception:  # a bug on a peer's input must cost that peer, not the service
+                    self.drops["registration_error"] += 1
+                    if reg.sock in self.connections:
+                        self._disconnect(reg)
 
     def stop(self, *_) -> None:
         self.stopped = True
