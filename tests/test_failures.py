@@ -232,3 +232,15 @@ def test_mismatches_of_datagram_algorithms_are_named_on_every_rank_on_the_cluste
         for trial, (name, message) in outcomes.items():
             assert name == "CollectiveMismatchError", (rank, trial, message)
             assert "differs across ranks" in message, (rank, trial, message)
+
+
+def test_a_rendezvous_that_fails_is_an_overcast_error(monkeypatch):
+    """Nobody serves the store: the rendezvous's own error, one of overcast's, as every error a
+    Communicator raises is."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    with pytest.raises(overcast.OvercastError, match="rendezvous|store"):
+        overcast.Communicator(1, 2, timeout=0.5)

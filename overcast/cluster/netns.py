@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass
 
 from overcast.cluster.launch import Placement, compute_threads, run_ranks
+from overcast.errors import OvercastError
 from overcast.limits import check_hosts, check_link_rate, check_mtu
 from overcast.switch.launch import SwitchStartError, start_switch, stop_switch
 from overcast.transport.datagram import reduction_batch
@@ -40,7 +41,7 @@ QUERY_RESPONSE_SECONDS = 0.5
 MASTER_PORT = 29500
 
 
-class ClusterError(RuntimeError):
+class ClusterError(OvercastError):
     """The emulated cluster could not be built; the message says why and what to do."""
 
 

@@ -23,6 +23,7 @@ import socket
 import time
 from dataclasses import dataclass
 
+from overcast.errors import OvercastError
 from overcast.transport.datagram import (chunk_bytes, multicast_group, open_multicast,
                                          path_mtu, prepare_sender)
 from overcast.transport.store import StoreClient, StoreError, StoreServer, connect_until
@@ -39,7 +40,7 @@ from overcast.wire.registration import (ANSWER, CHALLENGE, DEFAULT_SWITCH_PORT, 
 HANDSHAKE_SECONDS = 5.0
 
 
-class RendezvousError(RuntimeError):
+class RendezvousError(OvercastError):
     """The ranks could not meet or connect; the message says which step failed."""
 
 

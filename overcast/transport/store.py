@@ -12,6 +12,8 @@ import struct
 import threading
 import time
 
+from overcast.errors import OvercastError
+
 _REQUEST = struct.Struct("<BHI")
 _REPLY = struct.Struct("<BI")
 _SET, _GET = 1, 2
@@ -19,7 +21,7 @@ _OK, _TIMEOUT, _BAD = 0, 1, 2
 _MAX_VALUE = 1 << 20
 
 
-class StoreError(RuntimeError):
+class StoreError(OvercastError):
     """The rendezvous store could not be reached or did not answer in time."""
 
 
