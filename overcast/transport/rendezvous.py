@@ -26,7 +26,8 @@ from dataclasses import dataclass
 from overcast.errors import OvercastError
 from overcast.transport.datagram import (chunk_bytes, multicast_group, open_multicast,
                                          path_mtu, prepare_sender)
-from overcast.transport.store import StoreClient, StoreError, StoreServer, connect_until
+from overcast.transport.store import (StoreClient, StoreError, StoreServer, connect_until,
+                                      read_exact)
 from overcast.wire.auth import Drops, Opener, ReplayWindow, Sealer, derive_key, frame_length, \
     job_id_of
 from overcast.wire.header import (AGGREGATOR, ANY, HEADER_BYTES, TAG_BYTES, Kind, MalformedError,
@@ -119,20 +120,9 @@ def local_address(peer_host: str) -> str:
         return probe.getsockname()[0]
 
 
-def _read_exact(sock: socket.socket, n: int, deadline: float) -> bytes:
-    buf = b""
-    while len(buf) < n:
-        sock.settimeout(max(0.01, deadline - time.monotonic()))
-        chunk = sock.recv(n - len(buf))
-        if not chunk:
-            raise ConnectionError("closed during handshake")
-        buf += chunk
-    return buf
-
-
 def _read_frame(sock: socket.socket, deadline: float) -> bytes:
-    head = _read_exact(sock, HEADER_BYTES, deadline)
-    return head + _read_exact(sock, frame_length(head) - HEADER_BYTES, deadline)
+    head = read_exact(sock, HEADER_BYTES, deadline)
+    return head + read_exact(sock, frame_length(head) - HEADER_BYTES, deadline)
 
 
 def _open_hello(frame: bytes, opener: Opener, window: ReplayWindow, src: int,
@@ -369,7 +359,7 @@ def register_with_switch(links: Links, spec: str, secret: bytes, salt: bytes,
         return
     try:
         deadline = time.monotonic() + timeout
-        magic, challenge = SWITCH_CHALLENGE.unpack(_read_exact(sock, SWITCH_CHALLENGE.size,
+        magic, challenge = SWITCH_CHALLENGE.unpack(read_exact(sock, SWITCH_CHALLENGE.size,
                                                                deadline))
         if magic != SWITCH_MAGIC:
             raise ConnectionError("it did not greet as an overcast aggregator")
@@ -378,18 +368,18 @@ def register_with_switch(links: Links, spec: str, secret: bytes, salt: bytes,
         hello = HELLO.pack(salt, links.world, links.udp.getsockname()[1],
                            links.multicast is not None, widest, challenge, mine)
         sock.sendall(links.sealer.seal(Kind.HELLO, 0, AGGREGATOR, 0, hello))
-        start = _read_exact(sock, len(REFUSAL_MAGIC), deadline)
+        start = read_exact(sock, len(REFUSAL_MAGIC), deadline)
         if start == REFUSAL_MAGIC:
             refusal = open_refusal(derive_key(secret, salt, REFUSAL_LABEL), mine,
-                                   start + _read_exact(sock, REFUSAL.size - len(start), deadline))
+                                   start + read_exact(sock, REFUSAL.size - len(start), deadline))
             if refusal is None:
                 raise ConnectionError("its refusal did not authenticate")
             sock.close()
             links.switch_error = (f"the aggregator at {host}:{port} refused this communicator: "
                                   f"{refusal[1]}")
             return
-        head = start + _read_exact(sock, HEADER_BYTES - len(start), deadline)
-        frame = head + _read_exact(sock, frame_length(head) - HEADER_BYTES, deadline)
+        head = start + read_exact(sock, HEADER_BYTES - len(start), deadline)
+        frame = head + read_exact(sock, frame_length(head) - HEADER_BYTES, deadline)
         welcome = _open_hello(frame, links.opener, ReplayWindow(0), AGGREGATOR, WELCOME.size)
         if welcome is None or WELCOME.unpack(welcome)[2] != mine:
             raise ConnectionError("its answer did not authenticate (another job's aggregator?)")

@@ -25,13 +25,17 @@ class StoreError(OvercastError):
     """The rendezvous store could not be reached or did not answer in time."""
 
 
-def _read_exact(sock: socket.socket, n: int) -> bytes:
+def read_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytes:
+    """`n` bytes from a blocking socket, by `deadline` (time.monotonic()) if given, else within
+    the socket's own timeout; ConnectionError if the peer closes first."""
     buf = bytearray(n)
     view, got = memoryview(buf), 0
     while got < n:
+        if deadline is not None:
+            sock.settimeout(max(0.01, deadline - time.monotonic()))
         k = sock.recv_into(view[got:])
         if k == 0:
-            raise ConnectionError("store connection closed")
+            raise ConnectionError("the connection closed")
         got += k
     return bytes(buf)
 
@@ -72,12 +76,12 @@ class StoreServer:
         with conn:
             try:
                 while True:
-                    op, klen, vlen = _REQUEST.unpack(_read_exact(conn, _REQUEST.size))
+                    op, klen, vlen = _REQUEST.unpack(read_exact(conn, _REQUEST.size))
                     if vlen > _MAX_VALUE:
                         conn.sendall(_REPLY.pack(_BAD, 0))
                         return
-                    key = _read_exact(conn, klen).decode()
-                    value = _read_exact(conn, vlen)
+                    key = read_exact(conn, klen).decode()
+                    value = read_exact(conn, vlen)
                     if op == _SET:
                         with self._cond:
                             self._data[key] = value
@@ -123,8 +127,8 @@ class StoreClient:
         with self._lock:
             self._sock.settimeout(self.timeout + 5)
             self._sock.sendall(_REQUEST.pack(op, len(k), len(value)) + k + value)
-            status, vlen = _REPLY.unpack(_read_exact(self._sock, _REPLY.size))
-            reply = _read_exact(self._sock, vlen)
+            status, vlen = _REPLY.unpack(read_exact(self._sock, _REPLY.size))
+            reply = read_exact(self._sock, vlen)
         if status == _TIMEOUT:
             raise StoreError(f"rendezvous key {key!r} was not set within {self.timeout:.0f} s "
                              f"(is every rank running?)")
