@@ -1,9 +1,14 @@
-"""overcast's native core: the per-datagram data path in C (the aggregator's today).
+"""overcast's native core: the per-datagram data path in C, of the ranks and of the aggregator.
 
 The package's own build compiles it (setup.py: `pip install -e .`, which tools/setup runs).
-Each part has a header of its own in this folder: wire.h (header, AES-GMAC, replay window),
-sums.h (sums by dtype), udp.h (GRO/GSO batches), aggregator.h (the sans-I/O reduction engine)
-and service.h (its socket loop); module.c is the Python binding.
+Each part has a header of its own in this folder, which says who owns what: wire.h (header,
+AES-GMAC, replay window), stream.h (a stream's frames opened in place), sums.h (sums by dtype),
+udp.h (GRO/GSO batches), budget.h (a link direction's token bucket), numbering.h (the
+reduction's chunk numbering); for a rank, plane.h (its datagram plane, sans I/O: contribute.h
+for in-network reductions, gather.h for multicast gathers, outbox.h for what waits to be sent,
+trace.h for the timeline) and port.h (the plane on its sockets); for the aggregator,
+aggregator.h (the sans-I/O reduction engine) and service.h (its socket loop). module.c and
+plane_module.c are the Python bindings.
 """
 
 try:
