@@ -205,16 +205,14 @@ class Overlap:
 
     def _restore(self) -> None:
         """Give the modules their collectives and schedule back; release what overlap()
-        opened. Each step runs even if one before it raised."""
-        try:
-            _give_back(self._saved)
-        finally:
-            try:
-                if self._schedule is not None:
-                    restore_schedule(self._schedule)
-            finally:
-                if self._made is not None:
-                    self._made.close()
+        opened. Each step runs even if another raised (an ExitStack runs its callbacks last
+        first)."""
+        with contextlib.ExitStack() as steps:
+            if self._made is not None:
+                steps.callback(self._made.close)
+            if self._schedule is not None:
+                steps.callback(restore_schedule, self._schedule)
+            steps.callback(_give_back, self._saved)
 
     def __enter__(self) -> "Overlap":
         return self

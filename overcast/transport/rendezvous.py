@@ -34,7 +34,7 @@ from overcast.wire.header import (AGGREGATOR, ANY, HEADER_BYTES, TAG_BYTES, Kind
                                   unpack_header)
 from overcast.wire.messages import CONTRIB_PREFIX
 from overcast.wire.registration import (ANSWER, CHALLENGE, DEFAULT_SWITCH_PORT, HELLO,
-                                        NONCE_BYTES, REFUSAL, REFUSAL_LABEL, REFUSAL_MAGIC,
+                                        NONCE_BYTES, REFUSAL_BYTES, REFUSAL_LABEL, REFUSAL_MAGIC,
                                         SWITCH_CHALLENGE, SWITCH_MAGIC, WELCOME, open_refusal)
 
 # How long an accepted connection has to answer the challenge.
@@ -120,8 +120,9 @@ def local_address(peer_host: str) -> str:
         return probe.getsockname()[0]
 
 
-def _read_frame(sock: socket.socket, deadline: float) -> bytes:
-    head = read_exact(sock, HEADER_BYTES, deadline)
+def _read_frame(sock: socket.socket, deadline: float, start: bytes = b"") -> bytes:
+    """One frame, whose first bytes `start` were read already."""
+    head = start + read_exact(sock, HEADER_BYTES - len(start), deadline)
     return head + read_exact(sock, frame_length(head) - HEADER_BYTES, deadline)
 
 
@@ -371,16 +372,15 @@ def register_with_switch(links: Links, spec: str, secret: bytes, salt: bytes,
         start = read_exact(sock, len(REFUSAL_MAGIC), deadline)
         if start == REFUSAL_MAGIC:
             refusal = open_refusal(derive_key(secret, salt, REFUSAL_LABEL), mine,
-                                   start + read_exact(sock, REFUSAL.size - len(start), deadline))
+                                   start + read_exact(sock, REFUSAL_BYTES - len(start), deadline))
             if refusal is None:
                 raise ConnectionError("its refusal did not authenticate")
             sock.close()
             links.switch_error = (f"the aggregator at {host}:{port} refused this communicator: "
                                   f"{refusal[1]}")
             return
-        head = start + read_exact(sock, HEADER_BYTES - len(start), deadline)
-        frame = head + read_exact(sock, frame_length(head) - HEADER_BYTES, deadline)
-        welcome = _open_hello(frame, links.opener, ReplayWindow(0), AGGREGATOR, WELCOME.size)
+        welcome = _open_hello(_read_frame(sock, deadline, start), links.opener,
+                              ReplayWindow(0), AGGREGATOR, WELCOME.size)
         if welcome is None or WELCOME.unpack(welcome)[2] != mine:
             raise ConnectionError("its answer did not authenticate (another job's aggregator?)")
         slots, udp_port, _ = WELCOME.unpack(welcome)

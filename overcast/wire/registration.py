@@ -36,7 +36,9 @@ WELCOME = struct.Struct(f"<IH{NONCE_BYTES}s")
 # spends no counter of the communicator key, which may yet be registered.
 REFUSAL_MAGIC = b"OCNO"
 REASON_BYTES = 200
-REFUSAL = struct.Struct(f"<4s{NONCE_BYTES}sH{REASON_BYTES}s32s")
+_REFUSAL_BODY = struct.Struct(f"<4s{NONCE_BYTES}sH{REASON_BYTES}s")
+REFUSAL_TAG_BYTES = 32
+REFUSAL_BYTES = _REFUSAL_BODY.size + REFUSAL_TAG_BYTES
 REFUSAL_LABEL = b"refusal"
 
 
@@ -58,19 +60,19 @@ def _refusal_tag(key: bytes, body: bytes) -> bytes:
 
 def pack_refusal(key: bytes, nonce: bytes, reason: Refused, words: str) -> bytes:
     """A refusal for the rank whose nonce is `nonce`, under the refusal key `key`."""
-    text = words.encode()[:REASON_BYTES]
-    body = REFUSAL.pack(REFUSAL_MAGIC, nonce, reason, text, b"")[:-32]
+    body = _REFUSAL_BODY.pack(REFUSAL_MAGIC, nonce, reason, words.encode()[:REASON_BYTES])
     return body + _refusal_tag(key, body)
 
 
 def open_refusal(key: bytes, nonce: bytes, data: bytes) -> tuple[Refused | int, str] | None:
     """(reason, words) of an authentic refusal to the registration whose nonce is `nonce`, or
     None."""
-    if len(data) != REFUSAL.size:
+    if len(data) != REFUSAL_BYTES:
         return None
-    magic, theirs, code, text, tag = REFUSAL.unpack(data)
+    body, tag = data[:_REFUSAL_BODY.size], data[_REFUSAL_BODY.size:]
+    magic, theirs, code, text = _REFUSAL_BODY.unpack(body)
     if magic != REFUSAL_MAGIC or theirs != nonce or \
-            not hmac.compare_digest(tag, _refusal_tag(key, data[:-32])):
+            not hmac.compare_digest(tag, _refusal_tag(key, body)):
         return None
     try:
         reason = Refused(code)
