@@ -111,10 +111,7 @@ struct oc_agg {
 /* -- small helpers ------------------------------------------------------------------------ */
 
 /* An allocation failed: counted, and the caller drops what needed it. */
-static int out_of_memory(oc_agg *a, uint64_t what) {
-    a->drops[OC_DROP_out_of_memory] += what;
-    return -1;
-}
+static void out_of_memory(oc_agg *a, uint64_t what) { a->drops[OC_DROP_out_of_memory] += what; }
 
 static uint32_t get32(const uint8_t *p) {
     return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
@@ -363,6 +360,11 @@ static void on_contributions(oc_agg *a, int h, comm_t *c, const oc_header *hdr,
         }
     uint8_t code = prefix[0], group = prefix[1];
     uint32_t world = (uint32_t)prefix[2] | (uint32_t)prefix[3] << 8, total = get32(prefix + 4);
+    size_t nbytes = length - PREFIX_BYTES;
+    if (nbytes > c->max_row) {
+        a->drops[OC_DROP_wrong_length] += count;
+        return;
+    }
     reduction_t *r = find_reduction(c, hdr->seq);
     if (r == NULL) {
         if (finished_index(c, hdr->seq) >= 0) {
@@ -374,12 +376,8 @@ static void on_contributions(oc_agg *a, int h, comm_t *c, const oc_header *hdr,
             return;
         }
         if (world != c->world || total == 0 || total % world || !group ||
-            (length - PREFIX_BYTES) % oc_dtype_size(code)) {
+            nbytes % oc_dtype_size(code)) {
             a->drops[OC_DROP_inconsistent] += count;
-            return;
-        }
-        if (length - PREFIX_BYTES > c->max_row) {
-            a->drops[OC_DROP_wrong_length] += count;
             return;
         }
         /* a reduction is made only for a chunk it could take: in range, in the first window */
@@ -400,14 +398,9 @@ static void on_contributions(oc_agg *a, int h, comm_t *c, const oc_header *hdr,
         r->touched = now;
         c->reductions[c->nreductions++] = r;
     }
-    size_t nbytes = length - PREFIX_BYTES;
     if (world != r->world || total != r->total || code != r->code || group != r->group ||
         nbytes % r->itemsize) {
         a->drops[OC_DROP_inconsistent] += count;
-        return;
-    }
-    if (nbytes > c->max_row) {
-        a->drops[OC_DROP_wrong_length] += count;
         return;
     }
     uint32_t elems = (uint32_t)(nbytes / r->itemsize);
@@ -449,7 +442,6 @@ static void on_contributions(oc_agg *a, int h, comm_t *c, const oc_header *hdr,
             }
             pooled = 1;
         }
-        r->touched = now;
         if ((int64_t)g > r->passed[src]) r->passed[src] = g;
         slot_t *s = &r->slots[g % r->window];
         uint64_t *have = have_of(r, g);
@@ -478,6 +470,7 @@ static void on_contributions(oc_agg *a, int h, comm_t *c, const oc_header *hdr,
         if (s->count == r->world - 1) complete[ncomplete++] = (completion){g, payload};
         else memcpy(row_of(r, g, src), payload, nbytes);
     }
+    if (pooled) r->touched = now; /* a chunk passed every check: the reduction is alive */
     if (late) answer_credit(a, h, c, hdr->seq, (uint16_t)src, NULL, 0);
     for (size_t i = 0; i < ncomplete; i++) {
         slot_t *s = &r->slots[complete[i].g % r->window];
