@@ -1,10 +1,14 @@
 import os
 import subprocess
 
-import pytest
+# The ranks are forked from this process: asked whether there is a GPU, torch must not
+# initialize CUDA here (a forked child could not use it then), so it asks NVML instead.
+os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
 
-from overcast.cluster.launch import loopback_placements, run_ranks
-from overcast.cluster.netns import list_namespaces
+import pytest  # noqa: E402
+
+from overcast.cluster.launch import loopback_placements, run_ranks  # noqa: E402
+from overcast.cluster.netns import list_namespaces  # noqa: E402
 
 
 def pytest_addoption(parser):

@@ -48,18 +48,31 @@ def same(a, b) -> bool:
                                                                       b.view(torch.uint8))
 
 
-def against_gloo(rank):
-    """Each collective, op, dtype and size on the backend and on gloo; the cases that differ."""
+def against_gloo(rank, device="cpu", dtypes=DTYPES):
+    """Each collective, op, dtype and size on the backend, with tensors on `device`, and on gloo
+    with CPU tensors (gloo's CUDA path stages to the host and runs the same reduction); the cases
+    that differ."""
     gloo = start()
+    if device == "cuda":
+        torch.cuda.set_device(0)
     world = dist.get_world_size()
     differ = []
-    for dtype in DTYPES:
+
+    def agrees(a, b) -> bool:
+        return a.device.type == device and same(a.cpu(), b)
+
+    def placed(rank, count, dtype):
+        return values(rank, count, dtype).to(device)
+
+    def empty(*shape, dtype=torch.float32):
+        return torch.empty(*shape, dtype=dtype, device=device)
+    for dtype in dtypes:
         for count in SIZES:
             case = f"{dtype} x {count}"
             for name, op in OPS.items():
                 if name == "avg" and not dtype.is_floating_point:
                     continue
-                mine, theirs = values(rank, count, dtype), values(rank, count, dtype)
+                mine, theirs = placed(rank, count, dtype), values(rank, count, dtype)
                 dist.all_reduce(mine, op=op)
                 if name == "avg":  # gloo has no AVG: its exact sum, divided, rounded once
                     total = theirs.double()
@@ -67,69 +80,69 @@ def against_gloo(rank):
                     theirs = (total / world).to(dtype)
                 else:
                     dist.all_reduce(theirs, op=op, group=gloo)
-                if not same(mine, theirs):
+                if not agrees(mine, theirs):
                     differ.append(f"all_reduce {name} {case}")
                 if name == "avg":
                     continue
-                big = values(rank, count * world, dtype)
-                mine, theirs = torch.empty(count, dtype=dtype), torch.empty(count, dtype=dtype)
+                big = placed(rank, count * world, dtype)
+                mine, theirs = empty(count, dtype=dtype), torch.empty(count, dtype=dtype)
                 dist.reduce_scatter_tensor(mine, big, op=op)
-                dist.reduce_scatter_tensor(theirs, big.clone(), op=op, group=gloo)
-                if not same(mine, theirs):
+                dist.reduce_scatter_tensor(theirs, big.cpu(), op=op, group=gloo)
+                if not agrees(mine, theirs):
                     differ.append(f"reduce_scatter {name} {case}")
-            mine, theirs = (torch.empty(count * world, dtype=dtype) for _ in range(2))
-            dist.all_gather_into_tensor(mine, values(rank, count, dtype))
+            mine, theirs = empty(count * world, dtype=dtype), torch.empty(count * world,
+                                                                          dtype=dtype)
+            dist.all_gather_into_tensor(mine, placed(rank, count, dtype))
             dist.all_gather_into_tensor(theirs, values(rank, count, dtype), group=gloo)
-            if not same(mine, theirs):
+            if not agrees(mine, theirs):
                 differ.append(f"all_gather {case}")
             for root in range(world):
-                mine, theirs = values(rank, count, dtype), values(rank, count, dtype)
+                mine, theirs = placed(rank, count, dtype), values(rank, count, dtype)
                 dist.broadcast(mine, root)
                 dist.broadcast(theirs, root, group=gloo)
-                if not same(mine, theirs):
+                if not agrees(mine, theirs):
                     differ.append(f"broadcast root {root} {case}")
     # The list forms, PREMUL_SUM, coalesced all_reduce, all_to_all, bool and complex tensors.
-    outs = [torch.empty(3, dtype=torch.bool) for _ in range(world)]
-    dist.all_gather(outs, torch.tensor([rank % 2 == 0, True, False]))
-    if not all(torch.equal(o, torch.tensor([r % 2 == 0, True, False]))
-               for r, o in enumerate(outs)):
+    outs = [empty(3, dtype=torch.bool) for _ in range(world)]
+    dist.all_gather(outs, torch.tensor([rank % 2 == 0, True, False], device=device))
+    if not all(agrees(o, torch.tensor([r % 2 == 0, True, False])) for r, o in enumerate(outs)):
         differ.append("all_gather list bool")
-    ins = [values(rank + r, 11, torch.float32) for r in range(world)]
-    mine, theirs = torch.empty(11), torch.empty(11)
+    ins = [placed(rank + r, 11, torch.float32) for r in range(world)]
+    mine, theirs = empty(11), torch.empty(11)
     dist.reduce_scatter(mine, ins)
-    dist.reduce_scatter(theirs, [i.clone() for i in ins], group=gloo)
-    if not same(mine, theirs):
+    dist.reduce_scatter(theirs, [i.cpu() for i in ins], group=gloo)
+    if not agrees(mine, theirs):
         differ.append("reduce_scatter list")
-    mine = values(rank, 1001, torch.float32)
+    mine = placed(rank, 1001, torch.float32)
     dist.all_reduce(mine, op=premul_sum(0.5))
     theirs = values(rank, 1001, torch.float32) * 0.5
     dist.all_reduce(theirs, group=gloo)
-    if not same(mine, theirs):
+    if not agrees(mine, theirs):
         differ.append("all_reduce premul_sum")
-    complex_in = torch.complex(values(rank, 101, torch.float32), values(rank + 1, 101,
+    complex_in = torch.complex(placed(rank, 101, torch.float32), placed(rank + 1, 101,
                                                                         torch.float32))
-    mine, theirs = complex_in.clone(), complex_in.clone()
+    mine, theirs = complex_in.clone(), complex_in.cpu()
     dist.all_reduce(mine)
     dist.all_reduce(theirs, group=gloo)
-    if not same(mine, theirs):
+    if not agrees(mine, theirs):
         differ.append("all_reduce complex64")
-    tensors = [values(rank, n, torch.float32) for n in (5, 1001, 3)]
-    copies = [t.clone() for t in tensors]
+    tensors = [placed(rank, n, torch.float32) for n in (5, 1001, 3)]
+    copies = [t.cpu() for t in tensors]
     dist.all_reduce_coalesced(tensors)
     for t in copies:
         dist.all_reduce(t, group=gloo)
-    if not all(same(a, b) for a, b in zip(tensors, copies)):
+    if not all(agrees(a, b) for a, b in zip(tensors, copies)):
         differ.append("all_reduce_coalesced")
     splits = [(rank + r) % 3 + 1 for r in range(world)]  # uneven, different on every rank
     received = [(r + rank) % 3 + 1 for r in range(world)]
     send = torch.arange(sum(splits) * 2, dtype=torch.int64).view(-1, 2) + 1000 * rank
-    mine = torch.empty(sum(received), 2, dtype=torch.int64)
-    theirs = torch.empty_like(mine)
-    dist.all_to_all_single(mine, send, received, splits)
+    mine = empty(sum(received), 2, dtype=torch.int64)
+    theirs = torch.empty(sum(received), 2, dtype=torch.int64)
+    dist.all_to_all_single(mine, send.to(device), received, splits)
     dist.all_to_all_single(theirs, send, received, splits, group=gloo)
-    if not same(mine, theirs):
+    if not agrees(mine, theirs):
         differ.append("all_to_all_single uneven")
-    work = dist.all_reduce(values(rank, 3, torch.float32), async_op=True)
+    work = dist.all_reduce(placed(rank, 3, torch.float32), async_op=True)
     work.wait()
     if not isinstance(work, dist.Work):
         differ.append("async work")
@@ -278,20 +291,23 @@ def batch(step):
     return torch.randn(ROWS, 7, generator=g), torch.randn(ROWS, 5, generator=g)
 
 
-def train(rank, how):
-    """STEPS of SGD with DDP, FSDP2 alone, or FSDP2 with overlap(), on the backend, and on one
-    process unsharded; the largest difference of the parameters after, and of the losses."""
+def train(rank, how, device="cpu"):
+    """STEPS of SGD with DDP, FSDP2 alone, or FSDP2 with overlap(), on the backend with the
+    model on `device`, and on one process unsharded on the CPU; the largest difference of the
+    parameters after, and of the losses."""
     start()
+    if device == "cuda":
+        torch.cuda.set_device(0)
     world = dist.get_world_size()
     ref = small_model()
-    model = copy.deepcopy(ref)
+    model = copy.deepcopy(ref).to(device)
     handle = None
     if how == "ddp":
         model = nn.parallel.DistributedDataParallel(model)
     else:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
-        mesh = init_device_mesh("cpu", (world,))  # FSDP2's default follows the accelerator
+        mesh = init_device_mesh(device, (world,))  # FSDP2's default follows the accelerator
         for layer in (model[0], model[2], model[4]):
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
@@ -302,8 +318,8 @@ def train(rank, how):
     losses = []
     for step in range(STEPS):
         x, y = batch(step)
-        loss = nn.functional.mse_loss(model(x[rank * rows:(rank + 1) * rows]),
-                                      y[rank * rows:(rank + 1) * rows])
+        loss = nn.functional.mse_loss(model(x[rank * rows:(rank + 1) * rows].to(device)),
+                                      y[rank * rows:(rank + 1) * rows].to(device))
         loss.backward()
         ref_loss = nn.functional.mse_loss(ref(x), y)
         ref_loss.backward()
@@ -314,10 +330,10 @@ def train(rank, how):
             o.step()
             o.zero_grad()
     if how == "ddp":
-        diff = max((p - q).abs().max().item()
+        diff = max((p.cpu() - q).abs().max().item()
                    for p, q in zip(model.module.parameters(), ref.parameters()))
     else:
-        diff = max((p.to_local() - torch.chunk(q.detach(), world)[rank]).abs().max().item()
+        diff = max((p.to_local().cpu() - torch.chunk(q.detach(), world)[rank]).abs().max().item()
                    for p, q in zip(model.parameters(), ref.parameters()))
     # overlap() posts from the training thread: a communicator of its own beside the group's
     own = handle is None or handle.comm is not dist.group.WORLD.communicator

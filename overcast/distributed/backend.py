@@ -11,11 +11,17 @@ by a callback of the group's own call (a DDP comm hook) runs at once, on that th
 
 Bad arguments raise InvalidArgumentError from the call on the rank that gave them and leave the
 group usable, as gloo does; nothing of such a call reaches the network.
+
+CUDA tensors are staged through pinned host memory as gloo stages them (overcast/staging.py): the
+copies to the host queue on a side stream after the caller's stream, the collective runs on the
+worker thread, the copies back queue on the side stream, and wait() makes the caller's then-current
+stream wait for them (the host waits for the collective only).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import queue
@@ -30,6 +36,7 @@ from overcast.buffers import DTYPES, SUMMING_OPS, as_array
 from overcast.comm import ALGORITHMS
 from overcast.errors import CollectiveTimeoutError, CommunicatorClosedError, InvalidArgumentError
 from overcast.job import GroupCommunicator, group_communicator
+from overcast.staging import Staging, device_of, process_pool
 from overcast.torch_api import premul_factor
 
 BACKEND_NAME = "overcast"
@@ -63,13 +70,6 @@ def _op_of(opts) -> dist.ReduceOp:
 
 def _root_of(opts) -> int:
     return 0 if opts is None else opts.rootRank
-
-
-def _check_cpu(tensors, what: str) -> None:
-    for t in tensors:
-        if t.device.type != "cpu":
-            raise InvalidArgumentError(f"{what}: a tensor is on {t.device}; the overcast "
-                                       f"backend moves CPU tensors only")
 
 
 def _bytes(t: torch.Tensor) -> np.ndarray:
@@ -117,15 +117,69 @@ def _tensors(result) -> list[torch.Tensor]:
     return [t for item in result for t in (item if isinstance(item, (list, tuple)) else [item])]
 
 
+def _leaves(value) -> list[torch.Tensor]:
+    """Every tensor in `value` (a tensor, or lists of them, or None)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _leaves(v)]
+    return []
+
+
+def _mapped(value, fn):
+    """`value` (a tensor, or lists of them, or None) with fn applied to every tensor."""
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, (list, tuple)):
+        return [_mapped(v, fn) for v in value]
+    return value
+
+
+# What a collective does with each of its tensor arguments, in order: "in" is read, "out"
+# written whole, "inout" read and written (or written on some ranks only: the copy in keeps
+# the others' values).
+_ROLES = {"in": {"read": True, "written": False}, "out": {"read": False, "written": True},
+          "inout": {"read": True, "written": True}}
+
+
+def _staged(*roles: str):
+    """A collective method that takes CUDA tensors: its first len(roles) arguments are checked
+    for their device and, on a GPU, replaced by staged host twins (see the module's doc)."""
+    def wrap(method):
+        @functools.wraps(method)
+        def call(self, *args, **kwargs):
+            given = args[:len(roles)]
+            device = device_of(_leaves(given), method.__name__)
+            if device is None:
+                return method(self, *args, **kwargs)
+            staging = Staging(device, self._side_stream(device), process_pool())
+            try:
+                host = [_mapped(a, lambda t, role=role: staging.twin(t, **_ROLES[role]))
+                        for a, role in zip(given, roles)]
+                staging.sealed()
+                self._calling.staging = staging
+                try:
+                    return method(self, *host, *args[len(roles):], **kwargs)
+                finally:
+                    self._calling.staging = None
+            except BaseException:
+                staging.release()
+                raise
+        return call
+    return wrap
+
+
 class _Work(dist._Work):
     """A call's handle, as gloo's: wait() raises what the call raised (a Work made by torch from
     a Future alone returns True whatever happened), and honours its timeout; the future's value
     is the call's outputs, so DDP's comm hooks chain on it."""
 
-    def __init__(self, what: str, result):
+    def __init__(self, what: str, result, staging: Staging | None = None):
         super().__init__()
-        self._what, self._result = what, result
-        self._fut = torch.futures.Future()
+        self._what, self._result, self._staging = what, result, staging
+        # on a GPU, the future records an event on the side stream when it completes, and a
+        # value() or wait() of it makes the then-current stream wait for it
+        self._fut = torch.futures.Future(devices=[staging.device] if staging else None)
         self._done = threading.Event()
         self._error: BaseException | None = None
 
@@ -134,10 +188,12 @@ class _Work(dist._Work):
         while they run, so one that waits on this Work returns)."""
         self._error = error
         try:
-            if error is None:
-                self._fut.set_result(self._result)
-            else:
-                self._fut.set_exception(error)
+            with (torch.cuda.stream(self._staging.stream) if self._staging else
+                  contextlib.nullcontext()):
+                if error is None:
+                    self._fut.set_result(self._result)
+                else:
+                    self._fut.set_exception(error)
         finally:
             self._done.set()
 
@@ -148,6 +204,7 @@ class _Work(dist._Work):
                                          f"(the timeout given to wait(); the call goes on)")
         if self._error is not None:
             raise self._error
+        self.synchronize()
         return True
 
     def is_completed(self) -> bool:
@@ -165,7 +222,10 @@ class _Work(dist._Work):
         return _tensors(self._result)
 
     def synchronize(self) -> None:
-        """Nothing to order on a CPU tensor: the results are in place once completed."""
+        """Make the current stream wait for the copies of a completed call's CUDA outputs back
+        to the GPU (nothing to order on CPU tensors)."""
+        if self._staging is not None and self._done.is_set():
+            self._staging.order_caller()
 
     def get_future(self) -> torch.futures.Future:
         return self._fut
@@ -182,8 +242,8 @@ class _Worker:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def submit(self, what: str, fn, result) -> _Work:
-        work = _Work(what, result)
+    def submit(self, what: str, fn, result, staging: Staging | None = None) -> _Work:
+        work = _Work(what, result, staging)
         if threading.current_thread() is self._thread:
             # A callback of one of this group's calls (a DDP comm hook's then(), as PowerSGD's)
             # issued another: run it now. Queued, it would wait behind the call whose callback
@@ -198,12 +258,20 @@ class _Worker:
 
     @staticmethod
     def _execute(fn, work: _Work) -> None:
+        staging = work._staging
         try:
+            if staging is not None:
+                staging.arrived()
             fn()
+            if staging is not None:
+                work._result = _copied_out(work._result, staging)
         except BaseException as err:  # the caller's wait() raises it
             work._finish(err)
         else:
             work._finish(None)
+        finally:
+            if staging is not None:
+                staging.release()
 
     def _run(self) -> None:
         while (call := self._calls.get()) is not None:
@@ -220,6 +288,23 @@ class _Worker:
             return True
         self._thread.join(seconds)
         return not self._thread.is_alive()
+
+
+def _copied_out(result, staging: Staging):
+    """A staged call's outputs on its GPU, their copies back queued: each host twin its CUDA
+    tensor; a tensor the call made on the host (all_gather's stacked value), a new one there."""
+    made: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def on_device(host: torch.Tensor) -> torch.Tensor:
+        original = staging.original(host)
+        if original is None:
+            with torch.cuda.stream(staging.stream):  # its memory belongs to the side stream
+                original = torch.empty(host.shape, dtype=host.dtype, device=staging.device)
+            made.append((host, original))
+        return original
+    value = _mapped(result, on_device)
+    staging.copy_out(made)
+    return value
 
 
 def _close(worker: _Worker, group: GroupCommunicator, seconds: float) -> None:
@@ -267,6 +352,8 @@ class ProcessGroupOvercast(dist.ProcessGroup):
         self.fallbacks: dict[str, str] = {}  # why "auto" runs the ring, by collective
         self.algorithms = self._agree_auto(chosen)
         self._worker = _Worker(f"overcast-{self.communicator.name}")
+        self._calling = threading.local()  # the staging of the CUDA call being made, if any
+        self._side_streams: dict[torch.device, object] = {}
         self._finalizer = weakref.finalize(self, _close, self._worker, self._group, timeout)
 
     def _agree_auto(self, chosen: dict[str, str]) -> dict[str, str]:
@@ -347,9 +434,15 @@ class ProcessGroupOvercast(dist.ProcessGroup):
         self._finalizer()
 
     # -- plumbing --------------------------------------------------------------------------
-    def _submit(self, what: str, tensors, fn, result) -> dist.Work:
-        _check_cpu(tensors, what)
-        return self._worker.submit(what, fn, result)
+    def _side_stream(self, device: torch.device):
+        """The group's high-priority stream on `device`, for its staging copies (gloo's)."""
+        stream = self._side_streams.get(device)
+        if stream is None:
+            stream = self._side_streams[device] = torch.cuda.Stream(device, priority=-1)
+        return stream
+
+    def _submit(self, what: str, fn, result) -> dist.Work:
+        return self._worker.submit(what, fn, result, getattr(self._calling, "staging", None))
 
     def _all_reduce(self, t: torch.Tensor, op) -> None:
         name, factor = _reduce_op(op)
@@ -403,12 +496,14 @@ class ProcessGroupOvercast(dist.ProcessGroup):
                                         algorithm=self.algorithms["broadcast"])
 
     # -- collectives ------------------------------------------------------------------------
+    @_staged("inout")
     def allreduce(self, tensors, opts=None) -> dist.Work:
         def run():
             for t in tensors:
                 self._all_reduce(t, _op_of(opts))
-        return self._submit("all_reduce", tensors, run, tensors)
+        return self._submit("all_reduce", run, tensors)
 
+    @_staged("inout")
     def allreduce_coalesced(self, tensors, opts=None) -> dist.Work:
         def run():
             for dtype in dict.fromkeys(t.dtype for t in tensors):
@@ -417,8 +512,9 @@ class ProcessGroupOvercast(dist.ProcessGroup):
                 self._all_reduce(flat, _op_of(opts))
                 for t, piece in zip(same, flat.split([t.numel() for t in same])):
                     t.copy_(piece.view_as(t))
-        return self._submit("all_reduce_coalesced", tensors, run, tensors)
+        return self._submit("all_reduce_coalesced", run, tensors)
 
+    @_staged("out", "in")
     def allgather(self, output_lists, inputs, opts=None) -> dist.Work:
         """The future's value is each input's gathered outputs as one tensor (world_size x the
         input's shape), as NCCL's: PyTorch's quantization comm hooks index it so."""
@@ -427,31 +523,33 @@ class ProcessGroupOvercast(dist.ProcessGroup):
         def run():
             for outs, inp in zip(output_lists, inputs):
                 gathered.append(self._all_gather_list(outs, inp))
-        return self._submit("all_gather", list(inputs) + [o for outs in output_lists
-                                                         for o in outs], run, gathered)
+        return self._submit("all_gather", run, gathered)
 
+    @_staged("out", "in")
     def allgather_coalesced(self, output_lists, inputs, opts=None) -> dist.Work:
         """output_lists[r][i] receives rank r's inputs[i]."""
         def run():
             for i, inp in enumerate(inputs):
                 self._all_gather_list([outs[i] for outs in output_lists], inp)
-        return self._submit("all_gather_coalesced", list(inputs), run, output_lists)
+        return self._submit("all_gather_coalesced", run, output_lists)
 
+    @_staged("out", "in")
     def all_gather_single(self, output, input, opts=None) -> dist.Work:
-        return self._submit("all_gather_into_tensor", [output, input],
+        return self._submit("all_gather_into_tensor",
                             lambda: self._all_gather_into(output, input), [output])
 
     _allgather_base = all_gather_single
 
+    @_staged("out", "in")
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None) -> dist.Work:
         def run():
             for out, inp in zip(outputs, inputs):
                 self._all_gather_into(out, inp)
-        return self._submit("all_gather_into_tensor_coalesced", list(outputs) + list(inputs),
-                            run, outputs)
+        return self._submit("all_gather_into_tensor_coalesced", run, outputs)
 
     all_gather_single_coalesced = allgather_into_tensor_coalesced
 
+    @_staged("out", "in")
     def reduce_scatter(self, outputs, input_lists, opts=None) -> dist.Work:
         def run():
             for out, ins in zip(outputs, input_lists):
@@ -461,49 +559,54 @@ class ProcessGroupOvercast(dist.ProcessGroup):
                         f"output's {out.numel()} elements; got {[i.numel() for i in ins]}")
                 self._reduce_scatter_into(out, torch.cat([i.reshape(-1) for i in ins]),
                                           _op_of(opts))
-        return self._submit("reduce_scatter", list(outputs), run, outputs)
+        return self._submit("reduce_scatter", run, outputs)
 
+    @_staged("out", "in")
     def reduce_scatter_single(self, output, input, opts=None) -> dist.Work:
-        return self._submit("reduce_scatter_tensor", [output, input],
+        return self._submit("reduce_scatter_tensor",
                             lambda: self._reduce_scatter_into(output, input, _op_of(opts)),
                             [output])
 
     _reduce_scatter_base = reduce_scatter_single
 
+    @_staged("out", "in")
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None) -> dist.Work:
         def run():
             for out, inp in zip(outputs, inputs):
                 self._reduce_scatter_into(out, inp, _op_of(opts))
-        return self._submit("reduce_scatter_tensor_coalesced", list(outputs) + list(inputs),
-                            run, outputs)
+        return self._submit("reduce_scatter_tensor_coalesced", run, outputs)
 
     reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
 
+    @_staged("inout")
     def broadcast(self, tensors, opts=None) -> dist.Work:
         def run():
             for t in tensors:
                 self._broadcast(t, _root_of(opts))
-        return self._submit("broadcast", tensors, run, tensors)
+        return self._submit("broadcast", run, tensors)
 
     def barrier(self, opts=None) -> dist.Work:
-        return self._submit("barrier", [], self.communicator.barrier, None)
+        return self._submit("barrier", self.communicator.barrier, None)
 
+    @_staged("inout")
     def reduce(self, tensors, opts=None) -> dist.Work:
         """An all_reduce whose result only the root keeps (the others reduce a copy)."""
         def run():
             for t in tensors:
                 self._all_reduce(t if self.rank() == _root_of(opts) else t.clone(),
                                  _op_of(opts))
-        return self._submit("reduce", tensors, run, tensors)
+        return self._submit("reduce", run, tensors)
 
+    @_staged("inout", "in")
     def gather(self, output_lists, inputs, opts=None) -> dist.Work:
         """An all_gather whose result only the root keeps."""
         def run():
             for i, inp in enumerate(inputs):
                 self._all_gather_list(output_lists[i] if output_lists else [], inp,
                                       keep=self.rank() == _root_of(opts))
-        return self._submit("gather", inputs, run, output_lists)
+        return self._submit("gather", run, output_lists)
 
+    @_staged("out", "in")
     def scatter(self, outputs, input_lists, opts=None) -> dist.Work:
         """The root's inputs broadcast as one buffer, each rank keeping its own piece."""
         def run():
@@ -513,18 +616,20 @@ class ProcessGroupOvercast(dist.ProcessGroup):
                          torch.empty((self.size(),) + tuple(out.shape), dtype=out.dtype))
                 self._broadcast(whole, _root_of(opts))
                 out.copy_(whole[self.rank()])
-        return self._submit("scatter", outputs, run, outputs)
+        return self._submit("scatter", run, outputs)
 
+    @_staged("out", "in")
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes,
                       opts=None) -> dist.Work:
         """Every rank's input gathered by every rank (P times the bytes an all-to-all needs:
         correct, not fast), after an all_gather of the split sizes."""
-        return self._submit("all_to_all_single", [output, input],
+        return self._submit("all_to_all_single",
                             lambda: self._all_to_all(output, input, list(output_split_sizes),
                                                      list(input_split_sizes)), [output])
 
     all_to_all_single = alltoall_base
 
+    @_staged("out", "in")
     def alltoall(self, outputs, inputs, opts=None) -> dist.Work:
         def run():
             flat_out = torch.empty(sum(o.numel() for o in outputs), dtype=outputs[0].dtype)
@@ -533,7 +638,7 @@ class ProcessGroupOvercast(dist.ProcessGroup):
                              [i.numel() for i in inputs])
             for o, piece in zip(outputs, flat_out.split([o.numel() for o in outputs])):
                 o.copy_(piece.view_as(o))
-        return self._submit("all_to_all", list(outputs) + list(inputs), run, outputs)
+        return self._submit("all_to_all", run, outputs)
 
     def _all_to_all(self, output, input, out_splits, in_splits) -> None:
         """Every rank's split sizes, what it sends and what it expects, are gathered first, so
@@ -603,4 +708,5 @@ def create(backend_opts, options=None) -> ProcessGroupOvercast:
 def register() -> None:
     """Register "overcast" with torch.distributed (once; importing overcast.distributed does)."""
     if BACKEND_NAME.upper() not in dist.Backend._plugins:
-        dist.Backend.register_backend(BACKEND_NAME, create, extended_api=True, devices=["cpu"])
+        dist.Backend.register_backend(BACKEND_NAME, create, extended_api=True,
+                                       devices=["cpu", "cuda"])

@@ -1,0 +1,236 @@
+"""CUDA tensors through overcast's collectives, which run on host memory: staged through pinned
+host buffers as gloo stages them.
+
+A call on CUDA tensors copies its inputs to pinned host memory on a CUDA stream, after what the
+caller's stream had queued; the collective runs on the host copies; its outputs are copied back on
+a stream, and an event recorded after those copies is what the caller's stream waits on. Both
+users, the torch.distributed backend (distributed/backend.py) and FSDP2's custom collectives
+(fsdp/collectives.py), take their host buffers from a `PinnedPool`, reused from call to call.
+
+Nothing here needs a GPU to import; a CUDA call needs torch built with CUDA.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from overcast.errors import InvalidArgumentError
+
+PINNED_BYTES_ENV = "OVERCAST_PINNED_BYTES"
+DEFAULT_PINNED_BYTES = 1 << 30
+_ALIGN = 1 << 20  # buffers are whole MiBs, so that sizes near each other reuse one buffer
+
+
+def pinned_limit() -> int:
+    """The bytes of pinned host memory a pool keeps (OVERCAST_PINNED_BYTES, default 1 GiB)."""
+    text = os.environ.get(PINNED_BYTES_ENV)
+    if text is None:
+        return DEFAULT_PINNED_BYTES
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise InvalidArgumentError(f"{PINNED_BYTES_ENV}={text!r} is not a number of bytes")
+    return value
+
+
+def device_of(tensors, what: str) -> torch.device | None:
+    """The one CUDA device `tensors` are on, or None if all are CPU tensors; a named
+    InvalidArgumentError for any other device, or for CPU and CUDA tensors (or two GPUs) in one
+    call, as gloo refuses them."""
+    found: torch.device | None = None
+    cpu = False
+    for t in tensors:
+        kind = t.device.type
+        if kind == "cpu":
+            cpu = True
+        elif kind == "cuda":
+            if found is not None and t.device != found:
+                raise InvalidArgumentError(f"{what}: tensors on {found} and {t.device} in one "
+                                           f"call; overcast stages one GPU's tensors per call")
+            found = t.device
+        else:
+            raise InvalidArgumentError(f"{what}: a tensor is on {t.device}; overcast moves CPU "
+                                       f"and CUDA tensors")
+    if found is not None and cpu:
+        raise InvalidArgumentError(f"{what}: CPU and CUDA ({found}) tensors in one call; give "
+                                   f"it tensors on one device")
+    return found
+
+
+@dataclass(eq=False)  # identity: list.remove must not compare the tensors
+class _Buffer:
+    memory: torch.Tensor                 # pinned uint8
+    ready: "torch.cuda.Event | None"     # the last copy from or into it, queued before release
+
+
+class PinnedPool:
+    """Pinned host buffers for staging, reused from call to call. It keeps at most `limit` bytes:
+    a buffer taken while the pool holds that much already is freed when given back instead of
+    kept (counted in `stats()["overflows"]`), so a demand above the limit still runs, and the
+    pool never waits for buffers another call holds (which could be its own caller's).
+
+    A buffer given back carries the event recorded after the last copy queued on it; taking it
+    for another copy makes that copy's stream wait on the event first, so no copy into a buffer
+    overtakes one still reading it. Thread-safe."""
+
+    def __init__(self, limit: int | None = None):
+        self.limit = pinned_limit() if limit is None else limit
+        self._lock = threading.Lock()
+        self._free: list[_Buffer] = []
+        self._held = 0            # bytes of buffers alive: free and taken
+        self._peak = 0
+        self._allocations = 0
+        self._overflows = 0
+        # id(view handed out) -> (its buffer, whether the buffer is kept when given back)
+        self._taken: dict[int, tuple[_Buffer, bool]] = {}
+
+    def take(self, nbytes: int, stream) -> torch.Tensor:
+        """A pinned uint8 tensor of `nbytes` (a view of a buffer at least that long), safe to
+        copy into on `stream` from now on."""
+        with self._lock:
+            fits = [b for b in self._free if b.memory.numel() >= nbytes]
+            keep = True
+            if fits:
+                buf = min(fits, key=lambda b: b.memory.numel())
+                self._free.remove(buf)
+            else:
+                size = max(_ALIGN, -(-nbytes // _ALIGN) * _ALIGN)
+                while self._free and self._held + size > self.limit:
+                    self._held -= self._free.pop(0).memory.numel()  # idle: free it for room
+                keep = self._held + size <= self.limit
+                self._overflows += not keep
+                self._held += size
+                self._allocations += 1
+                self._peak = max(self._peak, self._held)
+                buf = _Buffer(torch.empty(size, dtype=torch.uint8, pin_memory=True), None)
+            view = buf.memory[:nbytes]
+            self._taken[id(view)] = (buf, keep)
+        if buf.ready is not None:
+            stream.wait_event(buf.ready)
+        return view
+
+    def give(self, views: list[torch.Tensor], ready) -> None:
+        """Give back the buffers under `views` (from `take`), `ready` recorded after the last copy
+        queued on them."""
+        with self._lock:
+            for view in views:
+                buf, keep = self._taken.pop(id(view))
+                if keep:
+                    buf.ready = ready
+                    self._free.append(buf)
+                else:
+                    self._held -= buf.memory.numel()
+
+    def stats(self) -> dict:
+        """Bytes held now and at the peak, buffers allocated, and allocations over the limit."""
+        with self._lock:
+            return {"held_bytes": self._held, "peak_bytes": self._peak,
+                    "allocations": self._allocations, "overflows": self._overflows,
+                    "limit_bytes": self.limit}
+
+
+_pools: dict[int, PinnedPool] = {}
+_pools_lock = threading.Lock()
+
+
+def process_pool() -> PinnedPool:
+    """The process's one pool, shared by every group and model (its limit is per process)."""
+    with _pools_lock:
+        pool = _pools.get(os.getpid())  # a forked child starts its own
+        if pool is None:
+            pool = _pools[os.getpid()] = PinnedPool()
+        return pool
+
+
+def host_twin(t: torch.Tensor, pool: PinnedPool, stream, views: list) -> torch.Tensor:
+    """A contiguous pinned host tensor of t's dtype and shape, from `pool` (its view appended to
+    `views`, for giving back)."""
+    nbytes = t.numel() * t.element_size()
+    if nbytes == 0:
+        return torch.empty(t.shape, dtype=t.dtype)
+    raw = pool.take(nbytes, stream)
+    views.append(raw)
+    return raw.view(t.dtype).view(t.shape)
+
+
+class Staging:
+    """One call's staging on `stream`: host twins of its CUDA tensors, copies in (queued as the
+    caller's stream stood when the call was made), copies out, and the event after them.
+
+    `copy_in` and `twin` run on the caller's thread; `arrived` (waits for the copies in) and
+    `copy_out` on whichever thread runs the collective; `finished` is the event the caller's
+    stream waits on."""
+
+    def __init__(self, device: torch.device, stream, pool: PinnedPool):
+        self.device, self.stream, self.pool = device, stream, pool
+        self._views: list[torch.Tensor] = []
+        self._outputs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._originals: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(twin) -> both
+        self._in = torch.cuda.Event()
+        self.finished: "torch.cuda.Event | None" = None
+        caller = torch.cuda.current_stream(device)
+        if stream != caller:
+            stream.wait_stream(caller)
+
+    def twin(self, t: torch.Tensor, *, read: bool, written: bool) -> torch.Tensor:
+        """t's host twin: filled from t if the collective reads it, copied back into t after
+        if it writes it. t is kept from the caching allocator's reuse until the copies on the
+        stream are done."""
+        host = host_twin(t, self.pool, self.stream, self._views)
+        if host.numel():
+            t.record_stream(self.stream)
+            if read:
+                with torch.cuda.stream(self.stream):
+                    host.copy_(t, non_blocking=True)
+            if written:
+                self._outputs.append((t, host))
+        self._originals[id(host)] = (host, t)
+        return host
+
+    def original(self, host: torch.Tensor) -> torch.Tensor | None:
+        """The CUDA tensor `host` is the twin of, or None."""
+        pair = self._originals.get(id(host))
+        return pair[1] if pair is not None and pair[0] is host else None
+
+    def sealed(self) -> None:
+        """Every twin made: mark the point the copies in end at."""
+        self._in.record(self.stream)
+
+    def arrived(self) -> None:
+        """Block until the copies in are done (the host may read the twins)."""
+        self._in.synchronize()
+
+    def copy_out(self, extra: list[tuple[torch.Tensor, torch.Tensor]] = ()) -> None:
+        """Queue the copies of the written twins (and of `extra` (host, device) pairs) back to
+        the GPU, record `finished` after them, and give the buffers back to the pool. The host
+        does not wait for them."""
+        with torch.cuda.stream(self.stream):
+            for t, host in self._outputs:
+                t.copy_(host, non_blocking=True)
+            for host, t in extra:
+                t.copy_(host, non_blocking=True)
+            self.finished = torch.cuda.Event()
+            self.finished.record(self.stream)
+        self.release()
+
+    def release(self) -> None:
+        """Give the buffers back (after `copy_out`, or when the call failed before it)."""
+        views, self._views = self._views, []
+        if views:
+            ready = self.finished
+            if ready is None:
+                ready = torch.cuda.Event()
+                ready.record(self.stream)
+            self.pool.give(views, ready)
+
+    def order_caller(self) -> None:
+        """Make the caller's current stream wait for the copies out (Work.wait's part on the
+        GPU: the host does not block on them)."""
+        if self.finished is not None:
+            torch.cuda.current_stream(self.device).wait_event(self.finished)

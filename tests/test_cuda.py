@@ -1,0 +1,156 @@
+"""overcast with CUDA tensors, on a machine with a GPU (skipped elsewhere, saying why): the
+backend's collectives bit-exact against gloo's, the caller's stream ordering kept, DDP and FSDP2
+(alone and through overlap()) trained on the GPU as one process trains on the CPU, and the pinned
+host memory of the staging reused, bounded, and the GPU's memory flat. Every rank shares the
+machine's first GPU. `tools/cuda_checks` runs these with one line per check."""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import overcast.fsdp
+from overcast.cluster.launch import loopback_placements, run_ranks
+from overcast.errors import InvalidArgumentError
+from overcast.staging import process_pool
+from test_backend import LINK, SETTINGS, against_gloo, batch, small_model, start, train
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
+                                reason="no CUDA GPU here (torch.cuda.is_available() is False)")
+
+CUDA_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int32]
+SPIN = 50_000_000  # GPU cycles torch.cuda._sleep keeps a stream busy: tens of milliseconds
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("settings", ["ring", "fastest"])
+def test_cuda_collectives_agree_with_gloo(world, settings):
+    results = run_ranks(against_gloo, loopback_placements(world, SETTINGS[settings]),
+                        args=("cuda", CUDA_DTYPES), timeout=300)
+    for r in results:
+        assert r["differ"] == [], r["differ"]
+
+
+def stream_order(rank):
+    """Each of FSDP2's collectives, and all_reduce, with the caller's stream kept busy before
+    the call: what the stream queued before the call reads the old values, what it runs after
+    wait() the results; a future's value waited on from another stream too."""
+    start()
+    torch.cuda.set_device(0)
+    world = dist.get_world_size()
+    total = float(sum(2 * (r + 1) for r in range(world)))
+    seen = {}
+
+    x = torch.full((1 << 20,), float(rank + 1), device="cuda")
+    torch.cuda._sleep(SPIN)
+    x.mul_(2)                      # queued behind the spin: the collective must read it
+    before = x.clone()             # queued before the call: must not see the sum
+    work = dist.all_reduce(x, async_op=True)
+    work.wait()
+    after = x.clone()              # queued after wait(): must see it
+    seen["all_reduce before"] = bool((before == 2 * (rank + 1)).all())
+    seen["all_reduce after"] = bool((after == total).all())
+
+    shard = torch.full((1 << 18,), float(rank), device="cuda")
+    gathered = torch.empty(world << 18, device="cuda")
+    torch.cuda._sleep(SPIN)
+    shard.add_(1)
+    work = dist.all_gather_into_tensor(gathered, shard, async_op=True)
+    work.wait()
+    expect = torch.arange(1, world + 1, device="cuda").repeat_interleave(1 << 18).float()
+    seen["all_gather after"] = bool(torch.equal(gathered, expect))
+
+    grads = torch.full((world << 18,), float(rank + 1), device="cuda")
+    out = torch.zeros(1 << 18, device="cuda")
+    torch.cuda._sleep(SPIN)
+    grads.mul_(2)
+    dist.reduce_scatter_tensor(out, grads)   # synchronous, as FSDP2 calls it
+    seen["reduce_scatter after"] = bool((out == total).all())
+
+    y = torch.full((4,), float(rank + 1), device="cuda")
+    torch.cuda._sleep(SPIN)
+    y.mul_(2)
+    future = dist.all_reduce(y, async_op=True).get_future()
+    other = torch.cuda.Stream()
+    with torch.cuda.stream(other):
+        value = future.wait()[0] * 1   # `other` waits for the copy back
+    other.synchronize()
+    seen["future on another stream"] = bool((value == total).all())
+    dist.destroy_process_group()
+    return seen
+
+
+@pytest.mark.parametrize("settings", ["ring", "fastest"])
+def test_cuda_streams_are_ordered_as_the_callers(settings):
+    for seen in run_ranks(stream_order, loopback_placements(2, SETTINGS[settings]),
+                          timeout=120):
+        assert seen and all(seen.values()), seen
+
+
+def mixed_devices(rank):
+    start()
+    said = {}
+    for what, call in [
+            ("cpu and cuda", lambda: dist.all_gather_into_tensor(
+                torch.empty(2, device="cuda"), torch.ones(1))),
+            ("meta", lambda: dist.all_reduce(torch.ones(3, device="meta")))]:
+        try:
+            call()
+            said[what] = None
+        except InvalidArgumentError as err:
+            said[what] = str(err)
+    dist.destroy_process_group()
+    return said
+
+
+def test_mixed_devices_are_refused_by_name():
+    said = run_ranks(mixed_devices, loopback_placements(1), timeout=60)[0]
+    assert "CPU and CUDA" in said["cpu and cuda"]
+    assert "meta" in said["meta"]
+
+
+@pytest.mark.parametrize("how", ["ddp", "fsdp", "overlap"])
+def test_cuda_training_on_the_backend_matches_one_process(how):
+    for r in run_ranks(train, loopback_placements(2, LINK), args=(how, "cuda"), timeout=180):
+        assert r["param"] < 1e-5 and r["loss"] < 1e-5 and r["own_communicator"], r
+
+
+def overlapped_steps(rank, steps):
+    """FSDP2 through overlap() on the GPU: per step, the pool's pinned bytes and allocations
+    and the GPU memory allocated at the step's end."""
+    start()
+    torch.cuda.set_device(0)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    world = dist.get_world_size()
+    model = small_model().cuda()
+    mesh = init_device_mesh("cuda", (world,))
+    for layer in (model[0], model[2], model[4]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    rows = []
+    with overcast.fsdp.overlap(model) as handle:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(steps):
+            x, y = batch(step)
+            part = slice(rank * len(x) // world, (rank + 1) * len(x) // world)
+            nn.functional.mse_loss(model(x[part].cuda()), y[part].cuda()).backward()
+            opt.step()
+            opt.zero_grad()
+            torch.cuda.synchronize()
+            rows.append({**process_pool().stats(), "gpu": torch.cuda.memory_allocated()})
+        staging = handle.stats()
+    dist.destroy_process_group()
+    return {"rows": rows, "staging": staging}
+
+
+def test_cuda_overlap_reuses_pinned_memory_and_keeps_gpu_memory_flat():
+    steps = 50
+    for r in run_ranks(overlapped_steps, loopback_placements(2, LINK), args=(steps,),
+                       timeout=300):
+        rows = r["rows"]
+        assert rows[2]["allocations"] == rows[-1]["allocations"], rows  # reused after warm-up
+        assert all(row["overflows"] == 0 and row["held_bytes"] <= row["limit_bytes"]
+                   for row in rows), rows[-1]
+        assert rows[2]["gpu"] == rows[-1]["gpu"], (rows[2], rows[-1])
+        assert r["staging"]["staging_in_seconds"] > 0 and r["staging"]["staging_out_seconds"] > 0
