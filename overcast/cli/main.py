@@ -196,19 +196,23 @@ def _train(args) -> int:
         shapes = [("default" if given == GPTConfig() else "given", given)]
     for _, cfg in shapes:
         check_request(ways, args.hosts, args.steps, args.warmup, args.link_mbit * 1e6, cfg,
-                      args.lr, args.prefetch)
+                      args.lr, args.prefetch, args.device)
     os.makedirs(args.out, exist_ok=True)
     # torch loads with these: only once every flag has been checked
     from overcast.train.compare import run_training
-    from overcast.train.report import matrix_table, table, write
+    from overcast.train.report import matrix_table, staging_lines, table, write
     bar, progress = _progress(console)
     with bar:
         doc = run_training(args.hosts, int(args.link_mbit * 1e6), ways, args.steps, args.warmup,
                            shapes, lr=args.lr, out_dir=args.out, progress=progress,
-                           prefetch=args.prefetch, sched_trace=args.sched_trace)
+                           prefetch=args.prefetch, sched_trace=args.sched_trace,
+                           device=args.device)
     doc["meta"]["command"] = "overcast " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     for run in doc["shapes"]:
         console.print(table(doc, run))
+        if args.device == "cuda":
+            for line in staging_lines(run):
+                console.print(line)
     if len(doc["shapes"]) > 1:
         console.print(matrix_table(doc))
     for path in write(doc, args.out):
@@ -337,6 +341,10 @@ def parser() -> argparse.ArgumentParser:
                         "others' (4%% on the small shape run alone), so compare step times "
                         "without")
     t.add_argument("--lr", type=float, default=1e-3)
+    t.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="where each host's rank trains: cpu, or cuda (every host's rank on this "
+                        "machine's first GPU; overcast stages through pinned host memory); "
+                        "default cpu")
     t.add_argument("--out", default="out/train", help="folder for results, plots and traces")
     t.set_defaults(func=_train)
 

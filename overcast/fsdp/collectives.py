@@ -10,6 +10,13 @@ pass waits for it at its end, so that the next blocks compute and gather beside 
 a GPU (docs/fsdp.md). The same objects can call the process group's collectives instead, so that
 FSDP2's own path is timed the same way.
 
+On a GPU, FSDP2 calls them on its own streams and records an event right after each; through
+overcast, the input is copied to pinned host memory on that stream (the training thread waits for
+that copy), the collective runs on the host, and the output's copy back is queued on the same
+stream when the training thread waits for it: before FSDP2's event for a synchronous call, before
+the waiting stream goes on for an asynchronous one. A ReduceScatter on a GPU is therefore never
+deferred: FSDP2 reads its output on its stream at once.
+
 The training thread only posts and waits; `CommTime` counts how long it spends doing each. Each
 collective is also a `torch.profiler` range ("overcast AllGather blocks.1 (multicast)") from its
 post to the end of its wait, so the overlap shows in the traces users already take.
@@ -28,6 +35,7 @@ from torch.autograd.profiler import record_function
 
 from overcast.engine.engine import Work
 from overcast.errors import InvalidArgumentError
+from overcast.staging import Staging, device_of, process_pool
 from overcast.torch_api import (AllGather, ReduceScatter, RedOpType, all_gather_single, is_bw,
                                 output_unread, param_groups, premul_factor,
                                 reduce_scatter_input_buffers, reduce_scatter_single,
@@ -66,6 +74,19 @@ class CommTime:
     # with keep_labels: (kind "AG"/"RS", label, posted, waited) per collective, perf_counter
     # seconds; the time each was in flight as the training thread saw it, either backend
     spans: list[tuple[str, str, float, float]] = field(default_factory=list)
+    # on a GPU: each staged collective's (copies in, copies out) as CUDA event pairs, until
+    # they are read into the seconds below
+    staged: list = field(default_factory=list)
+    staging_in_seconds: float = 0.0    # GPU time of the copies to the host
+    staging_out_seconds: float = 0.0   # ... and back
+
+    def read_staging(self) -> None:
+        """Add up the staging copies' GPU time so far (waits for the copies still queued)."""
+        for (in0, in1), (out0, out1) in self.staged:
+            out1.synchronize()
+            self.staging_in_seconds += in0.elapsed_time(in1) / 1e3
+            self.staging_out_seconds += out0.elapsed_time(out1) / 1e3
+        self.staged.clear()
 
     @property
     def seconds(self) -> float:
@@ -73,7 +94,10 @@ class CommTime:
         return self.post_seconds + self.wait_seconds
 
     def as_dict(self) -> dict:
+        self.read_staging()
         return {"post_seconds": self.post_seconds, "wait_seconds": self.wait_seconds,
+                "staging_in_seconds": self.staging_in_seconds,
+                "staging_out_seconds": self.staging_out_seconds,
                 "thread_cpu_seconds": self.thread_cpu_seconds,
                 "run_delay_seconds": self.run_delay_seconds, "allgathers": self.allgathers,
                 "reduce_scatters": self.reduce_scatters}
@@ -122,19 +146,29 @@ class TimedWork(dist.Work):
     """A collective in flight, overcast's or torch's, seen as a torch.distributed Work (so that
     FSDP2 waits on it), its wait timed into `CommTime`."""
 
-    def __init__(self, work, times: CommTime, in_flight: _InFlight):
+    def __init__(self, work, times: CommTime, in_flight: _InFlight,
+                 staged: "_Staged | None" = None):
         super().__init__()
         self._work, self._times, self._in_flight = work, times, in_flight
+        self._staged = staged
 
     def wait(self, timeout=None) -> bool:
         """As torch's: a timeout of None or zero waits for as long as it takes."""
         if timeout is not None and not timeout.total_seconds():
             timeout = None
         with _Clock(self._times, "wait"):
-            if isinstance(self._work, dist.Work):
-                done = self._work.wait() if timeout is None else self._work.wait(timeout)
-            else:
-                done = self._work.wait(None if timeout is None else timeout.total_seconds())
+            try:
+                if isinstance(self._work, dist.Work):
+                    done = self._work.wait() if timeout is None else self._work.wait(timeout)
+                else:
+                    done = self._work.wait(None if timeout is None else timeout.total_seconds())
+            except BaseException:
+                if self._staged is not None and self._work.is_completed():
+                    self._staged.staging.release()
+                raise
+            if self._staged is not None:
+                self._staged.copy_back()
+                self._staged = None
         self._in_flight.end()  # both raise if the collective is not done
         return done
 
@@ -145,6 +179,45 @@ class TimedWork(dist.Work):
 _NAMES = {"AG": "AllGather", "RS": "ReduceScatter"}
 
 
+class _Staged:
+    """A collective's CUDA output and input through pinned host twins, staged on the stream
+    current at the call (FSDP2's), the copies' GPU time kept in `times`."""
+
+    def __init__(self, output: torch.Tensor, input: torch.Tensor, times: CommTime):
+        device = output.device
+        stream = torch.cuda.current_stream(device)
+        self.times = times
+        self.staging = Staging(device, stream, process_pool())
+        self._in = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+        self._in[0].record(stream)
+        self.input = self.staging.twin(input, read=True, written=False)
+        self.output = self.staging.twin(output, read=False, written=True)
+        self._in[1].record(stream)
+        self.staging.sealed()
+        self.staging.arrived()  # the host reads the input from here on
+
+    def copy_back(self) -> None:
+        """Queue the output's copy to the GPU on the call's stream; make the current stream
+        (the call's, or the one waiting on an asynchronous call) wait for it."""
+        start = torch.cuda.Event(enable_timing=True)
+        start.record(self.staging.stream)
+        self.staging.copy_out()
+        end = torch.cuda.Event(enable_timing=True)
+        end.record(self.staging.stream)
+        self.times.staged.append((self._in, (start, end)))
+        self.staging.order_caller()
+
+
+def stage_on_host(output: torch.Tensor, input: torch.Tensor, times: CommTime, what: str) -> \
+        _Staged | None:
+    """Host twins of a collective's CUDA tensors (the training thread's time counted as
+    posting), or None for CPU tensors."""
+    if device_of([output, input], what) is None:
+        return None
+    with _Clock(times, "post"):
+        return _Staged(output, input, times)
+
+
 class _Hook:
     """One module's collective for FSDP2: posted asynchronously and timed; waited on here if
     FSDP asked for a synchronous call. `comm` None means the process group's own."""
@@ -153,12 +226,13 @@ class _Hook:
         self.comm, self.algorithm, self.label, self.times = comm, algorithm, label, times
 
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        if device.type != "cpu":
-            raise InvalidArgumentError(f"overcast moves CPU tensors only; FSDP asked for a "
+        if torch.device(device).type not in ("cpu", "cuda"):
+            raise InvalidArgumentError(f"overcast moves CPU and CUDA tensors; FSDP asked for a "
                                        f"buffer on {device}")
         return torch.empty(*size, dtype=dtype, device=device)
 
-    def _post(self, kind: str, issue, algorithm: str | None) -> TimedWork:
+    def _post(self, kind: str, issue, algorithm: str | None,
+              staging: _Staged | None = None) -> TimedWork:
         name = f"overcast {_NAMES[kind]} {self.label} ({algorithm or 'process group'})"
         with _Clock(self.times, "post"):
             in_flight = _InFlight(self.times, kind, self.label, name)
@@ -166,6 +240,8 @@ class _Hook:
                 work = issue()
             except BaseException:
                 in_flight.end()
+                if staging is not None:
+                    staging.staging.release()
                 raise
             if kind == "AG":
                 self.times.allgathers += 1
@@ -173,7 +249,7 @@ class _Hook:
                 self.times.reduce_scatters += 1
             if self.times.keep_labels and isinstance(work, Work):
                 self.times.labels[work.seq] = f"{kind} {self.label}"
-        return TimedWork(work, self.times, in_flight)
+        return TimedWork(work, self.times, in_flight, staging)
 
 
 class TimedAllGather(_Hook, AllGather):
@@ -197,13 +273,17 @@ class TimedAllGather(_Hook, AllGather):
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                  group: dist.ProcessGroup, async_op: bool = False):
         algorithm = None if self.comm is None else self._algorithm()
+        staging = None
         if self.comm is None:
             issue = lambda: all_gather_single(output_tensor, input_tensor,  # noqa: E731
                                               group=group, async_op=True)
         else:
-            issue = lambda: self.comm.all_gather(output_tensor, input_tensor,  # noqa: E731
-                                                 async_op=True, algorithm=algorithm)
-        work = self._post("AG", issue, algorithm)
+            staging = stage_on_host(output_tensor, input_tensor, self.times, "AllGather")
+            out, inp = (staging.output, staging.input) if staging else (output_tensor,
+                                                                        input_tensor)
+            issue = lambda: self.comm.all_gather(out, inp, async_op=True,  # noqa: E731
+                                                 algorithm=algorithm)
+        work = self._post("AG", issue, algorithm, staging)
         if async_op:
             return work
         work.wait()
@@ -296,9 +376,10 @@ class TimedReduceScatter(_Hook, ReduceScatter):
                  group: dist.ProcessGroup, op, async_op: bool = False):
         groups = param_groups(self.module) if self.deferred is not None else None
         deferrable = not async_op and groups is not None and \
-            output_unread(groups, output_tensor, op)
+            output_tensor.device.type == "cpu" and output_unread(groups, output_tensor, op)
         if deferrable:
             self.deferred.make_room(reduce_scatter_input_buffers(groups[0]))
+        staging = None
         if self.comm is None:
             group = self.group or group
             op = premultiplied(op, input_tensor, group)
@@ -306,10 +387,12 @@ class TimedReduceScatter(_Hook, ReduceScatter):
                                                   group=group, op=op, async_op=True)
         else:
             name = reduce_op(premultiplied(op, input_tensor, None))
-            issue = lambda: self.comm.reduce_scatter(output_tensor, input_tensor,  # noqa: E731
-                                                     op=name, async_op=True,
-                                                     algorithm=self.algorithm)
-        work = self._post("RS", issue, self.algorithm)
+            staging = stage_on_host(output_tensor, input_tensor, self.times, "ReduceScatter")
+            out, inp = (staging.output, staging.input) if staging else (output_tensor,
+                                                                        input_tensor)
+            issue = lambda: self.comm.reduce_scatter(out, inp, op=name,  # noqa: E731
+                                                     async_op=True, algorithm=self.algorithm)
+        work = self._post("RS", issue, self.algorithm, staging)
         if async_op:
             return work
         if not (deferrable and self.deferred.add(work)):

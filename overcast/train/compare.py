@@ -116,6 +116,12 @@ def summarize(way: str, per_rank: list[dict], warmup: int, switch_cpu: float | N
             r["comm"]["thread_cpu_seconds"] for r in per_rank) / steps,
         "aggregator_cpu_seconds_per_step": switch_cpu / steps if switch_cpu is not None
         else None,
+        # on a GPU: the staging copies' GPU time, the pinned host memory and GPU memory held
+        "staging_seconds": median_of_means("staging_seconds"),
+        "pinned_peak_bytes": max(r["pinned_peak_bytes"] for r in per_rank),
+        "gpu_memory_growth_bytes": max(r["steps"][-1]["gpu_memory_bytes"] -
+                                       r["steps"][min(warmup, steps - 1)]["gpu_memory_bytes"]
+                                       for r in per_rank),
     }
 
 
@@ -154,14 +160,14 @@ def prediction(cfg: GPTConfig, hosts: int, link_bits: float, results: list[dict]
 def run_training(hosts: int, link_bits: int, ways: list[str], steps: int, warmup: int,
                  shapes: list[tuple[str, GPTConfig]], lr: float = 1e-3,
                  out_dir: str | None = None, progress=None, prefetch: int = 1,
-                 sched_trace: bool = True) -> dict:
+                 sched_trace: bool = True, device: str = "cpu") -> dict:
     """Train every shape every way on one cluster; return {"meta": ..., "shapes": [...]} and,
     with `out_dir`, write the backward-step timelines of the overcast ways there.
     `sched_trace` records the scheduler to say what the training threads waited behind
     (overcast.train.waits); it slows overcast's steps more than the others' where steps are
     short (docs/results.md), so step times meant for comparison are best taken without it."""
     for _, cfg in shapes:
-        check_request(ways, hosts, steps, warmup, link_bits, cfg, lr, prefetch)
+        check_request(ways, hosts, steps, warmup, link_bits, cfg, lr, prefetch, device)
     import torch  # imported once here so that forked hosts start fast
 
     runs, total = [], len(shapes) * len(ways)
@@ -180,7 +186,7 @@ def run_training(hosts: int, link_bits: int, ways: list[str], steps: int, warmup
                     traced = why_untraced is None and sched.start()
                     per_rank = cluster.run(train_rank, timeout=1800,
                                            args=(way, cfg.as_dict(), steps, lr, trace,
-                                                 prefetch))
+                                                 prefetch, device))
                     if traced:
                         attribute_waits(sched.stop(), per_rank, switch.pid if switch else None)
                 switch_cpu = process_cpu_seconds(switch.pid) - cpu0 if cpu0 is not None else None
@@ -204,7 +210,8 @@ def run_training(hosts: int, link_bits: int, ways: list[str], steps: int, warmup
             progress(total, total, "done")
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "hosts": hosts, "link_bits_per_s": link_bits, "steps": steps, "warmup": warmup,
-            "lr": lr, "prefetch": prefetch, "cpu_waits_measured": delays_kept, "machine": machine(),
+            "lr": lr, "prefetch": prefetch, "device": device, "cpu_waits_measured": delays_kept,
+            "machine": machine(),
             "cpu_waits_traced": why_untraced is None, "untraced_because": why_untraced,
             "torch": torch.__version__}
     return {"meta": meta, "shapes": runs}

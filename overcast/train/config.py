@@ -77,10 +77,14 @@ WAYS = {
 OVERCAST_WAYS = ("overcast-ring", "overcast")
 
 
+DEVICES = ("cpu", "cuda")
+
+
 def check_request(ways: list[str], hosts: int, steps: int, warmup: int,
                   link_bits: float = 1e8, cfg: GPTConfig = GPTConfig(), lr: float = 1e-3,
-                  prefetch: int = 1) -> None:
-    """Raise ValueError naming what is wrong, before any cluster is built."""
+                  prefetch: int = 1, device: str = "cpu") -> None:
+    """Raise ValueError naming what is wrong, before any cluster is built (or CUDA touched:
+    the hosts are forked)."""
     unknown = [w for w in ways if w not in WAYS]
     if unknown or not ways:
         raise ValueError(f"unknown way {', '.join(unknown) or '(none)'}; available: "
@@ -102,3 +106,17 @@ def check_request(ways: list[str], hosts: int, steps: int, warmup: int,
         raise ValueError(f"--lr must be above 0, not {lr:g}")
     if prefetch < 1:
         raise ValueError(f"--prefetch must be 1 or more blocks, not {prefetch}")
+    if device not in DEVICES:
+        raise ValueError(f"--device must be one of {', '.join(DEVICES)}, not {device!r}")
+    if device == "cuda" and not cuda_visible():
+        raise ValueError("--device cuda: no CUDA GPU is visible here (torch.cuda reports "
+                         "none)")
+
+
+def cuda_visible() -> bool:
+    """Whether torch sees a CUDA GPU, asked through NVML so that CUDA is not initialized in
+    this process (its forked children could not use it then)."""
+    import os
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+    import torch
+    return torch.cuda.is_available()

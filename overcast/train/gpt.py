@@ -45,7 +45,8 @@ class TinyGPT(nn.Module):
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The mean next-token cross-entropy of `tokens` against `targets`."""
-        x = self.embed(tokens) + self.position(torch.arange(tokens.shape[1]))
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        x = self.embed(tokens) + self.position(positions)
         for block in self.blocks:
             x = block(x)
         logits = self.head(self.norm(x))

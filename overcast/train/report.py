@@ -188,3 +188,12 @@ def write(doc: dict, out_dir: str) -> list[str]:
         plot_steps(doc, run, steps)
         paths += [losses, steps]
     return paths
+
+
+def staging_lines(run: dict) -> list[str]:
+    """On a GPU, per way: the staging copies' GPU time per step beside the step, the pinned
+    host memory held at the peak, and how much GPU memory grew after the warm-up."""
+    return [f"{r['way']}: staging copies {r['staging_seconds'] * 1e3:.1f} ms/step of "
+            f"{r['step_seconds'] * 1e3:.0f} ms; pinned peak {r['pinned_peak_bytes'] / 2**20:.0f} "
+            f"MiB per rank; GPU memory growth {r['gpu_memory_growth_bytes'] / 2**20:.1f} MiB"
+            for r in run["results"]]

@@ -42,23 +42,29 @@ def engine_python_cpu(handle) -> float:
 
 
 def train_rank(rank: int, way: str, config: dict, steps: int, lr: float, trace: bool,
-               prefetch: int) -> dict:
-    """Train `steps` steps; return per-step loss, time, communication seconds, CPU, and the NIC
-    bytes of the whole run; with `trace`, the last step's backward timeline (overcast ways)."""
+               prefetch: int, device: str = "cpu") -> dict:
+    """Train `steps` steps on `device` ("cpu", or "cuda": every rank on this host's first GPU);
+    return per-step loss, time, communication seconds, CPU, and the NIC bytes of the whole
+    run; with `trace`, the last step's backward timeline (overcast ways); on a GPU, the GPU
+    memory each step ends with and the pinned host memory staging held at its peak."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     from overcast.cluster.netns import read_nic_counters
     from overcast.fsdp.collectives import thread_clock
+    from overcast.staging import process_pool
     from overcast.train.gpt import build, rank_batch, shard
 
     warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
     cfg = GPTConfig(**config)
     dist.init_process_group("gloo")
     world = dist.get_world_size()
+    gpu = device == "cuda"
+    if gpu:
+        torch.cuda.set_device(0)
     try:
-        model = shard(build(cfg), init_device_mesh("cpu", (world,)))
+        model = shard(build(cfg), init_device_mesh(device, (world,)))
         with configure(model, way, trace, prefetch) as handle:
             optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
             times = handle.times
@@ -75,7 +81,8 @@ def train_rank(rank: int, way: str, config: dict, steps: int, lr: float, trace: 
                 for m in range(micro):  # gradient accumulation: only the last one reduces
                     if micro > 1:
                         model.set_requires_gradient_sync(m == micro - 1)
-                    inputs, targets = rank_batch(cfg, step * micro + m, rank, world)
+                    inputs, targets = (t.to(device) for t in
+                                       rank_batch(cfg, step * micro + m, rank, world))
                     forward_start, comm0 = time.monotonic(), times.seconds
                     loss = model(inputs, targets)
                     backward_start, comm1 = time.monotonic(), times.seconds
@@ -103,6 +110,9 @@ def train_rank(rank: int, way: str, config: dict, steps: int, lr: float, trace: 
                              "comm_thread_cpu_seconds": comm["thread_cpu_seconds"],
                              "comm_run_delay_seconds": comm["run_delay_seconds"],
                              "engine_python_cpu_seconds": engine_python_cpu(handle) - engine0,
+                             "staging_seconds": comm["staging_in_seconds"] +
+                             comm["staging_out_seconds"],
+                             "gpu_memory_bytes": torch.cuda.memory_allocated() if gpu else 0,
                              # the last micro-step's: the one that reduces gradients
                              "backward_window": [backward_start, backward_end]})
             nic = read_nic_counters() - nic0
@@ -111,6 +121,7 @@ def train_rank(rank: int, way: str, config: dict, steps: int, lr: float, trace: 
             return {"steps": rows, "tx_bytes": nic.tx_bytes, "rx_bytes": nic.rx_bytes,
                     "pid": os.getpid(), "training_tid": threading.get_native_id(),
                     "comm": handle.stats(),
+                    "pinned_peak_bytes": process_pool().stats()["peak_bytes"] if gpu else 0,
                     "trace": _window(timeline, *backward) if timeline else None}
     finally:
         dist.destroy_process_group()
