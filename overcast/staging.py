@@ -12,6 +12,7 @@ Nothing here needs a GPU to import; a CUDA call needs torch built with CUDA.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import threading
 from dataclasses import dataclass
@@ -21,6 +22,7 @@ import torch
 from overcast.errors import InvalidArgumentError
 
 PINNED_BYTES_ENV = "OVERCAST_PINNED_BYTES"
+GATES_ENV = "OVERCAST_STREAM_GATES"  # "0": no gates; a synchronous ReduceScatter then blocks
 DEFAULT_PINNED_BYTES = 1 << 30
 _ALIGN = 1 << 20  # buffers are whole MiBs, so that sizes near each other reuse one buffer
 
@@ -206,10 +208,12 @@ class Staging:
         """Block until the copies in are done (the host may read the twins)."""
         self._in.synchronize()
 
-    def copy_out(self, extra: list[tuple[torch.Tensor, torch.Tensor]] = ()) -> None:
+    def copy_out(self, extra: list[tuple[torch.Tensor, torch.Tensor]] = (),
+                 release: bool = True) -> None:
         """Queue the copies of the written twins (and of `extra` (host, device) pairs) back to
-        the GPU, record `finished` after them, and give the buffers back to the pool. The host
-        does not wait for them."""
+        the GPU, record `finished` after them, and give the buffers back to the pool (unless
+        not `release`: queued behind a gate, they are copied once the collective is done, and
+        the caller releases them then). The host does not wait for them."""
         with torch.cuda.stream(self.stream):
             for t, host in self._outputs:
                 t.copy_(host, non_blocking=True)
@@ -217,7 +221,8 @@ class Staging:
                 t.copy_(host, non_blocking=True)
             self.finished = torch.cuda.Event()
             self.finished.record(self.stream)
-        self.release()
+        if release:
+            self.release()
 
     def release(self) -> None:
         """Give the buffers back (after `copy_out`, or when the call failed before it)."""
@@ -234,3 +239,80 @@ class Staging:
         GPU: the host does not block on them)."""
         if self.finished is not None:
             torch.cuda.current_stream(self.device).wait_event(self.finished)
+
+
+class StreamGates:
+    """Gates a CUDA stream stops at until the host opens them, so that an operation queued on a
+    stream behind a gate (a collective's copy back) waits for the host (the collective) without
+    the host waiting: the stream waits for a word of pinned host memory to reach a value
+    (the driver's cuStreamWaitValue32), and the host writes the value.
+
+    The words are a ring of SLOTS, each gate the next slot with a value higher than that slot's
+    last; a slot is not given out again before its last gate opened, so a gate opens only when
+    its own collective is done, never by a later one. Thread-safe."""
+
+    SLOTS = 256
+    _WAIT_GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ
+
+    def __init__(self):
+        libcuda = ctypes.CDLL("libcuda.so.1")
+        self._wait = getattr(libcuda, "cuStreamWaitValue32_v2", None) or \
+            libcuda.cuStreamWaitValue32
+        self._wait.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
+        self._wait.restype = ctypes.c_int
+        self._words = torch.zeros(self.SLOTS, dtype=torch.int32, pin_memory=True)
+        self._host = self._words.numpy()
+        device_pointer = ctypes.c_uint64()
+        get = getattr(libcuda, "cuMemHostGetDevicePointer_v2", None)
+        if get is None or get(ctypes.byref(device_pointer),
+                              ctypes.c_void_p(self._words.data_ptr()), 0) != 0:
+            device_pointer.value = self._words.data_ptr()  # unified addressing: the same
+        self._base = device_pointer.value
+        self._lock = threading.Condition()
+        self._count = 0
+        self._opened = [0] * self.SLOTS  # the value each slot was last opened with
+        probe = torch.cuda.Stream()  # a gate already open: the driver must take it
+        code = self._wait(ctypes.c_void_p(probe.cuda_stream), ctypes.c_uint64(self._base), 0,
+                          self._WAIT_GEQ)
+        probe.synchronize()
+        if code != 0:
+            raise RuntimeError(f"cuStreamWaitValue32 failed with CUresult {code}")
+
+    def close_on(self, stream):
+        """Queue a gate on `stream`; returns the function that opens it (call it once)."""
+        with self._lock:
+            slot, value = self._count % self.SLOTS, self._count // self.SLOTS + 1
+            self._lock.wait_for(lambda: self._opened[slot] == value - 1)
+            self._count += 1
+        code = self._wait(ctypes.c_void_p(stream.cuda_stream),
+                          ctypes.c_uint64(self._base + 4 * slot), ctypes.c_uint32(value),
+                          self._WAIT_GEQ)
+        if code != 0:
+            self._open(slot, value)
+            raise RuntimeError(f"cuStreamWaitValue32 failed with CUresult {code}")
+        return lambda: self._open(slot, value)
+
+    def _open(self, slot: int, value: int) -> None:
+        with self._lock:
+            self._host[slot] = value  # after the collective's writes: x86 stores stay in order
+            self._opened[slot] = value
+            self._lock.notify_all()
+
+
+_gates: dict[int, "StreamGates | None"] = {}
+
+
+def stream_gates() -> StreamGates | None:
+    """The process's gates, or None where the driver offers none (or OVERCAST_STREAM_GATES=0):
+    a synchronous collective on CUDA tensors then blocks the host until its result is back."""
+    with _pools_lock:
+        pid = os.getpid()
+        if pid not in _gates:
+            gates = None
+            if os.environ.get(GATES_ENV, "1") != "0":
+                try:
+                    gates = StreamGates()
+                except (OSError, AttributeError, RuntimeError):
+                    gates = None
+            _gates[pid] = gates
+        return _gates[pid]

@@ -12,7 +12,7 @@ import torch.nn as nn
 import overcast.fsdp
 from overcast.cluster.launch import loopback_placements, run_ranks
 from overcast.errors import InvalidArgumentError
-from overcast.staging import process_pool
+from overcast.staging import process_pool, stream_gates
 from test_backend import LINK, SETTINGS, against_gloo, batch, small_model, start, train
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
@@ -109,9 +109,13 @@ def test_mixed_devices_are_refused_by_name():
     assert "meta" in said["meta"]
 
 
-@pytest.mark.parametrize("how", ["ddp", "fsdp", "overlap"])
-def test_cuda_training_on_the_backend_matches_one_process(how):
-    for r in run_ranks(train, loopback_placements(2, LINK), args=(how, "cuda"), timeout=180):
+@pytest.mark.parametrize("how,gates", [("ddp", "1"), ("fsdp", "1"), ("overlap", "1"),
+                                       ("overlap", "0")])
+def test_cuda_training_on_the_backend_matches_one_process(how, gates):
+    """overlap() with stream gates (its ReduceScatters behind the backward pass, their copies
+    back queued behind a gate) and without (each blocks until its result is back)."""
+    env = {**LINK, "OVERCAST_STREAM_GATES": gates}
+    for r in run_ranks(train, loopback_placements(2, env), args=(how, "cuda"), timeout=180):
         assert r["param"] < 1e-5 and r["loss"] < 1e-5 and r["own_communicator"], r
 
 
@@ -141,7 +145,7 @@ def overlapped_steps(rank, steps):
             rows.append({**process_pool().stats(), "gpu": torch.cuda.memory_allocated()})
         staging = handle.stats()
     dist.destroy_process_group()
-    return {"rows": rows, "staging": staging}
+    return {"rows": rows, "staging": staging, "gated": stream_gates() is not None}
 
 
 def test_cuda_overlap_reuses_pinned_memory_and_keeps_gpu_memory_flat():
@@ -154,3 +158,4 @@ def test_cuda_overlap_reuses_pinned_memory_and_keeps_gpu_memory_flat():
                    for row in rows), rows[-1]
         assert rows[2]["gpu"] == rows[-1]["gpu"], (rows[2], rows[-1])
         assert r["staging"]["staging_in_seconds"] > 0 and r["staging"]["staging_out_seconds"] > 0
+        assert r["gated"]  # the driver offers stream memory operations (H100/H200, CUDA 12+)

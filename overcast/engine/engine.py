@@ -46,10 +46,25 @@ class Work:
         self.seq, self.description = seq, description
         self._event = threading.Event()
         self._error: BaseException | None = None
+        self._lock = threading.Lock()
+        self._callbacks: list = []
 
     def _finish(self, error: BaseException | None) -> None:
-        self._error = error
-        self._event.set()
+        with self._lock:
+            self._error = error
+            self._event.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for fn in callbacks:
+            fn()
+
+    def add_done_callback(self, fn) -> None:
+        """Call fn() once the collective finished, failed or not: at once if it has, otherwise on
+        the thread that finishes it (the engine's). fn must be quick and must not raise."""
+        with self._lock:
+            if not self._event.is_set():
+                self._callbacks.append(fn)
+                return
+        fn()
 
     def is_completed(self) -> bool:
         return self._event.is_set()

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import collections
 import os
+import queue
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -35,7 +37,7 @@ from torch.autograd.profiler import record_function
 
 from overcast.engine.engine import Work
 from overcast.errors import InvalidArgumentError
-from overcast.staging import Staging, device_of, process_pool
+from overcast.staging import Staging, device_of, process_pool, stream_gates
 from overcast.torch_api import (AllGather, ReduceScatter, RedOpType, all_gather_single, is_bw,
                                 output_unread, param_groups, premul_factor,
                                 reduce_scatter_input_buffers, reduce_scatter_single,
@@ -183,7 +185,8 @@ class _Staged:
     """A collective's CUDA output and input through pinned host twins, staged on the stream
     current at the call (FSDP2's), the copies' GPU time kept in `times`."""
 
-    def __init__(self, output: torch.Tensor, input: torch.Tensor, times: CommTime):
+    def __init__(self, output: torch.Tensor, input: torch.Tensor, times: CommTime,
+                 host_waits: bool):
         device = output.device
         stream = torch.cuda.current_stream(device)
         self.times = times
@@ -194,36 +197,119 @@ class _Staged:
         self.output = self.staging.twin(output, read=False, written=True)
         self._in[1].record(stream)
         self.staging.sealed()
-        self.staging.arrived()  # the host reads the input from here on
+        if host_waits:
+            self.staging.arrived()  # the host reads the input from here on
 
-    def copy_back(self) -> None:
+    @property
+    def ready(self):
+        """The event after the input's copy to the host."""
+        return self._in[1]
+
+    def copy_back(self, release: bool = True) -> None:
         """Queue the output's copy to the GPU on the call's stream; make the current stream
-        (the call's, or the one waiting on an asynchronous call) wait for it."""
+        (the call's, or the one waiting on an asynchronous call) wait for it. Not `release`:
+        queued behind a gate, the buffers are given back when the collective is done."""
         start = torch.cuda.Event(enable_timing=True)
         start.record(self.staging.stream)
-        self.staging.copy_out()
+        self.staging.copy_out(release=release)
         end = torch.cuda.Event(enable_timing=True)
         end.record(self.staging.stream)
         self.times.staged.append((self._in, (start, end)))
         self.staging.order_caller()
 
 
-def stage_on_host(output: torch.Tensor, input: torch.Tensor, times: CommTime, what: str) -> \
-        _Staged | None:
+def stage_on_host(output: torch.Tensor, input: torch.Tensor, times: CommTime, what: str,
+                  host_waits: bool = True) -> _Staged | None:
     """Host twins of a collective's CUDA tensors (the training thread's time counted as
-    posting), or None for CPU tensors."""
+    posting; with `host_waits`, it waits for the input's copy), or None for CPU tensors."""
     if device_of([output, input], what) is None:
         return None
     with _Clock(times, "post"):
-        return _Staged(output, input, times)
+        return _Staged(output, input, times, host_waits)
+
+
+class _Posted:
+    """A collective handed to a `Poster`, as overcast's Work: done once posted and done."""
+
+    def __init__(self, description: str):
+        self.description = description
+        self.work: Work | None = None
+        self.error: BaseException | None = None
+        self._posted = threading.Event()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        if not self._posted.wait(timeout):
+            raise TimeoutError(f"{self.description} not posted after {timeout} s")
+        if self.error is not None:
+            raise self.error
+        return self.work.wait(timeout)
+
+    def is_completed(self) -> bool:
+        return self._posted.is_set() and (self.error is not None or self.work.is_completed())
+
+
+class Poster:
+    """On a GPU, the thread that posts one model's collectives on its communicator, in the
+    order FSDP2 called them (the same on every rank), each once its input's copy to the host is
+    done: the training thread queues the copies and goes on, as it would with NCCL."""
+
+    def __init__(self, times: CommTime):
+        self.times = times
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def submit(self, device: torch.device, ready, post, label: str, done=None) -> _Posted:
+        """Post `post()` once the CUDA event `ready` has happened; then call `done()` once the
+        collective is done, failed or not (also if posting raised)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, args=(device,), daemon=True,
+                                            name="overcast-poster")
+            self._thread.start()
+        handle = _Posted(label)
+        self._calls.put((ready, post, label, done, handle))
+        return handle
+
+    def _run(self, device: torch.device) -> None:
+        torch.cuda.set_device(device)
+        while (call := self._calls.get()) is not None:
+            ready, post, label, done, handle = call
+            try:
+                ready.synchronize()
+                handle.work = post()
+                if self.times.keep_labels:
+                    self.times.labels[handle.work.seq] = label
+            except BaseException as err:  # the waiter raises it
+                handle.error = err
+                if done is not None:
+                    done()
+            else:
+                if done is not None:
+                    handle.work.add_done_callback(done)
+            finally:
+                handle._posted.set()
+
+    def close(self) -> None:
+        """Post what was submitted, then stop."""
+        if self._thread is not None:
+            self._calls.put(None)
+            self._thread.join()
+            self._thread = None
 
 
 class _Hook:
     """One module's collective for FSDP2: posted asynchronously and timed; waited on here if
     FSDP asked for a synchronous call. `comm` None means the process group's own."""
 
-    def __init__(self, comm, algorithm: str | None, label: str, times: CommTime):
+    def __init__(self, comm, algorithm: str | None, label: str, times: CommTime,
+                 poster: Poster | None = None):
         self.comm, self.algorithm, self.label, self.times = comm, algorithm, label, times
+        self.poster = poster
+
+    def _posts_through_poster(self, tensor: torch.Tensor) -> bool:
+        """Whether this call goes through the poster: overcast's collectives on a GPU whose
+        driver offers stream gates (every call of a model alike, so their order holds)."""
+        return self.poster is not None and tensor.device.type == "cuda" and \
+            stream_gates() is not None
 
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         if torch.device(device).type not in ("cpu", "cuda"):
@@ -260,8 +346,8 @@ class TimedAllGather(_Hook, AllGather):
     beside it to fill the other direction of the link, so a multicast gains nothing there)."""
 
     def __init__(self, comm, algorithm: str | None, label: str, times: CommTime, module=None,
-                 unpaired: str | None = None):
-        super().__init__(comm, algorithm, label, times)
+                 unpaired: str | None = None, poster: Poster | None = None):
+        super().__init__(comm, algorithm, label, times, poster)
         self.module, self.unpaired = module, unpaired
 
     def _algorithm(self) -> str | None:
@@ -278,11 +364,17 @@ class TimedAllGather(_Hook, AllGather):
             issue = lambda: all_gather_single(output_tensor, input_tensor,  # noqa: E731
                                               group=group, async_op=True)
         else:
-            staging = stage_on_host(output_tensor, input_tensor, self.times, "AllGather")
+            posted = self._posts_through_poster(output_tensor)
+            staging = stage_on_host(output_tensor, input_tensor, self.times, "AllGather",
+                                    host_waits=not posted)
             out, inp = (staging.output, staging.input) if staging else (output_tensor,
                                                                         input_tensor)
             issue = lambda: self.comm.all_gather(out, inp, async_op=True,  # noqa: E731
                                                  algorithm=algorithm)
+            if posted:
+                post = issue
+                issue = lambda: self.poster.submit(  # noqa: E731
+                    output_tensor.device, staging.ready, post, f"AG {self.label}")
         work = self._post("AG", issue, algorithm, staging)
         if async_op:
             return work
@@ -368,17 +460,22 @@ class TimedReduceScatter(_Hook, ReduceScatter):
 
     def __init__(self, comm, algorithm: str | None, label: str, times: CommTime,
                  module=None, deferred: DeferredReduceScatters | None = None,
-                 group: dist.ProcessGroup | None = None):
-        super().__init__(comm, algorithm, label, times)
+                 group: dist.ProcessGroup | None = None, poster: Poster | None = None):
+        super().__init__(comm, algorithm, label, times, poster)
         self.module, self.deferred, self.group = module, deferred, group
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                  group: dist.ProcessGroup, op, async_op: bool = False):
         groups = param_groups(self.module) if self.deferred is not None else None
+        posted = self.comm is not None and self._posts_through_poster(output_tensor)
+        # on a GPU behind a gate, FSDP2 reads the output on its stream only once it is back
         deferrable = not async_op and groups is not None and \
-            output_tensor.device.type == "cpu" and output_unread(groups, output_tensor, op)
+            (posted or (output_tensor.device.type == "cpu" and
+                        output_unread(groups, output_tensor, op)))
         if deferrable:
             self.deferred.make_room(reduce_scatter_input_buffers(groups[0]))
+        if posted:
+            return self._posted_on_gpu(output_tensor, input_tensor, op, async_op, deferrable)
         staging = None
         if self.comm is None:
             group = self.group or group
@@ -393,6 +490,36 @@ class TimedReduceScatter(_Hook, ReduceScatter):
             issue = lambda: self.comm.reduce_scatter(out, inp, op=name,  # noqa: E731
                                                      async_op=True, algorithm=self.algorithm)
         work = self._post("RS", issue, self.algorithm, staging)
+        if async_op:
+            return work
+        if not (deferrable and self.deferred.add(work)):
+            work.wait()
+        return None
+
+    def _posted_on_gpu(self, output_tensor, input_tensor, op, async_op: bool,
+                       deferrable: bool):
+        """Through the poster on a GPU: the input's copy to the host, a gate, and the output's
+        copy back are queued on FSDP2's stream, so its event after this call follows the
+        result; the gate opens when the collective is done. The training thread goes on."""
+        name = reduce_op(premultiplied(op, input_tensor, None))
+        staging = stage_on_host(output_tensor, input_tensor, self.times, "ReduceScatter",
+                                host_waits=False)
+        try:
+            open_gate = stream_gates().close_on(staging.staging.stream)
+        except RuntimeError:
+            staging.staging.release()
+            raise
+        staging.copy_back(release=False)
+
+        def done():
+            open_gate()
+            staging.staging.release()
+
+        def post():
+            return self.comm.reduce_scatter(staging.output, staging.input, op=name,
+                                            async_op=True, algorithm=self.algorithm)
+        work = self._post("RS", lambda: self.poster.submit(
+            output_tensor.device, staging.ready, post, f"RS {self.label}", done), self.algorithm)
         if async_op:
             return work
         if not (deferrable and self.deferred.add(work)):

@@ -23,8 +23,8 @@ from torch.distributed.fsdp import FSDPModule
 from overcast.buffers import DTYPES, as_array
 from overcast.comm import ALGORITHMS, Communicator
 from overcast.errors import InvalidArgumentError
-from overcast.fsdp.collectives import (CommTime, DeferredReduceScatters, TimedAllGather,
-                                      TimedReduceScatter)
+from overcast.fsdp.collectives import (CommTime, DeferredReduceScatters, Poster,
+                                      TimedAllGather, TimedReduceScatter)
 from overcast.job import GroupCommunicator, group_communicator
 from overcast.torch_api import (collectives, live_process_groups, own_reduce_scatter_group,
                                 param_groups, reshards_to_a_subgroup, restore_schedule, schedule,
@@ -116,12 +116,13 @@ def _set_prefetch(blocks: list[FSDPModule], root: FSDPModule, prefetch: int) -> 
 def _install(modules, comm, allgather: str | None, reduce_scatter: str | None,
              times: CommTime, deferred: DeferredReduceScatters | None,
              unpaired_allgather: str | None = None,
-             reduce_scatter_group: dist.ProcessGroup | None = None) -> dict:
+             reduce_scatter_group: dist.ProcessGroup | None = None,
+             poster: Poster | None = None) -> dict:
     """Give each module timed collectives (overcast's through `comm`, or the process group's if
     None), their ReduceScatters left behind the backward pass in `deferred` where FSDP2 allows,
     their AllGathers with no ReduceScatter beside them on `unpaired_allgather` if given, the
     process group's ReduceScatters on `reduce_scatter_group` if given, except where the user
-    gave the module one of its own. Returns what each had, to give back on close; if one fails,
+    gave the module one of its own; on a GPU, overcast's through `poster`. Returns what each had, to give back on close; if one fails,
     those already set get theirs back before the error is raised."""
     saved = {}
     try:
@@ -132,10 +133,10 @@ def _install(modules, comm, allgather: str | None, reduce_scatter: str | None,
             saved[module] = collectives(pg[0])
             own = any(own_reduce_scatter_group(g) is not None for g in pg)
             module.set_custom_all_gather(TimedAllGather(comm, allgather, name, times, module,
-                                                        unpaired_allgather))
+                                                        unpaired_allgather, poster))
             module.set_custom_reduce_scatter(TimedReduceScatter(
                 comm, reduce_scatter, name, times, module, deferred,
-                None if own else reduce_scatter_group))
+                None if own else reduce_scatter_group, poster))
     except BaseException:
         _give_back(saved)
         raise
@@ -162,6 +163,8 @@ class Overlap:
         # AllGathers' (None where every module has a ReduceScatter group of its own)
         self.reduce_scatter_group = reduce_scatter_group
         self._deferred = DeferredReduceScatters()
+        # posts overcast's collectives on a GPU (its thread starts with the first)
+        self._poster = Poster(times) if comm is not None else None
         self._closed = False
 
     def stats(self) -> dict:
@@ -210,6 +213,8 @@ class Overlap:
         with contextlib.ExitStack() as steps:
             if self._made is not None:
                 steps.callback(self._made.close)
+            if self._poster is not None:
+                steps.callback(self._poster.close)
             if self._schedule is not None:
                 steps.callback(restore_schedule, self._schedule)
             steps.callback(_give_back, self._saved)
@@ -363,7 +368,8 @@ def overlap(model, *, comm: Communicator | None = None, backend: str = "overcast
                     raise InvalidArgumentError(reason)
         handle._saved = _install(modules, comm, allgather, reduce_scatter, times,
                                  handle._deferred if defer_reduce_scatter else None,
-                                 unpaired_allgather, handle.reduce_scatter_group)
+                                 unpaired_allgather, handle.reduce_scatter_group,
+                                 handle._poster)
         handle._schedule = schedule(modules)
         set_unshard_async_op(model, True)
         _set_prefetch(blocks, model, prefetch)

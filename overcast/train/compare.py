@@ -119,6 +119,7 @@ def summarize(way: str, per_rank: list[dict], warmup: int, switch_cpu: float | N
         # on a GPU: the staging copies' GPU time, the pinned host memory and GPU memory held
         "staging_seconds": median_of_means("staging_seconds"),
         "pinned_peak_bytes": max(r["pinned_peak_bytes"] for r in per_rank),
+        "stream_gates": all(r["stream_gates"] for r in per_rank),
         "gpu_memory_growth_bytes": max(r["steps"][-1]["gpu_memory_bytes"] -
                                        r["steps"][min(warmup, steps - 1)]["gpu_memory_bytes"]
                                        for r in per_rank),

@@ -9,6 +9,7 @@ from rich.table import Table
 
 from overcast.bench.report import human_bytes
 from overcast.train.compare import PEER
+from overcast.train.config import OVERCAST_WAYS
 from overcast.train.waits import AGGREGATOR, COMMUNICATION, NETWORK, TRAINING
 
 
@@ -196,4 +197,6 @@ def staging_lines(run: dict) -> list[str]:
     return [f"{r['way']}: staging copies {r['staging_seconds'] * 1e3:.1f} ms/step of "
             f"{r['step_seconds'] * 1e3:.0f} ms; pinned peak {r['pinned_peak_bytes'] / 2**20:.0f} "
             f"MiB per rank; GPU memory growth {r['gpu_memory_growth_bytes'] / 2**20:.1f} MiB"
+            + ("; ReduceScatters behind stream gates" if r["stream_gates"] and
+               r["way"] in OVERCAST_WAYS else "")
             for r in run["results"]]

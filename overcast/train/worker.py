@@ -53,7 +53,7 @@ def train_rank(rank: int, way: str, config: dict, steps: int, lr: float, trace: 
 
     from overcast.cluster.netns import read_nic_counters
     from overcast.fsdp.collectives import thread_clock
-    from overcast.staging import process_pool
+    from overcast.staging import process_pool, stream_gates
     from overcast.train.gpt import build, rank_batch, shard
 
     warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
@@ -122,6 +122,7 @@ def train_rank(rank: int, way: str, config: dict, steps: int, lr: float, trace: 
                     "pid": os.getpid(), "training_tid": threading.get_native_id(),
                     "comm": handle.stats(),
                     "pinned_peak_bytes": process_pool().stats()["peak_bytes"] if gpu else 0,
+                    "stream_gates": gpu and stream_gates() is not None,
                     "trace": _window(timeline, *backward) if timeline else None}
     finally:
         dist.destroy_process_group()
