@@ -28,8 +28,9 @@ def as_array(buf, what: str) -> np.ndarray:
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(buf, torch.Tensor):
         if buf.device.type != "cpu":
-            raise InvalidArgumentError(f"{what} is on {buf.device}; overcast moves CPU tensors "
-                                       f"only")
+            raise InvalidArgumentError(f"{what} is on {buf.device}; a Communicator moves host "
+                                       f"memory (the torch.distributed backend and overlap() "
+                                       f"stage CUDA tensors through it)")
         if not buf.is_contiguous():
             raise InvalidArgumentError(f"{what} is not contiguous (shape {tuple(buf.shape)}, "
                                        f"stride "
