@@ -26,7 +26,7 @@ import numpy as np
 
 from overcast.buffers import dtype_code
 from overcast.switch.service import Limits, SwitchService
-from overcast.wire.auth import Drops, Opener, ReplayWindow, Sealer, derive_key, job_id_of
+from overcast.wire.auth import Drops, Opener, Sealer, derive_key, job_id_of
 from overcast.wire.header import AGGREGATOR, Kind, MalformedError, unpack_header
 from overcast.wire.messages import pack_contribution_prefix
 from overcast.wire.registration import HELLO, NONCE_BYTES
@@ -164,7 +164,7 @@ class Target:
         results = {}
         for h, _, data, segment in engine.flush():
             for at in range(0, len(data), segment):
-                got = opener.open(memoryview(data[at:at + segment]), window=ReplayWindow(0)) \
+                got = opener.open(data[at:at + segment]) \
                     if h == handle else None
                 if got is not None and got[0].kind == Kind.RESULT:
                     results[got[0].chunk] = bytes(got[1])

@@ -11,7 +11,6 @@ from overcast.errors import CollectiveTimeoutError
 from overcast.protocols.base import Descriptor
 from overcast.protocols.budget import LinkBudget
 from overcast.protocols.innetwork import InNetworkReduceScatter
-from overcast.schedules.reduction import chunk_place, owner_span
 from overcast.switch.aggregator import MAX_RESEND_SECONDS, RESEND_SECONDS, Aggregator
 from overcast.wire.header import AGGREGATOR, Header, Kind
 from overcast.wire.messages import pack_acks, pack_contribution_prefix
@@ -39,26 +38,6 @@ def reduce_scatter(fabric, count, dtype, op="sum", slots=16, inputs=None, seq=0)
         colls.append(coll)
         fabric.post(r, coll)
     return colls, outs, inputs
-
-
-@pytest.mark.parametrize("world,k,group", [(2, 1, 1), (3, 7, 1), (8, 19, 4), (5, 8, 4),
-                                           (4, 3, 4), (7, 30, 7)])
-def test_the_numbering_names_each_chunk_once_a_group_of_one_owner_at_a_time(world, k, group):
-    places = [chunk_place(g, world, k, group) for g in range(world * k)]
-    assert sorted(places) == [(b, c) for b in range(world) for c in range(k)]
-    if group == 1:
-        assert places == [(g % world, g // world) for g in range(world * k)]
-    turns = [places[i:i + group] for i in range(0, world * (k - k % group), group)]
-    assert all(len({b for b, _ in turn}) == 1 for turn in turns)  # a group: one owner
-    # every block advances in turn: rank b's chunks come in order, spread over the numbers
-    for b in range(world):
-        assert [c for block, c in places if block == b] == list(range(k))
-    # owner_span: g's owner, and the whole run of consecutive numbers that owner has around g
-    for g in range(world * k):
-        owner, first, end = owner_span(g, world, k, group)
-        assert first <= g < end and {places[h][0] for h in range(first, end)} == {owner}
-        assert first == 0 or places[first - 1][0] != owner or world == 1
-        assert end == world * k or places[end][0] != owner
 
 
 def check_done(colls):

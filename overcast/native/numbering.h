@@ -1,5 +1,5 @@
-/* How in-network ReduceScatter numbers its chunks (overcast.schedules.reduction): each of the P
- * blocks is cut into k chunks, numbered `group` chunks of block 0, then as many of block 1, and
+/* How in-network ReduceScatter numbers its chunks (tests/native/test_core.c checks it): each of
+ * the P blocks is cut into k chunks, numbered `group` chunks of block 0, then as many of block 1, and
  * so on, round after round; where `group` does not divide k the last round holds the k mod
  * group chunks left of each block. The ranks and the aggregator both follow it. Callers keep
  * g < world * k, k >= 1 and group >= 1. */

@@ -1,7 +1,7 @@
 """In-network ReduceScatter, the rank's side (the switch's side is overcast.switch).
 
 The input's P blocks are cut into K chunks of one datagram each. Chunks are numbered across the
-blocks a group at a time (schedules.reduction), the group being the budget's reduction batch
+blocks a group at a time (native/numbering.h), the group being the budget's reduction batch
 (transport.datagram.reduction_batch): a rank that streams its contributions in increasing g
 feeds every block in turn, so results reach every owner at the same steady rate, each taking
 1/P of its downlink, and a batch of contributions is one owner's, so the results it completes

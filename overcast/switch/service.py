@@ -36,7 +36,7 @@ from overcast.native import MAX_REDUCTIONS
 from overcast.switch.aggregator import Aggregator
 from overcast.transport.datagram import (DATAGRAM_TRUESIZE, MAX_DATAGRAM, enlarge_receive_buffer,
                                          multicast_group, prepare_sender)
-from overcast.wire.auth import Drops, Opener, ReplayWindow, derive_key, job_id_of
+from overcast.wire.auth import Drops, Opener, derive_key, job_id_of
 from overcast.wire.header import HEADER_BYTES, Kind, MalformedError, unpack_header
 from overcast.wire.registration import (HELLO, NONCE_BYTES, REFUSAL_LABEL, SWITCH_CHALLENGE,
                                         SWITCH_MAGIC, WELCOME, Refused, pack_refusal)
@@ -172,7 +172,7 @@ class SwitchService:
             self.drops["foreign"] += 1
             return False
         key = derive_key(secret, salt, b"comm")
-        opened = Opener(key, hdr.job, hdr.comm, self.drops).open(frame, window=ReplayWindow(0))
+        opened = Opener(key, hdr.job, hdr.comm, self.drops).open(frame)
         if opened is None:
             return False
         if nonce != reg.nonce:  # an authentic HELLO, from another connection: replayed

@@ -28,8 +28,7 @@ from overcast.transport.datagram import (chunk_bytes, multicast_group, open_mult
                                          path_mtu, prepare_sender)
 from overcast.transport.store import (StoreClient, StoreError, StoreServer, connect_until,
                                       read_exact)
-from overcast.wire.auth import Drops, Opener, ReplayWindow, Sealer, derive_key, frame_length, \
-    job_id_of
+from overcast.wire.auth import Drops, Opener, Sealer, derive_key, frame_length, job_id_of
 from overcast.wire.header import (AGGREGATOR, ANY, HEADER_BYTES, TAG_BYTES, Kind, MalformedError,
                                   unpack_header)
 from overcast.wire.messages import CONTRIB_PREFIX
@@ -126,28 +125,29 @@ def _read_frame(sock: socket.socket, deadline: float, start: bytes = b"") -> byt
     return head + read_exact(sock, frame_length(head) - HEADER_BYTES, deadline)
 
 
-def _open_hello(frame: bytes, opener: Opener, window: ReplayWindow, src: int,
-                size: int) -> memoryview | None:
-    """The payload of an authentic HELLO from `src` of `size` bytes, or None."""
-    opened = opener.open(memoryview(frame), window=window)
+def _open_hello(frame: bytes, opener: Opener, src: int, size: int,
+                after: int = -1) -> tuple[int, memoryview] | None:
+    """(counter, payload) of an authentic HELLO from `src` of `size` bytes whose counter is
+    above `after` (src's HELLO before it in the same handshake), or None."""
+    opened = opener.open(frame, after)
     if opened is None or opened[0].kind != Kind.HELLO or opened[0].src != src \
             or len(opened[1]) != size:
         return None
-    return opened[1]
+    return opened[0].counter, opened[1]
 
 
 def _connect_handshake(sock: socket.socket, opener: Opener, sealer: Sealer, peer: int,
                        deadline: float) -> None:
     """The connecting side: answer `peer`'s challenge with it and a nonce of ours; accept only a
     reply that carries ours back."""
-    window = ReplayWindow(0)
-    challenge = _open_hello(_read_frame(sock, deadline), opener, window, peer, CHALLENGE.size)
+    challenge = _open_hello(_read_frame(sock, deadline), opener, peer, CHALLENGE.size)
     if challenge is None:
         raise ConnectionError(f"rank {peer}'s challenge did not authenticate")
+    counter, challenge = challenge
     mine = secrets.token_bytes(NONCE_BYTES)
     sock.sendall(sealer.seal(Kind.HELLO, 0, peer, 0, ANSWER.pack(bytes(challenge), mine)))
-    reply = _open_hello(_read_frame(sock, deadline), opener, window, peer, NONCE_BYTES)
-    if reply is None or bytes(reply) != mine:
+    reply = _open_hello(_read_frame(sock, deadline), opener, peer, NONCE_BYTES, after=counter)
+    if reply is None or bytes(reply[1]) != mine:
         raise ConnectionError(f"rank {peer}'s reply is not to this handshake")
 
 
@@ -197,10 +197,10 @@ def _answer(sock: socket.socket, accepted: _Accepted, opener: Opener):
         src = unpack_header(accepted.buf).src
     except MalformedError:
         raise ConnectionError("not an overcast frame") from None
-    answer = _open_hello(bytes(accepted.buf), opener, ReplayWindow(0), src, ANSWER.size)
-    if answer is None or ANSWER.unpack(answer)[0] != accepted.nonce:
+    answer = _open_hello(bytes(accepted.buf), opener, src, ANSWER.size)
+    if answer is None or ANSWER.unpack(answer[1])[0] != accepted.nonce:
         raise ConnectionError("forged or replayed")
-    return src, ANSWER.unpack(answer)[1]
+    return src, ANSWER.unpack(answer[1])[1]
 
 
 def _accept_peers(listener: socket.socket, rank: int, world: int, opener: Opener,
@@ -379,11 +379,11 @@ def register_with_switch(links: Links, spec: str, secret: bytes, salt: bytes,
             links.switch_error = (f"the aggregator at {host}:{port} refused this communicator: "
                                   f"{refusal[1]}")
             return
-        welcome = _open_hello(_read_frame(sock, deadline, start), links.opener,
-                              ReplayWindow(0), AGGREGATOR, WELCOME.size)
-        if welcome is None or WELCOME.unpack(welcome)[2] != mine:
+        welcome = _open_hello(_read_frame(sock, deadline, start), links.opener, AGGREGATOR,
+                              WELCOME.size)
+        if welcome is None or WELCOME.unpack(welcome[1])[2] != mine:
             raise ConnectionError("its answer did not authenticate (another job's aggregator?)")
-        slots, udp_port, _ = WELCOME.unpack(welcome)
+        slots, udp_port, _ = WELCOME.unpack(welcome[1])
     except (OSError, ConnectionError, MalformedError) as err:
         sock.close()
         links.switch_error = f"registration with the aggregator at {host}:{port} failed: {err}"

@@ -12,7 +12,7 @@ import struct
 from overcast.wire.header import MalformedError
 
 # CONTRIB (rank -> aggregator): what the aggregator needs to sum it, so no other message has to
-# arrive first: dtype code, the group of its chunk numbering (schedules.reduction), world size,
+# arrive first: dtype code, the group of its chunk numbering (native/numbering.h), world size,
 # chunks in the whole input; then data.
 CONTRIB_PREFIX = struct.Struct("<BBHI")
 # CREDIT (aggregator -> rank): chunks released (every chunk below is done), then chunks the rank

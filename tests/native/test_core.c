@@ -15,6 +15,7 @@
 
 #include "aggregator.h"
 #include "budget.h"
+#include "numbering.h"
 #include "plane.h"
 #include "port.h"
 #include "service.h"
@@ -282,6 +283,43 @@ static void test_replay_window(void) {
 
 static int is_nan16(uint16_t h, int brain) {
     return brain ? (h & 0x7fff) > 0x7f80 : (h & 0x7fff) > 0x7c00;
+}
+
+/* -- numbering: each chunk once, a group of one owner at a time, every block in turn -------- */
+static void test_numbering(void) {
+    static const uint64_t cases[][3] = {{2, 1, 1}, {3, 7, 1}, {8, 19, 4}, {5, 8, 4},
+                                        {4, 3, 4}, {7, 30, 7}, {1, 5, 2}};
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        uint64_t world = cases[i][0], k = cases[i][1], group = cases[i][2], n = world * k;
+        uint32_t *block = calloc(n, sizeof *block);
+        uint64_t *place = calloc(n, sizeof *place), *seen = calloc(n, sizeof *seen);
+        uint64_t *next_c = calloc(world, sizeof *next_c);
+        int once = 1, one_owner = 1, in_turn = 1, spans = 1, simple = 1;
+        for (uint64_t g = 0; g < n; g++) {
+            block[g] = oc_chunk_place(g, world, k, group, &place[g]);
+            if (block[g] >= world || place[g] >= k || seen[block[g] * k + place[g]]++) once = 0;
+            if (place[g] != next_c[block[g]]++) in_turn = 0;  /* a block's chunks in order */
+            if (group == 1 && (block[g] != g % world || place[g] != g / world)) simple = 0;
+        }
+        for (uint64_t t = 0; t + group <= world * (k - k % group); t += group)
+            for (uint64_t j = 1; j < group; j++) one_owner &= block[t + j] == block[t];
+        for (uint64_t g = 0; g < n; g++) {
+            uint32_t first, end, owner = oc_owner_span(g, world, k, group, &first, &end);
+            int ok = owner == block[g] && first <= g && g < end && end <= n;
+            for (uint32_t h = first; ok && h < end; h++) ok = block[h] == owner;
+            /* the span is g's whole group: with one rank, groups of one owner meet */
+            ok &= world == 1 || first == 0 || block[first - 1] != owner;
+            ok &= world == 1 || end == n || block[end] != owner;
+            ok &= end - first == group || (end - first == k % group && place[g] >= k - k % group);
+            spans &= ok;
+        }
+        CHECK(once && one_owner && in_turn && spans && simple,
+              "numbering P=%llu k=%llu group=%llu: each chunk once %d, a group one owner %d, "
+              "blocks in turn %d, owner spans %d, group of one as g mod P %d",
+              (unsigned long long)world, (unsigned long long)k, (unsigned long long)group, once,
+              one_owner, in_turn, spans, simple);
+        free(block), free(place), free(seen), free(next_c);
+    }
 }
 
 static void test_conversions(void) {
@@ -1140,6 +1178,7 @@ int main(int argc, char **argv) {
     test_seal_detached();
     test_replay_window();
     test_stream_open();
+    test_numbering();
     test_conversions();
     test_sums();
     test_aggregator();
