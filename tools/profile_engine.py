@@ -49,7 +49,7 @@ import time
 import numpy as np
 
 import overcast
-from overcast.bench.run import parse_size
+from overcast.units import parse_size
 from overcast.cluster.netns import Cluster
 from overcast.engine import engine as engine_module
 from overcast.protocols.session import Session

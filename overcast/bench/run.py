@@ -15,7 +15,6 @@ import platform
 import statistics
 import tempfile
 
-from overcast.report.timeline import write_timeline
 from overcast.bench.worker import DTYPE, run_point
 from overcast.cluster.netns import Cluster
 from overcast.limits import (check_algorithms, check_count, check_hosts, check_link_rate,
@@ -54,20 +53,6 @@ def process_cpu_seconds(pid: int) -> float:
         with open(f"/proc/{pid}/stat") as f:
             fields = f.read().rsplit(")", 1)[1].split()
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def parse_size(text: str) -> int:
-    """'64KiB', '1MiB', '4MB', '1000' -> bytes."""
-    units = {"": 1, "B": 1, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "KB": 1000,
-             "MB": 10**6, "GB": 10**9, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    s = text.strip()
-    i = len(s)
-    while i and not s[i - 1].isdigit():
-        i -= 1
-    number, unit = s[:i], s[i:].strip().upper()
-    if not number or unit not in units:
-        raise ValueError(f"cannot read size {text!r}; write e.g. 64KiB, 1MiB, 4MiB or 1000")
-    return int(float(number) * units[unit])
 
 
 def check_request(collectives: list[str], algorithms: list[str]) -> None:
@@ -165,14 +150,15 @@ def run_bench(hosts: int, link_bits: int | list[int], sizes: list[int], collecti
               algorithms: list[str], reps: int = 5, warmup: int = 1, mtu: int = 9000,
               roots: list[int | None] = (None,), loss: float = 0.0, loss_burst: float = 1.0,
               timeline: str | None = None, switch_slots: int = 256, within: float = 1.15,
-              progress=None) -> dict:
+              progress=None, write_timeline=None) -> dict:
     """Run every requested point on a cluster of `link_bits` (bits/s per direction); return
     {"meta": ..., "results": [...]}.
 
     `roots` lists the multicast AllGather's numbers of concurrent roots to try (None: all
     ranks). `loss` is injected into every host's datagram receive path; TCP (ring, gloo) sees
     none of it. With `timeline`, the last run of the largest overlap point of overcast and ring
-    is written as `<timeline>-<algorithm>.json` (Chrome trace) and `.png`.
+    is written as `<timeline>-<algorithm>.json` (Chrome trace) and `.png` by
+    `write_timeline(traces, path, link_bits, title)` (overcast.report.timeline's).
 
     A list of several link rates sweeps: every point runs on a cluster of each in turn, each
     result carries its rate, meta["link_bits_per_s"] is None and meta["link_rates_bits_per_s"]
@@ -195,8 +181,9 @@ def run_bench(hosts: int, link_bits: int | list[int], sizes: list[int], collecti
                 progress(i * total + done, len(rates) * total,
                          f"{bits / 1e6:g} Mbit/s: {what}" if len(rates) > 1 else what)
         switch = _run_points(hosts, bits, points, sizes, reps, warmup, mtu, loss, loss_burst,
-                             timeline, slots, f"-{bits / 1e6:g}mbit" if len(rates) > 1 else "",
-                             step, results, timelines)
+                             timeline and (timeline, write_timeline), slots,
+                             f"-{bits / 1e6:g}mbit" if len(rates) > 1 else "", step, results,
+                             timelines)
         if switch is not None:
             switches.append(switch)
     meta = {
@@ -213,7 +200,7 @@ def run_bench(hosts: int, link_bits: int | list[int], sizes: list[int], collecti
 
 
 def _run_points(hosts: int, link_bits: int, points: list[tuple], sizes: list[int], reps: int,
-                warmup: int, mtu: int, loss: float, loss_burst: float, timeline: str | None,
+                warmup: int, mtu: int, loss: float, loss_burst: float, timeline: tuple | None,
                 switch_slots: int | None, suffix: str, progress, results: list[dict],
                 timelines: list[str]) -> dict | None:
     """Every point on one cluster of `link_bits`, with the aggregator if `switch_slots` says
@@ -240,7 +227,8 @@ def _run_points(hosts: int, link_bits: int, points: list[tuple], sizes: list[int
             results.append(summarize(collective, algorithm, hosts, nbytes, link_bits, per_rank,
                                      k, loss, switch_cpu))
             if trace:
-                path = f"{timeline}-{algorithm}{suffix}"
+                prefix, write_timeline = timeline
+                path = f"{prefix}-{algorithm}{suffix}"
                 write_timeline([r["trace"] for r in per_rank], path, link_bits,
                                f"{collective} {algorithm}, {hosts} hosts, "
                                f"{link_bits / 1e6:g} Mbit/s, {nbytes} B per rank")

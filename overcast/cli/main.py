@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import shlex
@@ -15,14 +16,17 @@ import threading
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+from overcast.units import parse_size
+
 
 def _csv(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
 
 
 def _bench(args) -> int:
-    from overcast.bench.report import plot_busbw, plot_sweep, print_table
-    from overcast.bench.run import check_flags, check_request, parse_size, run_bench
+    from overcast.bench.run import check_flags, check_request, run_bench
+    from overcast.report.bench import plot_busbw, plot_sweep, print_table
+    from overcast.report.timeline import write_timeline
 
     console = Console(width=None if sys.stdout.isatty() else 240)
     sizes = [parse_size(s) for s in _csv(args.sizes)]
@@ -41,6 +45,7 @@ def _bench(args) -> int:
                         _csv(args.algorithms), reps=args.reps, warmup=args.warmup, mtu=args.mtu,
                         roots=roots, loss=args.loss, loss_burst=args.loss_burst,
                         timeline=args.timeline, switch_slots=args.slots, within=args.within,
+                        write_timeline=write_timeline,
                         progress=progress)
     print_table(doc, console)
     _save(doc, console, args.json, _png(args),
@@ -51,8 +56,8 @@ def _bench(args) -> int:
 
 
 def _soak(args) -> int:
-    from overcast.bench.run import parse_size
-    from overcast.bench.soak import plot, run_soak, summary_table
+    from overcast.bench.soak import run_soak
+    from overcast.report.soak import plot, summary_table
 
     console = Console(width=None if sys.stdout.isatty() else 200)
     nbytes = parse_size(args.size)
@@ -71,7 +76,6 @@ def _soak(args) -> int:
 
 
 def _simulate(args) -> int:
-    from overcast.bench.run import parse_size
     from overcast.report.simulate import plot_simulate, simulate_table
     from overcast.sim.engine import engine
     from overcast.sim.run import compare, sweep
@@ -200,13 +204,15 @@ def _train(args) -> int:
     os.makedirs(args.out, exist_ok=True)
     # torch loads with these: only once every flag has been checked
     from overcast.train.compare import run_training
-    from overcast.train.report import matrix_table, staging_lines, table, write
+    from overcast.report.timeline import every_span, write_timeline
+    from overcast.report.train import matrix_table, staging_lines, table, write
     bar, progress = _progress(console)
     with bar:
         doc = run_training(args.hosts, int(args.link_mbit * 1e6), ways, args.steps, args.warmup,
                            shapes, lr=args.lr, out_dir=args.out, progress=progress,
                            prefetch=args.prefetch, sched_trace=args.sched_trace,
-                           device=args.device)
+                           device=args.device,
+                           write_timeline=functools.partial(write_timeline, select=every_span))
     doc["meta"]["command"] = "overcast " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     for run in doc["shapes"]:
         console.print(table(doc, run))
@@ -247,7 +253,6 @@ def _cluster(args) -> int:
 
 
 def _switch(args) -> int:
-    from overcast.bench.run import parse_size
     from overcast.limits import check_count, check_port, check_positive, check_slots
     from overcast.switch.service import Limits, run
 

@@ -16,27 +16,20 @@ that copy), the collective runs on the host, and the output's copy back is queue
 stream when the training thread waits for it: before FSDP2's event for a synchronous call, before
 the waiting stream goes on for an asynchronous one. A ReduceScatter on a GPU is therefore never
 deferred: FSDP2 reads its output on its stream at once.
-
-The training thread only posts and waits; `CommTime` counts how long it spends doing each. Each
-collective is also a `torch.profiler` range ("overcast AllGather blocks.1 (multicast)") from its
-post to the end of its wait, so the overlap shows in the traces users already take.
 """
 
 from __future__ import annotations
 
 import collections
-import os
 import queue
 import threading
-import time
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from torch.autograd.profiler import record_function
 
 from overcast.engine.engine import Work
 from overcast.errors import InvalidArgumentError
+from overcast.fsdp.timing import CommTime, Clock, InFlight
 from overcast.staging import Staging, device_of, process_pool, stream_gates
 from overcast.torch_api import (AllGather, ReduceScatter, RedOpType, all_gather_single, is_bw,
                                 output_unread, param_groups, premul_factor,
@@ -44,111 +37,11 @@ from overcast.torch_api import (AllGather, ReduceScatter, RedOpType, all_gather_
                                 reduces_gradients)
 
 
-def thread_clock() -> tuple[float, float]:
-    """The calling thread's (CPU seconds, seconds it waited runnable for a CPU). The wait is
-    the kernel's run delay, which it keeps with kernel.task_delayacct=1 or schedstats on, and
-    reads 0 otherwise. (The CPU comes from the thread's clock: the schedstat runtime of a
-    running thread lags by up to a tick.)"""
-    cpu = time.thread_time()
-    try:
-        fd = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
-        try:
-            waited = int(os.read(fd, 64).split()[1])
-        finally:
-            os.close(fd)
-    except (OSError, ValueError, IndexError):
-        return cpu, 0.0
-    return cpu, waited / 1e9
-
-
-@dataclass
-class CommTime:
-    """What the training thread spent on communication, and which collective was which."""
-
-    post_seconds: float = 0.0          # inside the hooks, handing collectives to the engine
-    wait_seconds: float = 0.0          # blocked until a collective finished
-    thread_cpu_seconds: float = 0.0    # CPU time of the training thread in both
-    run_delay_seconds: float = 0.0     # ... and the time it waited for a CPU in both
-    allgathers: int = 0
-    reduce_scatters: int = 0
-    keep_labels: bool = False          # only for timelines: one entry per collective
-    labels: dict[int, str] = field(default_factory=dict)  # collective seq -> "AG blocks.3"
-    # with keep_labels: (kind "AG"/"RS", label, posted, waited) per collective, perf_counter
-    # seconds; the time each was in flight as the training thread saw it, either backend
-    spans: list[tuple[str, str, float, float]] = field(default_factory=list)
-    # on a GPU: each staged collective's (copies in, copies out) as CUDA event pairs, until
-    # they are read into the seconds below
-    staged: list = field(default_factory=list)
-    staging_in_seconds: float = 0.0    # GPU time of the copies to the host
-    staging_out_seconds: float = 0.0   # ... and back
-
-    def read_staging(self) -> None:
-        """Add up the staging copies' GPU time so far (waits for the copies still queued)."""
-        for (in0, in1), (out0, out1) in self.staged:
-            out1.synchronize()
-            self.staging_in_seconds += in0.elapsed_time(in1) / 1e3
-            self.staging_out_seconds += out0.elapsed_time(out1) / 1e3
-        self.staged.clear()
-
-    @property
-    def seconds(self) -> float:
-        """Posting and waiting so far."""
-        return self.post_seconds + self.wait_seconds
-
-    def as_dict(self) -> dict:
-        self.read_staging()
-        return {"post_seconds": self.post_seconds, "wait_seconds": self.wait_seconds,
-                "staging_in_seconds": self.staging_in_seconds,
-                "staging_out_seconds": self.staging_out_seconds,
-                "thread_cpu_seconds": self.thread_cpu_seconds,
-                "run_delay_seconds": self.run_delay_seconds, "allgathers": self.allgathers,
-                "reduce_scatters": self.reduce_scatters}
-
-
-class _Clock:
-    """Times one stretch of the training thread into `CommTime`."""
-
-    def __init__(self, times: CommTime, what: str):
-        self.times, self.what = times, what
-
-    def __enter__(self):
-        self.t0, (self.cpu0, self.delay0) = time.perf_counter(), thread_clock()
-
-    def __exit__(self, *exc):
-        seconds = time.perf_counter() - self.t0
-        if self.what == "post":
-            self.times.post_seconds += seconds
-        else:
-            self.times.wait_seconds += seconds
-        cpu, delay = thread_clock()
-        self.times.thread_cpu_seconds += cpu - self.cpu0
-        self.times.run_delay_seconds += delay - self.delay0
-
-
-class _InFlight:
-    """One collective from post to the end of its wait: a profiler range, and a span in
-    `CommTime` if it keeps them."""
-
-    def __init__(self, times: CommTime, kind: str, label: str, name: str):
-        self.times, self.kind, self.label = times, kind, label
-        self.range = record_function(name)
-        self.range.__enter__()
-        self.posted = time.perf_counter()
-
-    def end(self) -> None:
-        if self.range is None:
-            return
-        self.range.__exit__(None, None, None)
-        self.range = None
-        if self.times.keep_labels:
-            self.times.spans.append((self.kind, self.label, self.posted, time.perf_counter()))
-
-
 class TimedWork(dist.Work):
     """A collective in flight, overcast's or torch's, seen as a torch.distributed Work (so that
     FSDP2 waits on it), its wait timed into `CommTime`."""
 
-    def __init__(self, work, times: CommTime, in_flight: _InFlight,
+    def __init__(self, work, times: CommTime, in_flight: InFlight,
                  staged: "_Staged | None" = None):
         super().__init__()
         self._work, self._times, self._in_flight = work, times, in_flight
@@ -158,7 +51,7 @@ class TimedWork(dist.Work):
         """As torch's: a timeout of None or zero waits for as long as it takes."""
         if timeout is not None and not timeout.total_seconds():
             timeout = None
-        with _Clock(self._times, "wait"):
+        with Clock(self._times, "wait"):
             try:
                 if isinstance(self._work, dist.Work):
                     done = self._work.wait() if timeout is None else self._work.wait(timeout)
@@ -224,7 +117,7 @@ def stage_on_host(output: torch.Tensor, input: torch.Tensor, times: CommTime, wh
     posting; with `host_waits`, it waits for the input's copy), or None for CPU tensors."""
     if device_of([output, input], what) is None:
         return None
-    with _Clock(times, "post"):
+    with Clock(times, "post"):
         return _Staged(output, input, times, host_waits)
 
 
@@ -320,8 +213,8 @@ class _Hook:
     def _post(self, kind: str, issue, algorithm: str | None,
               staging: _Staged | None = None) -> TimedWork:
         name = f"overcast {_NAMES[kind]} {self.label} ({algorithm or 'process group'})"
-        with _Clock(self.times, "post"):
-            in_flight = _InFlight(self.times, kind, self.label, name)
+        with Clock(self.times, "post"):
+            in_flight = InFlight(self.times, kind, self.label, name)
             try:
                 work = issue()
             except BaseException:

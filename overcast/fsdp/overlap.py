@@ -23,8 +23,9 @@ from torch.distributed.fsdp import FSDPModule
 from overcast.buffers import DTYPES, as_array
 from overcast.comm import ALGORITHMS, Communicator
 from overcast.errors import InvalidArgumentError
-from overcast.fsdp.collectives import (CommTime, DeferredReduceScatters, Poster,
-                                      TimedAllGather, TimedReduceScatter)
+from overcast.fsdp.collectives import (DeferredReduceScatters, Poster, TimedAllGather,
+                                      TimedReduceScatter)
+from overcast.fsdp.timing import CommTime
 from overcast.job import GroupCommunicator, group_communicator
 from overcast.torch_api import (collectives, live_process_groups, own_reduce_scatter_group,
                                 param_groups, reshards_to_a_subgroup, restore_schedule, schedule,

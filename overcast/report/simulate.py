@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from rich.table import Table
 
-from overcast.bench.report import columns, human_bytes
+from overcast.report.bench import columns
+from overcast.units import human_bytes
 
 
 def rate_text(bits_per_s: float) -> str:

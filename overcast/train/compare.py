@@ -14,7 +14,6 @@ import statistics
 
 from overcast.bench.run import machine, process_cpu_seconds
 from overcast.cluster.netns import Cluster
-from overcast.report.timeline import every_span, write_timeline
 from overcast.train.config import OVERCAST_WAYS, WAYS, GPTConfig, check_request
 from overcast.train.predict import predict
 from overcast.train.waits import (CATEGORIES, TRAINING, SchedTrace, attribute, mount_tracefs,
@@ -161,9 +160,10 @@ def prediction(cfg: GPTConfig, hosts: int, link_bits: float, results: list[dict]
 def run_training(hosts: int, link_bits: int, ways: list[str], steps: int, warmup: int,
                  shapes: list[tuple[str, GPTConfig]], lr: float = 1e-3,
                  out_dir: str | None = None, progress=None, prefetch: int = 1,
-                 sched_trace: bool = True, device: str = "cpu") -> dict:
+                 sched_trace: bool = True, device: str = "cpu", write_timeline=None) -> dict:
     """Train every shape every way on one cluster; return {"meta": ..., "shapes": [...]} and,
-    with `out_dir`, write the backward-step timelines of the overcast ways there.
+    with `out_dir` and `write_timeline(traces, path, link_bits, title)` (overcast.report.
+    timeline's), write the backward-step timelines of the overcast ways there.
     `sched_trace` records the scheduler to say what the training threads waited behind
     (overcast.train.waits); it slows overcast's steps more than the others' where steps are
     short (docs/results.md), so step times meant for comparison are best taken without it."""
@@ -182,7 +182,7 @@ def run_training(hosts: int, link_bits: int, ways: list[str], steps: int, warmup
                     progress(len(runs) * len(ways) + len(results), total,
                              f"{name}: training {way}, {steps} steps on {hosts} hosts")
                 cpu0 = process_cpu_seconds(switch.pid) if switch and way == "overcast" else None
-                trace = bool(out_dir) and way in OVERCAST_WAYS
+                trace = bool(out_dir) and write_timeline is not None and way in OVERCAST_WAYS
                 with SchedTrace() as sched:
                     traced = why_untraced is None and sched.start()
                     per_rank = cluster.run(train_rank, timeout=1800,
@@ -198,7 +198,7 @@ def run_training(hosts: int, link_bits: int, ways: list[str], steps: int, warmup
                     path = os.path.join(out_dir, f"timeline-{name}-{way}")
                     write_timeline([r["trace"] for r in per_rank], path, link_bits,
                                    f"backward, {name}, {way}, {hosts} hosts, "
-                                   f"{link_bits / 1e6:g} Mbit/s", select=every_span)
+                                   f"{link_bits / 1e6:g} Mbit/s")
                     timelines.append(path)
             compare(results)
             runs.append({"shape": name, "model": cfg.as_dict(), "parameters": cfg.parameters(),

@@ -52,7 +52,7 @@ def train_rank(rank: int, way: str, config: dict, steps: int, lr: float, trace: 
     from torch.distributed.device_mesh import init_device_mesh
 
     from overcast.cluster.netns import read_nic_counters
-    from overcast.fsdp.collectives import thread_clock
+    from overcast.fsdp.timing import thread_clock
     from overcast.staging import process_pool, stream_gates
     from overcast.train.gpt import build, rank_batch, shard
 

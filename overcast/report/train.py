@@ -7,7 +7,7 @@ import os
 
 from rich.table import Table
 
-from overcast.bench.report import human_bytes
+from overcast.units import human_bytes
 from overcast.train.compare import PEER
 from overcast.train.config import OVERCAST_WAYS
 from overcast.train.waits import AGGREGATOR, COMMUNICATION, NETWORK, TRAINING

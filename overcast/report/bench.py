@@ -5,13 +5,7 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"
+from overcast.units import human_bytes
 
 
 def columns(title: str, names: tuple[str, ...], left=("collective", "algorithm")) -> Table:
