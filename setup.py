@@ -6,12 +6,16 @@ that loads it then needs libasan preloaded; tests/native builds the core's own t
 with the sanitizers instead).
 """
 
+import glob
 import os
 
 from setuptools import Extension, setup
 
-PARTS = ["wire", "sums", "udp", "aggregator", "service", "budget", "outbox", "contribute",
-         "stream", "gather", "plane", "port", "trace", "plane_module", "module"]
+# The core's parts, listed once (overcast/native/parts.txt, read by every builder), and the
+# Python binding: module.c and a bind_*.c per type.
+with open("overcast/native/parts.txt") as f:
+    PARTS = [f"overcast/native/{name}.c" for name in f.read().split()]
+BINDING = ["overcast/native/module.c", *sorted(glob.glob("overcast/native/bind_*.c"))]
 flags = ["-std=c11", "-Wall", "-Wextra", "-Wshadow", "-fno-strict-aliasing",
          "-Werror=implicit-function-declaration", "-Werror=int-conversion"]
 link = []
@@ -24,6 +28,6 @@ if os.environ.get("OVERCAST_NATIVE_SANITIZE"):
     link += ["-fsanitize=address,undefined"]
 
 setup(ext_modules=[Extension("overcast.native._core",
-                             sources=[f"overcast/native/{part}.c" for part in PARTS],
+                             sources=PARTS + BINDING,
                              libraries=["crypto"], extra_compile_args=flags,
                              extra_link_args=link)])

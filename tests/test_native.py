@@ -22,8 +22,7 @@ from overcast.wire.messages import pack_acks, pack_contribution_prefix, unpack_c
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 NATIVE = ROOT / "overcast" / "native"
-PARTS = ["wire", "sums", "udp", "aggregator", "service", "budget", "outbox", "contribute",
-         "stream", "gather", "plane", "port", "trace"]
+PARTS = (NATIVE / "parts.txt").read_text().split()  # the core without its Python binding
 SANITIZE = ["-fsanitize=address,undefined", "-fno-sanitize-recover=all",
             "-fno-omit-frame-pointer"]
 # Inputs per fuzz target in the suite; tools/fuzz runs millions, coverage-guided.
@@ -436,3 +435,19 @@ def test_the_registration_fuzz_target_finds_nothing():
     stats = fuzz_registration.run(20_000, seed=7, report_every=0)
     assert stats["inputs"] == 20_000 and stats["served"] == 2
     assert stats["welcomed"] > 0 and stats["registration_drops"]["refused_world"] > 0
+
+
+def test_the_stubs_name_what_the_binding_offers():
+    """overcast/native/_core.pyi lists every type, method, attribute and constant of _core, and
+    nothing it lacks."""
+    import ast
+    tree = ast.parse((NATIVE / "_core.pyi").read_text())
+    stubbed = {node.name: {n.name if isinstance(n, ast.FunctionDef) else n.target.id
+                           for n in node.body if isinstance(n, (ast.FunctionDef, ast.AnnAssign))}
+               - {"__init__"} for node in tree.body if isinstance(node, ast.ClassDef)}
+    constants = {n.target.id for n in tree.body if isinstance(n, ast.AnnAssign)}
+    offered = {name: {m for m in vars(obj) if not m.startswith("__")}
+               for name, obj in vars(_core).items() if isinstance(obj, type)}
+    assert stubbed == offered
+    assert constants == {name for name, v in vars(_core).items()
+                         if isinstance(v, (int, float)) and not name.startswith("__")}

@@ -7,8 +7,12 @@ udp.h (GRO/GSO batches), budget.h (a link direction's token bucket), numbering.h
 reduction's chunk numbering); for a rank, plane.h (its datagram plane, sans I/O: contribute.h
 for in-network reductions, gather.h for multicast gathers, outbox.h for what waits to be sent,
 trace.h for the timeline) and port.h (the plane on its sockets); for the aggregator,
-aggregator.h (the sans-I/O reduction engine) and service.h (its socket loop). module.c and
-plane_module.c are the Python bindings.
+aggregator.h (the sans-I/O reduction engine) and service.h (its socket loop). parts.txt lists
+these parts once for every builder (setup.py, the tests, tools/fuzz, tools/bench_core).
+
+The Python binding is module.c (the module, its constants) and a file per type: bind_wire.c
+(Sealer, TagCheck), bind_budget.c (Budget), bind_plane.c and bind_gather.c (Plane),
+bind_aggregator.c (Aggregator); binding.h holds what they share, _core.pyi their stubs.
 """
 
 try:

@@ -81,14 +81,14 @@ static int evp_failed(void) {
 }
 
 int oc_gmac_init(oc_gmac *g, const uint8_t key[OC_KEY_BYTES], int sealing) {
-    EVP_CIPHER *cipher = aes_gcm();
+    EVP_CIPHER *gcm = aes_gcm();
     g->ctx = NULL;
     g->sealing = sealing;
-    if (cipher == NULL) return evp_failed();
+    if (gcm == NULL) return evp_failed();
     EVP_CIPHER_CTX *ctx = EVP_CIPHER_CTX_new();
     if (ctx == NULL) return evp_failed();
-    int ok = sealing ? EVP_EncryptInit_ex2(ctx, cipher, key, NULL, NULL)
-                     : EVP_DecryptInit_ex2(ctx, cipher, key, NULL, NULL);
+    int ok = sealing ? EVP_EncryptInit_ex2(ctx, gcm, key, NULL, NULL)
+                     : EVP_DecryptInit_ex2(ctx, gcm, key, NULL, NULL);
     if (ok != 1) {
         EVP_CIPHER_CTX_free(ctx);
         return evp_failed();

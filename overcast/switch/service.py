@@ -186,7 +186,7 @@ class SwitchService:
                                         refusal.reason, str(refusal)))
             return False
         try:  # results go where the registration came from, not where a HELLO says
-            ip = socket.inet_aton(reg.sock.getpeername()[0])
+            ip = reg.sock.getpeername()[0]
         except OSError:
             return False
         engine = self.aggregator.engine
