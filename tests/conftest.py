@@ -20,6 +20,11 @@ def pytest_addoption(parser):
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")
 
 
+def widest(text: str) -> int:
+    """The longest line of a command's output, in characters (a table must fit a terminal)."""
+    return max((len(line) for line in text.splitlines()), default=0)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def nothing_left_behind():
     """After the whole suite: no namespace of ours and no child process of ours remain."""

@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-from conftest import root_only
+from conftest import root_only, widest
 
 from overcast.bench.run import sweep_summary
 from overcast.engine.trace import BIN_SECONDS
@@ -43,11 +43,12 @@ def test_bench_contract(tmp_path):
 
 def test_overlap_bench_and_timeline(tmp_path):
     out = tmp_path / "overlap.json"
-    subprocess.run([sys.executable, "-m", "overcast.cli.main", "bench", "--hosts", "3",
+    run = subprocess.run([sys.executable, "-m", "overcast.cli.main", "bench", "--hosts", "3",
                     "--link-mbit", "100", "--sizes", "256KiB", "--collectives",
                     "overlap,reduce_scatter", "--algorithms", "overcast,innetwork,ring,gloo",
                     "--reps", "2", "--warmup", "1", "--timeline", str(tmp_path / "tl"),
                     "--json", str(out)], check=True, capture_output=True, text=True, timeout=600)
+    assert widest(run.stdout + run.stderr) <= 120, run.stdout  # a terminal's width
     doc = json.loads(out.read_text())
     rows = {(r["collective"], r["algorithm"]): r for r in doc["results"]}
     assert set(rows) == {("overlap", "overcast"), ("overlap", "ring"), ("overlap", "gloo"),

@@ -11,6 +11,7 @@ import sys
 import numpy as np
 import pytest
 
+from conftest import widest
 from overcast.schedules import cost
 from overcast.sim.collectives import ALGORITHMS as SIM_ALGORITHMS
 from overcast.sim.engine import Engine
@@ -171,6 +172,15 @@ def overcast(*args):
                           capture_output=True, text=True, timeout=120)
 
 
+def test_plan_and_wide_simulate_print_what_they_promise():
+    """plan fits a terminal too, its reasons wrapped; --wide shows simulate's every column."""
+    done = overcast("plan", "--preset", "ethernet-fat-tree", "--params", "7B", "--layers", "32")
+    assert done.returncode == 0 and widest(done.stdout) <= 120, done.stdout + done.stderr
+    done = overcast("simulate", "--nodes", "8", "--wide")
+    assert done.returncode == 0 and "busiest link" in done.stdout and \
+        "engine cores" in done.stdout, done.stdout + done.stderr
+
+
 def test_simulate_writes_the_json_contract(tmp_path):
     out = tmp_path / "sim.json"
     done = overcast("simulate", "--nodes", "8,64", "--topology", "fat-tree", "--radix", "32",
@@ -179,6 +189,7 @@ def test_simulate_writes_the_json_contract(tmp_path):
                     "--algorithms", "ring,multicast,innetwork,overcast", "--json", str(out),
                     "--plot", str(tmp_path / "sim.png"))
     assert done.returncode == 0, done.stderr
+    assert widest(done.stdout) <= 120, done.stdout  # a terminal's width; --wide for the rest
     doc = json.loads(out.read_text())
     assert set(doc) == {"meta", "results"}
     rows = doc["results"]

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from conftest import root_only
+from conftest import root_only, widest
 from overcast.train.waits import TRACEFS, TRAINING, mount_tracefs
 
 INSTANCES = os.path.join(TRACEFS, "instances")
@@ -88,6 +88,7 @@ def test_overcast_train_compares_four_ways(tmp_path):
                                  "--warmup", "1", "--blocks", "3", "--dim", "64", "--out",
                                  str(tmp_path)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert widest(proc.stdout + proc.stderr) <= 120, proc.stdout  # a terminal's width
     doc = json.loads((tmp_path / "train.json").read_text())
     [run] = doc["shapes"]
     ways = {r["way"]: r for r in run["results"]}

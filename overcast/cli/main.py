@@ -16,7 +16,15 @@ import threading
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+from overcast.report.bench import WIDTH
 from overcast.units import parse_size
+
+
+def _console(args) -> Console:
+    """The terminal's width, or where output is not a terminal, 120 columns (or as wide as
+    --wide's tables need)."""
+    return Console(width=None if sys.stdout.isatty() else
+                   (250 if getattr(args, "wide", False) else WIDTH))
 
 
 def _csv(text: str) -> list[str]:
@@ -28,7 +36,7 @@ def _bench(args) -> int:
     from overcast.report.bench import plot_busbw, plot_sweep, print_table
     from overcast.report.timeline import write_timeline
 
-    console = Console(width=None if sys.stdout.isatty() else 240)
+    console = _console(args)
     sizes = [parse_size(s) for s in _csv(args.sizes)]
     rates = [mbit * 1e6 for mbit in _floats(args.link_mbit, "--link-mbit")]
     check_request(_csv(args.collectives), _csv(args.algorithms))
@@ -47,7 +55,7 @@ def _bench(args) -> int:
                         timeline=args.timeline, switch_slots=args.slots, within=args.within,
                         write_timeline=write_timeline,
                         progress=progress)
-    print_table(doc, console)
+    print_table(doc, console, wide=args.wide)
     _save(doc, console, args.json, _png(args),
           plot_busbw if doc["meta"]["link_bits_per_s"] else plot_sweep)
     for path in doc["meta"]["timelines"]:
@@ -59,7 +67,7 @@ def _soak(args) -> int:
     from overcast.bench.soak import run_soak
     from overcast.report.soak import plot, summary_table
 
-    console = Console(width=None if sys.stdout.isatty() else 200)
+    console = _console(args)
     nbytes = parse_size(args.size)
     try:
         marks = [int(m) for m in _csv(args.marks)]
@@ -80,7 +88,7 @@ def _simulate(args) -> int:
     from overcast.sim.engine import engine
     from overcast.sim.run import compare, sweep
 
-    console = Console(width=None if sys.stdout.isatty() else 200)
+    console = _console(args)
     model = engine(args.engine)
     if args.cores is not None:
         model = model.with_cores(args.cores)
@@ -101,7 +109,7 @@ def _simulate(args) -> int:
             with open(path) as f:
                 measured.append(json.load(f))
         compare(doc, measured)
-    console.print(simulate_table(doc))
+    console.print(simulate_table(doc, wide=args.wide))
     _save(doc, console, args.json, args.plot, plot_simulate)
     return 0
 
@@ -110,7 +118,7 @@ def _plan(args) -> int:
     from overcast.report.simulate import plan_table, plot_plan
     from overcast.sim.plan import PRESETS, Model, parse_count, plan
 
-    console = Console(width=None if sys.stdout.isatty() else 200)
+    console = _console(args)
     kind, radix, nodes, gbits = args.topology, args.radix, args.nodes, args.link_gbit
     if args.preset:
         if args.preset not in PRESETS:
@@ -183,7 +191,7 @@ def _progress(console: Console):
 def _train(args) -> int:
     from overcast.train.config import SHAPES, GPTConfig, check_request
 
-    console = Console(width=None if sys.stdout.isatty() else 200)
+    console = _console(args)
     ways = _csv(args.ways)
     given = GPTConfig(vocab=args.vocab, blocks=args.blocks, dim=args.dim, seq=args.seq,
                       batch_per_rank=args.batch, reshard=args.reshard,
@@ -215,12 +223,12 @@ def _train(args) -> int:
                            write_timeline=functools.partial(write_timeline, select=every_span))
     doc["meta"]["command"] = "overcast " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     for run in doc["shapes"]:
-        console.print(table(doc, run))
+        console.print(table(doc, run, wide=args.wide))
         if args.device == "cuda":
             for line in staging_lines(run):
                 console.print(line)
     if len(doc["shapes"]) > 1:
-        console.print(matrix_table(doc))
+        console.print(matrix_table(doc, wide=args.wide))
     for path in write(doc, args.out):
         console.print(f"wrote {path}")
     for path in (p for run in doc["shapes"] for p in run["timelines"]):
@@ -306,6 +314,9 @@ def parser() -> argparse.ArgumentParser:
                    help="the aggregator's slots per reduction (its pool)")
     b.add_argument("--json", help="write results here")
     b.add_argument("--png", help="busbw plot (default: beside --json)")
+    b.add_argument("--wide", action="store_true",
+                   help="every column (algbw, payload ratios, CPU, the aggregator's); the JSON "
+                        "has them all")
     b.set_defaults(func=_bench)
 
     t = sub.add_parser("train", help="train a small GPT with FSDP2 four ways on the emulated "
@@ -346,6 +357,9 @@ def parser() -> argparse.ArgumentParser:
                         "others' (4%% on the small shape run alone), so compare step times "
                         "without")
     t.add_argument("--lr", type=float, default=1e-3)
+    t.add_argument("--wide", action="store_true",
+                   help="every column (CPU waits, engine and per-rank CPU); the JSON has them "
+                        "all")
     t.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                    help="where each host's rank trains: cpu, or cuda (every host's rank on this "
                         "machine's first GPU; overcast stages through pinned host memory); "
@@ -402,6 +416,9 @@ def parser() -> argparse.ArgumentParser:
                                      "put their measured times beside the predictions")
     m.add_argument("--json", help="write {meta, results} here")
     m.add_argument("--plot", help="write time/floor and link traffic against nodes here (PNG)")
+    m.add_argument("--wide", action="store_true",
+                   help="every column (link traffic, busiest link, rx per NIC, engine cores); "
+                        "the JSON has them all")
     m.set_defaults(func=_simulate)
 
     n = sub.add_parser("plan", help="a training step's communication on a cluster, rings "

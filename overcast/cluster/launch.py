@@ -70,8 +70,7 @@ def compute_threads(ranks: int) -> dict[str, str]:
     if not _threads_said:
         _threads_said = True
         print(f"overcast: OMP_NUM_THREADS={threads} for each of {ranks} ranks sharing {cores} "
-              f"cores, so that their compute threads do not overload the machine; set "
-              f"OMP_NUM_THREADS to choose another number", file=sys.stderr)
+              f"cores (set OMP_NUM_THREADS to choose)", file=sys.stderr)
     return {"OMP_NUM_THREADS": str(threads)}
 
 

@@ -8,37 +8,49 @@ from rich.table import Table
 from overcast.units import human_bytes
 
 
-def columns(title: str, names: tuple[str, ...], left=("collective", "algorithm")) -> Table:
-    """A table of right-aligned columns but the `left` ones (names)."""
+# Tables fit a 120-column terminal by default; `wide` adds the rest (the JSON has it all).
+WIDTH = 120
+
+
+def table_of(title: str, spec: list[tuple], items, wide: bool = False,
+             left=("collective", "algorithm")) -> Table:
+    """A table of `items`, a row each: `spec` lists (header, the cell of an item, whether only
+    `wide` shows it); columns are right-aligned but the `left` ones."""
+    shown = [(name, cell) for name, cell, only_wide in spec if wide or not only_wide]
     t = Table(title=title)
-    for name in names:
+    for name, _ in shown:
         t.add_column(name, justify="left" if name in left else "right")
+    for item in items:
+        t.add_row(*(cell(item) for _, cell in shown))
     return t
 
 
-def table(doc: dict) -> Table:
+def table(doc: dict, wide: bool = False) -> Table:
     meta = doc["meta"]
     rates = meta.get("link_rates_bits_per_s") or [meta["link_bits_per_s"]]
     sweep = len(rates) > 1
-    t = columns(f"{meta['hosts']} hosts, {mbit_text(rates)} Mbit/s per direction, MTU "
-                f"{meta['mtu']}, {meta['dtype']}, median of {meta['repetitions']} runs",
-                ("collective", "algorithm", *(("link Mbit/s",) if sweep else ()), "size/rank",
-                 "time ms", "x floor", "algbw MB/s", "busbw MB/s", "tx/host", "rx/host",
-                 "tx/payload", "rx/payload", "cpu s/rank", "cpu us/dgram", "cpu s/GiB",
-                 "agg cpu s", "machine cpu", "correct"))
-    for r in doc["results"]:
-        t.add_row(r["collective"], algorithm_label(r),
-                  *((f"{r['link_bits_per_s'] / 1e6:g}",) if sweep else ()),
-                  human_bytes(r["bytes_per_rank"]),
-                  f"{r['seconds'] * 1e3:.1f}", f"{r['ratio_to_floor']:.3f}",
-                  f"{r['algbw_bytes_per_s'] / 1e6:.1f}", f"{r['busbw_bytes_per_s'] / 1e6:.1f}",
-                  human_bytes(r["tx_bytes_per_host"]), human_bytes(r["rx_bytes_per_host"]),
-                  f"{r['tx_over_payload']:.3f}", f"{r['rx_over_payload']:.3f}",
-                  f"{r['cpu_seconds_per_rank']:.3f}", _maybe(r.get("cpu_us_per_datagram"), ".1f"),
-                  _maybe(r.get("cpu_seconds_per_gib"), ".2f"),
-                  _maybe(r.get("switch_cpu_seconds_per_run"), ".3f"),
-                  f"{r['machine_cpu_busy']:.0%}", "yes" if r["correct"] else "[bold red]NO[/]")
-    return t
+    spec = [("collective", lambda r: r["collective"], False),
+            ("algorithm", algorithm_label, False),
+            *([("link Mbit/s", lambda r: f"{r['link_bits_per_s'] / 1e6:g}", False)]
+              if sweep else []),
+            ("size/rank", lambda r: human_bytes(r["bytes_per_rank"]), False),
+            ("time ms", lambda r: f"{r['seconds'] * 1e3:.1f}", False),
+            ("x floor", lambda r: f"{r['ratio_to_floor']:.3f}", False),
+            ("algbw MB/s", lambda r: f"{r['algbw_bytes_per_s'] / 1e6:.1f}", True),
+            ("busbw MB/s", lambda r: f"{r['busbw_bytes_per_s'] / 1e6:.1f}", False),
+            ("tx/host", lambda r: human_bytes(r["tx_bytes_per_host"]), False),
+            ("rx/host", lambda r: human_bytes(r["rx_bytes_per_host"]), False),
+            ("tx/payload", lambda r: f"{r['tx_over_payload']:.3f}", True),
+            ("rx/payload", lambda r: f"{r['rx_over_payload']:.3f}", True),
+            ("cpu s/rank", lambda r: f"{r['cpu_seconds_per_rank']:.3f}", True),
+            ("cpu us/dgram", lambda r: _maybe(r.get("cpu_us_per_datagram"), ".1f"), True),
+            ("cpu s/GiB", lambda r: _maybe(r.get("cpu_seconds_per_gib"), ".2f"), True),
+            ("agg cpu s", lambda r: _maybe(r.get("switch_cpu_seconds_per_run"), ".3f"), True),
+            ("machine cpu", lambda r: f"{r['machine_cpu_busy']:.0%}", True),
+            ("correct", lambda r: "yes" if r["correct"] else "[bold red]NO[/]", False)]
+    return table_of(f"{meta['hosts']} hosts, {mbit_text(rates)} Mbit/s per direction, MTU "
+                    f"{meta['mtu']}, {meta['dtype']}, median of {meta['repetitions']} runs",
+                    spec, doc["results"], wide)
 
 
 def algorithm_label(r: dict) -> str:
@@ -80,9 +92,9 @@ def _maybe(value, spec: str) -> str:
     return "" if value is None else format(value, spec)
 
 
-def print_table(doc: dict, console: Console | None = None) -> None:
+def print_table(doc: dict, console: Console | None = None, wide: bool = False) -> None:
     console = console or Console()
-    console.print(table(doc))
+    console.print(table(doc, wide))
     for line in sweep_lines(doc) + switch_lines(doc):
         console.print(line, highlight=False)
 

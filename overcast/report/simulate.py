@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from rich.table import Table
 
-from overcast.report.bench import columns
+from overcast.report.bench import table_of
 from overcast.units import human_bytes
 
 
@@ -13,27 +13,32 @@ def rate_text(bits_per_s: float) -> str:
         f"{bits_per_s / 1e9:g} Gbit/s" if bits_per_s >= 1e9 else f"{bits_per_s / 1e6:g} Mbit/s"
 
 
-def simulate_table(doc: dict) -> Table:
+def simulate_table(doc: dict, wide: bool = False) -> Table:
     meta = doc["meta"]
     shape = meta["topology"] + (f", radix {meta['radix']}" if meta.get("radix") else "")
     measured = any("measured_seconds" in r for r in doc["results"])
-    t = columns(f"simulated: {shape}, {meta['placement']} placement, engine "
-                f"{meta['engine']['name']}",
-                ("collective", "algorithm", "nodes", "link", "size/rank", "time", "x floor",
-                 "busbw GB/s", "link traffic", "busiest link", "tx/NIC", "rx/NIC",
-                 "engine cores") + (("measured", "error") if measured else ()),
-                left=("collective", "algorithm", "busiest link"))
-    for r in doc["results"]:
-        t.add_row(r["collective"], r["algorithm"] + (f" x{r['roots']}" if r["roots"] else ""),
-                  str(r["nodes"]), rate_text(r["link_bits_per_s"]),
-                  human_bytes(r["bytes_per_rank"]), seconds_text(r["seconds"]),
-                  f"{r['ratio_to_floor']:.3f}", f"{r['busbw_bytes_per_s'] / 1e9:.3g}",
-                  human_bytes(r["link_bytes_total"]), r["busiest_link"],
-                  human_bytes(r["tx_bytes_per_nic_max"]), human_bytes(r["rx_bytes_per_nic_max"]),
-                  f"{r['engine_cores_busy']:.2f}",
-                  *((seconds_text(r["measured_seconds"]), f"{r['prediction_error']:+.1%}")
-                    if "measured_seconds" in r else ("", "") if measured else ()))
-    return t
+    spec = [("collective", lambda r: r["collective"], False),
+            ("algorithm", lambda r: r["algorithm"] + (f" x{r['roots']}" if r["roots"] else ""),
+             False),
+            ("nodes", lambda r: str(r["nodes"]), False),
+            ("link", lambda r: rate_text(r["link_bits_per_s"]), False),
+            ("size/rank", lambda r: human_bytes(r["bytes_per_rank"]), False),
+            ("time", lambda r: seconds_text(r["seconds"]), False),
+            ("x floor", lambda r: f"{r['ratio_to_floor']:.3f}", False),
+            ("busbw GB/s", lambda r: f"{r['busbw_bytes_per_s'] / 1e9:.3g}", False),
+            ("link traffic", lambda r: human_bytes(r["link_bytes_total"]), True),
+            ("busiest link", lambda r: r["busiest_link"], True),
+            ("tx/NIC", lambda r: human_bytes(r["tx_bytes_per_nic_max"]), not measured),
+            ("rx/NIC", lambda r: human_bytes(r["rx_bytes_per_nic_max"]), True),
+            ("engine cores", lambda r: f"{r['engine_cores_busy']:.2f}", True)]
+    if measured:
+        spec += [("measured", lambda r: seconds_text(r["measured_seconds"])
+                  if "measured_seconds" in r else "", False),
+                 ("error", lambda r: f"{r['prediction_error']:+.1%}"
+                  if "measured_seconds" in r else "", False)]
+    return table_of(f"simulated: {shape}, {meta['placement']} placement, engine "
+                    f"{meta['engine']['name']}", spec, doc["results"], wide,
+                    left=("collective", "algorithm", "busiest link"))
 
 
 def seconds_text(s: float) -> str:
@@ -86,22 +91,22 @@ def plot_simulate(doc: dict, path: str) -> None:
     plt.close(fig)
 
 
-def plan_table(doc: dict) -> Table:
+def plan_table(doc: dict, wide: bool = False) -> Table:
     meta = doc["meta"]
-    t = columns(f"plan: {meta['params'] / 1e9:.2f}B parameters in {meta['layers']} layers, "
-                f"{meta['dtype']} gathered, {meta['reduce_dtype']} reduced, "
-                f"{meta['micro_steps']} micro-step(s); communication per step",
-                ("nodes", "link", "rings", "rings-separate", "overcast", "speedup",
-                 "cores (native)", "engines (offload)", "use"), left=("use",))
-    for p in doc["results"]:
-        ways = p["ways"]
-        t.add_row(str(p["nodes"]), rate_text(p["link_bits_per_s"]),
-                  *(seconds_text(ways[w]["seconds"]) for w in ("rings", "rings-separate",
-                                                                "overcast")),
-                  f"{p['speedup_over_rings']:.2f}x",
-                  f"{ways['overcast']['engine_cores_native']:.1f}",
-                  f"{ways['overcast']['engine_cores_offload']:.2f}", p["choice"])
-    return t
+    spec = [("nodes", lambda p: str(p["nodes"]), False),
+            ("link", lambda p: rate_text(p["link_bits_per_s"]), False),
+            *((way, lambda p, way=way: seconds_text(p["ways"][way]["seconds"]), False)
+              for way in ("rings", "rings-separate", "overcast")),
+            ("speedup", lambda p: f"{p['speedup_over_rings']:.2f}x", False),
+            ("cores (native)", lambda p: f"{p['ways']['overcast']['engine_cores_native']:.1f}",
+             False),
+            ("engines (offload)",
+             lambda p: f"{p['ways']['overcast']['engine_cores_offload']:.2f}", False),
+            ("use", lambda p: p["choice"], False)]
+    return table_of(f"plan: {meta['params'] / 1e9:.2f}B parameters in {meta['layers']} layers, "
+                    f"{meta['dtype']} gathered, {meta['reduce_dtype']} reduced, "
+                    f"{meta['micro_steps']} micro-step(s); communication per step", spec,
+                    doc["results"], wide, left=("use",))
 
 
 def plot_plan(doc: dict, path: str) -> None:

@@ -7,6 +7,7 @@ import os
 
 from rich.table import Table
 
+from overcast.report.bench import table_of
 from overcast.units import human_bytes
 from overcast.train.compare import PEER
 from overcast.train.config import OVERCAST_WAYS
@@ -22,42 +23,49 @@ def _shape_text(run: dict) -> str:
             f"batch {m['batch_per_rank']}{recipe}")
 
 
-def table(doc: dict, run: dict) -> Table:
-    """One shape: each way's step, its parts, traffic and CPU."""
+def _columns(meta: dict) -> list[tuple[str, object, bool]]:
+    """(header, the cell of a result, shown only with --wide) of the table's columns."""
+    waits = meta.get("cpu_waits_measured", True)
+    key = "speedup_vs_" + PEER.replace("-", "_")
+    return [
+        ("way", lambda r: r["way"], False),
+        ("step s", lambda r: f"{r['step_seconds']:.3f}", False),
+        ("speedup", lambda r: f"{r[key]:.2f}x" if r[key] else "-", False),
+        ("fwd comm s", lambda r: f"{r['forward_comm_seconds']:.3f}", False),
+        ("bwd comm s", lambda r: f"{r['backward_comm_seconds']:.3f}", False),
+        ("compute s", lambda r: f"{r['compute_seconds']:.3f}", False),
+        ("GIL wait ms", lambda r: f"{r['gil_wait_seconds'] * 1e3:.1f}" if waits else "-", True),
+        ("CPU wait ms", lambda r: f"{r['cpu_wait_seconds'] * 1e3:.1f}" if waits else "-", True),
+        ("behind hosts / comm ms", _behind, True),
+        ("own-host compute s", lambda r: f"{r['own_host_compute_seconds']:.3f}"
+         if "own_host_compute_seconds" in r else "-", True),
+        ("engine py ms", lambda r: f"{r['engine_python_cpu_seconds'] * 1e3:.0f}", True),
+        ("tx/host/step", lambda r: human_bytes(r["tx_bytes_per_host_per_step"]), False),
+        ("rx/host/step", lambda r: human_bytes(r["rx_bytes_per_host_per_step"]), False),
+        ("cpu s/rank", lambda r: f"{r['cpu_seconds_per_rank']:.3f}", True),
+        ("loss diff", lambda r: f"{r['max_loss_difference']:.1e}", False),
+    ]
+
+
+def table(doc: dict, run: dict, wide: bool = False) -> Table:
+    """One shape: each way's step, its parts and traffic; with `wide`, its CPU waits and CPU
+    too (the JSON has them all)."""
     meta = doc["meta"]
     prefetch = meta.get("prefetch", 1)
-    t = Table(title=f"GPT {_shape_text(run)}; FSDP2 on {meta['hosts']} hosts, "
-                    f"{meta['link_bits_per_s'] / 1e6:g} Mbit/s per direction"
-                    f"{f', prefetch {prefetch} blocks' if prefetch != 1 else ''}; median of "
-                    f"steps {meta['warmup'] + 1}-{meta['steps']}")
-    waits = meta.get("cpu_waits_measured", True)
-    for name in ("way", "step s", f"speedup vs {PEER}", "fwd comm s", "bwd comm s",
-                 "compute s", "GIL wait ms", "CPU wait ms", "behind hosts / comm ms",
-                 "own-host compute s", "engine py ms",
-                 "tx/host/step", "rx/host/step", "cpu s/rank", "max |loss diff|"):
-        t.add_column(name, justify="left" if name == "way" else "right")
-    key = "speedup_vs_" + PEER.replace("-", "_")
-    for r in run["results"]:
-        t.add_row(r["way"], f"{r['step_seconds']:.3f}",
-                  f"{r[key]:.2f}x" if r[key] else "-",
-                  f"{r['forward_comm_seconds']:.3f}", f"{r['backward_comm_seconds']:.3f}",
-                  f"{r['compute_seconds']:.3f}",
-                  f"{r['gil_wait_seconds'] * 1e3:.1f}" if waits else "-",
-                  f"{r['cpu_wait_seconds'] * 1e3:.1f}" if waits else "-",
-                  _behind(r), f"{r['own_host_compute_seconds']:.3f}"
-                  if "own_host_compute_seconds" in r else "-",
-                  f"{r['engine_python_cpu_seconds'] * 1e3:.0f}",
-                  human_bytes(r["tx_bytes_per_host_per_step"]),
-                  human_bytes(r["rx_bytes_per_host_per_step"]),
-                  f"{r['cpu_seconds_per_rank']:.3f}",
-                  f"{r['max_loss_difference']:.2e}")
+    t = table_of(f"GPT {_shape_text(run)}; FSDP2 on {meta['hosts']} hosts, "
+                 f"{meta['link_bits_per_s'] / 1e6:g} Mbit/s per direction"
+                 f"{f', prefetch {prefetch} blocks' if prefetch != 1 else ''}; median of "
+                 f"steps {meta['warmup'] + 1}-{meta['steps']}; speedup over {PEER}; loss "
+                 f"diff: the largest from {run['results'][0]['way']}'s at any step",
+                 _columns(meta), run["results"], wide, left=("way",))
     captions = []
     cores = meta["machine"]["cpus"]
     if cores < meta["hosts"]:
         captions.append(f"The {meta['hosts']} hosts share this machine's {cores} cores: training "
                         f"threads that compute at once wait for each other, which a cluster "
-                        f"would not make them do (own-host compute leaves that wait out).")
-    if meta.get("cpu_waits_traced"):
+                        f"would not make them do" + (" (own-host compute leaves that wait out)."
+                                                     if wide else "."))
+    if wide and meta.get("cpu_waits_traced"):
         captions.append("CPU wait: the training thread runnable, not running, outside the "
                         "collective hooks; behind hosts: while other hosts' training threads "
                         "held the cores; behind comm: the ranks' communication threads, the "
@@ -84,36 +92,42 @@ def _behind(result: dict) -> str:
     return f"{behind[TRAINING] * 1e3:.0f} / {comm * 1e3:.0f}"
 
 
-def matrix_table(doc: dict) -> Table:
-    """Every shape: overcast against its rings and gloo, predicted beside measured."""
+def matrix_table(doc: dict, wide: bool = False) -> Table:
+    """Every shape: overcast against its rings and the fair peer, predicted beside measured;
+    with `wide`, the compute against the fair peer's too."""
     meta = doc["meta"]
-    t = Table(title=f"Shapes on {meta['hosts']} hosts, {meta['link_bits_per_s'] / 1e6:g} Mbit/s: "
-                    f"step seconds, median of steps {meta['warmup'] + 1}-{meta['steps']}")
-    for name in ("shape", "pairs", "overcast s", "rings s", PEER + " s", "vs rings",
-                 "predicted", "overcast / predicted", "compute vs gloo",
-                 "own-host compute vs gloo", "same losses"):
-        t.add_column(name, justify="left" if name == "shape" else "right")
-    for run in doc["shapes"]:
+
+    def step(run, way):
         ways = {r["way"]: r for r in run["results"]}
+        return f"{ways[way]['step_seconds']:.3f}" if way in ways else "-"
+
+    def against_peer(run, key):
+        ways = {r["way"]: r for r in run["results"]}
+        if "overcast" not in ways or PEER not in ways or key not in ways[PEER]:
+            return "-"
+        return f"{ways['overcast'][key] / ways[PEER][key]:.2f}x"
+
+    def predicted(run, key, spec):
         p = run["prediction"] or {}
-
-        def step(way):
-            return f"{ways[way]['step_seconds']:.3f}" if way in ways else "-"
-
-        def against_gloo(key):
-            if "overcast" not in ways or PEER not in ways or key not in ways[PEER]:
-                return "-"
-            return f"{ways['overcast'][key] / ways[PEER][key]:.2f}x"
-
-        t.add_row(run["shape"], str(p.get("collectives", {}).get("pair", "-")),
-                  step("overcast"), step("overcast-ring"), step(PEER),
-                  f"{p['measured_speedup_over_rings']:.2f}x"
-                  if "measured_speedup_over_rings" in p else "-",
-                  f"{p['speedup_over_rings']:.2f}x" if p else "-",
-                  f"{p['overcast_over_predicted']:.3f}" if "overcast_over_predicted" in p else "-",
-                  against_gloo("compute_seconds"), against_gloo("own_host_compute_seconds"),
-                  f"{max(r['max_loss_difference'] for r in run['results']):.1e}")
-    return t
+        return format(p[key], spec) + ("x" if spec == ".2f" else "") if key in p else "-"
+    spec = [("shape", lambda run: run["shape"], False),
+            ("pairs", lambda run: str((run["prediction"] or {}).get("collectives", {})
+                                      .get("pair", "-")), False),
+            ("overcast s", lambda run: step(run, "overcast"), False),
+            ("rings s", lambda run: step(run, "overcast-ring"), False),
+            (PEER + " s", lambda run: step(run, PEER), False),
+            ("vs rings", lambda run: predicted(run, "measured_speedup_over_rings", ".2f"), False),
+            ("predicted", lambda run: predicted(run, "speedup_over_rings", ".2f"), False),
+            ("vs predicted", lambda run: predicted(run, "overcast_over_predicted", ".3f"), False),
+            ("compute vs peer", lambda run: against_peer(run, "compute_seconds"), True),
+            ("own-host compute vs peer",
+             lambda run: against_peer(run, "own_host_compute_seconds"), True),
+            ("loss diff", lambda run: f"{max(r['max_loss_difference'] for r in run['results']):.1e}",
+             False)]
+    return table_of(f"Shapes on {meta['hosts']} hosts, {meta['link_bits_per_s'] / 1e6:g} Mbit/s: "
+                    f"step seconds, median of steps {meta['warmup'] + 1}-{meta['steps']}; vs "
+                    f"rings measured and predicted; overcast's step over the predicted one",
+                    spec, doc["shapes"], wide, left=("shape",))
 
 
 def _figure():
@@ -194,9 +208,9 @@ def write(doc: dict, out_dir: str) -> list[str]:
 def staging_lines(run: dict) -> list[str]:
     """On a GPU, per way: the staging copies' GPU time per step beside the step, the pinned
     host memory held at the peak, and how much GPU memory grew after the warm-up."""
-    return [f"{r['way']}: staging copies {r['staging_seconds'] * 1e3:.1f} ms/step of "
-            f"{r['step_seconds'] * 1e3:.0f} ms; pinned peak {r['pinned_peak_bytes'] / 2**20:.0f} "
-            f"MiB per rank; GPU memory growth {r['gpu_memory_growth_bytes'] / 2**20:.1f} MiB"
-            + ("; ReduceScatters behind stream gates" if r["stream_gates"] and
-               r["way"] in OVERCAST_WAYS else "")
+    return [f"{r['way']}: staging {r['staging_seconds'] * 1e3:.1f} ms/step of "
+            f"{r['step_seconds'] * 1e3:.0f} ms, pinned peak {r['pinned_peak_bytes'] / 2**20:.0f} "
+            f"MiB/rank, GPU memory growth {r['gpu_memory_growth_bytes'] / 2**20:.1f} MiB"
+            + (", ReduceScatters gated" if r["stream_gates"] and r["way"] in OVERCAST_WAYS
+               else "")
             for r in run["results"]]
