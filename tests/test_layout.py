@@ -1,6 +1,6 @@
-"""The house's layout: every package and module of overcast listed in README's layout table,
-every import pointing down that list (function-level imports too), and no library file longer
-than a reader can hold."""
+"""The house's layout: every package and module of overcast listed in CONTRIBUTING.md's layout
+table, every import pointing down that list (function-level imports too), and no library file
+longer than a reader can hold."""
 
 import ast
 import pathlib
@@ -12,8 +12,8 @@ LONGEST = 800  # lines
 
 
 def layers() -> list[str]:
-    """README's layout table, top to bottom: 'cli', 'comm.py', ..."""
-    text = (ROOT / "README.md").read_text()
+    """CONTRIBUTING.md's layout table, top to bottom: 'cli', 'comm.py', ..."""
+    text = (ROOT / "CONTRIBUTING.md").read_text()
     table = text[text.index("## Layout"):].split("\n\n")[2]
     return re.findall(r"^\| `overcast/([\w.]+)` \|", table, re.M)
 

@@ -1,0 +1,52 @@
+"""The documents a newcomer reads: a short README with the results summary taken from
+docs/results.md, a license, results.md a reference of bounded length that opens with its summary,
+and every link between the documents leading somewhere."""
+
+import pathlib
+import re
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+DOCS = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def anchors(path: pathlib.Path) -> set[str]:
+    return {slug(h) for h in re.findall(r"^#+ (.*)$", path.read_text(), re.M)}
+
+
+def test_the_readme_is_short_and_licensed():
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 160
+    assert "BSD 3-Clause License" in (ROOT / "LICENSE").read_text()
+
+
+def test_results_is_a_bounded_reference_that_opens_with_its_summary():
+    text = (ROOT / "docs" / "results.md").read_text()
+    assert len(text.splitlines()) <= 450
+    assert re.findall(r"^## (.*)$", text, re.M)[0] == "Summary"
+
+
+def test_the_readme_shows_the_results_summary_from_results_md():
+    run = subprocess.run([sys.executable, str(ROOT / "tools" / "sync_readme.py"), "--check"],
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout
+
+
+def test_every_link_between_the_documents_leads_somewhere():
+    broken = []
+    for doc in DOCS:
+        for target in re.findall(r"\]\(([^)\s]+)\)", doc.read_text()):
+            if re.match(r"[a-z]+:", target):
+                continue  # a web address
+            path, _, anchor = target.partition("#")
+            where = (doc.parent / path).resolve() if path else doc
+            if not where.exists():
+                broken.append(f"{doc.name}: {target}")
+            elif anchor and where.suffix == ".md" and anchor not in anchors(where):
+                broken.append(f"{doc.name}: {target} (no such heading)")
+    assert broken == []
