@@ -155,8 +155,8 @@ def test_overcast_train_shapes_with_accumulation_and_checkpointing(tmp_path):
                                  "--ways", "gloo-separate,overcast", "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "4 micro-steps, activation checkpointing" in proc.stdout
-    assert "prefetch 2 blocks" in proc.stdout
+    assert "4 micro-steps, activation checkpointing" in " ".join(proc.stdout.split())  # wrapped
+    assert "prefetch 2 blocks" in " ".join(proc.stdout.split())
     doc = json.loads((tmp_path / "train.json").read_text())
     assert doc["meta"]["prefetch"] == 2
     assert (doc["meta"]["cpu_waits_traced"], doc["meta"]["untraced_because"]) == \
