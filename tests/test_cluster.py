@@ -189,7 +189,8 @@ def test_cluster_run_runs_a_command_on_every_host():
     out = subprocess.run([*CLI, "cluster", "run", "--hosts", "3", "--", "sh", "-c",
                           "echo host $RANK of $WORLD_SIZE master $MASTER_ADDR"],
                          capture_output=True, text=True, check=True, timeout=120).stdout
-    assert sorted(out.strip().split("\n")) == [f"host {r} of 3 master 198.18.0.1"
+    # each host's output under its rank: the prefix and the rank it was given agree
+    assert sorted(out.strip().split("\n")) == [f"[rank {r}] host {r} of 3 master 198.18.0.1"
                                               for r in range(3)]
 
 
@@ -206,7 +207,7 @@ def test_cluster_run_shares_the_cores_among_the_hosts_compute_threads(users):
                                 "torch.get_num_threads())"],
                          capture_output=True, text=True, check=True, timeout=120, env=env)
     threads = users or str(max(1, len(os.sched_getaffinity(0)) // hosts))
-    seen = [line.split() for line in run.stdout.splitlines()]
+    seen = [line.split()[2:] for line in run.stdout.splitlines()]  # after "[rank N]"
     assert [env for env, _ in seen] == [threads] * hosts, run.stdout
     if not users:  # torch read it (it caps a user's number at the cores it finds)
         assert [torch_threads for _, torch_threads in seen] == [threads] * hosts, run.stdout
@@ -224,8 +225,8 @@ def test_the_cluster_runs_inside_a_user_namespace_of_its_own():
     argv = userns.command(["-m", "overcast.cli.main", "cluster", "run", "--hosts", "2", "--",
                            "sh", "-c", "echo $RANK $(ip -br -4 addr show eth0)"])
     out = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=True).stdout
-    assert sorted(line.split()[0] + " " + line.split()[-1] for line in out.strip().split("\n")) \
-        == ["0 198.18.0.1/16", "1 198.18.0.2/16"]
+    assert sorted(line.split()[2] + " " + line.split()[-1] for line in out.strip().split("\n")) \
+        == ["0 198.18.0.1/16", "1 198.18.0.2/16"]  # after "[rank N]"
     assert set(list_namespaces()) == before
 
 

@@ -138,3 +138,55 @@ def test_communicator_settings_are_checked_before_rendezvous(kwargs, line):
     with pytest.raises(InvalidArgumentError) as err:
         communicator(**kwargs)
     assert str(err.value) == line
+
+
+# What a newcomer typed, and the one line that answers it: the flag as typed (an older name
+# included), the unit typed, paths checked before any work (these exit 2 with nothing built).
+TYPED = {
+    "simulate --nodes 0": (["simulate", "--nodes", "0"], "the number of hosts must be between 2 "
+                                                         "and 65279, not 0 (--nodes, hosts)"),
+    "plan --nodes 1": (["plan", "--nodes", "1"],
+                       "the number of hosts must be between 2 and 65279, not 1 (--nodes, hosts)"),
+    "simulate --link-gbit 0": (["simulate", "--link-gbit", "0"],
+                               "the link rate must be above 0 Gbit/s, not 0 (--link-gbit, "
+                               "link_bits_per_s / 1e9)"),
+    "train --link-gbit 0.1,0.2": (["train", "--link-gbit", "0.1,0.2"],
+                                  "--link-gbit takes one link rate here, not '0.1,0.2'"),
+    "simulate --json in a missing folder": (
+        ["simulate", "--json", "/missing/dir/x.json"],
+        "--json /missing/dir/x.json: the folder /missing/dir does not exist"),
+    "simulate --compare a missing file": (["simulate", "--compare", "/missing.json"],
+                                          "--compare /missing.json: no such file or directory"),
+    "plan --plot in a missing folder": (["plan", "--plot", "/missing/p.png"],
+                                        "--plot /missing/p.png: the folder /missing does not "
+                                        "exist"),
+    "soak --size two sizes": (["soak", "--size", "1KiB,2KiB"],
+                              "--size takes one size, not '1KiB,2KiB'"),
+    "cluster run without a command": (["cluster", "run"],
+                                      "cluster run: give the command to run on every host "
+                                      "after --, as in overcast cluster run --hosts 4 -- "
+                                      "python train.py"),
+}
+
+
+@pytest.mark.parametrize("case", list(TYPED))
+def test_a_bad_value_is_named_as_typed_before_any_work(case):
+    argv, line = TYPED[case]
+    out = subprocess.run(CLI + argv, capture_output=True, text=True, timeout=120)
+    assert (out.returncode, out.stdout, out.stderr) == (2, "", f"overcast: {line}\n")
+
+
+@pytest.mark.parametrize("command", [["bench"], ["train"], ["soak"], ["simulate"], ["plan"],
+                                     ["cluster", "up"], ["cluster", "run"], ["switch"]])
+def test_every_help_shows_the_defaults(command):
+    out = subprocess.run(CLI + command + ["--help"], capture_output=True, text=True, timeout=60,
+                         check=True).stdout
+    text = " ".join(out.split())
+    assert "(default: " in text and "--hosts" in text or command == ["switch"]
+    assert "--link-mbit" in text or command in (["switch"],)
+
+
+def test_version():
+    out = subprocess.run(CLI + ["--version"], capture_output=True, text=True, timeout=60,
+                         check=True).stdout
+    assert out.startswith("overcast ")

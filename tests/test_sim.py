@@ -241,7 +241,7 @@ def test_plan_command_writes_a_table_a_choice_and_a_plot(tmp_path):
     doc = json.loads((tmp_path / "plan.json").read_text())
     (point,) = doc["results"]
     assert point["nodes"] == 8 and point["choice"] == "overcast"
-    assert "8 nodes, 0.1 Gbit/s: overcast:" in done.stdout
+    assert "8 hosts, 0.1 Gbit/s: overcast:" in done.stdout
     assert (tmp_path / "plan.png").stat().st_size > 10_000
 
 

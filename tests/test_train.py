@@ -4,6 +4,7 @@ the four-way comparison."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -29,7 +30,9 @@ def switches_running() -> int:
 
 
 def losses(stdout: str) -> list[float]:
-    return [float(line.split()[-1]) for line in stdout.splitlines() if line.startswith("step ")]
+    """The losses an example printed (under `cluster run`, after its "[rank N]")."""
+    lines = (re.sub(r"^\[rank \d+\] ", "", line) for line in stdout.splitlines())
+    return [float(line.split()[-1]) for line in lines if line.startswith("step ")]
 
 
 @pytest.mark.parametrize("flags", [[], ["--allgather", "ring", "--reduce-scatter", "ring"],

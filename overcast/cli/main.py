@@ -1,5 +1,10 @@
 """The `overcast` command: train (the main job), bench, soak, simulate and plan (at scale,
-without a network), the emulated cluster (up, run, clean) and the aggregator (switch)."""
+without a network), the emulated cluster (up, run, clean) and the aggregator (switch).
+
+Every command names one thing one way (--hosts, --link-mbit or --link-gbit, --sizes, --png,
+--host-cores; the older names stay as aliases), shows its defaults in --help, and checks every
+flag, output path and input file before any work, saying what is wrong in one line that names
+the flag as typed."""
 
 from __future__ import annotations
 
@@ -7,17 +12,42 @@ import argparse
 import dataclasses
 import functools
 import json
+import math
 import os
+import re
 import shlex
 import signal
 import sys
 import threading
 
 from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from overcast.report.bench import WIDTH
 from overcast.units import parse_size
+
+# Older names each flag still answers to, and the one it has now.
+ALIASES = {"--nodes": "--hosts", "--size": "--sizes", "--bytes-per-rank": "--sizes",
+           "--plot": "--png", "--cores": "--host-cores", "--width": "--dim"}
+UNITS = {"--link-mbit": (1e6, "Mbit/s"), "--link-gbit": (1e9, "Gbit/s")}
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("overcast")
+    except PackageNotFoundError:  # run from a checkout that was not installed
+        return "unknown (not installed)"
+
+
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """--help shows each flag's default, where it has one."""
+
+    def _get_help_string(self, action):
+        if action.default in (None, False, argparse.SUPPRESS) or not action.help or \
+                "%(default)" in action.help or action.nargs == 0:  # a switch: no value
+            return action.help
+        return super()._get_help_string(action)
 
 
 def _console(args) -> Console:
@@ -31,14 +61,66 @@ def _csv(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
 
 
+def _link_rates(args, several: bool) -> list[float]:
+    """The link rates per direction in bits/s, from --link-mbit or --link-gbit (whichever was
+    given, else the command's default), each checked in the unit typed."""
+    flag = "--link-gbit" if args.link_gbit is not None else "--link-mbit" \
+        if args.link_mbit is not None else args.link_default[0]
+    text = getattr(args, flag[2:].replace("-", "_")) or args.link_default[1]
+    scale, unit = UNITS[flag]
+    values = _floats(text, flag)
+    if not values:
+        raise ValueError(f"the link rates must be at least one, not none ({flag}, link_bits)")
+    if not several and len(values) > 1:
+        raise ValueError(f"{flag} takes one link rate here, not {text!r}")
+    for value in values:
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(f"the link rate must be above 0 {unit}, not {value:g} ({flag}, "
+                             f"link_bits_per_s / {scale:.0e})".replace("e+0", "e"))
+    return [v * scale for v in values]
+
+
+def _sizes(text: str, several: bool = True) -> list[int]:
+    sizes = [parse_size(s) for s in _csv(text)]
+    if not sizes or (not several and len(sizes) > 1):
+        raise ValueError(f"--sizes takes {'sizes, comma-separated' if several else 'one size'}"
+                         f", not {text!r}")
+    return sizes
+
+
+def _writable(path: str | None, flag: str) -> None:
+    """An output file the command will write: its folder must exist and take files."""
+    if path is None:
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ValueError(f"{flag} {path}: the folder {folder} does not exist")
+    if not os.access(folder, os.W_OK):
+        raise ValueError(f"{flag} {path}: the folder {folder} is not writable")
+
+
+def _readable_json(paths: list[str], flag: str) -> list[dict]:
+    """Input files the command reads, each JSON."""
+    docs = []
+    for path in paths:
+        try:
+            with open(path) as f:
+                docs.append(json.load(f))
+        except OSError as err:
+            raise ValueError(f"{flag} {path}: {err.strerror.lower()}") from None
+        except ValueError:
+            raise ValueError(f"{flag} {path}: not a JSON file") from None
+    return docs
+
+
 def _bench(args) -> int:
     from overcast.bench.run import check_flags, check_request, run_bench
     from overcast.report.bench import plot_busbw, plot_sweep, print_table
     from overcast.report.timeline import write_timeline
 
     console = _console(args)
-    sizes = [parse_size(s) for s in _csv(args.sizes)]
-    rates = [mbit * 1e6 for mbit in _floats(args.link_mbit, "--link-mbit")]
+    sizes = _sizes(args.sizes)
+    rates = _link_rates(args, several=True)
     check_request(_csv(args.collectives), _csv(args.algorithms))
     try:
         roots = [None if r == "all" else int(r) for r in _csv(args.roots)]
@@ -47,6 +129,9 @@ def _bench(args) -> int:
                          f"{args.roots!r}") from None
     check_flags(args.hosts, rates, sizes, args.reps, args.warmup, args.mtu, roots, args.loss,
                 args.loss_burst, args.slots, args.within)
+    _writable(args.json, "--json")
+    _writable(_png(args), "--png")
+    _writable(args.timeline, "--timeline")
     bar, progress = _progress(console)
     with bar:
         doc = run_bench(args.hosts, [int(bits) for bits in rates], sizes, _csv(args.collectives),
@@ -68,16 +153,19 @@ def _soak(args) -> int:
     from overcast.report.soak import plot, summary_table
 
     console = _console(args)
-    nbytes = parse_size(args.size)
+    [nbytes] = _sizes(args.sizes, several=False)
+    [bits] = _link_rates(args, several=False)
     try:
         marks = [int(m) for m in _csv(args.marks)]
     except ValueError:
         raise ValueError(f"--marks takes whole numbers, comma-separated, not {args.marks!r}") \
             from None
+    _writable(args.json, "--json")
+    _writable(_png(args), "--png")
     bar, progress = _progress(console)
     with bar:  # run_soak checks every setting before it builds anything
-        doc = run_soak(args.hosts, int(args.link_mbit * 1e6), args.pairs, nbytes, args.loss,
-                       args.loss_burst, marks, progress=progress)
+        doc = run_soak(args.hosts, int(bits), args.pairs, nbytes, args.loss, args.loss_burst,
+                       marks, progress=progress)
     console.print(summary_table(doc))
     _save(doc, console, args.json, _png(args), plot)
     return 0 if doc["summary"]["pairs_exact"] == args.pairs else 1
@@ -90,27 +178,27 @@ def _simulate(args) -> int:
 
     console = _console(args)
     model = engine(args.engine)
-    if args.cores is not None:
-        model = model.with_cores(args.cores)
+    if args.host_cores is not None:
+        model = model.with_cores(args.host_cores)
+    rates = _link_rates(args, several=True)
+    sizes = _sizes(args.sizes)
+    hosts = _ints(args.hosts, "--hosts")
+    measured = _readable_json(_csv(args.compare), "--compare") if args.compare else None
+    _writable(args.json, "--json")
+    _writable(_png(args), "--png")
     bar, progress = _progress(console)
     with bar:  # sweep checks every setting before the first run
-        doc = sweep(_ints(args.nodes, "--nodes"), args.topology,
-                    [g * 1e9 for g in _floats(args.link_gbit, "--link-gbit")],
-                    [parse_size(s) for s in _csv(args.bytes_per_rank)],
-                    _csv(args.collectives), _csv(args.algorithms), radix=args.radix,
+        doc = sweep(hosts, args.topology, rates, sizes, _csv(args.collectives),
+                    _csv(args.algorithms), radix=args.radix,
                     oversubscription=_floats(args.oversubscription, "--oversubscription"),
                     levels=args.levels, roots=None if args.roots == "all" else
                     _ints(args.roots, "--roots")[0], engine=model, place=args.placement,
                     latency=args.latency_us * 1e-6, shared_cores=args.machine_cores,
                     progress=progress)
-    if args.compare:
-        measured = []
-        for path in _csv(args.compare):
-            with open(path) as f:
-                measured.append(json.load(f))
+    if measured is not None:
         compare(doc, measured)
     console.print(simulate_table(doc, wide=args.wide))
-    _save(doc, console, args.json, args.plot, plot_simulate)
+    _save(doc, console, args.json, _png(args), plot_simulate)
     return 0
 
 
@@ -119,12 +207,14 @@ def _plan(args) -> int:
     from overcast.sim.plan import PRESETS, Model, parse_count, plan
 
     console = _console(args)
-    kind, radix, nodes, gbits = args.topology, args.radix, args.nodes, args.link_gbit
+    kind, radix = args.topology, args.radix
     if args.preset:
         if args.preset not in PRESETS:
             raise ValueError(f"unknown preset {args.preset!r}; available: {', '.join(PRESETS)}")
-        kind, radix, nodes, gbits = PRESETS[args.preset]
-        nodes, gbits = ",".join(map(str, nodes)), ",".join(map(str, gbits))
+        kind, radix, hosts, gbits = PRESETS[args.preset]
+        rates = [g * 1e9 for g in gbits]
+    else:
+        hosts, rates = _ints(args.hosts, "--hosts"), _link_rates(args, several=True)
     options = {"dtype": args.dtype, "reduce_dtype": args.reduce_dtype,
                "micro_steps": args.micro_steps}
     if args.layer_params:
@@ -132,17 +222,18 @@ def _plan(args) -> int:
                       **options)
     else:
         model = Model.uniform(parse_count(args.params, "--params"), args.layers, **options)
+    _writable(args.json, "--json")
+    _writable(_png(args), "--png")
     bar, progress = _progress(console)
     with bar:  # plan checks the model and the cluster before the first run
-        doc = plan(model, kind, _ints(nodes, "--nodes"),
-                   [g * 1e9 for g in _floats(gbits, "--link-gbit")], radix=radix,
+        doc = plan(model, kind, hosts, rates, radix=radix,
                    oversubscription=_floats(args.oversubscription, "--oversubscription"),
                    host_cores=args.host_cores, progress=progress)
     console.print(plan_table(doc))
     for p in doc["results"]:
-        console.print(f"{p['nodes']} nodes, {p['link_bits_per_s'] / 1e9:g} Gbit/s: "
+        console.print(f"{p['nodes']} hosts, {p['link_bits_per_s'] / 1e9:g} Gbit/s: "
                       f"[bold]{p['choice']}[/]: {p['why']}", highlight=False)
-    _save(doc, console, args.json, args.plot, plot_plan)
+    _save(doc, console, args.json, _png(args), plot_plan)
     return 0
 
 
@@ -178,14 +269,33 @@ def _save(doc: dict, console: Console, json_path: str | None, png_path: str | No
         console.print(f"plot: {png_path}")
 
 
+class _Progress:
+    """A transient progress bar shown from its first step on, so that a check that fails
+    before any work leaves the terminal as it was."""
+
+    def __init__(self, console: Console):
+        self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                            TimeElapsedColumn(), console=console, transient=True)
+        self.task = None
+
+    def __enter__(self) -> "_Progress":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.task is not None:
+            self.bar.stop()
+
+    def step(self, done: int, total: int | None, what: str) -> None:
+        if self.task is None:
+            self.task = self.bar.add_task(what, total=total)
+            self.bar.start()
+        self.bar.update(self.task, completed=done, total=total, description=what)
+
+
 def _progress(console: Console):
-    """A transient progress bar, and the callback (done, total, what) that moves it."""
-    bar = Progress(TextColumn("{task.description}"), BarColumn(),
-                   TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(),
-                   console=console, transient=True)
-    task = bar.add_task("starting", total=None)
-    return bar, lambda done, total, what: bar.update(task, completed=done, total=total,
-                                                     description=what)
+    """A progress bar to run the work in, and the callback (done, total, what) that moves it."""
+    bar = _Progress(console)
+    return bar, bar.step
 
 
 def _train(args) -> int:
@@ -193,6 +303,7 @@ def _train(args) -> int:
 
     console = _console(args)
     ways = _csv(args.ways)
+    [bits] = _link_rates(args, several=False)
     given = GPTConfig(vocab=args.vocab, blocks=args.blocks, dim=args.dim, seq=args.seq,
                       batch_per_rank=args.batch, reshard=args.reshard,
                       micro_steps=args.micro_steps,
@@ -207,17 +318,22 @@ def _train(args) -> int:
     else:
         shapes = [("default" if given == GPTConfig() else "given", given)]
     for _, cfg in shapes:
-        check_request(ways, args.hosts, args.steps, args.warmup, args.link_mbit * 1e6, cfg,
-                      args.lr, args.prefetch, args.device)
-    os.makedirs(args.out, exist_ok=True)
+        check_request(ways, args.hosts, args.steps, args.warmup, bits, cfg, args.lr,
+                      args.prefetch, args.device)
+    try:
+        os.makedirs(args.out, exist_ok=True)
+    except OSError as err:
+        raise ValueError(f"--out {args.out}: {err.strerror.lower()}") from None
+    if not os.access(args.out, os.W_OK):
+        raise ValueError(f"--out {args.out}: the folder is not writable")
     # torch loads with these: only once every flag has been checked
     from overcast.train.compare import run_training
     from overcast.report.timeline import every_span, write_timeline
     from overcast.report.train import matrix_table, staging_lines, table, write
     bar, progress = _progress(console)
     with bar:
-        doc = run_training(args.hosts, int(args.link_mbit * 1e6), ways, args.steps, args.warmup,
-                           shapes, lr=args.lr, out_dir=args.out, progress=progress,
+        doc = run_training(args.hosts, int(bits), ways, args.steps, args.warmup, shapes,
+                           lr=args.lr, out_dir=args.out, progress=progress,
                            prefetch=args.prefetch, sched_trace=args.sched_trace,
                            device=args.device,
                            write_timeline=functools.partial(write_timeline, select=every_span))
@@ -236,6 +352,13 @@ def _train(args) -> int:
     return 0
 
 
+def _relay(stream, prefix: str) -> None:
+    """Copy a host's output to ours line by line, each line under its rank's prefix."""
+    for line in iter(stream.readline, b""):
+        sys.stdout.buffer.write(prefix + line)
+        sys.stdout.buffer.flush()
+
+
 def _cluster(args) -> int:
     from overcast.cluster.netns import Cluster, clean_leftovers
 
@@ -244,19 +367,28 @@ def _cluster(args) -> int:
         print(f"removed {len(removed)} namespace(s)" + (": " + " ".join(removed) if removed
                                                          else ""))
         return 0
-    with Cluster(args.hosts, int(args.link_mbit * 1e6), mtu=args.mtu) as cluster:
+    if args.action == "run" and not args.command:
+        raise ValueError("cluster run: give the command to run on every host after --, as in "
+                         "overcast cluster run --hosts 4 -- python train.py")
+    [bits] = _link_rates(args, several=False)
+    with Cluster(args.hosts, int(bits), mtu=args.mtu) as cluster:
         if args.action == "up":
             print(f"cluster {cluster.run_id}: hosts {' '.join(cluster.host_ns)}, switch "
                   f"{cluster.switch_ns}, service {cluster.service_ns}")
             print("enter a host with: ip netns exec <host> <command>; Ctrl-C tears it down")
             threading.Event().wait()
-        if not args.command:
-            print("nothing to run: give a command after --", file=sys.stderr)
-            return 2
         if args.switch:  # in-network reduction needs the aggregator; OVERCAST_SWITCH says where
             cluster.start_switch()
-        procs = [cluster.start(args.command, host=i) for i in range(args.hosts)]
+        import subprocess
+        procs = [cluster.start(args.command, host=i, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT) for i in range(args.hosts)]
+        relays = [threading.Thread(target=_relay, args=(p.stdout, f"[rank {i}] ".encode()),
+                                   daemon=True) for i, p in enumerate(procs)]
+        for relay in relays:
+            relay.start()
         codes = [p.wait() for p in procs]
+        for relay in relays:
+            relay.join()
         return max(codes, key=abs)
 
 
@@ -270,6 +402,7 @@ def _switch(args) -> int:
     check_count("communicators per job", args.max_communicators, 1, "--max-communicators")
     check_positive("a reduction's expiry", args.expiry, "--expiry", " seconds")
     limits = Limits(args.max_world, args.max_communicators, parse_size(args.pool_bytes))
+    _writable(args.stats, "--stats")
     given = os.environ.get("OVERCAST_SECRETS", "") or os.environ.get("OVERCAST_SECRET", "")
     secrets = [bytes.fromhex(x) for x in _csv(given)]
     if not secrets:
@@ -282,26 +415,61 @@ def _switch(args) -> int:
     return 0
 
 
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="overcast", description=__doc__)
-    sub = p.add_subparsers(dest="cmd", required=True)
+def _hosts(p, default, many: bool = False) -> None:
+    if many:
+        p.add_argument("--hosts", "--nodes", dest="hosts", default=default,
+                       help="hosts (one rank each), comma-separated for several")
+    else:
+        p.add_argument("--hosts", "--nodes", dest="hosts", type=int, default=default,
+                       help="emulated hosts, one rank each")
 
-    b = sub.add_parser("bench", help="benchmark collectives on the emulated cluster")
-    b.add_argument("--hosts", type=int, default=8)
-    b.add_argument("--link-mbit", default="400",
-                   help="link rate per direction, Mbit/s; several, comma-separated, sweep: "
-                        "every point runs on a cluster of each rate")
+
+def _link(p, default: str, unit: str, several: bool) -> None:
+    """--link-mbit and --link-gbit, one of them: the link rate per direction."""
+    many = "; comma-separated for several" if several else ""
+    group = p.add_mutually_exclusive_group()
+    for flag, name in (("--link-mbit", "Mbit/s"), ("--link-gbit", "Gbit/s")):
+        group.add_argument(flag, help=f"link rate per direction in {name}{many}" +
+                           (f" (default: {default})" if flag == unit else
+                            f" (instead of {unit})"))
+    p.set_defaults(link_default=(unit, default))
+
+
+def _files(p, json_help: str, png_help: str) -> None:
+    p.add_argument("--json", help=json_help)
+    p.add_argument("--png", "--plot", dest="png", help=png_help + " (default: beside --json)")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="overcast", description=__doc__.split("\n\n")[0],
+                                formatter_class=_Help)
+    p.add_argument("--version", action="version", version=f"overcast {_version()}")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+
+    def command(name: str, help: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=help, description=help, formatter_class=_Help)
+
+    b = command("bench", "benchmark collectives on the emulated cluster, beside gloo")
+    _hosts(b, 8)
+    _link(b, "400", "--link-mbit", several=True)
     b.add_argument("--within", type=float, default=1.15,
-                   help="a sweep names, per point, the highest rate at which it takes at most "
-                        "this many times its floor")
-    b.add_argument("--sizes", default="64KiB,1MiB,4MiB", help="bytes per rank, comma-separated")
-    b.add_argument("--collectives", default="allgather,reduce_scatter")
-    b.add_argument("--algorithms", default="ring,gloo")
+                   help="a sweep of several link rates names, per point, the highest rate at "
+                        "which it takes at most this many times its floor")
+    b.add_argument("--sizes", "--size", "--bytes-per-rank", dest="sizes",
+                   default="64KiB,1MiB,4MiB",
+                   help="bytes per rank, comma-separated (64KiB = 65,536; 64KB = 64,000; "
+                        "64k = 64KiB)")
+    b.add_argument("--collectives", default="allgather,reduce_scatter",
+                   help="allgather, reduce_scatter, overlap (the two at once), all_reduce, "
+                        "broadcast; comma-separated")
+    b.add_argument("--algorithms", default="ring,gloo",
+                   help="ring, multicast, innetwork, overcast (multicast with in-network), "
+                        "fullduplex, gloo; comma-separated")
     b.add_argument("--reps", type=int, default=5, help="timed runs per point")
     b.add_argument("--warmup", type=int, default=1, help="untimed runs per point")
-    b.add_argument("--mtu", type=int, default=9000)
+    b.add_argument("--mtu", type=int, default=9000, help="the links' MTU, bytes")
     b.add_argument("--roots", default="all",
-                   help="multicast AllGather: ranks sending at once, comma-separated list to "
+                   help="multicast AllGather: ranks sending at once, comma-separated to "
                         "compare; 'all' = every rank")
     b.add_argument("--loss", type=float, default=0.0,
                    help="fraction of received datagrams each host drops (TCP is untouched)")
@@ -311,19 +479,17 @@ def parser() -> argparse.ArgumentParser:
                    help="overlap: write the last run of overcast and ring at the largest size "
                         "as PREFIX-<algorithm>.json (Chrome trace) and .png")
     b.add_argument("--slots", type=int, default=256,
-                   help="the aggregator's slots per reduction (its pool)")
-    b.add_argument("--json", help="write results here")
-    b.add_argument("--png", help="busbw plot (default: beside --json)")
+                   help="the aggregator's slots per reduction (its pool), chunks")
+    _files(b, "write the results here (JSON)", "busbw against size")
     b.add_argument("--wide", action="store_true",
                    help="every column (algbw, payload ratios, CPU, the aggregator's); the JSON "
                         "has them all")
     b.set_defaults(func=_bench)
 
-    t = sub.add_parser("train", help="train a small GPT with FSDP2 four ways on the emulated "
-                                     "cluster and compare (the main job)")
-    t.add_argument("--hosts", type=int, default=4)
-    t.add_argument("--link-mbit", type=float, default=100.0,
-                   help="link rate per direction, Mbit/s")
+    t = command("train", "train a small GPT with FSDP2 four ways on the emulated cluster and "
+                         "compare them (the main job)")
+    _hosts(t, 4)
+    _link(t, "100", "--link-mbit", several=False)
     t.add_argument("--ways", default="gloo,gloo-separate,overcast-ring,overcast",
                    help="comma-separated: gloo (one group), gloo-separate (ReduceScatter on its "
                         "own group), overcast-ring, overcast (multicast + in-network)")
@@ -331,105 +497,105 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--warmup", type=int, default=1, help="first steps left out of the times")
     t.add_argument("--shapes",
                    help="train several model shapes in turn, comma-separated: small, default, "
-                        "long, deep, wide, kept (overcast/train/config.py SHAPES); each changes "
-                        "the shape flags' values, the rest hold for all")
-    t.add_argument("--vocab", type=int, default=512, help="vocabulary size")
+                        "long, deep, wide, kept; each changes the shape flags below, the rest "
+                        "hold for all")
+    t.add_argument("--vocab", type=int, default=512, help="vocabulary size, tokens")
     t.add_argument("--blocks", type=int, default=4, help="transformer blocks")
-    t.add_argument("--dim", "--width", type=int, default=256, help="model width")
+    t.add_argument("--dim", "--width", dest="dim", type=int, default=256, help="model width")
     t.add_argument("--seq", type=int, default=64, help="tokens per sequence")
-    t.add_argument("--batch", type=int, default=4,
-                   help="sequences per rank per micro-step")
+    t.add_argument("--batch", type=int, default=4, help="sequences per rank per micro-step")
     t.add_argument("--reshard", default="all-but-last",
                    help="blocks that free their parameters after forward (and gather them "
                         "again in backward): all-but-last, all, none, or block numbers, "
                         "comma-separated")
     t.add_argument("--micro-steps", type=int, default=1,
                    help="gradient accumulation: micro-batches per optimizer step, gradients "
-                        "reduced on the last only (set_requires_gradient_sync)")
+                        "reduced on the last only")
     t.add_argument("--activation-checkpointing", action="store_true",
-                   help="recompute each block's activations in backward (checkpoint_wrapper)")
+                   help="recompute each block's activations in backward")
     t.add_argument("--prefetch", type=int, default=1,
-                   help="blocks each gathers ahead in forward and behind in backward "
-                        "(overlap(prefetch=)), every way but gloo")
+                   help="blocks each gathers ahead in forward and behind in backward, every "
+                        "way but gloo")
     t.add_argument("--sched-trace", action=argparse.BooleanOptionalAction, default=True,
                    help="record the scheduler (tracefs, root) to say what the training threads "
-                        "waited behind for a CPU; it slowed overcast's short steps more than the "
-                        "others' (4%% on the small shape run alone), so compare step times "
+                        "waited behind for a CPU; it slows short steps, so compare step times "
                         "without")
-    t.add_argument("--lr", type=float, default=1e-3)
+    t.add_argument("--lr", type=float, default=1e-3, help="AdamW's learning rate")
+    t.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="where each host's rank trains (cuda: every rank on this machine's "
+                        "first GPU, staged through pinned host memory)")
+    t.add_argument("--out", default="out/train", help="folder for results, plots and traces")
     t.add_argument("--wide", action="store_true",
                    help="every column (CPU waits, engine and per-rank CPU); the JSON has them "
                         "all")
-    t.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
-                   help="where each host's rank trains: cpu, or cuda (every host's rank on this "
-                        "machine's first GPU; overcast stages through pinned host memory); "
-                        "default cpu")
-    t.add_argument("--out", default="out/train", help="folder for results, plots and traces")
     t.set_defaults(func=_train)
 
-    s = sub.add_parser("soak", help="many overlapped pairs under bursty loss: exact results, "
-                                    "flat memory, no drift, nothing left behind")
-    s.add_argument("--hosts", type=int, default=8)
-    s.add_argument("--link-mbit", type=float, default=400.0,
-                   help="link rate per direction, Mbit/s")
+    s = command("soak", "many overlapped pairs under bursty loss: exact results, flat memory, "
+                        "no drift, nothing left behind")
+    _hosts(s, 8)
+    _link(s, "400", "--link-mbit", several=False)
     s.add_argument("--pairs", type=int, default=1000,
                    help="overlapped pairs (multicast AllGather + in-network ReduceScatter)")
-    s.add_argument("--size", default="256KiB", help="bytes per rank of each collective")
+    s.add_argument("--sizes", "--size", dest="sizes", default="256KiB",
+                   help="bytes per rank of each collective (one size)")
     s.add_argument("--loss", type=float, default=0.01,
                    help="fraction of received datagrams each host drops")
     s.add_argument("--loss-burst", type=float, default=4.0,
                    help="mean length of a loss burst, in datagrams")
     s.add_argument("--marks", default="100",
-                   help="pairs after which memory is read (the last pair always is)")
-    s.add_argument("--json", help="write results here")
-    s.add_argument("--png", help="per-pair time plot (default: beside --json)")
+                   help="pairs after which memory is read, comma-separated (the last pair "
+                        "always is)")
+    _files(s, "write the results here (JSON)", "per-pair time")
     s.set_defaults(func=_soak)
 
-    m = sub.add_parser("simulate", help="predict collectives on a large cluster (flow-level "
-                                        "simulator); nothing is run on the network")
-    m.add_argument("--nodes", default="8,64,188,1024", help="ranks (one per host), "
-                                                            "comma-separated")
+    m = command("simulate", "predict collectives on a large cluster (a flow-level simulator; "
+                            "nothing runs on a network, no root needed)")
+    _hosts(m, "8,64,188,1024", many=True)
+    _link(m, "100", "--link-gbit", several=True)
     m.add_argument("--topology", default="fat-tree", help="star (one switch) or fat-tree")
     m.add_argument("--radix", type=int, default=32, help="fat tree: ports per switch")
     m.add_argument("--levels", type=int, help="fat tree: switch levels (default: the fewest "
-                                              "that hold the nodes)")
+                                              "that hold the hosts)")
     m.add_argument("--oversubscription", default="1",
                    help="fat tree: down over up ports, one per level from the leaves up, or one "
                         "for all")
     m.add_argument("--placement", default="contiguous",
                    help="contiguous (rank r on leaf r // hosts per leaf) or strided")
-    m.add_argument("--link-gbit", default="100", help="link rate per direction, Gbit/s, "
-                                                      "comma-separated")
     m.add_argument("--latency-us", type=float, default=1.0, help="latency per link, us")
-    m.add_argument("--bytes-per-rank", default="64MiB", help="N, comma-separated")
-    m.add_argument("--collectives", default="allgather,reduce_scatter,overlap")
-    m.add_argument("--algorithms", default="ring,multicast,innetwork,overcast")
+    m.add_argument("--sizes", "--bytes-per-rank", "--size", dest="sizes", default="64MiB",
+                   help="bytes per rank, comma-separated")
+    m.add_argument("--collectives", default="allgather,reduce_scatter,overlap",
+                   help="allgather, reduce_scatter, overlap; comma-separated")
+    m.add_argument("--algorithms", default="ring,multicast,innetwork,overcast",
+                   help="ring, multicast, innetwork, overcast; comma-separated")
     m.add_argument("--roots", default="all", help="multicast roots sending at once, or 'all'")
     m.add_argument("--engine", default="ideal",
-                   help="ideal (links only), native (overcast's engine as measured, one core "
-                        "per host) or offload (the paper's SmartNIC engine)")
-    m.add_argument("--cores", type=float, help="engine cores per host (default: the engine's)")
+                   help="ideal (links only), native (overcast's engine as measured) or offload "
+                        "(an engine on the NIC)")
+    m.add_argument("--host-cores", "--cores", dest="host_cores", type=float,
+                   help="engine cores per host (default: the engine's own)")
     m.add_argument("--machine-cores", type=float,
                    help="every host and the aggregator share this many cores, as the emulated "
                         "cluster's one machine does")
     m.add_argument("--compare", help="overcast bench JSON files (comma-separated, one per run): "
-                                     "put their measured times beside the predictions")
-    m.add_argument("--json", help="write {meta, results} here")
-    m.add_argument("--plot", help="write time/floor and link traffic against nodes here (PNG)")
+                                     "their measured times beside the predictions")
+    _files(m, "write {meta, results} here (JSON)", "time over the floor and link traffic "
+                                                   "against hosts")
     m.add_argument("--wide", action="store_true",
                    help="every column (link traffic, busiest link, rx per NIC, engine cores); "
                         "the JSON has them all")
     m.set_defaults(func=_simulate)
 
-    n = sub.add_parser("plan", help="a training step's communication on a cluster, rings "
-                                    "against overcast, and which to use (simulated)")
+    n = command("plan", "a training step's communication on a cluster, rings against "
+                        "overcast, and which to use (simulated, no root needed)")
     n.add_argument("--preset", help="a cluster by name: emulated, ethernet-fat-tree, rail-400g "
-                                    "(instead of --nodes, --link-gbit, --topology, --radix)")
-    n.add_argument("--nodes", default="8,64,188,1024", help="comma-separated")
-    n.add_argument("--link-gbit", default="100,400,1600", help="comma-separated")
+                                    "(instead of --hosts, --link-gbit, --topology, --radix)")
+    _hosts(n, "8,64,188,1024", many=True)
+    _link(n, "100,400,1600", "--link-gbit", several=True)
     n.add_argument("--topology", default="fat-tree", help="star or fat-tree")
-    n.add_argument("--radix", type=int, default=32)
-    n.add_argument("--oversubscription", default="1")
+    n.add_argument("--radix", type=int, default=32, help="fat tree: ports per switch")
+    n.add_argument("--oversubscription", default="1",
+                   help="fat tree: down over up ports, per level or one for all")
     n.add_argument("--params", default="7B", help="the model's parameter count (7B, 350M, 1.3e9)")
     n.add_argument("--layers", type=int, default=32, help="FSDP units (one per block)")
     n.add_argument("--layer-params", help="each unit's parameter count, comma-separated "
@@ -437,52 +603,67 @@ def parser() -> argparse.ArgumentParser:
     n.add_argument("--dtype", default="bf16", help="the gathered dtype (FSDP2's param_dtype)")
     n.add_argument("--reduce-dtype", help="the gradients' dtype (default: --dtype)")
     n.add_argument("--micro-steps", type=int, default=1, help="gradient accumulation steps")
-    n.add_argument("--host-cores", type=float, default=8.0,
+    n.add_argument("--host-cores", "--cores", dest="host_cores", type=float, default=8.0,
                    help="cores per host the communication engine may use")
-    n.add_argument("--json", help="write {meta, results} here")
-    n.add_argument("--plot", help="write the speedup against nodes and link rate here (PNG)")
+    _files(n, "write {meta, results} here (JSON)", "the speedup against hosts and link rate")
     n.set_defaults(func=_plan)
 
-    c = sub.add_parser("cluster", help="the emulated cluster of network namespaces")
-    c.add_argument("action", choices=("up", "run", "clean"),
-                   help="up: build and hold until Ctrl-C; run: run a command on every host; "
-                        "clean: remove what killed runs left behind")
-    c.add_argument("--hosts", type=int, default=4)
-    c.add_argument("--link-mbit", type=float, default=400.0)
-    c.add_argument("--mtu", type=int, default=9000)
-    c.add_argument("--force", action="store_true", help="clean: also remove live runs' namespaces")
-    c.add_argument("--no-switch", dest="switch", action="store_false",
-                   help="run: do not start the aggregator (overcast switch) on the service "
-                        "attachment")
-    c.set_defaults(func=_cluster)
+    c = command("cluster", "the emulated cluster of network namespaces: up, run, clean")
+    actions = c.add_subparsers(dest="action", required=True, metavar="ACTION")
+
+    def action(name: str, help: str) -> argparse.ArgumentParser:
+        a = actions.add_parser(name, help=help, description=help, formatter_class=_Help)
+        a.set_defaults(func=_cluster)
+        return a
+
+    for name, help in (("up", "build the cluster and hold it until Ctrl-C"),
+                       ("run", "build the cluster and run a command on every host, its output "
+                               "under [rank N]: overcast cluster run --hosts 4 -- COMMAND "
+                               "[ARGS...]")):
+        a = action(name, help)
+        _hosts(a, 4)
+        _link(a, "400", "--link-mbit", several=False)
+        a.add_argument("--mtu", type=int, default=9000, help="the links' MTU, bytes")
+        if name == "run":
+            a.add_argument("--no-switch", dest="switch", action="store_false",
+                           help="do not start the aggregator (overcast switch) on the service "
+                                "attachment")
+    action("clean", "remove what killed runs left behind").add_argument(
+        "--force", action="store_true", help="also remove live runs' namespaces")
 
     from overcast.native import EXPIRY_SECONDS
     from overcast.switch.service import Limits
 
-    w = sub.add_parser("switch", help="the aggregator for in-network reduction, standing in the "
-                                      "switch")
-    w.add_argument("--host", default="0.0.0.0")
+    w = command("switch", "the aggregator for in-network reduction, standing in for the switch")
+    w.add_argument("--host", default="0.0.0.0", help="address to listen on")
     w.add_argument("--port", type=int, default=18515, help="TCP and UDP port")
     w.add_argument("--slots", type=int, default=256,
                    help="chunks each reduction may have in the aggregator at once (its pool)")
     w.add_argument("--stats", help="write counters and peak memory here (JSON) on exit")
     w.add_argument("--max-world", type=int, default=Limits.max_world,
-                   help="the largest communicator it registers (ranks; default %(default)s)")
+                   help="the largest communicator it registers, ranks")
     w.add_argument("--max-communicators", type=int, default=Limits.max_communicators,
-                   help="communicators one job may register at once (default %(default)s)")
-    w.add_argument("--pool-bytes", default=str(Limits.pool_bytes),
+                   help="communicators one job may register at once")
+    w.add_argument("--pool-bytes", default="1G",
                    help="what every communicator's reductions may hold together at their "
                         "largest, set aside when each registers, each job an even share "
-                        "(bytes; k, M, G suffixes: powers of 1024; default 1G)")
+                        "(bytes; k, M, G: powers of 1024)")
     w.add_argument("--expiry", type=float, default=EXPIRY_SECONDS,
                    help="seconds a reduction may go without a contribution or acknowledgement "
-                        "before it is given up and its memory freed (default %(default)s)")
+                        "before it is given up and its memory freed")
     w.add_argument("--lifeline", type=int, metavar="FD",
                    help="exit when this inherited pipe closes (how a process that starts the "
                         "aggregator ties its life to its own)")
     w.set_defaults(func=_switch)
-    c.epilog = "run: overcast cluster run --hosts 4 -- COMMAND [ARGS...]"
     return p
+
+
+def _as_typed(message: str, argv: list[str]) -> str:
+    """An error message naming each flag as the user typed it (an older alias)."""
+    for alias, name in ALIASES.items():
+        if any(a == alias or a.startswith(alias + "=") for a in argv):
+            message = re.sub(re.escape(name) + r"(?![\w-])", alias, message)
+    return message
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -504,7 +685,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except (ClusterError, ValueError) as err:
-        print(f"overcast: {err}", file=sys.stderr)
+        print(f"overcast: {_as_typed(str(err), argv)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("overcast: interrupted; cleaned up", file=sys.stderr)
