@@ -20,7 +20,7 @@ def simulate_table(doc: dict, wide: bool = False) -> Table:
     spec = [("collective", lambda r: r["collective"], False),
             ("algorithm", lambda r: r["algorithm"] + (f" x{r['roots']}" if r["roots"] else ""),
              False),
-            ("nodes", lambda r: str(r["nodes"]), False),
+            ("hosts", lambda r: str(r["nodes"]), False),
             ("link", lambda r: rate_text(r["link_bits_per_s"]), False),
             ("size/rank", lambda r: human_bytes(r["bytes_per_rank"]), False),
             ("time", lambda r: seconds_text(r["seconds"]), False),
@@ -77,7 +77,7 @@ def plot_simulate(doc: dict, path: str) -> None:
     for ax, what in ((time_ax, "time / floor"), (bytes_ax, "total link traffic, GiB"),
                      (ratio_ax, "link traffic / the collective's least")):
         ax.set_xscale("log", base=2)
-        ax.set_xlabel("nodes")
+        ax.set_xlabel("hosts")
         ax.set_ylabel(what)
         ax.grid(alpha=0.3)
         ax.ticklabel_format(axis="y", useOffset=False) if ax is not bytes_ax else None
@@ -93,7 +93,7 @@ def plot_simulate(doc: dict, path: str) -> None:
 
 def plan_table(doc: dict, wide: bool = False) -> Table:
     meta = doc["meta"]
-    spec = [("nodes", lambda p: str(p["nodes"]), False),
+    spec = [("hosts", lambda p: str(p["nodes"]), False),
             ("link", lambda p: rate_text(p["link_bits_per_s"]), False),
             *((way, lambda p, way=way: seconds_text(p["ways"][way]["seconds"]), False)
               for way in ("rings", "rings-separate", "overcast")),
@@ -126,7 +126,7 @@ def plot_plan(doc: dict, path: str) -> None:
         pts = sorted((p["link_bits_per_s"] / 1e9, p["speedup_over_rings"]) for p in rows
                      if p["nodes"] == nodes)
         right.plot(*zip(*pts), marker="o", label=f"{nodes} nodes")
-    for ax, what in ((left, "nodes"), (right, "link rate per direction, Gbit/s")):
+    for ax, what in ((left, "hosts"), (right, "link rate per direction, Gbit/s")):
         ax.set_xscale("log", base=2 if ax is left else 10)
         ax.set_xlabel(what)
         ax.set_ylabel("step communication: rings / overcast")
