@@ -7,7 +7,8 @@ udp.h (GRO/GSO batches), budget.h (a link direction's token bucket), numbering.h
 reduction's chunk numbering); for a rank, plane.h (its datagram plane, sans I/O: contribute.h
 for in-network reductions, gather.h for multicast gathers, outbox.h for what waits to be sent,
 trace.h for the timeline) and port.h (the plane on its sockets); for the aggregator,
-aggregator.h (the sans-I/O reduction engine) and service.h (its socket loop). parts.txt lists
+aggregator.h (the sans-I/O reduction engine: aggregator.c and agg_registry.c, sharing
+agg_state.h) and service.h (its socket loop). parts.txt lists
 these parts once for every builder (setup.py, the tests, tools/fuzz, tools/bench_core).
 
 The Python binding is module.c (the module, its constants) and a file per type: bind_wire.c

@@ -1,137 +1,8 @@
-#include "aggregator.h"
-#include "numbering.h"
-
-#include <stdlib.h>
-#include <string.h>
-
-#include "grow.h"
-#include "sums.h"
-#include "udp.h"
-
-#define NACK_SECONDS 0.02
-#define MAX_BACKOFF 8
-#define LONGEST_RESEND_WAIT (OC_RESEND_SECONDS * (1 << MAX_BACKOFF))
-#define TICK_SECONDS 0.01
-#define CREDIT_EVERY_DIVISOR 4 /* announce after a quarter of the window is released */
-#define PREFIX_BYTES 8         /* CONTRIB's: dtype u8, group u8, world u16, total u32 */
-/* The most chunks one CREDIT names to send again: its payload stays one datagram. */
-#define CREDIT_MAX_RESEND ((OC_MAX_DATAGRAM - OC_OVERHEAD_BYTES - 4) / 4)
+#include "agg_state.h"
 
 #define NAME(name) #name,
 const char *const oc_drop_names[OC_DROP_COUNT] = {OC_DROPS(NAME)};
 const char *const oc_stat_names[OC_STAT_COUNT] = {OC_STATS(NAME)};
-
-enum { EMPTY = 0, COLLECTING = 1, SUMMED = 2 };
-
-typedef struct {
-    uint32_t g, elems, count;  /* the chunk held, its elements, contributors in */
-    uint32_t owner;
-    uint8_t state, acked, hole;
-    uint16_t resends;
-    uint32_t sent;             /* the reduction's result sends when its last copy left */
-    uint32_t hole_g;           /* a chunk with no slot yet, asked for at hole_asked */
-    double first_seen, nacked, sent_at, hole_asked;
-} slot_t;
-
-typedef struct {
-    double touched;               /* when a contribution or acknowledgement last came */
-    uint32_t seq, world, total, k, window, released, announced, results_sent;
-    uint8_t code, group;
-    size_t itemsize, row_bytes;   /* row_bytes: the pool's width per row */
-    int64_t highest;              /* the highest chunk any contribution came for */
-    int64_t *passed;              /* per rank: the highest chunk it sent */
-    slot_t *slots;                /* window */
-    uint64_t *have;               /* window x words: contributors per slot */
-    uint32_t words;
-    uint8_t *pool;                /* window x world x row_bytes, within pool_cap bytes */
-    size_t pool_cap;
-} reduction_t;
-
-/* What the aggregator knows of one rank of a communicator. */
-typedef struct {
-    oc_replay window;             /* its datagrams' counters, made with its first authentic one */
-    struct sockaddr_in address;   /* where its datagrams go */
-    uint8_t has_address, hears_group, has_rtt;
-    double srtt, rttvar;          /* the round trip from a result to its acknowledgement */
-} peer_t;
-
-typedef struct {
-    uint32_t job, comm, world, slots;
-    uint32_t max_row;             /* the widest contribution taken (bytes after the prefix) */
-    reduction_t *reductions[OC_MAX_REDUCTIONS]; /* in the order they began */
-    int nreductions;
-    uint32_t finished_seq[OC_TOMBSTONES], finished_total[OC_TOMBSTONES];
-    int nfinished;                /* oldest first */
-    int keyed;
-    oc_sealer sealer;
-    oc_gmac opener;
-    peer_t *peers;                /* world of them */
-    struct sockaddr_in group;
-    int has_group;
-} comm_t;
-
-/* A chunk whose last contribution came in the run being read: that one is summed from the
- * datagram, not copied into the pool first. */
-typedef struct {
-    uint32_t g;
-    const uint8_t *last;
-} completion;
-
-struct oc_agg {
-    uint32_t slots;
-    double expiry;                /* a reduction idle this long is given up (seconds) */
-    comm_t **comms;
-    int ncomms;
-    int last;                     /* the handle found last, tried first */
-    oc_out *out;
-    size_t nout, out_cap;
-    uint8_t *arena;
-    size_t arena_len, arena_cap;
-    uint64_t drops[OC_DROP_COUNT], stats[OC_STAT_COUNT];
-    uint64_t pool_bytes, peak_pool_bytes;
-    /* The largest pool a finished reduction left, for the next one: a fresh pool of tens of MiB
-     * comes from mmap, and faulting in and zeroing its pages took about a sixth of the
-     * aggregator's CPU on loopback. Freed when no communicator is left. */
-    uint8_t *spare;
-    size_t spare_cap;
-    double next_tick;             /* < 0: none */
-    uint32_t *chunks;             /* scratch: a run's chunks (oc_agg_feed) */
-    size_t chunks_cap;
-    uint64_t *pairs;              /* scratch: (rank, chunk) of NACKs (handle_timer) */
-    size_t pairs_len, pairs_cap;
-    uint32_t *nacked;             /* scratch: one rank's chunks to send again */
-    size_t nacked_cap;
-    completion *completed;        /* scratch: the chunks a run of contributions completes */
-    size_t completed_cap;
-    uint8_t *sealed;              /* scratch: one GSO batch (oc_agg_flush) */
-    uint8_t *done;                /* scratch: outbox entries flushed */
-    size_t done_cap;
-};
-
-/* -- small helpers ------------------------------------------------------------------------ */
-
-/* An allocation failed: counted, and the caller drops what needed it. */
-static void out_of_memory(oc_agg *a, uint64_t what) { a->drops[OC_DROP_out_of_memory] += what; }
-
-static uint32_t get32(const uint8_t *p) {
-    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
-}
-static void put32(uint8_t *p, uint32_t v) {
-    for (int i = 0; i < 4; i++) p[i] = (uint8_t)(v >> (8 * i));
-}
-
-static comm_t *comm_of(const oc_agg *a, int h) {
-    return h >= 0 && h < a->ncomms ? a->comms[h] : NULL;
-}
-
-static uint32_t owner_of(const reduction_t *r, uint32_t g) {
-    uint64_t c;
-    return oc_chunk_place(g, r->world, r->k, r->group, &c);
-}
-
-static uint32_t owner_span(const reduction_t *r, uint32_t g, uint32_t *first, uint32_t *end) {
-    return oc_owner_span(g, r->world, r->k, r->group, first, end);
-}
 
 /* -- the outbox ---------------------------------------------------------------------------- */
 
@@ -176,18 +47,6 @@ static void credit(oc_agg *a, int h, uint16_t dst, uint32_t seq, uint32_t releas
 
 /* -- reductions ---------------------------------------------------------------------------- */
 
-static slot_t *slot_of(reduction_t *r, uint32_t g) {
-    if (g < r->released || g - r->released >= r->window) return NULL;
-    slot_t *s = &r->slots[g % r->window];
-    return s->state != EMPTY && s->g == g ? s : NULL;
-}
-
-static uint64_t *have_of(reduction_t *r, uint32_t g) { return r->have + (size_t)(g % r->window) * r->words; }
-
-static uint8_t *row_of(reduction_t *r, uint32_t g, uint32_t rank) {
-    return r->pool + ((size_t)(g % r->window) * r->world + rank) * r->row_bytes;
-}
-
 static void free_pool(oc_agg *a, reduction_t *r) {
     if (r->pool == NULL) return;
     a->pool_bytes -= (uint64_t)r->window * r->world * r->row_bytes;
@@ -201,7 +60,7 @@ static void free_pool(oc_agg *a, reduction_t *r) {
     r->pool = NULL;
 }
 
-static void free_reduction(oc_agg *a, reduction_t *r) {
+void agg_free_reduction(oc_agg *a, reduction_t *r) {
     free_pool(a, r);
     free(r->passed);
     free(r->slots);
@@ -209,7 +68,7 @@ static void free_reduction(oc_agg *a, reduction_t *r) {
     free(r);
 }
 
-static reduction_t *find_reduction(comm_t *c, uint32_t seq) {
+reduction_t *agg_find_reduction(comm_t *c, uint32_t seq) {
     for (int i = 0; i < c->nreductions; i++)
         if (c->reductions[i]->seq == seq) return c->reductions[i];
     return NULL;
@@ -239,7 +98,7 @@ static reduction_t *new_reduction(oc_agg *a, comm_t *c, uint32_t seq, uint8_t co
     r->slots = calloc(r->window, sizeof(slot_t));
     r->have = calloc((size_t)r->window * r->words, sizeof(uint64_t));
     if (r->passed == NULL || r->slots == NULL || r->have == NULL) {
-        free_reduction(a, r);
+        agg_free_reduction(a, r);
         return NULL;
     }
     for (uint32_t i = 0; i < c->world; i++) r->passed[i] = -1;
@@ -289,7 +148,7 @@ static void announce(oc_agg *a, int h, reduction_t *r) {
 
 static void answer_credit(oc_agg *a, int h, comm_t *c, uint32_t seq, uint16_t rank,
                           const uint32_t *again, size_t n) {
-    reduction_t *r = find_reduction(c, seq);
+    reduction_t *r = agg_find_reduction(c, seq);
     int i;
     if (r) credit(a, h, rank, seq, r->released, again, n);
     else if ((i = finished_index(c, seq)) >= 0) credit(a, h, rank, seq, c->finished_total[i], NULL, 0);
@@ -313,7 +172,7 @@ static void retire(oc_agg *a, comm_t *c, reduction_t *r) {
         c->finished_seq[c->nfinished] = r->seq;
         c->finished_total[c->nfinished++] = r->total;
     }
-    free_reduction(a, r);
+    agg_free_reduction(a, r);
 }
 
 static void finish(oc_agg *a, int h, comm_t *c, reduction_t *r) {
@@ -336,7 +195,7 @@ static void sample_rtt(peer_t *p, double seconds) {
     }
 }
 
-static double resend_timeout(const peer_t *p) {
+double agg_resend_timeout(const peer_t *p) {
     if (!p->has_rtt) return OC_RESEND_SECONDS;
     double t = p->srtt + 4 * p->rttvar;
     return t < OC_RESEND_SECONDS ? OC_RESEND_SECONDS : t > OC_MAX_RESEND_SECONDS ? OC_MAX_RESEND_SECONDS : t;
@@ -365,7 +224,7 @@ static void on_contributions(oc_agg *a, int h, comm_t *c, const oc_header *hdr,
         a->drops[OC_DROP_wrong_length] += count;
         return;
     }
-    reduction_t *r = find_reduction(c, hdr->seq);
+    reduction_t *r = agg_find_reduction(c, hdr->seq);
     if (r == NULL) {
         if (finished_index(c, hdr->seq) >= 0) {
             answer_credit(a, h, c, hdr->seq, hdr->src, NULL, 0);
@@ -545,7 +404,7 @@ static void resend_overtaken(oc_agg *a, int h, reduction_t *r, uint32_t owner, u
 
 static void on_acks(oc_agg *a, int h, comm_t *c, const oc_header *hdr, const uint8_t *p,
                     size_t len, double now) {
-    reduction_t *r = find_reduction(c, hdr->seq);
+    reduction_t *r = agg_find_reduction(c, hdr->seq);
     if (r == NULL) {
         a->drops[OC_DROP_stale]++;
         return;
@@ -582,7 +441,7 @@ static size_t owed(reduction_t *r, uint32_t rank, uint32_t sent_below, uint32_t 
 /* A rank's credit has stalled: say what it still owes. A reduction neither in flight nor
  * finished was refused: the rank sends its first window again, taken once there is room. */
 static void on_credit_probe(oc_agg *a, int h, comm_t *c, const oc_header *hdr, uint32_t sent_below) {
-    reduction_t *r = find_reduction(c, hdr->seq);
+    reduction_t *r = agg_find_reduction(c, hdr->seq);
     size_t n = 0;
     if (oc_grow((void **)&a->nacked, &a->nacked_cap, c->slots, sizeof(uint32_t))) {
         out_of_memory(a, 1);
@@ -688,7 +547,7 @@ void oc_agg_handle_timer(oc_agg *a, double now) {
                 slot_t *s = slot_of(r, g);
                 if (s && s->state == SUMMED) {
                     unsigned shift = s->resends < MAX_BACKOFF ? s->resends : MAX_BACKOFF;
-                    double wait = resend_timeout(&c->peers[s->owner]) * (double)(1u << shift);
+                    double wait = agg_resend_timeout(&c->peers[s->owner]) * (double)(1u << shift);
                     if (wait > LONGEST_RESEND_WAIT) wait = LONGEST_RESEND_WAIT;
                     if (!s->acked && now >= s->sent_at + wait) {
                         s->resends++;
@@ -736,7 +595,7 @@ void oc_agg_handle_timer(oc_agg *a, double now) {
 
 /* -- datagrams ----------------------------------------------------------------------------- */
 
-static int find_comm(oc_agg *a, uint32_t job, uint32_t comm) {
+int agg_find_comm(oc_agg *a, uint32_t job, uint32_t comm) {
     comm_t *c = comm_of(a, a->last);
     if (c && c->job == job && c->comm == comm) return a->last;
     for (int h = 0; h < a->ncomms; h++)
@@ -750,7 +609,7 @@ static int open_datagram(oc_agg *a, const uint8_t *d, size_t len, oc_header *h, 
     if (len < OC_OVERHEAD_BYTES || oc_header_parse(d, len, h) ||
         (size_t)h->length + OC_OVERHEAD_BYTES != len)
         return OC_DROP_malformed;
-    comm_t *c = comm_of(a, *handle = find_comm(a, h->job, h->comm));
+    comm_t *c = comm_of(a, *handle = agg_find_comm(a, h->job, h->comm));
     if (c == NULL || !c->keyed) return OC_DROP_foreign;
     if (!oc_gmac_check(&c->opener, h->src, h->counter, d, len - OC_TAG_BYTES,
                        d + len - OC_TAG_BYTES))
@@ -799,252 +658,4 @@ void oc_agg_feed(oc_agg *a, const uint8_t *data, size_t n, size_t segment, doubl
     }
     if (count)
         oc_agg_receive_run(a, run_handle, &run, a->chunks, count, data, run_offset, segment, now);
-}
-
-/* -- registration -------------------------------------------------------------------------- */
-
-static void free_comm(oc_agg *a, comm_t *c) {
-    for (int i = 0; i < c->nreductions; i++) free_reduction(a, c->reductions[i]);
-    if (c->keyed) {
-        oc_gmac_free(&c->sealer.gmac);
-        oc_gmac_free(&c->opener);
-    }
-    if (c->peers)
-        for (uint32_t r = 0; r < c->world; r++) oc_replay_free(&c->peers[r].window);
-    free(c->peers);
-    free(c);
-}
-
-int oc_agg_register(oc_agg *a, uint32_t job, uint32_t comm, uint32_t world, uint32_t slots,
-                    uint32_t max_row, const uint8_t *key, uint64_t counter, uint32_t *granted) {
-    int h = find_comm(a, job, comm);
-    comm_t *c = comm_of(a, h);
-    if (c && c->world == world) {
-        *granted = c->slots;
-        return h;
-    }
-    if (world == 0 || world > 0xFFFD) return -1;
-    comm_t *fresh = calloc(1, sizeof *fresh);
-    if (fresh == NULL) return -1;
-    fresh->job = job;
-    fresh->comm = comm;
-    fresh->world = world;
-    fresh->slots = slots == 0 ? a->slots : slots < a->slots ? slots : a->slots;
-    fresh->max_row = max_row;
-    fresh->peers = calloc(world, sizeof(peer_t));
-    if (fresh->peers == NULL) {
-        free_comm(a, fresh);
-        return -1;
-    }
-    if (key) {
-        if (oc_gmac_init(&fresh->sealer.gmac, key, 1)) {
-            free_comm(a, fresh);
-            return -1;
-        }
-        if (oc_gmac_init(&fresh->opener, key, 0)) {
-            oc_gmac_free(&fresh->sealer.gmac);
-            free_comm(a, fresh);
-            return -1;
-        }
-        fresh->keyed = 1;
-        fresh->sealer.job = job;
-        fresh->sealer.comm = comm;
-        fresh->sealer.src = OC_AGGREGATOR;
-        fresh->sealer.counter = counter;
-    }
-    if (c) { /* the same ids with another world: a new communicator in its place */
-        free_comm(a, c);
-        a->comms[h] = fresh;
-    } else {
-        for (h = 0; h < a->ncomms && a->comms[h]; h++) {}
-        if (h == a->ncomms) {
-            comm_t **more = realloc(a->comms, sizeof(comm_t *) * (size_t)(a->ncomms + 1));
-            if (more == NULL) {
-                free_comm(a, fresh);
-                return -1;
-            }
-            a->comms = more;
-            a->ncomms++;
-        }
-        a->comms[h] = fresh;
-    }
-    *granted = fresh->slots;
-    return h;
-}
-
-void oc_agg_unregister(oc_agg *a, int h) {
-    comm_t *c = comm_of(a, h);
-    if (c == NULL) return;
-    /* its messages still in the outbox go nowhere */
-    for (size_t i = 0; i < a->nout; i++)
-        if (a->out[i].handle == h) a->out[i].handle = -1;
-    free_comm(a, c);
-    a->comms[h] = NULL;
-    for (h = 0; h < a->ncomms && a->comms[h] == NULL; h++) {}
-    if (h == a->ncomms) {
-        free(a->spare);
-        a->spare = NULL;
-        a->spare_cap = 0;
-    }
-}
-
-int oc_agg_set_address(oc_agg *a, int h, uint32_t rank, uint32_t ip, uint16_t port,
-                       int hears_group) {
-    comm_t *c = comm_of(a, h);
-    if (c == NULL || rank >= c->world) return -1;
-    peer_t *p = &c->peers[rank];
-    p->address.sin_family = AF_INET;
-    p->address.sin_addr.s_addr = ip;
-    p->address.sin_port = port;
-    p->has_address = 1;
-    p->hears_group = hears_group != 0;
-    return 0;
-}
-
-int oc_agg_set_group(oc_agg *a, int h, uint32_t ip, uint16_t port) {
-    comm_t *c = comm_of(a, h);
-    if (c == NULL) return -1;
-    c->group.sin_family = AF_INET;
-    c->group.sin_addr.s_addr = ip;
-    c->group.sin_port = port;
-    c->has_group = 1;
-    return 0;
-}
-
-void oc_agg_each_destination(const oc_agg *a, int h, uint16_t dst, oc_to to, void *ctx) {
-    const comm_t *c = comm_of(a, h);
-    if (c == NULL) return;
-    if (dst != OC_ANY) {
-        if (dst < c->world && c->peers[dst].has_address) to(ctx, &c->peers[dst].address);
-        return;
-    }
-    int all = c->has_group;
-    for (uint32_t r = 0; r < c->world && all; r++)
-        all = c->peers[r].has_address && c->peers[r].hears_group;
-    if (all) {
-        to(ctx, &c->group);
-        return;
-    }
-    for (uint32_t r = 0; r < c->world; r++)
-        if (c->peers[r].has_address) to(ctx, &c->peers[r].address);
-}
-
-/* -- sealing ------------------------------------------------------------------------------- */
-
-size_t oc_agg_seal(oc_agg *a, int h, uint8_t kind, uint32_t seq, uint16_t dst, uint32_t chunk,
-                   const uint8_t *payload, size_t len, uint8_t *out, size_t cap) {
-    comm_t *c = comm_of(a, h);
-    if (c == NULL || !c->keyed) return 0;
-    return oc_seal_into(&c->sealer, out, cap, kind, seq, dst, chunk, payload, len);
-}
-
-void oc_agg_flush(oc_agg *a, oc_emit emit, void *ctx) {
-    if (a->nout == 0) return;
-    if (oc_grow((void **)&a->done, &a->done_cap, a->nout, 1)) {
-        out_of_memory(a, 1); /* the outbox waits for the next flush */
-        return;
-    }
-    memset(a->done, 0, a->nout);
-    for (size_t i = 0; i < a->nout; i++) {
-        if (a->done[i]) continue;
-        int h = a->out[i].handle;
-        uint16_t dst = a->out[i].dst;
-        comm_t *c = comm_of(a, h);
-        size_t end = 0, size = 0;
-        for (size_t j = i; j < a->nout; j++) {
-            const oc_out *o = &a->out[j];
-            if (a->done[j] || o->handle != h || o->dst != dst) continue;
-            a->done[j] = 1;
-            if (c == NULL || !c->keyed) continue;
-            size_t length = OC_OVERHEAD_BYTES + o->len;
-            if (length > OC_MAX_DATAGRAM) continue; /* never made: payloads are bounded */
-            const uint8_t *payload = oc_agg_payload(a, o);
-            if (payload == NULL) continue;
-            if (!oc_gso_joins(end, size, length)) {
-                emit(ctx, h, dst, a->sealed, end, size);
-                end = 0;
-            }
-            size_t n = oc_seal_into(&c->sealer, a->sealed + end, OC_MAX_DATAGRAM - end, o->kind,
-                                    o->seq, dst, o->chunk, payload, o->len);
-            if (n == 0) continue;
-            if (end == 0) size = n;
-            end += n;
-        }
-        if (end) emit(ctx, h, dst, a->sealed, end, size);
-    }
-    oc_agg_outbox_clear(a);
-}
-
-/* -- the rest of the contract -------------------------------------------------------------- */
-
-oc_agg *oc_agg_new(uint32_t slots) {
-    oc_agg *a = calloc(1, sizeof *a);
-    if (a == NULL) return NULL;
-    a->slots = slots ? slots : 1;
-    a->expiry = OC_EXPIRY_SECONDS;
-    a->next_tick = -1.0;
-    a->last = -1;
-    a->sealed = malloc(OC_MAX_DATAGRAM);
-    if (a->sealed == NULL) {
-        free(a);
-        return NULL;
-    }
-    return a;
-}
-
-void oc_agg_free(oc_agg *a) {
-    if (a == NULL) return;
-    for (int h = 0; h < a->ncomms; h++)
-        if (a->comms[h]) free_comm(a, a->comms[h]);
-    free(a->comms);
-    free(a->spare);
-    free(a->out);
-    free(a->arena);
-    free(a->chunks);
-    free(a->pairs);
-    free(a->nacked);
-    free(a->completed);
-    free(a->sealed);
-    free(a->done);
-    free(a);
-}
-
-void oc_agg_set_expiry(oc_agg *a, double seconds) { a->expiry = seconds; }
-
-size_t oc_agg_outbox_count(const oc_agg *a) { return a->nout; }
-const oc_out *oc_agg_outbox(const oc_agg *a, size_t i) { return i < a->nout ? &a->out[i] : NULL; }
-const uint8_t *oc_agg_payload(const oc_agg *a, const oc_out *o) {
-    if (!o->in_pool) return a->arena + o->offset;
-    comm_t *c = comm_of(a, o->handle);
-    reduction_t *r = c ? find_reduction(c, o->seq) : NULL;
-    slot_t *s = r ? slot_of(r, o->chunk) : NULL;
-    /* a slot summed for this chunk is the one queued: its owner and length are the message's */
-    if (s == NULL || s->state != SUMMED) return NULL;
-    return row_of(r, o->chunk, s->owner);
-}
-void oc_agg_outbox_clear(oc_agg *a) {
-    a->nout = 0;
-    a->arena_len = 0;
-}
-const uint64_t *oc_agg_drops(const oc_agg *a) { return a->drops; }
-uint64_t *oc_agg_drops_mut(oc_agg *a) { return a->drops; }
-const uint64_t *oc_agg_stats(const oc_agg *a) { return a->stats; }
-uint64_t oc_agg_pool_bytes(const oc_agg *a) { return a->pool_bytes; }
-uint64_t oc_agg_peak_pool_bytes(const oc_agg *a) { return a->peak_pool_bytes; }
-uint64_t oc_agg_kept_pool_bytes(const oc_agg *a) { return a->spare_cap; }
-uint32_t oc_agg_slots(const oc_agg *a) { return a->slots; }
-
-double oc_agg_resend_timeout(const oc_agg *a, int h, uint32_t owner) {
-    const comm_t *c = comm_of(a, h);
-    return c && owner < c->world ? resend_timeout(&c->peers[owner]) : -1.0;
-}
-
-int oc_agg_reductions(const oc_agg *a, int h, uint32_t *seqs, uint32_t *released, int max) {
-    const comm_t *c = comm_of(a, h);
-    if (c == NULL) return -1;
-    for (int i = 0; i < c->nreductions && i < max; i++) {
-        seqs[i] = c->reductions[i]->seq;
-        released[i] = c->reductions[i]->released;
-    }
-    return c->nreductions;
 }

@@ -1,0 +1,156 @@
+/* The aggregator's state, shared by its two files: aggregator.c (the engine: reductions,
+ * contributions, acknowledgements and credit, the clock, reading datagrams) and agg_registry.c
+ * (registration, sealing what it sends, creating and freeing it). Internal: the public contract
+ * is aggregator.h. */
+#ifndef OC_AGG_STATE_H
+#define OC_AGG_STATE_H
+
+#include "aggregator.h"
+#include "numbering.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "grow.h"
+#include "sums.h"
+#include "udp.h"
+
+#define NACK_SECONDS 0.02
+#define MAX_BACKOFF 8
+#define LONGEST_RESEND_WAIT (OC_RESEND_SECONDS * (1 << MAX_BACKOFF))
+#define TICK_SECONDS 0.01
+#define CREDIT_EVERY_DIVISOR 4 /* announce after a quarter of the window is released */
+#define PREFIX_BYTES 8         /* CONTRIB's: dtype u8, group u8, world u16, total u32 */
+/* The most chunks one CREDIT names to send again: its payload stays one datagram. */
+#define CREDIT_MAX_RESEND ((OC_MAX_DATAGRAM - OC_OVERHEAD_BYTES - 4) / 4)
+
+
+enum { EMPTY = 0, COLLECTING = 1, SUMMED = 2 };
+
+typedef struct {
+    uint32_t g, elems, count;  /* the chunk held, its elements, contributors in */
+    uint32_t owner;
+    uint8_t state, acked, hole;
+    uint16_t resends;
+    uint32_t sent;             /* the reduction's result sends when its last copy left */
+    uint32_t hole_g;           /* a chunk with no slot yet, asked for at hole_asked */
+    double first_seen, nacked, sent_at, hole_asked;
+} slot_t;
+
+typedef struct {
+    double touched;               /* when a contribution or acknowledgement last came */
+    uint32_t seq, world, total, k, window, released, announced, results_sent;
+    uint8_t code, group;
+    size_t itemsize, row_bytes;   /* row_bytes: the pool's width per row */
+    int64_t highest;              /* the highest chunk any contribution came for */
+    int64_t *passed;              /* per rank: the highest chunk it sent */
+    slot_t *slots;                /* window */
+    uint64_t *have;               /* window x words: contributors per slot */
+    uint32_t words;
+    uint8_t *pool;                /* window x world x row_bytes, within pool_cap bytes */
+    size_t pool_cap;
+} reduction_t;
+
+/* What the aggregator knows of one rank of a communicator. */
+typedef struct {
+    oc_replay window;             /* its datagrams' counters, made with its first authentic one */
+    struct sockaddr_in address;   /* where its datagrams go */
+    uint8_t has_address, hears_group, has_rtt;
+    double srtt, rttvar;          /* the round trip from a result to its acknowledgement */
+} peer_t;
+
+typedef struct {
+    uint32_t job, comm, world, slots;
+    uint32_t max_row;             /* the widest contribution taken (bytes after the prefix) */
+    reduction_t *reductions[OC_MAX_REDUCTIONS]; /* in the order they began */
+    int nreductions;
+    uint32_t finished_seq[OC_TOMBSTONES], finished_total[OC_TOMBSTONES];
+    int nfinished;                /* oldest first */
+    int keyed;
+    oc_sealer sealer;
+    oc_gmac opener;
+    peer_t *peers;                /* world of them */
+    struct sockaddr_in group;
+    int has_group;
+} comm_t;
+
+/* A chunk whose last contribution came in the run being read: that one is summed from the
+ * datagram, not copied into the pool first. */
+typedef struct {
+    uint32_t g;
+    const uint8_t *last;
+} completion;
+
+struct oc_agg {
+    uint32_t slots;
+    double expiry;                /* a reduction idle this long is given up (seconds) */
+    comm_t **comms;
+    int ncomms;
+    int last;                     /* the handle found last, tried first */
+    oc_out *out;
+    size_t nout, out_cap;
+    uint8_t *arena;
+    size_t arena_len, arena_cap;
+    uint64_t drops[OC_DROP_COUNT], stats[OC_STAT_COUNT];
+    uint64_t pool_bytes, peak_pool_bytes;
+    /* The largest pool a finished reduction left, for the next one: a fresh pool of tens of MiB
+     * comes from mmap, and faulting in and zeroing its pages took about a sixth of the
+     * aggregator's CPU on loopback. Freed when no communicator is left. */
+    uint8_t *spare;
+    size_t spare_cap;
+    double next_tick;             /* < 0: none */
+    uint32_t *chunks;             /* scratch: a run's chunks (oc_agg_feed) */
+    size_t chunks_cap;
+    uint64_t *pairs;              /* scratch: (rank, chunk) of NACKs (handle_timer) */
+    size_t pairs_len, pairs_cap;
+    uint32_t *nacked;             /* scratch: one rank's chunks to send again */
+    size_t nacked_cap;
+    completion *completed;        /* scratch: the chunks a run of contributions completes */
+    size_t completed_cap;
+    uint8_t *sealed;              /* scratch: one GSO batch (oc_agg_flush) */
+    uint8_t *done;                /* scratch: outbox entries flushed */
+    size_t done_cap;
+};
+
+/* An allocation failed: counted, and the caller drops what needed it. */
+static inline void out_of_memory(oc_agg *a, uint64_t what) { a->drops[OC_DROP_out_of_memory] += what; }
+
+static inline uint32_t get32(const uint8_t *p) {
+    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+}
+static inline void put32(uint8_t *p, uint32_t v) {
+    for (int i = 0; i < 4; i++) p[i] = (uint8_t)(v >> (8 * i));
+}
+
+static inline comm_t *comm_of(const oc_agg *a, int h) {
+    return h >= 0 && h < a->ncomms ? a->comms[h] : NULL;
+}
+
+static inline uint32_t owner_of(const reduction_t *r, uint32_t g) {
+    uint64_t c;
+    return oc_chunk_place(g, r->world, r->k, r->group, &c);
+}
+
+static inline uint32_t owner_span(const reduction_t *r, uint32_t g, uint32_t *first, uint32_t *end) {
+    return oc_owner_span(g, r->world, r->k, r->group, first, end);
+}
+
+static inline slot_t *slot_of(reduction_t *r, uint32_t g) {
+    if (g < r->released || g - r->released >= r->window) return NULL;
+    slot_t *s = &r->slots[g % r->window];
+    return s->state != EMPTY && s->g == g ? s : NULL;
+}
+
+static inline uint64_t *have_of(reduction_t *r, uint32_t g) { return r->have + (size_t)(g % r->window) * r->words; }
+
+static inline uint8_t *row_of(reduction_t *r, uint32_t g, uint32_t rank) {
+    return r->pool + ((size_t)(g % r->window) * r->world + rank) * r->row_bytes;
+}
+
+/* Shared by the two files (aggregator.c defines them). */
+int agg_find_comm(oc_agg *a, uint32_t job, uint32_t comm);
+reduction_t *agg_find_reduction(comm_t *c, uint32_t seq);
+void agg_free_reduction(oc_agg *a, reduction_t *r);
+double agg_resend_timeout(const peer_t *p);
+
+#endif
