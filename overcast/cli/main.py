@@ -44,8 +44,8 @@ class _Help(argparse.ArgumentDefaultsHelpFormatter):
     """--help shows each flag's default, where it has one."""
 
     def _get_help_string(self, action):
-        if action.default in (None, False, argparse.SUPPRESS) or not action.help or \
-                "%(default)" in action.help or action.nargs == 0:  # a switch: no value
+        if action.default is None or action.default is argparse.SUPPRESS or \
+                not action.help or "%(default)" in action.help or action.nargs == 0:  # a switch
             return action.help
         return super()._get_help_string(action)
 
