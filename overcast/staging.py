@@ -165,20 +165,22 @@ class Staging:
     """One call's staging on `stream`: host twins of its CUDA tensors, copies in (queued as the
     caller's stream stood when the call was made), copies out, and the event after them.
 
-    `copy_in` and `twin` run on the caller's thread; `arrived` (waits for the copies in) and
+    `twin` and `sealed` run on the caller's thread; `arrived` (waits for the copies in) and
     `copy_out` on whichever thread runs the collective; `finished` is the event the caller's
-    stream waits on."""
+    stream waits on. Its events time the copies: (`began`, `copied_in`) and (`copying_out`,
+    `finished`)."""
 
     def __init__(self, device: torch.device, stream, pool: PinnedPool):
         self.device, self.stream, self.pool = device, stream, pool
         self._views: list[torch.Tensor] = []
-        self._outputs: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self._originals: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(twin) -> both
-        self._in = torch.cuda.Event()
-        self.finished: "torch.cuda.Event | None" = None
+        self._outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(twin): (t, twin)
+        self.copied_in = torch.cuda.Event(enable_timing=True)
+        self.copying_out = self.finished = None
         caller = torch.cuda.current_stream(device)
         if stream != caller:
             stream.wait_stream(caller)
+        self.began = torch.cuda.Event(enable_timing=True)
+        self.began.record(stream)
 
     def twin(self, t: torch.Tensor, *, read: bool, written: bool) -> torch.Tensor:
         """t's host twin: filled from t if the collective reads it, copied back into t after
@@ -190,23 +192,22 @@ class Staging:
             if read:
                 with torch.cuda.stream(self.stream):
                     host.copy_(t, non_blocking=True)
-            if written:
-                self._outputs.append((t, host))
-        self._originals[id(host)] = (host, t)
+        if written:
+            self._outputs[id(host)] = (t, host)
         return host
 
     def original(self, host: torch.Tensor) -> torch.Tensor | None:
-        """The CUDA tensor `host` is the twin of, or None."""
-        pair = self._originals.get(id(host))
-        return pair[1] if pair is not None and pair[0] is host else None
+        """The CUDA tensor a written twin `host` is the twin of, or None."""
+        pair = self._outputs.get(id(host))
+        return pair[0] if pair is not None and pair[1] is host else None
 
     def sealed(self) -> None:
         """Every twin made: mark the point the copies in end at."""
-        self._in.record(self.stream)
+        self.copied_in.record(self.stream)
 
     def arrived(self) -> None:
         """Block until the copies in are done (the host may read the twins)."""
-        self._in.synchronize()
+        self.copied_in.synchronize()
 
     def copy_out(self, extra: list[tuple[torch.Tensor, torch.Tensor]] = (),
                  release: bool = True) -> None:
@@ -215,11 +216,11 @@ class Staging:
         not `release`: queued behind a gate, they are copied once the collective is done, and
         the caller releases them then). The host does not wait for them."""
         with torch.cuda.stream(self.stream):
-            for t, host in self._outputs:
+            self.copying_out = torch.cuda.Event(enable_timing=True)
+            self.copying_out.record(self.stream)
+            for t, host in [*self._outputs.values(), *((t, host) for host, t in extra)]:
                 t.copy_(host, non_blocking=True)
-            for host, t in extra:
-                t.copy_(host, non_blocking=True)
-            self.finished = torch.cuda.Event()
+            self.finished = torch.cuda.Event(enable_timing=True)
             self.finished.record(self.stream)
         if release:
             self.release()

@@ -17,6 +17,7 @@ import os
 import re
 import shlex
 import signal
+import subprocess
 import sys
 import threading
 
@@ -29,7 +30,8 @@ from overcast.units import parse_size
 # Older names each flag still answers to, and the one it has now.
 ALIASES = {"--nodes": "--hosts", "--size": "--sizes", "--bytes-per-rank": "--sizes",
            "--plot": "--png", "--cores": "--host-cores", "--width": "--dim"}
-UNITS = {"--link-mbit": (1e6, "Mbit/s"), "--link-gbit": (1e9, "Gbit/s")}
+# The link rate's flags: bits/s per unit, the unit, and the scale as the API's names say it.
+UNITS = {"--link-mbit": (1e6, "Mbit/s", "1e6"), "--link-gbit": (1e9, "Gbit/s", "1e9")}
 
 
 def _version() -> str:
@@ -64,10 +66,9 @@ def _csv(text: str) -> list[str]:
 def _link_rates(args, several: bool) -> list[float]:
     """The link rates per direction in bits/s, from --link-mbit or --link-gbit (whichever was
     given, else the command's default), each checked in the unit typed."""
-    flag = "--link-gbit" if args.link_gbit is not None else "--link-mbit" \
-        if args.link_mbit is not None else args.link_default[0]
-    text = getattr(args, flag[2:].replace("-", "_")) or args.link_default[1]
-    scale, unit = UNITS[flag]
+    typed = ((flag, getattr(args, flag[2:].replace("-", "_"))) for flag in UNITS)
+    flag, text = next(((f, t) for f, t in typed if t is not None), args.link_default)
+    scale, unit, scale_text = UNITS[flag]
     values = _floats(text, flag)
     if not values:
         raise ValueError(f"the link rates must be at least one, not none ({flag}, link_bits)")
@@ -76,7 +77,7 @@ def _link_rates(args, several: bool) -> list[float]:
     for value in values:
         if not (math.isfinite(value) and value > 0):
             raise ValueError(f"the link rate must be above 0 {unit}, not {value:g} ({flag}, "
-                             f"link_bits_per_s / {scale:.0e})".replace("e+0", "e"))
+                             f"link_bits_per_s / {scale_text})")
     return [v * scale for v in values]
 
 
@@ -379,7 +380,6 @@ def _cluster(args) -> int:
             threading.Event().wait()
         if args.switch:  # in-network reduction needs the aggregator; OVERCAST_SWITCH says where
             cluster.start_switch()
-        import subprocess
         procs = [cluster.start(args.command, host=i, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT) for i in range(args.hosts)]
         relays = [threading.Thread(target=_relay, args=(p.stdout, f"[rank {i}] ".encode()),

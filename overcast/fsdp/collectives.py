@@ -11,11 +11,13 @@ a GPU (docs/fsdp.md). The same objects can call the process group's collectives 
 FSDP2's own path is timed the same way.
 
 On a GPU, FSDP2 calls them on its own streams and records an event right after each; through
-overcast, the input is copied to pinned host memory on that stream (the training thread waits for
-that copy), the collective runs on the host, and the output's copy back is queued on the same
-stream when the training thread waits for it: before FSDP2's event for a synchronous call, before
-the waiting stream goes on for an asynchronous one. A ReduceScatter on a GPU is therefore never
-deferred: FSDP2 reads its output on its stream at once.
+overcast, the input is copied to pinned host memory on that stream, a `Poster` thread posts the
+collective once the copy is done, and the output's copy back is queued on the same stream: for
+an AllGather when the training thread waits for it, for a ReduceScatter at once, behind a stream
+gate the collective opens when done (overcast/staging.py). FSDP2's event then follows the
+result, and the training thread never waits for a ReduceScatter before the backward pass ends.
+Without gates, the training thread waits for the copy in and, for a synchronous call, for the
+result.
 """
 
 from __future__ import annotations
@@ -81,14 +83,10 @@ class _Staged:
     def __init__(self, output: torch.Tensor, input: torch.Tensor, times: CommTime,
                  host_waits: bool):
         device = output.device
-        stream = torch.cuda.current_stream(device)
         self.times = times
-        self.staging = Staging(device, stream, process_pool())
-        self._in = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-        self._in[0].record(stream)
+        self.staging = Staging(device, torch.cuda.current_stream(device), process_pool())
         self.input = self.staging.twin(input, read=True, written=False)
         self.output = self.staging.twin(output, read=False, written=True)
-        self._in[1].record(stream)
         self.staging.sealed()
         if host_waits:
             self.staging.arrived()  # the host reads the input from here on
@@ -96,18 +94,14 @@ class _Staged:
     @property
     def ready(self):
         """The event after the input's copy to the host."""
-        return self._in[1]
+        return self.staging.copied_in
 
     def copy_back(self, release: bool = True) -> None:
         """Queue the output's copy to the GPU on the call's stream; make the current stream
         (the call's, or the one waiting on an asynchronous call) wait for it. Not `release`:
         queued behind a gate, the buffers are given back when the collective is done."""
-        start = torch.cuda.Event(enable_timing=True)
-        start.record(self.staging.stream)
         self.staging.copy_out(release=release)
-        end = torch.cuda.Event(enable_timing=True)
-        end.record(self.staging.stream)
-        self.times.staged.append((self._in, (start, end)))
+        self.times.staged.append(self.staging)
         self.staging.order_caller()
 
 
@@ -367,10 +361,10 @@ class TimedReduceScatter(_Hook, ReduceScatter):
                         output_unread(groups, output_tensor, op)))
         if deferrable:
             self.deferred.make_room(reduce_scatter_input_buffers(groups[0]))
-        if posted:
-            return self._posted_on_gpu(output_tensor, input_tensor, op, async_op, deferrable)
         staging = None
-        if self.comm is None:
+        if posted:
+            issue = self._gated(output_tensor, input_tensor, op)
+        elif self.comm is None:
             group = self.group or group
             op = premultiplied(op, input_tensor, group)
             issue = lambda: reduce_scatter_single(output_tensor, input_tensor,  # noqa: E731
@@ -389,11 +383,11 @@ class TimedReduceScatter(_Hook, ReduceScatter):
             work.wait()
         return None
 
-    def _posted_on_gpu(self, output_tensor, input_tensor, op, async_op: bool,
-                       deferrable: bool):
+    def _gated(self, output_tensor, input_tensor, op):
         """Through the poster on a GPU: the input's copy to the host, a gate, and the output's
         copy back are queued on FSDP2's stream, so its event after this call follows the
-        result; the gate opens when the collective is done. The training thread goes on."""
+        result; the gate opens when the collective is done. Returns what posts it: the
+        training thread goes on."""
         name = reduce_op(premultiplied(op, input_tensor, None))
         staging = stage_on_host(output_tensor, input_tensor, self.times, "ReduceScatter",
                                 host_waits=False)
@@ -411,10 +405,5 @@ class TimedReduceScatter(_Hook, ReduceScatter):
         def post():
             return self.comm.reduce_scatter(staging.output, staging.input, op=name,
                                             async_op=True, algorithm=self.algorithm)
-        work = self._post("RS", lambda: self.poster.submit(
-            output_tensor.device, staging.ready, post, f"RS {self.label}", done), self.algorithm)
-        if async_op:
-            return work
-        if not (deferrable and self.deferred.add(work)):
-            work.wait()
-        return None
+        return lambda: self.poster.submit(output_tensor.device, staging.ready, post,
+                                          f"RS {self.label}", done)

@@ -46,18 +46,18 @@ class CommTime:
     # with keep_labels: (kind "AG"/"RS", label, posted, waited) per collective, perf_counter
     # seconds; the time each was in flight as the training thread saw it, either backend
     spans: list[tuple[str, str, float, float]] = field(default_factory=list)
-    # on a GPU: each staged collective's (copies in, copies out) as CUDA event pairs, until
-    # they are read into the seconds below
+    # on a GPU: each staged collective's Staging (overcast.staging), its copies queued, until
+    # their events are read into the seconds below
     staged: list = field(default_factory=list)
     staging_in_seconds: float = 0.0    # GPU time of the copies to the host
     staging_out_seconds: float = 0.0   # ... and back
 
     def read_staging(self) -> None:
         """Add up the staging copies' GPU time so far (waits for the copies still queued)."""
-        for (in0, in1), (out0, out1) in self.staged:
-            out1.synchronize()
-            self.staging_in_seconds += in0.elapsed_time(in1) / 1e3
-            self.staging_out_seconds += out0.elapsed_time(out1) / 1e3
+        for s in self.staged:
+            s.finished.synchronize()
+            self.staging_in_seconds += s.began.elapsed_time(s.copied_in) / 1e3
+            self.staging_out_seconds += s.copying_out.elapsed_time(s.finished) / 1e3
         self.staged.clear()
 
     @property

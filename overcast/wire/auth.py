@@ -17,7 +17,6 @@ from __future__ import annotations
 import collections
 import hashlib
 import hmac
-import struct
 
 from overcast.native import _core
 from overcast.wire.header import (HEADER_BYTES, MISFITS, OVERHEAD_BYTES, TAG_BYTES, Header,
@@ -138,7 +137,7 @@ class Opener:
         view = memoryview(buf)
         try:
             hdr = unpack_header(view)
-        except (MalformedError, struct.error):
+        except MalformedError:  # too short for a header, or not one
             self.drops["malformed"] += 1
             return None
         if hdr.length + OVERHEAD_BYTES != len(view):
