@@ -102,6 +102,7 @@ class Communicator:
         self.chunk_bytes = chunk_bytes(links.mtu)
         self._multicast_error = links.multicast_error
         self._switch_error, self._switch_slots = links.switch_error, links.switch_slots
+        self._stripes = max(len(links.endpoints), 1)  # aggregator endpoints, shards of them all
         uplink = link_bits_per_s / 8 * pacing_share if link_bits_per_s else None
         datagram = datagram_link_bytes(self.chunk_bytes)
         self._uplink = LinkBudget(uplink, batch=pace_batch(uplink, datagram),
@@ -232,7 +233,8 @@ class Communicator:
         if desc.algorithm == "innetwork":
             return InNetworkReduceScatter(seq, rank, world, desc, out, inp,
                                           chunk_bytes=self.chunk_bytes - CONTRIB_PREFIX.size,
-                                          slots=self._switch_slots, budget=self._uplink)
+                                          slots=self._switch_slots, budget=self._uplink,
+                                          stripes=self._stripes)
         n = desc.count * desc.dtype.itemsize
         if desc.collective == "all_gather":
             segments, roots, source = [(r, r * n, n) for r in range(world)], desc.param, inp
@@ -330,13 +332,13 @@ class Communicator:
     def memory(self) -> dict:
         """Bytes this communicator holds now, by kind: kernel socket buffers, its read and send
         buffers, the bookkeeping of collectives in flight, and what the aggregator may hold
-        for it (its slots of one chunk per rank). Collectives read and write the caller's
+        for it (each endpoint's slots of one chunk per rank). Collectives read and write the caller's
         buffers in place: of all this, only the bookkeeping grows with a collective's size,
         by a byte or so per chunk."""
         held = self._engine.memory()
         if self._switch_error is None:
-            held["aggregator_slot_bytes"] = self._switch_slots * self.world_size * \
-                self.chunk_bytes
+            held["aggregator_slot_bytes"] = self._stripes * self._switch_slots * \
+                self.world_size * self.chunk_bytes
         return held
 
     def trace(self) -> dict | None:

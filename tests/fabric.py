@@ -6,7 +6,9 @@ may lose, duplicate and reorder, from a seeded generator; multicast goes to ever
 With `runs` above 1, datagrams that one sender queued back to back are delivered up to that
 many at once, as a run (overcast.wire.runs), as a GRO read hands them on.
 An aggregator (overcast.switch.aggregator), if given, is reached by datagram as peer AGGREGATOR;
-several fabrics (communicators) may share one, each under its own key.
+several fabrics (communicators) may share one, each under its own key. A list of aggregators
+are the endpoints in-network reductions are striped over (native/numbering.h): endpoint e is
+peer endpoint(e), registered as that stripe.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import random
 from overcast.protocols.base import MULTICAST, STREAM
 from overcast.protocols.session import Session
 from overcast.transport.loss import LossModel, LossSpec
-from overcast.wire.header import AGGREGATOR, ANY, Header
+from overcast.wire.header import AGGREGATOR, ANY, Header, endpoint, is_aggregator
 from overcast.wire.runs import Run
 
 
@@ -26,10 +28,14 @@ class Fabric:
                  burst: int = 1, duplicate: float = 0.0, reorder: bool = False,
                  aggregator=None, key="comm", runs: int = 1):
         self.world, self.runs = world, runs
+        self.aggregators = [] if aggregator is None else \
+            aggregator if isinstance(aggregator, list) else [aggregator]
         self.aggregator, self.key = aggregator, key
-        if aggregator is not None:
-            aggregator.register(key, world)
+        for stripe, agg in enumerate(self.aggregators):
+            agg.register(key, world, stripe=stripe)
         self.sessions = [Session(r, world, timeout) for r in range(world)]
+        for session in self.sessions:
+            session.plane.set_stripes(max(len(self.aggregators), 1))
         self.now = 0.0
         self.rng = random.Random(seed)
         # loss=1.0 drops every datagram (a LossSpec, made for real runs, stops short of it)
@@ -56,17 +62,18 @@ class Fabric:
         self.datagrams[(src, dst)].extend([(hdr, payload)] * copies)
 
     def _collect(self) -> None:
-        if self.aggregator is not None:
-            mine = [item for item in self.aggregator.outbox if item[0] == self.key]
-            others = [item for item in self.aggregator.outbox if item[0] != self.key]
-            self.aggregator.outbox.clear()
-            self.aggregator.outbox.extend(others)
+        for stripe, agg in enumerate(self.aggregators):
+            src = endpoint(stripe)
+            mine = [item for item in agg.outbox if item[0] == self.key]
+            others = [item for item in agg.outbox if item[0] != self.key]
+            agg.outbox.clear()
+            agg.outbox.extend(others)
             for _, dst, msg in mine:
                 payload = bytes(msg.payload)
-                hdr = Header(msg.kind, 0, 0, msg.seq, AGGREGATOR, dst, msg.chunk, len(payload), 0)
+                hdr = Header(msg.kind, 0, 0, msg.seq, src, dst, msg.chunk, len(payload), 0)
                 self.seen.append((hdr, payload, True))
                 for rank in range(self.world) if dst == ANY else [dst]:
-                    self._lossy(AGGREGATOR, rank, hdr, payload)
+                    self._lossy(src, rank, hdr, payload)
         for src, session in enumerate(self.sessions):
             if src in self.silent:
                 continue
@@ -105,9 +112,9 @@ class Fabric:
             run = Run(batch[0][0], [hdr.chunk for hdr, _ in batch],
                       memoryview(b"".join(payload for _, payload in batch)), 0,
                       batch[0][0].length)
-        if dst == AGGREGATOR:
-            if AGGREGATOR not in self.silent:
-                self.aggregator.receive_run(self.key, run, self.now)
+        if is_aggregator(dst):
+            if dst not in self.silent:
+                self.aggregators[AGGREGATOR - dst].receive_run(self.key, run, self.now)
         elif dst not in self.silent:
             self.sessions[dst].receive_run(run, self.now, what == "d")
         self.delivered += len(run)
@@ -121,7 +128,7 @@ class Fabric:
         raise AssertionError("fabric did not go quiet")
 
     def _machines(self):
-        return self.sessions + ([self.aggregator] if self.aggregator is not None else [])
+        return self.sessions + self.aggregators
 
     def advance(self, seconds: float) -> None:
         """Move the clock and fire every timer that has come due."""

@@ -93,8 +93,9 @@ class Target:
         src = rng.randrange(min(world, 70) + 3) if rng.random() < 0.9 else rng.randrange(1 << 16)
         row = rng.choice(ROWS) if rng.random() < 0.7 else rng.randrange(1 << 32)
         nonce = reg.nonce if rng.random() < 0.95 else os.urandom(NONCE_BYTES)
-        body = HELLO.pack(salt, world, rng.randrange(1 << 16), rng.randrange(256), row, nonce,
-                          os.urandom(NONCE_BYTES))
+        stripe = 0 if rng.random() < 0.8 else rng.randrange(1 << 16)
+        body = HELLO.pack(salt, world, rng.randrange(1 << 16), rng.randrange(256), row, stripe,
+                          nonce, os.urandom(NONCE_BYTES))
         if rng.random() < 0.03:  # a length that disagrees
             body = body[:rng.randrange(len(body))] + os.urandom(rng.randrange(8))
         return bytes(self._sealer(salt, src & 0xFFFF, self.hostile).seal(
@@ -145,7 +146,7 @@ class Target:
             regs = [r for r in service.connections.values() if r.comm_key is None][:2]
         sealers = [self._sealer(salt, rank, self.good) for rank in range(2)]
         for rank, reg in enumerate(regs):
-            body = HELLO.pack(salt, 2, 9, 0, 1408, reg.nonce, os.urandom(NONCE_BYTES))
+            body = HELLO.pack(salt, 2, 9, 0, 1408, 0, reg.nonce, os.urandom(NONCE_BYTES))
             frame = bytes(sealers[rank].seal(Kind.HELLO, 0, AGGREGATOR, 0, body))
             assert service._register(reg, memoryview(frame), unpack_header(frame)), \
                 "a good registration was refused"

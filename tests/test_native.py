@@ -17,8 +17,8 @@ from overcast.buffers import BFLOAT16, DTYPES, accumulator_dtype, dtype_code
 from overcast.native import Aggregator as Engine
 from overcast.native import _core
 from overcast.wire.auth import Drops, Opener, Sealer
-from overcast.wire.header import AGGREGATOR, HEADER_BYTES, Kind
-from overcast.wire.messages import pack_acks, pack_contribution_prefix, unpack_credit
+from overcast.wire.header import AGGREGATOR, HEADER_BYTES, TAG_BYTES, Kind, endpoint
+from overcast.wire.messages import CONTRIB_PREFIX, pack_acks, pack_contribution_prefix, unpack_credit
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 NATIVE = ROOT / "overcast" / "native"
@@ -170,17 +170,29 @@ def test_what_is_not_authentic_is_dropped_by_reason():
     assert stats == {"contributions": 1}
 
 
-def test_a_python_opener_takes_what_the_engine_seals_and_its_counter_goes_on():
-    """The registration's reply is sealed by the engine too: one counter per key, never
-    repeated, counting on from where it was registered."""
-    engine, handle = keyed_engine()
-    hello = engine.seal(handle, Kind.HELLO, 0, 2, 0, b"welcome")
-    opener = Opener(KEY, JOB, COMM, Drops())
-    hdr, payload = opener.open(hello)
-    assert (hdr.src, hdr.dst, hdr.counter, bytes(payload)) == (AGGREGATOR, 2, (1 << 40) + 1,
-                                                               b"welcome")
-    with pytest.raises(ValueError, match="no key"):
-        Engine(4).seal(0, Kind.HELLO, 0, 0, 0, b"")
+def test_an_endpoint_seals_as_its_stripe_and_takes_only_its_own_chunks():
+    """Registered as the job's endpoint 2 of 3, the engine takes contributions addressed to
+    it with its stripe in their prefix (numbered in its own chunks), seals the results as
+    that endpoint, its counter going on from where it was registered, and drops what is meant
+    for another endpoint."""
+    engine = Engine(8)
+    engine.register(JOB, COMM, 2, 8, KEY, 1 << 40, stripe=2)
+    sealer = Sealer(KEY, JOB, COMM, 1)
+    prefix = pack_contribution_prefix(dtype_code(np.dtype(np.int32)), 1, 2, 12, 2, 3)
+    row = np.arange(4, dtype=np.int32).view(np.uint8)
+    # its chunks are 2, 5, 8, 11 of 12 (a group of 1): its chunk 0 is rank 0's (chunk 2)
+    good = sealer.seal(Kind.CONTRIB, 0, endpoint(2), 0, (prefix, row))
+    elsewhere = sealer.seal(Kind.CONTRIB, 0, endpoint(1), 1, (prefix, row))
+    other_stripe = sealer.seal(Kind.CONTRIB, 0, endpoint(2), 1, (
+        pack_contribution_prefix(dtype_code(np.dtype(np.int32)), 1, 2, 12, 1, 3), row))
+    for datagram in (good, elsewhere, other_stripe):
+        engine.feed(datagram, len(datagram), 0.0)
+    [(hdr, payload)] = [m for m in opened(engine.flush()) if m[0].kind == Kind.RESULT]
+    assert (hdr.src, hdr.dst, hdr.chunk, hdr.counter) == (endpoint(2), 0, 0, (1 << 40) + 1)
+    assert payload == row.tobytes()
+    # addressed to another endpoint; another stripe's prefix for a reduction it holds
+    assert engine.counters()[0] == {"misdirected": 1, "inconsistent": 1}
+
 
 
 def first_chunks_summed() -> tuple[Engine, list[Sealer]]:
@@ -192,7 +204,7 @@ def first_chunks_summed() -> tuple[Engine, list[Sealer]]:
     for r in range(WORLD):
         chunks = [g for g in range(4) if g != r]
         engine.feed(contributions(sealers[r], np.float32, rows, chunks, 4 * WORLD),
-                    HEADER_BYTES + 16 + 8 + 8, 0.0)
+                    HEADER_BYTES + CONTRIB_PREFIX.size + 8 + TAG_BYTES, 0.0)
     return engine, sealers
 
 
@@ -366,7 +378,7 @@ def test_an_idle_reduction_expires_and_frees_its_pool():
 
 def sealer_segment(rows: np.ndarray) -> int:
     """The size of one sealed contribution of a row of `rows`."""
-    return HEADER_BYTES + 8 + rows[0].nbytes + 16
+    return HEADER_BYTES + CONTRIB_PREFIX.size + rows[0].nbytes + TAG_BYTES
 
 
 @pytest.mark.parametrize("case", ["total 0", "chunk out of range", "beyond the window",

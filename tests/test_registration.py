@@ -13,7 +13,7 @@ import overcast
 from overcast.cluster.launch import loopback_placements, run_ranks
 from overcast.switch.launch import start_switch, stop_switch
 from overcast.switch.service import Limits
-from overcast.transport.rendezvous import register_with_switch
+from overcast.transport.rendezvous import register_with_aggregators
 from overcast.wire.auth import Drops, Opener, Sealer, derive_key, job_id_of
 
 HOSTILE, GOOD = os.urandom(32), os.urandom(32)
@@ -23,8 +23,8 @@ LIMITS = Limits(max_world=4096, max_communicators=40, pool_bytes=64 << 20)
 def member(address: str, world: int, *, salt: bytes | None = None, src: int = 0,
            mtu: int = 1500) -> types.SimpleNamespace:
     """Register as rank `src` of a communicator of `world` ranks of the hostile job, as a rank
-    does (rendezvous.register_with_switch); the links it filled (switch: the connection held
-    open, or switch_error)."""
+    does (rendezvous.register_with_aggregators); the links it filled (switches: the connection
+    held open, or switch_error)."""
     salt = salt or os.urandom(16)
     key = derive_key(HOSTILE, salt, b"comm")
     job, comm = job_id_of(HOSTILE), int.from_bytes(salt[:4], "little")
@@ -32,9 +32,9 @@ def member(address: str, world: int, *, salt: bytes | None = None, src: int = 0,
     udp.bind(("127.0.0.1", 0))
     links = types.SimpleNamespace(world=world, udp=udp, multicast=None, mtu=mtu,
                                   sealer=Sealer(key, job, comm, src),
-                                  opener=Opener(key, job, comm, Drops()), switch=None,
-                                  switch_udp=None, switch_slots=0, switch_error="unregistered")
-    register_with_switch(links, address, HOSTILE, salt, 5.0)
+                                  opener=Opener(key, job, comm, Drops()), switches={},
+                                  endpoints=[], switch_slots=0, switch_error="unregistered")
+    register_with_aggregators(links, address, HOSTILE, salt, 5.0)
     udp.close()
     return links
 
@@ -80,10 +80,10 @@ def test_hostile_registrations_are_refused_and_the_aggregator_serves_on(tmp_path
         # a thousand communicators held open, where the job may hold 40
         opened = [member(address, 2, mtu=300) for _ in range(1000)]
         said["communicators"] = opened[-1].switch_error
-        welcomed = sum(m.switch is not None for m in opened)
+        welcomed = sum(bool(m.switches) for m in opened)
         for m in opened:
-            if m.switch is not None:
-                m.switch.close()  # the aggregator forgets them
+            for sock in m.switches.values():
+                sock.close()  # the aggregator forgets them
         # pools: loopback's 64 KiB rows, 16 ranks: 4 MiB a slot; the job's share is 32 MiB
         big = [member(address, 16, mtu=65536) for _ in range(3)]
         held += big
@@ -95,8 +95,8 @@ def test_hostile_registrations_are_refused_and_the_aggregator_serves_on(tmp_path
         alive = proc.poll() is None
     finally:
         for m in held:
-            if m.switch is not None:
-                m.switch.close()
+            for sock in m.switches.values():
+                sock.close()
         stop_switch(proc)
     for world in (0, 1, 65534, 65535):
         assert "refused this communicator" in said[world], (world, said[world])
@@ -105,7 +105,7 @@ def test_hostile_registrations_are_refused_and_the_aggregator_serves_on(tmp_path
     assert "receive buffer" in said["buffer"], said["buffer"]
     assert "same id on the wire" in said["identity"], said["identity"]
     assert "registered with a world of 2" in said["inconsistent"], said["inconsistent"]
-    assert first.switch is not None and big[0].switch is not None
+    assert first.switches and big[0].switches
     assert "--pool-bytes" in said["pool"], said["pool"]
     assert "--max-communicators" in said["communicators"], said["communicators"]
     assert 0 < welcomed < 40
@@ -141,7 +141,8 @@ def test_a_fault_on_one_registration_costs_that_connection_alone():
         service.stop()
         serving.join()
         service.close()
-    assert first.switch is None and "failed" in first.switch_error
-    assert second.switch is not None and second.switch_error is None
+    assert not first.switches and "failed" in first.switch_error
+    assert second.switches and second.switch_error is None
     assert service.drops["registration_error"] == 1
-    second.switch.close()
+    for sock in second.switches.values():
+        sock.close()

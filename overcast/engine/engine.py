@@ -28,7 +28,7 @@ from overcast.transport.datagram import enlarge_receive_buffer
 from overcast.transport.loss import LossSpec
 from overcast.transport.rendezvous import Links
 from overcast.transport.stream import Stream, StreamClosed
-from overcast.wire.header import AGGREGATOR, Header, datagram_link_bytes
+from overcast.wire.header import Header, datagram_link_bytes, endpoint
 from overcast.wire.runs import Run
 
 # Bytes sealed ahead into a stream's queue: enough to keep the socket busy, small enough that
@@ -89,8 +89,8 @@ class Engine:
         self.sealer = links.sealer
         self.streams = {peer: Stream(sock, peer, links.opener)
                         for peer, sock in links.streams.items()}
-        if links.switch is not None:  # kept open so that the aggregator's death is seen at once
-            self.streams[AGGREGATOR] = Stream(links.switch, AGGREGATOR, links.opener)
+        for peer, sock in links.switches.items():  # kept open: an aggregator's death is seen at once
+            self.streams[peer] = Stream(sock, peer, links.opener)
         self._selector = selectors.DefaultSelector()
         self._masks: dict[int, int] = {}
         self._closed_bytes = [0, 0]  # bytes out, in, of streams already closed
@@ -114,12 +114,15 @@ class Engine:
         if trace is not None:  # the plane counts the datagrams it sends and takes itself
             self.plane.set_trace(trace.bin_seconds)
         self._routes = {(MULTICAST, -1): _core.ROUTE_GROUP,
-                        (DATAGRAM, AGGREGATOR): _core.ROUTE_AGGREGATOR}
+                        **{(DATAGRAM, endpoint(e)): _core.ROUTE_AGGREGATOR
+                           for e in range(max(len(links.endpoints), 1))}}
         self.plane.set_address(_core.ROUTE_GROUP, 0, *links.group)
         for peer, (address, port) in enumerate(zip(links.addresses, links.udp_ports)):
             self.plane.set_address(_core.ROUTE_RANK, peer, address, port)
-        if links.switch_udp is not None:
-            self.plane.set_address(_core.ROUTE_AGGREGATOR, 0, *links.switch_udp)
+        if links.endpoints:
+            self.plane.set_stripes(len(links.endpoints))
+        for stripe, (address, port) in enumerate(links.endpoints):
+            self.plane.set_address(_core.ROUTE_AGGREGATOR, stripe, address, port)
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)

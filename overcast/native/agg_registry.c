@@ -16,20 +16,22 @@ static void free_comm(oc_agg *a, comm_t *c) {
     free(c);
 }
 
-int oc_agg_register(oc_agg *a, uint32_t job, uint32_t comm, uint32_t world, uint32_t slots,
-                    uint32_t max_row, const uint8_t *key, uint64_t counter, uint32_t *granted) {
+int oc_agg_register(oc_agg *a, uint32_t job, uint32_t comm, uint32_t world, uint32_t stripe,
+                    uint32_t slots, uint32_t max_row, const uint8_t *key, uint64_t counter,
+                    uint32_t *granted) {
     int h = agg_find_comm(a, job, comm);
     comm_t *c = comm_of(a, h);
-    if (c && c->world == world) {
+    if (c && c->world == world && c->stripe == stripe) {
         *granted = c->slots;
         return h;
     }
-    if (world == 0 || world > 0xFFFD) return -1;
+    if (world == 0 || world > OC_MAX_WORLD || stripe >= OC_MAX_STRIPES) return -1;
     comm_t *fresh = calloc(1, sizeof *fresh);
     if (fresh == NULL) return -1;
     fresh->job = job;
     fresh->comm = comm;
     fresh->world = world;
+    fresh->stripe = stripe;
     fresh->slots = slots == 0 ? a->slots : slots < a->slots ? slots : a->slots;
     fresh->max_row = max_row;
     fresh->peers = calloc(world, sizeof(peer_t));
@@ -50,7 +52,7 @@ int oc_agg_register(oc_agg *a, uint32_t job, uint32_t comm, uint32_t world, uint
         fresh->keyed = 1;
         fresh->sealer.job = job;
         fresh->sealer.comm = comm;
-        fresh->sealer.src = OC_AGGREGATOR;
+        fresh->sealer.src = (uint16_t)(OC_AGGREGATOR - stripe);
         fresh->sealer.counter = counter;
     }
     if (c) { /* the same ids with another world: a new communicator in its place */
@@ -128,15 +130,6 @@ void oc_agg_each_destination(const oc_agg *a, int h, uint16_t dst, oc_to to, voi
     }
     for (uint32_t r = 0; r < c->world; r++)
         if (c->peers[r].has_address) to(ctx, &c->peers[r].address);
-}
-
-/* -- sealing ------------------------------------------------------------------------------- */
-
-size_t oc_agg_seal(oc_agg *a, int h, uint8_t kind, uint32_t seq, uint16_t dst, uint32_t chunk,
-                   const uint8_t *payload, size_t len, uint8_t *out, size_t cap) {
-    comm_t *c = comm_of(a, h);
-    if (c == NULL || !c->keyed) return 0;
-    return oc_seal_into(&c->sealer, out, cap, kind, seq, dst, chunk, payload, len);
 }
 
 void oc_agg_flush(oc_agg *a, oc_emit emit, void *ctx) {

@@ -20,7 +20,9 @@
 #define LONGEST_RESEND_WAIT (OC_RESEND_SECONDS * (1 << MAX_BACKOFF))
 #define TICK_SECONDS 0.01
 #define CREDIT_EVERY_DIVISOR 4 /* announce after a quarter of the window is released */
-#define PREFIX_BYTES 8         /* CONTRIB's: dtype u8, group u8, world u16, total u32 */
+/* CONTRIB's: dtype u8, group u8, world u16, total u32 (chunks of every stripe), stripe u16,
+ * stripes u16 */
+#define PREFIX_BYTES 12
 /* The most chunks one CREDIT names to send again: its payload stays one datagram. */
 #define CREDIT_MAX_RESEND ((OC_MAX_DATAGRAM - OC_OVERHEAD_BYTES - 4) / 4)
 
@@ -37,9 +39,12 @@ typedef struct {
     double first_seen, nacked, sent_at, hole_asked;
 } slot_t;
 
+/* A reduction as one endpoint (stripe) sees it: its own chunks, numbered 0 .. total - 1
+ * (numbering.h); owners are found through the chunks' numbers in the whole reduction. */
 typedef struct {
     double touched;               /* when a contribution or acknowledgement last came */
     uint32_t seq, world, total, k, window, released, announced, results_sent;
+    uint32_t whole, stripe, stripes; /* the chunks of every stripe; this one's place among them */
     uint8_t code, group;
     size_t itemsize, row_bytes;   /* row_bytes: the pool's width per row */
     int64_t highest;              /* the highest chunk any contribution came for */
@@ -61,6 +66,7 @@ typedef struct {
 
 typedef struct {
     uint32_t job, comm, world, slots;
+    uint32_t stripe;              /* the endpoint it is: it sends as OC_AGGREGATOR - stripe */
     uint32_t max_row;             /* the widest contribution taken (bytes after the prefix) */
     reduction_t *reductions[OC_MAX_REDUCTIONS]; /* in the order they began */
     int nreductions;
@@ -122,15 +128,23 @@ static inline void put32(uint8_t *p, uint32_t v) {
     for (int i = 0; i < 4; i++) p[i] = (uint8_t)(v >> (8 * i));
 }
 
+static inline uint32_t get16(const uint8_t *p) { return (uint32_t)p[0] | (uint32_t)p[1] << 8; }
+
 static inline comm_t *comm_of(const oc_agg *a, int h) {
     return h >= 0 && h < a->ncomms ? a->comms[h] : NULL;
 }
 
-static inline uint32_t owner_of(const reduction_t *r, uint32_t g) {
-    uint64_t c;
-    return oc_chunk_place(g, r->world, r->k, r->group, &c);
+/* Local chunk h's number in the whole reduction. */
+static inline uint32_t global_of(const reduction_t *r, uint32_t h) {
+    return (uint32_t)oc_stripe_global(h, r->group, r->stripes, r->stripe);
 }
 
+static inline uint32_t owner_of(const reduction_t *r, uint32_t h) {
+    uint64_t c;
+    return oc_chunk_place(global_of(r, h), r->world, r->k, r->group, &c);
+}
+
+/* The owner of the whole reduction's chunk g, and its chunks *first .. *end - 1 around g. */
 static inline uint32_t owner_span(const reduction_t *r, uint32_t g, uint32_t *first, uint32_t *end) {
     return oc_owner_span(g, r->world, r->k, r->group, first, end);
 }

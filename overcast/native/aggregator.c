@@ -81,13 +81,16 @@ static int finished_index(const comm_t *c, uint32_t seq) {
 }
 
 static reduction_t *new_reduction(oc_agg *a, comm_t *c, uint32_t seq, uint8_t code,
-                                  uint8_t group, uint32_t total) {
+                                  uint8_t group, uint32_t whole, uint32_t stripes) {
     reduction_t *r = calloc(1, sizeof *r);
     if (r == NULL) return NULL;
     r->seq = seq;
     r->world = c->world;
-    r->total = total;
-    r->k = total / c->world;
+    r->whole = whole;
+    r->stripe = c->stripe;
+    r->stripes = stripes;
+    r->total = (uint32_t)oc_stripe_count(whole, group, stripes, c->stripe);
+    r->k = whole / c->world;
     r->window = c->slots;
     r->code = code;
     r->group = group;
@@ -218,7 +221,8 @@ static void on_contributions(oc_agg *a, int h, comm_t *c, const oc_header *hdr,
             return;
         }
     uint8_t code = prefix[0], group = prefix[1];
-    uint32_t world = (uint32_t)prefix[2] | (uint32_t)prefix[3] << 8, total = get32(prefix + 4);
+    uint32_t world = get16(prefix + 2), whole = get32(prefix + 4);
+    uint32_t stripe = get16(prefix + 8), stripes = get16(prefix + 10);
     size_t nbytes = length - PREFIX_BYTES;
     if (nbytes > c->max_row) {
         a->drops[OC_DROP_wrong_length] += count;
@@ -234,12 +238,17 @@ static void on_contributions(oc_agg *a, int h, comm_t *c, const oc_header *hdr,
             a->drops[OC_DROP_malformed] += count;
             return;
         }
-        if (world != c->world || total == 0 || total % world || !group ||
-            nbytes % oc_dtype_size(code)) {
+        if (world != c->world || whole == 0 || whole % world || !group ||
+            nbytes % oc_dtype_size(code) || stripes == 0 || stripes > OC_MAX_STRIPES) {
             a->drops[OC_DROP_inconsistent] += count;
             return;
         }
+        if (stripe != c->stripe) { /* meant for another endpoint */
+            a->drops[OC_DROP_misdirected] += count;
+            return;
+        }
         /* a reduction is made only for a chunk it could take: in range, in the first window */
+        uint32_t total = (uint32_t)oc_stripe_count(whole, group, stripes, stripe);
         size_t fits = 0;
         while (fits < count && (chunks[fits] >= total || chunks[fits] >= c->slots)) fits++;
         if (fits == count) {
@@ -250,15 +259,15 @@ static void on_contributions(oc_agg *a, int h, comm_t *c, const oc_header *hdr,
             a->stats[OC_STAT_refused] += count;
             return;
         }
-        if ((r = new_reduction(a, c, hdr->seq, code, group, total)) == NULL) {
+        if ((r = new_reduction(a, c, hdr->seq, code, group, whole, stripes)) == NULL) {
             out_of_memory(a, count);
             return;
         }
         r->touched = now;
         c->reductions[c->nreductions++] = r;
     }
-    if (world != r->world || total != r->total || code != r->code || group != r->group ||
-        nbytes % r->itemsize) {
+    if (world != r->world || whole != r->whole || code != r->code || group != r->group ||
+        stripe != r->stripe || stripes != r->stripes || nbytes % r->itemsize) {
         a->drops[OC_DROP_inconsistent] += count;
         return;
     }
@@ -280,7 +289,8 @@ static void on_contributions(oc_agg *a, int h, comm_t *c, const oc_header *hdr,
             a->drops[OC_DROP_out_of_range]++;
             continue;
         }
-        if (!(first <= g && g < end)) owner = owner_span(r, g, &first, &end);
+        uint32_t in_whole = global_of(r, g);
+        if (!(first <= in_whole && in_whole < end)) owner = owner_span(r, in_whole, &first, &end);
         if (owner == src) {
             a->drops[OC_DROP_wrong_sender]++;
             continue;
@@ -465,7 +475,7 @@ void oc_agg_receive_run(oc_agg *a, int h, const oc_header *hdr, const uint32_t *
     comm_t *c = comm_of(a, h);
     if (c == NULL) {
         a->drops[OC_DROP_unregistered] += count;
-    } else if (hdr->dst != OC_AGGREGATOR) {
+    } else if (hdr->dst != OC_AGGREGATOR - c->stripe) {
         a->drops[OC_DROP_misdirected] += count;
     } else if (hdr->src >= c->world) {
         a->drops[OC_DROP_wrong_sender] += count;

@@ -4,7 +4,9 @@
  * (overcast/native/service.h owns those), so tests drive it on an in-memory fabric with a fake
  * clock.
  *
- * Protocol (docs/protocols.md): per reduction a window of `slots` slots; chunk g may occupy slot
+ * Protocol (docs/protocols.md): a reduction may be striped over several endpoints (numbering.h);
+ * each engine sees its own stripe's chunks, numbered g = 0, 1, ... Per reduction a window of
+ * `slots` slots; chunk g may occupy slot
  * g mod window once every chunk below g - window is released. A slot keeps one row per rank; a
  * contribution lands in its sender's row once (a bitmap of contributors), and when all P-1 are
  * in, the rows are summed in rank order into the owner's row (the owner contributes nothing;
@@ -83,15 +85,18 @@ oc_agg *oc_agg_new(uint32_t slots);
 void oc_agg_set_expiry(oc_agg *a, double seconds);
 void oc_agg_free(oc_agg *a);
 
-/* Take a communicator of `world` ranks (job, comm: its ids on the wire), its reductions getting
- * at most `slots` slots (0: the aggregator's own) and contributions of at most `max_row` bytes
- * (after their prefix): a reduction's pool is at most slots x world x max_row bytes, and a
- * communicator has at most OC_MAX_REDUCTIONS. With `key`, it also opens and seals datagrams,
- * its own counter starting after `counter`. Returns a handle (>= 0) and the slots granted, or
- * -1 for a world outside 1..0xFFFD or if memory ran out. Registering the same ids again keeps
- * the communicator unless its world differs. */
-int oc_agg_register(oc_agg *a, uint32_t job, uint32_t comm, uint32_t world, uint32_t slots,
-                    uint32_t max_row, const uint8_t *key, uint64_t counter, uint32_t *granted);
+/* Take a communicator of `world` ranks (job, comm: its ids on the wire) as its endpoint
+ * `stripe` (numbering.h: the chunks it reduces; it is addressed as and sends as
+ * OC_AGGREGATOR - stripe), its reductions getting at most `slots` slots (0: the aggregator's
+ * own) and contributions of at most `max_row` bytes (after their prefix): a reduction's pool is
+ * at most slots x world x max_row bytes, and a communicator has at most OC_MAX_REDUCTIONS. With
+ * `key`, it also opens and seals datagrams, its own counter starting after `counter`. Returns a
+ * handle (>= 0) and the slots granted, or -1 for a world outside 1..OC_MAX_WORLD, a stripe of
+ * OC_MAX_STRIPES or more, or if memory ran out. Registering the same ids again keeps the
+ * communicator unless its world or stripe differs. */
+int oc_agg_register(oc_agg *a, uint32_t job, uint32_t comm, uint32_t world, uint32_t stripe,
+                    uint32_t slots, uint32_t max_row, const uint8_t *key, uint64_t counter,
+                    uint32_t *granted);
 void oc_agg_unregister(oc_agg *a, int handle);
 /* Where a rank's datagrams go (network byte order), and whether it hears the communicator's
  * multicast group; messages for every rank go to the group once all ranks hear it. */
@@ -131,9 +136,6 @@ void oc_agg_outbox_clear(oc_agg *a);
 typedef void (*oc_emit)(void *ctx, int handle, uint16_t dst, const uint8_t *data, size_t len,
                         size_t segment);
 void oc_agg_flush(oc_agg *a, oc_emit emit, void *ctx);
-/* Seal one message of a keyed communicator (the registration's reply): its length, or 0. */
-size_t oc_agg_seal(oc_agg *a, int handle, uint8_t kind, uint32_t seq, uint16_t dst,
-                   uint32_t chunk, const uint8_t *payload, size_t len, uint8_t *out, size_t cap);
 
 const uint64_t *oc_agg_drops(const oc_agg *a);
 uint64_t *oc_agg_drops_mut(oc_agg *a);

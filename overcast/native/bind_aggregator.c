@@ -60,14 +60,16 @@ static int ready(Aggregator *self) {
 }
 
 static PyObject *Aggregator_register(Aggregator *self, PyObject *args, PyObject *kw) {
-    static char *names[] = {"job", "comm", "world", "slots", "key", "counter", "max_row", NULL};
-    uint32_t job, comm, world, slots = 0, max_row = OC_MAX_DATAGRAM;
+    static char *names[] = {"job", "comm", "world", "slots", "key", "counter", "max_row",
+                            "stripe", NULL};
+    uint32_t job, comm, world, slots = 0, max_row = OC_MAX_DATAGRAM, stripe = 0;
     uint64_t counter = 0;
     Py_buffer key = {0};
     if (!ready(self) ||
-        !PyArg_ParseTupleAndKeywords(args, kw, "O&O&O&|O&z*O&O&", names, oc_arg_u32, &job,
+        !PyArg_ParseTupleAndKeywords(args, kw, "O&O&O&|O&z*O&O&O&", names, oc_arg_u32, &job,
                                      oc_arg_u32, &comm, oc_arg_u32, &world, oc_arg_u32, &slots,
-                                     &key, oc_arg_u64, &counter, oc_arg_u32, &max_row))
+                                     &key, oc_arg_u64, &counter, oc_arg_u32, &max_row,
+                                     oc_arg_u32, &stripe))
         return NULL;
     if (key.buf && key.len != OC_KEY_BYTES) {
         PyBuffer_Release(&key);
@@ -75,11 +77,14 @@ static PyObject *Aggregator_register(Aggregator *self, PyObject *args, PyObject 
                             OC_KEY_BYTES, key.len);
     }
     uint32_t granted = 0;
-    int h = oc_agg_register(self->agg, job, comm, world, slots, max_row, key.buf, counter,
-                            &granted);
+    int h = oc_agg_register(self->agg, job, comm, world, stripe, slots, max_row, key.buf,
+                            counter, &granted);
     if (key.buf) PyBuffer_Release(&key);
-    if (h < 0 && (world == 0 || world > 0xFFFD))
+    if (h < 0 && (world == 0 || world > OC_MAX_WORLD))
         return PyErr_Format(PyExc_ValueError, "cannot register a world of %u ranks", world);
+    if (h < 0 && stripe >= OC_MAX_STRIPES)
+        return PyErr_Format(PyExc_ValueError, "an aggregator endpoint's stripe is below %u, "
+                            "not %u", OC_MAX_STRIPES, stripe);
     if (h < 0) return PyErr_NoMemory();
     return Py_BuildValue("iI", h, granted);
 }
@@ -234,31 +239,6 @@ static PyObject *Aggregator_flush(Aggregator *self, PyObject *Py_UNUSED(ignored)
     return list;
 }
 
-static PyObject *Aggregator_seal(Aggregator *self, PyObject *args) {
-    int h;
-    uint8_t kind;
-    uint16_t dst;
-    uint32_t seq, chunk;
-    Py_buffer payload;
-    if (!ready(self) || !PyArg_ParseTuple(args, "iO&O&O&O&y*", &h, oc_arg_u8, &kind, oc_arg_u32,
-                                          &seq, oc_arg_u16, &dst, oc_arg_u32, &chunk, &payload))
-        return NULL;
-    PyObject *out = NULL;
-    if (payload.len > OC_MAX_DATAGRAM - OC_OVERHEAD_BYTES) {
-        PyErr_SetString(PyExc_ValueError, "not a message the aggregator can seal");
-    } else if ((out = PyBytes_FromStringAndSize(NULL, payload.len + OC_OVERHEAD_BYTES))) {
-        size_t n = oc_agg_seal(self->agg, h, kind, seq, dst, chunk,
-                               payload.buf, (size_t)payload.len,
-                               (uint8_t *)PyBytes_AS_STRING(out), (size_t)PyBytes_GET_SIZE(out));
-        if (n == 0) {
-            Py_CLEAR(out);
-            PyErr_Format(PyExc_ValueError, "communicator %d has no key here", h);
-        }
-    }
-    PyBuffer_Release(&payload);
-    return out;
-}
-
 /* (drops, stats): each a dict of the counters that are not zero, by name */
 static PyObject *Aggregator_counters(Aggregator *self, PyObject *Py_UNUSED(ignored)) {
     if (!ready(self)) return NULL;
@@ -384,8 +364,6 @@ static PyMethodDef Aggregator_methods[] = {
      "the messages waiting, unsealed: [(handle, dst, kind, seq, chunk, payload)]"},
     {"flush", (PyCFunction)Aggregator_flush, METH_NOARGS,
      "the messages waiting, sealed in batches: [(handle, dst, datagrams, segment)]"},
-    {"seal", (PyCFunction)Aggregator_seal, METH_VARARGS,
-     "seal(handle, kind, seq, dst, chunk, payload) -> one sealed message"},
     {"counters", (PyCFunction)Aggregator_counters, METH_NOARGS, "(drops, stats) by name"},
     {"memory", (PyCFunction)Aggregator_memory, METH_NOARGS, "(pool bytes, peak pool bytes, bytes of the pool kept for the next reduction)"},
     {"resend_timeout", (PyCFunction)Aggregator_resend_timeout, METH_VARARGS,

@@ -151,7 +151,16 @@ static PyObject *Plane_set_loss(Plane *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* set_address(route, rank, "a.b.c.d", port) */
+static PyObject *Plane_set_stripes(Plane *self, PyObject *arg) {
+    uint32_t stripes;
+    if (!plane_usable(self) || !oc_arg_u32(arg, &stripes)) return NULL;
+    if (oc_plane_set_stripes(self->plane, stripes))
+        return PyErr_Format(PyExc_ValueError, "cannot stripe over %u aggregator endpoints (1 to "
+                            "%u, before any reduction)", stripes, OC_MAX_STRIPES);
+    Py_RETURN_NONE;
+}
+
+/* set_address(route, rank, "a.b.c.d", port); for ROUTE_AGGREGATOR, rank is the endpoint */
 static PyObject *Plane_set_address(Plane *self, PyObject *args) {
     uint8_t route;
     uint16_t port;
@@ -398,10 +407,13 @@ static PyObject *Plane_reducer(Plane *self, PyObject *arg) {
     const oc_reducer *r = oc_plane_reducer(self->plane, seq);
     if (r == NULL) Py_RETURN_NONE;
     static const char *phases[] = {"sending", "receiving", "drained"};
-    return Py_BuildValue("{sssKsdsIsIsIsIsIsnsKsKsKsK}", "phase", phases[r->phase],
+    uint32_t released = 0; /* over every endpoint */
+    for (uint32_t e = 0; e < r->stripes; e++) released += r->credit[e];
+    return Py_BuildValue("{sssKsdsIsIsIsIsIsIsnsKsKsKsK}", "phase", phases[r->phase],
                          "progress", (unsigned long long)r->progress,
                          "progress_at", r->progress_at, "results", r->results,
-                         "k", r->k, "credit", r->credit, "total", r->total, "cursor", r->cursor,
+                         "k", r->k, "credit", released, "total", r->total, "cursor", r->cursor,
+                         "stripes", r->stripes,
                          "bytes", (Py_ssize_t)oc_reducer_bytes(r),
                          "duplicate_results", (unsigned long long)r->duplicate_results,
                          "contributions_resent", (unsigned long long)r->contributions_resent,
@@ -592,6 +604,8 @@ static PyObject *Plane_attached(Plane *self, void *closure) {
 
 static PyMethodDef Plane_methods[] = {
     {"set_loss", (PyCFunction)Plane_set_loss, METH_VARARGS, "set_loss(rate, burst, seed)"},
+    {"set_stripes", (PyCFunction)Plane_set_stripes, METH_O,
+     "set_stripes(n): the aggregator endpoints its reductions are striped over"},
     {"set_address", (PyCFunction)Plane_set_address, METH_VARARGS,
      "set_address(route, rank, ipv4, port)"},
     {"attach", (PyCFunction)Plane_attach, METH_VARARGS,

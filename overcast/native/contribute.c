@@ -13,11 +13,13 @@ static size_t words(uint64_t n) { return (size_t)((n + 63) / 64); }
 
 int oc_reducer_init(oc_reducer *r, uint32_t seq, uint32_t rank, uint32_t world, unsigned dtype,
                     int avg, uint64_t count, const uint8_t *input, uint8_t *output,
-                    size_t chunk_bytes, uint32_t slots, uint32_t group, oc_budget *budget) {
+                    size_t chunk_bytes, uint32_t slots, uint32_t group, uint32_t stripes,
+                    oc_budget *budget) {
     memset(r, 0, sizeof *r);
     size_t itemsize = oc_dtype_size(dtype);
-    if (!itemsize || world == 0 || world > 0xFFFF || rank >= world || chunk_bytes < itemsize ||
-        group == 0 || group > 255 || slots == 0 || budget == NULL)
+    if (!itemsize || world == 0 || world > OC_MAX_WORLD || rank >= world ||
+        chunk_bytes < itemsize || group == 0 || group > 255 || slots == 0 || stripes == 0 ||
+        stripes > OC_MAX_STRIPES || budget == NULL)
         return -1;
     uint64_t chunk_elems = chunk_bytes / itemsize;
     uint64_t k = (count + chunk_elems - 1) / chunk_elems;
@@ -34,21 +36,28 @@ int oc_reducer_init(oc_reducer *r, uint32_t seq, uint32_t rank, uint32_t world, 
     r->total = (uint32_t)(k * world);
     r->group = group;
     r->slots = slots;
+    r->stripes = stripes;
     r->input = input;
     r->budget = budget;
     r->output = output;
-    r->prefix[0] = (uint8_t)dtype;
-    r->prefix[1] = (uint8_t)group;
-    r->prefix[2] = (uint8_t)world;
-    r->prefix[3] = (uint8_t)(world >> 8);
-    for (int i = 0; i < 4; i++) r->prefix[4 + i] = (uint8_t)(r->total >> (8 * i));
     r->pump_at = r->probe_at = r->ack_at = r->progress_at = -1;
     r->resend = malloc(((size_t)r->total + 1) * sizeof(uint32_t));
     r->pending = calloc(words(r->total) + 1, sizeof(uint64_t));
     r->have = calloc(words(r->k) + 1, sizeof(uint64_t));
-    if (!r->resend || !r->pending || !r->have) {
+    r->credit = calloc(2 * (size_t)stripes, sizeof(uint32_t));
+    r->prefixes = malloc((size_t)stripes * OC_CONTRIB_PREFIX_BYTES);
+    if (!r->resend || !r->pending || !r->have || !r->credit || !r->prefixes) {
         oc_reducer_free(r);
         return -1;
+    }
+    r->stripe_total = r->credit + stripes;
+    for (uint32_t e = 0; e < stripes; e++) {
+        uint8_t *prefix = r->prefixes + (size_t)e * OC_CONTRIB_PREFIX_BYTES;
+        const uint32_t fields[] = {dtype, group, world, world >> 8, r->total, r->total >> 8,
+                                   r->total >> 16, r->total >> 24, e, e >> 8, stripes,
+                                   stripes >> 8};
+        for (int i = 0; i < OC_CONTRIB_PREFIX_BYTES; i++) prefix[i] = (uint8_t)fields[i];
+        r->stripe_total[e] = (uint32_t)oc_stripe_count(r->total, group, stripes, e);
     }
     return 0;
 }
@@ -57,12 +66,24 @@ void oc_reducer_free(oc_reducer *r) {
     free(r->resend);
     free(r->pending);
     free(r->have);
-    r->resend = NULL;
+    free(r->credit);
+    free(r->prefixes);
+    r->resend = r->credit = r->stripe_total = NULL;
     r->pending = r->have = NULL;
+    r->prefixes = NULL;
 }
 
 size_t oc_reducer_bytes(const oc_reducer *r) {
-    return sizeof *r + ((size_t)r->total + 1) * 4 + (words(r->total) + words(r->k) + 2) * 8;
+    return sizeof *r + ((size_t)r->total + 1) * 4 + (words(r->total) + words(r->k) + 2) * 8 +
+           (size_t)r->stripes * (8 + OC_CONTRIB_PREFIX_BYTES);
+}
+
+static uint32_t stripe_of(const oc_reducer *r, uint32_t g) {
+    return oc_stripe_of_chunk(g, r->group, r->stripes);
+}
+
+static uint32_t local_of(const oc_reducer *r, uint32_t g) {
+    return (uint32_t)oc_stripe_local(g, r->group, r->stripes);
 }
 
 /* Elements [*start, *stop) of the input that chunk g covers; its block and place. */
@@ -85,15 +106,26 @@ static uint32_t next_to_send(const oc_reducer *r, uint32_t g) {
     return g;
 }
 
+static void put32(uint8_t *p, uint32_t v) {
+    for (int j = 0; j < 4; j++) p[j] = (uint8_t)(v >> (8 * j));
+}
+
+/* One RESULT_ACK per endpoint, naming its chunks in its numbering. */
 static void flush_acks(oc_reducer *r, oc_outbox *o) {
-    if (r->nacks) {
-        uint8_t *p = oc_outbox_add_copy(o, OC_ROUTE_AGGREGATOR, OC_AGGREGATOR, OC_RESULT_ACK,
-                                        r->seq, (uint32_t)r->nacks, 4 * r->nacks);
-        if (p)
-            for (size_t i = 0; i < r->nacks; i++)
-                for (int j = 0; j < 4; j++) p[4 * i + j] = (uint8_t)(r->acks[i] >> (8 * j));
-        r->nacks = 0; /* lost with no memory: the aggregator sends the results again */
+    uint8_t told[OC_ACK_BATCH] = {0};
+    for (size_t i = 0; i < r->nacks; i++) {
+        if (told[i]) continue;
+        uint32_t e = stripe_of(r, r->acks[i]), n = 0;
+        for (size_t j = i; j < r->nacks; j++) n += !told[j] && stripe_of(r, r->acks[j]) == e;
+        uint8_t *p = oc_outbox_add_copy(o, OC_ROUTE_AGGREGATOR, (uint16_t)(OC_AGGREGATOR - e),
+                                        OC_RESULT_ACK, r->seq, n, 4 * (size_t)n);
+        for (size_t j = i, m = 0; j < r->nacks; j++)
+            if (!told[j] && stripe_of(r, r->acks[j]) == e) {
+                told[j] = 1;
+                if (p) put32(p + 4 * m++, local_of(r, r->acks[j]));
+            }
     }
+    r->nacks = 0; /* lost with no memory: the aggregator sends the results again */
     r->ack_at = -1;
 }
 
@@ -115,14 +147,18 @@ static void pump(oc_reducer *r, oc_outbox *o, double now) {
         size_t n = 0, resends = r->resend_n < group ? r->resend_n : group;
         for (size_t i = 0; i < resends; i++) chunks[n++] = r->resend[(r->resend_head + i) % (r->total + 1)];
         uint32_t after = r->cursor;
-        uint64_t limit = (uint64_t)r->credit + r->slots;
-        if (limit > r->total) limit = r->total;
-        while (n < group && after < limit) {
+        while (n < group && after < r->total) {
             uint32_t first, end;
             oc_owner_span(after, r->world, r->k, r->group, &first, &end);
             uint64_t take = end;
-            if (take > limit) take = limit;
             if (take > (uint64_t)after + group - n) take = (uint64_t)after + group - n;
+            if (r->stripes > 1 && take > ((uint64_t)after / group + 1) * group)
+                take = ((uint64_t)after / group + 1) * group; /* one endpoint's run */
+            /* never more than `slots` past the endpoint's credit */
+            uint32_t e = stripe_of(r, after);
+            uint64_t here = local_of(r, after), limit = (uint64_t)r->credit[e] + r->slots;
+            if (here >= limit) break;
+            if (take - after > limit - here) take = after + (limit - here);
             for (uint32_t g = after; g < take; g++) chunks[n++] = g;
             after = take < end ? (uint32_t)take : next_to_send(r, end);
         }
@@ -137,10 +173,14 @@ static void pump(oc_reducer *r, oc_outbox *o, double now) {
             r->pump_at = oc_budget_ready_at(r->budget, wire, now);
             return;
         }
-        for (size_t i = 0; i < n; i++)
-            oc_outbox_add(o, OC_ROUTE_AGGREGATOR, OC_AGGREGATOR, OC_CONTRIB, r->seq, chunks[i],
-                          r->prefix, OC_CONTRIB_PREFIX_BYTES, r->input + starts[i] * r->itemsize,
+        for (size_t i = 0; i < n; i++) {
+            uint32_t e = stripe_of(r, chunks[i]);
+            oc_outbox_add(o, OC_ROUTE_AGGREGATOR, (uint16_t)(OC_AGGREGATOR - e), OC_CONTRIB,
+                          r->seq, local_of(r, chunks[i]),
+                          r->prefixes + (size_t)e * OC_CONTRIB_PREFIX_BYTES,
+                          OC_CONTRIB_PREFIX_BYTES, r->input + starts[i] * r->itemsize,
                           (stops[i] - starts[i]) * r->itemsize);
+        }
         flush_acks(r, o);
         for (size_t i = 0; i < resends; i++) {
             clear_bit(r->pending, r->resend[r->resend_head]);
@@ -180,26 +220,36 @@ void oc_reducer_finish(oc_reducer *r) {
     }
 }
 
+static int all_released(const oc_reducer *r) {
+    for (uint32_t e = 0; e < r->stripes; e++)
+        if (r->credit[e] < r->stripe_total[e]) return 0;
+    return 1;
+}
+
 /* After every message: send what may go; drained once the block is in and all is released. */
 static void after_receive(oc_reducer *r, oc_outbox *o, double now) {
     pump(r, o, now);
     if (r->results == r->k) {
         flush_acks(r, o);
-        if (r->credit >= r->total && r->phase == OC_REDUCER_RECEIVING) {
+        if (r->phase == OC_REDUCER_RECEIVING && all_released(r)) {
             r->phase = OC_REDUCER_DRAINED;
             r->probe_at = r->pump_at = -1;
         }
     }
 }
 
-int oc_reducer_results(oc_reducer *r, oc_outbox *o, const uint32_t *chunks,
+int oc_reducer_results(oc_reducer *r, oc_outbox *o, uint32_t stripe, const uint32_t *chunks,
                        size_t count, const uint8_t *data, size_t offset, size_t stride,
                        size_t length, double now) {
     int misfit = OC_FIT;
     for (size_t i = 0; i < count && misfit == OC_FIT; i++) {
-        uint32_t g = chunks[i];
         uint64_t start, stop, c;
-        if (g >= r->total || elements(r, g, &start, &stop, &c) != r->rank) {
+        if (stripe >= r->stripes || chunks[i] >= r->stripe_total[stripe]) {
+            misfit = OC_MISFIT_OUT_OF_RANGE;
+            break;
+        }
+        uint32_t g = (uint32_t)oc_stripe_global(chunks[i], r->group, r->stripes, stripe);
+        if (elements(r, g, &start, &stop, &c) != r->rank) {
             misfit = OC_MISFIT_OUT_OF_RANGE;
             break;
         }
@@ -231,22 +281,23 @@ static uint32_t get32(const uint8_t *p) {
     return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
 }
 
-int oc_reducer_credit(oc_reducer *r, oc_outbox *o, const uint8_t *payload,
+int oc_reducer_credit(oc_reducer *r, oc_outbox *o, uint32_t stripe, const uint8_t *payload,
                       size_t len, double now) {
     if (len < 4 || len % 4) return OC_MISFIT_MALFORMED;
     uint32_t released = get32(payload);
-    if (released > r->total) return OC_MISFIT_OUT_OF_RANGE;
-    if (released > r->credit) {
-        r->credit = released;
+    if (stripe >= r->stripes || released > r->stripe_total[stripe]) return OC_MISFIT_OUT_OF_RANGE;
+    if (released > r->credit[stripe]) {
+        r->credit[stripe] = released;
         r->progress++;
         r->progress_at = now;
         r->probe_at = now + OC_RETRY_SECONDS;
     }
     for (size_t at = 4; at < len; at += 4) {
-        uint32_t g = get32(payload + at);
+        uint32_t h = get32(payload + at);
         uint64_t c;
-        if (g >= r->cursor || g >= r->total ||
-            oc_chunk_place(g, r->world, r->k, r->group, &c) == r->rank)
+        if (h >= r->stripe_total[stripe]) continue;
+        uint32_t g = (uint32_t)oc_stripe_global(h, r->group, r->stripes, stripe);
+        if (g >= r->cursor || oc_chunk_place(g, r->world, r->k, r->group, &c) == r->rank)
             continue; /* not sent yet anyway, or not ours to send */
         if (!test_bit(r->pending, g)) {
             r->resend[(r->resend_head + r->resend_n) % (r->total + 1)] = g;
@@ -270,11 +321,13 @@ double oc_reducer_timer(const oc_reducer *r) {
 void oc_reducer_handle_timer(oc_reducer *r, oc_outbox *o, double now) {
     if (r->ack_at >= 0 && now >= r->ack_at) flush_acks(r, o);
     if (r->probe_at >= 0 && now >= r->probe_at) {
-        /* the credit has stalled: ask for it (the answer carries any resend requests too) */
-        uint8_t *p = oc_outbox_add_copy(o, OC_ROUTE_AGGREGATOR, OC_AGGREGATOR, OC_CREDIT, r->seq,
-                                        0, 4);
-        if (p)
-            for (int j = 0; j < 4; j++) p[j] = (uint8_t)(r->cursor >> (8 * j));
+        /* the credit has stalled: ask every endpoint for it, saying how far this rank has sent
+         * there (the answer carries any resend requests too) */
+        for (uint32_t e = 0; e < r->stripes; e++) {
+            uint8_t *p = oc_outbox_add_copy(o, OC_ROUTE_AGGREGATOR, (uint16_t)(OC_AGGREGATOR - e),
+                                            OC_CREDIT, r->seq, 0, 4);
+            if (p) put32(p, (uint32_t)oc_stripe_count(r->cursor, r->group, r->stripes, e));
+        }
         r->credit_probes++;
         r->probe_at = now + OC_RETRY_SECONDS;
     }

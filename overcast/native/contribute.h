@@ -11,7 +11,11 @@
  *
  * Ownership: `input` (world x count elements) and `output` (count elements) are the caller's and
  * must outlive the reducer and every message it queued (the outbox borrows the input's chunks
- * and the reducer's prefix), and so must the budget. The reducer owns its bitmaps and queues (oc_reducer_free). */
+ * and the reducer's prefixes), and so must the budget. The reducer owns its bitmaps and queues (oc_reducer_free).
+ *
+ * Striped over `stripes` aggregator endpoints (numbering.h), it sends each chunk to its
+ * endpoint in that endpoint's numbering, keeps each endpoint's credit, and is drained when
+ * every endpoint has released all of its chunks; with one endpoint that is the whole. */
 #ifndef OVERCAST_NATIVE_CONTRIBUTE_H
 #define OVERCAST_NATIVE_CONTRIBUTE_H
 
@@ -21,7 +25,8 @@
 #include "budget.h"
 #include "outbox.h"
 
-#define OC_CONTRIB_PREFIX_BYTES 8
+/* dtype u8, group u8, world u16, total u32, stripe u16, stripes u16 */
+#define OC_CONTRIB_PREFIX_BYTES 12
 #define OC_RETRY_SECONDS 0.05
 #define OC_ACK_BATCH 64
 #define OC_ACK_DELAY_SECONDS 0.005
@@ -31,7 +36,7 @@ enum { OC_REDUCER_SENDING, OC_REDUCER_RECEIVING, OC_REDUCER_DRAINED };
 
 typedef struct {
     /* seq first: the plane looks collectives up by it (plane.c) */
-    uint32_t seq, rank, world, k, total, group, slots;
+    uint32_t seq, rank, world, k, total, group, slots, stripes;
     unsigned dtype;
     int avg;
     size_t itemsize;
@@ -39,10 +44,12 @@ typedef struct {
     const uint8_t *input;
     uint8_t *output;
     oc_budget *budget;         /* borrowed: this host's uplink */
-    uint8_t prefix[OC_CONTRIB_PREFIX_BYTES];
+    uint8_t *prefixes;         /* per stripe, OC_CONTRIB_PREFIX_BYTES each */
     int phase, counted;
     int reported;              /* the plane has told its owner it drained */
-    uint32_t credit, cursor, results;
+    uint32_t *credit;          /* per stripe: the chunks it released, in its numbering */
+    uint32_t *stripe_total;    /* per stripe: its chunks */
+    uint32_t cursor, results;
     uint32_t *resend;          /* a ring of chunks to send again */
     size_t resend_head, resend_n;
     uint64_t *pending;         /* bit g: g is in `resend` */
@@ -58,16 +65,18 @@ typedef struct {
 /* 0, or -1 (nothing to free) for an impossible shape or no memory. */
 int oc_reducer_init(oc_reducer *r, uint32_t seq, uint32_t rank, uint32_t world, unsigned dtype,
                     int avg, uint64_t count, const uint8_t *input, uint8_t *output,
-                    size_t chunk_bytes, uint32_t slots, uint32_t group, oc_budget *budget);
+                    size_t chunk_bytes, uint32_t slots, uint32_t group, uint32_t stripes,
+                    oc_budget *budget);
 void oc_reducer_free(oc_reducer *r);
 void oc_reducer_start(oc_reducer *r, oc_outbox *o, double now);
-/* A run of results: `count` payloads of `length` bytes at data + offset + i * stride with
- * chunks[i]. OC_FIT, or why the first that did not fit did not (those before it are taken). */
-int oc_reducer_results(oc_reducer *r, oc_outbox *o, const uint32_t *chunks,
+/* A run of results from endpoint `stripe`: `count` payloads of `length` bytes at data + offset
+ * + i * stride with chunks[i] (the endpoint's numbering). OC_FIT, or why the first that did not
+ * fit did not (those before it are taken). */
+int oc_reducer_results(oc_reducer *r, oc_outbox *o, uint32_t stripe, const uint32_t *chunks,
                        size_t count, const uint8_t *data, size_t offset, size_t stride,
                        size_t length, double now);
-/* A CREDIT from the aggregator. */
-int oc_reducer_credit(oc_reducer *r, oc_outbox *o, const uint8_t *payload,
+/* A CREDIT from endpoint `stripe`. */
+int oc_reducer_credit(oc_reducer *r, oc_outbox *o, uint32_t stripe, const uint8_t *payload,
                       size_t len, double now);
 double oc_reducer_timer(const oc_reducer *r);
 void oc_reducer_handle_timer(oc_reducer *r, oc_outbox *o, double now);

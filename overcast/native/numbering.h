@@ -39,4 +39,29 @@ static inline uint32_t oc_owner_span(uint64_t g, uint64_t world, uint64_t k, uin
     return block;
 }
 
+/* Striping over `stripes` aggregator endpoints: runs of `group` chunks go to the endpoints in
+ * turn (chunk g to endpoint (g / group) mod stripes), so a batch of one owner's contributions
+ * goes to one endpoint. Each endpoint numbers its own chunks h = 0, 1, ... in the order of g,
+ * and the wire between a rank and an endpoint speaks that numbering. */
+static inline uint32_t oc_stripe_of_chunk(uint64_t g, uint64_t group, uint64_t stripes) {
+    return (uint32_t)(g / group % stripes);
+}
+
+static inline uint64_t oc_stripe_local(uint64_t g, uint64_t group, uint64_t stripes) {
+    return g / (group * stripes) * group + g % group;
+}
+
+static inline uint64_t oc_stripe_global(uint64_t h, uint64_t group, uint64_t stripes,
+                                        uint64_t stripe) {
+    return h / group * group * stripes + stripe * group + h % group;
+}
+
+/* How many of the chunks below g are the endpoint's. */
+static inline uint64_t oc_stripe_count(uint64_t g, uint64_t group, uint64_t stripes,
+                                       uint64_t stripe) {
+    uint64_t round = group * stripes, rest = g % round, low = stripe * group;
+    uint64_t tail = rest <= low ? 0 : rest - low < group ? rest - low : group;
+    return g / round * group + tail;
+}
+
 #endif

@@ -21,9 +21,10 @@ struct oc_plane {
     oc_gmac opener;
     int keyed;
     oc_sealer *sealer;
-    oc_replay *windows;          /* world + 1: the ranks', then the aggregator's */
+    oc_replay *windows;          /* world + stripes: the ranks', then the aggregator endpoints' */
+    uint32_t stripes;            /* aggregator endpoints its reductions are striped over */
     loss_t loss;
-    struct sockaddr_in aggregator, group, *ranks;
+    struct sockaddr_in group, *ranks, *aggregators;
     oc_reducer **reducers;
     size_t nreducers, reducers_cap;
     oc_gather **gathers;
@@ -40,7 +41,7 @@ struct oc_plane {
 
 oc_plane *oc_plane_new(uint16_t rank, uint32_t world, uint32_t job, uint32_t comm,
                        const uint8_t *key, oc_sealer *sealer) {
-    if (world == 0 || world >= OC_AGGREGATOR || rank >= world) return NULL;
+    if (world == 0 || world > OC_MAX_WORLD || rank >= world) return NULL;
     oc_plane *p = calloc(1, sizeof *p);
     if (p == NULL) return NULL;
     p->rank = rank;
@@ -48,11 +49,13 @@ oc_plane *oc_plane_new(uint16_t rank, uint32_t world, uint32_t job, uint32_t com
     p->job = job;
     p->comm = comm;
     p->sealer = sealer;
-    p->windows = calloc(world + 1, sizeof(oc_replay));
+    p->windows = calloc(world + OC_MAX_STRIPES, sizeof(oc_replay));
     p->ranks = calloc(world, sizeof(struct sockaddr_in));
-    int failed = p->windows == NULL || p->ranks == NULL;
-    for (uint32_t i = 0; i <= world && !failed; i++)
+    p->aggregators = calloc(OC_MAX_STRIPES, sizeof(struct sockaddr_in));
+    int failed = p->windows == NULL || p->ranks == NULL || p->aggregators == NULL;
+    for (uint32_t i = 0; i < world && !failed; i++)
         failed = oc_replay_init(&p->windows[i], OC_PLANE_REPLAY_WIDTH) != 0;
+    if (!failed) failed = oc_plane_set_stripes(p, 1) != 0;
     if (!failed && key) {
         failed = oc_gmac_init(&p->opener, key, 0) != 0;
         p->keyed = !failed;
@@ -67,9 +70,11 @@ oc_plane *oc_plane_new(uint16_t rank, uint32_t world, uint32_t job, uint32_t com
 void oc_plane_free(oc_plane *p) {
     if (p == NULL) return;
     if (p->keyed) oc_gmac_free(&p->opener);
-    for (uint32_t i = 0; p->windows && i <= p->world; i++) oc_replay_free(&p->windows[i]);
+    for (uint32_t i = 0; p->windows && i < p->world + OC_MAX_STRIPES; i++)
+        oc_replay_free(&p->windows[i]);
     free(p->windows);
     free(p->ranks);
+    free(p->aggregators);
     for (size_t i = 0; i < p->nreducers; i++) {
         oc_reducer_finish(p->reducers[i]);
         oc_reducer_free(p->reducers[i]);
@@ -118,8 +123,18 @@ static int lost(loss_t *l) {
 
 /* -- addresses ------------------------------------------------------------------------------ */
 
+int oc_plane_set_stripes(oc_plane *p, uint32_t stripes) {
+    if (stripes == 0 || stripes > OC_MAX_STRIPES || p->nreducers) return -1;
+    for (uint32_t e = 0; e < stripes; e++) /* a window is made once and kept */
+        if (p->windows[p->world + e].nwords == 0 &&
+            oc_replay_init(&p->windows[p->world + e], OC_PLANE_REPLAY_WIDTH))
+            return -1;
+    p->stripes = stripes;
+    return 0;
+}
+
 int oc_plane_set_address(oc_plane *p, uint8_t route, uint32_t rank, uint32_t ip, uint16_t port) {
-    struct sockaddr_in *a = route == OC_ROUTE_AGGREGATOR ? &p->aggregator
+    struct sockaddr_in *a = route == OC_ROUTE_AGGREGATOR && rank < p->stripes ? &p->aggregators[rank]
                           : route == OC_ROUTE_GROUP ? &p->group
                           : route == OC_ROUTE_RANK && rank < p->world ? &p->ranks[rank] : NULL;
     if (a == NULL) return -1;
@@ -131,7 +146,8 @@ int oc_plane_set_address(oc_plane *p, uint8_t route, uint32_t rank, uint32_t ip,
 }
 
 const struct sockaddr_in *oc_plane_address(const oc_plane *p, uint8_t route, uint16_t dst) {
-    const struct sockaddr_in *a = route == OC_ROUTE_AGGREGATOR ? &p->aggregator
+    int e = route == OC_ROUTE_AGGREGATOR ? oc_stripe_of(dst, p->stripes) : -1;
+    const struct sockaddr_in *a = route == OC_ROUTE_AGGREGATOR ? (e < 0 ? NULL : &p->aggregators[e])
                                 : route == OC_ROUTE_GROUP ? &p->group
                                 : dst < p->world ? &p->ranks[dst] : NULL;
     return a && a->sin_family == AF_INET ? a : NULL;
@@ -185,7 +201,7 @@ int oc_plane_reduce(oc_plane *p, uint32_t seq, unsigned dtype, int avg, uint64_t
     oc_reducer *r = malloc(sizeof *r);
     if (r == NULL) return -1;
     if (oc_reducer_init(r, seq, p->rank, p->world, dtype, avg, count, input, output, chunk_bytes,
-                        slots, group, budget)) {
+                        slots, group, p->stripes, budget)) {
         free(r);
         return -1;
     }
@@ -273,7 +289,8 @@ int oc_plane_receive_run(oc_plane *p, const oc_header *first, const uint32_t *ch
     if (first->kind != OC_RESULT && first->kind != OC_CREDIT) return 0;
     oc_reducer *r = find(p, first->seq, NULL);
     if (r == NULL) return 0;
-    if (first->src != OC_AGGREGATOR) {
+    int stripe = oc_stripe_of(first->src, p->stripes);
+    if (stripe < 0) {
         p->drops[OC_PLANE_DROP_wrong_sender]++;
         return 1;
     }
@@ -282,12 +299,12 @@ int oc_plane_receive_run(oc_plane *p, const oc_header *first, const uint32_t *ch
         return 1;
     }
     if (first->kind == OC_RESULT) {
-        misfit(p, oc_reducer_results(r, &p->outbox, chunks, count, data, offset,
-                                     stride, first->length, now));
+        misfit(p, oc_reducer_results(r, &p->outbox, (uint32_t)stripe, chunks, count, data,
+                                     offset, stride, first->length, now));
     } else {
         for (size_t i = 0; i < count; i++) {
-            int why = oc_reducer_credit(r, &p->outbox, data + offset + i * stride,
-                                        first->length, now);
+            int why = oc_reducer_credit(r, &p->outbox, (uint32_t)stripe,
+                                        data + offset + i * stride, first->length, now);
             if (why != OC_FIT) {
                 misfit(p, why);
                 break;
@@ -326,8 +343,9 @@ static int open_one(oc_plane *p, const uint8_t *d, size_t len, oc_header *h) {
         p->drops[OC_PLANE_DROP_bad_mac]++;
         return -1;
     }
-    uint32_t w = h->src == OC_AGGREGATOR ? p->world : h->src;
-    if (h->src != OC_AGGREGATOR && h->src >= p->world) { /* authentic, but no rank of its world */
+    int stripe = oc_stripe_of(h->src, p->stripes);
+    uint32_t w = h->src < p->world ? h->src : p->world + (uint32_t)stripe;
+    if (h->src >= p->world && stripe < 0) { /* authentic, but no rank or endpoint of its world */
         p->drops[OC_PLANE_DROP_wrong_sender]++;
         return -1;
     }

@@ -60,7 +60,12 @@ void oc_plane_free(oc_plane *p);
 /* Injected loss of received datagrams: a Gilbert-Elliott channel with mean loss `rate` and
  * mean burst `burst`, seeded. */
 void oc_plane_set_loss(oc_plane *p, double rate, double burst, uint64_t seed);
-/* Where a route's datagrams go (network byte order; rank for OC_ROUTE_RANK). */
+/* The aggregator endpoints its in-network reductions are striped over (numbering.h), 1 to
+ * OC_MAX_STRIPES (1 at first); endpoint e is addressed as and sends as OC_AGGREGATOR - e.
+ * 0, or -1 for a count outside that, with a reduction posted, or if memory ran out. */
+int oc_plane_set_stripes(oc_plane *p, uint32_t stripes);
+/* Where a route's datagrams go (network byte order; rank for OC_ROUTE_RANK, the endpoint for
+ * OC_ROUTE_AGGREGATOR). */
 int oc_plane_set_address(oc_plane *p, uint8_t route, uint32_t rank, uint32_t ip, uint16_t port);
 const struct sockaddr_in *oc_plane_address(const oc_plane *p, uint8_t route, uint16_t dst);
 

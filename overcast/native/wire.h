@@ -23,6 +23,11 @@
 #define OC_VERSION 1
 #define OC_KEY_BYTES 16
 #define OC_AGGREGATOR 0xFFFEu
+/* In-network reduction may be striped over several aggregator endpoints (the shards of one or
+ * more aggregators): endpoint e sends as OC_AGGREGATOR - e and is addressed so, so every
+ * endpoint has a nonce space of its own under the communicator key. Ranks are below them all. */
+#define OC_MAX_STRIPES 256u
+#define OC_MAX_WORLD (OC_AGGREGATOR + 1 - OC_MAX_STRIPES)
 /* What a datagram carrying `payload` bytes occupies on an Ethernet link: IP, UDP, Ethernet. */
 #define OC_LINK_BYTES(payload) ((double)(payload) + OC_OVERHEAD_BYTES + 20 + 8 + 14)
 #define OC_ANY 0xFFFFu
@@ -45,6 +50,12 @@ typedef struct {
     uint32_t chunk, length;
     uint64_t counter;
 } oc_header;
+
+/* The endpoint (stripe) a source id names, or -1 for none of `stripes`. */
+static inline int oc_stripe_of(uint16_t src, uint32_t stripes) {
+    uint32_t e = (uint32_t)OC_AGGREGATOR - src;
+    return src <= OC_AGGREGATOR && e < stripes ? (int)e : -1;
+}
 
 int oc_kind_known(unsigned kind);
 /* 0 if `len` bytes hold a header of this version with a known kind and a payload length within

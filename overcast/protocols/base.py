@@ -19,7 +19,7 @@ import numpy as np
 
 from overcast.buffers import REDUCE_OPS, dtype_code, dtype_from_code
 from overcast.errors import ProtocolError, Rejected
-from overcast.wire.header import AGGREGATOR, Kind
+from overcast.wire.header import Kind, is_aggregator
 from overcast.wire.runs import Run
 
 # Routes: where a message goes. (channel, peer); peer is a rank, or -1 for the multicast group
@@ -265,6 +265,8 @@ class Collective:
 def _ranks(allowed) -> str:
     if allowed is None:
         return "nobody"
+    if isinstance(allowed, frozenset) and allowed and all(map(is_aggregator, allowed)):
+        return "the aggregator"
     if isinstance(allowed, frozenset):
         return "ranks " + ", ".join(map(str, sorted(allowed))) if allowed else "nobody"
-    return "the aggregator" if allowed == AGGREGATOR else f"rank {allowed}"
+    return f"rank {allowed}"

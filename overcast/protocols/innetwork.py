@@ -31,7 +31,7 @@ from overcast.buffers import dtype_code
 from overcast.protocols.base import Accept, Collective, Descriptor, Phase
 from overcast.protocols.budget import LinkBudget
 from overcast.schedules.chains import chunk_count
-from overcast.wire.header import AGGREGATOR, Kind
+from overcast.wire.header import Kind, endpoints
 
 
 class InNetworkReduceScatter(Collective):
@@ -40,11 +40,12 @@ class InNetworkReduceScatter(Collective):
     # aggregator may still come after (they are acknowledged again).
     ACCEPTS = {Kind.RESULT: Accept("_to_plane", "aggregator", runs=True),
                Kind.CREDIT: Accept("_to_plane", "aggregator", runs=True)}
-    aggregator = AGGREGATOR
 
     def __init__(self, seq: int, rank: int, world: int, desc: Descriptor, output: np.ndarray,
-                 input: np.ndarray, *, chunk_bytes: int, slots: int, budget: LinkBudget):
+                 input: np.ndarray, *, chunk_bytes: int, slots: int, budget: LinkBudget,
+                 stripes: int = 1):
         super().__init__(seq, rank, world, desc)
+        self.aggregator = endpoints(stripes)  # the endpoints its chunks are striped over
         self.output, self.input = output, input
         self.chunk_bytes, self.slots, self.budget = chunk_bytes, slots, budget
         self.k = chunk_count(desc.count, chunk_bytes // desc.dtype.itemsize)

@@ -14,7 +14,7 @@ from overcast.errors import (CollectiveMismatchError, CollectiveTimeoutError,
 from overcast.native import _core
 from overcast.protocols.base import DATAGRAM, MULTICAST, STREAM, Collective, Descriptor, \
     Outgoing
-from overcast.wire.header import AGGREGATOR, ANY, Kind, MalformedError
+from overcast.wire.header import ANY, Kind, MalformedError, is_aggregator
 from overcast.wire.messages import pack_abort, pack_goodbye, unpack_abort, unpack_goodbye
 from overcast.wire.runs import Run
 
@@ -298,7 +298,7 @@ class Session:
         self.control = collections.deque((r, m) for r, m in self.control if r[1] != peer)
         if peer in self.closed_peers:
             return
-        if peer == AGGREGATOR:
+        if is_aggregator(peer):
             self.fail(PeerFailureError("lost the connection to the aggregator (overcast switch): "
                                        "it exited or was killed"))
         else:
@@ -371,8 +371,8 @@ class Session:
         if self.plane.attached:
             return
         for code, dst, kind, seq, chunk, payload in self.plane.take_outbox():
-            route = (MULTICAST, -1) if code == _core.ROUTE_GROUP else \
-                (DATAGRAM, AGGREGATOR if code == _core.ROUTE_AGGREGATOR else dst)
+            # a rank's datagrams and an aggregator endpoint's go to their destination's id
+            route = (MULTICAST, -1) if code == _core.ROUTE_GROUP else (DATAGRAM, dst)
             self.control.append((route, Outgoing(kind, seq, chunk, payload, dst)))
         self.poll_plane(now)
 

@@ -43,17 +43,19 @@ class Aggregator:
     # -- registration ----------------------------------------------------------------------
     def register(self, key, world: int, slots: int | None = None, *,
                  ids: tuple[int, int] | None = None, secret_key: bytes | None = None,
-                 counter: int = 0, max_row: int = MAX_ROW) -> int:
+                 counter: int = 0, max_row: int = MAX_ROW, stripe: int = 0) -> int:
         """Take a communicator of `world` ranks under `key`; its reductions get at most `slots`
         slots (and never more than the aggregator's own) and contributions of at most
-        `max_row` bytes. `ids` are its job and communicator ids on the wire, and `secret_key`
-        its key, for an engine that opens and seals its datagrams (sealing counts on from
-        `counter`). Returns the slots granted."""
+        `max_row` bytes, as the job's aggregator endpoint `stripe` (it takes that stripe's
+        chunks, native/numbering.h, and sends as wire.header.endpoint(stripe)). `ids` are its
+        job and communicator ids on the wire, and `secret_key` its key, for an engine that
+        opens and seals its datagrams (sealing counts on from `counter`). Returns the slots
+        granted."""
         if ids is None:
             ids = self._ids.get(key) or (0, next(self._unkeyed))
         self._ids[key] = ids
         handle, granted = self.engine.register(*ids, world, slots or 0, secret_key, counter,
-                                               max_row)
+                                               max_row, stripe)
         self._handles[key], self._keys[handle] = handle, key
         return granted
 

@@ -4,7 +4,9 @@ One TCP port takes registrations: each rank of a communicator connects, gets a f
 a HELLO that carries it, sealed under its communicator key (the aggregator derives that key from
 the job secret it was given and the salt in the HELLO, so a HELLO it can verify comes from the
 job, and from this connection), and keeps the connection open: when the service dies, every rank
-sees it at once. A connection that has not registered within REGISTRATION_SECONDS is closed.
+sees it at once. The HELLO says which stripe this aggregator's endpoint is among the job's
+aggregators (native/numbering.h); the endpoint seals under that stripe's source id, and the
+WELCOME (an HMAC under a key for welcomes, binding the rank's nonce) gives its datagram port. A connection that has not registered within REGISTRATION_SECONDS is closed.
 
 A job member may be buggy or hostile, so what a HELLO asks is held to the aggregator's Limits: a
 registration beyond one (a world too large, too many communicators for its job, pools past the
@@ -37,9 +39,10 @@ from overcast.switch.aggregator import Aggregator
 from overcast.transport.datagram import (DATAGRAM_TRUESIZE, MAX_DATAGRAM, enlarge_receive_buffer,
                                          multicast_group, prepare_sender)
 from overcast.wire.auth import Drops, Opener, derive_key, job_id_of
-from overcast.wire.header import HEADER_BYTES, Kind, MalformedError, unpack_header
+from overcast.wire.header import HEADER_BYTES, MAX_STRIPES, Kind, MalformedError, unpack_header
 from overcast.wire.registration import (HELLO, NONCE_BYTES, REFUSAL_LABEL, SWITCH_CHALLENGE,
-                                        SWITCH_MAGIC, WELCOME, Refused, pack_refusal)
+                                        SWITCH_MAGIC, WELCOME_LABEL, Refused, pack_refusal,
+                                        pack_welcome)
 
 REGISTRATION_SECONDS = 10.0
 
@@ -69,9 +72,9 @@ class _Comm:
     its reductions were granted, the pool bytes set aside for them, its ranks' connections."""
 
     def __init__(self, job: int, wire_id: int, handle: int, world: int, max_row: int,
-                 slots: int):
+                 stripe: int, slots: int):
         self.job, self.wire_id, self.handle = job, wire_id, handle
-        self.world, self.max_row, self.slots = world, max_row, slots
+        self.world, self.max_row, self.stripe, self.slots = world, max_row, stripe, slots
         self.pool_bytes = MAX_REDUCTIONS * slots * world * max_row
         self.conns: set[socket.socket] = set()
 
@@ -166,7 +169,7 @@ class SwitchService:
         if secret is None or hdr.kind != Kind.HELLO or hdr.length != HELLO.size:
             self.drops["foreign"] += 1
             return False
-        salt, world, udp_port, hears_group, max_row, nonce, theirs = HELLO.unpack_from(
+        salt, world, udp_port, hears_group, max_row, stripe, nonce, theirs = HELLO.unpack_from(
             frame, HEADER_BYTES)
         if hdr.comm != int.from_bytes(salt[:4], "little"):
             self.drops["foreign"] += 1
@@ -179,7 +182,7 @@ class SwitchService:
             self.drops["replayed"] += 1
             return False
         try:
-            comm = self._admit(hdr.job, salt, hdr.src, world, max_row, key)
+            comm = self._admit(hdr.job, salt, hdr.src, world, max_row, stripe, key)
         except Refusal as refusal:
             self.drops[f"refused_{refusal.reason.name.lower()}"] += 1
             self._say(reg, pack_refusal(derive_key(secret, salt, REFUSAL_LABEL), theirs,
@@ -194,26 +197,31 @@ class SwitchService:
         comm.conns.add(reg.sock)
         reg.comm_key = (hdr.job, salt)
         self.unregistered.discard(reg)
-        return self._say(reg, engine.seal(comm.handle, Kind.HELLO, 0, hdr.src, 0,
-                                          WELCOME.pack(comm.slots, self.port, theirs)))
+        return self._say(reg, pack_welcome(derive_key(secret, salt, WELCOME_LABEL), theirs,
+                                           comm.slots, [self.port]))
 
-    def _admit(self, job: int, salt: bytes, src: int, world: int, max_row: int,
+    def _admit(self, job: int, salt: bytes, src: int, world: int, max_row: int, stripe: int,
                key: bytes) -> _Comm:
         """The registered communicator of this salt, or a new one within the limits."""
         if not src < world:
             raise Refusal(Refused.WORLD, f"rank {src} of a world of {world}")
         comm = self.comms.get((job, salt))
         if comm is not None:
-            if (comm.world, comm.max_row) != (world, max_row):
+            if (comm.world, comm.max_row, comm.stripe) != (world, max_row, stripe):
                 raise Refusal(Refused.INCONSISTENT,
-                              f"this communicator is registered with a world of {comm.world} "
-                              f"and rows of {comm.max_row} bytes, not {world} and {max_row}")
+                              f"this communicator is registered with a world of {comm.world}, "
+                              f"rows of {comm.max_row} bytes and stripe {comm.stripe}, not "
+                              f"{world}, {max_row} and {stripe} (OVERCAST_SWITCH must name the "
+                              f"same aggregators in the same order on every rank)")
             return comm
         wire_id = int.from_bytes(salt[:4], "little")
         limits = self.limits
         if not 2 <= world <= limits.max_world:
             raise Refusal(Refused.WORLD, f"a world of {world} ranks; this aggregator takes 2 "
                                          f"to {limits.max_world} (--max-world)")
+        if stripe >= MAX_STRIPES:
+            raise Refusal(Refused.INCONSISTENT, f"stripe {stripe}; a job stripes over at most "
+                                                f"{MAX_STRIPES} aggregator endpoints")
         if not 0 < max_row <= MAX_DATAGRAM:
             raise Refusal(Refused.INCONSISTENT, f"rows of {max_row} bytes; a datagram carries "
                                                 f"1 to {MAX_DATAGRAM}")
@@ -245,11 +253,12 @@ class SwitchService:
         counter = secrets.randbits(62)
         try:
             granted = self.aggregator.register((job, salt), world, slots, ids=(job, wire_id),
-                                               secret_key=key, counter=counter, max_row=max_row)
+                                               secret_key=key, counter=counter, max_row=max_row,
+                                               stripe=stripe)
         except (ValueError, MemoryError) as err:
             raise Refusal(Refused.MEMORY, f"the aggregator could not take it: {err}") from None
         comm = self.comms[(job, salt)] = _Comm(job, wire_id, self.aggregator.handle((job, salt)),
-                                               world, max_row, granted)
+                                               world, max_row, stripe, granted)
         self.wire_ids.add((job, wire_id))
         self.reserved_pool_bytes += comm.pool_bytes
         group, port = multicast_group(wire_id)

@@ -21,6 +21,7 @@ import secrets
 import selectors
 import socket
 import time
+import dataclasses
 from dataclasses import dataclass
 
 from overcast.errors import OvercastError
@@ -29,12 +30,13 @@ from overcast.transport.datagram import (chunk_bytes, multicast_group, open_mult
 from overcast.transport.store import (StoreClient, StoreError, StoreServer, connect_until,
                                       read_exact)
 from overcast.wire.auth import Drops, Opener, Sealer, derive_key, frame_length, job_id_of
-from overcast.wire.header import (AGGREGATOR, ANY, HEADER_BYTES, TAG_BYTES, Kind, MalformedError,
-                                  unpack_header)
+from overcast.wire.header import (ANY, HEADER_BYTES, MAX_STRIPES, TAG_BYTES, Kind,
+                                  MalformedError, endpoint, unpack_header)
 from overcast.wire.messages import CONTRIB_PREFIX
 from overcast.wire.registration import (ANSWER, CHALLENGE, DEFAULT_SWITCH_PORT, HELLO,
                                         NONCE_BYTES, REFUSAL_BYTES, REFUSAL_LABEL, REFUSAL_MAGIC,
-                                        SWITCH_CHALLENGE, SWITCH_MAGIC, WELCOME, open_refusal)
+                                        SWITCH_CHALLENGE, SWITCH_MAGIC, WELCOME, WELCOME_LABEL,
+                                        WELCOME_MAGIC, open_refusal, open_welcome, welcome_bytes)
 
 # How long an accepted connection has to answer the challenge.
 HANDSHAKE_SECONDS = 5.0
@@ -65,8 +67,11 @@ class Links:
     group: tuple[str, int]
     multicast: socket.socket | None
     multicast_error: str | None
-    switch: socket.socket | None = None          # the registration stream to the aggregator
-    switch_udp: tuple[str, int] | None = None
+    # The registration streams to the aggregators (kept open: their closing says one died), by
+    # the id of each one's first endpoint, and the aggregator endpoints in-network reductions
+    # are striped over, by stripe.
+    switches: dict[int, socket.socket] = dataclasses.field(default_factory=dict)
+    endpoints: list[tuple[str, int]] = dataclasses.field(default_factory=list)
     switch_slots: int = 0
     switch_error: str | None = "no aggregator configured (set OVERCAST_SWITCH=host:port)"
 
@@ -119,9 +124,8 @@ def local_address(peer_host: str) -> str:
         return probe.getsockname()[0]
 
 
-def _read_frame(sock: socket.socket, deadline: float, start: bytes = b"") -> bytes:
-    """One frame, whose first bytes `start` were read already."""
-    head = start + read_exact(sock, HEADER_BYTES - len(start), deadline)
+def _read_frame(sock: socket.socket, deadline: float) -> bytes:
+    head = read_exact(sock, HEADER_BYTES, deadline)
     return head + read_exact(sock, frame_length(head) - HEADER_BYTES, deadline)
 
 
@@ -342,22 +346,50 @@ def rendezvous(rank: int, world: int, *, name: str = "default", store=None,
                   sealer, opener, key, job, comm, drops, mtu, group, multicast, multicast_error)
     switch = switch if switch is not None else os.environ.get("OVERCAST_SWITCH")
     if switch:
-        register_with_switch(links, switch, secret, salt, min(timeout, 5.0))
+        register_with_aggregators(links, switch, secret, salt, min(timeout, 5.0))
     return links
 
 
-def register_with_switch(links: Links, spec: str, secret: bytes, salt: bytes,
-                         timeout: float) -> None:
-    """Register this rank with the aggregator at `spec` (host[:port]); on failure, or when the
-    aggregator refuses the communicator (its reason), say why in links.switch_error (only
-    in-network collectives need it)."""
-    host, _, port = spec.partition(":")
-    port = int(port) if port else DEFAULT_SWITCH_PORT
+def parse_switches(spec: str) -> list[tuple[str, int]]:
+    """OVERCAST_SWITCH's aggregators, "host[:port],host[:port],...", in order."""
+    out = []
+    for part in spec.split(","):
+        host, _, port = part.strip().partition(":")
+        if not host or (port and not port.isdigit()) or not 0 < int(port or 1) < 65536:
+            raise ValueError(f"an aggregator is host[:port], not {part.strip()!r} (in {spec!r})")
+        out.append((host, int(port) if port else DEFAULT_SWITCH_PORT))
+    return out
+
+
+def register_with_aggregators(links: Links, spec: str, secret: bytes, salt: bytes,
+                              timeout: float) -> None:
+    """Register this rank with every aggregator `spec` names (parse_switches), in order: each
+    one's endpoints take the stripes after the ones before it. On any failure, or a refusal
+    (its reason), say why in links.switch_error (only in-network collectives need it) and
+    keep none of them."""
+    try:
+        aggregators = parse_switches(spec)
+    except ValueError as err:
+        links.switch_error = str(err)
+        return
+    for host, port in aggregators:
+        error = _register(links, host, port, secret, salt, timeout)
+        if error is not None:
+            for sock in links.switches.values():
+                sock.close()
+            links.switches, links.endpoints, links.switch_slots = {}, [], 0
+            links.switch_error = error
+            return
+    links.switch_error = None
+
+
+def _register(links: Links, host: str, port: int, secret: bytes, salt: bytes,
+              timeout: float) -> str | None:
+    """Register with one aggregator, adding its endpoints to links; None, or why it failed."""
     try:
         sock = socket.create_connection((host, port), timeout=timeout)
     except OSError as err:
-        links.switch_error = f"cannot reach the aggregator at {host}:{port}: {err}"
-        return
+        return f"cannot reach the aggregator at {host}:{port}: {err}"
     try:
         deadline = time.monotonic() + timeout
         magic, challenge = SWITCH_CHALLENGE.unpack(read_exact(sock, SWITCH_CHALLENGE.size,
@@ -366,9 +398,10 @@ def register_with_switch(links: Links, spec: str, secret: bytes, salt: bytes,
             raise ConnectionError("it did not greet as an overcast aggregator")
         mine = secrets.token_bytes(NONCE_BYTES)
         widest = chunk_bytes(links.mtu) - CONTRIB_PREFIX.size
+        first = len(links.endpoints)
         hello = HELLO.pack(salt, links.world, links.udp.getsockname()[1],
-                           links.multicast is not None, widest, challenge, mine)
-        sock.sendall(links.sealer.seal(Kind.HELLO, 0, AGGREGATOR, 0, hello))
+                           links.multicast is not None, widest, first, challenge, mine)
+        sock.sendall(links.sealer.seal(Kind.HELLO, 0, endpoint(first), 0, hello))
         start = read_exact(sock, len(REFUSAL_MAGIC), deadline)
         if start == REFUSAL_MAGIC:
             refusal = open_refusal(derive_key(secret, salt, REFUSAL_LABEL), mine,
@@ -376,17 +409,22 @@ def register_with_switch(links: Links, spec: str, secret: bytes, salt: bytes,
             if refusal is None:
                 raise ConnectionError("its refusal did not authenticate")
             sock.close()
-            links.switch_error = (f"the aggregator at {host}:{port} refused this communicator: "
-                                  f"{refusal[1]}")
-            return
-        welcome = _open_hello(_read_frame(sock, deadline, start), links.opener, AGGREGATOR,
-                              WELCOME.size)
-        if welcome is None or WELCOME.unpack(welcome[1])[2] != mine:
+            return f"the aggregator at {host}:{port} refused this communicator: {refusal[1]}"
+        if start != WELCOME_MAGIC:
+            raise ConnectionError("its answer is neither a welcome nor a refusal")
+        head = start + read_exact(sock, WELCOME.size - len(start), deadline)
+        data = head + read_exact(sock, welcome_bytes(head) - len(head), deadline)
+        welcome = open_welcome(derive_key(secret, salt, WELCOME_LABEL), mine, data)
+        if welcome is None:
             raise ConnectionError("its answer did not authenticate (another job's aggregator?)")
-        slots, udp_port, _ = WELCOME.unpack(welcome[1])
-    except (OSError, ConnectionError, MalformedError) as err:
+        slots, ports = welcome
+        if not ports or first + len(ports) > MAX_STRIPES:
+            raise ConnectionError(f"it offers {len(ports)} endpoints after {first}; a job "
+                                  f"stripes over 1 to {MAX_STRIPES}")
+    except (OSError, ConnectionError, MalformedError, ValueError) as err:
         sock.close()
-        links.switch_error = f"registration with the aggregator at {host}:{port} failed: {err}"
-        return
-    links.switch, links.switch_udp, links.switch_slots = sock, (host, udp_port), slots
-    links.switch_error = None
+        return f"registration with the aggregator at {host}:{port} failed: {err}"
+    links.switches[endpoint(first)] = sock
+    links.endpoints += [(host, p) for p in ports]
+    links.switch_slots = min(links.switch_slots or slots, slots)
+    return None

@@ -38,6 +38,25 @@ def datagram_link_bytes(payload_bytes: int) -> int:
 
 AGGREGATOR = 0xFFFE
 ANY = 0xFFFF
+# In-network reductions may be striped over several aggregator endpoints (the shards of one or
+# more aggregators, native/numbering.h): endpoint e is addressed as and sends as AGGREGATOR - e,
+# so each has a nonce space of its own under the communicator key. Ranks are below them all.
+MAX_STRIPES = 256
+MAX_WORLD = AGGREGATOR + 1 - MAX_STRIPES
+
+
+def endpoint(stripe: int) -> int:
+    """The id of aggregator endpoint `stripe` on the wire."""
+    return AGGREGATOR - stripe
+
+
+def endpoints(stripes: int) -> frozenset[int]:
+    """The ids of the first `stripes` aggregator endpoints."""
+    return frozenset(endpoint(e) for e in range(stripes))
+
+
+def is_aggregator(peer: int) -> bool:
+    return MAX_WORLD <= peer <= AGGREGATOR
 
 
 class Kind(enum.IntEnum):

@@ -13,11 +13,12 @@ from overcast.wire.header import MalformedError
 
 # CONTRIB (rank -> aggregator): what the aggregator needs to sum it, so no other message has to
 # arrive first: dtype code, the group of its chunk numbering (native/numbering.h), world size,
-# chunks in the whole input; then data.
-CONTRIB_PREFIX = struct.Struct("<BBHI")
+# chunks in the whole input, and the aggregator endpoint it is for among how many (the stripe:
+# its chunk number is that endpoint's, numbering.h); then data.
+CONTRIB_PREFIX = struct.Struct("<BBHIHH")
 # CREDIT (aggregator -> rank): chunks released (every chunk below is done), then chunks the rank
-# must send again. CREDIT (rank -> aggregator, when its credit stalls): the next chunk it has not
-# sent yet, and nothing after.
+# must send again, in the endpoint's numbering. CREDIT (rank -> aggregator endpoint, when its
+# credit stalls): the endpoint's chunks it has sent so far, and nothing after.
 _U32 = struct.Struct("<I")
 # REPAIR_REQUEST (rank -> rank): the sender's collective descriptor (protocols.base), then
 # (first chunk, count) ranges. MCAST_END (rank -> rank): the sender's collective descriptor.
@@ -40,8 +41,9 @@ def _u32_list(payload, what: str) -> list[int]:
     return [g for (g,) in _U32.iter_unpack(payload)]
 
 
-def pack_contribution_prefix(dtype_code: int, group: int, world: int, total: int) -> bytes:
-    return CONTRIB_PREFIX.pack(dtype_code, group, world, total)
+def pack_contribution_prefix(dtype_code: int, group: int, world: int, total: int,
+                             stripe: int = 0, stripes: int = 1) -> bytes:
+    return CONTRIB_PREFIX.pack(dtype_code, group, world, total, stripe, stripes)
 
 
 def pack_credit(released: int, resend=()) -> bytes:

@@ -24,12 +24,20 @@ SWITCH_CHALLENGE = struct.Struct(f"<4s{NONCE_BYTES}s")
 SWITCH_MAGIC = b"OCCH"
 # HELLO from a rank: the communicator's salt, world size, the rank's datagram port, whether it
 # receives the communicator's multicast group, the widest contribution it sends (bytes after
-# the contribution's prefix), the aggregator's nonce, and the rank's own. Sealed under the
-# communicator key, which the aggregator derives from the job secret and this salt. Results go
-# to the address the registration's connection came from.
-HELLO = struct.Struct(f"<16sHHBI{NONCE_BYTES}s{NONCE_BYTES}s")
-# HELLO back from the aggregator: slots per reduction, its datagram port, the rank's nonce.
-WELCOME = struct.Struct(f"<IH{NONCE_BYTES}s")
+# the contribution's prefix), the stripe of this aggregator's first endpoint (its shards are
+# that stripe and the ones after it: the job's aggregators in the order OVERCAST_SWITCH names
+# them), the aggregator's nonce, and the rank's own. Sealed under the communicator key, which
+# the aggregator derives from the job secret and this salt. Results go to the address the
+# registration's connection came from.
+HELLO = struct.Struct(f"<16sHHBIH{NONCE_BYTES}s{NONCE_BYTES}s")
+# The aggregator's WELCOME: the magic, the rank's nonce, slots per reduction, how many
+# endpoints (shards) it has, then each one's datagram port, and an HMAC-SHA256 of all that
+# under a key derived from the job secret and the salt for welcomes alone. Like a refusal, it
+# spends no counter of the communicator key, whose nonces belong to the endpoints' threads.
+WELCOME_MAGIC = b"OCOK"
+WELCOME = struct.Struct(f"<4s{NONCE_BYTES}sIH")
+WELCOME_LABEL = b"welcome"
+_PORT = struct.Struct("<H")
 # The aggregator's refusal of a registration, instead of the WELCOME: the magic (not a header's:
 # its version byte differs), the rank's nonce, the reason's code and words, and an HMAC-SHA256 of
 # all that under a key derived from the job secret and the salt for refusals alone. A refusal
@@ -37,8 +45,8 @@ WELCOME = struct.Struct(f"<IH{NONCE_BYTES}s")
 REFUSAL_MAGIC = b"OCNO"
 REASON_BYTES = 200
 _REFUSAL_BODY = struct.Struct(f"<4s{NONCE_BYTES}sH{REASON_BYTES}s")
-REFUSAL_TAG_BYTES = 32
-REFUSAL_BYTES = _REFUSAL_BODY.size + REFUSAL_TAG_BYTES
+HMAC_BYTES = 32
+REFUSAL_BYTES = _REFUSAL_BODY.size + HMAC_BYTES
 REFUSAL_LABEL = b"refusal"
 
 
@@ -54,14 +62,38 @@ class Refused(enum.IntEnum):
     MEMORY = 7         # the aggregator ran out of memory
 
 
-def _refusal_tag(key: bytes, body: bytes) -> bytes:
+def _tag(key: bytes, body: bytes) -> bytes:
     return hmac.new(key, body, hashlib.sha256).digest()
+
+
+def pack_welcome(key: bytes, nonce: bytes, slots: int, ports: list[int]) -> bytes:
+    """A welcome for the rank whose nonce is `nonce`, under the welcome key `key`."""
+    body = WELCOME.pack(WELCOME_MAGIC, nonce, slots, len(ports)) + \
+        b"".join(_PORT.pack(p) for p in ports)
+    return body + _tag(key, body)
+
+
+def welcome_bytes(head: bytes) -> int:
+    """The length of the welcome whose first WELCOME.size bytes are `head`."""
+    return WELCOME.size + _PORT.size * WELCOME.unpack(head)[3] + HMAC_BYTES
+
+
+def open_welcome(key: bytes, nonce: bytes, data: bytes) -> tuple[int, list[int]] | None:
+    """(slots, endpoint ports) of an authentic welcome to the registration whose nonce is
+    `nonce`, or None."""
+    if len(data) < WELCOME.size or len(data) != welcome_bytes(data[:WELCOME.size]):
+        return None
+    body, tag = data[:-HMAC_BYTES], data[-HMAC_BYTES:]
+    magic, theirs, slots, n = WELCOME.unpack_from(body)
+    if magic != WELCOME_MAGIC or theirs != nonce or not hmac.compare_digest(tag, _tag(key, body)):
+        return None
+    return slots, [_PORT.unpack_from(body, WELCOME.size + 2 * i)[0] for i in range(n)]
 
 
 def pack_refusal(key: bytes, nonce: bytes, reason: Refused, words: str) -> bytes:
     """A refusal for the rank whose nonce is `nonce`, under the refusal key `key`."""
     body = _REFUSAL_BODY.pack(REFUSAL_MAGIC, nonce, reason, words.encode()[:REASON_BYTES])
-    return body + _refusal_tag(key, body)
+    return body + _tag(key, body)
 
 
 def open_refusal(key: bytes, nonce: bytes, data: bytes) -> tuple[Refused | int, str] | None:
@@ -72,7 +104,7 @@ def open_refusal(key: bytes, nonce: bytes, data: bytes) -> tuple[Refused | int, 
     body, tag = data[:_REFUSAL_BODY.size], data[_REFUSAL_BODY.size:]
     magic, theirs, code, text = _REFUSAL_BODY.unpack(body)
     if magic != REFUSAL_MAGIC or theirs != nonce or \
-            not hmac.compare_digest(tag, _refusal_tag(key, body)):
+            not hmac.compare_digest(tag, _tag(key, body)):
         return None
     try:
         reason = Refused(code)

@@ -12,7 +12,8 @@
 
 #include "aggregator.h"
 
-enum { CHUNK = 8920, PER_READ = 7 };
+/* an 8,980-byte datagram, as a 9,000-byte MTU carries: header, prefix, data, tag */
+enum { PREFIX = 12, CHUNK = 8980 - OC_OVERHEAD_BYTES - PREFIX, PER_READ = 7 };
 static const uint8_t KEY[16] = {42};
 
 static double cpu(void) {
@@ -34,19 +35,20 @@ int main(int argc, char **argv) {
     }
     uint32_t k = (uint32_t)(((size_t)mib << 20) / CHUNK), total = k * world, slots = 128;
     /* every contribution of every rank, sealed once, in the order each rank sends */
-    size_t per = OC_OVERHEAD_BYTES + 8 + CHUNK, count = (size_t)total * (world - 1);
+    size_t per = OC_OVERHEAD_BYTES + PREFIX + CHUNK, count = (size_t)total * (world - 1);
     uint8_t *sealed = malloc(count * per);
     oc_sealer *ranks = calloc(world, sizeof *ranks);
-    uint8_t *payload = calloc(1, 8 + CHUNK);
+    uint8_t *payload = calloc(1, PREFIX + CHUNK);
     payload[0] = 2; /* float32 */
     payload[1] = 1;
     payload[2] = (uint8_t)world;
     memcpy(payload + 4, &total, 4);
+    payload[10] = 1; /* one stripe */
     double gmac = 0, taken = 0, elapsed = 0;
     for (unsigned round = 0; round < rounds; round++) {
         oc_agg *a = oc_agg_new(slots);
         uint32_t granted;
-        int h = oc_agg_register(a, 1, 1, world, 0, OC_MAX_DATAGRAM, KEY, 0, &granted);
+        int h = oc_agg_register(a, 1, 1, world, 0, 0, OC_MAX_DATAGRAM, KEY, 0, &granted);
         for (unsigned r = 0; r < world; r++) {
             ranks[r] = (oc_sealer){.job = 1, .comm = 1, .src = (uint16_t)r};
             oc_gmac_init(&ranks[r].gmac, KEY, 1);
@@ -57,7 +59,7 @@ int main(int argc, char **argv) {
             for (unsigned r = 0; r < world; r++) {
                 if (g % world == r) continue;
                 oc_seal_into(&ranks[r], sealed + n++ * per, per, OC_CONTRIB, 0, OC_AGGREGATOR, g,
-                             payload, 8 + CHUNK);
+                             payload, PREFIX + CHUNK);
             }
         double t0 = cpu();
         /* the ranks move through the window together: per window of chunks, each rank's reads */

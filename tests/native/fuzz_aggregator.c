@@ -40,7 +40,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     if (opener.ctx == NULL) oc_gmac_init(&opener, KEY, 0);
     oc_agg *a = oc_agg_new(SLOTS);
     uint32_t granted;
-    int h = oc_agg_register(a, 1, 1, WORLD, 0, OC_MAX_DATAGRAM, KEY, 0, &granted);
+    int h = oc_agg_register(a, 1, 1, WORLD, 0, 0, OC_MAX_DATAGRAM, KEY, 0, &granted);
     oc_agg_set_address(a, h, 0, 0x0100007f, 1, 0);
     oc_sealer ranks[WORLD + 1]; /* the last: a sender outside the world */
     for (int r = 0; r <= WORLD; r++) {
@@ -63,12 +63,14 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
             size_t len = take(&s, 1), at = 0, segment = 0;
             if (kind == OC_CONTRIB && len % 4) { /* a prefix that fits the world, or not */
                 unsigned total = WORLD * (1 + take(&s, 1) % 12);
-                uint8_t prefix[8] = {(uint8_t)(take(&s, 1) % 9), (uint8_t)(1 + take(&s, 1) % 3),
-                                     WORLD, 0, (uint8_t)total, 0, 0, 0};
+                uint8_t prefix[12] = {(uint8_t)(take(&s, 1) % 9), (uint8_t)(1 + take(&s, 1) % 3),
+                                      WORLD, 0, (uint8_t)total, 0, 0, 0, 0, 0,
+                                      (uint8_t)(1 + take(&s, 1) % 3), 0};
                 if (take(&s, 1) % 8 == 0) prefix[2] = (uint8_t)take(&s, 1);
-                len = 8 + (len % 16) * 4;
-                memcpy(payload, prefix, 8);
-                for (size_t i = 8; i < len; i++) payload[i] = (uint8_t)take(&s, 1);
+                if (take(&s, 1) % 8 == 0) prefix[8] = (uint8_t)take(&s, 1);
+                len = 12 + (len % 16) * 4;
+                memcpy(payload, prefix, 12);
+                for (size_t i = 12; i < len; i++) payload[i] = (uint8_t)take(&s, 1);
             } else {
                 for (size_t i = 0; i < len; i++) payload[i] = (uint8_t)take(&s, 1);
             }

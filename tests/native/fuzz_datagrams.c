@@ -16,7 +16,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     if (a == NULL) {
         uint32_t granted;
         a = oc_agg_new(16);
-        oc_agg_register(a, JOB, COMM, 4, 0, OC_MAX_DATAGRAM, KEY, 0, &granted);
+        oc_agg_register(a, JOB, COMM, 4, 0, 0, OC_MAX_DATAGRAM, KEY, 0, &granted);
     }
     if (size < 1) return 0;
     static const size_t segments[] = {52, 53, 60, 64, 100, 512, 1500, 9000, 65507};

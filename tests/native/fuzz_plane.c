@@ -41,8 +41,16 @@ static void check_sealed(void *ctx, uint8_t route, uint16_t dst, const uint8_t *
 
 static void check_state(oc_plane *p, uint32_t seq) {
     const oc_reducer *r = oc_plane_reducer(p, seq);
-    if (r && (r->results > r->k || r->credit > r->total || r->cursor > r->total ||
-              r->resend_n > r->total)) {
+    uint64_t stripe_chunks = 0;
+    for (uint32_t e = 0; r && e < r->stripes; e++) {
+        stripe_chunks += r->stripe_total[e];
+        if (r->credit[e] > r->stripe_total[e]) {
+            fprintf(stderr, "reduction %u: endpoint %u's credit past its chunks\n", seq, e);
+            abort();
+        }
+    }
+    if (r && (r->results > r->k || r->cursor > r->total || r->resend_n > r->total ||
+              stripe_chunks != r->total)) {
         fprintf(stderr, "reduction %u out of its shape\n", seq);
         abort();
     }
@@ -65,17 +73,20 @@ static void check_state(oc_plane *p, uint32_t seq) {
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     if (opener.ctx == NULL) oc_gmac_init(&opener, KEY, 0);
     oc_sealer own = {.job = 1, .comm = 1, .src = RANK};
-    oc_sealer senders[3] = {{.job = 1, .comm = 1, .src = OC_AGGREGATOR},
+    /* two aggregator endpoints (its reductions striped over them), a rank, a stranger */
+    oc_sealer senders[4] = {{.job = 1, .comm = 1, .src = OC_AGGREGATOR},
+                            {.job = 1, .comm = 1, .src = OC_AGGREGATOR - 1},
                             {.job = 1, .comm = 1, .src = 2},
                             {.job = 1, .comm = 1, .src = 9}};
     oc_gmac_init(&own.gmac, KEY, 1);
-    for (int i = 0; i < 3; i++) oc_gmac_init(&senders[i].gmac, KEY, 1);
+    for (int i = 0; i < 4; i++) oc_gmac_init(&senders[i].gmac, KEY, 1);
     oc_budget budget;
     oc_budget_init(&budget, 1e6, 0.005, 2, CHUNK + 100, 4);
     static int32_t in32[WORLD * COUNT], out32[COUNT];
     static uint8_t gathered[WORLD * GATHER_BYTES];
     static uint16_t in16[WORLD * COUNT], out16[COUNT];
     oc_plane *p = oc_plane_new(RANK, WORLD, 1, 1, KEY, &own);
+    oc_plane_set_stripes(p, 2);
     oc_plane_reduce(p, 0, OC_INT32, 0, COUNT, (uint8_t *)in32, (uint8_t *)out32, CHUNK, 8, 2,
                     &budget, 0);
     oc_plane_reduce(p, 1, OC_BFLOAT16, 1, COUNT, (uint8_t *)in16, (uint8_t *)out16, CHUNK, 8, 3,
@@ -119,7 +130,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
             oc_plane_feed(p, batch, len, segment, now);
         } else { /* a read of 1-8 sealed datagrams from one sender */
             unsigned count = 1 + (op >> 3) % 8;
-            oc_sealer *from = &senders[take(&s, 1) % 8 ? 0 : 1 + take(&s, 1) % 2];
+            oc_sealer *from = &senders[take(&s, 1) % 8 ? take(&s, 1) % 2 : 2 + take(&s, 1) % 2];
             uint8_t kind = KINDS[take(&s, 1) % sizeof KINDS];
             uint32_t seq = take(&s, 1) % 3, chunk = take(&s, 1) % (WORLD * 4);
             uint16_t dst = take(&s, 1) % 16 ? RANK : (uint16_t)(take(&s, 1) % 5);
@@ -148,6 +159,6 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     }
     oc_plane_free(p);
     oc_gmac_free(&own.gmac);
-    for (int i = 0; i < 3; i++) oc_gmac_free(&senders[i].gmac);
+    for (int i = 0; i < 4; i++) oc_gmac_free(&senders[i].gmac);
     return 0;
 }

@@ -459,15 +459,15 @@ static void capture(void *ctx, int handle, uint16_t dst, const uint8_t *data, si
 }
 
 static size_t contribution(oc_sealer *s, uint8_t *buf, uint32_t g, int32_t value) {
-    uint8_t payload[8 + 4 * ELEMS_PER_CHUNK] = {OC_INT32, 1, WORLD, 0, WORLD * K, 0, 0, 0};
-    for (int i = 0; i < ELEMS_PER_CHUNK; i++) memcpy(payload + 8 + 4 * i, &value, 4);
+    uint8_t payload[12 + 4 * ELEMS_PER_CHUNK] = {OC_INT32, 1, WORLD, 0, WORLD * K, 0, 0, 0, 0, 0, 1, 0};
+    for (int i = 0; i < ELEMS_PER_CHUNK; i++) memcpy(payload + 12 + 4 * i, &value, 4);
     return oc_seal_into(s, buf, 512, OC_CONTRIB, 0, OC_AGGREGATOR, g, payload, sizeof payload);
 }
 
 static void test_aggregator(void) {
     oc_agg *a = oc_agg_new(64);
     uint32_t granted;
-    int h = oc_agg_register(a, 1, 2, WORLD, 16, OC_MAX_DATAGRAM, KEY, 1000, &granted);
+    int h = oc_agg_register(a, 1, 2, WORLD, 0, 16, OC_MAX_DATAGRAM, KEY, 1000, &granted);
     CHECK(h >= 0 && granted == 16, "registered, %u slots: a window past every chunk", granted);
     oc_agg_set_address(a, h, 0, 0x0100007f, 1000, 0);
     oc_sealer ranks[WORLD];
@@ -559,7 +559,7 @@ static void test_aggregator(void) {
     oc_sealer *r0 = &ranks[1];
     uint8_t one[512];
     r0->counter = 5000;
-    uint8_t payload[8 + 16] = {OC_INT32, 1, WORLD, 0, WORLD * K, 0, 0, 0};
+    uint8_t payload[12 + 16] = {OC_INT32, 1, WORLD, 0, WORLD * K, 0, 0, 0, 0, 0, 1, 0};
     size_t m = oc_seal_into(r0, one, sizeof one, OC_CONTRIB, 1, OC_AGGREGATOR, 0, payload, sizeof payload);
     oc_agg_feed(a, one, m, m, 0.02);
     CHECK(oc_agg_pool_bytes(a) > 0 && oc_agg_timer(a) >= 0, "a second reduction in flight");
@@ -576,15 +576,15 @@ static void test_aggregator(void) {
 static void test_reregistration(void) {
     oc_agg *a = oc_agg_new(4);
     uint32_t granted;
-    int h = oc_agg_register(a, 1, 1, 2, 0, OC_MAX_DATAGRAM, NULL, 0, &granted);
-    uint8_t payload[8 + 8] = {OC_INT64, 1, 2, 0, 4, 0, 0, 0};
+    int h = oc_agg_register(a, 1, 1, 2, 0, 0, OC_MAX_DATAGRAM, NULL, 0, &granted);
+    uint8_t payload[12 + 8] = {OC_INT64, 1, 2, 0, 4, 0, 0, 0, 0, 0, 1, 0};
     uint32_t chunk = 1;
     oc_header hdr = {OC_CONTRIB, 0, 0, 0, 0, OC_AGGREGATOR, 1, sizeof payload, 0};
     oc_agg_receive_run(a, h, &hdr, &chunk, 1, payload, 0, sizeof payload, 0.0);
     CHECK(oc_agg_pool_bytes(a) > 0, "a reduction in flight");
-    int h2 = oc_agg_register(a, 1, 1, 3, 0, OC_MAX_DATAGRAM, NULL, 0, &granted);
+    int h2 = oc_agg_register(a, 1, 1, 3, 0, 0, OC_MAX_DATAGRAM, NULL, 0, &granted);
     CHECK(h2 == h && oc_agg_pool_bytes(a) == 0, "registered again with another world: freed");
-    CHECK(oc_agg_register(a, 1, 1, 0, 0, OC_MAX_DATAGRAM, NULL, 0, &granted) == -1, "a world of 0 is refused");
+    CHECK(oc_agg_register(a, 1, 1, 0, 0, 0, OC_MAX_DATAGRAM, NULL, 0, &granted) == -1, "a world of 0 is refused");
     oc_agg_free(a);
 }
 
@@ -599,7 +599,7 @@ static void test_destinations(void) {
     enum { BIG = 300 };
     oc_agg *a = oc_agg_new(1);
     uint32_t granted;
-    int h = oc_agg_register(a, 1, 1, BIG, 0, OC_MAX_DATAGRAM, NULL, 0, &granted), n = 0;
+    int h = oc_agg_register(a, 1, 1, BIG, 0, 0, OC_MAX_DATAGRAM, NULL, 0, &granted), n = 0;
     for (uint32_t r = 0; r < BIG; r++) oc_agg_set_address(a, h, r, 0x0100007f, (uint16_t)r, 1);
     oc_agg_each_destination(a, h, OC_ANY, count_address, &n);
     CHECK(n == BIG, "no group known: every rank's address (%d)", n);
@@ -690,7 +690,7 @@ static void test_serve(void) {
     oc_udp_init(&u, afd);
     oc_agg *a = oc_agg_new(16);
     uint32_t granted;
-    int h = oc_agg_register(a, 1, 1, 2, 0, OC_MAX_DATAGRAM, KEY, 0, &granted);
+    int h = oc_agg_register(a, 1, 1, 2, 0, 0, OC_MAX_DATAGRAM, KEY, 0, &granted);
     oc_agg_set_address(a, h, 0, rank_addr.sin_addr.s_addr, rank_addr.sin_port, 0);
     oc_serve_stats stats = {0};
     double t0 = oc_monotonic();
@@ -702,7 +702,7 @@ static void test_serve(void) {
     /* rank 1 contributes to chunk 0 (rank 0's, of 2 chunks): the result reaches rank 0 */
     oc_sealer rank1 = {.job = 1, .comm = 1, .src = 1};
     oc_gmac_init(&rank1.gmac, KEY, 1);
-    uint8_t payload[8 + 8] = {OC_INT32, 1, 2, 0, 2, 0, 0, 0, 7, 0, 0, 0, 9, 0, 0, 0}, msg[128];
+    uint8_t payload[12 + 8] = {OC_INT32, 1, 2, 0, 2, 0, 0, 0, 0, 0, 1, 0, 7, 0, 0, 0, 9, 0, 0, 0}, msg[128];
     size_t n = oc_seal_into(&rank1, msg, sizeof msg, OC_CONTRIB, 0, OC_AGGREGATOR, 0, payload,
                             sizeof payload);
     sendto(rfd, msg, n, 0, (struct sockaddr *)&agg_addr, sizeof agg_addr);
@@ -778,7 +778,7 @@ static void test_rank_planes_with_the_aggregator(double loss) {
     int32_t in[RW][RW * RCOUNT], out[RW][RCOUNT];
     uint32_t granted;
     b.agg = oc_agg_new(16);
-    b.handle = oc_agg_register(b.agg, 9, 8, RW, 0, OC_MAX_DATAGRAM, KEY, 0, &granted);
+    b.handle = oc_agg_register(b.agg, 9, 8, RW, 0, 0, OC_MAX_DATAGRAM, KEY, 0, &granted);
     for (uint32_t r = 0; r < RW; r++) {
         sealers[r] = (oc_sealer){.job = 9, .comm = 8, .src = (uint16_t)r};
         oc_gmac_init(&sealers[r].gmac, KEY, 1);

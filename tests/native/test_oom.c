@@ -25,8 +25,8 @@ enum { WORLD = 4, CHUNKS = 8, ELEMS = 16 };
 static const uint8_t KEY[16] = {9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 1, 2, 3, 4, 5, 6};
 
 static size_t contribution(oc_sealer *s, uint8_t *buf, uint32_t g) {
-    uint8_t payload[8 + 4 * ELEMS] = {OC_INT32, 1, WORLD, 0, WORLD * CHUNKS, 0, 0, 0};
-    for (int i = 0; i < ELEMS; i++) payload[8 + 4 * i] = (uint8_t)(g + s->src);
+    uint8_t payload[12 + 4 * ELEMS] = {OC_INT32, 1, WORLD, 0, WORLD * CHUNKS, 0, 0, 0, 0, 0, 1, 0};
+    for (int i = 0; i < ELEMS; i++) payload[12 + 4 * i] = (uint8_t)(g + s->src);
     return oc_seal_into(s, buf, 512, OC_CONTRIB, 0, OC_AGGREGATOR, g, payload, sizeof payload);
 }
 
@@ -43,7 +43,7 @@ static long life(oc_sealer ranks[WORLD], uint64_t *lost) {
     oc_agg *a = oc_agg_new(64); /* a window past every chunk */
     if (a == NULL) return -1;
     uint32_t granted;
-    int h = oc_agg_register(a, 1, 2, WORLD, 0, 64, KEY, 7, &granted);
+    int h = oc_agg_register(a, 1, 2, WORLD, 0, 0, 64, KEY, 7, &granted);
     size_t sealed = 0;
     if (h >= 0) {
         for (int r = 0; r < WORLD; r++) oc_agg_set_address(a, h, (uint32_t)r, 0x0100007f, 9, 0);
