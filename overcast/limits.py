@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 
 from overcast.errors import InvalidArgumentError
-from overcast.wire.header import IP_UDP_BYTES, OVERHEAD_BYTES
+from overcast.wire.header import IP_UDP_BYTES, MAX_STRIPES, OVERHEAD_BYTES
 from overcast.wire.messages import CONTRIB_PREFIX
 
 # 198.18.0.0/16 less the switch's and the service's addresses
@@ -37,13 +37,26 @@ def check_hosts(hosts: int, least: int = 2) -> None:
             f"between {least} and {MAX_HOSTS}", hosts, "--hosts, hosts")
 
 
-def check_link_rate(bits_per_s: float) -> None:
+def check_link_rate(bits_per_s: float,
+                    names: str = "--link-mbit, link_bits_per_s / 1e6") -> None:
     require(math.isfinite(bits_per_s) and bits_per_s > 0, "the link rate",
-            "above 0 Mbit/s", bits_per_s / 1e6, "--link-mbit, link_bits_per_s / 1e6")
+            "above 0 Mbit/s", bits_per_s / 1e6, names)
+
+
+def check_aggregators(aggregators: int, most: int) -> None:
+    require(_whole(aggregators) and 1 <= aggregators <= most, "the number of aggregators",
+            f"between 1 and {most}", aggregators, "--aggregators, aggregators")
 
 
 def check_count(what: str, value: int, least: int, names: str) -> None:
     require(_whole(value) and value >= least, what, f"{least} or more", value, names)
+
+
+def check_shards(shards: int, aggregators: int = 1) -> None:
+    """An aggregator's shards; all the aggregators' together are the job's endpoints."""
+    require(_whole(shards) and shards >= 1 and shards * aggregators <= MAX_STRIPES,
+            "the shards per aggregator", f"1 to {MAX_STRIPES // aggregators} (a job stripes "
+            f"over at most {MAX_STRIPES} endpoints)", shards, "--shards, shards")
 
 
 def check_loss(rate: float, burst: float) -> None:

@@ -8,7 +8,8 @@ connection's nonce or another; a length that disagrees), or raw bytes. Registere
 are closed now and then, so communicators come and go. After every input the service's books
 must hold: the pools set aside within the budget, no job over its communicators, the engine's
 pools within the budget. Every 10,000 inputs a communicator of another job registers and runs a
-reduction through the same engine, bit-exact; nothing raised ever leaves the service.
+reduction through the service's two shards, on their threads, bit-exact; nothing raised ever
+leaves the service.
 
     .venv/bin/python tests/fuzz_registration.py [RUNS] [SEED]
 """
@@ -18,7 +19,6 @@ from __future__ import annotations
 import os
 import random
 import socket
-import struct
 import sys
 import time
 
@@ -27,7 +27,7 @@ import numpy as np
 from overcast.buffers import dtype_code
 from overcast.switch.service import Limits, SwitchService
 from overcast.wire.auth import Drops, Opener, Sealer, derive_key, job_id_of
-from overcast.wire.header import AGGREGATOR, Kind, MalformedError, unpack_header
+from overcast.wire.header import AGGREGATOR, Kind, MalformedError, endpoint, unpack_header
 from overcast.wire.messages import pack_contribution_prefix
 from overcast.wire.registration import HELLO, NONCE_BYTES
 
@@ -42,7 +42,7 @@ class Target:
         self.rng = random.Random(seed)
         self.hostile, self.good = os.urandom(32), os.urandom(32)
         self.service = SwitchService("127.0.0.1", 0, [self.hostile, self.good], slots=64,
-                                     limits=LIMITS)
+                                     limits=LIMITS, shards=2)
         self.salts = [os.urandom(16) for _ in range(40)] + [b"same" + os.urandom(12)
                                                             for _ in range(4)]
         self.keys = {s: derive_key(self.hostile, s, b"comm") for s in self.salts}
@@ -133,11 +133,12 @@ class Target:
             jobs[comm.job] = jobs.get(comm.job, 0) + 1
             assert 2 <= comm.world <= LIMITS.max_world and comm.slots >= 1
         assert all(n <= LIMITS.max_communicators for n in jobs.values()), jobs
-        assert service.aggregator.pool_bytes <= LIMITS.pool_bytes
+        assert service.shards.counters()[2]["pool_bytes"] <= LIMITS.pool_bytes
 
     def serve_another_job(self) -> None:
-        """A communicator of 2 ranks of the good job registers and reduces one chunk each way:
-        every result is the other rank's row, bit for bit."""
+        """A communicator of 2 ranks of the good job registers and reduces one chunk each way,
+        one through each shard: every result is the other rank's row, bit for bit, from the
+        shard whose stripe it is."""
         service, salt = self.service, os.urandom(16)
         regs = [r for r in service.connections.values() if r.comm_key is None][:2]
         while len(regs) < 2:
@@ -145,31 +146,39 @@ class Target:
                                          if r.comm_key is not None]))
             regs = [r for r in service.connections.values() if r.comm_key is None][:2]
         sealers = [self._sealer(salt, rank, self.good) for rank in range(2)]
-        for rank, reg in enumerate(regs):
-            body = HELLO.pack(salt, 2, 9, 0, 1408, 0, reg.nonce, os.urandom(NONCE_BYTES))
-            frame = bytes(sealers[rank].seal(Kind.HELLO, 0, AGGREGATOR, 0, body))
-            assert service._register(reg, memoryview(frame), unpack_header(frame)), \
-                "a good registration was refused"
-        engine = service.aggregator.engine
-        handle = service.comms[(job_id_of(self.good), salt)].handle
-        rows = np.arange(64, dtype=np.int32).reshape(2, 32) * 3 + self.stats["served"]
-        prefix = pack_contribution_prefix(dtype_code(np.dtype(np.int32)), 1, 2, 2)
-        now = time.monotonic()
-        for rank in range(2):  # chunk g is rank g's: each contributes to the other's
-            g = 1 - rank
-            datagram = sealers[rank].seal(Kind.CONTRIB, 0, AGGREGATOR, g,
-                                          (prefix, rows[rank].view(np.uint8)))
-            engine.feed(bytes(datagram), len(datagram), now)
-        key = derive_key(self.good, salt, b"comm")
-        opener = Opener(key, job_id_of(self.good), int.from_bytes(salt[:4], "little"), Drops())
-        results = {}
-        for h, _, data, segment in engine.flush():
-            for at in range(0, len(data), segment):
-                got = opener.open(data[at:at + segment]) \
-                    if h == handle else None
-                if got is not None and got[0].kind == Kind.RESULT:
-                    results[got[0].chunk] = bytes(got[1])
-        assert results == {0: rows[1].tobytes(), 1: rows[0].tobytes()}, results
+        ranks = [socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for _ in range(2)]
+        try:
+            for rank, reg in enumerate(regs):
+                ranks[rank].bind(("127.0.0.1", 0))
+                ranks[rank].settimeout(10)
+                body = HELLO.pack(salt, 2, ranks[rank].getsockname()[1], 0, 1408, 0, reg.nonce,
+                                  os.urandom(NONCE_BYTES))
+                frame = bytes(sealers[rank].seal(Kind.HELLO, 0, endpoint(0), 0, body))
+                assert service._register(reg, memoryview(frame), unpack_header(frame)), \
+                    "a good registration was refused"
+            rows = np.arange(64, dtype=np.int32).reshape(2, 32) * 3 + self.stats["served"]
+            # chunk g is rank g's and shard g's (its chunk 0): each rank contributes to the other's
+            for rank in range(2):
+                stripe = 1 - rank
+                prefix = pack_contribution_prefix(dtype_code(np.dtype(np.int32)), 1, 2, 2,
+                                                  stripe, 2)
+                datagram = sealers[rank].seal(Kind.CONTRIB, 0, endpoint(stripe), 0,
+                                              (prefix, rows[rank].view(np.uint8)))
+                ranks[rank].sendto(bytes(datagram), ("127.0.0.1", service.ports[stripe]))
+            key = derive_key(self.good, salt, b"comm")
+            opener = Opener(key, job_id_of(self.good), int.from_bytes(salt[:4], "little"),
+                            Drops())
+            results = {}
+            for rank in range(2):
+                while rank not in results:
+                    hdr, payload = opener.open(ranks[rank].recv(1 << 16))
+                    if hdr.kind == Kind.RESULT:
+                        results[rank] = (hdr.src, bytes(payload))
+        finally:
+            for sock in ranks:
+                sock.close()
+        assert results == {0: (endpoint(0), rows[1].tobytes()),
+                           1: (endpoint(1), rows[0].tobytes())}, results
         for reg in regs:
             self._close(reg)
         self.stats["served"] += 1

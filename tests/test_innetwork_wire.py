@@ -208,3 +208,25 @@ def test_a_rank_killed_mid_reduction_leaves_nothing_in_the_aggregator(tmp_path):
     assert report["stats"]["contributions"] > 0 and "reductions" not in report["stats"]
     assert report["peak_pool_bytes"] > 0
     assert report["pool_bytes"] == 0 and report["communicators"] == 0
+
+
+def test_sums_striped_over_two_aggregators_of_two_shards_each(tmp_path):
+    """Two aggregators, each on an attachment of its own with two shard threads: the ranks
+    stripe every reduction over the four endpoints; the sums are right under loss, and each
+    aggregator, each of its shards, takes its share of the contributions and of the bytes."""
+    world = 4
+    with Cluster(world, 1_000_000_000, aggregators=2) as cluster:
+        switches = cluster.start_switches(stats_dir=str(tmp_path), shards=2)
+        assert cluster.switch.count(",") == 1
+        before = [cluster.counters(None, a).rx_bytes for a in range(2)]
+        results = cluster.run(sums, args=([1000, 100_003],), timeout=900)
+        carried = [cluster.counters(None, a).rx_bytes - before[a] for a in range(2)]
+        for switch in switches:
+            cluster.stop_switch(switch)
+    assert results == [[] for _ in range(world)]
+    reports = [json.loads((tmp_path / f"switch-{a}.json").read_text()) for a in range(2)]
+    taken = [r["stats"]["contributions"] for r in reports]
+    assert min(taken) > 0.8 * max(taken), taken
+    assert all(r["shards"] == 2 and min(r["shard_cpu_seconds"]) > 0 for r in reports)
+    assert all(r["pool_bytes"] == 0 and r["communicators"] == 0 for r in reports)
+    assert min(carried) > 0.8 * max(carried), carried

@@ -3,17 +3,14 @@ AddressSanitizer and UndefinedBehaviorSanitizer and run; and the native engine a
 Python side of the wire: a message sealed by either opens in the other, and every dtype sums to
 the bits numpy gives in rank order."""
 
-import os
 import pathlib
 import socket
 import subprocess
-import threading
-import time
 
 import numpy as np
 import pytest
 
-from overcast.buffers import BFLOAT16, DTYPES, accumulator_dtype, dtype_code
+from overcast.buffers import DTYPES, accumulator_dtype, dtype_code
 from overcast.native import Aggregator as Engine
 from overcast.native import _core
 from overcast.wire.auth import Drops, Opener, Sealer
@@ -247,32 +244,46 @@ def test_a_run_that_does_not_lie_in_its_buffer_is_refused():
                                list(range(count)), bytes(16), offset, stride, 0.0)
 
 
-def test_nothing_touches_the_engine_while_it_serves_without_the_gil():
-    """serve releases the GIL: another thread's call would race the loop, so it is refused,
-    and the loop ends when a control descriptor becomes readable."""
-    engine, _ = keyed_engine()
-    udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    udp.bind(("127.0.0.1", 0))
-    wake_r, wake_w = os.pipe()
-    engine.attach(udp.fileno())
-    ended = []
-    server = threading.Thread(target=lambda: ended.append(
-        engine.serve([wake_r], time.monotonic() + 60)))
-    server.start()
-    refused = None
-    deadline = time.monotonic() + 30
-    while refused is None and time.monotonic() < deadline:
-        try:
-            engine.counters()
-        except RuntimeError as err:
-            refused = str(err)
-    os.write(wake_w, b"x")
-    server.join(30)
-    assert refused == "the aggregator is serving on another thread"
-    assert ended == [0] and engine.counters() == ({}, {})
-    for fd in (wake_r, wake_w):
-        os.close(fd)
-    udp.close()
+def test_shards_serve_their_stripes_on_threads_while_python_registers_and_reads():
+    """Two shards, each a native thread on its own socket: a communicator registered in both
+    (shard i as endpoint first + i), each takes its stripe's contributions and answers as its
+    own endpoint, and what they counted is read while they park."""
+    sockets = [socket.socket(socket.AF_INET, socket.SOCK_DGRAM) for _ in range(3)]
+    for sock in sockets:
+        sock.bind(("127.0.0.1", 0))
+    *shard_sockets, rank = sockets
+    rank.settimeout(10)
+    shards = _core.Shards(8, 300.0, [s.fileno() for s in shard_sockets])
+    shards.start()
+    try:
+        handle, granted = shards.register(JOB, COMM, 2, 3, 8, KEY, 1 << 40, 1408)
+        for r in range(2):
+            shards.set_address(handle, r, "127.0.0.1", rank.getsockname()[1], False)
+        # 10 chunks in groups of 1 striped over 5 endpoints: this aggregator's are 3 and 4,
+        # whose first chunks are g = 3 (rank 1's) and g = 4 (rank 0's)
+        for r, stripe in ((0, 0), (1, 1)):
+            prefix = pack_contribution_prefix(dtype_code(np.dtype(np.int32)), 1, 2, 10,
+                                              3 + stripe, 5)
+            datagram = Sealer(KEY, JOB, COMM, r).seal(Kind.CONTRIB, 0, endpoint(3 + stripe), 0,
+                                                      prefix + np.int32(40 + r).tobytes())
+            rank.sendto(datagram, shard_sockets[stripe].getsockname())
+        opener, results = Opener(KEY, JOB, COMM, Drops()), {}
+        while len(results) < 2:
+            hdr, payload = opener.open(rank.recv(4096))
+            if hdr.kind == Kind.RESULT:
+                results[hdr.src] = (hdr.dst, hdr.counter, bytes(payload))
+        drops, stats, memory, io = shards.counters()
+    finally:
+        shards.close()
+        for sock in sockets:
+            sock.close()
+    assert results == {endpoint(3): (1, (1 << 40) + 1, np.int32(40).tobytes()),
+                       endpoint(4): (0, (1 << 40) + 1, np.int32(41).tobytes())}
+    assert (handle, granted) == (0, 8)
+    assert drops == {} and stats["contributions"] == 2 and stats["results"] == 2
+    assert len(io["serve_cpu_seconds"]) == 2 and io["datagrams_in"] >= 2
+    with pytest.raises(RuntimeError, match="not initialised"):
+        shards.counters()
 
 
 # -- the bindings' arguments ------------------------------------------------------------------

@@ -393,11 +393,13 @@ def _cluster(args) -> int:
 
 
 def _switch(args) -> int:
-    from overcast.limits import check_count, check_port, check_positive, check_slots
-    from overcast.switch.service import Limits, run
+    from overcast.limits import check_count, check_port, check_positive, check_shards, check_slots
+    from overcast.switch.service import Limits, default_shards, run
 
     check_port(args.port)
     check_slots(args.slots)
+    shards = default_shards() if args.shards is None else args.shards
+    check_shards(shards)
     check_count("the largest world", args.max_world, 2, "--max-world")
     check_count("communicators per job", args.max_communicators, 1, "--max-communicators")
     check_positive("a reduction's expiry", args.expiry, "--expiry", " seconds")
@@ -411,7 +413,7 @@ def _switch(args) -> int:
         return 2
     run(args.host, args.port, secrets, args.slots, args.stats,
         ready=lambda line: print(line, flush=True), lifeline=args.lifeline, limits=limits,
-        expiry=args.expiry)
+        expiry=args.expiry, shards=shards)
     return 0
 
 
@@ -636,7 +638,12 @@ def parser() -> argparse.ArgumentParser:
 
     w = command("switch", "the aggregator for in-network reduction, standing in for the switch")
     w.add_argument("--host", default="0.0.0.0", help="address to listen on")
-    w.add_argument("--port", type=int, default=18515, help="TCP and UDP port")
+    w.add_argument("--port", type=int, default=18515,
+                   help="TCP port, and the first shard's UDP port (the others' are any free)")
+    w.add_argument("--shards", type=int, default=None,
+                   help="data-path threads, each with its own UDP port, engine and pools; the "
+                        "ranks stripe their contributions over them (default: the cores this "
+                        "process may use)")
     w.add_argument("--slots", type=int, default=256,
                    help="chunks each reduction may have in the aggregator at once (its pool)")
     w.add_argument("--stats", help="write counters and peak memory here (JSON) on exit")

@@ -2,12 +2,14 @@
 
     host i (netns oc-<run>-h<i>)        switch (netns oc-<run>-sw)       service (oc-<run>-svc)
       eth0 198.18.0.(i+1)  ==veth==  h<i> --- br0 --- svc  ==veth==  eth0 198.18.255.1
+                                          br0 --- svc<a>  ==veth==  eth0 198.18.255.(a+1)
 
 Each host link is shaped separately per direction with tbf, as a full-duplex NIC is: on the
 host's eth0 (its send direction) and on the switch's port h<i> (its receive direction, where a
-switch port drops when more arrives than it can send). The service attachment stands for the
-switch's own compute (the aggregator of in-network reduction); its link models the switch's
-internal fabric, shaped at `fabric_bits_per_s` (default: unshaped), not a host NIC.
+switch port drops when more arrives than it can send). The service attachments stand for the
+aggregators of in-network reduction, one each (`aggregators`; the first is the service's):
+unshaped by default, as the switch's own compute behind its internal fabric, or shaped at
+`aggregator_bits_per_s` each way, as aggregator hosts whose NICs are slower than P links.
 
 Everything is created under one run id, so concurrent runs never collide, and removed on exit,
 on error, on Ctrl-C and on SIGTERM; `clean_leftovers()` removes what a killed run left behind.
@@ -27,7 +29,7 @@ from dataclasses import dataclass
 
 from overcast.cluster.launch import Placement, compute_threads, run_ranks
 from overcast.errors import OvercastError
-from overcast.limits import check_hosts, check_link_rate, check_mtu
+from overcast.limits import check_aggregators, check_hosts, check_link_rate, check_mtu
 from overcast.switch.launch import SwitchStartError, start_switch, stop_switch
 from overcast.transport.datagram import reduction_batch
 from overcast.wire.registration import DEFAULT_SWITCH_PORT
@@ -35,7 +37,7 @@ from overcast.wire.registration import DEFAULT_SWITCH_PORT
 PREFIX = "oc-"
 RUN_DIR = "/run/overcast"
 MULTICAST_NET = "239.0.0.0/8"
-SERVICE_ADDR = "198.18.255.1"
+MAX_AGGREGATORS = 200  # 198.18.255.1 up to .200: below the querier's
 QUERIER_ADDR = "198.18.255.254"  # the bridge's own, for its IGMP queries
 QUERY_RESPONSE_SECONDS = 0.5
 MASTER_PORT = 29500
@@ -51,6 +53,11 @@ def host_address(i: int) -> str:
     if n >= 255 * 256:
         raise ClusterError("at most 65279 hosts")
     return f"198.18.{n >> 8}.{n & 255}"
+
+
+def aggregator_address(a: int) -> str:
+    """Aggregator attachment a's address (the first is the service's)."""
+    return f"198.18.255.{a + 1}"
 
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -156,22 +163,28 @@ class Cluster:
     """P shaped hosts and a switch. Use as a context manager; `run` calls a function per host."""
 
     def __init__(self, hosts: int, link_bits_per_s: int, *, mtu: int = 9000,
-                 switch_queue_bytes: int = 512 * 1024, fabric_bits_per_s: int | None = None,
-                 service: bool = True):
+                 switch_queue_bytes: int = 512 * 1024, aggregators: int = 1,
+                 aggregator_bits_per_s: int | None = None, service: bool = True):
         check_hosts(hosts, least=1)
         check_link_rate(link_bits_per_s)
         check_mtu(mtu)
+        check_aggregators(aggregators, MAX_AGGREGATORS)
+        if aggregator_bits_per_s is not None:
+            check_link_rate(aggregator_bits_per_s,
+                            "--aggregator-link-mbit, aggregator_bits_per_s / 1e6")
         self.hosts, self.link_bits_per_s, self.mtu = hosts, link_bits_per_s, mtu
         self.switch_queue_bytes = switch_queue_bytes
-        self.fabric_bits_per_s = fabric_bits_per_s
+        self.aggregators, self.aggregator_bits_per_s = aggregators, aggregator_bits_per_s
         self.service = service
         self.run_id = secrets.token_hex(3)
         self.secret = secrets.token_hex(32)
         self.switch_ns = f"{PREFIX}{self.run_id}-sw"
         self.host_ns = [f"{PREFIX}{self.run_id}-h{i}" for i in range(hosts)]
         self.service_ns = f"{PREFIX}{self.run_id}-svc"
+        self.aggregator_ns = [self.service_ns] + [f"{PREFIX}{self.run_id}-svc{a}"
+                                                  for a in range(1, aggregators)]
         self._created: list[str] = []
-        self.switch: str | None = None
+        self._switches: dict[int, str] = {}  # aggregator attachment -> its "host:port"
         self._procs: list[subprocess.Popen] = []
         self._old_sigterm = None
 
@@ -217,8 +230,9 @@ class Cluster:
         for i, ns in enumerate(self.host_ns):
             self._attach(ns, f"h{i}", host_address(i), rate, rate)
         if self.service:
-            self._attach(self.service_ns, "svc", SERVICE_ADDR, self.fabric_bits_per_s,
-                         self.fabric_bits_per_s)
+            rate = self.aggregator_bits_per_s
+            for a, ns in enumerate(self.aggregator_ns):
+                self._attach(ns, f"svc{a or ''}", aggregator_address(a), rate, rate)
         time.sleep(max(0.0, snooping_from - time.monotonic()))
 
     def _netns(self, name: str) -> None:
@@ -297,31 +311,49 @@ class Cluster:
         self._procs.append(proc)
         return proc
 
+    @property
+    def switch(self) -> str | None:
+        """OVERCAST_SWITCH for the aggregators running: in the order of their attachments."""
+        return ",".join(self._switches[a] for a in sorted(self._switches)) or None
+
     def start_switch(self, slots: int = 256, stats_path: str | None = None,
-                     port: int = DEFAULT_SWITCH_PORT,
-                     secrets: list[str] | None = None) -> subprocess.Popen:
-        """Start the aggregator (overcast switch) on the service attachment; from then on the
-        hosts' environment points at it. It serves this cluster's job, or the jobs whose
-        secrets (hex) are given. Returns once it listens."""
+                     port: int = DEFAULT_SWITCH_PORT, secrets: list[str] | None = None,
+                     aggregator: int = 0, shards: int = 1) -> subprocess.Popen:
+        """Start an aggregator (overcast switch, `shards` data-path threads) on attachment
+        `aggregator`; from then on the hosts' environment points at it (with the others).
+        It serves this cluster's job, or the jobs whose secrets (hex) are given. Returns once
+        it listens."""
         try:
-            proc, address = start_switch(SERVICE_ADDR, port, secrets=secrets or [self.secret],
-                                         slots=slots, stats_path=stats_path,
-                                         prefix=("ip", "netns", "exec", self.service_ns))
+            proc, address = start_switch(aggregator_address(aggregator), port,
+                                         secrets=secrets or [self.secret], slots=slots,
+                                         stats_path=stats_path, shards=shards,
+                                         prefix=("ip", "netns", "exec",
+                                                 self.aggregator_ns[aggregator]))
         except SwitchStartError as err:
             raise ClusterError(str(err)) from None
         self._procs.append(proc)
-        self.switch = address
+        proc.aggregator = aggregator
+        self._switches[aggregator] = address
         return proc
 
-    def stop_switch(self, proc: subprocess.Popen) -> None:
-        """Stop the aggregator gracefully (it writes its stats file on the way out)."""
-        stop_switch(proc)
-        self.switch = None
+    def start_switches(self, slots: int = 256, stats_dir: str | None = None,
+                       shards: int = 1) -> list[subprocess.Popen]:
+        """An aggregator on every attachment (`aggregators`), each writing its stats to
+        stats_dir/switch-<a>.json."""
+        return [self.start_switch(slots, stats_dir and os.path.join(stats_dir,
+                                                                    f"switch-{a}.json"),
+                                  aggregator=a, shards=shards)
+                for a in range(self.aggregators)]
 
-    def counters(self, host: int | None) -> NicCounters:
-        """Host `host`'s eth0 counters (None: the service attachment's), read from outside its
-        namespace."""
-        ns = self.service_ns if host is None else self.host_ns[host]
+    def stop_switch(self, proc: subprocess.Popen) -> None:
+        """Stop an aggregator gracefully (it writes its stats file on the way out)."""
+        stop_switch(proc)
+        self._switches.pop(proc.aggregator, None)
+
+    def counters(self, host: int | None, aggregator: int = 0) -> NicCounters:
+        """Host `host`'s eth0 counters (None: aggregator attachment `aggregator`'s), read from
+        outside its namespace."""
+        ns = self.aggregator_ns[aggregator] if host is None else self.host_ns[host]
         out = _ip("-n", ns, "-s", "-j", "link", "show", "dev", "eth0").stdout
         stats = json.loads(out)[0]["stats64"]
         return NicCounters(stats["tx"]["bytes"], stats["rx"]["bytes"], stats["tx"]["packets"],

@@ -45,6 +45,7 @@ typedef struct {
     double touched;               /* when a contribution or acknowledgement last came */
     uint32_t seq, world, total, k, window, released, announced, results_sent;
     uint32_t whole, stripe, stripes; /* the chunks of every stripe; this one's place among them */
+    uint32_t lane;                /* the chunks of the whole that are this stripe's (numbering.h) */
     uint8_t code, group;
     size_t itemsize, row_bytes;   /* row_bytes: the pool's width per row */
     int64_t highest;              /* the highest chunk any contribution came for */
@@ -136,7 +137,7 @@ static inline comm_t *comm_of(const oc_agg *a, int h) {
 
 /* Local chunk h's number in the whole reduction. */
 static inline uint32_t global_of(const reduction_t *r, uint32_t h) {
-    return (uint32_t)oc_stripe_global(h, r->group, r->stripes, r->stripe);
+    return (uint32_t)oc_stripe_global(h, r->group, r->stripes, r->lane);
 }
 
 static inline uint32_t owner_of(const reduction_t *r, uint32_t h) {

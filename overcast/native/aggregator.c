@@ -89,7 +89,8 @@ static reduction_t *new_reduction(oc_agg *a, comm_t *c, uint32_t seq, uint8_t co
     r->whole = whole;
     r->stripe = c->stripe;
     r->stripes = stripes;
-    r->total = (uint32_t)oc_stripe_count(whole, group, stripes, c->stripe);
+    r->lane = oc_stripe_lane(c->stripe, seq, stripes);
+    r->total = (uint32_t)oc_stripe_count(whole, group, stripes, r->lane);
     r->k = whole / c->world;
     r->window = c->slots;
     r->code = code;
@@ -248,7 +249,8 @@ static void on_contributions(oc_agg *a, int h, comm_t *c, const oc_header *hdr,
             return;
         }
         /* a reduction is made only for a chunk it could take: in range, in the first window */
-        uint32_t total = (uint32_t)oc_stripe_count(whole, group, stripes, stripe);
+        uint32_t total = (uint32_t)oc_stripe_count(whole, group, stripes,
+                                                   oc_stripe_lane(stripe, hdr->seq, stripes));
         size_t fits = 0;
         while (fits < count && (chunks[fits] >= total || chunks[fits] >= c->slots)) fits++;
         if (fits == count) {

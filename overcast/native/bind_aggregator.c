@@ -1,8 +1,7 @@
-/* Aggregator: the aggregator's reduction engine and its socket loop (aggregator.h, service.h). The boundary is coarse: a call takes a
- * run or a whole read of datagrams, a timer tick, or (serve) the data path until something
- * needs Python; never one call per datagram on the service's path. Buffers passed in are read
- * during the call only (the engine copies what it keeps). serve releases the GIL and touches no
- * Python object while it runs. */
+/* Aggregator: one reduction engine (aggregator.h), sans I/O, for the protocol tests and the
+ * in-memory fabric; the service runs engines on its shards' threads (bind_shards.c). A call
+ * takes a run or a whole read of datagrams, or a timer tick. Buffers passed in are read during
+ * the call only (the engine copies what it keeps). */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
@@ -10,16 +9,10 @@
 
 #include "aggregator.h"
 #include "binding.h"
-#include "service.h"
-#include "udp.h"
 
 typedef struct {
     PyObject_HEAD
     oc_agg *agg;
-    oc_udp udp;
-    int attached;
-    int serving;  /* serve runs without the GIL: no other call may touch the engine meanwhile */
-    oc_serve_stats serve;
 } Aggregator;
 
 static int Aggregator_init(Aggregator *self, PyObject *args, PyObject *kw) {
@@ -51,12 +44,11 @@ static int Aggregator_init(Aggregator *self, PyObject *args, PyObject *kw) {
 
 static void Aggregator_dealloc(Aggregator *self) {
     oc_agg_free(self->agg);
-    if (self->attached) oc_udp_free(&self->udp);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
 static int ready(Aggregator *self) {
-    return oc_py_usable(self->agg != NULL, self->serving, "aggregator");
+    return oc_py_usable(self->agg != NULL, 0, "aggregator");
 }
 
 static PyObject *Aggregator_register(Aggregator *self, PyObject *args, PyObject *kw) {
@@ -230,7 +222,7 @@ static void collect(void *ctx, int handle, uint16_t dst, const uint8_t *data, si
     Py_XDECREF(item);
 }
 
-/* [(handle, dst, sealed datagrams back to back, segment size)]: what serve would send */
+/* [(handle, dst, sealed datagrams back to back, segment size)]: what a shard would send */
 static PyObject *Aggregator_flush(Aggregator *self, PyObject *Py_UNUSED(ignored)) {
     if (!ready(self)) return NULL;
     PyObject *list = PyList_New(0);
@@ -285,68 +277,6 @@ static PyObject *Aggregator_reductions(Aggregator *self, PyObject *arg) {
     return list;
 }
 
-/* attach(fd): the UDP socket serve reads and sends on (the caller keeps it open) */
-static PyObject *Aggregator_attach(Aggregator *self, PyObject *arg) {
-    int fd;
-    if (!ready(self) || !PyArg_Parse(arg, "i", &fd)) return NULL;
-    if (self->attached) oc_udp_free(&self->udp);
-    self->attached = 0;
-    if (oc_udp_init(&self->udp, fd)) return PyErr_NoMemory();
-    self->attached = 1;
-    Py_RETURN_NONE;
-}
-
-/* serve(control_fds, until) -> index of a readable control fd, -1 deadline, -2 interrupted */
-static PyObject *Aggregator_serve(Aggregator *self, PyObject *args) {
-    PyObject *fds;
-    double until;
-    if (!ready(self) || !PyArg_ParseTuple(args, "Od", &fds, &until)) return NULL;
-    if (!self->attached) {
-        PyErr_SetString(PyExc_RuntimeError, "no socket attached");
-        return NULL;
-    }
-    PyObject *fast = PySequence_Fast(fds, "control descriptors must be a sequence");
-    if (fast == NULL) return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
-    int *control = PyMem_Malloc(sizeof(int) * (size_t)(n ? n : 1));
-    if (control == NULL) {
-        Py_DECREF(fast);
-        return PyErr_NoMemory();
-    }
-    for (Py_ssize_t i = 0; i < n; i++) {
-        control[i] = PyObject_AsFileDescriptor(PySequence_Fast_GET_ITEM(fast, i));
-        if (control[i] < 0) {
-            PyMem_Free(control);
-            Py_DECREF(fast);
-            return NULL;
-        }
-    }
-    Py_DECREF(fast);
-    int result;
-    self->serving = 1;
-    Py_BEGIN_ALLOW_THREADS
-    result = oc_serve(self->agg, &self->udp, control, (int)n, until, &self->serve);
-    Py_END_ALLOW_THREADS
-    self->serving = 0;
-    PyMem_Free(control);
-    if (result == OC_SERVE_ERROR) return PyErr_SetFromErrno(PyExc_OSError);
-    return PyLong_FromLong(result);
-}
-
-static PyObject *Aggregator_io(Aggregator *self, PyObject *Py_UNUSED(ignored)) {
-    if (!ready(self)) return NULL;
-    oc_udp *u = &self->udp;
-    return Py_BuildValue("{sKsKsKsKsKsKsKsisisdsK}", "reads", (unsigned long long)u->reads,
-                         "sends", (unsigned long long)u->sends,
-                         "datagrams_in", (unsigned long long)u->datagrams_in,
-                         "datagrams_out", (unsigned long long)u->datagrams_out,
-                         "bytes_in", (unsigned long long)u->bytes_in,
-                         "bytes_out", (unsigned long long)u->bytes_out,
-                         "truncated", (unsigned long long)u->truncated, "gro", u->gro,
-                         "gso", u->gso, "serve_cpu_seconds", self->serve.cpu_seconds,
-                         "wakeups", (unsigned long long)self->serve.wakeups);
-}
-
 static PyMethodDef Aggregator_methods[] = {
     {"register", (PyCFunction)(void (*)(void))Aggregator_register, METH_VARARGS | METH_KEYWORDS,
      "register(job, comm, world, slots=0, key=None, counter=0) -> (handle, slots granted)"},
@@ -370,10 +300,6 @@ static PyMethodDef Aggregator_methods[] = {
      "resend_timeout(handle, owner) -> seconds"},
     {"reductions", (PyCFunction)Aggregator_reductions, METH_O,
      "reductions(handle) -> [(seq, released)]"},
-    {"attach", (PyCFunction)Aggregator_attach, METH_O, "attach(udp socket fd)"},
-    {"serve", (PyCFunction)Aggregator_serve, METH_VARARGS,
-     "serve(control fds, until) -> readable control index, -1 deadline, -2 interrupted"},
-    {"io", (PyCFunction)Aggregator_io, METH_NOARGS, "the socket's and the loop's counters"},
     {NULL, NULL, 0, NULL},
 };
 

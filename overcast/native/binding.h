@@ -114,7 +114,7 @@ typedef struct {
     size_t holds;
 } Budget;
 
-extern PyTypeObject AggregatorType, SealerType, TagCheckType, BudgetType, PlaneType;
+extern PyTypeObject AggregatorType, ShardsType, SealerType, TagCheckType, BudgetType, PlaneType;
 
 /* The type object of Name (its struct Name, its Name_init and Name_methods), named
  * overcast.native._core.Name; dealloc and getset may be NULL. */

@@ -57,7 +57,8 @@ int oc_reducer_init(oc_reducer *r, uint32_t seq, uint32_t rank, uint32_t world, 
                                    r->total >> 16, r->total >> 24, e, e >> 8, stripes,
                                    stripes >> 8};
         for (int i = 0; i < OC_CONTRIB_PREFIX_BYTES; i++) prefix[i] = (uint8_t)fields[i];
-        r->stripe_total[e] = (uint32_t)oc_stripe_count(r->total, group, stripes, e);
+        r->stripe_total[e] = (uint32_t)oc_stripe_count(r->total, group, stripes,
+                                                       oc_stripe_lane(e, seq, stripes));
     }
     return 0;
 }
@@ -78,8 +79,15 @@ size_t oc_reducer_bytes(const oc_reducer *r) {
            (size_t)r->stripes * (8 + OC_CONTRIB_PREFIX_BYTES);
 }
 
+/* The endpoint chunk g goes to. */
 static uint32_t stripe_of(const oc_reducer *r, uint32_t g) {
-    return oc_stripe_of_chunk(g, r->group, r->stripes);
+    return (oc_stripe_of_chunk(g, r->group, r->stripes) + r->seq % r->stripes) % r->stripes;
+}
+
+/* Endpoint e's chunk h in the whole. */
+static uint32_t global_of(const oc_reducer *r, uint32_t e, uint32_t h) {
+    return (uint32_t)oc_stripe_global(h, r->group, r->stripes,
+                                      oc_stripe_lane(e, r->seq, r->stripes));
 }
 
 static uint32_t local_of(const oc_reducer *r, uint32_t g) {
@@ -248,7 +256,7 @@ int oc_reducer_results(oc_reducer *r, oc_outbox *o, uint32_t stripe, const uint3
             misfit = OC_MISFIT_OUT_OF_RANGE;
             break;
         }
-        uint32_t g = (uint32_t)oc_stripe_global(chunks[i], r->group, r->stripes, stripe);
+        uint32_t g = global_of(r, stripe, chunks[i]);
         if (elements(r, g, &start, &stop, &c) != r->rank) {
             misfit = OC_MISFIT_OUT_OF_RANGE;
             break;
@@ -296,7 +304,7 @@ int oc_reducer_credit(oc_reducer *r, oc_outbox *o, uint32_t stripe, const uint8_
         uint32_t h = get32(payload + at);
         uint64_t c;
         if (h >= r->stripe_total[stripe]) continue;
-        uint32_t g = (uint32_t)oc_stripe_global(h, r->group, r->stripes, stripe);
+        uint32_t g = global_of(r, stripe, h);
         if (g >= r->cursor || oc_chunk_place(g, r->world, r->k, r->group, &c) == r->rank)
             continue; /* not sent yet anyway, or not ours to send */
         if (!test_bit(r->pending, g)) {
@@ -326,7 +334,8 @@ void oc_reducer_handle_timer(oc_reducer *r, oc_outbox *o, double now) {
         for (uint32_t e = 0; e < r->stripes; e++) {
             uint8_t *p = oc_outbox_add_copy(o, OC_ROUTE_AGGREGATOR, (uint16_t)(OC_AGGREGATOR - e),
                                             OC_CREDIT, r->seq, 0, 4);
-            if (p) put32(p, (uint32_t)oc_stripe_count(r->cursor, r->group, r->stripes, e));
+            if (p) put32(p, (uint32_t)oc_stripe_count(r->cursor, r->group, r->stripes,
+                                                      oc_stripe_lane(e, r->seq, r->stripes)));
         }
         r->credit_probes++;
         r->probe_at = now + OC_RETRY_SECONDS;

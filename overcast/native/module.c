@@ -27,8 +27,8 @@ static int add_float(PyObject *m, const char *name, double value) {
 
 /* The types, each named by its tp_name's last part, and the port's and routes' constants. */
 static int add_types(PyObject *m) {
-    PyTypeObject *types[] = {&AggregatorType, &SealerType, &TagCheckType, &BudgetType,
-                             &PlaneType};
+    PyTypeObject *types[] = {&AggregatorType, &ShardsType, &SealerType, &TagCheckType,
+                             &BudgetType, &PlaneType};
     for (size_t i = 0; i < sizeof types / sizeof types[0]; i++)
         if (PyModule_AddType(m, types[i]) < 0) return -1;
     static const struct { const char *name; int value; } constants[] = {

@@ -39,10 +39,11 @@ static inline uint32_t oc_owner_span(uint64_t g, uint64_t world, uint64_t k, uin
     return block;
 }
 
-/* Striping over `stripes` aggregator endpoints: runs of `group` chunks go to the endpoints in
- * turn (chunk g to endpoint (g / group) mod stripes), so a batch of one owner's contributions
- * goes to one endpoint. Each endpoint numbers its own chunks h = 0, 1, ... in the order of g,
- * and the wire between a rank and an endpoint speaks that numbering. */
+/* Striping over `stripes` aggregator endpoints: runs of `group` chunks go to the lanes in turn
+ * (chunk g to lane (g / group) mod stripes), so a batch of one owner's contributions goes to one
+ * endpoint. Collective seq's lane l is endpoint (l + seq) mod stripes, so collectives of a
+ * single run start on every endpoint in turn. Each endpoint numbers its own chunks h = 0, 1, ...
+ * in the order of g, and the wire between a rank and an endpoint speaks that numbering. */
 static inline uint32_t oc_stripe_of_chunk(uint64_t g, uint64_t group, uint64_t stripes) {
     return (uint32_t)(g / group % stripes);
 }
@@ -56,7 +57,11 @@ static inline uint64_t oc_stripe_global(uint64_t h, uint64_t group, uint64_t str
     return h / group * group * stripes + stripe * group + h % group;
 }
 
-/* How many of the chunks below g are the endpoint's. */
+static inline uint32_t oc_stripe_lane(uint32_t endpoint, uint32_t seq, uint32_t stripes) {
+    return (endpoint + stripes - seq % stripes) % stripes;
+}
+
+/* How many of the chunks below g are the lane's. */
 static inline uint64_t oc_stripe_count(uint64_t g, uint64_t group, uint64_t stripes,
                                        uint64_t stripe) {
     uint64_t round = group * stripes, rest = g % round, low = stripe * group;

@@ -14,28 +14,31 @@ memory budget, a receive buffer too small for its world) is refused to that conn
 with the reason, and everything else carries on. Every communicator's pools are bounded when it
 registers (at most MAX_REDUCTIONS reductions of slots x world x its widest row), so the budget
 holds by construction. Results go to the address the registration came from.
-One UDP port, the same number, carries the contributions, results, acknowledgements and credit,
-all authenticated per communicator and replay-checked like every other overcast datagram.
-
-The datagrams never reach Python: the native core (overcast/native/service.h) reads them in GRO
-batches, opens, reduces and seals them, and sends in GSO batches, with the GIL released, until a
-registration connection has something to say; this loop then handles it and hands the socket
-back. The reduction itself is the native engine's (overcast/native/aggregator.h).
+The data path runs over `shards` cores (overcast/native/shards.h): each shard is a native
+thread with its own UDP port (the first one the same number as the TCP port), engine, pools,
+replay windows and timers, and is the job's aggregator endpoint first + i, so ranks stripe
+their chunks over the shards and every contribution to a chunk reaches one thread. The
+datagrams never reach Python: each shard reads them in GRO batches, opens, reduces and seals
+them, and sends in GSO batches (overcast/native/service.h, aggregator.h). This thread, the
+control thread, takes registrations and hands each communicator to every shard, pausing them
+for it.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
+import os
 import resource
 import secrets
+import selectors
 import signal
 import socket
 import time
 
-from overcast.limits import check_port
-from overcast.native import MAX_REDUCTIONS
-from overcast.switch.aggregator import Aggregator
+from overcast.limits import check_port, check_shards, check_slots
+from overcast.native import EXPIRY_SECONDS, MAX_REDUCTIONS, _core
 from overcast.transport.datagram import (DATAGRAM_TRUESIZE, MAX_DATAGRAM, enlarge_receive_buffer,
                                          multicast_group, prepare_sender)
 from overcast.wire.auth import Drops, Opener, derive_key, job_id_of
@@ -68,14 +71,15 @@ class Refusal(Exception):
 
 
 class _Comm:
-    """A registered communicator: its handle in the engine, its world and widest row, the slots
-    its reductions were granted, the pool bytes set aside for them, its ranks' connections."""
+    """A registered communicator: its handle in the shards' engines, its world, widest row and
+    first stripe, the slots its reductions were granted, the pool bytes set aside for them in
+    all the shards, its ranks' connections."""
 
     def __init__(self, job: int, wire_id: int, handle: int, world: int, max_row: int,
-                 stripe: int, slots: int):
+                 stripe: int, slots: int, shards: int):
         self.job, self.wire_id, self.handle = job, wire_id, handle
         self.world, self.max_row, self.stripe, self.slots = world, max_row, stripe, slots
-        self.pool_bytes = MAX_REDUCTIONS * slots * world * max_row
+        self.pool_bytes = shards * MAX_REDUCTIONS * slots * world * max_row
         self.conns: set[socket.socket] = set()
 
 
@@ -90,29 +94,50 @@ class _Registration:
         self.comm_key: tuple[int, bytes] | None = None  # (job, salt) once registered
 
 
+def default_shards() -> int:
+    """The cores this process may use: one shard each."""
+    return len(os.sched_getaffinity(0))
+
+
 class SwitchService:
     def __init__(self, host: str, port: int, job_secrets: list[bytes], slots: int = 256,
                  lifeline: int | None = None, limits: Limits = Limits(),
-                 expiry: float | None = None):
+                 expiry: float | None = None, shards: int = 1):
         check_port(port)
+        check_slots(slots)
+        check_shards(shards)
         self.lifeline = lifeline  # a pipe whose closing (its writer gone) stops the service
-        self.limits = limits
+        self.limits, self.slots = limits, slots
         self.secrets = {job_id_of(s): s for s in job_secrets}
         self.drops = Drops()  # the registrations'; the data path counts its own
-        self.aggregator = Aggregator(slots, expiry)
         self.comms: dict[tuple[int, bytes], _Comm] = {}  # by job and salt
         self.wire_ids: set[tuple[int, int]] = set()  # (job, id on the wire) of those
         self.reserved_pool_bytes = 0
         self.listener = socket.create_server((host, port), backlog=256)
         self.listener.setblocking(False)
         self.port = self.listener.getsockname()[1]
-        self.udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        self.receive_buffer = enlarge_receive_buffer(self.udp)
-        self.udp.bind((host, self.port))
-        if host != "0.0.0.0":
-            prepare_sender(self.udp, host, loop=False)
-        self.aggregator.engine.attach(self.udp.fileno())
+        self.udp: list[socket.socket] = []  # a socket per shard, the first on `port`
+        for i in range(shards):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            self.udp.append(sock)
+            self.receive_buffer = enlarge_receive_buffer(sock)
+            sock.bind((host, self.port if i == 0 else 0))
+            if host != "0.0.0.0":
+                prepare_sender(sock, host, loop=False)
+        self.ports = [sock.getsockname()[1] for sock in self.udp]
+        self.shards = _core.Shards(slots, EXPIRY_SECONDS if expiry is None else expiry,
+                                   [sock.fileno() for sock in self.udp])
+        self.shards.start()
         self.connections: dict[socket.socket, _Registration] = {}
+        # what the control thread waits on: the listener, the registrations, the lifeline, and
+        # a pair stop() writes to (a signal or another thread)
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_w.setblocking(False)
+        self._selector = selectors.DefaultSelector()
+        self._selector.register(self.listener, selectors.EVENT_READ)
+        self._selector.register(self._wake_r, selectors.EVENT_READ)
+        if lifeline is not None:
+            self._selector.register(lifeline, selectors.EVENT_READ)
         self.unregistered: set[_Registration] = set()
         self.stopped = False
 
@@ -130,6 +155,7 @@ class SwitchService:
             return
         sock.setblocking(False)
         self.connections[sock] = reg
+        self._selector.register(sock, selectors.EVENT_READ, reg)
         self.unregistered.add(reg)
 
     def _expire_registrations(self, now: float) -> None:
@@ -192,13 +218,12 @@ class SwitchService:
             ip = reg.sock.getpeername()[0]
         except OSError:
             return False
-        engine = self.aggregator.engine
-        engine.set_address(comm.handle, hdr.src, ip, udp_port, bool(hears_group))
+        self.shards.set_address(comm.handle, hdr.src, ip, udp_port, bool(hears_group))
         comm.conns.add(reg.sock)
         reg.comm_key = (hdr.job, salt)
         self.unregistered.discard(reg)
         return self._say(reg, pack_welcome(derive_key(secret, salt, WELCOME_LABEL), theirs,
-                                           comm.slots, [self.port]))
+                                           comm.slots, self.ports))
 
     def _admit(self, job: int, salt: bytes, src: int, world: int, max_row: int, stripe: int,
                key: bytes) -> _Comm:
@@ -219,9 +244,10 @@ class SwitchService:
         if not 2 <= world <= limits.max_world:
             raise Refusal(Refused.WORLD, f"a world of {world} ranks; this aggregator takes 2 "
                                          f"to {limits.max_world} (--max-world)")
-        if stripe >= MAX_STRIPES:
-            raise Refusal(Refused.INCONSISTENT, f"stripe {stripe}; a job stripes over at most "
-                                                f"{MAX_STRIPES} aggregator endpoints")
+        if stripe + len(self.ports) > MAX_STRIPES:
+            raise Refusal(Refused.INCONSISTENT, f"this aggregator's {len(self.ports)} shards "
+                                                f"from stripe {stripe}; a job stripes over at "
+                                                f"most {MAX_STRIPES} aggregator endpoints")
         if not 0 < max_row <= MAX_DATAGRAM:
             raise Refusal(Refused.INCONSISTENT, f"rows of {max_row} bytes; a datagram carries "
                                                 f"1 to {MAX_DATAGRAM}")
@@ -234,13 +260,13 @@ class SwitchService:
                           f"already (--max-communicators)")
         # A window no deeper than the receive buffer holds for all ranks at once: a slow
         # aggregator then slows the senders (they wait for credit) instead of losing datagrams.
-        slots = min(self.aggregator.slots, self.receive_buffer // (world * DATAGRAM_TRUESIZE))
+        slots = min(self.slots, self.receive_buffer // (world * DATAGRAM_TRUESIZE))
         if slots < 1:
             raise Refusal(Refused.BUFFER, f"the receive buffer ({self.receive_buffer} bytes) "
                                           f"holds less than one datagram per rank of {world}")
         # Each job has an even share of the budget: one job's members cannot take another's.
         share = limits.pool_bytes // len(self.secrets)
-        per_slot = MAX_REDUCTIONS * world * max_row
+        per_slot = len(self.ports) * MAX_REDUCTIONS * world * max_row
         left = min(limits.pool_bytes - self.reserved_pool_bytes,
                    share - sum(c.pool_bytes for c in self.comms.values() if c.job == job))
         slots = min(slots, left // per_slot)
@@ -252,17 +278,16 @@ class SwitchService:
         # which can step back, and never a start an earlier run of this service may have used.
         counter = secrets.randbits(62)
         try:
-            granted = self.aggregator.register((job, salt), world, slots, ids=(job, wire_id),
-                                               secret_key=key, counter=counter, max_row=max_row,
-                                               stripe=stripe)
+            handle, granted = self.shards.register(job, wire_id, world, stripe, slots, key,
+                                                   counter, max_row)
         except (ValueError, MemoryError) as err:
             raise Refusal(Refused.MEMORY, f"the aggregator could not take it: {err}") from None
-        comm = self.comms[(job, salt)] = _Comm(job, wire_id, self.aggregator.handle((job, salt)),
-                                               world, max_row, stripe, granted)
+        comm = self.comms[(job, salt)] = _Comm(job, wire_id, handle, world, max_row, stripe,
+                                               granted, len(self.ports))
         self.wire_ids.add((job, wire_id))
         self.reserved_pool_bytes += comm.pool_bytes
         group, port = multicast_group(wire_id)
-        self.aggregator.engine.set_group(comm.handle, socket.inet_aton(group), port)
+        self.shards.set_group(comm.handle, socket.inet_aton(group), port)
         return comm
 
     @staticmethod
@@ -277,6 +302,7 @@ class SwitchService:
     def _disconnect(self, reg: _Registration) -> None:
         self.unregistered.discard(reg)
         del self.connections[reg.sock]
+        self._selector.unregister(reg.sock)
         reg.sock.close()
         comm = self.comms.get(reg.comm_key) if reg.comm_key else None
         if comm is not None:
@@ -285,57 +311,60 @@ class SwitchService:
                 del self.comms[reg.comm_key]
                 self.wire_ids.discard((comm.job, comm.wire_id))
                 self.reserved_pool_bytes -= comm.pool_bytes
-                self.aggregator.unregister(reg.comm_key)
+                self.shards.unregister(comm.handle)
 
     # -- the loop --------------------------------------------------------------------------
     def serve(self) -> None:
-        """Run until stop(), SIGTERM/SIGINT or the lifeline closes: the native data path until
-        a registration connection is readable, a signal comes, or a registration's time is up."""
-        engine = self.aggregator.engine
+        """Take registrations until stop(), SIGTERM/SIGINT or the lifeline closes; the shards
+        serve the datagrams meanwhile, on their own threads."""
         while not self.stopped:
             now = time.monotonic()
             self._expire_registrations(now)
             due = min((r.due for r in self.unregistered), default=now + 0.5)
-            control = [self.listener, *self.connections]
-            if self.lifeline is not None:
-                control.append(self.lifeline)
-            ready = engine.serve(control, min(due, now + 0.5))
-            if ready == 0:
-                self._accept()
-            elif self.lifeline is not None and ready == len(control) - 1:
-                self.stopped = True  # whoever started it has ended
-            elif ready > 0:
-                reg = self.connections[control[ready]]
-                try:
-                    self._on_registration(reg)
-                except Exception:  # a bug on a peer's input must cost that peer, not the service
-                    self.drops["registration_error"] += 1
-                    if reg.sock in self.connections:
-                        self._disconnect(reg)
+            for key, _ in self._selector.select(max(0.0, min(due, now + 0.5) - now)):
+                if key.fileobj is self.listener:
+                    self._accept()
+                elif key.fileobj is self._wake_r:
+                    self._wake_r.recv(64)
+                elif key.data is None:
+                    self.stopped = True  # the lifeline: whoever started it has ended
+                elif key.fileobj in self.connections:
+                    reg = key.data
+                    try:
+                        self._on_registration(reg)
+                    except Exception:  # a bug on a peer's input costs that peer, not the service
+                        self.drops["registration_error"] += 1
+                        if reg.sock in self.connections:
+                            self._disconnect(reg)
 
     def stop(self, *_) -> None:
         self.stopped = True
+        try:
+            self._wake_w.send(b"x")
+        except OSError:  # full: a wake-up is pending anyway
+            pass
 
     def close(self) -> None:
-        """Close every socket: the listener, the datagram port, every rank's connection."""
-        for sock in [self.listener, self.udp, *self.connections]:
+        """Stop the shards and close every socket: the listener, the datagram ports, every
+        rank's connection."""
+        self.shards.close()
+        self._selector.close()
+        for sock in [self.listener, *self.udp, *self.connections, self._wake_r, self._wake_w]:
             sock.close()
         self.connections.clear()
 
     def report(self) -> dict:
-        agg = self.aggregator
-        io = agg.engine.io()
-        stats = agg.stats
-        contributions = stats["contributions"]
-        return {"drops": dict(self.drops + agg.drops), "stats": dict(stats), "slots": agg.slots,
-                "receive_buffer_bytes": self.receive_buffer,
-                "pool_bytes": agg.pool_bytes, "peak_pool_bytes": agg.peak_pool_bytes,
-                "kept_pool_bytes": agg.kept_pool_bytes,
+        drops, stats, memory, io = self.shards.counters()
+        contributions = stats.get("contributions", 0)
+        cpu = sum(io["serve_cpu_seconds"])
+        return {"drops": dict(self.drops + collections.Counter(drops)), "stats": stats,
+                "slots": self.slots, "shards": len(self.ports), "ports": self.ports,
+                "receive_buffer_bytes": self.receive_buffer, **memory,
                 "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                 "cpu_seconds": time.process_time(),
-                "data_path_cpu_seconds": io["serve_cpu_seconds"],
-                "cpu_us_per_contribution": io["serve_cpu_seconds"] / contributions * 1e6
-                if contributions else None,
+                "data_path_cpu_seconds": cpu,
+                "shard_cpu_seconds": io["serve_cpu_seconds"],
+                "cpu_us_per_contribution": cpu / contributions * 1e6 if contributions else None,
                 "datagrams_in": io["datagrams_in"], "datagrams_out": io["datagrams_out"],
                 "reads": io["reads"], "sends": io["sends"], "wakeups": io["wakeups"],
                 "gro": bool(io["gro"]), "gso": bool(io["gso"]),
@@ -346,11 +375,12 @@ class SwitchService:
 
 def run(host: str, port: int, job_secrets: list[bytes], slots: int, stats_path: str | None,
         ready=print, lifeline: int | None = None, limits: Limits = Limits(),
-        expiry: float | None = None) -> None:
-    service = SwitchService(host, port, job_secrets, slots, lifeline, limits, expiry)
+        expiry: float | None = None, shards: int = 1) -> None:
+    service = SwitchService(host, port, job_secrets, slots, lifeline, limits, expiry, shards)
     signal.signal(signal.SIGTERM, service.stop)
     signal.signal(signal.SIGINT, service.stop)
     ready(f"overcast switch listening on {host}:{service.port} (tcp and udp), "
+          f"{shards} shard{'s' if shards > 1 else ''} (udp {','.join(map(str, service.ports))}), "
           f"{slots} slots per reduction")
     try:
         service.serve()

@@ -8,6 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <pthread.h>
+#include <time.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -19,6 +20,7 @@
 #include "plane.h"
 #include "port.h"
 #include "service.h"
+#include "shards.h"
 #include "stream.h"
 #include "sums.h"
 #include "udp.h"
@@ -319,6 +321,27 @@ static void test_numbering(void) {
               (unsigned long long)world, (unsigned long long)k, (unsigned long long)group, once,
               one_owner, in_turn, spans, simple);
         free(block), free(place), free(seen), free(next_c);
+    }
+}
+
+/* Striping over endpoints: each chunk on one endpoint, numbered there in the order of g, and
+ * its number there leads back to it. */
+static void test_striping(void) {
+    static const uint64_t cases[][3] = {{40, 1, 1}, {40, 1, 3}, {100, 4, 2}, {97, 8, 5},
+                                        {7, 16, 3}, {1000, 255, 4}};
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        uint64_t total = cases[i][0], group = cases[i][1], stripes = cases[i][2];
+        uint64_t next[8] = {0};
+        int ok = 1;
+        for (uint64_t g = 0; g < total; g++) {
+            uint32_t e = oc_stripe_of_chunk(g, group, stripes);
+            uint64_t h = oc_stripe_local(g, group, stripes);
+            ok &= e < stripes && h == next[e]++ && oc_stripe_global(h, group, stripes, e) == g;
+            ok &= oc_stripe_count(g, group, stripes, e) == h; /* those below g: h of them */
+        }
+        for (uint32_t e = 0; e < stripes; e++) ok &= oc_stripe_count(total, group, stripes, e) == next[e];
+        CHECK(ok, "striping %llu chunks in runs of %llu over %llu endpoints",
+              (unsigned long long)total, (unsigned long long)group, (unsigned long long)stripes);
     }
 }
 
@@ -724,6 +747,69 @@ static void test_serve(void) {
     close(rfd);
     close(pipe_fds[0]);
     close(pipe_fds[1]);
+}
+
+/* Waits up to a few seconds for one datagram on fd (the shards serve on their own threads). */
+static ssize_t recv_within(int fd, uint8_t *buf, size_t cap) {
+    for (int i = 0; i < 500; i++) {
+        ssize_t got = recv(fd, buf, cap, MSG_DONTWAIT);
+        if (got > 0) return got;
+        struct timespec t = {0, 10000000};
+        nanosleep(&t, NULL);
+    }
+    return -1;
+}
+
+/* Two shards on their own threads: a communicator registered in both while they are parked,
+ * each taking its stripe's contributions and sealing its results as its own endpoint. */
+static void test_shards(void) {
+    struct sockaddr_in addr[2], rank_addr;
+    int fds[2] = {udp_socket(&addr[0]), udp_socket(&addr[1])}, rfd = udp_socket(&rank_addr);
+    oc_shards *s = oc_shards_new(2, 16, 300, fds);
+    CHECK(s && oc_shards_start(s) == 0, "two shards started");
+    if (s == NULL) return;
+    oc_shards_pause(s);
+    for (uint32_t i = 0; i < 2; i++) {
+        uint32_t granted;
+        oc_agg *a = oc_shards_engine(s, i);
+        int h = oc_agg_register(a, 1, 1, 2, i, 0, OC_MAX_DATAGRAM, KEY, 0, &granted);
+        oc_agg_set_address(a, h, 0, rank_addr.sin_addr.s_addr, rank_addr.sin_port, 0);
+        oc_agg_set_address(a, h, 1, rank_addr.sin_addr.s_addr, rank_addr.sin_port, 0);
+    }
+    oc_shards_resume(s);
+    /* 4 chunks of a world of 2 in groups of 1: endpoint 0 has g = 0, 2 (rank 0's), endpoint 1
+     * has g = 1, 3 (rank 1's); each rank contributes to the other's, as its chunk h = 0 */
+    int32_t got_sums[2] = {0, 0};
+    for (uint32_t rank = 0; rank < 2; rank++) {
+        oc_sealer r = {.job = 1, .comm = 1, .src = (uint16_t)rank};
+        oc_gmac_init(&r.gmac, KEY, 1);
+        uint32_t e = 1 - rank;
+        uint8_t payload[12 + 4] = {OC_INT32, 1, 2, 0, 4, 0, 0, 0, (uint8_t)e, 0, 2, 0,
+                                   (uint8_t)(40 + rank), 0, 0, 0}, msg[128], back[256];
+        size_t n = oc_seal_into(&r, msg, sizeof msg, OC_CONTRIB, 0, (uint16_t)(OC_AGGREGATOR - e),
+                                0, payload, sizeof payload);
+        sendto(rfd, msg, n, 0, (struct sockaddr *)&addr[e], sizeof addr[e]);
+        oc_header hdr = {0};
+        ssize_t got;
+        do got = recv_within(rfd, back, sizeof back);
+        while (got > 0 && oc_header_parse(back, (size_t)got, &hdr) == 0 && hdr.kind != OC_RESULT);
+        if (got >= (ssize_t)OC_OVERHEAD_BYTES + 4 && hdr.kind == OC_RESULT)
+            memcpy(&got_sums[e], back + OC_HEADER_BYTES, 4);
+        CHECK(got > 0 && hdr.src == OC_AGGREGATOR - e && hdr.dst == e && hdr.chunk == 0,
+              "endpoint %u's result came as that endpoint, to its owner", e);
+        oc_gmac_free(&r.gmac);
+    }
+    CHECK(got_sums[0] == 41 && got_sums[1] == 40, "each shard summed its stripe");
+    oc_shards_pause(s);
+    uint64_t taken = 0;
+    for (uint32_t i = 0; i < 2; i++)
+        taken += oc_agg_stats(oc_shards_engine(s, i))[OC_STAT_contributions];
+    CHECK(taken == 2 && oc_agg_stats(oc_shards_engine(s, 0))[OC_STAT_contributions] == 1,
+          "one contribution each, read while they are parked");
+    oc_shards_resume(s);
+    oc_shards_free(s);
+    for (int i = 0; i < 2; i++) close(fds[i]);
+    close(rfd);
 }
 
 /* -- the rank's side ----------------------------------------------------------------------- */
@@ -1159,10 +1245,11 @@ static void *gathers(void *unused) { (void)unused; test_gathers(0.1); return NUL
 static void *aggregator(void *unused) { (void)unused; test_aggregator(); return NULL; }
 static void *port(void *unused) { (void)unused; test_port(); return NULL; }
 static void *serve(void *unused) { (void)unused; test_serve(); return NULL; }
+static void *shards(void *unused) { (void)unused; test_shards(); return NULL; }
 static void *sealing(void *unused) { (void)unused; test_seal_and_open(); test_seal_detached(); return NULL; }
 
 static int at_once(void) {
-    void *(*tests[])(void *) = {rank_planes, gathers, aggregator, port, serve, sealing};
+    void *(*tests[])(void *) = {rank_planes, gathers, aggregator, port, serve, shards, sealing};
     enum { N = sizeof tests / sizeof tests[0] };
     pthread_t threads[N];
     for (int i = 0; i < N; i++) CHECK(pthread_create(&threads[i], NULL, tests[i], NULL) == 0, "thread");
@@ -1179,6 +1266,7 @@ int main(int argc, char **argv) {
     test_replay_window();
     test_stream_open();
     test_numbering();
+    test_striping();
     test_conversions();
     test_sums();
     test_aggregator();
@@ -1186,6 +1274,7 @@ int main(int argc, char **argv) {
     test_destinations();
     test_udp();
     test_serve();
+    test_shards();
     test_budget();
     test_rank_planes_with_the_aggregator(0.0);
     test_rank_planes_with_the_aggregator(0.05);
