@@ -7,6 +7,8 @@ A run's time is the slowest rank's; a point's time is the median run's.
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import datetime
 import json
 import math
@@ -16,11 +18,12 @@ import statistics
 import tempfile
 
 from overcast.bench.worker import DTYPE, run_point
-from overcast.cluster.netns import Cluster
-from overcast.limits import (check_algorithms, check_count, check_hosts, check_link_rate,
-                             check_loss, check_mtu, check_roots, check_size, check_slots,
-                             require)
+from overcast.cluster.netns import MAX_AGGREGATORS, Cluster
+from overcast.limits import (check_aggregators, check_algorithms, check_count, check_hosts,
+                             check_link_rate, check_loss, check_mtu, check_roots, check_shards,
+                             check_size, check_slots, require)
 from overcast.schedules import cost
+from overcast.switch.service import default_shards
 from overcast.wire.header import OVERHEAD_BYTES
 
 COLLECTIVES = ("allgather", "reduce_scatter", "overlap", "all_reduce")
@@ -60,12 +63,35 @@ def check_request(collectives: list[str], algorithms: list[str]) -> None:
     check_algorithms(collectives, algorithms, ALGORITHMS)
 
 
+@dataclasses.dataclass(frozen=True)
+class Aggregators:
+    """The aggregators in-network reduction runs on: `count` of them, each on an attachment of
+    its own shaped at `link_bits` each way (None: unshaped, the switch's own compute), each
+    with `shards` data-path threads (None: the cores it may use)."""
+
+    count: int = 1
+    shards: int | None = None
+    link_bits: int | None = None
+
+    def check(self) -> None:
+        check_aggregators(self.count, MAX_AGGREGATORS)
+        if self.shards is not None:
+            check_shards(self.shards, self.count)
+        if self.link_bits is not None:
+            check_link_rate(self.link_bits, "--aggregator-link-mbit, link_bits / 1e6")
+
+    def shard_count(self) -> int:
+        return default_shards() if self.shards is None else self.shards
+
+
 def check_flags(hosts: int, link_rates: list[float], sizes: list[int], reps: int, warmup: int,
                 mtu: int, roots: list[int | None], loss: float, loss_burst: float,
-                slots: int, within: float = 1.15) -> None:
+                slots: int, within: float = 1.15,
+                aggregators: Aggregators = Aggregators()) -> None:
     """Raise InvalidArgumentError naming the first value that cannot run and what is allowed,
     before any cluster is built."""
     check_hosts(hosts)
+    aggregators.check()
     for bits in link_rates:
         check_link_rate(bits)
     require(bool(link_rates), "the link rates", "at least one", "none", "--link-mbit, link_bits")
@@ -150,7 +176,8 @@ def run_bench(hosts: int, link_bits: int | list[int], sizes: list[int], collecti
               algorithms: list[str], reps: int = 5, warmup: int = 1, mtu: int = 9000,
               roots: list[int | None] = (None,), loss: float = 0.0, loss_burst: float = 1.0,
               timeline: str | None = None, switch_slots: int = 256, within: float = 1.15,
-              progress=None, write_timeline=None) -> dict:
+              progress=None, write_timeline=None,
+              aggregators: Aggregators = Aggregators()) -> dict:
     """Run every requested point on a cluster of `link_bits` (bits/s per direction); return
     {"meta": ..., "results": [...]}.
 
@@ -163,11 +190,12 @@ def run_bench(hosts: int, link_bits: int | list[int], sizes: list[int], collecti
     A list of several link rates sweeps: every point runs on a cluster of each in turn, each
     result carries its rate, meta["link_bits_per_s"] is None and meta["link_rates_bits_per_s"]
     the list, and "sweep" names per point the highest rate at which it holds `within` times
-    its floor (sweep_summary). Everything is checked before the first cluster is built."""
+    its floor (sweep_summary). In-network reduction runs on `aggregators`. Everything is
+    checked before the first cluster is built."""
     rates = list(link_bits) if isinstance(link_bits, (list, tuple)) else [link_bits]
     check_request(collectives, algorithms)
     check_flags(hosts, rates, sizes, reps, warmup, mtu, list(roots), loss, loss_burst,
-                switch_slots, within)
+                switch_slots, within, aggregators)
     points = [(c, a, s, r) for c in collectives for a in algorithms if a in ALGORITHMS[c]
               for r in (roots if a in ("multicast", "overcast") else (None,)) for s in sizes]
     import torch  # imported once here so that forked hosts start fast
@@ -181,7 +209,7 @@ def run_bench(hosts: int, link_bits: int | list[int], sizes: list[int], collecti
                 progress(i * total + done, len(rates) * total,
                          f"{bits / 1e6:g} Mbit/s: {what}" if len(rates) > 1 else what)
         switch = _run_points(hosts, bits, points, sizes, reps, warmup, mtu, loss, loss_burst,
-                             timeline and (timeline, write_timeline), slots,
+                             timeline and (timeline, write_timeline), slots, aggregators,
                              f"-{bits / 1e6:g}mbit" if len(rates) > 1 else "", step, results,
                              timelines)
         if switch is not None:
@@ -191,6 +219,8 @@ def run_bench(hosts: int, link_bits: int | list[int], sizes: list[int], collecti
         "mtu": mtu, "dtype": str(DTYPE().dtype), "repetitions": reps, "warmup": warmup,
         "header_overhead_bytes": OVERHEAD_BYTES, "loss": loss, "loss_burst": loss_burst,
         "timelines": timelines, "switch_slots": slots, "switch": switches,
+        "aggregators": {"count": aggregators.count, "shards": aggregators.shard_count(),
+                        "link_bits_per_s": aggregators.link_bits} if slots else None,
         "machine": machine(), "torch": torch.__version__,
     }
     if len(rates) == 1:
@@ -201,27 +231,30 @@ def run_bench(hosts: int, link_bits: int | list[int], sizes: list[int], collecti
 
 def _run_points(hosts: int, link_bits: int, points: list[tuple], sizes: list[int], reps: int,
                 warmup: int, mtu: int, loss: float, loss_burst: float, timeline: tuple | None,
-                switch_slots: int | None, suffix: str, progress, results: list[dict],
-                timelines: list[str]) -> dict | None:
-    """Every point on one cluster of `link_bits`, with the aggregator if `switch_slots` says
-    how many slots it has: its rows added to `results`, the timelines it writes (their names
-    end in `suffix`) to `timelines`. Returns what the aggregator counted itself over all the
-    points (switch_summary), if it ran."""
+                switch_slots: int | None, aggregators: Aggregators, suffix: str, progress,
+                results: list[dict], timelines: list[str]) -> dict | None:
+    """Every point on one cluster of `link_bits`, with the aggregators if `switch_slots` says
+    how many slots they have: its rows added to `results`, the timelines it writes (their names
+    end in `suffix`) to `timelines`. Returns what the aggregators counted themselves over all
+    the points (switch_summary), if they ran."""
     env = {"OVERCAST_LOSS": str(loss), "OVERCAST_LOSS_BURST": str(loss_burst)}
-    with Cluster(hosts, link_bits, mtu=mtu) as cluster, tempfile.TemporaryDirectory() as tmp:
-        stats_path = os.path.join(tmp, "switch.json")
-        switch = None if switch_slots is None else \
-            cluster.start_switch(slots=switch_slots, stats_path=stats_path)
+    with Cluster(hosts, link_bits, mtu=mtu, aggregators=aggregators.count,
+                 aggregator_bits_per_s=aggregators.link_bits) as cluster, \
+            tempfile.TemporaryDirectory() as tmp:
+        switches = [] if switch_slots is None else \
+            cluster.start_switches(switch_slots, tmp, aggregators.shard_count())
+        carried = [cluster.counters(None, a) for a in range(len(switches))]
         for i, (collective, algorithm, nbytes, k) in enumerate(points):
             label = f" roots={k or hosts}" if algorithm in ("multicast", "overcast") else ""
             progress(i, len(points), f"{collective} {algorithm}{label} {nbytes} B")
             trace = bool(timeline) and collective == "overlap" and algorithm != "gloo" \
                 and nbytes == max(sizes)
-            switch_cpu = process_cpu_seconds(switch.pid) if switch else None
+            switch_cpu = sum(process_cpu_seconds(s.pid) for s in switches)
             per_rank = cluster.run(run_point, timeout=600, env=env,
                                    args=(collective, algorithm, nbytes, reps, warmup, k, trace))
-            if switch and (collective, algorithm) in NEEDS_SWITCH:
-                switch_cpu = (process_cpu_seconds(switch.pid) - switch_cpu) / (reps + warmup)
+            if switches and (collective, algorithm) in NEEDS_SWITCH:
+                switch_cpu = (sum(process_cpu_seconds(s.pid) for s in switches) -
+                              switch_cpu) / (reps + warmup)
             else:
                 switch_cpu = None
             results.append(summarize(collective, algorithm, hosts, nbytes, link_bits, per_rank,
@@ -234,22 +267,36 @@ def _run_points(hosts: int, link_bits: int, points: list[tuple], sizes: list[int
                                f"{link_bits / 1e6:g} Mbit/s, {nbytes} B per rank")
                 timelines.append(path)
         progress(len(points), len(points), "done")
-        if not switch:
+        if not switches:
             return None
-        cluster.stop_switch(switch)
-        with open(stats_path) as f:
-            return switch_summary(json.load(f), link_bits)
+        carried = [cluster.counters(None, a).rx_bytes - before.rx_bytes
+                   for a, before in enumerate(carried)]
+        reports = []
+        for a, switch in enumerate(switches):
+            cluster.stop_switch(switch)
+            with open(os.path.join(tmp, f"switch-{a}.json")) as f:
+                reports.append(json.load(f))
+        return switch_summary(reports, carried, link_bits)
 
 
-def switch_summary(report: dict, link_bits: int) -> dict:
-    """What the aggregator counted itself over a cluster's points: contributions taken and the
-    CPU its native data path spent on them (its own thread's clock), its whole process's CPU
-    and memory, and what it dropped."""
-    return {"link_bits_per_s": link_bits, "contributions": report["stats"].get("contributions", 0),
-            "data_path_cpu_seconds": report["data_path_cpu_seconds"],
-            "cpu_us_per_contribution": report["cpu_us_per_contribution"],
-            "cpu_seconds": report["cpu_seconds"], "max_rss_bytes": report["max_rss_bytes"],
-            "drops": report["drops"]}
+def switch_summary(reports: list[dict], carried: list[int], link_bits: int) -> dict:
+    """What the aggregators counted themselves over a cluster's points: contributions taken
+    and the CPU their native data paths spent on them (the shard threads' own clocks), their
+    processes' CPU and memory, what they dropped; and per aggregator, its contributions and the
+    bytes its link carried in (`carried`)."""
+    contributions = sum(r["stats"].get("contributions", 0) for r in reports)
+    data_path = sum(r["data_path_cpu_seconds"] for r in reports)
+    drops = collections.Counter()
+    for r in reports:
+        drops.update(r["drops"])
+    return {"link_bits_per_s": link_bits, "contributions": contributions,
+            "data_path_cpu_seconds": data_path,
+            "cpu_us_per_contribution": data_path / contributions * 1e6 if contributions else None,
+            "cpu_seconds": sum(r["cpu_seconds"] for r in reports),
+            "max_rss_bytes": max(r["max_rss_bytes"] for r in reports), "drops": dict(drops),
+            "aggregators": [{"contributions": r["stats"].get("contributions", 0),
+                             "shard_cpu_seconds": r["shard_cpu_seconds"],
+                             "bytes_in": bytes_in} for r, bytes_in in zip(reports, carried)]}
 
 
 def sweep_summary(results: list[dict], within: float) -> list[dict]:

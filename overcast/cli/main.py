@@ -81,6 +81,31 @@ def _link_rates(args, several: bool) -> list[float]:
     return [v * scale for v in values]
 
 
+def _aggregator_flags(p) -> None:
+    p.add_argument("--aggregators", type=int, default=1,
+                   help="aggregators for in-network reduction, each on an attachment of its "
+                        "own; the ranks stripe their chunks over all their shards")
+    p.add_argument("--aggregator-link-mbit", type=float, default=None,
+                   help="each aggregator's link, Mbit/s per direction (default: unshaped, the "
+                        "switch's own compute)")
+    p.add_argument("--shards", type=int, default=None,
+                   help="each aggregator's data-path threads (default: the cores it may use)")
+
+
+def _aggregators(args):
+    """The aggregators the flags ask for, checked."""
+    from overcast.bench.run import Aggregators
+
+    rate = args.aggregator_link_mbit
+    if rate is not None and not (math.isfinite(rate) and rate > 0):
+        raise ValueError(f"the aggregators' link rate must be above 0 Mbit/s, not {rate:g} "
+                         f"(--aggregator-link-mbit)")
+    aggregators = Aggregators(args.aggregators, args.shards, None if rate is None else
+                              int(rate * 1e6))
+    aggregators.check()
+    return aggregators
+
+
 def _sizes(text: str, several: bool = True) -> list[int]:
     sizes = [parse_size(s) for s in _csv(text)]
     if not sizes or (not several and len(sizes) > 1):
@@ -128,8 +153,9 @@ def _bench(args) -> int:
     except ValueError:
         raise ValueError(f"--roots takes 'all' or whole numbers, comma-separated, not "
                          f"{args.roots!r}") from None
+    aggregators = _aggregators(args)
     check_flags(args.hosts, rates, sizes, args.reps, args.warmup, args.mtu, roots, args.loss,
-                args.loss_burst, args.slots, args.within)
+                args.loss_burst, args.slots, args.within, aggregators)
     _writable(args.json, "--json")
     _writable(_png(args), "--png")
     _writable(args.timeline, "--timeline")
@@ -139,8 +165,8 @@ def _bench(args) -> int:
                         _csv(args.algorithms), reps=args.reps, warmup=args.warmup, mtu=args.mtu,
                         roots=roots, loss=args.loss, loss_burst=args.loss_burst,
                         timeline=args.timeline, switch_slots=args.slots, within=args.within,
-                        write_timeline=write_timeline,
-                        progress=progress)
+                        write_timeline=write_timeline, progress=progress,
+                        aggregators=aggregators)
     print_table(doc, console, wide=args.wide)
     _save(doc, console, args.json, _png(args),
           plot_busbw if doc["meta"]["link_bits_per_s"] else plot_sweep)
@@ -372,14 +398,16 @@ def _cluster(args) -> int:
         raise ValueError("cluster run: give the command to run on every host after --, as in "
                          "overcast cluster run --hosts 4 -- python train.py")
     [bits] = _link_rates(args, several=False)
-    with Cluster(args.hosts, int(bits), mtu=args.mtu) as cluster:
+    aggregators = _aggregators(args)
+    with Cluster(args.hosts, int(bits), mtu=args.mtu, aggregators=aggregators.count,
+                 aggregator_bits_per_s=aggregators.link_bits) as cluster:
         if args.action == "up":
             print(f"cluster {cluster.run_id}: hosts {' '.join(cluster.host_ns)}, switch "
-                  f"{cluster.switch_ns}, service {cluster.service_ns}")
+                  f"{cluster.switch_ns}, aggregators {' '.join(cluster.aggregator_ns)}")
             print("enter a host with: ip netns exec <host> <command>; Ctrl-C tears it down")
             threading.Event().wait()
-        if args.switch:  # in-network reduction needs the aggregator; OVERCAST_SWITCH says where
-            cluster.start_switch()
+        if args.switch:  # in-network reduction needs them; OVERCAST_SWITCH says where
+            cluster.start_switches(shards=aggregators.shard_count())
         procs = [cluster.start(args.command, host=i, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT) for i in range(args.hosts)]
         relays = [threading.Thread(target=_relay, args=(p.stdout, f"[rank {i}] ".encode()),
@@ -482,6 +510,7 @@ def parser() -> argparse.ArgumentParser:
                         "as PREFIX-<algorithm>.json (Chrome trace) and .png")
     b.add_argument("--slots", type=int, default=256,
                    help="the aggregator's slots per reduction (its pool), chunks")
+    _aggregator_flags(b)
     _files(b, "write the results here (JSON)", "busbw against size")
     b.add_argument("--wide", action="store_true",
                    help="every column (algbw, payload ratios, CPU, the aggregator's); the JSON "
@@ -626,10 +655,11 @@ def parser() -> argparse.ArgumentParser:
         _hosts(a, 4)
         _link(a, "400", "--link-mbit", several=False)
         a.add_argument("--mtu", type=int, default=9000, help="the links' MTU, bytes")
+        _aggregator_flags(a)
         if name == "run":
             a.add_argument("--no-switch", dest="switch", action="store_false",
-                           help="do not start the aggregator (overcast switch) on the service "
-                                "attachment")
+                           help="do not start the aggregators (overcast switch) on their "
+                                "attachments")
     action("clean", "remove what killed runs left behind").add_argument(
         "--force", action="store_true", help="also remove live runs' namespaces")
 

@@ -100,15 +100,28 @@ def print_table(doc: dict, console: Console | None = None, wide: bool = False) -
 
 
 def switch_lines(doc: dict) -> list[str]:
-    """What the aggregator counted itself, per link rate it ran at."""
+    """What the aggregators counted themselves, per link rate they ran at; with several, each
+    one's share of the contributions and of the bytes in."""
     lines = []
+    setup = doc["meta"].get("aggregators") or {"count": 1, "shards": 1}
     for s in doc["meta"].get("switch", []):
-        if s["contributions"]:
-            lines.append(f"aggregator at {s['link_bits_per_s'] / 1e6:g} Mbit/s: "
-                         f"{s['cpu_us_per_contribution']:.2f} us of its data path's CPU per "
-                         f"contribution ({s['contributions']:,} taken, "
-                         f"{s['data_path_cpu_seconds']:.3f} s; the process "
-                         f"{s['cpu_seconds']:.3f} s)")
+        if not s["contributions"]:
+            continue
+        shards = f"{setup['shards']} shard{'s' * (setup['shards'] > 1)}"
+        who = f"aggregator ({shards})" if setup["count"] == 1 else \
+            f"{setup['count']} aggregators ({shards} each)"
+        lines.append(f"{who} at "
+                     f"{s['link_bits_per_s'] / 1e6:g} Mbit/s: "
+                     f"{s['cpu_us_per_contribution']:.2f} us of the data path's CPU per "
+                     f"contribution ({s['contributions']:,} taken, "
+                     f"{s['data_path_cpu_seconds']:.3f} s; the processes "
+                     f"{s['cpu_seconds']:.3f} s)")
+        per = s.get("aggregators", [])
+        if len(per) > 1:
+            bytes_in = sum(a["bytes_in"] for a in per) or 1
+            lines.append("  shares: " + ", ".join(
+                f"#{i} {a['contributions'] / s['contributions']:.0%} of contributions, "
+                f"{a['bytes_in'] / bytes_in:.0%} of bytes in" for i, a in enumerate(per)))
     return lines
 
 
