@@ -1,24 +1,27 @@
 /* The aggregator's engine alone, without sockets: P ranks' contributions to one reduction
- * (float32, `--mib` MiB per rank, 8,920-byte chunks as on 9000-byte MTU links), sealed
- * beforehand, fed as reads of up to 7 datagrams (what one GRO read holds), each rank's
- * results acknowledged in batches, the outbox sealed after every read. Prints the CPU per
- * contribution taken, and what GMAC alone costs per datagram of that size. tools/bench_core
- * builds and runs it. */
+ * (float32, `--mib` MiB per rank, 8,916-byte chunks as on 9000-byte MTU links), striped over
+ * `--shards` engines, each on a thread of its own as the service's shards are, sealed
+ * beforehand, fed as reads of up to 7 datagrams (what one GRO read holds), each rank's results
+ * acknowledged in batches, the outbox sealed after every read. Prints the CPU per contribution
+ * taken, the contributions taken per second of wall-clock time (all shards at once), and what
+ * GMAC alone costs per datagram of that size. tools/bench_core builds and runs it. */
 #define _POSIX_C_SOURCE 199309L
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
 #include "aggregator.h"
+#include "numbering.h"
 
 /* an 8,980-byte datagram, as a 9,000-byte MTU carries: header, prefix, data, tag */
-enum { PREFIX = 12, CHUNK = 8980 - OC_OVERHEAD_BYTES - PREFIX, PER_READ = 7 };
+enum { PREFIX = 12, CHUNK = 8980 - OC_OVERHEAD_BYTES - PREFIX, PER_READ = 7, SLOTS = 128 };
 static const uint8_t KEY[16] = {42};
 
-static double cpu(void) {
+static double clock_of(clockid_t id) {
     struct timespec t;
-    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &t);
+    clock_gettime(id, &t);
     return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
 }
 
@@ -26,94 +29,149 @@ static void discard(void *ctx, int h, uint16_t dst, const uint8_t *d, size_t n, 
     (void)ctx, (void)h, (void)dst, (void)d, (void)n, (void)seg;
 }
 
+/* One shard's share: its engine and every rank's contributions to its chunks, sealed. */
+typedef struct {
+    unsigned world, stripe, stripes;
+    uint32_t total;              /* its chunks */
+    uint32_t whole;              /* the reduction's */
+    oc_agg *agg;
+    oc_sealer *ranks;
+    uint8_t *sealed;             /* chunk h's contribution from its i-th contributor at (h * (world - 1) + i) * PER */
+    double cpu;
+    uint64_t taken;
+    int finished;
+} shard_t;
+
+static size_t per(void) { return OC_OVERHEAD_BYTES + PREFIX + CHUNK; }
+
+static uint32_t owner(const shard_t *s, uint32_t h) {
+    return (uint32_t)(oc_stripe_global(h, 1, s->stripes, s->stripe) % s->world);
+}
+
+static void prepare(shard_t *s, uint8_t *payload) {
+    payload[8] = (uint8_t)s->stripe;
+    payload[10] = (uint8_t)s->stripes;
+    s->agg = oc_agg_new(SLOTS);
+    uint32_t granted;
+    oc_agg_register(s->agg, 1, 1, s->world, s->stripe, 0, OC_MAX_DATAGRAM, KEY, 0, &granted);
+    s->ranks = calloc(s->world, sizeof *s->ranks);
+    for (unsigned r = 0; r < s->world; r++) {
+        s->ranks[r] = (oc_sealer){.job = 1, .comm = 1, .src = (uint16_t)r};
+        oc_gmac_init(&s->ranks[r].gmac, KEY, 1);
+    }
+    s->sealed = malloc((size_t)s->total * (s->world - 1) * per());
+    size_t n = 0;
+    for (uint32_t h = 0; h < s->total; h++)
+        for (unsigned r = 0; r < s->world; r++)
+            if (r != owner(s, h))
+                oc_seal_into(&s->ranks[r], s->sealed + n++ * per(), per(), OC_CONTRIB, 0,
+                             (uint16_t)(OC_AGGREGATOR - s->stripe), h, payload, PREFIX + CHUNK);
+}
+
+/* The ranks move through the window together: per window of chunks, each rank's reads, then
+ * each owner's acknowledgements. */
+static void *serve(void *arg) {
+    shard_t *s = arg;
+    double t0 = clock_of(CLOCK_THREAD_CPUTIME_ID);
+    uint8_t ack[4 * SLOTS + 64], msg[1024], *batch = malloc(PER_READ * per());
+    for (uint32_t base = 0; base < s->total; base += SLOTS) {
+        uint32_t end = base + SLOTS < s->total ? base + SLOTS : s->total;
+        for (unsigned r = 0; r < s->world; r++) {
+            size_t len = 0, in = 0;
+            for (uint32_t h = base; h < end; h++) {
+                uint32_t o = owner(s, h);
+                if (o == r) continue;
+                size_t idx = (size_t)h * (s->world - 1) + (r < o ? r : r - 1);
+                memcpy(batch + len, s->sealed + idx * per(), per());
+                len += per();
+                if (++in == PER_READ) {
+                    oc_agg_feed(s->agg, batch, len, per(), 0.0);
+                    oc_agg_flush(s->agg, discard, NULL);
+                    len = in = 0;
+                }
+            }
+            if (len) oc_agg_feed(s->agg, batch, len, per(), 0.0), oc_agg_flush(s->agg, discard, NULL);
+        }
+        for (unsigned r = 0; r < s->world; r++) {
+            size_t m = 0;
+            for (uint32_t h = base; h < end; h++)
+                if (owner(s, h) == r) memcpy(ack + 4 * m++, &h, 4);
+            size_t len = oc_seal_into(&s->ranks[r], msg, sizeof msg, OC_RESULT_ACK, 0,
+                                      (uint16_t)(OC_AGGREGATOR - s->stripe), (uint32_t)m, ack,
+                                      4 * m);
+            oc_agg_feed(s->agg, msg, len, len, 0.0);
+            oc_agg_flush(s->agg, discard, NULL);
+        }
+    }
+    s->cpu = clock_of(CLOCK_THREAD_CPUTIME_ID) - t0;
+    s->taken = oc_agg_stats(s->agg)[OC_STAT_contributions];
+    s->finished = oc_agg_stats(s->agg)[OC_STAT_reductions] == 1;
+    free(batch);
+    return NULL;
+}
+
+static void release(shard_t *s) {
+    for (unsigned r = 0; r < s->world; r++) oc_gmac_free(&s->ranks[r].gmac);
+    free(s->ranks);
+    free(s->sealed);
+    oc_agg_free(s->agg);
+}
+
 int main(int argc, char **argv) {
-    unsigned world = 8, mib = 4, rounds = 5;
+    unsigned world = 8, mib = 4, rounds = 5, stripes = 1;
     for (int i = 1; i < argc; i++) {
         sscanf(argv[i], "--world=%u", &world);
         sscanf(argv[i], "--mib=%u", &mib);
         sscanf(argv[i], "--rounds=%u", &rounds);
+        sscanf(argv[i], "--shards=%u", &stripes);
     }
-    uint32_t k = (uint32_t)(((size_t)mib << 20) / CHUNK), total = k * world, slots = 128;
-    /* every contribution of every rank, sealed once, in the order each rank sends */
-    size_t per = OC_OVERHEAD_BYTES + PREFIX + CHUNK, count = (size_t)total * (world - 1);
-    uint8_t *sealed = malloc(count * per);
-    oc_sealer *ranks = calloc(world, sizeof *ranks);
+    if (world < 2 || world > 255 || stripes < 1 || stripes > 64) {
+        fprintf(stderr, "--world=2..255, --shards=1..64\n");
+        return 2;
+    }
+    uint32_t k = (uint32_t)(((size_t)mib << 20) / CHUNK), whole = k * world;
     uint8_t *payload = calloc(1, PREFIX + CHUNK);
     payload[0] = 2; /* float32 */
-    payload[1] = 1;
+    payload[1] = 1; /* chunks in groups of 1 */
     payload[2] = (uint8_t)world;
-    memcpy(payload + 4, &total, 4);
-    payload[10] = 1; /* one stripe */
-    double gmac = 0, taken = 0, elapsed = 0;
+    memcpy(payload + 4, &whole, 4);
+    shard_t *shards = calloc(stripes, sizeof *shards);
+    pthread_t *threads = calloc(stripes, sizeof *threads);
+    double cpu = 0, wall = 0, taken = 0;
     for (unsigned round = 0; round < rounds; round++) {
-        oc_agg *a = oc_agg_new(slots);
-        uint32_t granted;
-        int h = oc_agg_register(a, 1, 1, world, 0, 0, OC_MAX_DATAGRAM, KEY, 0, &granted);
-        for (unsigned r = 0; r < world; r++) {
-            ranks[r] = (oc_sealer){.job = 1, .comm = 1, .src = (uint16_t)r};
-            oc_gmac_init(&ranks[r].gmac, KEY, 1);
+        for (unsigned s = 0; s < stripes; s++) {
+            shards[s] = (shard_t){.world = world, .stripe = s, .stripes = stripes, .whole = whole,
+                                  .total = (uint32_t)oc_stripe_count(whole, 1, stripes, s)};
+            prepare(&shards[s], payload);
         }
-        /* rank r's j-th contribution at sealed + (r * total + j) * per, in window order */
-        size_t n = 0;
-        for (uint32_t g = 0; g < total; g++)
-            for (unsigned r = 0; r < world; r++) {
-                if (g % world == r) continue;
-                oc_seal_into(&ranks[r], sealed + n++ * per, per, OC_CONTRIB, 0, OC_AGGREGATOR, g,
-                             payload, PREFIX + CHUNK);
+        double t0 = clock_of(CLOCK_MONOTONIC);
+        for (unsigned s = 0; s < stripes; s++) pthread_create(&threads[s], NULL, serve, &shards[s]);
+        for (unsigned s = 0; s < stripes; s++) pthread_join(threads[s], NULL);
+        wall += clock_of(CLOCK_MONOTONIC) - t0;
+        for (unsigned s = 0; s < stripes; s++) {
+            if (!shards[s].finished) {
+                fprintf(stderr, "shard %u's reduction did not finish\n", s);
+                return 1;
             }
-        double t0 = cpu();
-        /* the ranks move through the window together: per window of chunks, each rank's reads */
-        uint8_t ack[4 * 128 + 64], msg[1024];
-        for (uint32_t base = 0; base < total; base += slots) {
-            uint32_t end = base + slots < total ? base + slots : total;
-            for (unsigned r = 0; r < world; r++) {
-                uint8_t batch[PER_READ * 9100];
-                size_t len = 0, in = 0;
-                for (uint32_t g = base; g < end; g++) {
-                    if (g % world == r) continue;
-                    size_t idx = (size_t)g * (world - 1) + (r < g % world ? r : r - 1);
-                    memcpy(batch + len, sealed + idx * per, per);
-                    len += per;
-                    if (++in == PER_READ) {
-                        oc_agg_feed(a, batch, len, per, 0.0);
-                        oc_agg_flush(a, discard, NULL);
-                        len = in = 0;
-                    }
-                }
-                if (len) oc_agg_feed(a, batch, len, per, 0.0), oc_agg_flush(a, discard, NULL);
-            }
-            for (unsigned r = 0; r < world; r++) { /* each owner acknowledges its results */
-                size_t m = 0;
-                for (uint32_t g = base; g < end; g++)
-                    if (g % world == r) memcpy(ack + 4 * m++, &g, 4);
-                size_t len = oc_seal_into(&ranks[r], msg, sizeof msg, OC_RESULT_ACK, 0,
-                                          OC_AGGREGATOR, (uint32_t)m, ack, 4 * m);
-                oc_agg_feed(a, msg, len, len, 0.0);
-                oc_agg_flush(a, discard, NULL);
-            }
+            cpu += shards[s].cpu;
+            taken += (double)shards[s].taken;
+            release(&shards[s]);
         }
-        elapsed += cpu() - t0;
-        taken += (double)oc_agg_stats(a)[OC_STAT_contributions];
-        if (oc_agg_stats(a)[OC_STAT_reductions] != 1) {
-            fprintf(stderr, "the reduction did not finish\n");
-            return 1;
-        }
-        (void)h;
-        for (unsigned r = 0; r < world; r++) oc_gmac_free(&ranks[r].gmac);
-        oc_agg_free(a);
     }
     oc_gmac g;
-    uint8_t tag[16];
+    uint8_t tag[16], *datagram = calloc(1, per());
     oc_gmac_init(&g, KEY, 1);
-    double t0 = cpu();
-    for (int i = 0; i < 100000; i++) oc_gmac_tag(&g, 1, (uint64_t)i, sealed, per - 16, tag);
-    gmac = (cpu() - t0) / 100000;
+    double t0 = clock_of(CLOCK_PROCESS_CPUTIME_ID);
+    for (int i = 0; i < 100000; i++) oc_gmac_tag(&g, 1, (uint64_t)i, datagram, per() - 16, tag);
+    double gmac = (clock_of(CLOCK_PROCESS_CPUTIME_ID) - t0) / 100000;
     oc_gmac_free(&g);
-    printf("%u ranks, %u MiB each, %u rounds: %.3f us of CPU per contribution "
-           "(%.0f taken); GMAC alone %.3f us per %zu-byte datagram\n",
-           world, mib, rounds, elapsed / taken * 1e6, taken, gmac * 1e6, per);
-    free(sealed);
-    free(ranks);
+    printf("%u ranks, %u MiB each, %u shards, %u rounds: %.3f us of CPU per contribution "
+           "(%.0f taken), %.0f contributions per second; GMAC alone %.3f us per %zu-byte "
+           "datagram\n", world, mib, stripes, rounds, cpu / taken * 1e6, taken, taken / wall,
+           gmac * 1e6, per());
+    free(datagram);
     free(payload);
+    free(shards);
+    free(threads);
     return 0;
 }
