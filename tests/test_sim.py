@@ -14,7 +14,7 @@ import pytest
 from conftest import widest
 from overcast.schedules import cost
 from overcast.sim.collectives import ALGORITHMS as SIM_ALGORITHMS
-from overcast.sim.engine import Engine
+from overcast.sim.engine import AggregatorPool, Engine, pool_for
 from overcast.sim.fairness import max_min_rates
 from overcast.sim.plan import Model, plan_point
 from overcast.sim.run import compare, simulate
@@ -295,3 +295,48 @@ def test_compare_puts_measured_runs_beside_the_prediction():
     (row,) = doc["results"]
     assert row["measured_seconds"] == 2.45 and row["measured_seconds_range"] == [2.40, 2.50]
     assert row["prediction_error"] == pytest.approx(row["seconds"] / 2.45 - 1)
+
+
+# The 8-host sweep the aggregator model was calibrated on (16-core GPU machine, 4 MiB per rank,
+# in-network ReduceScatter, one aggregator of one shard): link rate -> measured seconds.
+MEASURED_ONE_SHARD = {1e9: 0.2412, 2e9: 0.2048, 4e9: 0.2035}
+
+
+@pytest.mark.parametrize("bits", sorted(MEASURED_ONE_SHARD))
+def test_the_aggregator_model_meets_the_measured_8_host_sweep(bits):
+    row = simulate("reduce_scatter", "innetwork", star(8, bits), 4 * MIB,
+                   aggregators=AggregatorPool())
+    assert row["seconds"] == pytest.approx(MEASURED_ONE_SHARD[bits], rel=0.10)
+
+
+@pytest.mark.parametrize("count,shards,nic", [(1, 1, None), (2, 3, None), (4, 16, 10e9),
+                                              (1, 64, 25e9)])
+def test_a_pool_of_aggregators_bounds_a_reduction_by_its_cores_and_its_links(count, shards, nic):
+    """Every contribution takes a shard's time and crosses an aggregator's link in: the
+    ReduceScatter takes the longest of its floor, the pool's cores and the pool's links."""
+    p, n, bits = 16, 64 * MIB, 100e9
+    pool = AggregatorPool(count, shards, nic)
+    row = simulate("reduce_scatter", "innetwork", star(p, bits), n, aggregators=pool)
+    contributions = p * (p - 1) * n  # each of the P blocks: P-1 contributions of n bytes
+    cores = contributions / (count * shards * pool.core_bytes_per_s(8920))
+    links = contributions / (count * nic / 8) if nic else 0.0
+    floor = cost.floor_seconds("reduce_scatter", n, p, bits / 8)
+    assert row["seconds"] == pytest.approx(max(floor, cores, links), rel=0.02)
+
+
+@pytest.mark.parametrize("hosts,gbits", [(64, 100), (64, 400), (256, 200)])
+def test_the_pool_sized_for_a_cluster_holds_the_pair_within_its_bar(hosts, gbits):
+    pool = pool_for(hosts, gbits * 1e9, 1.10, chunk_bytes=8920)
+    row = simulate("overlap", "overcast", star(hosts, gbits * 1e9), 16 * MIB, aggregators=pool)
+    assert row["ratio_to_floor"] <= 1.10 + 1e-9
+    smaller = AggregatorPool(pool.count, pool.shards - 1, pool.nic_bits_per_s) \
+        if pool.shards > 1 else AggregatorPool(pool.count - 1, pool.shards, pool.nic_bits_per_s)
+    assert simulate("overlap", "overcast", star(hosts, gbits * 1e9), 16 * MIB,
+                    aggregators=smaller)["ratio_to_floor"] > 1.10 - 0.02
+
+
+def test_plan_says_how_many_aggregator_hosts_and_cores_the_pair_needs():
+    point = plan_point(Model.uniform(7e9, 32), star(64, 100e9), 8.0)
+    a = point["aggregators"]
+    assert a["count"] >= 1 and a["shards"] >= 1 and a["cores"] == a["count"] * a["shards"]
+    assert a["pair_ratio"] <= 1.10 and a["nic_bits_per_s"] == 100e9

@@ -200,7 +200,7 @@ def _soak(args) -> int:
 
 def _simulate(args) -> int:
     from overcast.report.simulate import plot_simulate, simulate_table
-    from overcast.sim.engine import engine
+    from overcast.sim.engine import AggregatorPool, engine
     from overcast.sim.run import compare, sweep
 
     console = _console(args)
@@ -211,6 +211,9 @@ def _simulate(args) -> int:
     sizes = _sizes(args.sizes)
     hosts = _ints(args.hosts, "--hosts")
     measured = _readable_json(_csv(args.compare), "--compare") if args.compare else None
+    pool = None if args.aggregators is None else AggregatorPool(
+        args.aggregators, args.shards, None if args.aggregator_link_gbit is None else
+        args.aggregator_link_gbit * 1e9, args.us_per_contribution)
     _writable(args.json, "--json")
     _writable(_png(args), "--png")
     bar, progress = _progress(console)
@@ -221,7 +224,7 @@ def _simulate(args) -> int:
                     levels=args.levels, roots=None if args.roots == "all" else
                     _ints(args.roots, "--roots")[0], engine=model, place=args.placement,
                     latency=args.latency_us * 1e-6, shared_cores=args.machine_cores,
-                    progress=progress)
+                    aggregators=pool, progress=progress)
     if measured is not None:
         compare(doc, measured)
     console.print(simulate_table(doc, wide=args.wide))
@@ -231,7 +234,7 @@ def _simulate(args) -> int:
 
 def _plan(args) -> int:
     from overcast.report.simulate import plan_table, plot_plan
-    from overcast.sim.plan import PRESETS, Model, parse_count, plan
+    from overcast.sim.plan import PRESETS, AggregatorSizing, Model, parse_count, plan
 
     console = _console(args)
     kind, radix = args.topology, args.radix
@@ -251,15 +254,22 @@ def _plan(args) -> int:
         model = Model.uniform(parse_count(args.params, "--params"), args.layers, **options)
     _writable(args.json, "--json")
     _writable(_png(args), "--png")
+    sizing = AggregatorSizing(args.within, args.aggregator_cores,
+                              None if args.aggregator_link_gbit is None else
+                              args.aggregator_link_gbit * 1e9)
     bar, progress = _progress(console)
     with bar:  # plan checks the model and the cluster before the first run
         doc = plan(model, kind, hosts, rates, radix=radix,
                    oversubscription=_floats(args.oversubscription, "--oversubscription"),
-                   host_cores=args.host_cores, progress=progress)
+                   host_cores=args.host_cores, sizing=sizing, progress=progress)
     console.print(plan_table(doc))
     for p in doc["results"]:
+        a = p["aggregators"]
         console.print(f"{p['nodes']} hosts, {p['link_bits_per_s'] / 1e9:g} Gbit/s: "
-                      f"[bold]{p['choice']}[/]: {p['why']}", highlight=False)
+                      f"[bold]{p['choice']}[/]: {p['why']}; its software aggregators: "
+                      f"{a['count']:,} hosts x {a['shards']} cores ({a['cores']:,} cores) "
+                      f"behind {a['nic_bits_per_s'] / 1e9:g} Gbit/s links hold the pair at "
+                      f"{a['pair_ratio']:.2f}x its floor", highlight=False)
     _save(doc, console, args.json, _png(args), plot_plan)
     return 0
 
@@ -579,6 +589,8 @@ def parser() -> argparse.ArgumentParser:
     _files(s, "write the results here (JSON)", "per-pair time")
     s.set_defaults(func=_soak)
 
+    from overcast.sim.engine import AGGREGATOR_US_PER_CONTRIBUTION
+
     m = command("simulate", "predict collectives on a large cluster (a flow-level simulator; "
                             "nothing runs on a network, no root needed)")
     _hosts(m, "8,64,188,1024", many=True)
@@ -608,6 +620,14 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("--machine-cores", type=float,
                    help="every host and the aggregator share this many cores, as the emulated "
                         "cluster's one machine does")
+    m.add_argument("--aggregators", type=int,
+                   help="software aggregators that sum in-network reductions, the chunks "
+                        "striped over them (default: the switch sums at line rate)")
+    m.add_argument("--shards", type=int, default=1, help="cores per aggregator, one shard each")
+    m.add_argument("--aggregator-link-gbit", type=float,
+                   help="each aggregator's link, Gbit/s per direction (default: unbounded)")
+    m.add_argument("--us-per-contribution", type=float, default=AGGREGATOR_US_PER_CONTRIBUTION,
+                   help="a shard's wall time per contribution, microseconds (measured)")
     m.add_argument("--compare", help="overcast bench JSON files (comma-separated, one per run): "
                                      "their measured times beside the predictions")
     _files(m, "write {meta, results} here (JSON)", "time over the floor and link traffic "
@@ -636,6 +656,14 @@ def parser() -> argparse.ArgumentParser:
     n.add_argument("--micro-steps", type=int, default=1, help="gradient accumulation steps")
     n.add_argument("--host-cores", "--cores", dest="host_cores", type=float, default=8.0,
                    help="cores per host the communication engine may use")
+    n.add_argument("--within", type=float, default=1.10,
+                   help="size overcast's software aggregators for the pair to hold this "
+                        "many times its floor")
+    n.add_argument("--aggregator-cores", type=int, default=16,
+                   help="cores per aggregator host (one shard each)")
+    n.add_argument("--aggregator-link-gbit", type=float, default=None,
+                   help="each aggregator host's link, Gbit/s per direction (default: the "
+                        "hosts' link rate)")
     _files(n, "write {meta, results} here (JSON)", "the speedup against hosts and link rate")
     n.set_defaults(func=_plan)
 

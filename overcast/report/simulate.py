@@ -36,8 +36,11 @@ def simulate_table(doc: dict, wide: bool = False) -> Table:
                   if "measured_seconds" in r else "", False),
                  ("error", lambda r: f"{r['prediction_error']:+.1%}"
                   if "measured_seconds" in r else "", False)]
+    pool = meta.get("aggregators")
+    summed = "" if not pool else \
+        f", summed by {pool['count']} aggregator(s) x {pool['shards']} shard(s)"
     return table_of(f"simulated: {shape}, {meta['placement']} placement, engine "
-                    f"{meta['engine']['name']}", spec, doc["results"], wide,
+                    f"{meta['engine']['name']}{summed}", spec, doc["results"], wide,
                     left=("collective", "algorithm", "busiest link"))
 
 
@@ -102,6 +105,10 @@ def plan_table(doc: dict, wide: bool = False) -> Table:
              False),
             ("engines (offload)",
              lambda p: f"{p['ways']['overcast']['engine_cores_offload']:.2f}", False),
+            ("aggregators", lambda p: f"{p['aggregators']['count']:,} x "
+                                      f"{p['aggregators']['shards']}", True),
+            ("agg. link", lambda p: rate_text(p["aggregators"]["nic_bits_per_s"]), True),
+            ("pair", lambda p: f"{p['aggregators']['pair_ratio']:.2f}x", True),
             ("use", lambda p: p["choice"], False)]
     return table_of(f"plan: {meta['params'] / 1e9:.2f}B parameters in {meta['layers']} layers, "
                     f"{meta['dtype']} gathered, {meta['reduce_dtype']} reduced, "

@@ -83,6 +83,61 @@ OFFLOAD = Engine(
 
 ENGINES = {e.name: e for e in (IDEAL, NATIVE, OFFLOAD)}
 
+# One shard of overcast's software aggregator: 1.15 GB/s of 8,980-byte contributions, i.e.
+# 7.8 us of wall-clock service per contribution (its data path's own CPU is 4.2-4.8 us of that;
+# the kernel's receive path the rest). Measured on the 16-core GPU machine, 8 hosts x 4 MiB:
+# in-network ReduceScatter 204.8 ms at 2 Gbit/s and 203.5 ms at 4, for 235 MB of contributions.
+AGGREGATOR_US_PER_CONTRIBUTION = 7.8
+
+
+@dataclass(frozen=True)
+class AggregatorPool:
+    """The software aggregators in-network reductions are striped over: `count` hosts, each
+    with `shards` cores, each core serving a contribution in `us_per_contribution` of wall
+    time, each host behind a NIC of `nic_bits_per_s` per direction (None: line rate on every
+    port, as a switch's own compute). Striping spreads the contributions evenly over every
+    shard of every host, so the pool is one capacity: its cores, and its NICs."""
+
+    count: int = 1
+    shards: int = 1
+    nic_bits_per_s: float | None = None
+    us_per_contribution: float = AGGREGATOR_US_PER_CONTRIBUTION
+
+    def check(self) -> None:
+        if not (isinstance(self.count, int) and self.count >= 1):
+            raise InvalidArgumentError(f"the aggregators must be 1 or more, not {self.count} "
+                                       f"(--aggregators, count)")
+        if not (isinstance(self.shards, int) and self.shards >= 1):
+            raise InvalidArgumentError(f"the shards per aggregator must be 1 or more, not "
+                                       f"{self.shards} (--shards, shards)")
+        if self.nic_bits_per_s is not None and not self.nic_bits_per_s > 0:
+            raise InvalidArgumentError("the aggregators' link rate must be above 0 "
+                                       "(--aggregator-link-gbit, nic_bits_per_s)")
+
+    def core_bytes_per_s(self, chunk_bytes: int) -> float:
+        """Contribution payload one shard takes per second."""
+        return chunk_bytes / (self.us_per_contribution * 1e-6)
+
+    def describe(self) -> dict:
+        return {"count": self.count, "shards": self.shards,
+                "nic_bits_per_s": self.nic_bits_per_s,
+                "us_per_contribution": self.us_per_contribution}
+
+
+def pool_for(hosts: int, link_bits: float, within: float, *, chunk_bytes: int,
+             nic_bits_per_s: float | None = None, cores_per_host: int = 16,
+             us_per_contribution: float = AGGREGATOR_US_PER_CONTRIBUTION) -> AggregatorPool:
+    """The smallest pool that takes the contributions of `hosts` whose uplinks, at `link_bits`
+    each, carry nothing else, at 1/`within` of that rate: the most a ReduceScatter's or a
+    pair's contributions can ask. Hosts behind NICs of `nic_bits_per_s` (default: the hosts'
+    rate), each with at most `cores_per_host` shards."""
+    nic = link_bits if nic_bits_per_s is None else nic_bits_per_s
+    need = hosts * link_bits / 8 / within                   # contribution bytes/s
+    per_core = chunk_bytes / (us_per_contribution * 1e-6)
+    cores = math.ceil(need / per_core)
+    count = max(math.ceil(need / (nic / 8)), math.ceil(cores / cores_per_host))
+    return AggregatorPool(count, math.ceil(cores / count), nic, us_per_contribution)
+
 
 def engine(name: str) -> Engine:
     try:

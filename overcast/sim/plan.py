@@ -22,6 +22,13 @@ overcast's engine on the host CPU (datagrams in its native core; rings: its TCP 
 for an offloaded one (rings: NCCL on the GPU, no host CPU). With the host's engine and
 `host_cores` cores per host, a way whose CPU needs more than that takes CPU-seconds /
 host_cores instead.
+
+overcast's in-network ReduceScatter needs something that sums. A switch that reduces (SHARP)
+does it at line rate on every port; overcast's software aggregator does it at the cost measured
+per contribution (overcast.sim.engine.AGGREGATOR_US_PER_CONTRIBUTION) per core. Each point says
+how many aggregator hosts (behind NICs of `aggregator_nic_bits`, default the hosts' rate) of at
+most `aggregator_cores` cores it takes for the pair to hold `within` times its floor
+(engine.pool_for), and confirms it by simulating the largest layer's pair on that pool.
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ from dataclasses import dataclass
 
 from overcast.errors import InvalidArgumentError
 from overcast.limits import check_count, check_positive
-from overcast.sim.engine import NATIVE, OFFLOAD
+from overcast.sim.engine import NATIVE, OFFLOAD, AggregatorPool, pool_for
 from overcast.sim.run import simulate
 from overcast.sim.topology import Topology, build
 
@@ -92,9 +99,45 @@ class Model:
         return [(-(-p // ranks) * gather, -(-p // ranks) * reduce) for p in self.layer_params]
 
 
-def plan_point(model: Model, topo: Topology, host_cores: float) -> dict:
+@dataclass(frozen=True)
+class AggregatorSizing:
+    """What the software aggregators are sized for: the pair within `within` of its floor, on
+    hosts of at most `cores` cores behind NICs of `nic_bits` (None: the hosts' link rate)."""
+
+    within: float = 1.10
+    cores: int = 16
+    nic_bits: float | None = None
+
+    def check(self) -> None:
+        check_positive("the bar over the floor", self.within - 1, "--within, within - 1")
+        check_count("an aggregator's cores", self.cores, 1, "--aggregator-cores, cores")
+        if self.nic_bits is not None:
+            check_positive("the aggregators' link rate", self.nic_bits,
+                           "--aggregator-link-gbit, nic_bits")
+
+
+def size_aggregators(model: Model, topo: Topology, sizing: AggregatorSizing) -> dict:
+    """The aggregator pool the pair needs on `topo` (engine.pool_for), grown until the largest
+    layer's pair, simulated on it, holds the bar."""
+    link_bits = float(topo.rate[topo.uplink[0]] * 8)
+    pool = pool_for(topo.hosts, link_bits, sizing.within, chunk_bytes=NATIVE.chunk_bytes,
+                    nic_bits_per_s=sizing.nic_bits, cores_per_host=sizing.cores)
+    gather, reduce = max(model.shards(topo.hosts), key=sum)
+    for _ in range(8):
+        ratio = simulate("overlap", "overcast", topo, gather, reduce_bytes=reduce,
+                         aggregators=pool)["ratio_to_floor"]
+        if ratio <= sizing.within:
+            break
+        pool = AggregatorPool(math.ceil(pool.count * 1.1), pool.shards, pool.nic_bits_per_s,
+                              pool.us_per_contribution)
+    return {**pool.describe(), "cores": pool.count * pool.shards, "pair_ratio": ratio,
+            "within": sizing.within}
+
+
+def plan_point(model: Model, topo: Topology, host_cores: float,
+               sizing: AggregatorSizing = AggregatorSizing()) -> dict:
     """One cluster: each way's forward and backward communication per step, the engine cores
-    it needs, and which to use."""
+    it needs, which to use, and the software aggregators overcast's pair needs."""
     seconds = {w: [0.0, 0.0] for w in WAYS}   # forward, backward
     moved = {w: [0.0, 0.0] for w in WAYS}     # bytes through the busiest NIC: stream, datagram
     memo: dict = {}
@@ -122,6 +165,7 @@ def plan_point(model: Model, topo: Topology, host_cores: float) -> dict:
     out["speedup_over_rings_separate"] = (out["ways"]["rings-separate"]["seconds"]
                                           / out["ways"]["overcast"]["seconds"])
     out["choice"], out["why"] = _choose(out, host_cores)
+    out["aggregators"] = size_aggregators(model, topo, sizing)
     return out
 
 
@@ -166,21 +210,24 @@ def _choose(point: dict, host_cores: float) -> tuple[str, str]:
 
 def plan(model: Model, kind: str, nodes: list[int], link_bits: list[float], *,
          radix: int | None = None, oversubscription=(1.0,), host_cores: float = 8.0,
-         progress=None) -> dict:
+         sizing: AggregatorSizing = AggregatorSizing(), progress=None) -> dict:
     """Every (nodes, link rate) of the cluster, as `{"meta": ..., "results": [point, ...]}`."""
     model.check()
+    sizing.check()
     check_positive("the host's cores", host_cores, "--host-cores, host_cores")
     topologies = [build(kind, n, b, radix=radix, oversubscription=oversubscription)
                   for n in nodes for b in link_bits]  # every setting checked before any run
     points = []
     for topo in topologies:
-        points.append(plan_point(model, topo, host_cores))
+        points.append(plan_point(model, topo, host_cores, sizing))
         if progress:
             progress(len(points), len(topologies), f"{topo.hosts} nodes")
     meta = {"topology": kind, "radix": radix, "oversubscription": list(oversubscription),
             "layers": len(model.layer_params), "params": sum(model.layer_params),
             "dtype": model.dtype, "reduce_dtype": model.reduce_dtype or model.dtype,
             "micro_steps": model.micro_steps, "host_cores": host_cores,
+            "aggregator_sizing": {"within": sizing.within, "cores": sizing.cores,
+                                  "nic_bits_per_s": sizing.nic_bits},
             "fsdp": "reshard_after_forward=True; backward AllGather beside ReduceScatter",
             "ways": WAY_TEXT,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}

@@ -18,17 +18,22 @@ from overcast.limits import check_hosts, check_link_rate, check_positive, check_
     check_size
 from overcast.schedules import cost
 from overcast.sim.collectives import ALGORITHMS, check_request, collective_flows
-from overcast.sim.engine import IDEAL, Engine
+from overcast.sim.engine import IDEAL, AggregatorPool, Engine
 from overcast.sim.flows import Constraint, Flow, run_flows
 from overcast.sim.topology import DEFAULT_LATENCY_S, Topology, build, placement
 
 
 def engine_constraints(flows: list[Flow], topo: Topology, hosts: list[int], engine: Engine,
-                       shared_cores: float | None = None) -> tuple[list[Constraint], np.ndarray]:
+                       shared_cores: float | None = None,
+                       aggregators: AggregatorPool | None = None
+                       ) -> tuple[list[Constraint], np.ndarray]:
     """Each host's pacing budget (datagram senders fill `pacing_share` of its uplink) and its
     engine's CPU (`engine.cores` core-seconds per second). Or, with `shared_cores`, the emulated
-    cluster: one machine's cores for every host and the software aggregator together, and one
-    core at most for the aggregator. Otherwise switches sum in hardware, at no CPU cost.
+    cluster: one machine's cores for every host and the software aggregator together. With
+    `aggregators`, reductions are summed by that pool of software aggregators: its shards'
+    wall time per contribution and its NICs bound them; with `shared_cores` alone, by one
+    aggregator of one core at the engine's CPU per datagram. Otherwise switches sum in
+    hardware, at no cost.
 
     Also returns each host's CPU-seconds per byte/s of each flow (hosts x flows)."""
     index = np.empty(topo.hosts, dtype=np.int64)
@@ -36,6 +41,7 @@ def engine_constraints(flows: list[Flow], topo: Topology, hosts: list[int], engi
     cpu = np.zeros((len(hosts), len(flows)))
     budget = np.zeros((len(hosts), len(flows)))
     switch = np.zeros(len(flows))
+    into, out_of = np.zeros(len(flows)), np.zeros(len(flows))  # the aggregators' NIC bytes
     for f, flow in enumerate(flows):
         senders, per_byte = index[list(flow.senders)], engine.cpu_per_byte(flow.datagram)
         cpu[senders, f] += per_byte
@@ -43,17 +49,24 @@ def engine_constraints(flows: list[Flow], topo: Topology, hosts: list[int], engi
         if flow.datagram:
             budget[senders, f] = flow.wire
             if len(senders) > 1:  # a reduction: every contribution in, the sum out
-                switch[f] = (len(senders) + 1) * engine.switch_us_per_datagram * 1e-6 \
+                switch[f] = (len(senders) * aggregators.us_per_contribution if aggregators
+                             else (len(senders) + 1) * engine.switch_us_per_datagram) * 1e-6 \
                     / engine.chunk_bytes
+                into[f], out_of[f] = len(senders) * flow.wire, flow.wire
     out = []
     if engine.pacing_share < 1:
         rates = topo.rate[topo.uplink[hosts]] * engine.pacing_share
         out += [Constraint(f"budget h{h}", rates[i], budget[i])
                 for i, h in enumerate(hosts) if budget[i].any()]
+    if switch.any() and (aggregators or shared_cores is not None):
+        pool = aggregators or AggregatorPool()
+        out.append(Constraint("aggregator cpu", pool.count * pool.shards, switch))
+        if pool.nic_bits_per_s:
+            nics = pool.count * pool.nic_bits_per_s / 8
+            out += [Constraint("aggregator links in", nics, into),
+                    Constraint("aggregator links out", nics, out_of)]
     if shared_cores is not None:
         out.append(Constraint("machine cpu", shared_cores, cpu.sum(axis=0) + switch))
-        if switch.any():  # the aggregator is one process: one core at most
-            out.append(Constraint("aggregator cpu", 1.0, switch))
     elif np.isfinite(engine.cores):
         out += [Constraint(f"cpu h{h}", engine.cores, cpu[i])
                 for i, h in enumerate(hosts) if cpu[i].any()]
@@ -62,15 +75,17 @@ def engine_constraints(flows: list[Flow], topo: Topology, hosts: list[int], engi
 
 def simulate(collective: str, algorithm: str, topo: Topology, bytes_per_rank: int, *,
              roots: int | None = None, engine: Engine = IDEAL, place: str = "contiguous",
-             shared_cores: float | None = None, reduce_bytes: int | None = None) -> dict:
+             shared_cores: float | None = None, reduce_bytes: int | None = None,
+             aggregators: AggregatorPool | None = None) -> dict:
     """Run one collective over every host of `topo` (one rank per host) and report it. In a
-    pair, the ReduceScatter's shard may be `reduce_bytes` instead of bytes_per_rank."""
+    pair, the ReduceScatter's shard may be `reduce_bytes` instead of bytes_per_rank. With
+    `aggregators`, in-network reductions are summed by that pool of software aggregators."""
     began = time.perf_counter()
     p = topo.hosts
     hosts = placement(place, p, topo)
     flows = collective_flows(collective, algorithm, topo, hosts, bytes_per_rank, engine, roots,
                              reduce_bytes)
-    constraints, cpu = engine_constraints(flows, topo, hosts, engine, shared_cores)
+    constraints, cpu = engine_constraints(flows, topo, hosts, engine, shared_cores, aggregators)
     out = run_flows(topo.rate, flows, constraints)
     seconds = float(out.delivered.max())
     lanes = {lane: float(max(d for d, f in zip(out.delivered, flows) if f.lane == lane))
@@ -105,6 +120,8 @@ def simulate(collective: str, algorithm: str, topo: Topology, bytes_per_rank: in
     }
     if shared_cores is not None:
         row["shared_cores"] = shared_cores
+    if aggregators is not None:
+        row["aggregators"] = aggregators.describe()
     return row
 
 
@@ -113,11 +130,11 @@ def sweep(nodes: list[int], kind: str, link_bits: list[float], sizes: list[int],
           oversubscription=(1.0,), levels: int | None = None, roots: int | None = None,
           engine: Engine = IDEAL, place: str = "contiguous",
           latency: float = DEFAULT_LATENCY_S, shared_cores: float | None = None,
-          progress=None) -> dict:
+          aggregators: AggregatorPool | None = None, progress=None) -> dict:
     """Every combination asked for, as `{"meta": ..., "results": [row, ...]}`. Settings are
     checked before the first run; `progress(done, total, what)` is called after each row.
     `shared_cores`: every host and the aggregator share that many cores (the emulated
-    cluster's one machine)."""
+    cluster's one machine). `aggregators`: the software aggregators that sum reductions."""
     check_request(collectives, algorithms)
     for n in nodes:
         check_hosts(n)
@@ -128,6 +145,8 @@ def sweep(nodes: list[int], kind: str, link_bits: list[float], sizes: list[int],
         check_size(size)
     if shared_cores is not None:
         check_positive("the machine's cores", shared_cores, "--machine-cores, shared_cores")
+    if aggregators is not None:
+        aggregators.check()
     topologies = {(n, b): build(kind, n, b, radix=radix, oversubscription=oversubscription,
                                 levels=levels, latency=latency)
                   for n in nodes for b in link_bits}
@@ -138,13 +157,14 @@ def sweep(nodes: list[int], kind: str, link_bits: list[float], sizes: list[int],
     rows = []
     for c, a, n, b, size in points:
         rows.append(simulate(c, a, topologies[(n, b)], size, roots=roots, engine=engine,
-                             place=place, shared_cores=shared_cores))
+                             place=place, shared_cores=shared_cores, aggregators=aggregators))
         if progress:
             progress(len(rows), len(points), f"{c} {a}, {n} nodes")
     meta = {"simulator": "overcast.sim (flow level, max-min fair)", "topology": kind,
             "radix": radix, "levels": levels, "oversubscription": list(oversubscription),
             "placement": place, "link_latency_s": latency,
             "engine": {k: v if v != math.inf else None for k, v in asdict(engine).items()},
+            "aggregators": aggregators.describe() if aggregators else None,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     return {"meta": meta, "results": rows}
 
