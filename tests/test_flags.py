@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from overcast.bench.run import run_bench
+from overcast.bench.run import Aggregators, run_bench
 from overcast.cluster.netns import Cluster, list_namespaces
 from overcast.comm import Communicator
 from overcast.errors import InvalidArgumentError
@@ -41,6 +41,10 @@ BURST = "the mean loss burst must be 1 or more datagrams, not {} (--loss-burst, 
 ROOTS = "the multicast roots must be 'all' or between 1 and the number of ranks ({}), not {} " \
         "(--roots, roots)"
 SLOTS = "the aggregator's slots must be between 1 and 65535, not {} (--slots, slots)"
+AGGREGATORS = "the number of aggregators must be between 1 and 200, not {} (--aggregators, " \
+    "aggregators)"
+SHARDS = "the shards per aggregator must be 1 to {} (a job stripes over at most 256 " \
+    "endpoints), not {} (--shards, shards)"
 PORT = "the port must be between 0 (any free port) and 65535, not {} (--port, port)"
 
 # (command line, the same through the API, the line both say)
@@ -91,6 +95,17 @@ CASES = {
                         SLOTS.format(0)),
     "bench --slots 70000": (["bench", "--slots", "70000"], lambda: bench(switch_slots=70000),
                             SLOTS.format(70000)),
+    "bench --aggregators 0": (["bench", "--aggregators", "0"],
+                              lambda: bench(aggregators=Aggregators(0)), AGGREGATORS.format(0)),
+    "bench --shards 200": (["bench", "--aggregators", "2", "--shards", "200"],
+                           lambda: bench(aggregators=Aggregators(2, 200)), SHARDS.format(128, 200)),
+    "bench --aggregator-link-mbit 0": (["bench", "--aggregator-link-mbit", "0"],
+                                       lambda: bench(aggregators=Aggregators(link_bits=0)),
+                                       "the link rate must be above 0 Mbit/s, not 0 "
+                                       "(--aggregator-link-mbit, link_bits / 1e6)"),
+    "cluster --aggregators 201": (["cluster", "run", "--aggregators", "201", "--", "true"],
+                                  lambda: Cluster(2, 10**8, aggregators=201),
+                                  AGGREGATORS.format(201)),
     "cluster --hosts 0": (["cluster", "run", "--hosts", "0", "--", "true"],
                           lambda: Cluster(0, 10**8),
                           "the number of hosts must be between 1 and 65279, not 0 "
@@ -104,6 +119,9 @@ CASES = {
                             PORT.format(70000)),
     "switch --port -1": (["switch", "--port", "-1"],
                          lambda: SwitchService("127.0.0.1", -1, [b"s"]), PORT.format(-1)),
+    "switch --shards 0": (["switch", "--shards", "0"],
+                          lambda: SwitchService("127.0.0.1", 0, [b"s"], shards=0),
+                          SHARDS.format(256, 0)),
     "switch --slots 0": (["switch", "--slots", "0"],
                          lambda: SwitchService("127.0.0.1", 0, [b"s"], slots=0),
                          SLOTS.format(0)),

@@ -97,13 +97,9 @@ def _aggregators(args):
     from overcast.bench.run import Aggregators
 
     rate = args.aggregator_link_mbit
-    if rate is not None and not (math.isfinite(rate) and rate > 0):
-        raise ValueError(f"the aggregators' link rate must be above 0 Mbit/s, not {rate:g} "
-                         f"(--aggregator-link-mbit)")
-    aggregators = Aggregators(args.aggregators, args.shards, None if rate is None else
-                              int(rate * 1e6))
-    aggregators.check()
-    return aggregators
+    aggregators = Aggregators(args.aggregators, args.shards, None if rate is None else rate * 1e6)
+    aggregators.check()  # in the unit typed, before the rate is made whole
+    return dataclasses.replace(aggregators, link_bits=None if rate is None else round(rate * 1e6))
 
 
 def _sizes(text: str, several: bool = True) -> list[int]:
