@@ -242,7 +242,7 @@ def _run_points(hosts: int, link_bits: int, points: list[tuple], sizes: list[int
                  aggregator_bits_per_s=aggregators.link_bits) as cluster, \
             tempfile.TemporaryDirectory() as tmp:
         switches = [] if switch_slots is None else \
-            cluster.start_switches(switch_slots, tmp, aggregators.shard_count())
+            cluster.start_switches(switch_slots, tmp, aggregators.shards)
         carried = [cluster.counters(None, a) for a in range(len(switches))]
         for i, (collective, algorithm, nbytes, k) in enumerate(points):
             label = f" roots={k or hosts}" if algorithm in ("multicast", "overcast") else ""

@@ -413,7 +413,7 @@ def _cluster(args) -> int:
             print("enter a host with: ip netns exec <host> <command>; Ctrl-C tears it down")
             threading.Event().wait()
         if args.switch:  # in-network reduction needs them; OVERCAST_SWITCH says where
-            cluster.start_switches(shards=aggregators.shard_count())
+            cluster.start_switches(shards=aggregators.shards)
         procs = [cluster.start(args.command, host=i, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT) for i in range(args.hosts)]
         relays = [threading.Thread(target=_relay, args=(p.stdout, f"[rank {i}] ".encode()),

@@ -318,8 +318,9 @@ class Cluster:
 
     def start_switch(self, slots: int = 256, stats_path: str | None = None,
                      port: int = DEFAULT_SWITCH_PORT, secrets: list[str] | None = None,
-                     aggregator: int = 0, shards: int = 1) -> subprocess.Popen:
-        """Start an aggregator (overcast switch, `shards` data-path threads) on attachment
+                     aggregator: int = 0, shards: int | None = None) -> subprocess.Popen:
+        """Start an aggregator (overcast switch, `shards` data-path threads, None: the cores it
+        may use) on attachment
         `aggregator`; from then on the hosts' environment points at it (with the others).
         It serves this cluster's job, or the jobs whose secrets (hex) are given. Returns once
         it listens."""
@@ -337,7 +338,7 @@ class Cluster:
         return proc
 
     def start_switches(self, slots: int = 256, stats_dir: str | None = None,
-                       shards: int = 1) -> list[subprocess.Popen]:
+                       shards: int | None = None) -> list[subprocess.Popen]:
         """An aggregator on every attachment (`aggregators`), each writing its stats to
         stats_dir/switch-<a>.json."""
         return [self.start_switch(slots, stats_dir and os.path.join(stats_dir,

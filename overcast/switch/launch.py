@@ -53,15 +53,17 @@ def _first_line(proc: subprocess.Popen, seconds: float) -> str:
 def start_switch(host: str, port: int = 0, *, secrets: list[str], slots: int = 256,
                  stats_path: str | None = None, prefix: tuple[str, ...] = (),
                  start_seconds: float = START_SECONDS, limits=None,
-                 shards: int = 1) -> tuple[SwitchProcess, str]:
+                 shards: int | None = None) -> tuple[SwitchProcess, str]:
     """Start the aggregator for the jobs whose secrets (hex) are given, listening on
-    `host`:`port` (0: any free port) with `shards` data-path threads, within `limits`
+    `host`:`port` (0: any free port) with `shards` data-path threads (None: its default, the
+    cores it may use), within `limits`
     (overcast.switch.service.Limits; default its own); return the process and its "host:port"
     once it listens, within `start_seconds`."""
     watched, lifeline = os.pipe()
     argv = [*prefix, sys.executable, "-m", "overcast.cli.main", "switch", "--host", host,
-            "--port", str(port), "--slots", str(slots), "--shards", str(shards),
-            "--lifeline", str(watched)]
+            "--port", str(port), "--slots", str(slots), "--lifeline", str(watched)]
+    if shards is not None:
+        argv += ["--shards", str(shards)]
     if stats_path:
         argv += ["--stats", stats_path]
     if limits is not None:
