@@ -102,7 +102,10 @@ class Communicator:
         self.chunk_bytes = chunk_bytes(links.mtu)
         self._multicast_error = links.multicast_error
         self._switch_error, self._switch_slots = links.switch_error, links.switch_slots
-        self._stripes = max(len(links.endpoints), 1)  # aggregator endpoints, shards of them all
+        # the aggregator endpoints (every shard of every aggregator) in-network reductions are
+        # striped over: 0 without an aggregator
+        self.aggregator_endpoints = len(links.endpoints)
+        self._stripes = max(self.aggregator_endpoints, 1)
         uplink = link_bits_per_s / 8 * pacing_share if link_bits_per_s else None
         datagram = datagram_link_bytes(self.chunk_bytes)
         self._uplink = LinkBudget(uplink, batch=pace_batch(uplink, datagram),
