@@ -60,7 +60,7 @@ def good_job(rank):
 def test_hostile_registrations_are_refused_and_the_aggregator_serves_on(tmp_path):
     stats = tmp_path / "switch.json"
     proc, address = start_switch("127.0.0.1", 0, secrets=[HOSTILE.hex(), GOOD.hex()],
-                                 stats_path=str(stats), limits=LIMITS)
+                                 stats_path=str(stats), limits=LIMITS, shards=1)
     held = []
     try:
         said = {}
