@@ -249,14 +249,11 @@ def _run_points(hosts: int, link_bits: int, points: list[tuple], sizes: list[int
             progress(i, len(points), f"{collective} {algorithm}{label} {nbytes} B")
             trace = bool(timeline) and collective == "overlap" and algorithm != "gloo" \
                 and nbytes == max(sizes)
-            switch_cpu = sum(process_cpu_seconds(s.pid) for s in switches)
+            before = aggregators_cpu(switches)
             per_rank = cluster.run(run_point, timeout=600, env=env,
                                    args=(collective, algorithm, nbytes, reps, warmup, k, trace))
-            if switches and (collective, algorithm) in NEEDS_SWITCH:
-                switch_cpu = (sum(process_cpu_seconds(s.pid) for s in switches) -
-                              switch_cpu) / (reps + warmup)
-            else:
-                switch_cpu = None
+            switch_cpu = (aggregators_cpu(switches) - before) / (reps + warmup) \
+                if switches and (collective, algorithm) in NEEDS_SWITCH else None
             results.append(summarize(collective, algorithm, hosts, nbytes, link_bits, per_rank,
                                      k, loss, switch_cpu))
             if trace:
@@ -277,6 +274,11 @@ def _run_points(hosts: int, link_bits: int, points: list[tuple], sizes: list[int
             with open(os.path.join(tmp, f"switch-{a}.json")) as f:
                 reports.append(json.load(f))
         return switch_summary(reports, carried, link_bits)
+
+
+def aggregators_cpu(switches) -> float:
+    """The aggregators' processes' CPU seconds so far."""
+    return sum(process_cpu_seconds(s.pid) for s in switches)
 
 
 def switch_summary(reports: list[dict], carried: list[int], link_bits: int) -> dict:

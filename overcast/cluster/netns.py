@@ -320,10 +320,9 @@ class Cluster:
                      port: int = DEFAULT_SWITCH_PORT, secrets: list[str] | None = None,
                      aggregator: int = 0, shards: int | None = None) -> subprocess.Popen:
         """Start an aggregator (overcast switch, `shards` data-path threads, None: the cores it
-        may use) on attachment
-        `aggregator`; from then on the hosts' environment points at it (with the others).
-        It serves this cluster's job, or the jobs whose secrets (hex) are given. Returns once
-        it listens."""
+        may use) on attachment `aggregator`; from then on the hosts' environment points at it
+        (with the others). It serves this cluster's job, or the jobs whose secrets (hex) are
+        given. Returns once it listens."""
         try:
             proc, address = start_switch(aggregator_address(aggregator), port,
                                          secrets=secrets or [self.secret], slots=slots,

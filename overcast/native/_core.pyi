@@ -128,7 +128,6 @@ class Aggregator:
 
 class Shards:
     """The aggregator's data path over cores: shard threads (bind_shards.c)."""
-    count: int
     def __init__(self, slots: int, expiry: float, fds: Sequence[int]) -> None: ...
     def start(self) -> None: ...
     def register(self, job: int, comm: int, world: int, first: int, slots: int, key: bytes,

@@ -44,8 +44,9 @@ typedef struct {
 typedef struct {
     double touched;               /* when a contribution or acknowledgement last came */
     uint32_t seq, world, total, k, window, released, announced, results_sent;
-    uint32_t whole, stripe, stripes; /* the chunks of every stripe; this one's place among them */
-    uint32_t lane;                /* the chunks of the whole that are this stripe's (numbering.h) */
+    uint32_t whole, stripes;      /* the chunks of every stripe, and how many stripes */
+    uint32_t lane;                /* the chunks of the whole that are its comm's stripe's
+                                   * (numbering.h): derived from the two, kept for the hot path */
     uint8_t code, group;
     size_t itemsize, row_bytes;   /* row_bytes: the pool's width per row */
     int64_t highest;              /* the highest chunk any contribution came for */

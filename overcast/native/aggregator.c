@@ -87,7 +87,6 @@ static reduction_t *new_reduction(oc_agg *a, comm_t *c, uint32_t seq, uint8_t co
     r->seq = seq;
     r->world = c->world;
     r->whole = whole;
-    r->stripe = c->stripe;
     r->stripes = stripes;
     r->lane = oc_stripe_lane(c->stripe, seq, stripes);
     r->total = (uint32_t)oc_stripe_count(whole, group, stripes, r->lane);
@@ -249,8 +248,7 @@ static void on_contributions(oc_agg *a, int h, comm_t *c, const oc_header *hdr,
             return;
         }
         /* a reduction is made only for a chunk it could take: in range, in the first window */
-        uint32_t total = (uint32_t)oc_stripe_count(whole, group, stripes,
-                                                   oc_stripe_lane(stripe, hdr->seq, stripes));
+        uint32_t total = (uint32_t)oc_endpoint_count(whole, group, stripes, stripe, hdr->seq);
         size_t fits = 0;
         while (fits < count && (chunks[fits] >= total || chunks[fits] >= c->slots)) fits++;
         if (fits == count) {
@@ -269,7 +267,7 @@ static void on_contributions(oc_agg *a, int h, comm_t *c, const oc_header *hdr,
         c->reductions[c->nreductions++] = r;
     }
     if (world != r->world || whole != r->whole || code != r->code || group != r->group ||
-        stripe != r->stripe || stripes != r->stripes || nbytes % r->itemsize) {
+        stripe != c->stripe || stripes != r->stripes || nbytes % r->itemsize) {
         a->drops[OC_DROP_inconsistent] += count;
         return;
     }

@@ -12,7 +12,6 @@
 typedef struct {
     PyObject_HEAD
     oc_shards *shards;
-    int running;
 } Shards;
 
 static int Shards_init(Shards *self, PyObject *args, PyObject *kw) {
@@ -64,23 +63,20 @@ static void Shards_dealloc(Shards *self) {
 
 static int made(Shards *self) { return oc_py_usable(self->shards != NULL, 0, "shards"); }
 
-/* Every engine to itself (the shards parked), with the GIL released while they park. */
+/* Every engine to itself (the shards parked, at once if none has started), with the GIL
+ * released while they park. */
 static void pause_all(Shards *self) {
-    if (!self->running) return;
     Py_BEGIN_ALLOW_THREADS
     oc_shards_pause(self->shards);
     Py_END_ALLOW_THREADS
 }
 
-static void resume_all(Shards *self) {
-    if (self->running) oc_shards_resume(self->shards);
-}
+static void resume_all(Shards *self) { oc_shards_resume(self->shards); }
 
+/* Starts the threads not started yet. */
 static PyObject *Shards_start(Shards *self, PyObject *Py_UNUSED(ignored)) {
     if (!made(self)) return NULL;
-    if (self->running) Py_RETURN_NONE;
     if (oc_shards_start(self->shards)) return PyErr_SetFromErrno(PyExc_OSError);
-    self->running = 1;
     Py_RETURN_NONE;
 }
 
@@ -219,17 +215,11 @@ static PyObject *Shards_close(Shards *self, PyObject *Py_UNUSED(ignored)) {
     if (self->shards) {
         oc_shards *s = self->shards;
         self->shards = NULL;
-        self->running = 0;
         Py_BEGIN_ALLOW_THREADS
         oc_shards_free(s);
         Py_END_ALLOW_THREADS
     }
     Py_RETURN_NONE;
-}
-
-static PyObject *Shards_count(Shards *self, void *Py_UNUSED(closure)) {
-    if (!made(self)) return NULL;
-    return PyLong_FromUnsignedLong(oc_shards_count(self->shards));
 }
 
 static PyMethodDef Shards_methods[] = {
@@ -247,10 +237,5 @@ static PyMethodDef Shards_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static PyGetSetDef Shards_getset[] = {
-    {"count", (getter)Shards_count, NULL, "how many shards", NULL},
-    {NULL, NULL, NULL, NULL, NULL},
-};
-
-OC_PY_TYPE(Shards, (destructor)Shards_dealloc, Shards_getset,
+OC_PY_TYPE(Shards, (destructor)Shards_dealloc, NULL,
            "The aggregator's data path over cores: shard threads (overcast/native/shards.h).");

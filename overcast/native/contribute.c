@@ -57,8 +57,7 @@ int oc_reducer_init(oc_reducer *r, uint32_t seq, uint32_t rank, uint32_t world, 
                                    r->total >> 16, r->total >> 24, e, e >> 8, stripes,
                                    stripes >> 8};
         for (int i = 0; i < OC_CONTRIB_PREFIX_BYTES; i++) prefix[i] = (uint8_t)fields[i];
-        r->stripe_total[e] = (uint32_t)oc_stripe_count(r->total, group, stripes,
-                                                       oc_stripe_lane(e, seq, stripes));
+        r->stripe_total[e] = (uint32_t)oc_endpoint_count(r->total, group, stripes, e, seq);
     }
     return 0;
 }
@@ -81,7 +80,7 @@ size_t oc_reducer_bytes(const oc_reducer *r) {
 
 /* The endpoint chunk g goes to. */
 static uint32_t stripe_of(const oc_reducer *r, uint32_t g) {
-    return (oc_stripe_of_chunk(g, r->group, r->stripes) + r->seq % r->stripes) % r->stripes;
+    return oc_endpoint_of_chunk(g, r->group, r->stripes, r->seq);
 }
 
 /* Endpoint e's chunk h in the whole. */
@@ -120,15 +119,17 @@ static void put32(uint8_t *p, uint32_t v) {
 
 /* One RESULT_ACK per endpoint, naming its chunks in its numbering. */
 static void flush_acks(oc_reducer *r, oc_outbox *o) {
+    uint32_t endpoint[OC_ACK_BATCH];
     uint8_t told[OC_ACK_BATCH] = {0};
+    for (size_t i = 0; i < r->nacks; i++) endpoint[i] = stripe_of(r, r->acks[i]);
     for (size_t i = 0; i < r->nacks; i++) {
         if (told[i]) continue;
-        uint32_t e = stripe_of(r, r->acks[i]), n = 0;
-        for (size_t j = i; j < r->nacks; j++) n += !told[j] && stripe_of(r, r->acks[j]) == e;
+        uint32_t e = endpoint[i], n = 0;
+        for (size_t j = i; j < r->nacks; j++) n += !told[j] && endpoint[j] == e;
         uint8_t *p = oc_outbox_add_copy(o, OC_ROUTE_AGGREGATOR, (uint16_t)(OC_AGGREGATOR - e),
                                         OC_RESULT_ACK, r->seq, n, 4 * (size_t)n);
         for (size_t j = i, m = 0; j < r->nacks; j++)
-            if (!told[j] && stripe_of(r, r->acks[j]) == e) {
+            if (!told[j] && endpoint[j] == e) {
                 told[j] = 1;
                 if (p) put32(p + 4 * m++, local_of(r, r->acks[j]));
             }
@@ -334,8 +335,8 @@ void oc_reducer_handle_timer(oc_reducer *r, oc_outbox *o, double now) {
         for (uint32_t e = 0; e < r->stripes; e++) {
             uint8_t *p = oc_outbox_add_copy(o, OC_ROUTE_AGGREGATOR, (uint16_t)(OC_AGGREGATOR - e),
                                             OC_CREDIT, r->seq, 0, 4);
-            if (p) put32(p, (uint32_t)oc_stripe_count(r->cursor, r->group, r->stripes,
-                                                      oc_stripe_lane(e, r->seq, r->stripes)));
+            if (p) put32(p, (uint32_t)oc_endpoint_count(r->cursor, r->group, r->stripes, e,
+                                                        r->seq));
         }
         r->credit_probes++;
         r->probe_at = now + OC_RETRY_SECONDS;

@@ -52,9 +52,10 @@ static inline uint64_t oc_stripe_local(uint64_t g, uint64_t group, uint64_t stri
     return g / (group * stripes) * group + g % group;
 }
 
+/* Lane `lane`'s chunk h in the whole. */
 static inline uint64_t oc_stripe_global(uint64_t h, uint64_t group, uint64_t stripes,
-                                        uint64_t stripe) {
-    return h / group * group * stripes + stripe * group + h % group;
+                                        uint64_t lane) {
+    return h / group * group * stripes + lane * group + h % group;
 }
 
 static inline uint32_t oc_stripe_lane(uint32_t endpoint, uint32_t seq, uint32_t stripes) {
@@ -63,10 +64,22 @@ static inline uint32_t oc_stripe_lane(uint32_t endpoint, uint32_t seq, uint32_t 
 
 /* How many of the chunks below g are the lane's. */
 static inline uint64_t oc_stripe_count(uint64_t g, uint64_t group, uint64_t stripes,
-                                       uint64_t stripe) {
-    uint64_t round = group * stripes, rest = g % round, low = stripe * group;
+                                       uint64_t lane) {
+    uint64_t round = group * stripes, rest = g % round, low = lane * group;
     uint64_t tail = rest <= low ? 0 : rest - low < group ? rest - low : group;
     return g / round * group + tail;
+}
+
+/* The same by endpoint, for collective seq: the endpoint chunk g goes to, and how many of the
+ * chunks below g are the endpoint's. */
+static inline uint32_t oc_endpoint_of_chunk(uint64_t g, uint64_t group, uint32_t stripes,
+                                            uint32_t seq) {
+    return (oc_stripe_of_chunk(g, group, stripes) + seq % stripes) % stripes;
+}
+
+static inline uint64_t oc_endpoint_count(uint64_t g, uint64_t group, uint32_t stripes,
+                                         uint32_t endpoint, uint32_t seq) {
+    return oc_stripe_count(g, group, stripes, oc_stripe_lane(endpoint, seq, stripes));
 }
 
 #endif

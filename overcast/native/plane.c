@@ -146,7 +146,7 @@ int oc_plane_set_address(oc_plane *p, uint8_t route, uint32_t rank, uint32_t ip,
 }
 
 const struct sockaddr_in *oc_plane_address(const oc_plane *p, uint8_t route, uint16_t dst) {
-    int e = route == OC_ROUTE_AGGREGATOR ? oc_stripe_of(dst, p->stripes) : -1;
+    int e = route == OC_ROUTE_AGGREGATOR ? oc_endpoint_of(dst, p->stripes) : -1;
     const struct sockaddr_in *a = route == OC_ROUTE_AGGREGATOR ? (e < 0 ? NULL : &p->aggregators[e])
                                 : route == OC_ROUTE_GROUP ? &p->group
                                 : dst < p->world ? &p->ranks[dst] : NULL;
@@ -289,7 +289,7 @@ int oc_plane_receive_run(oc_plane *p, const oc_header *first, const uint32_t *ch
     if (first->kind != OC_RESULT && first->kind != OC_CREDIT) return 0;
     oc_reducer *r = find(p, first->seq, NULL);
     if (r == NULL) return 0;
-    int stripe = oc_stripe_of(first->src, p->stripes);
+    int stripe = oc_endpoint_of(first->src, p->stripes);
     if (stripe < 0) {
         p->drops[OC_PLANE_DROP_wrong_sender]++;
         return 1;
@@ -343,7 +343,7 @@ static int open_one(oc_plane *p, const uint8_t *d, size_t len, oc_header *h) {
         p->drops[OC_PLANE_DROP_bad_mac]++;
         return -1;
     }
-    int stripe = oc_stripe_of(h->src, p->stripes);
+    int stripe = oc_endpoint_of(h->src, p->stripes);
     uint32_t w = h->src < p->world ? h->src : p->world + (uint32_t)stripe;
     if (h->src >= p->world && stripe < 0) { /* authentic, but no rank or endpoint of its world */
         p->drops[OC_PLANE_DROP_wrong_sender]++;

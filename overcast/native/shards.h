@@ -29,11 +29,11 @@ typedef struct oc_shards oc_shards;
  * slots whose reductions expire after `expiry` seconds; NULL if memory or an eventfd ran out.
  * The threads start with oc_shards_start. */
 oc_shards *oc_shards_new(uint32_t n, uint32_t slots, double expiry, const int *fds);
-/* 0, or -1 if a thread could not be started (those that were are stopped again). Not while
- * they run. */
+/* Starts the threads not started yet: 0, or -1 if one could not be (those that were are
+ * stopped again). */
 int oc_shards_start(oc_shards *s);
-/* Returns once every shard is parked: until oc_shards_resume, the caller alone touches the
- * engines (oc_shards_engine). Pauses do not nest. */
+/* Returns once every shard started is parked (at once if none is): until oc_shards_resume, the
+ * caller alone touches the engines (oc_shards_engine). Pauses do not nest. */
 void oc_shards_pause(oc_shards *s);
 void oc_shards_resume(oc_shards *s);
 uint32_t oc_shards_count(const oc_shards *s);

@@ -52,7 +52,7 @@ typedef struct {
 } oc_header;
 
 /* The endpoint (stripe) a source id names, or -1 for none of `stripes`. */
-static inline int oc_stripe_of(uint16_t src, uint32_t stripes) {
+static inline int oc_endpoint_of(uint16_t src, uint32_t stripes) {
     uint32_t e = (uint32_t)OC_AGGREGATOR - src;
     return src <= OC_AGGREGATOR && e < stripes ? (int)e : -1;
 }

@@ -56,9 +56,8 @@ def start_switch(host: str, port: int = 0, *, secrets: list[str], slots: int = 2
                  shards: int | None = None) -> tuple[SwitchProcess, str]:
     """Start the aggregator for the jobs whose secrets (hex) are given, listening on
     `host`:`port` (0: any free port) with `shards` data-path threads (None: its default, the
-    cores it may use), within `limits`
-    (overcast.switch.service.Limits; default its own); return the process and its "host:port"
-    once it listens, within `start_seconds`."""
+    cores it may use), within `limits` (overcast.switch.service.Limits; default its own);
+    return the process and its "host:port" once it listens, within `start_seconds`."""
     watched, lifeline = os.pipe()
     argv = [*prefix, sys.executable, "-m", "overcast.cli.main", "switch", "--host", host,
             "--port", str(port), "--slots", str(slots), "--lifeline", str(watched)]

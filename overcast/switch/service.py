@@ -4,9 +4,10 @@ One TCP port takes registrations: each rank of a communicator connects, gets a f
 a HELLO that carries it, sealed under its communicator key (the aggregator derives that key from
 the job secret it was given and the salt in the HELLO, so a HELLO it can verify comes from the
 job, and from this connection), and keeps the connection open: when the service dies, every rank
-sees it at once. The HELLO says which stripe this aggregator's endpoint is among the job's
-aggregators (native/numbering.h); the endpoint seals under that stripe's source id, and the
-WELCOME (an HMAC under a key for welcomes, binding the rank's nonce) gives its datagram port. A connection that has not registered within REGISTRATION_SECONDS is closed.
+sees it at once. The HELLO says which stripe this aggregator's first shard is among the job's
+endpoints (native/numbering.h); each shard seals under its own stripe's source id, and the
+WELCOME (an HMAC under a key for welcomes, binding the rank's nonce) gives the shards' datagram
+ports. A connection that has not registered within REGISTRATION_SECONDS is closed.
 
 A job member may be buggy or hostile, so what a HELLO asks is held to the aggregator's Limits: a
 registration beyond one (a world too large, too many communicators for its job, pools past the
@@ -106,7 +107,6 @@ class SwitchService:
         check_port(port)
         check_slots(slots)
         check_shards(shards)
-        self.lifeline = lifeline  # a pipe whose closing (its writer gone) stops the service
         self.limits, self.slots = limits, slots
         self.secrets = {job_id_of(s): s for s in job_secrets}
         self.drops = Drops()  # the registrations'; the data path counts its own
@@ -129,8 +129,9 @@ class SwitchService:
                                    [sock.fileno() for sock in self.udp])
         self.shards.start()
         self.connections: dict[socket.socket, _Registration] = {}
-        # what the control thread waits on: the listener, the registrations, the lifeline, and
-        # a pair stop() writes to (a signal or another thread)
+        # what the control thread waits on: the listener, the registrations, the lifeline (a
+        # pipe whose closing, its writer gone, stops the service), and a pair stop() writes to
+        # (a signal or another thread)
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_w.setblocking(False)
         self._selector = selectors.DefaultSelector()

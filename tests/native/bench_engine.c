@@ -68,7 +68,7 @@ static void prepare(shard_t *s, uint8_t *payload, unsigned seq) {
     payload[10] = (uint8_t)s->stripes;
     s->seq = seq;
     s->lane = oc_stripe_lane(s->stripe, seq, s->stripes);
-    s->total = (uint32_t)oc_stripe_count(s->whole, 1, s->stripes, s->lane);
+    s->total = (uint32_t)oc_endpoint_count(s->whole, 1, s->stripes, s->stripe, seq);
     size_t n = 0;
     for (uint32_t h = 0; h < s->total; h++)
         for (unsigned r = 0; r < s->world; r++)

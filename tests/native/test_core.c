@@ -340,6 +340,14 @@ static void test_striping(void) {
             ok &= oc_stripe_count(g, group, stripes, e) == h; /* those below g: h of them */
         }
         for (uint32_t e = 0; e < stripes; e++) ok &= oc_stripe_count(total, group, stripes, e) == next[e];
+        /* by endpoint: collective seq's lane l is endpoint (l + seq) mod stripes */
+        for (uint32_t seq = 0; seq < 3; seq++)
+            for (uint64_t g = 0; g < total; g++) {
+                uint32_t e = oc_endpoint_of_chunk(g, group, (uint32_t)stripes, seq);
+                ok &= e == (oc_stripe_of_chunk(g, group, stripes) + seq) % stripes &&
+                      oc_endpoint_count(g, group, (uint32_t)stripes, e, seq) ==
+                          oc_stripe_local(g, group, stripes);
+            }
         CHECK(ok, "striping %llu chunks in runs of %llu over %llu endpoints",
               (unsigned long long)total, (unsigned long long)group, (unsigned long long)stripes);
     }
