@@ -293,8 +293,13 @@ def switch_summary(reports: list[dict], carried: list[int], link_bits: int) -> d
         drops.update(r["drops"])
     return {"link_bits_per_s": link_bits, "contributions": contributions,
             "data_path_cpu_seconds": data_path,
+            # contributions that came before their turn in rank order, copied to wait
+            "held": sum(r["stats"].get("held", 0) for r in reports),
             "cpu_us_per_contribution": data_path / contributions * 1e6 if contributions else None,
             "cpu_seconds": sum(r["cpu_seconds"] for r in reports),
+            # datagrams per read: how much the receive path's GRO batched
+            **{key: sum(r[key] for r in reports)
+               for key in ("datagrams_in", "reads", "wakeups")},
             "max_rss_bytes": max(r["max_rss_bytes"] for r in reports), "drops": dict(drops),
             "aggregators": [{"contributions": r["stats"].get("contributions", 0),
                              "shard_cpu_seconds": r["shard_cpu_seconds"],

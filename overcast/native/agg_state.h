@@ -32,6 +32,7 @@ enum { EMPTY = 0, COLLECTING = 1, SUMMED = 2 };
 typedef struct {
     uint32_t g, elems, count;  /* the chunk held, its elements, contributors in */
     uint32_t owner;
+    uint32_t next;             /* folding reductions: the next rank the owner's row takes */
     uint8_t state, acked, hole;
     uint16_t resends;
     uint32_t sent;             /* the reduction's result sends when its last copy left */
@@ -48,6 +49,9 @@ typedef struct {
     uint32_t lane;                /* the chunks of the whole that are its comm's stripe's
                                    * (numbering.h): derived from the two, kept for the hot path */
     uint8_t code, group;
+    uint8_t folds;                /* sums in its own type: folded into the owner's row in rank
+                                   * order as contributions come (16-bit floats, which
+                                   * accumulate in float32, are summed once all are in) */
     size_t itemsize, row_bytes;   /* row_bytes: the pool's width per row */
     int64_t highest;              /* the highest chunk any contribution came for */
     int64_t *passed;              /* per rank: the highest chunk it sent */
@@ -82,8 +86,8 @@ typedef struct {
     int has_group;
 } comm_t;
 
-/* A chunk whose last contribution came in the run being read: that one is summed from the
- * datagram, not copied into the pool first. */
+/* A chunk whose last contribution came in the run being read; a reduction that does not fold
+ * sums that one from the datagram, not copied into the pool first. */
 typedef struct {
     uint32_t g;
     const uint8_t *last;

@@ -95,6 +95,7 @@ static reduction_t *new_reduction(oc_agg *a, comm_t *c, uint32_t seq, uint8_t co
     r->code = code;
     r->group = group;
     r->itemsize = oc_dtype_size(code);
+    r->folds = code != OC_BFLOAT16 && code != OC_FLOAT16;
     r->highest = -1;
     r->words = (c->world + 63) / 64;
     r->passed = malloc(sizeof(int64_t) * c->world);
@@ -205,6 +206,23 @@ double agg_resend_timeout(const peer_t *p) {
 }
 
 /* -- contributions ------------------------------------------------------------------------- */
+
+/* Rank s->next's contribution, read from `payload`, goes into the owner's row, and after it every
+ * contribution already held for the ranks that follow: the row is the sum of the ranks below
+ * s->next in rank order, the bits oc_sum_rows gives, and only contributions that came out of
+ * order are copied into the pool and read back. */
+static void fold(reduction_t *r, slot_t *s, const uint8_t *payload) {
+    uint8_t *sum = row_of(r, s->g, s->owner);
+    const uint64_t *have = have_of(r, s->g);
+    size_t nbytes = (size_t)s->elems * r->itemsize;
+    if (s->next == (s->owner == 0)) memcpy(sum, payload, nbytes);
+    else oc_add_pair(r->code, sum, sum, payload, s->elems);
+    for (;;) {
+        if (++s->next == s->owner) s->next++;
+        if (s->next >= r->world || !(have[s->next >> 6] >> (s->next & 63) & 1)) return;
+        oc_add_pair(r->code, sum, sum, row_of(r, s->g, s->next), s->elems);
+    }
+}
 
 static void on_contributions(oc_agg *a, int h, comm_t *c, const oc_header *hdr,
                              const uint32_t *chunks, size_t count, const uint8_t *data,
@@ -320,6 +338,7 @@ static void on_contributions(oc_agg *a, int h, comm_t *c, const oc_header *hdr,
             s->g = g;
             s->elems = elems;
             s->owner = owner;
+            s->next = owner == 0;
             s->state = COLLECTING;
             s->first_seen = now;
             if ((int64_t)g > r->highest) r->highest = g;
@@ -336,15 +355,21 @@ static void on_contributions(oc_agg *a, int h, comm_t *c, const oc_header *hdr,
         s->count++;
         const uint8_t *payload = data + offset + i * stride + PREFIX_BYTES;
         a->stats[OC_STAT_contributions]++;
+        if (r->folds && src == s->next) {
+            fold(r, s, payload);
+        } else if (r->folds || s->count < r->world - 1) {
+            memcpy(row_of(r, g, src), payload, nbytes);
+            a->stats[OC_STAT_held]++; /* copied into the pool to wait its turn */
+        }
         if (s->count == r->world - 1) complete[ncomplete++] = (completion){g, payload};
-        else memcpy(row_of(r, g, src), payload, nbytes);
     }
     if (pooled) r->touched = now; /* a chunk passed every check: the reduction is alive */
     if (late) answer_credit(a, h, c, hdr->seq, (uint16_t)src, NULL, 0);
     for (size_t i = 0; i < ncomplete; i++) {
         slot_t *s = &r->slots[complete[i].g % r->window];
-        oc_sum_rows(r->code, row_of(r, s->g, s->owner), row_of(r, s->g, 0), r->row_bytes,
-                    r->world, s->owner, s->elems, src, complete[i].last);
+        if (!r->folds)
+            oc_sum_rows(r->code, row_of(r, s->g, s->owner), row_of(r, s->g, 0), r->row_bytes,
+                        r->world, s->owner, s->elems, src, complete[i].last);
         s->state = SUMMED;
         a->stats[OC_STAT_results]++;
         send_result(a, h, r, s, now);

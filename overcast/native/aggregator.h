@@ -7,11 +7,13 @@
  * Protocol (docs/protocols.md): a reduction may be striped over several endpoints (numbering.h);
  * each engine sees its own stripe's chunks, numbered g = 0, 1, ... Per reduction a window of
  * `slots` slots; chunk g may occupy slot
- * g mod window once every chunk below g - window is released. A slot keeps one row per rank; a
- * contribution lands in its sender's row once (a bitmap of contributors), and when all P-1 are
- * in, the rows are summed in rank order into the owner's row (the owner contributes nothing;
- * the last contribution is read from its datagram, never copied into the pool),
- * which is the result: the same bits whatever the arrival order. The result goes to the owner;
+ * g mod window once every chunk below g - window is released. A slot keeps one row per rank and
+ * a bitmap of contributors (each counted once). The owner's row (the owner contributes nothing)
+ * becomes the result, the sum in rank order: the same bits whatever the arrival order. A
+ * contribution that comes in rank order is added to it straight from its datagram, with every
+ * one held for the ranks after it; one that comes early is copied into its sender's row until
+ * its turn. 16-bit floats, which accumulate in float32, are kept in their rows and summed once
+ * all P-1 are in (the last read from its datagram). The result goes to the owner;
  * its acknowledgement releases the slot; releases are announced to every rank as credit now and
  * then, and to an owner after every batch of results. Slots waiting on contributors ask them
  * again (NACK); unacknowledged results go again at once when their owner acknowledges one sent
@@ -57,7 +59,7 @@
     X(send_error) X(send_buffer_full) X(out_of_memory)
 #define OC_STATS(X) X(contributions) X(results) X(results_resent) X(results_resent_early)    \
     X(nacks) X(refused) X(late_contributions) X(duplicate_contributions) X(reductions)        \
-    X(pools_reused) X(expired)
+    X(pools_reused) X(expired) X(held)
 #define OC_ENUM_DROP(name) OC_DROP_##name,
 #define OC_ENUM_STAT(name) OC_STAT_##name,
 enum { OC_DROPS(OC_ENUM_DROP) OC_DROP_COUNT };
