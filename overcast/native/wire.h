@@ -63,14 +63,18 @@ int oc_kind_known(unsigned kind);
 int oc_header_parse(const uint8_t *buf, size_t len, oc_header *out);
 void oc_header_write(uint8_t *buf, const oc_header *h);
 
-/* One key, one direction: the cipher fetched once per process, the key set once per context;
- * per message only the nonce, the associated data and the tag. */
+/* One key, one direction, the key set up once; per message only the nonce, the associated data
+ * and the tag. On a CPU with AES-NI and VPCLMULQDQ the tag is ghash.h's; elsewhere, or with
+ * OVERCAST_GMAC=openssl in the environment when the key is set (a check of the other path),
+ * OpenSSL 3's EVP, the cipher fetched once per process. Both give GCM's tag. */
 typedef struct {
-    void *ctx; /* EVP_CIPHER_CTX */
+    void *ctx;  /* EVP_CIPHER_CTX, or NULL */
+    void *fast; /* oc_fast_gmac, or NULL */
     int sealing;
 } oc_gmac;
 
 int oc_gmac_init(oc_gmac *g, const uint8_t key[OC_KEY_BYTES], int sealing);
+static inline int oc_gmac_keyed(const oc_gmac *g) { return g->ctx || g->fast; }
 void oc_gmac_free(oc_gmac *g);
 /* The tag of `len` bytes under (src, counter): 0 on success. */
 int oc_gmac_tag(oc_gmac *g, uint16_t src, uint64_t counter, const uint8_t *data, size_t len,

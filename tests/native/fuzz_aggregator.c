@@ -37,7 +37,7 @@ static void check_sealed(void *ctx, int handle, uint16_t dst, const uint8_t *dat
 }
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
-    if (opener.ctx == NULL) oc_gmac_init(&opener, KEY, 0);
+    if (!oc_gmac_keyed(&opener)) oc_gmac_init(&opener, KEY, 0);
     oc_agg *a = oc_agg_new(SLOTS);
     uint32_t granted;
     int h = oc_agg_register(a, 1, 1, WORLD, 0, 0, OC_MAX_DATAGRAM, KEY, 0, &granted);

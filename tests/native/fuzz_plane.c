@@ -71,7 +71,7 @@ static void check_state(oc_plane *p, uint32_t seq) {
 }
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
-    if (opener.ctx == NULL) oc_gmac_init(&opener, KEY, 0);
+    if (!oc_gmac_keyed(&opener)) oc_gmac_init(&opener, KEY, 0);
     oc_sealer own = {.job = 1, .comm = 1, .src = RANK};
     /* two aggregator endpoints (its reductions striped over them), a rank, a stranger */
     oc_sealer senders[4] = {{.job = 1, .comm = 1, .src = OC_AGGREGATOR},
