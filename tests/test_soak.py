@@ -3,16 +3,27 @@ bursty loss stay bit-exact, the communicator's own memory report stays the same 
 pair, and closing it leaves no socket, thread or aggregator slot behind. The long run, with its
 memory and drift figures, is in docs/results.md."""
 
+import pytest
+
 from conftest import root_only
+from overcast.bench.run import Aggregators
 from overcast.bench.soak import run_soak
 
 pytestmark = root_only
 PAIRS, MARK = 60, 20
 
 
-def test_a_short_soak_is_exact_and_flat_and_leaves_nothing_behind():
-    doc = run_soak(4, 400_000_000, PAIRS, 64 * 1024, 0.01, 4.0, [MARK])
+@pytest.mark.parametrize("aggregators", [Aggregators(), Aggregators(2, 2)],
+                         ids=["one aggregator", "two aggregators of two shards"])
+def test_a_short_soak_is_exact_and_flat_and_leaves_nothing_behind(aggregators):
+    doc = run_soak(4, 400_000_000, PAIRS, 64 * 1024, 0.01, 4.0, [MARK],
+                   aggregators=aggregators)
     summary = doc["summary"]
+    assert len(doc["switches"]) == aggregators.count
+    # every shard of every aggregator took contributions, none of them left anything behind
+    for report in doc["switches"]:
+        assert report["shards"] == aggregators.shard_count()
+        assert all(c > 0 for c in report["shard_contributions"])
     assert summary["pairs_exact"] == PAIRS
     assert summary["injected_losses"] > 0
     assert summary["repaired_chunks"] + summary["contributions_resent"] > 0

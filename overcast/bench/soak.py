@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 
-from overcast.bench.run import machine
+from overcast.bench.run import Aggregators, machine
 from overcast.bench.worker import expected_sum, pattern, shard
 from overcast.cluster.netns import Cluster
 from overcast.limits import check_count, check_hosts, check_link_rate, check_loss, check_size
@@ -47,7 +47,7 @@ def _held() -> dict:
     return {"fds": len(os.listdir("/proc/self/fd")), "threads": threading.active_count()}
 
 
-def soak_rank(rank: int, pairs: int, nbytes: int, marks: list[int], switch_pid: int,
+def soak_rank(rank: int, pairs: int, nbytes: int, marks: list[int], switch_pids: list[int],
               progress_path: str) -> dict:
     """Run `pairs` overlapped pairs; report per-pair seconds, memory at each mark, and what is
     held before the communicator opens and after it closes."""
@@ -80,7 +80,8 @@ def soak_rank(rank: int, pairs: int, nbytes: int, marks: list[int], switch_pid: 
                 at_marks[i] = {"rss_bytes": _status_bytes("self", "VmRSS"),
                                "peak_rss_bytes": _status_bytes("self", "VmHWM"),
                                "memory": comm.memory(), **_held()}
-                at_marks[i]["switch_rss_bytes"] = _status_bytes(switch_pid, "VmRSS")
+                at_marks[i]["switch_rss_bytes"] = sum(_status_bytes(pid, "VmRSS")
+                                                      for pid in switch_pids)
             if rank == 0 and i % 10 == 0:
                 with open(progress_path, "w") as f:
                     f.write(str(i))
@@ -90,17 +91,22 @@ def soak_rank(rank: int, pairs: int, nbytes: int, marks: list[int], switch_pid: 
 
 
 def run_soak(hosts: int, link_bits: int, pairs: int, nbytes: int, loss: float,
-             loss_burst: float, marks: list[int], progress=None) -> dict:
-    """Soak on a fresh cluster; {"meta": ..., "summary": ..., "ranks": [...]}."""
+             loss_burst: float, marks: list[int], progress=None,
+             aggregators: Aggregators = Aggregators()) -> dict:
+    """Soak on a fresh cluster, in-network reduction on `aggregators`; {"meta": ...,
+    "summary": ..., "ranks": [...], "switches": [each aggregator's own report]}."""
     check_hosts(hosts)
+    aggregators.check()
     check_link_rate(link_bits)
     check_count("pairs", pairs, 1, "--pairs, pairs")
     check_size(nbytes)
     check_loss(loss, loss_burst)
     marks = sorted({m for m in marks if 1 <= m <= pairs} | {pairs})
     steal = cpu_steal_seconds()
-    with tempfile.TemporaryDirectory() as tmp, Cluster(hosts, link_bits) as cluster:
-        switch = cluster.start_switch(stats_path=os.path.join(tmp, "switch.json"))
+    with tempfile.TemporaryDirectory() as tmp, \
+            Cluster(hosts, link_bits, aggregators=aggregators.count,
+                    aggregator_bits_per_s=aggregators.link_bits) as cluster:
+        switches = cluster.start_switches(stats_dir=tmp, shards=aggregators.shards)
         progress_path = os.path.join(tmp, "progress")
         stop = threading.Event()
         if progress:
@@ -110,18 +116,23 @@ def run_soak(hosts: int, link_bits: int, pairs: int, nbytes: int, loss: float,
             ranks = cluster.run(soak_rank, timeout=24 * 3600,
                                 env={"OVERCAST_LOSS": str(loss),
                                      "OVERCAST_LOSS_BURST": str(loss_burst)},
-                                args=(pairs, nbytes, marks, switch.pid, progress_path))
+                                args=(pairs, nbytes, marks, [s.pid for s in switches],
+                                      progress_path))
         finally:
             stop.set()
-        cluster.stop_switch(switch)
-        with open(os.path.join(tmp, "switch.json")) as f:
-            switch_report = json.load(f)
+        reports = []
+        for a, switch in enumerate(switches):
+            cluster.stop_switch(switch)
+            with open(os.path.join(tmp, f"switch-{a}.json")) as f:
+                reports.append(json.load(f))
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "hosts": hosts, "link_bits_per_s": link_bits, "pairs": pairs,
             "bytes_per_rank": nbytes, "loss": loss, "loss_burst": loss_burst, "marks": marks,
+            "aggregators": {"count": aggregators.count, "shards": aggregators.shard_count(),
+                            "link_bits_per_s": aggregators.link_bits},
             "cpu_steal_seconds": cpu_steal_seconds() - steal, "machine": machine()}
-    return {"meta": meta, "summary": summarize(ranks, switch_report, marks), "ranks": ranks,
-            "switch": switch_report}
+    return {"meta": meta, "summary": summarize(ranks, reports, marks), "ranks": ranks,
+            "switches": reports}
 
 
 def _report_progress(path: str, pairs: int, progress, stop: threading.Event) -> None:
@@ -139,8 +150,9 @@ def slowest_rank_seconds(ranks: list[dict]) -> list[float]:
     return [max(times) for times in zip(*(r["seconds"] for r in ranks))]
 
 
-def summarize(ranks: list[dict], switch: dict, marks: list[int]) -> dict:
-    """The soak's verdict: exact pairs, memory at each mark, drift, what was left behind."""
+def summarize(ranks: list[dict], switches: list[dict], marks: list[int]) -> dict:
+    """The soak's verdict: exact pairs, memory at each mark, drift, what was left behind (the
+    aggregators' figures added up)."""
     pair_seconds = slowest_rank_seconds(ranks)
     n = len(pair_seconds)
     window = max(1, min(100, n // 10))
@@ -157,10 +169,10 @@ def summarize(ranks: list[dict], switch: dict, marks: list[int]) -> dict:
         "rank_peak_rss_bytes_max": {str(m): max(r["marks"][str(m)]["peak_rss_bytes"] for r in ranks)
                                     for m in marks},
         "switch_rss_bytes": {str(m): ranks[0]["marks"][str(m)]["switch_rss_bytes"] for m in marks},
-        "switch_peak_rss_bytes": switch.get("max_rss_bytes"),
-        "switch_pool_bytes_after": switch.get("pool_bytes"),
-        "switch_peak_pool_bytes": switch.get("peak_pool_bytes"),
-        "switch_communicators_after": switch.get("communicators"),
+        "switch_peak_rss_bytes": sum(s["max_rss_bytes"] for s in switches),
+        "switch_pool_bytes_after": sum(s["pool_bytes"] for s in switches),
+        "switch_peak_pool_bytes": sum(s["peak_pool_bytes"] for s in switches),
+        "switch_communicators_after": sum(s["communicators"] for s in switches),
         # more fds or threads after the soak's communicator closed than before it opened (rank
         # 0 may have fewer: the store's connections from the warm-up close on their own time)
         "left_behind": {f"rank {i}": {k: max(0, r["after"][k] - r["before"][k])

@@ -188,7 +188,7 @@ def _soak(args) -> int:
     bar, progress = _progress(console)
     with bar:  # run_soak checks every setting before it builds anything
         doc = run_soak(args.hosts, int(bits), args.pairs, nbytes, args.loss, args.loss_burst,
-                       marks, progress=progress)
+                       marks, progress=progress, aggregators=_aggregators(args))
     console.print(summary_table(doc))
     _save(doc, console, args.json, _png(args), plot)
     return 0 if doc["summary"]["pairs_exact"] == args.pairs else 1
@@ -582,6 +582,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--marks", default="100",
                    help="pairs after which memory is read, comma-separated (the last pair "
                         "always is)")
+    _aggregator_flags(s)
     _files(s, "write the results here (JSON)", "per-pair time")
     s.set_defaults(func=_soak)
 

@@ -160,7 +160,8 @@ static PyObject *Shards_set_group(Shards *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* What every shard counted, summed: (drops, stats, memory, io), io's data-path CPU per shard. */
+/* What every shard counted, summed: (drops, stats, memory, io), io's data-path CPU and
+ * contributions taken per shard. */
 static PyObject *Shards_counters(Shards *self, PyObject *Py_UNUSED(ignored)) {
     if (!made(self)) return NULL;
     uint64_t drops[OC_DROP_COUNT] = {0}, stats[OC_STAT_COUNT] = {0}, pool = 0, peak = 0, kept = 0;
@@ -168,6 +169,7 @@ static PyObject *Shards_counters(Shards *self, PyObject *Py_UNUSED(ignored)) {
     int gro = 1, gso = 1;
     uint32_t n = oc_shards_count(self->shards);
     double cpu[OC_MAX_STRIPES];
+    uint64_t taken[OC_MAX_STRIPES];
     pause_all(self);
     for (uint32_t i = 0; i < n; i++) {
         const oc_agg *a = oc_shards_engine(self->shards, i);
@@ -184,27 +186,30 @@ static PyObject *Shards_counters(Shards *self, PyObject *Py_UNUSED(ignored)) {
         gro &= u->gro;
         gso &= u->gso;
         cpu[i] = oc_shards_serve_stats(self->shards, i)->cpu_seconds;
+        taken[i] = oc_agg_stats(a)[OC_STAT_contributions];
         wakeups += oc_shards_serve_stats(self->shards, i)->wakeups;
     }
     resume_all(self);
-    PyObject *per_shard = PyList_New(n);
-    for (uint32_t i = 0; per_shard && i < n; i++) {
-        PyObject *v = PyFloat_FromDouble(cpu[i]);
-        if (v == NULL) Py_CLEAR(per_shard);
-        else PyList_SET_ITEM(per_shard, i, v);
+    PyObject *cpus = PyList_New(n), *takens = PyList_New(n);
+    for (uint32_t i = 0; cpus && takens && i < n; i++) {
+        PyObject *c = PyFloat_FromDouble(cpu[i]), *t = PyLong_FromUnsignedLongLong(taken[i]);
+        if (c) PyList_SET_ITEM(cpus, i, c);
+        if (t) PyList_SET_ITEM(takens, i, t);
+        if (c == NULL || t == NULL) Py_CLEAR(cpus);
     }
     PyObject *d = oc_py_counts(drops, oc_drop_names, OC_DROP_COUNT, 1);
     PyObject *s = oc_py_counts(stats, oc_stat_names, OC_STAT_COUNT, 1);
     PyObject *result = NULL;
-    if (per_shard && d && s)
+    if (cpus && takens && d && s)
         result = Py_BuildValue(
-            "(OO{sKsKsK}{sKsKsKsKsKsisisO})", d, s, "pool_bytes", (unsigned long long)pool,
+            "(OO{sKsKsK}{sKsKsKsKsKsisisOsO})", d, s, "pool_bytes", (unsigned long long)pool,
             "peak_pool_bytes", (unsigned long long)peak, "kept_pool_bytes",
             (unsigned long long)kept, "reads", (unsigned long long)reads, "sends",
             (unsigned long long)sends, "datagrams_in", (unsigned long long)in, "datagrams_out",
             (unsigned long long)out, "wakeups", (unsigned long long)wakeups, "gro", gro, "gso",
-            gso, "serve_cpu_seconds", per_shard);
-    Py_XDECREF(per_shard);
+            gso, "serve_cpu_seconds", cpus, "serve_contributions", takens);
+    Py_XDECREF(cpus);
+    Py_XDECREF(takens);
     Py_XDECREF(d);
     Py_XDECREF(s);
     return result;

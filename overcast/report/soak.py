@@ -11,10 +11,13 @@ from overcast.units import human_bytes
 def summary_table(doc: dict):
     """The verdict as a table for the terminal."""
     meta, s = doc["meta"], doc["summary"]
+    pool = meta["aggregators"]
     t = Table(title=f"soak: {s['pairs']} overlapped pairs, {meta['hosts']} hosts, "
                     f"{meta['link_bits_per_s'] / 1e6:g} Mbit/s, "
                     f"{human_bytes(meta['bytes_per_rank'])} per rank, loss {meta['loss']:g} "
-                    f"(bursts of {meta['loss_burst']:g})")
+                    f"(bursts of {meta['loss_burst']:g}), {pool['count']} aggregator"
+                    f"{'s' if pool['count'] > 1 else ''}"
+                    f" of {pool['shards']} shard{'s' if pool['shards'] > 1 else ''}")
     t.add_column("what")
     t.add_column("value", justify="right")
     t.add_row("pairs bit-exact", f"{s['pairs_exact']} of {s['pairs']}")

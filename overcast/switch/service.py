@@ -365,6 +365,7 @@ class SwitchService:
                 "cpu_seconds": time.process_time(),
                 "data_path_cpu_seconds": cpu,
                 "shard_cpu_seconds": io["serve_cpu_seconds"],
+                "shard_contributions": io["serve_contributions"],
                 "cpu_us_per_contribution": cpu / contributions * 1e6 if contributions else None,
                 "datagrams_in": io["datagrams_in"], "datagrams_out": io["datagrams_out"],
                 "reads": io["reads"], "sends": io["sends"], "wakeups": io["wakeups"],
