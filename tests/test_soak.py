@@ -8,6 +8,7 @@ import pytest
 from conftest import root_only
 from overcast.bench.run import Aggregators
 from overcast.bench.soak import run_soak
+from overcast.report.soak import plot, summary_table
 
 pytestmark = root_only
 PAIRS, MARK = 60, 20
@@ -15,7 +16,7 @@ PAIRS, MARK = 60, 20
 
 @pytest.mark.parametrize("aggregators", [Aggregators(), Aggregators(2, 2)],
                          ids=["one aggregator", "two aggregators of two shards"])
-def test_a_short_soak_is_exact_and_flat_and_leaves_nothing_behind(aggregators):
+def test_a_short_soak_is_exact_and_flat_and_leaves_nothing_behind(aggregators, tmp_path):
     doc = run_soak(4, 400_000_000, PAIRS, 64 * 1024, 0.01, 4.0, [MARK],
                    aggregators=aggregators)
     summary = doc["summary"]
@@ -40,3 +41,7 @@ def test_a_short_soak_is_exact_and_flat_and_leaves_nothing_behind(aggregators):
     assert not any(v for left in summary["left_behind"].values() for v in left.values())
     assert summary["switch_pool_bytes_after"] == 0
     assert summary["switch_communicators_after"] == 0
+    # what `overcast soak` shows of it: the table and the picture
+    assert summary_table(doc).row_count > 8
+    plot(doc, tmp_path / "soak.png")
+    assert (tmp_path / "soak.png").read_bytes().startswith(b"\x89PNG")

@@ -3,8 +3,10 @@ the run as a PNG."""
 
 from __future__ import annotations
 
+import numpy as np
 from rich.table import Table
 
+from overcast.bench.soak import slowest_rank_seconds
 from overcast.units import human_bytes
 
 
