@@ -222,10 +222,8 @@ def test_sums_striped_over_two_aggregators_of_two_shards_each(tmp_path):
         before = [cluster.counters(None, a).rx_bytes for a in range(2)]
         results = cluster.run(sums, args=([1000, 100_003],), timeout=900)
         carried = [cluster.counters(None, a).rx_bytes - before[a] for a in range(2)]
-        for switch in switches:
-            cluster.stop_switch(switch)
+        reports = cluster.stop_switches(switches, str(tmp_path))
     assert results == [[] for _ in range(world)]
-    reports = [json.loads((tmp_path / f"switch-{a}.json").read_text()) for a in range(2)]
     taken = [r["stats"]["contributions"] for r in reports]
     assert min(taken) > 0.8 * max(taken), taken
     assert all(r["shards"] == 2 and min(r["shard_cpu_seconds"]) > 0 for r in reports)

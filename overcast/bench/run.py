@@ -10,7 +10,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import datetime
-import json
 import math
 import os
 import platform
@@ -268,12 +267,7 @@ def _run_points(hosts: int, link_bits: int, points: list[tuple], sizes: list[int
             return None
         carried = [cluster.counters(None, a).rx_bytes - before.rx_bytes
                    for a, before in enumerate(carried)]
-        reports = []
-        for a, switch in enumerate(switches):
-            cluster.stop_switch(switch)
-            with open(os.path.join(tmp, f"switch-{a}.json")) as f:
-                reports.append(json.load(f))
-        return switch_summary(reports, carried, link_bits)
+        return switch_summary(cluster.stop_switches(switches, tmp), carried, link_bits)
 
 
 def aggregators_cpu(switches) -> float:

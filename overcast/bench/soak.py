@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import datetime
 import gc
-import json
 import os
 import statistics
 import tempfile
@@ -120,11 +119,7 @@ def run_soak(hosts: int, link_bits: int, pairs: int, nbytes: int, loss: float,
                                       progress_path))
         finally:
             stop.set()
-        reports = []
-        for a, switch in enumerate(switches):
-            cluster.stop_switch(switch)
-            with open(os.path.join(tmp, f"switch-{a}.json")) as f:
-                reports.append(json.load(f))
+        reports = cluster.stop_switches(switches, tmp)
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "hosts": hosts, "link_bits_per_s": link_bits, "pairs": pairs,
             "bytes_per_rank": nbytes, "loss": loss, "loss_burst": loss_burst, "marks": marks,

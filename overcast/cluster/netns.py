@@ -350,6 +350,15 @@ class Cluster:
         stop_switch(proc)
         self._switches.pop(proc.aggregator, None)
 
+    def stop_switches(self, procs: list[subprocess.Popen], stats_dir: str) -> list[dict]:
+        """Stop the aggregators start_switches started; their reports, in order."""
+        reports = []
+        for a, proc in enumerate(procs):
+            self.stop_switch(proc)
+            with open(os.path.join(stats_dir, f"switch-{a}.json")) as f:
+                reports.append(json.load(f))
+        return reports
+
     def counters(self, host: int | None, aggregator: int = 0) -> NicCounters:
         """Host `host`'s eth0 counters (None: aggregator attachment `aggregator`'s), read from
         outside its namespace."""

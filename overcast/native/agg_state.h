@@ -163,6 +163,11 @@ static inline slot_t *slot_of(reduction_t *r, uint32_t g) {
 
 static inline uint64_t *have_of(reduction_t *r, uint32_t g) { return r->have + (size_t)(g % r->window) * r->words; }
 
+/* Whether `rank` is among a slot's contributors (have_of). */
+static inline int contributed(const uint64_t *have, uint32_t rank) {
+    return (int)(have[rank >> 6] >> (rank & 63) & 1);
+}
+
 static inline uint8_t *row_of(reduction_t *r, uint32_t g, uint32_t rank) {
     return r->pool + ((size_t)(g % r->window) * r->world + rank) * r->row_bytes;
 }

@@ -219,7 +219,7 @@ static void fold(reduction_t *r, slot_t *s, const uint8_t *payload) {
     else oc_add_pair(r->code, sum, sum, payload, s->elems);
     for (;;) {
         if (++s->next == s->owner) s->next++;
-        if (s->next >= r->world || !(have[s->next >> 6] >> (s->next & 63) & 1)) return;
+        if (s->next >= r->world || !contributed(have, s->next)) return;
         oc_add_pair(r->code, sum, sum, row_of(r, s->g, s->next), s->elems);
     }
 }
@@ -466,7 +466,7 @@ static size_t owed(reduction_t *r, uint32_t rank, uint32_t sent_below, uint32_t 
     for (uint64_t g = r->released; g < limit; g++) {
         if (owner_of(r, (uint32_t)g) == rank) continue;
         slot_t *s = slot_of(r, (uint32_t)g);
-        if (s && ((have_of(r, (uint32_t)g)[rank >> 6] >> (rank & 63) & 1) || s->state == SUMMED))
+        if (s && (contributed(have_of(r, (uint32_t)g), rank) || s->state == SUMMED))
             continue;
         out[n++] = (uint32_t)g;
     }
@@ -550,7 +550,7 @@ static void nack(oc_agg *a, uint32_t rank, uint32_t g) {
 static void nack_missing(oc_agg *a, reduction_t *r, uint32_t g, const uint64_t *have) {
     uint32_t owner = owner_of(r, g);
     for (uint32_t rank = 0; rank < r->world; rank++)
-        if (rank != owner && !(have && (have[rank >> 6] >> (rank & 63) & 1)) &&
+        if (rank != owner && !(have && contributed(have, rank)) &&
             r->passed[rank] > (int64_t)g)
             nack(a, rank, g);
 }

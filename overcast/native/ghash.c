@@ -86,6 +86,8 @@ TARGET void oc_fast_gmac_init(oc_fast_gmac *k, const uint8_t key[16]) {
     __m128i h = reversed(encrypt(k, _mm_setzero_si128())), power = h;
     for (int i = OC_GHASH_STRIDE - 1; i >= 0; i--) {
         _mm_storeu_si128((__m128i *)k->powers[i], power);
+        __m128i swapped = _mm_shuffle_epi32(power, 0x4e);
+        _mm_storeu_si128((__m128i *)k->halves[i], _mm_xor_si128(power, swapped));
         power = multiply(power, h);
     }
 }
@@ -97,7 +99,7 @@ TARGET void oc_fast_gmac_init(oc_fast_gmac *k, const uint8_t key[16]) {
 TARGET static __m128i stride_of_blocks(const oc_fast_gmac *k, __m128i y, const uint8_t *p) {
     const __m256i order = _mm256_broadcastsi128_si256(
         _mm_set_epi8(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
-    __m256i lo = _mm256_setzero_si256(), halves = lo, hi = lo;
+    __m256i lo = _mm256_setzero_si256(), cross = lo, hi = lo;
     for (int j = 0; j < OC_GHASH_STRIDE / 2; j++) {
         __m256i d = _mm256_shuffle_epi8(_mm256_loadu_si256((const __m256i *)(p + 32 * j)), order);
         if (j == 0) d = _mm256_xor_si256(d, _mm256_zextsi128_si256(y));
@@ -105,10 +107,10 @@ TARGET static __m128i stride_of_blocks(const oc_fast_gmac *k, __m128i y, const u
         lo = _mm256_xor_si256(lo, _mm256_clmulepi64_epi128(d, h, 0x00));
         hi = _mm256_xor_si256(hi, _mm256_clmulepi64_epi128(d, h, 0x11));
         __m256i dh = _mm256_xor_si256(d, _mm256_shuffle_epi32(d, 0x4e));
-        __m256i hh = _mm256_xor_si256(h, _mm256_shuffle_epi32(h, 0x4e));
-        halves = _mm256_xor_si256(halves, _mm256_clmulepi64_epi128(dh, hh, 0x00));
+        __m256i hh = _mm256_loadu_si256((const __m256i *)k->halves[2 * j]);
+        cross = _mm256_xor_si256(cross, _mm256_clmulepi64_epi128(dh, hh, 0x00));
     }
-    __m256i mid = _mm256_xor_si256(halves, _mm256_xor_si256(lo, hi));
+    __m256i mid = _mm256_xor_si256(cross, _mm256_xor_si256(lo, hi));
 #define LANES(v) _mm_xor_si128(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1))
     return reduce(LANES(lo), LANES(mid), LANES(hi));
 #undef LANES

@@ -19,6 +19,7 @@
 
 typedef struct {
     uint8_t powers[OC_GHASH_STRIDE][16]; /* H^16 .. H^1, byte-reversed as the multiplies take them */
+    uint8_t halves[OC_GHASH_STRIDE][16]; /* each power's two halves added, for Karatsuba */
     uint8_t round_keys[11][16];   /* AES-128's */
 } oc_fast_gmac;
 
