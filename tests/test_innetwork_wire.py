@@ -96,6 +96,16 @@ def test_a_dead_aggregator_is_an_error_on_every_rank_in_bounded_time():
         assert name == "PeerFailureError" and "aggregator" in message, message
 
 
+def test_one_dead_aggregator_of_two_is_named_on_every_rank():
+    with Cluster(3, 200_000_000, aggregators=2) as cluster:
+        switches = cluster.start_switches(shards=2)
+        second = cluster.switch.split(",")[1]
+        results = cluster.run(kill_mid_reduction, args=(0, switches[1].pid), timeout=60)
+    for name, message in results:
+        assert name == "PeerFailureError", message
+        assert f"the aggregator at {second} " in message, message
+
+
 def two_at_once(rank):
     """Two communicators of one job, each with an in-network ReduceScatter in flight."""
     a = overcast.Communicator(name="a", timeout=60)

@@ -292,15 +292,17 @@ class Session:
                     self._send_control(Kind.ABORT, 0, peer, message)
         self.fail(error)
 
-    def peer_lost(self, peer: int) -> None:
-        """The engine lost the connection to `peer`; an error unless it said goodbye."""
+    def peer_lost(self, peer: int, where: str | None = None) -> None:
+        """The engine lost the connection to `peer` (an aggregator's at `where`, host:port); an
+        error unless it said goodbye."""
         self.lost_peers.add(peer)
         self.control = collections.deque((r, m) for r, m in self.control if r[1] != peer)
         if peer in self.closed_peers:
             return
         if is_aggregator(peer):
-            self.fail(PeerFailureError("lost the connection to the aggregator (overcast switch): "
-                                       "it exited or was killed"))
+            at = f" at {where}" if where else ""
+            self.fail(PeerFailureError(f"lost the connection to the aggregator{at} (overcast "
+                                       "switch): it exited or was killed"))
         else:
             self.fail(PeerFailureError(
                 f"lost the connection to rank {peer} (its process exited or was killed)"))
