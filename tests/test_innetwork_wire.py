@@ -1,6 +1,6 @@
 """In-network ReduceScatter through a real aggregator process on the emulated cluster: sums under
-injected loss, a dying aggregator, a rank killed mid-reduction, two communicators at once, memory
-within the pool, and the overlapped pair."""
+injected loss, a dying aggregator, one of two that dies or cannot be reached (named), a rank
+killed mid-reduction, two communicators at once, memory within the pool, and the pair."""
 
 import json
 import os
@@ -12,8 +12,9 @@ import pytest
 import overcast
 from conftest import root_only
 from overcast.cluster.launch import RankError
-from overcast.cluster.netns import Cluster
+from overcast.cluster.netns import Cluster, aggregator_address
 from overcast.transport.loss import LossSpec
+from overcast.wire.registration import DEFAULT_SWITCH_PORT
 
 pytestmark = root_only
 LOSSES = [LossSpec(0.0), LossSpec(0.01, seed=1), LossSpec(0.10, seed=2),
@@ -94,6 +95,29 @@ def test_a_dead_aggregator_is_an_error_on_every_rank_in_bounded_time():
         results = cluster.run(kill_mid_reduction, args=(0, switch.pid), timeout=60)
     for name, message in results:
         assert name == "PeerFailureError" and "aggregator" in message, message
+
+
+def innetwork_refusal(rank):
+    """Why this rank's in-network ReduceScatter failed."""
+    with overcast.Communicator(timeout=30) as comm:
+        world = comm.world_size
+        try:
+            comm.reduce_scatter(np.empty(1000, np.int64), inputs(rank, world, 1000, np.int64),
+                                algorithm="innetwork")
+        except overcast.OvercastError as err:
+            return str(err)
+        return ""
+
+
+def test_an_aggregator_of_two_that_cannot_be_reached_is_named_on_every_rank():
+    with Cluster(3, 200_000_000, aggregators=2) as cluster:
+        switch = cluster.start_switch(aggregator=0)
+        missing = f"{aggregator_address(1)}:{DEFAULT_SWITCH_PORT}"
+        results = cluster.run(innetwork_refusal, timeout=60,
+                              env={"OVERCAST_SWITCH": f"{cluster.switch},{missing}"})
+        cluster.stop_switch(switch)
+    for refused in results:
+        assert f"unavailable: cannot reach the aggregator at {missing}" in refused, refused
 
 
 def test_one_dead_aggregator_of_two_is_named_on_every_rank():
