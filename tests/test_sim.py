@@ -173,9 +173,11 @@ def overcast(*args):
 
 
 def test_plan_and_wide_simulate_print_what_they_promise():
-    """plan fits a terminal too, its reasons wrapped; --wide shows simulate's every column."""
+    """plan fits a terminal too, nothing cut short, its reasons wrapped; --wide shows
+    simulate's every column."""
     done = overcast("plan", "--preset", "ethernet-fat-tree", "--params", "7B", "--layers", "32")
     assert done.returncode == 0 and widest(done.stdout) <= 120, done.stdout + done.stderr
+    assert "\u2026" not in done.stdout, done.stdout
     done = overcast("simulate", "--nodes", "8", "--wide")
     assert done.returncode == 0 and "busiest link" in done.stdout and \
         "engine cores" in done.stdout, done.stdout + done.stderr

@@ -19,7 +19,10 @@ def table_of(title: str, spec: list[tuple], items, wide: bool = False,
     shown = [(name, cell) for name, cell, only_wide in spec if wide or not only_wide]
     t = Table(title=title)
     for name, _ in shown:
-        t.add_column(name, justify="left" if name in left else "right")
+        # to fit the width only a header of several words wraps (between them); names and
+        # one-word headers are never cut. --wide's every column may not fit: rich shares the cut
+        t.add_column(name, justify="left" if name in left else "right",
+                     no_wrap=not wide and (name in left or " " not in name))
     for item in items:
         t.add_row(*(cell(item) for _, cell in shown))
     return t

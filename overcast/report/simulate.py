@@ -101,9 +101,9 @@ def plan_table(doc: dict, wide: bool = False) -> Table:
             *((way, lambda p, way=way: seconds_text(p["ways"][way]["seconds"]), False)
               for way in ("rings", "rings-separate", "overcast")),
             ("speedup", lambda p: f"{p['speedup_over_rings']:.2f}x", False),
-            ("cores (native)", lambda p: f"{p['ways']['overcast']['engine_cores_native']:.1f}",
+            ("native cores", lambda p: f"{p['ways']['overcast']['engine_cores_native']:.1f}",
              False),
-            ("engines (offload)",
+            ("offload engines",
              lambda p: f"{p['ways']['overcast']['engine_cores_offload']:.2f}", False),
             ("aggregators", lambda p: f"{p['aggregators']['count']:,} x "
                                       f"{p['aggregators']['shards']}", True),
