@@ -33,7 +33,8 @@ def member(address: str, world: int, *, salt: bytes | None = None, src: int = 0,
     links = types.SimpleNamespace(world=world, udp=udp, multicast=None, mtu=mtu,
                                   sealer=Sealer(key, job, comm, src),
                                   opener=Opener(key, job, comm, Drops()), switches={},
-                                  endpoints=[], switch_slots=0, switch_error="unregistered")
+                                  switch_names={}, endpoints=[], switch_slots=0,
+                                  switch_error="unregistered")
     register_with_aggregators(links, address, HOSTILE, salt, 5.0)
     udp.close()
     return links

@@ -89,11 +89,8 @@ class Engine:
         self.sealer = links.sealer
         self.streams = {peer: Stream(sock, peer, links.opener)
                         for peer, sock in links.streams.items()}
-        self._aggregator_at: dict[int, str] = {}  # host:port, as OVERCAST_SWITCH names it
         for peer, sock in links.switches.items():  # kept open: an aggregator's death is seen at once
             self.streams[peer] = Stream(sock, peer, links.opener)
-            host, port = sock.getpeername()[:2]
-            self._aggregator_at[peer] = f"{host}:{port}"
         self._selector = selectors.DefaultSelector()
         self._masks: dict[int, int] = {}
         self._closed_bytes = [0, 0]  # bytes out, in, of streams already closed
@@ -272,7 +269,7 @@ class Engine:
             stream.read(lambda hdr, payload: deliver(Run.one(hdr, payload)))
         except StreamClosed:
             self._drop_stream(stream)
-            self.session.peer_lost(stream.peer, self._aggregator_at.get(stream.peer))
+            self.session.peer_lost(stream.peer, self.links.switch_names.get(stream.peer))
 
     def _flush(self, stream: Stream) -> None:
         written = None
@@ -287,7 +284,7 @@ class Engine:
             self._read(stream)
             if stream.peer in self.streams:
                 self._drop_stream(stream)
-                self.session.peer_lost(stream.peer, self._aggregator_at.get(stream.peer))
+                self.session.peer_lost(stream.peer, self.links.switch_names.get(stream.peer))
             return
         want = selectors.EVENT_READ | (selectors.EVENT_WRITE if stream.queued_bytes else 0)
         if self._masks.get(stream.peer) != want:

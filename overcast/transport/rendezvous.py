@@ -67,10 +67,11 @@ class Links:
     group: tuple[str, int]
     multicast: socket.socket | None
     multicast_error: str | None
-    # The registration streams to the aggregators (kept open: their closing says one died), by
-    # the id of each one's first endpoint, and the aggregator endpoints in-network reductions
-    # are striped over, by stripe.
+    # The registration streams to the aggregators (kept open: their closing says one died) and
+    # their host:port as OVERCAST_SWITCH names them, by the id of each one's first endpoint, and
+    # the aggregator endpoints in-network reductions are striped over, by stripe.
     switches: dict[int, socket.socket] = dataclasses.field(default_factory=dict)
+    switch_names: dict[int, str] = dataclasses.field(default_factory=dict)
     endpoints: list[tuple[str, int]] = dataclasses.field(default_factory=list)
     switch_slots: int = 0
     switch_error: str | None = "no aggregator configured (set OVERCAST_SWITCH=host:port)"
@@ -377,7 +378,7 @@ def register_with_aggregators(links: Links, spec: str, secret: bytes, salt: byte
         if error is not None:
             for sock in links.switches.values():
                 sock.close()
-            links.switches, links.endpoints, links.switch_slots = {}, [], 0
+            links.switches, links.switch_names, links.endpoints, links.switch_slots = {}, {}, [], 0
             links.switch_error = error
             return
     links.switch_error = None
@@ -425,6 +426,7 @@ def _register(links: Links, host: str, port: int, secret: bytes, salt: bytes,
         sock.close()
         return f"registration with the aggregator at {host}:{port} failed: {err}"
     links.switches[endpoint(first)] = sock
+    links.switch_names[endpoint(first)] = f"{host}:{port}"
     links.endpoints += [(host, p) for p in ports]
     links.switch_slots = min(links.switch_slots or slots, slots)
     return None
