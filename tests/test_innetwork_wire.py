@@ -1,6 +1,7 @@
 """In-network ReduceScatter through a real aggregator process on the emulated cluster: sums under
-injected loss, a dying aggregator, one of two that dies or cannot be reached (named), a rank
-killed mid-reduction, two communicators at once, memory within the pool, and the pair."""
+injected loss, a dying aggregator, one of two that dies or cannot be reached (named), ranks that
+name two in different orders, a rank killed mid-reduction, two communicators at once, memory
+within the pool, and the pair."""
 
 import json
 import os
@@ -118,6 +119,24 @@ def test_an_aggregator_of_two_that_cannot_be_reached_is_named_on_every_rank():
         cluster.stop_switch(switch)
     for refused in results:
         assert f"unavailable: cannot reach the aggregator at {missing}" in refused, refused
+
+
+def innetwork_refusal_reversed(rank, spec):
+    """innetwork_refusal, rank 2 naming the aggregators in the other order."""
+    if rank == 2:
+        os.environ["OVERCAST_SWITCH"] = ",".join(reversed(spec.split(",")))
+    return innetwork_refusal(rank)
+
+
+def test_ranks_that_name_the_aggregators_in_different_orders_are_refused_saying_so():
+    with Cluster(3, 200_000_000, aggregators=2) as cluster:
+        switches = cluster.start_switches(shards=1)
+        results = cluster.run(innetwork_refusal_reversed, args=(cluster.switch,), timeout=60)
+        for switch in switches:
+            cluster.stop_switch(switch)
+    for refused in results:
+        assert "refused this communicator" in refused and \
+            "must name the same aggregators in the same order on every rank" in refused, refused
 
 
 def test_one_dead_aggregator_of_two_is_named_on_every_rank():
