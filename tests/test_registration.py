@@ -1,6 +1,8 @@
 """A keyed job member registering what the aggregator cannot hold: each registration is refused
 to its connection alone, with the reason the rank reports, and the aggregator goes on serving
-another job's collectives bit-exact, its pools within the budget it was given."""
+another job's collectives bit-exact, its pools within the budget it was given. And aggregators
+a rank cannot use (a malformed or unresolvable name, nothing listening) are the reason it
+reports, not an exception out of its rendezvous."""
 
 import json
 import os
@@ -8,6 +10,7 @@ import socket
 import types
 
 import numpy as np
+import pytest
 
 import overcast
 from overcast.cluster.launch import loopback_placements, run_ranks
@@ -147,3 +150,14 @@ def test_a_fault_on_one_registration_costs_that_connection_alone():
     assert service.drops["registration_error"] == 1
     for sock in second.switches.values():
         sock.close()
+
+
+@pytest.mark.parametrize("spec,reason", [
+    ("127.0.0.1:99999", "an aggregator is host[:port], not '127.0.0.1:99999'"),
+    ("a..b:18515", "cannot reach the aggregator at a..b:18515: "),  # no IDNA encoding
+    ("127.0.0.1:1", "cannot reach the aggregator at 127.0.0.1:1: "),
+])
+def test_an_aggregator_the_rank_cannot_use_is_its_reason(spec, reason):
+    links = member(spec, 2)
+    assert links.switch_error.startswith(reason), links.switch_error
+    assert links.switches == {} and links.endpoints == []

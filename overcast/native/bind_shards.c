@@ -1,6 +1,7 @@
 /* Shards: the aggregator service's data path over cores (shards.h). Python keeps the sockets
  * and the registration connections; every call here pauses the shards, does its work on every
- * engine, and lets them go, the GIL released while it waits for them to park. */
+ * engine, and lets them go, the GIL released while it waits for them to park. One thread drives
+ * them (pauses do not nest): a call from another thread meanwhile raises RuntimeError. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
@@ -12,6 +13,7 @@
 typedef struct {
     PyObject_HEAD
     oc_shards *shards;
+    int pausing; /* a call waits, the GIL released, for the shards to park */
 } Shards;
 
 static int Shards_init(Shards *self, PyObject *args, PyObject *kw) {
@@ -61,17 +63,23 @@ static void Shards_dealloc(Shards *self) {
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
-static int made(Shards *self) { return oc_py_usable(self->shards != NULL, 0, "shards"); }
+static int made(Shards *self) {
+    return oc_py_usable(self->shards != NULL, self->pausing, "shards");
+}
 
 /* Every engine to itself (the shards parked, at once if none has started), with the GIL
  * released while they park. */
 static void pause_all(Shards *self) {
+    self->pausing = 1;
     Py_BEGIN_ALLOW_THREADS
     oc_shards_pause(self->shards);
     Py_END_ALLOW_THREADS
 }
 
-static void resume_all(Shards *self) { oc_shards_resume(self->shards); }
+static void resume_all(Shards *self) {
+    oc_shards_resume(self->shards);
+    self->pausing = 0;
+}
 
 /* Starts the threads not started yet. */
 static PyObject *Shards_start(Shards *self, PyObject *Py_UNUSED(ignored)) {
@@ -217,6 +225,7 @@ static PyObject *Shards_counters(Shards *self, PyObject *Py_UNUSED(ignored)) {
 
 /* Stop the threads and free the engines; the sockets stay the caller's. */
 static PyObject *Shards_close(Shards *self, PyObject *Py_UNUSED(ignored)) {
+    if (!oc_py_usable(1, self->pausing, "shards")) return NULL;
     if (self->shards) {
         oc_shards *s = self->shards;
         self->shards = NULL;

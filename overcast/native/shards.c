@@ -1,6 +1,7 @@
 #define _GNU_SOURCE
 #include "shards.h"
 
+#include <errno.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
@@ -116,9 +117,11 @@ static void stop(oc_shards *s) {
 
 int oc_shards_start(oc_shards *s) {
     for (; s->started < s->n; s->started++) {
-        if (pthread_create(&s->shard[s->started].thread, NULL, serve_shard,
-                           &s->shard[s->started])) {
+        int failed = pthread_create(&s->shard[s->started].thread, NULL, serve_shard,
+                                    &s->shard[s->started]);
+        if (failed) {
             stop(s);
+            errno = failed; /* pthread_create returns its error, leaving errno as it was */
             return -1;
         }
         /* named for top -H and perf; a name that does not take costs nothing else */

@@ -29,8 +29,8 @@ typedef struct oc_shards oc_shards;
  * slots whose reductions expire after `expiry` seconds; NULL if memory or an eventfd ran out.
  * The threads start with oc_shards_start. */
 oc_shards *oc_shards_new(uint32_t n, uint32_t slots, double expiry, const int *fds);
-/* Starts the threads not started yet: 0, or -1 if one could not be (those that were are
- * stopped again). */
+/* Starts the threads not started yet: 0, or -1 with errno set if one could not be (those that
+ * were are stopped again). */
 int oc_shards_start(oc_shards *s);
 /* Returns once every shard started is parked (at once if none is): until oc_shards_resume, the
  * caller alone touches the engines (oc_shards_engine). Pauses do not nest. */

@@ -127,7 +127,6 @@ class SwitchService:
         self.ports = [sock.getsockname()[1] for sock in self.udp]
         self.shards = _core.Shards(slots, EXPIRY_SECONDS if expiry is None else expiry,
                                    [sock.fileno() for sock in self.udp])
-        self.shards.start()
         self.connections: dict[socket.socket, _Registration] = {}
         # what the control thread waits on: the listener, the registrations, the lifeline (a
         # pipe whose closing, its writer gone, stops the service), and a pair stop() writes to
@@ -141,6 +140,9 @@ class SwitchService:
             self._selector.register(lifeline, selectors.EVENT_READ)
         self.unregistered: set[_Registration] = set()
         self.stopped = False
+        # last: threads that read the sockets start once nothing above can fail and leave
+        # them reading sockets garbage collection closes
+        self.shards.start()
 
     # -- registration ----------------------------------------------------------------------
     def _accept(self) -> None:
@@ -208,16 +210,16 @@ class SwitchService:
         if nonce != reg.nonce:  # an authentic HELLO, from another connection: replayed
             self.drops["replayed"] += 1
             return False
+        try:  # results go where the registration came from, not where a HELLO says
+            ip = reg.sock.getpeername()[0]
+        except OSError:  # gone already: admit nothing no connection holds
+            return False
         try:
             comm = self._admit(hdr.job, salt, hdr.src, world, max_row, stripe, key)
         except Refusal as refusal:
             self.drops[f"refused_{refusal.reason.name.lower()}"] += 1
             self._say(reg, pack_refusal(derive_key(secret, salt, REFUSAL_LABEL), theirs,
                                         refusal.reason, str(refusal)))
-            return False
-        try:  # results go where the registration came from, not where a HELLO says
-            ip = reg.sock.getpeername()[0]
-        except OSError:
             return False
         self.shards.set_address(comm.handle, hdr.src, ip, udp_port, bool(hears_group))
         comm.conns.add(reg.sock)

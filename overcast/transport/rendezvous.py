@@ -389,7 +389,7 @@ def _register(links: Links, host: str, port: int, secret: bytes, salt: bytes,
     """Register with one aggregator, adding its endpoints to links; None, or why it failed."""
     try:
         sock = socket.create_connection((host, port), timeout=timeout)
-    except OSError as err:
+    except (OSError, UnicodeError) as err:  # UnicodeError: a name IDNA cannot encode
         return f"cannot reach the aggregator at {host}:{port}: {err}"
     try:
         deadline = time.monotonic() + timeout
