@@ -268,8 +268,7 @@ class Engine:
         try:
             stream.read(lambda hdr, payload: deliver(Run.one(hdr, payload)))
         except StreamClosed:
-            self._drop_stream(stream)
-            self.session.peer_lost(stream.peer, self.links.switch_names.get(stream.peer))
+            self._lose(stream)
 
     def _flush(self, stream: Stream) -> None:
         written = None
@@ -283,8 +282,7 @@ class Engine:
             # wait behind the failed write), and says why it went.
             self._read(stream)
             if stream.peer in self.streams:
-                self._drop_stream(stream)
-                self.session.peer_lost(stream.peer, self.links.switch_names.get(stream.peer))
+                self._lose(stream)
             return
         want = selectors.EVENT_READ | (selectors.EVENT_WRITE if stream.queued_bytes else 0)
         if self._masks.get(stream.peer) != want:
@@ -321,6 +319,12 @@ class Engine:
         counts them for the trace)."""
         code = self._routes.get(route, _core.ROUTE_RANK)
         self.plane.send(code, messages)
+
+    def _lose(self, stream: Stream) -> None:
+        """The connection to stream's peer went: drop it and tell the session (an aggregator by
+        the host:port its registration named)."""
+        self._drop_stream(stream)
+        self.session.peer_lost(stream.peer, self.links.switch_names.get(stream.peer))
 
     def _drop_stream(self, stream: Stream) -> None:
         if self.streams.pop(stream.peer, None) is not None:
