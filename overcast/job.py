@@ -14,6 +14,7 @@ from overcast.comm import Communicator
 from overcast.errors import OvercastError
 from overcast.switch.launch import SwitchStartError, start_switch, stop_switch
 from overcast.transport.rendezvous import local_address, meeting_host
+from overcast.transport.store import forget
 
 # How long rank 0 waits for the other ranks, before stopping the aggregator it started or before
 # failing when it could not start one (a rank that died never answers).
@@ -30,19 +31,22 @@ class JobSwitch:
 
     def wait_for_others(self, what: str) -> None:
         """Until every other rank has said `what`, or CLOSE_WAIT_SECONDS: rank 0 serves the
-        store, so it must not leave before they have read what they need from it."""
+        store, so it must not leave before they have read what they need from it. Their words
+        are deleted after."""
+        keys = [f"{self.key}{what}/{r}" for r in range(1, self.world)]
         try:
-            self.store.wait([f"{self.key}{what}/{r}" for r in range(1, self.world)],
-                            datetime.timedelta(seconds=CLOSE_WAIT_SECONDS))
+            self.store.wait(keys, datetime.timedelta(seconds=CLOSE_WAIT_SECONDS))
         except RuntimeError:  # torch's DistStoreError on timeout: a rank that died or hangs
             pass
+        forget(self.store, keys)
 
-    def close(self, rank: int) -> None:
+    def close(self, rank: int, wait_for_peers: bool = True) -> None:
         if self.proc is None:
             self.store.set(f"{self.key}closed/{rank}", b"1")
             return
         try:
-            self.wait_for_others("closed")
+            if wait_for_peers:
+                self.wait_for_others("closed")
         finally:
             stop_switch(self.proc)
 
@@ -58,20 +62,24 @@ class GroupCommunicator:
     secret_hex: str
     switch: str | None
 
-    def close(self) -> None:
+    def close(self, wait_for_peers: bool = True) -> None:
+        """Close the communicator, then the aggregator rank 0 started: once every other rank
+        has closed (CLOSE_WAIT_SECONDS at most), or at once if not `wait_for_peers` (the job
+        was aborted: no rank waits for a result)."""
         try:
             self.comm.close()
         finally:
             if self.job_switch is not None:
-                self.job_switch.close(self.comm.rank)
+                self.job_switch.close(self.comm.rank, wait_for_peers)
 
 
 def agreed_name(store, base: str, world: int) -> str:
-    """`base` made unique in `store` by how many communicators of that base met there before,
-    the same number on every member rank: each adds one, and all of a group's ranks have added
-    before any of them can meet under that base again."""
-    count = store.add(f"overcast/{base}/members", 1)
-    return f"{base}-{(count - 1) // world}"
+    """`base` made unique in `store` by how many communicators of that base and world size met
+    there before, the same number on every member rank: each adds one, and all of a group's
+    ranks have added before any of them can meet under that base again (a count per world size,
+    so that a store reused by jobs of other sizes does not split the ranks)."""
+    count = store.add(f"overcast/{base}/members/{world}", 1)
+    return f"{base}-{world}-{(count - 1) // world}"
 
 
 def group_communicator(store, rank: int, world: int, base: str, *, in_network: bool,
@@ -99,6 +107,7 @@ def group_communicator(store, rank: int, world: int, base: str, *, in_network: b
             except (SwitchStartError, OSError) as err:
                 store.set(key + "switch", f"error: rank 0 could not start an aggregator: {err}")
                 job_switch.wait_for_others("read")
+                forget(store, [key + "secret", key + "switch"])
                 raise
         store.set(key + "switch", switch or "")
     else:
@@ -115,4 +124,6 @@ def group_communicator(store, rank: int, world: int, base: str, *, in_network: b
         if job_switch is not None and job_switch.proc is not None:
             stop_switch(job_switch.proc)
         raise
+    if rank == 0:  # every rank has met every other: each has read these
+        forget(store, [key + "secret", key + "switch"])
     return GroupCommunicator(comm, job_switch, secret_hex, switch or None)

@@ -3,11 +3,12 @@ overcast Communicator per group.
 
 torch calls the methods below from Python (dist.all_reduce...) and from C++ (DDP's reducer,
 FSDP2, functional collectives); each returns a dist.Work whose future's value is the call's
-outputs. The group's one worker thread runs the calls in the order they were made, the same
-order on every rank, so that a collective made of several overcast collectives (all_reduce's
-pieces, all_to_all's exchange of sizes) keeps its sequence numbers together; inside one call,
-overcast's collectives run several at a time (the full-duplex all_reduce's point). A call made
-by a callback of the group's own call (a DDP comm hook) runs at once, on that thread.
+outputs. The group's worker thread runs the calls one at a time in the order they were made,
+the same order on every rank, so that a collective made of several overcast collectives
+(all_reduce's pieces, all_to_all's exchange of sizes) keeps its sequence numbers together;
+inside one call, overcast's collectives run several at a time (the full-duplex all_reduce's
+point). Futures complete on another thread, so a callback may wait for any later call
+(overcast/distributed/calls.py).
 
 Bad arguments raise InvalidArgumentError from the call on the rank that gave them and leave the
 group usable, as gloo does; nothing of such a call reaches the network.
@@ -24,7 +25,6 @@ import contextlib
 import functools
 import json
 import os
-import queue
 import threading
 import weakref
 
@@ -34,7 +34,8 @@ import torch.distributed as dist
 
 from overcast.buffers import DTYPES, SUMMING_OPS, as_array
 from overcast.comm import ALGORITHMS
-from overcast.errors import CollectiveTimeoutError, CommunicatorClosedError, InvalidArgumentError
+from overcast.distributed.calls import Calls, mapped
+from overcast.errors import InvalidArgumentError
 from overcast.job import GroupCommunicator, group_communicator
 from overcast.staging import Staging, device_of, process_pool
 from overcast.torch_api import premul_factor
@@ -102,21 +103,6 @@ def _contiguous(t: torch.Tensor):
         t.copy_(work)
 
 
-def _seconds(timeout) -> float | None:
-    """A Work.wait timeout (a timedelta, or seconds) in seconds; None for none (torch's 0)."""
-    if timeout is None:
-        return None
-    seconds = timeout.total_seconds() if hasattr(timeout, "total_seconds") else float(timeout)
-    return seconds if seconds > 0 else None
-
-
-def _tensors(result) -> list[torch.Tensor]:
-    """A call's outputs (a tensor list, or a list of lists) as one flat list."""
-    if result is None:
-        return []
-    return [t for item in result for t in (item if isinstance(item, (list, tuple)) else [item])]
-
-
 def _leaves(value) -> list[torch.Tensor]:
     """Every tensor in `value` (a tensor, or lists of them, or None)."""
     if isinstance(value, torch.Tensor):
@@ -124,15 +110,6 @@ def _leaves(value) -> list[torch.Tensor]:
     if isinstance(value, (list, tuple)):
         return [t for v in value for t in _leaves(v)]
     return []
-
-
-def _mapped(value, fn):
-    """`value` (a tensor, or lists of them, or None) with fn applied to every tensor."""
-    if isinstance(value, torch.Tensor):
-        return fn(value)
-    if isinstance(value, (list, tuple)):
-        return [_mapped(v, fn) for v in value]
-    return value
 
 
 # What a collective does with each of its tensor arguments, in order: "in" is read, "out"
@@ -154,7 +131,7 @@ def _staged(*roles: str):
                 return method(self, *args, **kwargs)
             staging = Staging(device, self._side_stream(device), process_pool())
             try:
-                host = [_mapped(a, lambda t, role=role: staging.twin(t, **_ROLES[role]))
+                host = [mapped(a, lambda t, role=role: staging.twin(t, **_ROLES[role]))
                         for a, role in zip(given, roles)]
                 staging.sealed()
                 self._calling.staging = staging
@@ -169,158 +146,82 @@ def _staged(*roles: str):
     return wrap
 
 
-class _Work(dist._Work):
-    """A call's handle, as gloo's: wait() raises what the call raised (a Work made by torch from
-    a Future alone returns True whatever happened), and honours its timeout; the future's value
-    is the call's outputs, so DDP's comm hooks chain on it."""
-
-    def __init__(self, what: str, result, staging: Staging | None = None):
-        super().__init__()
-        self._what, self._result, self._staging = what, result, staging
-        # on a GPU, the future records an event on the side stream when it completes, and a
-        # value() or wait() of it makes the then-current stream wait for it
-        self._fut = torch.futures.Future(devices=[staging.device] if staging else None)
-        self._done = threading.Event()
-        self._error: BaseException | None = None
-
-    def _finish(self, error: BaseException | None) -> None:
-        """Complete it; the future's callbacks run here, on this thread (the future is done
-        while they run, so one that waits on this Work returns)."""
-        self._error = error
-        try:
-            with (torch.cuda.stream(self._staging.stream) if self._staging else
-                  contextlib.nullcontext()):
-                if error is None:
-                    self._fut.set_result(self._result)
-                else:
-                    self._fut.set_exception(error)
-        finally:
-            self._done.set()
-
-    def wait(self, timeout=None) -> bool:
-        seconds = _seconds(timeout)
-        if not (self._fut.done() or self._done.wait(seconds)):
-            raise CollectiveTimeoutError(f"{self._what} not complete after {seconds} s "
-                                         f"(the timeout given to wait(); the call goes on)")
-        if self._error is not None:
-            raise self._error
-        self.synchronize()
-        return True
-
-    def is_completed(self) -> bool:
-        return self._fut.done()
-
-    def is_success(self) -> bool:
-        return self._fut.done() and self._error is None
-
-    def exception(self) -> BaseException | None:
-        return self._error
-
-    def result(self) -> list[torch.Tensor]:
-        """The call's output tensors, once it completed."""
-        self.wait()
-        return _tensors(self._result)
-
-    def synchronize(self) -> None:
-        """Make the current stream wait for the copies of a completed call's CUDA outputs back
-        to the GPU (nothing to order on CPU tensors)."""
-        if self._staging is not None and self._done.is_set():
-            self._staging.order_caller()
-
-    def get_future(self) -> torch.futures.Future:
-        return self._fut
+# How long abort() waits for the group to close: its calls failed, its communicators closed,
+# the aggregator rank 0 started stopped.
+ABORT_SECONDS = 15.0
 
 
-class _Worker:
-    """One thread that runs the group's calls in the order they were made, each completing its
-    Work (whose future's callbacks then run on this thread)."""
+class _Lifetime:
+    """A group from open through closing to closed, ended by whichever comes first: shutdown(),
+    destroy_process_group, abort(), or the exit (a finalizer: this holds no reference to the
+    group). It owns the group's calls, its communicator, and (to abort them with it) overlap()'s
+    companions over the group."""
 
-    def __init__(self, name: str):
-        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+    def __init__(self, calls: Calls, group: GroupCommunicator, seconds: float):
+        self.calls, self.group, self.seconds = calls, group, seconds
+        self.companions: weakref.WeakSet = weakref.WeakSet()
         self._lock = threading.Lock()
-        self._closed = False
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
+        self._state = "open"
+        self._closed = threading.Event()
 
-    def submit(self, what: str, fn, result, staging: Staging | None = None) -> _Work:
-        work = _Work(what, result, staging)
-        if threading.current_thread() is self._thread:
-            # A callback of one of this group's calls (a DDP comm hook's then(), as PowerSGD's)
-            # issued another: run it now. Queued, it would wait behind the call whose callback
-            # waits for it. Every rank runs it at the same point: as that call completes.
-            self._execute(fn, work)
-            return work
+    def _begin(self) -> bool:
+        """Open to closing; False if it was not open."""
         with self._lock:
-            if self._closed:
-                raise CommunicatorClosedError(f"{what}: the overcast process group is shut down")
-            self._calls.put((fn, work))
-        return work
-
-    @staticmethod
-    def _execute(fn, work: _Work) -> None:
-        staging = work._staging
-        try:
-            if staging is not None:
-                staging.arrived()
-            fn()
-            if staging is not None:
-                work._result = _copied_out(work._result, staging)
-        except BaseException as err:  # the caller's wait() raises it
-            work._finish(err)
-        else:
-            work._finish(None)
-        finally:
-            if staging is not None:
-                staging.release()
-
-    def _run(self) -> None:
-        while (call := self._calls.get()) is not None:
-            self._execute(*call)
-
-    def stop(self, seconds: float) -> bool:
-        """Take no more calls, run those queued; True once they have run, False if one is still
-        running after `seconds`."""
-        with self._lock:
-            if not self._closed:
-                self._closed = True
-                self._calls.put(None)
-        if self._thread is threading.current_thread():
+            if self._state != "open":
+                return False
+            self._state = "closing"
             return True
-        self._thread.join(seconds)
-        return not self._thread.is_alive()
 
+    def close(self) -> None:
+        """Close once: the calls made run first, for half the group's timeout at most; then the
+        communicator closes under them, failing them on every rank. A second caller waits for
+        the first (the group's timeout at most)."""
+        if self._begin():
+            self._close(aborted=False)
+        else:
+            self._closed.wait(self.seconds)
 
-def _copied_out(result, staging: Staging):
-    """A staged call's outputs on its GPU, their copies back queued: each host twin its CUDA
-    tensor; a tensor the call made on the host (all_gather's stacked value), a new one there."""
-    made: list[tuple[torch.Tensor, torch.Tensor]] = []
+    def abort(self, reason: str) -> None:
+        """Fail every call in flight now, on every rank, unless closed; close (on a thread of its
+        own, so that a call stuck outside the network cannot hold this), waiting ABORT_SECONDS
+        at most."""
+        with self._lock:
+            closed = self._state == "closed"
+        if not closed:
+            for comm in [self.group.comm, *self.companions]:
+                comm.abort(reason)
+        if self._begin():
+            threading.Thread(target=self._close, args=(True,), daemon=True,
+                             name="overcast-abort").start()
+        self._closed.wait(ABORT_SECONDS)
 
-    def on_device(host: torch.Tensor) -> torch.Tensor:
-        original = staging.original(host)
-        if original is None:
-            with torch.cuda.stream(staging.stream):  # its memory belongs to the side stream
-                original = torch.empty(host.shape, dtype=host.dtype, device=staging.device)
-            made.append((host, original))
-        return original
-    value = _mapped(result, on_device)
-    staging.copy_out(made)
-    return value
-
-
-def _close(worker: _Worker, group: GroupCommunicator, seconds: float) -> None:
-    """Stop the worker and close the communicator and, on rank 0, the aggregator it started;
-    when the group is destroyed, shut down or aborted, or at exit. The calls queued run first,
-    for half the group's timeout at most: then the communicator closes under them, failing
-    them on every rank."""
-    try:
-        if not worker.stop(seconds / 2):
-            group.comm.close()
-            worker.stop(seconds / 4)
-    finally:
+    def _close(self, aborted: bool) -> None:
         try:
-            group.close()
-        except Exception:  # at exit the store's host may be gone; nothing waits for us
-            pass
+            if not self.calls.stop(self.seconds / 2):
+                self.group.comm.close()
+                self.calls.stop(self.seconds / 4)
+        finally:
+            try:  # aborted, every rank fails without the aggregator: stop it now
+                self.group.close(wait_for_peers=not aborted)
+            except Exception:  # at exit the store's host may be gone; nothing waits for us
+                pass
+            with self._lock:
+                self._state = "closed"
+            self._closed.set()
+
+
+def _gathered_json(comm, value) -> list:
+    """Every rank's `value` (JSON), in rank order: two ring all_gathers over `comm`."""
+    data = np.frombuffer(json.dumps(value).encode(), np.uint8)
+    sizes = np.empty(comm.world_size, np.int64)
+    comm.all_gather(sizes, np.array([data.size], np.int64))
+    width = int(sizes.max())
+    padded = np.zeros(width, np.uint8)
+    padded[:data.size] = data
+    gathered = np.empty(comm.world_size * width, np.uint8)
+    comm.all_gather(gathered, padded)
+    return [json.loads(gathered[r * width:r * width + int(n)].tobytes())
+            for r, n in enumerate(sizes)]
 
 
 class ProcessGroupOvercast(dist.ProcessGroup):
@@ -349,35 +250,41 @@ class ProcessGroupOvercast(dist.ProcessGroup):
                                          in_network=in_network, timeout=timeout,
                                          fail_peers_on_bad_input=False)
         self.communicator = self._group.comm
-        self.fallbacks: dict[str, str] = {}  # why "auto" runs the ring, by collective
-        self.algorithms = self._agree_auto(chosen)
-        self._worker = _Worker(f"overcast-{self.communicator.name}")
+        try:
+            self.fallbacks: dict[str, str] = {}  # why "auto" runs the ring, by collective
+            self.algorithms = self._agree(chosen)
+        except BaseException:
+            self._group.close(wait_for_peers=False)
+            raise
         self._calling = threading.local()  # the staging of the CUDA call being made, if any
         self._side_streams: dict[torch.device, object] = {}
-        self._finalizer = weakref.finalize(self, _close, self._worker, self._group, timeout)
+        self._calls = Calls(f"overcast-{self.communicator.name}")
+        self._lifetime = _Lifetime(self._calls, self._group, timeout)
+        self._finalizer = weakref.finalize(self, self._lifetime.close)
 
-    def _agree_auto(self, chosen: dict[str, str]) -> dict[str, str]:
-        """The algorithms, "auto" resolved alike on every rank: the fastest unless any rank
-        cannot run it (its multicast join or its registration with the aggregator failed),
-        the ring otherwise. Ranks meet through the store: each says what it cannot run, rank 0
-        decides."""
-        comm, store = self.communicator, self._store
-        auto = [c for c, a in chosen.items() if a == "auto"]
-        mine = {c: comm.unavailable(c, FASTEST[c]) for c in auto}
-        if comm.world_size > 1 and auto:
-            key = f"overcast/{comm.name}/auto/"
-            store.set(f"{key}{comm.rank}", json.dumps(mine))
-            if comm.rank == 0:
-                reasons: dict[str, str] = {}
-                for r in range(comm.world_size):
-                    for c, why in json.loads(bytes(store.get(f"{key}{r}"))).items():
-                        if why and c not in reasons:
-                            reasons[c] = f"rank {r}: {why}"
-                store.set(key + "agreed", json.dumps(reasons))
-            else:
-                reasons = json.loads(bytes(store.get(key + "agreed")))
-        else:
-            reasons = {c: why for c, why in mine.items() if why}
+    def _agree(self, chosen: dict[str, str]) -> dict[str, str]:
+        """The algorithms, alike on every rank: each rank's choices must be rank 0's; "auto"
+        resolves to the fastest unless any rank cannot run it (its multicast join or its
+        registration with the aggregator failed), to the ring otherwise. The ranks tell each
+        other over the communicator itself, so nothing is left in the store."""
+        comm = self.communicator
+        mine = {"chosen": chosen, "cannot": {c: comm.unavailable(c, FASTEST[c])
+                                             for c, a in chosen.items() if a == "auto"}}
+        said = _gathered_json(comm, mine) if comm.world_size > 1 else [mine]
+        for r, theirs in enumerate(said):
+            differ = [c for c in chosen if theirs["chosen"][c] != said[0]["chosen"][c]]
+            if differ:
+                raise InvalidArgumentError(
+                    "the ranks choose different algorithms: rank 0 has " +
+                    ", ".join(f"{ALGORITHM_ENV[c]}={said[0]['chosen'][c]}" for c in differ) +
+                    f", rank {r} " + ", ".join(f"{ALGORITHM_ENV[c]}={theirs['chosen'][c]}"
+                                               for c in differ) +
+                    "; set them alike on every rank")
+        reasons: dict[str, str] = {}
+        for r, theirs in enumerate(said):
+            for c, why in theirs["cannot"].items():
+                if why and c not in reasons:
+                    reasons[c] = f"rank {r}: {why}" if comm.world_size > 1 else why
         self.fallbacks = reasons
         return {c: ("ring" if c in reasons else FASTEST[c]) if a == "auto" else a
                 for c, a in chosen.items()}
@@ -388,10 +295,12 @@ class ProcessGroupOvercast(dist.ProcessGroup):
         its aggregator and secret: for a caller that posts collectives from its own thread
         (overlap()), so that each communicator has one issuing order on every rank. Call it on
         every rank of the group; close it before the group."""
-        return group_communicator(self._store, self.rank(), self.size(),
+        made = group_communicator(self._store, self.rank(), self.size(),
                                   f"{self.communicator.name}-companion",
                                   in_network=in_network, secret_hex=self._group.secret_hex,
                                   switch=self._group.switch, timeout=self._timeout, trace=trace)
+        self._lifetime.companions.add(made.comm)
+        return made
 
     def _algorithm(self, collective: str, op: str) -> str:
         """The group's algorithm for a reduction, or the ring for ops the network cannot do."""
@@ -422,16 +331,15 @@ class ProcessGroupOvercast(dist.ProcessGroup):
         return self._group_desc
 
     def shutdown(self) -> None:
-        """Run the calls queued (for half the group's timeout at most), then close the
+        """Run the calls made (for half the group's timeout at most), then close the
         communicator: destroy_process_group, or by hand. Later calls raise."""
-        self._finalizer()
+        self._lifetime.close()
 
     def abort(self) -> None:
         """End every call in flight now, on every rank of the group (theirs fail naming this
-        rank), and close: torch's _abort_process_group."""
-        if self._finalizer.alive:
-            self.communicator.abort("the process group was aborted")
-        self._finalizer()
+        rank), overlap()'s over the group too, and close, within ABORT_SECONDS: torch's
+        _abort_process_group, whether the group is open or closing."""
+        self._lifetime.abort("the process group was aborted")
 
     # -- plumbing --------------------------------------------------------------------------
     def _side_stream(self, device: torch.device):
@@ -442,7 +350,7 @@ class ProcessGroupOvercast(dist.ProcessGroup):
         return stream
 
     def _submit(self, what: str, fn, result) -> dist.Work:
-        return self._worker.submit(what, fn, result, getattr(self._calling, "staging", None))
+        return self._calls.submit(what, fn, result, getattr(self._calling, "staging", None))
 
     def _all_reduce(self, t: torch.Tensor, op) -> None:
         name, factor = _reduce_op(op)

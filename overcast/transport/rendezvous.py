@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from overcast.errors import OvercastError
 from overcast.transport.datagram import (chunk_bytes, multicast_group, open_multicast,
                                          path_mtu, prepare_sender)
-from overcast.transport.store import (StoreClient, StoreError, StoreServer, connect_until,
+from overcast.transport.store import (StoreClient, StoreError, StoreServer, connect_until, forget,
                                       read_exact)
 from overcast.wire.auth import Drops, Opener, Sealer, derive_key, frame_length, job_id_of
 from overcast.wire.header import (ANY, HEADER_BYTES, MAX_STRIPES, TAG_BYTES, Kind,
@@ -325,6 +325,9 @@ def rendezvous(rank: int, world: int, *, name: str = "default", store=None,
                                       f"{host}:{port}: {err}") from None
             streams[peer] = sock
         _accept_peers(listener, rank, world, opener, sealer, deadline, streams)
+        if not own_store:  # every rank has met every other: each has read these
+            forget(store, [f"{prefix}addr/{rank}"] +
+                   ([prefix + "salt", prefix + "secret"] if rank == 0 else []))
     except BaseException:
         for sock in streams.values():
             sock.close()

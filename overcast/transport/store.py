@@ -144,3 +144,15 @@ class StoreClient:
 
     def close(self) -> None:
         self._sock.close()
+
+
+def forget(store, keys: list[str]) -> None:
+    """Delete `keys` from a torch.distributed store: what a communicator's ranks said there to
+    meet, once all have read it, so that a job making many communicators does not grow its
+    store. Stores that cannot delete (this module's own, FileStore's) keep them."""
+    delete = getattr(store, "delete_key", None)
+    for key in keys if delete is not None else ():
+        try:
+            delete(key)
+        except (RuntimeError, NotImplementedError):  # its host gone; or it deletes nothing
+            pass

@@ -1,0 +1,250 @@
+"""How the "overcast" backend runs a group's calls, against gloo in the same job: in the order
+they are made, a call made from a callback included, whether the callback ran on the caller's
+thread (its call complete when it was attached) or later; callbacks that wait for later calls;
+a future the caller completed itself; abort() while the group is closing, and with overlap()'s
+companion; the ranks' settings told apart; and what a group leaves in the store."""
+
+import datetime
+import os
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import overcast.distributed  # noqa: F401  (registers the backend)
+from overcast.cluster.launch import loopback_placements, run_ranks
+from overcast.job import agreed_name
+from test_backend import LINK, start
+
+
+def late_callbacks(rank, backend):
+    """Each scenario on a group of `backend`, its results as lists. Ranks other than 0 attach
+    their callbacks before rank 0 has made its first call (so those run later, on whatever
+    thread completes the call); rank 0 attaches its own once its call is complete (so they run
+    at once, on its own thread). `sync` is a gloo group of its own for the ordering."""
+    sync = dist.new_group(backend="gloo")
+    group = dist.group.WORLD if backend == "overcast" else dist.new_group(backend="gloo")
+
+    def tensor(scale):
+        return torch.full((1000,), scale * (rank + 1), dtype=torch.int64)
+
+    a, b, c, d, e, f = (tensor(10 ** i) for i in range(6))
+    said = {}
+
+    def made(calls, callbacks):
+        """`calls()` then `callbacks(works)`: on ranks other than 0 both before rank 0 makes
+        its calls, on rank 0 once its first call is complete."""
+        if rank:
+            works = calls()
+            futures = callbacks(works)
+            dist.barrier(sync)
+        else:
+            dist.barrier(sync)
+            works = calls()
+            works[0].wait()
+            futures = callbacks(works)
+        return works, futures
+
+    # 1. the callback makes a call: it takes its place after b's on every rank
+    (_, wb), (issued,) = made(
+        lambda: [dist.all_reduce(a, group=group, async_op=True),
+                 dist.all_reduce(b, group=group, async_op=True)],
+        lambda works: [works[0].get_future().then(lambda _: dist.all_reduce(c, group=group))])
+    issued.wait()
+    wb.wait()
+    said["order"] = [a[0].item(), b[0].item(), c[0].item()]
+
+    # 2. callbacks that wait for a later call's Work, or its future, or make a call and wait
+    # for its future (PowerSGD's)
+    def waiting(works):
+        first, later = works
+        return [first.get_future().then(lambda _: later.wait()),
+                first.get_future().then(lambda _: later.get_future().wait()[0][0].item()),
+                first.get_future().then(lambda _: dist.all_reduce(
+                    f, group=group, async_op=True).get_future().wait()[0][0].item())]
+    _, futures = made(lambda: [dist.all_reduce(d, group=group, async_op=True),
+                               dist.all_reduce(e, group=group, async_op=True)], waiting)
+    said["waited"] = [fut.wait() for fut in futures]
+    said["sums"] = [d[0].item(), e[0].item(), f[0].item()]
+
+    # 3. callbacks never run on the thread that runs calls
+    where = []
+    _, (fut,) = made(lambda: [dist.all_reduce(tensor(1), group=group, async_op=True)],
+                     lambda works: [works[0].get_future().then(
+                         lambda _: where.append(threading.current_thread().name))])
+    fut.wait()
+    said["callback_thread"] = where
+    dist.destroy_process_group(sync)
+    if group is not dist.group.WORLD:
+        dist.destroy_process_group(group)
+    return said
+
+
+def against_gloo(rank):
+    start(timeout=30)
+    said = {backend: late_callbacks(rank, backend) for backend in ("gloo", "overcast")}
+    dist.destroy_process_group()
+    return said
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_calls_made_by_callbacks_take_their_place_and_may_wait_for_later_ones(world):
+    began = time.monotonic()
+    results = run_ranks(against_gloo, loopback_placements(world), timeout=60)
+    ranks = sum(range(1, world + 1))
+    for rank, said in enumerate(results):
+        assert said["overcast"]["order"] == said["gloo"]["order"] == [ranks, 10 * ranks,
+                                                                       100 * ranks]
+        assert said["overcast"]["sums"] == said["gloo"]["sums"] == [1000 * ranks,
+                                                                     10000 * ranks,
+                                                                     100000 * ranks]
+        assert said["overcast"]["waited"] == said["gloo"]["waited"] == [True, 10000 * ranks,
+                                                                         100000 * ranks]
+        where = said["overcast"]["callback_thread"]
+        assert where == ["MainThread" if rank == 0 else "overcast-pg-0-%d-0-completer" % world]
+    assert time.monotonic() - began < 60
+
+
+def completed_by_the_caller(rank):
+    """Rank 1 completes its call's future itself before the call can complete (rank 0 has not
+    made it): that call fails, and the group goes on."""
+    gloo = start(timeout=30)
+    t = torch.ones(10)
+    said = {}
+    if rank == 1:
+        work = dist.all_reduce(t, async_op=True)
+        work.get_future().set_result([t])
+    dist.barrier(gloo)
+    if rank == 0:
+        work = dist.all_reduce(t, async_op=True)
+    try:
+        work.wait(timeout=datetime.timedelta(seconds=20))
+        said["own"] = None
+    except Exception as err:
+        said["own"] = type(err).__name__
+    later = torch.full((10,), float(rank + 1))
+    dist.all_reduce(later, async_op=True).wait(timeout=datetime.timedelta(seconds=20))
+    said["later"] = later.tolist()
+    dist.destroy_process_group()
+    return said
+
+
+def test_a_future_completed_by_the_caller_fails_that_call_alone():
+    results = run_ranks(completed_by_the_caller, loopback_placements(2), timeout=60)
+    assert results[0]["own"] is None and results[1]["own"] == "RuntimeError"
+    for said in results:
+        assert said["later"] == [3.0] * 10
+
+
+def abort_while_closing(rank):
+    """Rank 0's call waits for rank 1, which never makes it; rank 0's group is shut down on a
+    thread (it waits for that call, half the group's timeout) and aborted meanwhile: abort()
+    returns soon, the call fails naming the abort, the shutdown ends, and overlap()'s companion
+    fails too; rank 1's next calls fail, naming it."""
+    gloo = start(timeout=30)
+    group = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=60))
+    companion = group.companion_communicator(in_network=False)
+    said = {}
+    if rank == 0:
+        work = dist.all_reduce(torch.ones(100), group=group, async_op=True)
+        on_companion = companion.comm.all_gather(torch.empty(2).numpy(),
+                                                 torch.ones(1).numpy(), async_op=True)
+        closing = threading.Thread(target=group.shutdown)
+        closing.start()
+        while group._lifetime._state == "open":  # until the shutdown has begun
+            time.sleep(0.01)
+        began = time.monotonic()
+        group.abort()
+        said["abort_seconds"] = time.monotonic() - began
+        closing.join(10)
+        said["shutdown_ended"] = not closing.is_alive()
+        for what, pending in [("call", work), ("companion", on_companion)]:
+            try:
+                pending.wait()
+            except Exception as err:
+                said[what] = str(err)
+        said["seconds"] = time.monotonic() - began
+        dist.barrier(gloo)
+    else:
+        dist.barrier(gloo)
+        for what, call in [("call", lambda: dist.all_reduce(torch.ones(100), group=group)),
+                           ("companion", lambda: companion.comm.all_gather(
+                               torch.empty(2).numpy(), torch.ones(1).numpy()))]:
+            try:
+                call()
+            except Exception as err:
+                said[what] = str(err)
+        group.shutdown()
+    companion.close()
+    dist.destroy_process_group()
+    return said
+
+
+def test_abort_while_the_group_closes_ends_its_calls_and_its_companions():
+    results = run_ranks(abort_while_closing, loopback_placements(2), timeout=60)
+    first = results[0]
+    assert first["abort_seconds"] < 15 and first["shutdown_ended"], first
+    assert first["seconds"] < 15, first
+    for said in results:
+        assert "aborted" in said["call"] and "aborted" in said["companion"], said
+
+
+def settings_differ(rank):
+    """Rank 1 runs every collective on the ring by its environment, rank 0 chooses "auto"."""
+    if rank == 1:
+        for env in ("OVERCAST_ALL_GATHER", "OVERCAST_REDUCE_SCATTER", "OVERCAST_ALL_REDUCE",
+                    "OVERCAST_BROADCAST"):
+            os.environ[env] = "ring"
+    began = time.monotonic()
+    try:
+        dist.init_process_group("overcast", timeout=datetime.timedelta(seconds=60))
+        said = None
+    except Exception as err:
+        said = [type(err).__name__, str(err)]
+    return said, time.monotonic() - began
+
+
+def test_ranks_whose_algorithms_differ_are_told_so_at_once():
+    for said, seconds in run_ranks(settings_differ, loopback_placements(2, LINK), timeout=60):
+        assert said[0] == "InvalidArgumentError", said
+        assert "rank 0 has OVERCAST_ALL_GATHER=auto" in said[1], said
+        assert "rank 1 OVERCAST_ALL_GATHER=ring" in said[1], said
+        assert seconds < 20
+
+
+def keys_left(rank):
+    """Keys a group leaves in the job's store, made and destroyed (with an aggregator rank 0
+    starts, and a companion), against what a gloo group leaves."""
+    start(timeout=30)
+    store = dist.distributed_c10d._get_default_store()
+    left = {}
+    for backend in ("gloo", "overcast"):
+        dist.barrier()
+        before = store.num_keys()
+        for _ in range(3):
+            group = dist.new_group(backend=backend)
+            t = torch.ones(1000)
+            dist.all_reduce(t, group=group)
+            if backend == "overcast":
+                companion = group.companion_communicator(in_network=True)
+                companion.close()
+            dist.destroy_process_group(group)
+        dist.barrier()
+        left[backend] = store.num_keys() - before
+    dist.destroy_process_group()
+    return left
+
+
+def test_a_group_leaves_one_key_in_the_store():
+    for left in run_ranks(keys_left, loopback_placements(3, LINK), timeout=120):
+        # per overcast group: its count of members, and the companion's
+        assert left["overcast"] <= left["gloo"] + 3 * 2, left
+
+
+def test_ranks_agree_on_names_in_a_store_reused_by_worlds_of_other_sizes():
+    store = dist.HashStore()
+    assert {agreed_name(store, "pg-0", 3) for _ in range(3)} == {"pg-0-3-0"}
+    assert {agreed_name(store, "pg-0", 2) for _ in range(2)} == {"pg-0-2-0"}
+    assert {agreed_name(store, "pg-0", 3) for _ in range(3)} == {"pg-0-3-1"}
