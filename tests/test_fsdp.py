@@ -5,6 +5,7 @@ import copy
 import importlib
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -16,7 +17,8 @@ from torch.distributed.fsdp import FSDPModule
 import overcast
 import overcast.fsdp
 from overcast.cluster.launch import RankError, loopback_placements, run_ranks
-from overcast.fsdp.collectives import premultiplied, reduce_op
+from overcast.engine.engine import Work
+from overcast.fsdp.collectives import _Posted, premultiplied, reduce_op
 from overcast.torch_api import collectives, own_reduce_scatter_group, param_groups, premul_sum
 
 HIDDEN = 37  # every unit's parameter count (37*37 = 1369; root 449) is divisible by no P in 2..4
@@ -499,3 +501,17 @@ def test_job_communicator_starts_the_aggregator_and_reduces_in_network():
     results = run_ranks(reduce_scatter_through_job_communicator, loopback_placements(3, LINK),
                         timeout=120)
     assert results == [[True, 3, True]] * 3
+
+
+def test_a_posted_collective_waits_its_timeout_in_all():
+    """wait(timeout) on a GPU collective the poster thread posts late: the timeout covers the
+    posting and the collective together (it used to wait it for each)."""
+    posted = _Posted("all_gather")
+    posted.work = Work(0, "all_gather")  # never completes
+    timer = threading.Timer(0.6, posted._posted.set)
+    timer.start()
+    began = time.monotonic()
+    with pytest.raises(TimeoutError):
+        posted.wait(1.0)
+    timer.join()
+    assert time.monotonic() - began < 1.4

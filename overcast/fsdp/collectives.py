@@ -25,6 +25,7 @@ from __future__ import annotations
 import collections
 import queue
 import threading
+import time
 
 import torch
 import torch.distributed as dist
@@ -125,11 +126,14 @@ class _Posted:
         self._posted = threading.Event()
 
     def wait(self, timeout: float | None = None) -> bool:
+        """Wait `timeout` seconds at most in all, for the posting and the collective."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         if not self._posted.wait(timeout):
             raise TimeoutError(f"{self.description} not posted after {timeout} s")
         if self.error is not None:
             raise self.error
-        return self.work.wait(timeout)
+        return self.work.wait(None if deadline is None else
+                              max(0.0, deadline - time.monotonic()))
 
     def is_completed(self) -> bool:
         return self._posted.is_set() and (self.error is not None or self.work.is_completed())
