@@ -6,6 +6,7 @@
 #include <Python.h>
 
 #include <arpa/inet.h>
+#include <errno.h>
 
 #include "binding.h"
 #include "shards.h"
@@ -47,8 +48,9 @@ static int Shards_init(Shards *self, PyObject *args, PyObject *kw) {
         }
     Py_DECREF(fast);
     self->shards = oc_shards_new((uint32_t)n, slots, expiry, ints);
-    if (self->shards == NULL) {
-        PyErr_NoMemory();
+    if (self->shards == NULL) { /* out of memory, or of descriptors (EMFILE) */
+        if (errno == ENOMEM) PyErr_NoMemory();
+        else PyErr_SetFromErrno(PyExc_OSError);
         return -1;
     }
     return 0;

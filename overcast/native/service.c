@@ -67,18 +67,27 @@ static int hold_off(const oc_agg *a, double until) {
     return nanosleep(&t, NULL) != 0 && errno == EINTR ? -1 : 0;
 }
 
-int oc_serve(oc_agg *a, oc_udp *u, const int *control, int ncontrol, double until,
-             oc_serve_stats *stats) {
-    /* epoll: a wake-up costs what is ready, not a look at every registration connection */
+int oc_serve_waiter(const oc_udp *u, const int *control, int ncontrol) {
+    /* epoll: a wake-up costs what is ready, not a look at every control descriptor */
     int ep = epoll_create1(EPOLL_CLOEXEC);
-    if (ep < 0) return OC_SERVE_ERROR;
+    if (ep < 0) return -1;
     struct epoll_event ev = {.events = EPOLLIN, .data.u32 = 0};
-    int result = OC_SERVE_DEADLINE;
-    if (epoll_ctl(ep, EPOLL_CTL_ADD, u->fd, &ev)) result = OC_SERVE_ERROR;
-    for (int i = 0; i < ncontrol && result != OC_SERVE_ERROR; i++) {
+    int failed = epoll_ctl(ep, EPOLL_CTL_ADD, u->fd, &ev);
+    for (int i = 0; i < ncontrol && !failed; i++) {
         ev.data.u32 = (uint32_t)i + 1;
-        if (epoll_ctl(ep, EPOLL_CTL_ADD, control[i], &ev)) result = OC_SERVE_ERROR;
+        failed = epoll_ctl(ep, EPOLL_CTL_ADD, control[i], &ev);
     }
+    if (failed) {
+        int why = errno;
+        close(ep);
+        errno = why;
+        return -1;
+    }
+    return ep;
+}
+
+int oc_serve(oc_agg *a, oc_udp *u, int waiter, double until, oc_serve_stats *stats) {
+    int result = OC_SERVE_DEADLINE;
     sender s = {a, u, NULL, 0, 0};
     double cpu0 = thread_cpu();
     while (result == OC_SERVE_DEADLINE) {
@@ -94,7 +103,7 @@ int oc_serve(oc_agg *a, oc_udp *u, const int *control, int ncontrol, double unti
         if (timer >= 0 && timer - now < wait) wait = timer > now ? timer - now : 0;
         if (wait > MAX_WAIT_SECONDS) wait = MAX_WAIT_SECONDS;
         struct epoll_event ready[8];
-        int n = epoll_wait(ep, ready, 8, (int)(wait * 1000 + 0.999));
+        int n = epoll_wait(waiter, ready, 8, (int)(wait * 1000 + 0.999));
         stats->wakeups++;
         if (n < 0) {
             result = errno == EINTR ? OC_SERVE_INTERRUPTED : OC_SERVE_ERROR;
@@ -123,6 +132,5 @@ int oc_serve(oc_agg *a, oc_udp *u, const int *control, int ncontrol, double unti
         if (readable >= 0) result = readable;
     }
     stats->cpu_seconds += thread_cpu() - cpu0;
-    close(ep);
     return result;
 }

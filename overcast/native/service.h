@@ -1,8 +1,11 @@
 /* The aggregator's data path on its socket: read GRO batches, feed the engine, send what it
- * wants sent in GSO batches, wake for its timer. Runs until a control descriptor (the
- * registration listener and connections, which stay Python) has something to read, a signal
- * interrupts it, or a deadline passes; then the caller handles that and calls it again. It
- * touches no Python object and is run with the GIL released. */
+ * wants sent in GSO batches, wake for its timer. Runs until a control descriptor (a shard's
+ * eventfd) has something to read, a signal interrupts it, or a deadline passes; then the caller
+ * handles that and calls it again. It touches no Python object.
+ *
+ * What it waits on is one epoll descriptor the caller makes once (oc_serve_waiter) and closes
+ * when it is done serving: a loop that needed a descriptor per turn would stall whenever the
+ * process ran out of them. */
 #ifndef OVERCAST_NATIVE_SERVICE_H
 #define OVERCAST_NATIVE_SERVICE_H
 
@@ -18,10 +21,13 @@ typedef struct {
     uint64_t wakeups;
 } oc_serve_stats;
 
-/* The index of a readable control descriptor, or OC_SERVE_DEADLINE when the monotonic clock
- * reaches `until`, OC_SERVE_INTERRUPTED on a signal, OC_SERVE_ERROR if epoll fails. */
-int oc_serve(oc_agg *a, oc_udp *u, const int *control, int ncontrol, double until,
-             oc_serve_stats *stats);
+/* An epoll descriptor (the caller's to close) watching u's socket and control[0 .. ncontrol - 1]
+ * for reading, or -1 with errno set. */
+int oc_serve_waiter(const oc_udp *u, const int *control, int ncontrol);
+/* The index of a readable control descriptor (its place in the waiter's `control`), or
+ * OC_SERVE_DEADLINE when the monotonic clock reaches `until`, OC_SERVE_INTERRUPTED on a signal,
+ * OC_SERVE_ERROR if epoll_wait fails otherwise (not a waiter made for u). */
+int oc_serve(oc_agg *a, oc_udp *u, int waiter, double until, oc_serve_stats *stats);
 
 /* The monotonic clock in seconds (Python's time.monotonic). */
 double oc_monotonic(void);

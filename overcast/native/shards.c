@@ -18,6 +18,7 @@ typedef struct {
     oc_agg *agg;
     oc_udp udp;
     int wake;                 /* eventfd: the control thread wants the loop to look up */
+    int waiter;               /* epoll on the socket and `wake`, for the shard's whole life */
     pthread_t thread;
     oc_serve_stats stats;
 } shard_t;
@@ -59,15 +60,11 @@ static void *serve_shard(void *arg) {
     sigfillset(&all);
     pthread_sigmask(SIG_BLOCK, &all, NULL);
     for (;;) {
-        int why = oc_serve(sh->agg, &sh->udp, &sh->wake, 1, oc_monotonic() + TURN_SECONDS,
-                           &sh->stats);
-        if (why == 0) {
+        if (oc_serve(sh->agg, &sh->udp, sh->waiter, oc_monotonic() + TURN_SECONDS,
+                     &sh->stats) == 0) {
             uint64_t count;
             ssize_t unused = read(sh->wake, &count, sizeof count);
             (void)unused;
-        } else if (why == OC_SERVE_ERROR) { /* no epoll descriptor left: try again shortly */
-            struct timespec pause = {0, 10000000};
-            nanosleep(&pause, NULL);
         }
         if (look_up(sh)) return NULL;
     }
@@ -88,16 +85,19 @@ oc_shards *oc_shards_new(uint32_t n, uint32_t slots, double expiry, const int *f
     for (uint32_t i = 0; i < n; i++) {
         shard_t *sh = &s->shard[i];
         sh->all = s;
-        sh->wake = -1;
+        sh->wake = sh->waiter = -1;
         if (failed) continue;
         s->n = i + 1; /* what oc_shards_free frees */
         sh->agg = oc_agg_new(slots);
         sh->wake = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
-        failed = sh->agg == NULL || sh->wake < 0 || oc_udp_init(&sh->udp, fds[i]);
+        failed = sh->agg == NULL || sh->wake < 0 || oc_udp_init(&sh->udp, fds[i]) ||
+                 (sh->waiter = oc_serve_waiter(&sh->udp, &sh->wake, 1)) < 0;
         if (!failed) oc_agg_set_expiry(sh->agg, expiry);
     }
     if (failed) {
+        int why = errno;
         oc_shards_free(s);
+        errno = why;
         return NULL;
     }
     return s;
@@ -162,6 +162,7 @@ void oc_shards_free(oc_shards *s) {
         oc_agg_free(sh->agg);
         oc_udp_free(&sh->udp);
         if (sh->wake >= 0) close(sh->wake);
+        if (sh->waiter >= 0) close(sh->waiter);
     }
     pthread_cond_destroy(&s->cond);
     pthread_mutex_destroy(&s->lock);

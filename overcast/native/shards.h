@@ -12,9 +12,12 @@
  * The lock and condition variable order the shards' work before the control thread's and
  * back again; registration is rare, so that is all the locking there is.
  *
- * Ownership: the shards own their engines, eventfds and read buffers; the sockets are the
- * caller's and must outlive oc_shards_free. Signals are blocked in the shard threads, so they
- * reach the caller's. */
+ * Each shard makes every descriptor it needs (its eventfd and the epoll its loop waits on) when
+ * it is made, and keeps them for its life: running out of descriptors later stalls nothing.
+ *
+ * Ownership: the shards own their engines, eventfds, epoll descriptors and read buffers; the
+ * sockets are the caller's and must outlive oc_shards_free. Signals are blocked in the shard
+ * threads, so they reach the caller's. */
 #ifndef OVERCAST_NATIVE_SHARDS_H
 #define OVERCAST_NATIVE_SHARDS_H
 
@@ -26,7 +29,8 @@
 typedef struct oc_shards oc_shards;
 
 /* `n` shards (1 to OC_MAX_STRIPES), shard i on the bound UDP socket fds[i], engines of `slots`
- * slots whose reductions expire after `expiry` seconds; NULL if memory or an eventfd ran out.
+ * slots whose reductions expire after `expiry` seconds; NULL with errno set if memory or
+ * descriptors ran out.
  * The threads start with oc_shards_start. */
 oc_shards *oc_shards_new(uint32_t n, uint32_t slots, double expiry, const int *fds);
 /* Starts the threads not started yet: 0, or -1 with errno set if one could not be (those that

@@ -3,12 +3,14 @@
  * last line counts them as "N passed, N failed". */
 #define _GNU_SOURCE
 #include <arpa/inet.h>
+#include <errno.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <pthread.h>
 #include <time.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -784,12 +786,16 @@ static void test_serve(void) {
     int h = oc_agg_register(a, 1, 1, 2, 0, 0, OC_MAX_DATAGRAM, KEY, 0, &granted);
     oc_agg_set_address(a, h, 0, rank_addr.sin_addr.s_addr, rank_addr.sin_port, 0);
     oc_serve_stats stats = {0};
+    int waiter = oc_serve_waiter(&u, pipe_fds, 1);
+    CHECK(waiter >= 0, "a waiter on the socket and the pipe");
     double t0 = oc_monotonic();
-    CHECK(oc_serve(a, &u, pipe_fds, 1, t0 + 0.05, &stats) == OC_SERVE_DEADLINE &&
+    CHECK(oc_serve(a, &u, waiter, t0 + 0.05, &stats) == OC_SERVE_DEADLINE &&
           oc_monotonic() >= t0 + 0.05, "nothing to do: back at the deadline");
     CHECK(write(pipe_fds[1], "x", 1) == 1, "write");
-    CHECK(oc_serve(a, &u, pipe_fds, 1, oc_monotonic() + 5, &stats) == 0,
+    CHECK(oc_serve(a, &u, waiter, oc_monotonic() + 5, &stats) == 0,
           "a readable control descriptor ends the call with its index");
+    char drained;
+    CHECK(read(pipe_fds[0], &drained, 1) == 1, "read");
     /* rank 1 contributes to chunk 0 (rank 0's, of 2 chunks): the result reaches rank 0 */
     oc_sealer rank1 = {.job = 1, .comm = 1, .src = 1};
     oc_gmac_init(&rank1.gmac, KEY, 1);
@@ -797,7 +803,7 @@ static void test_serve(void) {
     size_t n = oc_seal_into(&rank1, msg, sizeof msg, OC_CONTRIB, 0, OC_AGGREGATOR, 0, payload,
                             sizeof payload);
     sendto(rfd, msg, n, 0, (struct sockaddr *)&agg_addr, sizeof agg_addr);
-    oc_serve(a, &u, NULL, 0, oc_monotonic() + 0.1, &stats);
+    oc_serve(a, &u, waiter, oc_monotonic() + 0.1, &stats);
     uint8_t back[256];
     ssize_t got = recv(rfd, back, sizeof back, MSG_DONTWAIT);
     oc_header hdr;
@@ -811,6 +817,7 @@ static void test_serve(void) {
     oc_gmac_free(&rank1.gmac);
     oc_agg_free(a);
     oc_udp_free(&u);
+    close(waiter);
     close(afd);
     close(rfd);
     close(pipe_fds[0]);
@@ -829,13 +836,25 @@ static ssize_t recv_within(int fd, uint8_t *buf, size_t cap) {
 }
 
 /* Two shards on their own threads: a communicator registered in both while they are parked,
- * each taking its stripe's contributions and sealing its results as its own endpoint. */
-static void test_shards(void) {
+ * each taking its stripe's contributions and sealing its results as its own endpoint. With
+ * `no_descriptors_left`, the process may open no descriptor once they have started, as a
+ * service whose every descriptor a crowd of connections holds: they serve all the same. Not
+ * among the tests run on threads at once, which open descriptors. */
+static void test_shards(int no_descriptors_left) {
     struct sockaddr_in addr[2], rank_addr;
     int fds[2] = {udp_socket(&addr[0]), udp_socket(&addr[1])}, rfd = udp_socket(&rank_addr);
     oc_shards *s = oc_shards_new(2, 16, 300, fds);
     CHECK(s && oc_shards_start(s) == 0, "two shards started");
     if (s == NULL) return;
+    struct rlimit was;
+    getrlimit(RLIMIT_NOFILE, &was);
+    if (no_descriptors_left) {
+        int lowest = dup(0); /* every descriptor below it is open */
+        close(lowest);
+        struct rlimit none = {(rlim_t)lowest, was.rlim_max};
+        CHECK(setrlimit(RLIMIT_NOFILE, &none) == 0 && dup(0) < 0 && errno == EMFILE,
+              "no descriptor left to open");
+    }
     oc_shards_pause(s);
     for (uint32_t i = 0; i < 2; i++) {
         uint32_t granted;
@@ -875,6 +894,7 @@ static void test_shards(void) {
     CHECK(taken == 2 && oc_agg_stats(oc_shards_engine(s, 0))[OC_STAT_contributions] == 1,
           "one contribution each, read while they are parked");
     oc_shards_resume(s);
+    setrlimit(RLIMIT_NOFILE, &was);
     oc_shards_free(s);
     for (int i = 0; i < 2; i++) close(fds[i]);
     close(rfd);
@@ -1313,7 +1333,7 @@ static void *gathers(void *unused) { (void)unused; test_gathers(0.1); return NUL
 static void *aggregator(void *unused) { (void)unused; test_aggregator(); return NULL; }
 static void *port(void *unused) { (void)unused; test_port(); return NULL; }
 static void *serve(void *unused) { (void)unused; test_serve(); return NULL; }
-static void *shards(void *unused) { (void)unused; test_shards(); return NULL; }
+static void *shards(void *unused) { (void)unused; test_shards(0); return NULL; }
 static void *sealing(void *unused) { (void)unused; test_seal_and_open(); test_seal_detached(); return NULL; }
 
 static int at_once(void) {
@@ -1343,7 +1363,8 @@ int main(int argc, char **argv) {
     test_destinations();
     test_udp();
     test_serve();
-    test_shards();
+    test_shards(0);
+    test_shards(1);
     test_budget();
     test_rank_planes_with_the_aggregator(0.0);
     test_rank_planes_with_the_aggregator(0.05);
