@@ -255,9 +255,13 @@ def test_the_pool_bounds_the_aggregator_for_a_message_larger_than_the_pool():
     assert agg.pool_bytes == 0 and not agg.reductions("comm")
 
 
-def test_a_finished_reductions_pool_serves_the_next_and_goes_with_the_last_communicator():
+def test_a_finished_reductions_pool_serves_the_next_and_goes_with_its_communicator():
+    """The pool a communicator's finished reduction leaves is its own: kept for its next
+    reduction, freed when it is unregistered, while another communicator stays registered
+    (which may not hold it: it would lie outside both communicators' bounds)."""
     world, slots = 4, 8
     agg = Aggregator(slots=slots)
+    agg.register("other", 2)
     fabric = Fabric(world, seed=5, loss=0.02, reorder=True, aggregator=agg)
     count = 20 * CHUNK // 4
     for seq in range(3):

@@ -192,6 +192,29 @@ def test_an_endpoint_seals_as_its_stripe_and_takes_only_its_own_chunks():
 
 
 
+def test_a_pool_made_wider_keeps_the_rows_held_in_it():
+    """A narrow contribution waits in its row of the pool; a wider one to another chunk of the
+    same reduction widens the pool in place: the waiting row moves with it, and both chunks'
+    results are the sums numpy takes."""
+    engine, _ = keyed_engine(slots=4)
+    sealers = [Sealer(KEY, JOB, COMM, r) for r in range(WORLD)]
+    data = np.random.default_rng(5).integers(-1000, 1000, (WORLD, 2, 8)).astype(np.int32)
+    narrow, wide = data[:, 1, :2], data[:, 0]  # chunk 1 (rank 1's): 2 elements; chunk 0: 8
+
+    def send(rank, chunk, rows):
+        engine.feed(contributions(sealers[rank], np.int32, rows[rank:rank + 1], [chunk], 8),
+                    sealer_segment(rows[rank:rank + 1]), 0.0)
+    send(3, 1, narrow)  # waits: rank 0 comes first
+    assert engine.memory()[0] == 4 * WORLD * narrow[0].nbytes
+    send(3, 0, wide)  # waits too, in a pool made wide enough for it
+    assert engine.memory()[0] == 4 * WORLD * wide[0].nbytes
+    for rank, chunk, rows in ((0, 1, narrow), (2, 1, narrow), (1, 0, wide), (2, 0, wide)):
+        send(rank, chunk, rows)
+    results = {h.chunk: p for h, p in opened(engine.flush()) if h.kind == Kind.RESULT}
+    assert results == {1: narrow[[0, 2, 3]].sum(axis=0, dtype=np.int32).tobytes(),
+                       0: wide[[1, 2, 3]].sum(axis=0, dtype=np.int32).tobytes()}
+
+
 def first_chunks_summed() -> tuple[Engine, list[Sealer]]:
     """A 4-slot engine into which every rank has sent its contributions (ones) to chunks 0-3
     of a reduction of 16, so their results wait in its outbox; and the ranks' sealers."""

@@ -5,7 +5,8 @@
 /* -- registration -------------------------------------------------------------------------- */
 
 static void free_comm(oc_agg *a, comm_t *c) {
-    for (int i = 0; i < c->nreductions; i++) agg_free_reduction(a, c->reductions[i]);
+    for (int i = 0; i < c->nreductions; i++) agg_free_reduction(a, c, c->reductions[i]);
+    free(c->spare);
     if (c->keyed) {
         oc_gmac_free(&c->sealer.gmac);
         oc_gmac_free(&c->opener);
@@ -83,12 +84,19 @@ void oc_agg_unregister(oc_agg *a, int h) {
         if (a->out[i].handle == h) a->out[i].handle = -1;
     free_comm(a, c);
     a->comms[h] = NULL;
-    for (h = 0; h < a->ncomms && a->comms[h] == NULL; h++) {}
-    if (h == a->ncomms) {
-        free(a->spare);
-        a->spare = NULL;
-        a->spare_cap = 0;
-    }
+}
+
+uint64_t oc_agg_comm_bytes(uint32_t world, uint32_t slots, uint32_t max_row) {
+    uint64_t words = (world + 63) / 64;
+    /* a timer's requests to send again name (rank, chunk) pairs of 8 bytes, then 4 bytes a
+     * chunk in a rank's CREDIT; each CREDIT and result is an outbox entry */
+    uint64_t per_slot = (uint64_t)world * max_row + sizeof(slot_t) + words * sizeof(uint64_t) +
+                        (uint64_t)world * (8 + 4 + 4) + sizeof(oc_out);
+    uint64_t per_reduction = sizeof(reduction_t) + (uint64_t)world * sizeof(int64_t) +
+                             (uint64_t)world * sizeof(oc_out) + (uint64_t)slots * per_slot;
+    return sizeof(comm_t) +
+           (uint64_t)world * (sizeof(peer_t) + oc_replay_bytes(OC_REPLAY_WIDTH)) +
+           OC_MAX_REDUCTIONS * per_reduction;
 }
 
 int oc_agg_set_address(oc_agg *a, int h, uint32_t rank, uint32_t ip, uint16_t port,
@@ -191,7 +199,6 @@ void oc_agg_free(oc_agg *a) {
     for (int h = 0; h < a->ncomms; h++)
         if (a->comms[h]) free_comm(a, a->comms[h]);
     free(a->comms);
-    free(a->spare);
     free(a->out);
     free(a->arena);
     free(a->chunks);
@@ -225,7 +232,17 @@ uint64_t *oc_agg_drops_mut(oc_agg *a) { return a->drops; }
 const uint64_t *oc_agg_stats(const oc_agg *a) { return a->stats; }
 uint64_t oc_agg_pool_bytes(const oc_agg *a) { return a->pool_bytes; }
 uint64_t oc_agg_peak_pool_bytes(const oc_agg *a) { return a->peak_pool_bytes; }
-uint64_t oc_agg_kept_pool_bytes(const oc_agg *a) { return a->spare_cap; }
+uint64_t oc_agg_kept_pool_bytes(const oc_agg *a) {
+    uint64_t kept = 0;
+    for (int h = 0; h < a->ncomms; h++)
+        if (a->comms[h]) kept += a->comms[h]->spare_cap;
+    return kept;
+}
+uint32_t oc_agg_communicators(const oc_agg *a) {
+    uint32_t n = 0;
+    for (int h = 0; h < a->ncomms; h++) n += a->comms[h] != NULL;
+    return n;
+}
 uint32_t oc_agg_slots(const oc_agg *a) { return a->slots; }
 
 double oc_agg_resend_timeout(const oc_agg *a, int h, uint32_t owner) {

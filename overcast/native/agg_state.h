@@ -84,6 +84,13 @@ typedef struct {
     peer_t *peers;                /* world of them */
     struct sockaddr_in group;
     int has_group;
+    /* The largest pool one of its finished reductions left, for its next: a fresh pool of tens
+     * of MiB comes from mmap, and faulting in and zeroing its pages took about a sixth of the
+     * aggregator's CPU on loopback. Its own, so that its pools and its spare together stay
+     * within OC_MAX_REDUCTIONS pools of its bound (oc_agg_comm_bytes): a new pool takes the
+     * spare or frees it. */
+    uint8_t *spare;
+    size_t spare_cap;
 } comm_t;
 
 /* A chunk whose last contribution came in the run being read; a reduction that does not fold
@@ -105,11 +112,6 @@ struct oc_agg {
     size_t arena_len, arena_cap;
     uint64_t drops[OC_DROP_COUNT], stats[OC_STAT_COUNT];
     uint64_t pool_bytes, peak_pool_bytes;
-    /* The largest pool a finished reduction left, for the next one: a fresh pool of tens of MiB
-     * comes from mmap, and faulting in and zeroing its pages took about a sixth of the
-     * aggregator's CPU on loopback. Freed when no communicator is left. */
-    uint8_t *spare;
-    size_t spare_cap;
     double next_tick;             /* < 0: none */
     uint32_t *chunks;             /* scratch: a run's chunks (oc_agg_feed) */
     size_t chunks_cap;
@@ -175,7 +177,7 @@ static inline uint8_t *row_of(reduction_t *r, uint32_t g, uint32_t rank) {
 /* Shared by the two files (aggregator.c defines them). */
 int agg_find_comm(oc_agg *a, uint32_t job, uint32_t comm);
 reduction_t *agg_find_reduction(comm_t *c, uint32_t seq);
-void agg_free_reduction(oc_agg *a, reduction_t *r);
+void agg_free_reduction(oc_agg *a, comm_t *c, reduction_t *r);
 double agg_resend_timeout(const peer_t *p);
 
 #endif

@@ -47,21 +47,22 @@ static void credit(oc_agg *a, int h, uint16_t dst, uint32_t seq, uint32_t releas
 
 /* -- reductions ---------------------------------------------------------------------------- */
 
-static void free_pool(oc_agg *a, reduction_t *r) {
+/* The pool goes back: kept as its communicator's spare if larger than the one it has. */
+static void free_pool(oc_agg *a, comm_t *c, reduction_t *r) {
     if (r->pool == NULL) return;
     a->pool_bytes -= (uint64_t)r->window * r->world * r->row_bytes;
-    if (r->pool_cap > a->spare_cap) {
-        free(a->spare);
-        a->spare = r->pool;
-        a->spare_cap = r->pool_cap;
+    if (r->pool_cap > c->spare_cap) {
+        free(c->spare);
+        c->spare = r->pool;
+        c->spare_cap = r->pool_cap;
     } else {
         free(r->pool);
     }
     r->pool = NULL;
 }
 
-void agg_free_reduction(oc_agg *a, reduction_t *r) {
-    free_pool(a, r);
+void agg_free_reduction(oc_agg *a, comm_t *c, reduction_t *r) {
+    free_pool(a, c, r);
     free(r->passed);
     free(r->slots);
     free(r->have);
@@ -102,7 +103,7 @@ static reduction_t *new_reduction(oc_agg *a, comm_t *c, uint32_t seq, uint8_t co
     r->slots = calloc(r->window, sizeof(slot_t));
     r->have = calloc((size_t)r->window * r->words, sizeof(uint64_t));
     if (r->passed == NULL || r->slots == NULL || r->have == NULL) {
-        agg_free_reduction(a, r);
+        agg_free_reduction(a, c, r);
         return NULL;
     }
     for (uint32_t i = 0; i < c->world; i++) r->passed[i] = -1;
@@ -110,26 +111,35 @@ static reduction_t *new_reduction(oc_agg *a, comm_t *c, uint32_t seq, uint8_t co
 }
 
 /* The pool, wide enough for rows of `bytes`: made as wide as the first contribution, made wider
- * (its rows kept) if a wider one comes (ranks send their widest chunks first: rare). */
-static int widen_pool(oc_agg *a, reduction_t *r, size_t bytes) {
+ * (its rows kept, moved in place) if a wider one comes (ranks send their widest chunks first:
+ * rare). A new pool takes its communicator's spare if it is wide enough, else frees it: the
+ * communicator's pools and spare never pass OC_MAX_REDUCTIONS pools of its bound. */
+static int widen_pool(oc_agg *a, comm_t *c, reduction_t *r, size_t bytes) {
     if (r->pool && r->row_bytes >= bytes) return 0;
     size_t rows = (size_t)r->window * r->world, need = rows * bytes > 0 ? rows * bytes : 1;
-    uint8_t *wider;
-    size_t cap = need;
-    if (r->pool == NULL && a->spare_cap >= need) {
-        wider = a->spare;
-        cap = a->spare_cap;
-        a->spare = NULL;
-        a->spare_cap = 0;
+    if (r->pool == NULL && c->spare_cap >= need) {
+        r->pool = c->spare;
+        r->pool_cap = c->spare_cap;
+        c->spare = NULL;
+        c->spare_cap = 0;
         a->stats[OC_STAT_pools_reused]++;
-    } else if ((wider = malloc(need)) == NULL) {
-        return -1;
+    } else if (r->pool == NULL) {
+        free(c->spare);
+        c->spare = NULL;
+        c->spare_cap = 0;
+        if ((r->pool = malloc(need)) == NULL) return -1;
+        r->pool_cap = need;
+    } else if (r->pool_cap < need) {
+        uint8_t *wider = realloc(r->pool, need);
+        if (wider == NULL) return -1;
+        r->pool = wider;
+        r->pool_cap = need;
     }
-    if (r->pool)
-        for (size_t i = 0; i < rows; i++) memcpy(wider + i * bytes, r->pool + i * r->row_bytes, r->row_bytes);
-    free_pool(a, r);
-    r->pool = wider;
-    r->pool_cap = cap;
+    if (r->row_bytes) { /* last row first: a row never lands on one not moved yet */
+        for (size_t i = rows; i-- > 0;)
+            memmove(r->pool + i * bytes, r->pool + i * r->row_bytes, r->row_bytes);
+        a->pool_bytes -= (uint64_t)rows * r->row_bytes;
+    }
     r->row_bytes = bytes;
     a->pool_bytes += (uint64_t)rows * bytes;
     if (a->pool_bytes > a->peak_pool_bytes) a->peak_pool_bytes = a->pool_bytes;
@@ -176,7 +186,7 @@ static void retire(oc_agg *a, comm_t *c, reduction_t *r) {
         c->finished_seq[c->nfinished] = r->seq;
         c->finished_total[c->nfinished++] = r->total;
     }
-    agg_free_reduction(a, r);
+    agg_free_reduction(a, c, r);
 }
 
 static void finish(oc_agg *a, int h, comm_t *c, reduction_t *r) {
@@ -323,7 +333,7 @@ static void on_contributions(oc_agg *a, int h, comm_t *c, const oc_header *hdr,
             continue;
         }
         if (!pooled) {
-            if (widen_pool(a, r, nbytes)) {
+            if (widen_pool(a, c, r, nbytes)) {
                 out_of_memory(a, count - i);
                 break;
             }

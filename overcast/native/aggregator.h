@@ -23,8 +23,12 @@
  * Memory and lifetime: the engine owns everything it points to. A reduction's pool (window x
  * world x widest row) is allocated with its first contribution and freed when the reduction
  * finishes, when its communicator is unregistered or registered again with another world, and
- * in oc_agg_free; the largest pool freed is kept for the next reduction to take (not counted in
- * the pool's bytes) until no communicator is registered. Payloads are copied into the engine
+ * in oc_agg_free; the largest pool a communicator's reductions freed is kept for its next
+ * reduction to take (not counted in the pool's bytes) until it is unregistered, and a new pool
+ * takes it or frees it. So what a communicator makes the engine hold (its ranks' state, replay
+ * windows made with each rank's first authentic datagram, reductions, pools and spare, and its
+ * share of the outbox and scratch) stays within oc_agg_comm_bytes, whatever its ranks send, but
+ * for a fixed part per communicator (its keys' contexts). Payloads are copied into the engine
  * (rows, outbox), so the caller's buffers may be freed or reused as soon as a call returns; the
  * outbox holds its own copies until oc_agg_flush or oc_agg_outbox_clear, but for results, which
  * it names by slot and seals from the pool. A rank that dies mid-reduction leaves its slots
@@ -100,6 +104,12 @@ int oc_agg_register(oc_agg *a, uint32_t job, uint32_t comm, uint32_t world, uint
                     uint32_t slots, uint32_t max_row, const uint8_t *key, uint64_t counter,
                     uint32_t *granted);
 void oc_agg_unregister(oc_agg *a, int handle);
+/* The most bytes a communicator of `world` ranks, its reductions `slots` slots of rows of at
+ * most `max_row` bytes, can make one engine hold, its keys' contexts aside: a bound, linear in
+ * `slots`, for a service to set aside when it registers one. */
+uint64_t oc_agg_comm_bytes(uint32_t world, uint32_t slots, uint32_t max_row);
+/* The communicators registered. */
+uint32_t oc_agg_communicators(const oc_agg *a);
 /* Where a rank's datagrams go (network byte order), and whether it hears the communicator's
  * multicast group; messages for every rank go to the group once all ranks hear it. */
 int oc_agg_set_address(oc_agg *a, int handle, uint32_t rank, uint32_t ip, uint16_t port,
@@ -144,7 +154,7 @@ uint64_t *oc_agg_drops_mut(oc_agg *a);
 const uint64_t *oc_agg_stats(const oc_agg *a);
 uint64_t oc_agg_pool_bytes(const oc_agg *a);
 uint64_t oc_agg_peak_pool_bytes(const oc_agg *a);
-uint64_t oc_agg_kept_pool_bytes(const oc_agg *a); /* the pool kept for the next reduction */
+uint64_t oc_agg_kept_pool_bytes(const oc_agg *a); /* the communicators' spare pools */
 uint32_t oc_agg_slots(const oc_agg *a);
 /* How long a result to `owner` now waits for its acknowledgement before it is sent again
  * (seconds; -1 for no such communicator or rank), and a communicator's reductions in flight:

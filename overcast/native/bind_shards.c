@@ -129,6 +129,17 @@ static PyObject *Shards_register(Shards *self, PyObject *args) {
     return Py_BuildValue("iI", handle, granted);
 }
 
+/* comm_bytes(world, slots, max_row) -> the most a communicator can make every shard's engine
+ * hold together, its keys' contexts aside (oc_agg_comm_bytes): linear in slots. */
+static PyObject *Shards_comm_bytes(Shards *self, PyObject *args) {
+    uint32_t world, slots, max_row;
+    if (!made(self) || !PyArg_ParseTuple(args, "O&O&O&", oc_arg_u32, &world, oc_arg_u32, &slots,
+                                         oc_arg_u32, &max_row))
+        return NULL;
+    return PyLong_FromUnsignedLongLong(oc_shards_count(self->shards) *
+                                       oc_agg_comm_bytes(world, slots, max_row));
+}
+
 static PyObject *Shards_unregister(Shards *self, PyObject *arg) {
     int h;
     if (!made(self) || !PyArg_Parse(arg, "i", &h)) return NULL;
@@ -175,12 +186,14 @@ static PyObject *Shards_set_group(Shards *self, PyObject *args) {
 static PyObject *Shards_counters(Shards *self, PyObject *Py_UNUSED(ignored)) {
     if (!made(self)) return NULL;
     uint64_t drops[OC_DROP_COUNT] = {0}, stats[OC_STAT_COUNT] = {0}, pool = 0, peak = 0, kept = 0;
+    uint32_t comms = 0; /* every shard holds the same ones */
     uint64_t reads = 0, sends = 0, in = 0, out = 0, wakeups = 0;
     int gro = 1, gso = 1;
     uint32_t n = oc_shards_count(self->shards);
     double cpu[OC_MAX_STRIPES];
     uint64_t taken[OC_MAX_STRIPES];
     pause_all(self);
+    comms = oc_agg_communicators(oc_shards_engine(self->shards, 0));
     for (uint32_t i = 0; i < n; i++) {
         const oc_agg *a = oc_shards_engine(self->shards, i);
         for (int j = 0; j < OC_DROP_COUNT; j++) drops[j] += oc_agg_drops(a)[j];
@@ -212,9 +225,9 @@ static PyObject *Shards_counters(Shards *self, PyObject *Py_UNUSED(ignored)) {
     PyObject *result = NULL;
     if (cpus && takens && d && s)
         result = Py_BuildValue(
-            "(OO{sKsKsK}{sKsKsKsKsKsisisOsO})", d, s, "pool_bytes", (unsigned long long)pool,
+            "(OO{sKsKsKsI}{sKsKsKsKsKsisisOsO})", d, s, "pool_bytes", (unsigned long long)pool,
             "peak_pool_bytes", (unsigned long long)peak, "kept_pool_bytes",
-            (unsigned long long)kept, "reads", (unsigned long long)reads, "sends",
+            (unsigned long long)kept, "engine_communicators", comms, "reads", (unsigned long long)reads, "sends",
             (unsigned long long)sends, "datagrams_in", (unsigned long long)in, "datagrams_out",
             (unsigned long long)out, "wakeups", (unsigned long long)wakeups, "gro", gro, "gso",
             gso, "serve_cpu_seconds", cpus, "serve_contributions", takens);
@@ -243,6 +256,8 @@ static PyMethodDef Shards_methods[] = {
     {"register", (PyCFunction)Shards_register, METH_VARARGS,
      "register(job, comm, world, first, slots, key, counter, max_row) -> (handle, granted)"},
     {"unregister", (PyCFunction)Shards_unregister, METH_O, "unregister(handle)"},
+    {"comm_bytes", (PyCFunction)Shards_comm_bytes, METH_VARARGS,
+     "comm_bytes(world, slots, max_row) -> what a communicator can make the shards hold"},
     {"set_address", (PyCFunction)Shards_set_address, METH_VARARGS,
      "set_address(handle, rank, 'a.b.c.d' or its 4 bytes, port, hears_group)"},
     {"set_group", (PyCFunction)Shards_set_group, METH_VARARGS,

@@ -228,11 +228,15 @@ int oc_seal_detached(oc_sealer *s, uint8_t out[OC_OVERHEAD_BYTES], uint8_t kind,
     return 0;
 }
 
+size_t oc_replay_bytes(uint32_t width) {
+    return (width ? (width - 1) / 64 + 2 : 0) * sizeof(uint64_t);
+}
+
 int oc_replay_init(oc_replay *w, uint32_t width) {
     w->top = 0;
     w->any = 0;
     w->width = width;
-    w->nwords = width ? (width - 1) / 64 + 2 : 0;
+    w->nwords = (uint32_t)(oc_replay_bytes(width) / sizeof(uint64_t));
     w->words = w->nwords ? calloc(w->nwords, sizeof(uint64_t)) : NULL;
     if (w->nwords && w->words == NULL) {
         w->nwords = 0; /* uninitialised, so the next datagram tries again */

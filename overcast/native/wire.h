@@ -123,6 +123,8 @@ typedef struct {
 
 /* 0, or -1 if its words could not be allocated (then left with nwords 0, as before init). */
 int oc_replay_init(oc_replay *w, uint32_t width);
+/* The bytes oc_replay_init allocates for a window of `width`. */
+size_t oc_replay_bytes(uint32_t width);
 void oc_replay_free(oc_replay *w);
 int oc_replay_accept(oc_replay *w, uint64_t counter);
 

@@ -117,8 +117,8 @@ class Aggregator:
 
     @property
     def kept_pool_bytes(self) -> int:
-        """The largest pool a finished reduction left, kept for the next one until no
-        communicator is registered."""
+        """The pools finished reductions left, each communicator's largest, kept for its next
+        reduction until it is unregistered."""
         return self.engine.memory()[2]
 
     def resend_timeout(self, key, owner: int) -> float:
