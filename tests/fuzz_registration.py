@@ -6,8 +6,9 @@ switch` service (SwitchService): sealed under the communicator key of a salt fro
 0, 1, 2, the limit, 65534, 65535; a rank past its world; rows of 0 bytes to 2^32 - 1; the
 connection's nonce or another; a length that disagrees), or raw bytes. Registered connections
 are closed now and then, so communicators come and go. After every input the service's books
-must hold: the pools set aside within the budget, no job over its communicators, the engine's
-pools within the budget. Every 10,000 inputs a communicator of another job registers and runs a
+must hold: what is set aside within the budget, no job over its communicators, no communicator
+over its world's connections, the engines' pools within the budget and holding the very
+communicators the service books. Every 10,000 inputs a communicator of another job registers and runs a
 reduction through the service's two shards, on their threads, bit-exact; nothing raised ever
 leaves the service.
 
@@ -126,14 +127,17 @@ class Target:
 
     def check_books(self) -> None:
         service = self.service
-        assert 0 <= service.reserved_pool_bytes <= LIMITS.pool_bytes, service.reserved_pool_bytes
-        assert service.reserved_pool_bytes == sum(c.pool_bytes for c in service.comms.values())
+        assert 0 <= service.reserved_bytes <= LIMITS.pool_bytes, service.reserved_bytes
+        assert service.reserved_bytes == sum(c.reserved_bytes for c in service.comms.values())
         jobs: dict[int, int] = {}
         for comm in service.comms.values():
             jobs[comm.job] = jobs.get(comm.job, 0) + 1
             assert 2 <= comm.world <= LIMITS.max_world and comm.slots >= 1
         assert all(n <= LIMITS.max_communicators for n in jobs.values()), jobs
-        assert service.shards.counters()[2]["pool_bytes"] <= LIMITS.pool_bytes
+        memory = service.shards.counters()[2]
+        assert memory["pool_bytes"] <= LIMITS.pool_bytes
+        assert memory["engine_communicators"] == len(service.comms)
+        assert all(len(c.conns) <= c.world for c in service.comms.values())
 
     def serve_another_job(self) -> None:
         """A communicator of 2 ranks of the good job registers and reduces one chunk each way,

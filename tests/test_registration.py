@@ -1,33 +1,52 @@
 """A keyed job member registering what the aggregator cannot hold: each registration is refused
 to its connection alone, with the reason the rank reports, and the aggregator goes on serving
-another job's collectives bit-exact, its pools within the budget it was given. And aggregators
-a rank cannot use (a malformed or unresolvable name, nothing listening) are the reason it
-reports, not an exception out of its rendezvous."""
+another job's collectives bit-exact, its pools within the budget it was given; registrations
+that also contribute keep its memory within the budget. Anyone else, with no secret (a crowd of
+connections, junk behind headers that announce the largest frame), neither stops it nor keeps a
+rank out. And aggregators a rank cannot use (a malformed or unresolvable name, nothing
+listening) are the reason it reports, not an exception out of its rendezvous."""
 
 import json
 import os
+import pathlib
+import resource
 import socket
+import subprocess
+import sys
+import threading
+import time
 import types
 
 import numpy as np
 import pytest
 
 import overcast
+from overcast.bench.soak import status_bytes
+from overcast.buffers import dtype_code
 from overcast.cluster.launch import loopback_placements, run_ranks
+from overcast.native import MAX_REDUCTIONS
 from overcast.switch.launch import start_switch, stop_switch
-from overcast.switch.service import Limits
+from overcast.switch.service import ACCEPT_BACKOFF_SECONDS, Limits, SwitchService
+from overcast.transport.datagram import chunk_bytes
 from overcast.transport.rendezvous import register_with_aggregators
 from overcast.wire.auth import Drops, Opener, Sealer, derive_key, job_id_of
+from overcast.wire.header import (AGGREGATOR, HEADER, MAGIC, MAX_PAYLOAD, VERSION, Kind,
+                                  endpoint, unpack_header)
+from overcast.wire.messages import CONTRIB_PREFIX, pack_contribution_prefix
+from overcast.wire.registration import HELLO, SWITCH_CHALLENGE
 
 HOSTILE, GOOD = os.urandom(32), os.urandom(32)
 LIMITS = Limits(max_world=4096, max_communicators=40, pool_bytes=64 << 20)
+SIEGE = pathlib.Path(__file__).resolve().parent.parent / "tools" / "registration_siege.py"
+INT32 = dtype_code(np.dtype(np.int32))
 
 
 def member(address: str, world: int, *, salt: bytes | None = None, src: int = 0,
-           mtu: int = 1500) -> types.SimpleNamespace:
+           mtu: int = 1500, keep_udp: bool = False) -> types.SimpleNamespace:
     """Register as rank `src` of a communicator of `world` ranks of the hostile job, as a rank
     does (rendezvous.register_with_aggregators); the links it filled (switches: the connection
-    held open, or switch_error)."""
+    held open, or switch_error; salt; udp, the rank's datagram socket, left open if
+    keep_udp)."""
     salt = salt or os.urandom(16)
     key = derive_key(HOSTILE, salt, b"comm")
     job, comm = job_id_of(HOSTILE), int.from_bytes(salt[:4], "little")
@@ -37,10 +56,38 @@ def member(address: str, world: int, *, salt: bytes | None = None, src: int = 0,
                                   sealer=Sealer(key, job, comm, src),
                                   opener=Opener(key, job, comm, Drops()), switches={},
                                   switch_names={}, endpoints=[], switch_slots=0,
-                                  switch_error="unregistered")
+                                  switch_error="unregistered", salt=salt)
     register_with_aggregators(links, address, HOSTILE, salt, 5.0)
-    udp.close()
+    if not keep_udp:
+        udp.close()
     return links
+
+
+def contributions(links, seq: int, chunk: int, row: bytes) -> list[bytes]:
+    """Every other rank's contribution to a chunk of an in-network ReduceScatter of one chunk
+    per rank (chunk g is rank g's), sealed as each of them (their sealers kept in links, each
+    rank's counter rising), the highest rank first (so each waits in its row of the pool for
+    its turn)."""
+    if not hasattr(links, "sealers"):
+        key = derive_key(HOSTILE, links.salt, b"comm")
+        job, comm = job_id_of(HOSTILE), int.from_bytes(links.salt[:4], "little")
+        links.sealers = [Sealer(key, job, comm, src) for src in range(links.world)]
+    prefix = pack_contribution_prefix(INT32, 1, links.world, links.world)
+    return [bytes(links.sealers[src].seal(Kind.CONTRIB, seq, endpoint(0), chunk, (prefix, row)))
+            for src in reversed(range(links.world)) if src != chunk]
+
+
+def result_came(links, seq: int) -> bool:
+    """Whether the result of chunk 0 of collective `seq` reaches rank 0 within 10 s: the
+    aggregator has read every datagram sent to its one shard before the last one it needed."""
+    links.udp.settimeout(10)
+    try:
+        while True:
+            hdr = unpack_header(links.udp.recv(1 << 16))
+            if hdr.kind == Kind.RESULT and hdr.seq == seq and hdr.chunk == 0:
+                return True
+    except TimeoutError:
+        return False
 
 
 def good_job(rank):
@@ -77,10 +124,11 @@ def test_hostile_registrations_are_refused_and_the_aggregator_serves_on(tmp_path
         first = member(address, 2, salt=b"same" + os.urandom(12))
         held.append(first)
         said["identity"] = member(address, 2, salt=b"same" + os.urandom(12)).switch_error
-        # one salt, registered again with another world
+        # one salt, registered again with another world; its rank 0 on a second connection
         salt = os.urandom(16)
         held.append(member(address, 2, salt=salt))
         said["inconsistent"] = member(address, 3, salt=salt, src=1).switch_error
+        said["rank"] = member(address, 2, salt=salt).switch_error
         # a thousand communicators held open, where the job may hold 40
         opened = [member(address, 2, mtu=300) for _ in range(1000)]
         said["communicators"] = opened[-1].switch_error
@@ -92,6 +140,14 @@ def test_hostile_registrations_are_refused_and_the_aggregator_serves_on(tmp_path
         big = [member(address, 16, mtu=65536) for _ in range(3)]
         held += big
         said["pool"] = big[-1].switch_error
+        # those welcomed make their pools whole: the widest row to a chunk of each of their
+        # reductions (the aggregator's one shard reads them before the other job's datagrams)
+        widest = chunk_bytes(65536) - CONTRIB_PREFIX.size
+        sender = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        for links in big:
+            for seq in range(MAX_REDUCTIONS if links.switches else 0):
+                sender.sendto(contributions(links, seq, 0, bytes(widest))[0], links.endpoints[0])
+        sender.close()
         # the other job's collectives, while all of that is held
         results = run_ranks(good_job, loopback_placements(2, {
             "OVERCAST_SWITCH": address, "OVERCAST_SECRET": GOOD.hex(),
@@ -109,24 +165,29 @@ def test_hostile_registrations_are_refused_and_the_aggregator_serves_on(tmp_path
     assert "receive buffer" in said["buffer"], said["buffer"]
     assert "same id on the wire" in said["identity"], said["identity"]
     assert "registered with a world of 2" in said["inconsistent"], said["inconsistent"]
+    assert "rank 0 of this communicator is registered already" in said["rank"], said["rank"]
     assert first.switches and big[0].switches
     assert "--pool-bytes" in said["pool"], said["pool"]
     assert "--max-communicators" in said["communicators"], said["communicators"]
-    assert 0 < welcomed < 40
+    assert welcomed == LIMITS.max_communicators - 2  # two held already: first and salt's
     assert alive
     for exact_rs, exact_ar, switch_error in results:
         assert exact_rs and exact_ar and switch_error is None
     report = json.loads(stats.read_text())
     assert report["drops"]["refused_world"] == 5 and report["drops"]["refused_pool"] >= 1
     assert report["drops"]["refused_communicators"] == 1000 - welcomed
-    assert max(report["peak_pool_bytes"], report["reserved_pool_bytes"]) <= LIMITS.pool_bytes
+    assert report["drops"]["refused_rank"] == 1
+    # the pools the hostile job's contributions made (4 reductions' windows of 16 rows each,
+    # as many slots as each was granted) were made, and are within the job's share (half the
+    # budget), the other job's beside them within the budget
+    made = sum(MAX_REDUCTIONS * links.switch_slots * 16 * widest for links in big)
+    assert LIMITS.pool_bytes // 4 < made <= LIMITS.pool_bytes // 2
+    assert made <= report["peak_pool_bytes"] <= LIMITS.pool_bytes
 
 
 def test_a_fault_on_one_registration_costs_that_connection_alone():
     """A fault in the service's own code on one peer's input (injected into its admission)
     closes that connection and is counted; the loop serves the next registration."""
-    import threading
-    from overcast.switch.service import SwitchService
     service = SwitchService("127.0.0.1", 0, [HOSTILE])
     admit, faults = service._admit, []
 
@@ -161,3 +222,194 @@ def test_an_aggregator_the_rank_cannot_use_is_its_reason(spec, reason):
     links = member(spec, 2)
     assert links.switch_error.startswith(reason), links.switch_error
     assert links.switches == {} and links.endpoints == []
+
+
+def test_a_keyed_member_that_registers_and_contributes_stays_within_the_budget(tmp_path):
+    """Hostile registrations that contribute: a communicator of 8 ranks whose rows are as wide
+    as loopback takes, and communicators of 1,000 ranks of narrow rows until the budget refuses
+    them, every rank sending (a replay window each in the aggregator) and filling the pools.
+    The aggregator's peak RSS grows by at most --pool-bytes and the fixed overhead
+    docs/protocols.md states: 4 KiB a communicator, and a few MiB of its own."""
+    budget = 32 << 20
+    stats = tmp_path / "switch.json"
+    proc, address = start_switch("127.0.0.1", 0, secrets=[HOSTILE.hex()], slots=8,
+                                 stats_path=str(stats), shards=1,
+                                 limits=Limits(max_world=4096, max_communicators=256,
+                                               pool_bytes=budget))
+    members = []
+    sender = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        start = status_bytes(proc.pid, "VmRSS")
+        members.append(member(address, 8, mtu=65536, keep_udp=True))
+        members += [member(address, 1000, mtu=104, keep_udp=True) for _ in range(32)]
+        admitted = [m for m in members if m.switches]
+        widest = chunk_bytes(65536) - CONTRIB_PREFIX.size
+        # what the refused send is foreign to the aggregator; the admitted are read in order
+        # by its one shard, each collective's chunk 0 (its result to rank 0 says so) last
+        for links in sorted(members, key=lambda m: bool(m.switches)):
+            for seq in range(MAX_REDUCTIONS if links.world == 8 else 1):
+                for chunk in reversed(range(links.world if links.world == 8 else 1)):
+                    for datagram in contributions(links, seq, chunk,
+                                                  bytes(widest if links.world == 8 else 8)):
+                        sender.sendto(datagram, ("127.0.0.1", int(address.split(":")[1])))
+                assert not links.switches or result_came(links, seq)
+        peak = status_bytes(proc.pid, "VmHWM")
+    finally:
+        sender.close()
+        for links in members:
+            links.udp.close()
+            for sock in links.switches.values():
+                sock.close()
+        stop_switch(proc)
+    report = json.loads(stats.read_text())
+    assert peak - start <= budget + len(admitted) * 4096 + (4 << 20), (peak - start, report)
+    assert members[0].switches and 1 < len(admitted) < len(members)
+    assert all("--pool-bytes" in m.switch_error for m in members if not m.switches)
+    slots = members[0].switch_slots
+    assert report["stats"]["contributions"] == \
+        MAX_REDUCTIONS * slots * 7 + 999 * (len(admitted) - 1)
+
+
+def siege(*args: str) -> dict:
+    """tools/registration_siege.py's figures (JSON) for these arguments."""
+    if resource.getrlimit(resource.RLIMIT_NOFILE)[1] < 1600:
+        pytest.skip("the crowd's other ends need 1,600 descriptors in this process")
+    run = subprocess.run([sys.executable, str(SIEGE), *args, "--json"], capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout)
+
+
+@pytest.mark.parametrize("hard", [False, True], ids=["soft limit", "hard limit"])
+def test_a_crowd_of_connections_neither_stops_the_aggregator_nor_keeps_a_rank_out(hard):
+    """1,500 connections held open, no secret needed, against an aggregator started under
+    `ulimit -n 1024` (its soft limit, which it raises to the hard one, or both): every one is
+    answered, the oldest waiting for their HELLO are shed once a quarter of the descriptors
+    (or 1,024) wait, and a rank registers during the crowd and after it."""
+    result = siege("--connections", "1500", "--junk", "0", *(["--hard"] if hard else []))
+    assert result["alive"]
+    assert result["during"]["error"] is None and result["after"]["error"] is None
+    assert result["crowd"]["greeted"] == 1500
+    waiting = 256 if hard else 1024
+    # each connection past the cap sheds one (the two registrations' too, if they come first)
+    assert 1500 - waiting <= result["drops"]["unregistered_shed"] <= 1502 - waiting
+
+
+def test_junk_behind_the_largest_header_is_refused_as_the_header_parses():
+    """Four connections each send a header announcing a 64 MiB HELLO and then 16 MiB of junk:
+    each is closed as its header parses (what the kernel's buffers took is all that goes), the
+    aggregator's memory does not grow by what they sent, and a rank registers meanwhile and
+    after."""
+    result = siege("--connections", "0", "--junk", "4", "--junk-bytes", "16M")
+    assert result["alive"]
+    assert result["during"]["error"] is None and result["after"]["error"] is None
+    assert result["drops"]["not_hello"] == 4
+    assert result["junk_sent_bytes"] < 4 * (16 << 20) // 2
+    assert result["rss_growth"] < 8 << 20
+
+
+@pytest.mark.parametrize("kind,length", [
+    (Kind.HELLO, HELLO.size + 1), (Kind.HELLO, HELLO.size - 1), (Kind.HELLO, MAX_PAYLOAD),
+    (Kind.DESCRIBE, HELLO.size)])
+def test_a_header_but_a_hellos_of_its_size_closes_the_connection_at_once(kind, length):
+    """The header alone, and nothing after it: the aggregator closes the connection without
+    waiting for the frame it announces, and counts it."""
+    service = SwitchService("127.0.0.1", 0, [HOSTILE])
+    serving = threading.Thread(target=service.serve)
+    serving.start()
+    try:
+        with socket.create_connection(("127.0.0.1", service.port), timeout=5) as sock:
+            assert len(sock.recv(SWITCH_CHALLENGE.size)) == SWITCH_CHALLENGE.size
+            sock.sendall(HEADER.pack(MAGIC, VERSION, kind, job_id_of(HOSTILE), 0, 0, 0,
+                                     AGGREGATOR, 0, length, 0))
+            closed = sock.recv(1) == b""
+    finally:
+        service.stop()
+        serving.join()
+        service.close()
+    assert closed and service.drops["not_hello"] == 1
+
+
+def test_an_accept_out_of_descriptors_is_counted_and_rests_the_listener():
+    """accept() at the descriptor limit (EMFILE, the process's own, lowered for a moment to
+    what is open): counted, the oldest connection waiting for its HELLO shed to make room, the
+    listener left alone for ACCEPT_BACKOFF_SECONDS (the connection waits in the backlog), then
+    taken."""
+    service = SwitchService("127.0.0.1", 0, [HOSTILE])
+    oldest = socket.create_connection(("127.0.0.1", service.port), timeout=5)
+    newest = None
+    try:
+        assert service._accept()
+        newest = socket.create_connection(("127.0.0.1", service.port), timeout=5)
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        lowest = os.dup(0)  # every descriptor below it is open
+        os.close(lowest)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (lowest, hard))
+        try:
+            more = service._accept()
+        finally:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        assert not more and service.drops["accept_emfile"] == 1
+        assert service.drops["unregistered_shed"] == 1 and not service.connections
+        assert len(oldest.recv(64)) == SWITCH_CHALLENGE.size and oldest.recv(1) == b""
+        assert service.listener not in {k.fileobj for k in service._selector.get_map().values()}
+        rested = service.listening_again
+        assert rested >= time.monotonic() + ACCEPT_BACKOFF_SECONDS / 2
+        service._listen_again(rested - ACCEPT_BACKOFF_SECONDS / 2)
+        assert service.listening_again == rested  # still resting
+        service._listen_again(rested)
+        assert service.listening_again is None and service._accept()
+        assert len(newest.recv(64)) == SWITCH_CHALLENGE.size  # taken from the backlog
+    finally:
+        oldest.close()
+        if newest is not None:
+            newest.close()
+        service.close()
+
+
+class FailingOnce:
+    """The service's real shards, but one call named `fails` raises (ValueError, as the
+    binding does for a communicator or rank it does not hold) the first time. No input makes
+    set_group or set_address fail once the communicator is registered: a fault, injected."""
+
+    def __init__(self, shards, fails: str):
+        self.shards, self.fails = shards, fails
+
+    def __getattr__(self, name):
+        call = getattr(self.shards, name)
+        if name != self.fails:
+            return call
+
+        def once(*args):
+            self.fails = None
+            raise ValueError("a fault after the communicator was registered")
+        return once
+
+
+@pytest.mark.parametrize("fails", ["set_group", "set_address"])
+def test_a_fault_after_registering_a_communicator_gives_back_what_it_held(fails):
+    """A fault between registering a new communicator in the shards and welcoming its rank
+    costs that connection alone (counted), and the communicator is given back: no budget, id
+    on the wire or place in the shards is held for it, and its next registration is welcomed
+    into the shards' first place again."""
+    service = SwitchService("127.0.0.1", 0, [HOSTILE])
+    service.shards = FailingOnce(service.shards, fails)
+    serving = threading.Thread(target=service.serve)
+    serving.start()
+    salt = os.urandom(16)
+    try:
+        first = member(f"127.0.0.1:{service.port}", 2, salt=salt)
+        books = (dict(service.comms), set(service.wire_ids), service.reserved_bytes,
+                 service.shards.counters()[2]["engine_communicators"])
+        second = member(f"127.0.0.1:{service.port}", 2, salt=salt)
+        handles = [c.handle for c in service.comms.values()]
+    finally:
+        service.stop()
+        serving.join()
+        service.close()
+        for sock in second.switches.values():
+            sock.close()
+    assert not first.switches and "failed" in first.switch_error, first.switch_error
+    assert service.drops["registration_error"] == 1
+    assert books == ({}, set(), 0, 0)
+    assert second.switches and second.switch_error is None and handles == [0]

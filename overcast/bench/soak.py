@@ -23,7 +23,7 @@ from overcast.limits import check_count, check_hosts, check_link_rate, check_los
 DTYPE = np.float32
 
 
-def _status_bytes(pid: int | str, field: str) -> int:
+def status_bytes(pid: int | str, field: str) -> int:
     """A memory figure (VmRSS, VmHWM) of a process, from /proc, in bytes."""
     with open(f"/proc/{pid}/status") as f:
         for line in f:
@@ -76,10 +76,10 @@ def soak_rank(rank: int, pairs: int, nbytes: int, marks: list[int], switch_pids:
             out_ag.fill(0)
             out_rs.fill(0)
             if i in marks:
-                at_marks[i] = {"rss_bytes": _status_bytes("self", "VmRSS"),
-                               "peak_rss_bytes": _status_bytes("self", "VmHWM"),
+                at_marks[i] = {"rss_bytes": status_bytes("self", "VmRSS"),
+                               "peak_rss_bytes": status_bytes("self", "VmHWM"),
                                "memory": comm.memory(), **_held()}
-                at_marks[i]["switch_rss_bytes"] = sum(_status_bytes(pid, "VmRSS")
+                at_marks[i]["switch_rss_bytes"] = sum(status_bytes(pid, "VmRSS")
                                                       for pid in switch_pids)
             if rank == 0 and i % 10 == 0:
                 with open(progress_path, "w") as f:

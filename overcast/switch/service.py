@@ -9,12 +9,22 @@ endpoints (native/numbering.h); each shard seals under its own stripe's source i
 WELCOME (an HMAC under a key for welcomes, binding the rank's nonce) gives the shards' datagram
 ports. A connection that has not registered within REGISTRATION_SECONDS is closed.
 
+Anyone can reach the port, so a connection costs the service little before it registers: it
+may send one HELLO of its exact size and nothing else (any other header closes it as soon as it
+parses), at most MAX_UNREGISTERED (or a quarter of the descriptors) wait at once (the oldest
+goes first), and an accept that fails for want of descriptors, buffers or memory is counted
+and the listener rests for ACCEPT_BACKOFF_SECONDS; nothing the port meets ends the service.
+The descriptor limit is raised to its hard limit at start (each rank holds a connection).
+
 A job member may be buggy or hostile, so what a HELLO asks is held to the aggregator's Limits: a
-registration beyond one (a world too large, too many communicators for its job, pools past the
-memory budget, a receive buffer too small for its world) is refused to that connection alone,
-with the reason, and everything else carries on. Every communicator's pools are bounded when it
-registers (at most MAX_REDUCTIONS reductions of slots x world x its widest row), so the budget
-holds by construction. Results go to the address the registration came from.
+registration beyond one (a world too large, too many communicators for its job, memory past the
+budget, a receive buffer too small for its world, a rank registered already) is refused to that
+connection alone, with the reason, and everything else carries on. What a communicator can make
+the aggregator hold (its ranks' connections here; in every shard its ranks' state and replay
+windows, and at most MAX_REDUCTIONS pools of slots x world x its widest row, the one a finished
+reduction leaves for the next among them: Shards.comm_bytes) is set aside from the budget when
+it registers, so the budget holds by construction. Results go to the address the registration
+came from.
 The data path runs over `shards` cores (overcast/native/shards.h): each shard is a native
 thread with its own UDP port (the first one the same number as the TCP port), engine, pools,
 replay windows and timers, and is the job's aggregator endpoint first + i, so ranks stripe
@@ -29,6 +39,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import errno
 import json
 import os
 import resource
@@ -39,24 +50,35 @@ import socket
 import time
 
 from overcast.limits import check_port, check_shards, check_slots
-from overcast.native import EXPIRY_SECONDS, MAX_REDUCTIONS, _core
+from overcast.native import EXPIRY_SECONDS, _core
 from overcast.transport.datagram import (DATAGRAM_TRUESIZE, MAX_DATAGRAM, enlarge_receive_buffer,
                                          multicast_group, prepare_sender)
 from overcast.wire.auth import Drops, Opener, derive_key, job_id_of
-from overcast.wire.header import HEADER_BYTES, MAX_STRIPES, Kind, MalformedError, unpack_header
+from overcast.wire.header import (HEADER_BYTES, MAX_STRIPES, TAG_BYTES, Kind, MalformedError,
+                                  unpack_header)
 from overcast.wire.registration import (HELLO, NONCE_BYTES, REFUSAL_LABEL, SWITCH_CHALLENGE,
                                         SWITCH_MAGIC, WELCOME_LABEL, Refused, pack_refusal,
                                         pack_welcome)
 
 REGISTRATION_SECONDS = 10.0
+HELLO_FRAME_BYTES = HEADER_BYTES + HELLO.size + TAG_BYTES  # all a connection may send
+MAX_UNREGISTERED = 1024  # connections waiting for their HELLO at once, at most
+ACCEPT_BACKOFF_SECONDS = 0.1
+ACCEPTS_PER_WAKE = 64
+# accept's errors that say the process or the system ran short: waiting helps, retrying at once
+# would spin (the connection waits in the backlog meanwhile)
+SCARCE = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
+# What a registered connection costs this process (its socket object, registration, selector
+# entry), set aside with its communicator for each of its ranks: measured at about 1 KiB.
+CONNECTION_BYTES = 2048
 
 
 @dataclasses.dataclass(frozen=True)
 class Limits:
     """What one aggregator takes (overcast switch --max-world, --max-communicators,
     --pool-bytes): the largest world, communicators per job, and the bytes every registered
-    communicator's reduction pools may reach together at their largest, each job served an
-    even share of them."""
+    communicator may make it hold together at their largest (pools, replay windows, ranks'
+    state and connections), each job served an even share of them."""
 
     max_world: int = 4096
     max_communicators: int = 256
@@ -73,15 +95,15 @@ class Refusal(Exception):
 
 class _Comm:
     """A registered communicator: its handle in the shards' engines, its world, widest row and
-    first stripe, the slots its reductions were granted, the pool bytes set aside for them in
-    all the shards, its ranks' connections."""
+    first stripe, the slots its reductions were granted, the bytes of the budget set aside for
+    it, its ranks' connections by rank."""
 
     def __init__(self, job: int, wire_id: int, handle: int, world: int, max_row: int,
-                 stripe: int, slots: int, shards: int):
+                 stripe: int, slots: int, reserved_bytes: int):
         self.job, self.wire_id, self.handle = job, wire_id, handle
         self.world, self.max_row, self.stripe, self.slots = world, max_row, stripe, slots
-        self.pool_bytes = shards * MAX_REDUCTIONS * slots * world * max_row
-        self.conns: set[socket.socket] = set()
+        self.reserved_bytes = reserved_bytes
+        self.conns: dict[int, socket.socket] = {}
 
 
 class _Registration:
@@ -93,11 +115,22 @@ class _Registration:
         self.nonce = secrets.token_bytes(NONCE_BYTES)
         self.due = due  # until when it may take to register
         self.comm_key: tuple[int, bytes] | None = None  # (job, salt) once registered
+        self.rank = -1  # once registered
 
 
 def default_shards() -> int:
     """The cores this process may use: one shard each."""
     return len(os.sched_getaffinity(0))
+
+
+def raise_descriptor_limit() -> None:
+    """Raise the soft limit on open descriptors to the hard one: a job of P ranks and C
+    communicators holds P x C connections."""
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (ValueError, OSError):  # an unlimited hard limit the kernel does not take
+        pass
 
 
 class SwitchService:
@@ -112,7 +145,7 @@ class SwitchService:
         self.drops = Drops()  # the registrations'; the data path counts its own
         self.comms: dict[tuple[int, bytes], _Comm] = {}  # by job and salt
         self.wire_ids: set[tuple[int, int]] = set()  # (job, id on the wire) of those
-        self.reserved_pool_bytes = 0
+        self.reserved_bytes = 0  # of the budget, set aside for the communicators
         self.listener = socket.create_server((host, port), backlog=256)
         self.listener.setblocking(False)
         self.port = self.listener.getsockname()[1]
@@ -138,18 +171,37 @@ class SwitchService:
         self._selector.register(self._wake_r, selectors.EVENT_READ)
         if lifeline is not None:
             self._selector.register(lifeline, selectors.EVENT_READ)
-        self.unregistered: set[_Registration] = set()
+        # waiting for their HELLO, oldest first; a quarter of the descriptors at most, so that
+        # a crowd of them leaves the rest to registered ranks
+        self.unregistered: dict[_Registration, None] = {}
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        self.max_unregistered = MAX_UNREGISTERED if soft == resource.RLIM_INFINITY else \
+            max(1, min(MAX_UNREGISTERED, soft // 4))
+        self.listening_again: float | None = None  # the listener rests until then
         self.stopped = False
         # last: threads that read the sockets start once nothing above can fail and leave
         # them reading sockets garbage collection closes
         self.shards.start()
 
     # -- registration ----------------------------------------------------------------------
-    def _accept(self) -> None:
+    def _accept(self) -> bool:
+        """Take one connection from the backlog: whether there may be more."""
         try:
             sock, _ = self.listener.accept()
-        except BlockingIOError:
-            return
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError as err:  # counted, never raised: the port stays open to everyone
+            self.drops[f"accept_{errno.errorcode.get(err.errno, err.errno)}".lower()] += 1
+            if err.errno not in SCARCE:
+                return True  # that connection's own (ECONNABORTED, EPROTO, EPERM)
+            if self.unregistered:  # descriptors or memory for the newest: the oldest goes
+                self._shed_oldest()
+            if self.listening_again is None:
+                self._selector.unregister(self.listener)
+            self.listening_again = time.monotonic() + ACCEPT_BACKOFF_SECONDS
+            return False
+        if len(self.unregistered) >= self.max_unregistered:
+            self._shed_oldest()
         reg = _Registration(sock, time.monotonic() + REGISTRATION_SECONDS)
         try:  # a few bytes into an empty socket buffer: never blocks
             sock.sendall(SWITCH_CHALLENGE.pack(SWITCH_MAGIC, reg.nonce))
@@ -159,7 +211,17 @@ class SwitchService:
         sock.setblocking(False)
         self.connections[sock] = reg
         self._selector.register(sock, selectors.EVENT_READ, reg)
-        self.unregistered.add(reg)
+        self.unregistered[reg] = None
+        return True
+
+    def _shed_oldest(self) -> None:
+        self.drops["unregistered_shed"] += 1
+        self._disconnect(next(iter(self.unregistered)))
+
+    def _listen_again(self, now: float) -> None:
+        if self.listening_again is not None and now >= self.listening_again:
+            self.listening_again = None
+            self._selector.register(self.listener, selectors.EVENT_READ)
 
     def _expire_registrations(self, now: float) -> None:
         for reg in [r for r in self.unregistered if now >= r.due]:
@@ -167,8 +229,8 @@ class SwitchService:
             self._disconnect(reg)
 
     def _on_registration(self, reg: _Registration) -> None:
-        try:
-            data = reg.sock.recv(65536)
+        try:  # never more than the HELLO: reg.buf stays within its frame
+            data = reg.sock.recv(HELLO_FRAME_BYTES - len(reg.buf))
         except (BlockingIOError, InterruptedError):
             return
         except OSError:
@@ -187,17 +249,27 @@ class SwitchService:
             self.drops["malformed"] += 1
             self._disconnect(reg)
             return
-        total = hdr.frame_bytes()
-        if len(reg.buf) < total:
+        if not self._hello_header(hdr):  # refused before a byte more is read
+            self._disconnect(reg)
             return
-        if not self._register(reg, memoryview(bytes(reg.buf[:total])), hdr):
+        if len(reg.buf) == HELLO_FRAME_BYTES and \
+                not self._register(reg, memoryview(bytes(reg.buf)), hdr):
             self._disconnect(reg)
 
-    def _register(self, reg: _Registration, frame: memoryview, hdr) -> bool:
-        secret = self.secrets.get(hdr.job)
-        if secret is None or hdr.kind != Kind.HELLO or hdr.length != HELLO.size:
+    def _hello_header(self, hdr) -> bool:
+        """Whether a header is a HELLO of its size, from a job served here; counted if not."""
+        if hdr.kind != Kind.HELLO or hdr.length != HELLO.size:
+            self.drops["not_hello"] += 1
+            return False
+        if hdr.job not in self.secrets:
             self.drops["foreign"] += 1
             return False
+        return True
+
+    def _register(self, reg: _Registration, frame: memoryview, hdr) -> bool:
+        if not self._hello_header(hdr):
+            return False
+        secret = self.secrets[hdr.job]
         salt, world, udp_port, hears_group, max_row, stripe, nonce, theirs = HELLO.unpack_from(
             frame, HEADER_BYTES)
         if hdr.comm != int.from_bytes(salt[:4], "little"):
@@ -221,10 +293,16 @@ class SwitchService:
             self._say(reg, pack_refusal(derive_key(secret, salt, REFUSAL_LABEL), theirs,
                                         refusal.reason, str(refusal)))
             return False
-        self.shards.set_address(comm.handle, hdr.src, ip, udp_port, bool(hears_group))
-        comm.conns.add(reg.sock)
-        reg.comm_key = (hdr.job, salt)
-        self.unregistered.discard(reg)
+        try:
+            self.shards.set_address(comm.handle, hdr.src, ip, udp_port, bool(hears_group))
+        except BaseException:  # a communicator no connection holds is given back at once
+            if not comm.conns:
+                self._forget((hdr.job, salt))
+            raise
+        comm.conns[hdr.src] = reg.sock
+        reg.comm_key, reg.rank = (hdr.job, salt), hdr.src
+        self.unregistered.pop(reg, None)
+        reg.buf = bytearray()
         return self._say(reg, pack_welcome(derive_key(secret, salt, WELCOME_LABEL), theirs,
                                            comm.slots, self.ports))
 
@@ -241,6 +319,9 @@ class SwitchService:
                               f"rows of {comm.max_row} bytes and stripe {comm.stripe}, not "
                               f"{world}, {max_row} and {stripe} (OVERCAST_SWITCH must name the "
                               f"same aggregators in the same order on every rank)")
+            if src in comm.conns:  # so a communicator holds at most its world's connections
+                raise Refusal(Refused.RANK, f"rank {src} of this communicator is registered "
+                                            f"already, on another connection")
             return comm
         wire_id = int.from_bytes(salt[:4], "little")
         limits = self.limits
@@ -268,13 +349,18 @@ class SwitchService:
             raise Refusal(Refused.BUFFER, f"the receive buffer ({self.receive_buffer} bytes) "
                                           f"holds less than one datagram per rank of {world}")
         # Each job has an even share of the budget: one job's members cannot take another's.
+        # A communicator's cost is linear in its slots: what its ranks hold whatever the slots
+        # (their connections here, their state and replay windows in every shard), then each
+        # slot of each of its reductions in every shard.
         share = limits.pool_bytes // len(self.secrets)
-        per_slot = len(self.ports) * MAX_REDUCTIONS * world * max_row
-        left = min(limits.pool_bytes - self.reserved_pool_bytes,
-                   share - sum(c.pool_bytes for c in self.comms.values() if c.job == job))
-        slots = min(slots, left // per_slot)
+        engines = self.shards.comm_bytes(world, 0, max_row)
+        per_slot = self.shards.comm_bytes(world, 1, max_row) - engines
+        fixed = engines + world * CONNECTION_BYTES
+        left = min(limits.pool_bytes - self.reserved_bytes,
+                   share - sum(c.reserved_bytes for c in self.comms.values() if c.job == job))
+        slots = min(slots, (left - fixed) // per_slot)
         if slots < 1:
-            raise Refusal(Refused.POOL, f"its reductions need {per_slot} bytes of pool per slot; "
+            raise Refusal(Refused.POOL, f"it needs {fixed} bytes and {per_slot} per slot; "
                                         f"{max(left, 0)} of the job's {share} are left "
                                         f"(--pool-bytes, shared among the jobs served)")
         # A fresh random start for the aggregator's counter under this key: never the clock,
@@ -286,11 +372,15 @@ class SwitchService:
         except (ValueError, MemoryError) as err:
             raise Refusal(Refused.MEMORY, f"the aggregator could not take it: {err}") from None
         comm = self.comms[(job, salt)] = _Comm(job, wire_id, handle, world, max_row, stripe,
-                                               granted, len(self.ports))
+                                               granted, fixed + granted * per_slot)
         self.wire_ids.add((job, wire_id))
-        self.reserved_pool_bytes += comm.pool_bytes
-        group, port = multicast_group(wire_id)
-        self.shards.set_group(comm.handle, socket.inet_aton(group), port)
+        self.reserved_bytes += comm.reserved_bytes
+        try:
+            group, port = multicast_group(wire_id)
+            self.shards.set_group(comm.handle, socket.inet_aton(group), port)
+        except BaseException:  # registered and booked, yet no connection holds it: undone
+            self._forget((job, salt))
+            raise
         return comm
 
     @staticmethod
@@ -303,18 +393,23 @@ class SwitchService:
         return True
 
     def _disconnect(self, reg: _Registration) -> None:
-        self.unregistered.discard(reg)
+        self.unregistered.pop(reg, None)
         del self.connections[reg.sock]
         self._selector.unregister(reg.sock)
         reg.sock.close()
         comm = self.comms.get(reg.comm_key) if reg.comm_key else None
         if comm is not None:
-            comm.conns.discard(reg.sock)
+            del comm.conns[reg.rank]
             if not comm.conns:  # every rank has gone: forget the communicator
-                del self.comms[reg.comm_key]
-                self.wire_ids.discard((comm.job, comm.wire_id))
-                self.reserved_pool_bytes -= comm.pool_bytes
-                self.shards.unregister(comm.handle)
+                self._forget(reg.comm_key)
+
+    def _forget(self, comm_key: tuple[int, bytes]) -> None:
+        """Give back what a communicator held: its budget, its id on the wire, its place in
+        every shard."""
+        comm = self.comms.pop(comm_key)
+        self.wire_ids.discard((comm.job, comm.wire_id))
+        self.reserved_bytes -= comm.reserved_bytes
+        self.shards.unregister(comm.handle)
 
     # -- the loop --------------------------------------------------------------------------
     def serve(self) -> None:
@@ -323,10 +418,15 @@ class SwitchService:
         while not self.stopped:
             now = time.monotonic()
             self._expire_registrations(now)
+            self._listen_again(now)
             due = min((r.due for r in self.unregistered), default=now + 0.5)
+            if self.listening_again is not None:
+                due = min(due, self.listening_again)
             for key, _ in self._selector.select(max(0.0, min(due, now + 0.5) - now)):
                 if key.fileobj is self.listener:
-                    self._accept()
+                    for _ in range(ACCEPTS_PER_WAKE):
+                        if not self._accept():
+                            break
                 elif key.fileobj is self._wake_r:
                     self._wake_r.recv(64)
                 elif key.data is None:
@@ -372,14 +472,15 @@ class SwitchService:
                 "datagrams_in": io["datagrams_in"], "datagrams_out": io["datagrams_out"],
                 "reads": io["reads"], "sends": io["sends"], "wakeups": io["wakeups"],
                 "gro": bool(io["gro"]), "gso": bool(io["gso"]),
-                "communicators": len(self.comms),
-                "reserved_pool_bytes": self.reserved_pool_bytes,
+                "communicators": len(self.comms), "connections": len(self.connections),
+                "reserved_bytes": self.reserved_bytes,
                 "pool_budget_bytes": self.limits.pool_bytes}
 
 
 def run(host: str, port: int, job_secrets: list[bytes], slots: int, stats_path: str | None,
         ready=print, lifeline: int | None = None, limits: Limits = Limits(),
         expiry: float | None = None, shards: int = 1) -> None:
+    raise_descriptor_limit()
     service = SwitchService(host, port, job_secrets, slots, lifeline, limits, expiry, shards)
     signal.signal(signal.SIGTERM, service.stop)
     signal.signal(signal.SIGINT, service.stop)

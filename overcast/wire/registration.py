@@ -60,6 +60,7 @@ class Refused(enum.IntEnum):
     IDENTITY = 5       # another communicator of the job has its id on the wire
     INCONSISTENT = 6   # the communicator is registered with another world or row width
     MEMORY = 7         # the aggregator ran out of memory
+    RANK = 8           # the rank is registered already, on another connection
 
 
 def _tag(key: bytes, body: bytes) -> bytes:
