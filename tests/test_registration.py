@@ -239,21 +239,28 @@ def test_a_keyed_member_that_registers_and_contributes_stays_within_the_budget(t
                                                pool_bytes=budget))
     members = []
     sender = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    port = int(address.rsplit(":", 1)[1])
+
+    def contribute(links, seqs, chunks, row: bytes):
+        """Every rank's contributions to `chunks` (chunk 0 last) of collectives `seqs`; an
+        admitted communicator's are read once rank 0 has chunk 0's result (the aggregator's one
+        shard reads them in order)."""
+        for seq in seqs:
+            for chunk in chunks:
+                for datagram in contributions(links, seq, chunk, row):
+                    sender.sendto(datagram, ("127.0.0.1", port))
+            assert not links.switches or result_came(links, seq)
     try:
         start = status_bytes(proc.pid, "VmRSS")
-        members.append(member(address, 8, mtu=65536, keep_udp=True))
-        members += [member(address, 1000, mtu=104, keep_udp=True) for _ in range(32)]
-        admitted = [m for m in members if m.switches]
+        wide = member(address, 8, mtu=65536, keep_udp=True)
+        members = [wide] + [member(address, 1000, mtu=104, keep_udp=True) for _ in range(32)]
+        narrow = members[1:]
+        for links in [m for m in narrow if not m.switches]:  # foreign to the aggregator
+            contribute(links, [0], [0], bytes(8))
         widest = chunk_bytes(65536) - CONTRIB_PREFIX.size
-        # what the refused send is foreign to the aggregator; the admitted are read in order
-        # by its one shard, each collective's chunk 0 (its result to rank 0 says so) last
-        for links in sorted(members, key=lambda m: bool(m.switches)):
-            for seq in range(MAX_REDUCTIONS if links.world == 8 else 1):
-                for chunk in reversed(range(links.world if links.world == 8 else 1)):
-                    for datagram in contributions(links, seq, chunk,
-                                                  bytes(widest if links.world == 8 else 8)):
-                        sender.sendto(datagram, ("127.0.0.1", int(address.split(":")[1])))
-                assert not links.switches or result_came(links, seq)
+        contribute(wide, range(MAX_REDUCTIONS), [7, 6, 5, 4, 3, 2, 1, 0], bytes(widest))
+        for links in [m for m in narrow if m.switches]:
+            contribute(links, [0], [0], bytes(8))
         peak = status_bytes(proc.pid, "VmHWM")
     finally:
         sender.close()
@@ -263,12 +270,12 @@ def test_a_keyed_member_that_registers_and_contributes_stays_within_the_budget(t
                 sock.close()
         stop_switch(proc)
     report = json.loads(stats.read_text())
-    assert peak - start <= budget + len(admitted) * 4096 + (4 << 20), (peak - start, report)
-    assert members[0].switches and 1 < len(admitted) < len(members)
-    assert all("--pool-bytes" in m.switch_error for m in members if not m.switches)
-    slots = members[0].switch_slots
+    admitted = [m for m in narrow if m.switches]
+    assert peak - start <= budget + (1 + len(admitted)) * 4096 + (4 << 20), (peak - start, report)
+    assert wide.switches and admitted and len(admitted) < len(narrow)
+    assert all("--pool-bytes" in m.switch_error for m in narrow if not m.switches)
     assert report["stats"]["contributions"] == \
-        MAX_REDUCTIONS * slots * 7 + 999 * (len(admitted) - 1)
+        MAX_REDUCTIONS * wide.switch_slots * 7 + 999 * len(admitted)
 
 
 def siege(*args: str) -> dict:
