@@ -13,6 +13,7 @@ import pytest
 import overcast
 from conftest import root_only
 from overcast.cluster.launch import RankError, loopback_placements, run_ranks
+from overcast.transport.store import StoreClient
 from overcast.wire.auth import Sealer, derive_key
 from overcast.wire.header import Kind
 
@@ -122,6 +123,34 @@ def test_killed_rank_becomes_an_error_on_the_others_quickly():
         assert name == "PeerFailureError", message
         assert "rank 2" in message
         assert elapsed < TIMEOUT  # from the broken connection, not from the timeout
+
+
+def test_a_rank_that_closes_with_a_collective_pending_is_named_on_the_others_at_once():
+    """Rank 2 closes while its all_gather #1 is pending (it cannot finish: rank 1 issues #1
+    only once rank 2 has closed, told through the store). Rank 0, waiting in #1, and rank 1,
+    issuing it after, fail from rank 2's word, not at the timeout."""
+    def body(rank, comm):
+        comm.barrier()
+        store = StoreClient(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), 30)
+        try:
+            if rank == 2:
+                work = comm.all_gather(np.empty(3000, np.float32), np.zeros(1000, np.float32),
+                                       async_op=True)
+                comm.close()
+                store.set("test/closed", b"1")
+                return outcome(work.wait)
+            if rank == 1:
+                store.get("test/closed")
+            return outcome(lambda: ag(comm, 1000))
+        finally:
+            store.close()
+
+    results = run_ranks(with_comm(body), loopback_placements(3), timeout=60)
+    assert results[2][0] == "CommunicatorClosedError", results[2]
+    for name, message, elapsed in results[:2]:
+        assert name == "PeerFailureError", message
+        assert "rank 2 closed the communicator with all_gather" in message, message
+        assert elapsed < TIMEOUT  # told by rank 2, not found by waiting
 
 
 def test_silent_rank_gives_the_others_a_timeout_naming_what_they_waited_for():

@@ -156,3 +156,18 @@ def test_messages_after_completion_are_counted_stale():
     late = Header(Kind.RING_DATA, 0, 0, 0, 1, 0, 0, 40, 0)
     fabric.sessions[0].receive(late, memoryview(b"\0" * 40), 0.0, False)
     assert fabric.sessions[0].stale == 1
+
+
+def test_a_rank_that_closes_mid_collective_is_named_on_every_peer_at_once():
+    """Rank 2 closes while its part of #0 is pending: its GOODBYE counts #0 as issued, so only
+    its ABORT tells the peers, which fail #0 at once (no clock moves), naming it."""
+    fabric = Fabric(3, timeout=100.0)
+    colls, _, _ = gather(fabric, 10, np.int32, 64)
+    fabric.sessions[2].close()
+    fabric.run()
+    assert "communicator closed while" in str(colls[2].error)
+    for c in colls[:2]:
+        assert isinstance(c.error, PeerFailureError), c.error
+        assert "rank 2 closed the communicator with all_gather(ring, 10 x int32) #0 pending" \
+            in str(c.error)
+    assert fabric.now == 0.0

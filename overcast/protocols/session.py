@@ -308,17 +308,27 @@ class Session:
                 f"lost the connection to rank {peer} (its process exited or was killed)"))
 
     def close(self) -> None:
-        """Say goodbye to every peer; collectives still pending fail."""
+        """Say goodbye to every peer; collectives still pending fail, here and, told by an
+        ABORT naming this rank, on every peer (which would otherwise wait for this rank's part
+        until its timeout: the GOODBYE counts them as issued)."""
         if self.closing:
             return
         self.closing = True
-        for coll in list(self.active.values()):
+        pending = [self.active[seq] for seq in sorted(self.active)]
+        for coll in pending:
             coll.fail(CommunicatorClosedError(f"communicator closed while {coll.desc} "
                                               f"#{coll.seq} was pending"))
             self._settle(coll)
-        for peer in range(self.world):
-            if peer != self.rank and peer not in self.closed_peers:
-                self._send_control(Kind.GOODBYE, 0, peer, pack_goodbye(self.next_seq))
+        peers = [p for p in range(self.world) if p != self.rank and p not in self.closed_peers]
+        if pending:
+            also = f" and {len(pending) - 1} more" if len(pending) > 1 else ""
+            message = pack_abort(PeerFailureError.abort_code,
+                                 f"rank {self.rank} closed the communicator with "
+                                 f"{pending[0].desc} #{pending[0].seq}{also} pending")
+            for peer in peers:
+                self._send_control(Kind.ABORT, 0, peer, message)
+        for peer in peers:
+            self._send_control(Kind.GOODBYE, 0, peer, pack_goodbye(self.next_seq))
 
     # -- timers ----------------------------------------------------------------------------
     def get_timer(self) -> float | None:
