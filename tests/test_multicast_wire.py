@@ -5,6 +5,7 @@ import itertools
 import os
 import resource
 import signal
+import subprocess
 
 import numpy as np
 import pytest
@@ -13,6 +14,7 @@ import overcast
 from conftest import root_only
 from overcast.cluster.launch import RankError
 from overcast.cluster.netns import Cluster
+from overcast.transport.datagram import chunk_bytes
 from overcast.transport.loss import LossSpec
 
 pytestmark = root_only
@@ -58,6 +60,32 @@ def test_multicast_bit_exact_under_loss(world, roots, big):
     for failures, repaired, lost in results:
         assert failures == []
         assert lost > 0 and repaired > 0  # loss was injected and repaired, not avoided
+
+
+def one_host_at_1500(rank, nbytes):
+    """Host 1's link takes frames of 1500 bytes, the others' 9000: every rank must cut its
+    datagrams for 1500. (chunk_bytes, whether the AllGather and the Broadcast were exact, or
+    the error's class and message.)"""
+    if rank == 1:
+        subprocess.run(["ip", "link", "set", "eth0", "mtu", "1500"], check=True)
+    with overcast.Communicator(timeout=10) as comm:
+        world = comm.world_size
+        try:
+            out = np.empty(world * nbytes, np.uint8)
+            comm.all_gather(out, pattern(rank, nbytes), algorithm="multicast")
+            gathered = all(np.array_equal(out[r * nbytes:(r + 1) * nbytes], pattern(r, nbytes))
+                           for r in range(world))
+            buf = pattern(2, nbytes) if rank == 2 else np.zeros(nbytes, np.uint8)
+            comm.broadcast(buf, 2)
+            return [comm.chunk_bytes, gathered, np.array_equal(buf, pattern(2, nbytes))]
+        except overcast.OvercastError as err:
+            return [comm.chunk_bytes, type(err).__name__, str(err)]
+
+
+def test_ranks_agree_on_the_datagram_size_when_one_path_has_a_smaller_mtu():
+    with Cluster(3, 1_000_000_000) as cluster:
+        results = cluster.run(one_host_at_1500, args=(100_003,), timeout=120)
+    assert results == [[chunk_bytes(1500), True, True]] * 3
 
 
 def big_at_root(rank, nbytes):

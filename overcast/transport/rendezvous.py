@@ -296,6 +296,11 @@ def rendezvous(rank: int, world: int, *, name: str = "default", store=None,
         store.set(f"{prefix}addr/{rank}",
                   f"{address} {listener.getsockname()[1]} {udp.getsockname()[1]}".encode())
         peers = [bytes(store.get(f"{prefix}addr/{r}")).decode().split() for r in range(world)]
+        # Datagrams are cut into chunks of one size on every rank (their numbering is shared):
+        # the smallest path MTU any rank measured to its peers.
+        store.set(f"{prefix}mtu/{rank}",
+                  str(min(path_mtu(address, peer[0]) for peer in peers)).encode())
+        mtu = min(int(bytes(store.get(f"{prefix}mtu/{r}"))) for r in range(world))
     except StoreError as err:
         raise RendezvousError(f"rendezvous of communicator {name!r} failed on rank {rank}: "
                               f"{err}") from None
@@ -345,7 +350,6 @@ def rendezvous(rank: int, world: int, *, name: str = "default", store=None,
     except OSError as err:
         multicast_error = (f"cannot join multicast group {group[0]}:{group[1]} on {address}: "
                            f"{err.strerror or err}")
-    mtu = min(path_mtu(address, a) for a in set(addresses))
     links = Links(rank, world, address, addresses, streams, udp, [int(p[2]) for p in peers],
                   sealer, opener, key, job, comm, drops, mtu, group, multicast, multicast_error)
     switch = switch if switch is not None else os.environ.get("OVERCAST_SWITCH")
