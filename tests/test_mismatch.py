@@ -19,26 +19,26 @@ WORLD, CHUNK, RATE = 4, 64, 1e6
 U8, F32 = np.dtype(np.uint8), np.dtype(np.float32)
 
 
-def all_gather(seq, rank, n=128, dtype=U8, roots=WORLD):
+def all_gather(seq, rank, n=128, dtype=U8, roots=WORLD, chunk=CHUNK):
     desc = Descriptor("all_gather", "multicast", dtype, n, param=roots)
     size = n * dtype.itemsize
     return MulticastGather(seq, rank, WORLD, desc, np.empty(WORLD * n, dtype),
                            [(q, q * size, size) for q in range(WORLD)],
-                           source=np.full(n, rank, dtype), roots=roots, chunk_bytes=CHUNK,
+                           source=np.full(n, rank, dtype), roots=roots, chunk_bytes=chunk,
                            budget=LinkBudget(RATE * concurrent_senders(WORLD, roots)))
 
 
-def broadcast(seq, rank, n=300, root=0):
+def broadcast(seq, rank, n=300, root=0, chunk=CHUNK):
     desc = Descriptor("broadcast", "multicast", U8, n, param=root)
     buf = np.full(n, 7 if rank == root else 0, np.uint8)
     return MulticastGather(seq, rank, WORLD, desc, buf, [(root, 0, n)], source=None, roots=1,
-                           chunk_bytes=CHUNK, budget=LinkBudget(RATE))
+                           chunk_bytes=chunk, budget=LinkBudget(RATE))
 
 
-def reduce_scatter(seq, rank, n=100, dtype=F32, op="sum"):
+def reduce_scatter(seq, rank, n=100, dtype=F32, op="sum", chunk=CHUNK):
     desc = Descriptor("reduce_scatter", "innetwork", dtype, n, op)
     return InNetworkReduceScatter(seq, rank, WORLD, desc, np.empty(n, dtype),
-                                  np.ones(WORLD * n, dtype), chunk_bytes=CHUNK, slots=8,
+                                  np.ones(WORLD * n, dtype), chunk_bytes=chunk, slots=8,
                                   budget=LinkBudget(RATE))
 
 
@@ -55,6 +55,13 @@ CASES = {
                           lambda s, r: reduce_scatter(s, r, op="avg")),
     "reduce_scatter dtype": (lambda s, r: reduce_scatter(s, r),
                              lambda s, r: reduce_scatter(s, r, dtype=np.dtype(np.int32))),
+    # ranks that cut datagrams for different path MTUs: chunk numbers mean different bytes
+    "all_gather chunk size": (lambda s, r: all_gather(s, r, n=320),
+                              lambda s, r: all_gather(s, r, n=320, chunk=2 * CHUNK)),
+    "broadcast chunk size": (lambda s, r: broadcast(s, r, n=320),
+                             lambda s, r: broadcast(s, r, n=320, chunk=2 * CHUNK)),
+    "reduce_scatter chunk size": (lambda s, r: reduce_scatter(s, r),
+                                  lambda s, r: reduce_scatter(s, r, chunk=2 * CHUNK)),
 }
 
 

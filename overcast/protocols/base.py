@@ -13,7 +13,7 @@ from __future__ import annotations
 import collections
 import enum
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -30,7 +30,7 @@ COLLECTIVES = ("all_gather", "reduce_scatter", "broadcast")
 ALGORITHMS = ("ring", "multicast", "innetwork")
 OPS = ("none",) + REDUCE_OPS
 
-_DESCRIPTOR = struct.Struct("<BBBBQI")
+_DESCRIPTOR = struct.Struct("<BBBBQII")
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,26 +43,38 @@ class Descriptor:
     count: int  # elements per rank (the shard)
     op: str = "none"
     param: int = 0  # broadcast root, or the number of multicast roots
+    # Bytes per datagram chunk, as the datagram protocols cut the data (each rank cuts for its
+    # path MTU, and chunk numbers mean nothing across ranks that cut differently); 0 for rings.
+    chunk_bytes: int = 0
 
     SIZE = _DESCRIPTOR.size
 
     def pack(self) -> bytes:
         return _DESCRIPTOR.pack(COLLECTIVES.index(self.collective),
                                 ALGORITHMS.index(self.algorithm), dtype_code(self.dtype),
-                                OPS.index(self.op), self.count, self.param)
+                                OPS.index(self.op), self.count, self.param, self.chunk_bytes)
 
     @classmethod
     def unpack(cls, payload) -> "Descriptor":
         try:
-            c, a, d, o, count, param = _DESCRIPTOR.unpack(payload)
-            return cls(COLLECTIVES[c], ALGORITHMS[a], dtype_from_code(d), count, OPS[o], param)
+            c, a, d, o, count, param, chunk_bytes = _DESCRIPTOR.unpack(payload)
+            return cls(COLLECTIVES[c], ALGORITHMS[a], dtype_from_code(d), count, OPS[o], param,
+                       chunk_bytes)
         except (struct.error, IndexError, ValueError) as err:
             raise ProtocolError(f"undecodable collective descriptor: {err}") from None
+
+    def cut(self, chunk_bytes: int, whole: int) -> "Descriptor":
+        """This call as a datagram protocol cuts `whole` bytes (a segment, a block) into chunks
+        of `chunk_bytes`: what every rank's cut must match. Data within one chunk is cut alike
+        whatever the chunk size, so the chunk counts for at most `whole`."""
+        return replace(self, chunk_bytes=min(chunk_bytes, whole))
 
     def __str__(self) -> str:
         op = f", {self.op}" if self.op != "none" else ""
         param = f", param={self.param}" if self.param else ""
-        return f"{self.collective}({self.algorithm}, {self.count} x {self.dtype}{op}{param})"
+        chunks = f", {self.chunk_bytes} B chunks" if self.chunk_bytes else ""
+        return (f"{self.collective}({self.algorithm}, {self.count} x {self.dtype}{op}{param}"
+                f"{chunks})")
 
 
 @dataclass(slots=True)

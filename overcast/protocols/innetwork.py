@@ -44,7 +44,9 @@ class InNetworkReduceScatter(Collective):
     def __init__(self, seq: int, rank: int, world: int, desc: Descriptor, output: np.ndarray,
                  input: np.ndarray, *, chunk_bytes: int, slots: int, budget: LinkBudget,
                  stripes: int = 1):
-        super().__init__(seq, rank, world, desc)
+        itemsize = desc.dtype.itemsize
+        super().__init__(seq, rank, world,
+                         desc.cut(chunk_bytes // itemsize * itemsize, desc.count * itemsize))
         self.aggregator = endpoints(stripes)  # the endpoints its chunks are striped over
         self.output, self.input = output, input
         self.chunk_bytes, self.slots, self.budget = chunk_bytes, slots, budget

@@ -61,7 +61,7 @@ class MulticastGather(Collective):
     def __init__(self, seq: int, rank: int, world: int, desc: Descriptor, buffer: np.ndarray,
                  segments: list[tuple[int, int, int]], *, source: np.ndarray | None,
                  roots: int, chunk_bytes: int, budget: LinkBudget):
-        super().__init__(seq, rank, world, desc)
+        super().__init__(seq, rank, world, desc.cut(chunk_bytes, segments[0][2]))
         self.buffer = buffer.view(np.uint8)
         self.bytes = memoryview(self.buffer)  # repairs are served through this
         self.source = None if source is None else source.view(np.uint8)
