@@ -16,8 +16,9 @@ from overcast.wire.messages import CONTRIB_PREFIX
 
 # 198.18.0.0/16 less the switch's and the service's addresses
 MAX_HOSTS = 65279
-# One 8-byte chunk of an in-network contribution, after its prefix, in one datagram.
-LOWEST_MTU = IP_UDP_BYTES + OVERHEAD_BYTES + CONTRIB_PREFIX.size + 8
+# One 8-byte element of an in-network contribution, after its prefix, in one datagram, whose
+# payload is cut to a multiple of 8 bytes (transport.datagram.chunk_bytes).
+LOWEST_MTU = IP_UDP_BYTES + OVERHEAD_BYTES + -(-(CONTRIB_PREFIX.size + 8) // 8) * 8
 MAX_SLOTS = 65535
 
 

@@ -13,13 +13,16 @@ import time
 import numpy as np
 import pytest
 
+from overcast.buffers import dtype_code
+from overcast.limits import LOWEST_MTU
 from overcast.native import _core
 from overcast.protocols.base import Outgoing
 from overcast.protocols.budget import LinkBudget
-from overcast.transport.datagram import BATCH_SECONDS, GSO_MAX_BYTES, MAX_BATCH, MIN_BATCH, \
-    REDUCTION_BATCH_SECONDS, pace_batch, reduction_batch
+from overcast.transport.datagram import BATCH_SECONDS, GSO_MAX_BYTES, GSO_MAX_SEGMENTS, \
+    MAX_BATCH, MIN_BATCH, REDUCTION_BATCH_SECONDS, chunk_bytes, pace_batch, reduction_batch
 from overcast.wire.auth import Sealer
-from overcast.wire.header import Kind
+from overcast.wire.header import Kind, datagram_link_bytes
+from overcast.wire.messages import CONTRIB_PREFIX
 
 KEY, JOB, COMM = os.urandom(16), 7, 9
 CHUNK = 8000
@@ -239,6 +242,31 @@ def test_a_paced_batch_is_a_time_on_the_link_and_the_budget_holds_two():
                         reduction_batch=reductions[1])
     assert (budget.batch, budget.reduction_batch) == (batches[1], reductions[1])
     assert budget.burst == 2 * reductions[1] * frame
+
+
+@pytest.mark.parametrize("mtu", [LOWEST_MTU, 576, 900, 1500, 9000])
+def test_every_mtu_and_rate_gives_batches_and_chunks_the_native_plane_takes(mtu):
+    """Small datagrams: a GSO send holds at most 64 of them however many its bytes would hold,
+    so a batch is whole sends of at most 64 (never 0), and an in-network batch stays within
+    the group the plane takes (255). At the lowest MTU an 8-byte element still fits a
+    contribution after its prefix."""
+    chunk = chunk_bytes(mtu)
+    datagram = datagram_link_bytes(chunk)
+    assert chunk - CONTRIB_PREFIX.size >= 8
+    assert chunk_bytes(LOWEST_MTU - 1) - CONTRIB_PREFIX.size < 8
+    per_send = min(GSO_MAX_SEGMENTS, GSO_MAX_BYTES // datagram)
+    for mbit in (10, 100, 1000, 10_000, 100_000, 400_000):
+        rate = mbit * 1e6 / 8
+        batch, group = pace_batch(rate, datagram), reduction_batch(rate, datagram)
+        assert MIN_BATCH <= batch <= MAX_BATCH and batch <= group <= 2 * MAX_BATCH, (mbit, batch)
+        assert batch < per_send or batch % per_send == 0, (mbit, batch)
+        budget = LinkBudget(rate, batch=batch, datagram_bytes=datagram, reduction_batch=group)
+        plane = _core.Plane(0, 2)
+        data = np.arange(64, dtype=np.int64)
+        plane.reduce(0, dtype_code(data.dtype), False, 32, data.view(np.uint8),
+                     np.empty(32, np.int64).view(np.uint8), chunk - CONTRIB_PREFIX.size, 8,
+                     budget.reduction_batch, budget.native, 0.0)  # refused: a ValueError
+        plane.release(0)
 
 
 def test_messages_are_sealed_into_whole_sends():

@@ -34,7 +34,7 @@ def communicator(**kw):
 
 HOSTS = "the number of hosts must be between 2 and 65279, not {} (--hosts, hosts)"
 RATE = "the link rate must be above 0 Mbit/s, not {} (--link-mbit, link_bits_per_s / 1e6)"
-MTU = "the MTU must be between 100 (the smallest that carries a chunk) and 65535, not {} " \
+MTU = "the MTU must be between 104 (the smallest that carries a chunk) and 65535, not {} " \
       "(--mtu, mtu)"
 LOSS = "the loss rate must be a fraction from 0 up to (not including) 1, not {} (--loss, loss)"
 BURST = "the mean loss burst must be 1 or more datagrams, not {} (--loss-burst, loss_burst)"

@@ -71,7 +71,8 @@ def reduction_batch(bytes_per_s: float | None, datagram_bytes: int) -> int:
 
 
 def _per_send(datagram_bytes: int) -> int:
-    return max(1, GSO_MAX_BYTES // datagram_bytes)
+    """Datagrams in one GSO send: as many as its bytes hold, at most its segments."""
+    return max(1, min(GSO_MAX_SEGMENTS, GSO_MAX_BYTES // datagram_bytes))
 
 
 def path_mtu(local: str, peer: str) -> int:
