@@ -11,7 +11,8 @@ from overcast.buffers import SUMMING_OPS, as_array, check_dtype, check_reduce
 from overcast.engine.engine import Engine, Work
 from overcast.engine.trace import Trace
 from overcast.errors import InvalidArgumentError, OvercastError
-from overcast.limits import check_count, check_link_rate, check_positive, check_roots, require
+from overcast.limits import check_count, check_frame_bytes, check_link_rate, check_positive, \
+    check_roots, require
 from overcast.native import _core
 from overcast.protocols.base import Descriptor
 from overcast.protocols.multicast import MulticastGather
@@ -85,7 +86,7 @@ class Communicator:
         require(isinstance(self.rank, int) and 0 <= self.rank < self.world_size, "the rank",
                 f"between 0 and world_size - 1 ({self.world_size - 1})", self.rank, "RANK, rank")
         check_positive("the timeout", timeout, "timeout", " seconds")
-        check_count("the ring frame size", frame_bytes, 8, "frame_bytes")
+        check_frame_bytes(frame_bytes)
         if link_bits_per_s is not None:
             check_link_rate(link_bits_per_s)
         check_roots(roots, self.world_size)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 
 from overcast.errors import InvalidArgumentError
-from overcast.wire.header import IP_UDP_BYTES, MAX_STRIPES, OVERHEAD_BYTES
+from overcast.wire.header import IP_UDP_BYTES, MAX_PAYLOAD, MAX_STRIPES, OVERHEAD_BYTES
 from overcast.wire.messages import CONTRIB_PREFIX
 
 # 198.18.0.0/16 less the switch's and the service's addresses
@@ -71,6 +71,13 @@ def check_mtu(mtu: int) -> None:
     require(_whole(mtu) and LOWEST_MTU <= mtu <= 65535, "the MTU",
             f"between {LOWEST_MTU} (the smallest that carries a chunk) and 65535", mtu,
             "--mtu, mtu")
+
+
+def check_frame_bytes(frame_bytes: int) -> None:
+    """A ring frame's payload: a frame is sealed and opened whole."""
+    require(_whole(frame_bytes) and 8 <= frame_bytes <= MAX_PAYLOAD, "the ring frame size",
+            f"between 8 and {MAX_PAYLOAD} (the largest payload a frame carries)", frame_bytes,
+            "frame_bytes")
 
 
 def check_roots(roots: int | None, hosts: int) -> None:

@@ -45,6 +45,8 @@ AGGREGATORS = "the number of aggregators must be between 1 and 200, not {} (--ag
     "aggregators)"
 SHARDS = "the shards per aggregator must be 1 to {} (a job stripes over at most 256 " \
     "endpoints), not {} (--shards, shards)"
+FRAME = "the ring frame size must be between 8 and 67108864 (the largest payload a frame " \
+    "carries), not {} (frame_bytes)"
 PORT = "the port must be between 0 (any free port) and 65535, not {} (--port, port)"
 
 # (command line, the same through the API, the line both say)
@@ -147,7 +149,8 @@ def test_a_flag_out_of_range_is_one_line_on_the_command_line_and_in_the_api(case
     (dict(rank=2), "the rank must be between 0 and world_size - 1 (1), not 2 (RANK, rank)"),
     (dict(world_size=0), "world_size must be 1 or more, not 0 (WORLD_SIZE, world_size)"),
     (dict(timeout=0.0), "the timeout must be above 0 seconds, not 0 (timeout)"),
-    (dict(frame_bytes=4), "the ring frame size must be 8 or more, not 4 (frame_bytes)"),
+    (dict(frame_bytes=4), FRAME.format(4)),
+    (dict(frame_bytes=(1 << 26) + 1), FRAME.format((1 << 26) + 1)),
     (dict(link_bits_per_s=-1e6), RATE.format(-1)),
     (dict(pacing_share=1.5), "the pacing share must be a fraction above 0, at most 1, not 1.5 "
                              "(pacing_share)")])

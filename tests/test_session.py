@@ -5,10 +5,13 @@ import pytest
 
 from fabric import Fabric
 from overcast.buffers import BFLOAT16
-from overcast.errors import (CollectiveMismatchError, CollectiveTimeoutError, PeerFailureError,
-                             ProtocolError)
+from overcast.errors import (CollectiveMismatchError, CollectiveTimeoutError,
+                             InvalidArgumentError, PeerFailureError, ProtocolError)
 from overcast.protocols.base import Descriptor
+from overcast.protocols.budget import LinkBudget
+from overcast.protocols.innetwork import InNetworkReduceScatter
 from overcast.protocols.ring import RingAllGather, RingReduceScatter
+from overcast.switch.aggregator import Aggregator
 from overcast.wire.header import Header, Kind
 
 
@@ -171,3 +174,24 @@ def test_a_rank_that_closes_mid_collective_is_named_on_every_peer_at_once():
         assert "rank 2 closed the communicator with all_gather(ring, 10 x int32) #0 pending" \
             in str(c.error)
     assert fabric.now == 0.0
+
+
+def test_a_collective_the_native_plane_refuses_fails_on_every_rank_not_the_engine():
+    """A group of 300 datagrams (what small datagrams once made of a link's batch) is more
+    than a contribution's prefix can say: the plane refuses the reduction at post. The
+    communicator aborts with the reason on every rank, and later calls fail with it too."""
+    world = 2
+    fabric = Fabric(world, aggregator=Aggregator())
+    desc = Descriptor("reduce_scatter", "innetwork", np.dtype(np.float64), 10, "sum")
+    budget = LinkBudget(1e6, batch=7, datagram_bytes=100, reduction_batch=300)
+    colls = [InNetworkReduceScatter(0, r, world, desc, np.empty(10), np.ones(world * 10),
+                                    chunk_bytes=64, slots=8, budget=budget)
+             for r in range(world)]
+    for r, coll in enumerate(colls):
+        fabric.post(r, coll)
+    fabric.run()
+    for coll in colls:
+        assert isinstance(coll.error, InvalidArgumentError), coll.error
+        assert "#0 cannot run on rank" in str(coll.error)
+    later, _, _ = gather(fabric, 10, np.int32, 64, seq=1)
+    assert all(isinstance(c.error, InvalidArgumentError) for c in later)

@@ -9,8 +9,8 @@ from __future__ import annotations
 import collections
 
 from overcast.errors import (CollectiveMismatchError, CollectiveTimeoutError,
-                             CommunicatorClosedError, OvercastError, PeerFailureError,
-                             ProtocolError, Rejected, error_class)
+                             CommunicatorClosedError, InvalidArgumentError, OvercastError,
+                             PeerFailureError, ProtocolError, Rejected, error_class)
 from overcast.native import _core
 from overcast.protocols.base import DATAGRAM, MULTICAST, STREAM, Collective, Descriptor, \
     Outgoing
@@ -102,7 +102,11 @@ class Session:
             if not coll.described_by_end_notices:
                 for peer in sorted(peers):
                     self._send_control(Kind.DESCRIBE, coll.seq, peer, coll.described)
-        self._guard(coll, coll.start, now)
+        try:
+            self._guard(coll, coll.start, now)
+        except ValueError as err:  # the native plane refuses to run it: the settings given
+            self.abort(InvalidArgumentError(f"{coll.desc} #{coll.seq} cannot run on rank "
+                                            f"{self.rank}: {err}"))
         for hdr, payload in self.early.pop(coll.seq, ()):
             datagram = hdr.kind in DATAGRAM_KINDS  # checked against the channel on arrival
             if datagram:
