@@ -1,5 +1,6 @@
-"""Errors across real processes: bad input named on every rank, dead and silent ranks turned
-into errors in bounded time, forged, foreign and replayed datagrams dropped and counted."""
+"""Errors across real processes: bad input named on every rank, dead, closing and silent ranks
+turned into errors in bounded time, and a peer that stops reading; forged, foreign and replayed
+datagrams dropped and counted."""
 
 import os
 import signal
@@ -13,7 +14,9 @@ import pytest
 import overcast
 from conftest import root_only
 from overcast.cluster.launch import RankError, loopback_placements, run_ranks
-from overcast.transport.store import StoreClient
+from overcast.errors import CollectiveTimeoutError
+from overcast.transport.rendezvous import rendezvous
+from overcast.transport.store import StoreClient, StoreServer
 from overcast.wire.auth import Sealer, derive_key
 from overcast.wire.header import Kind
 
@@ -151,6 +154,40 @@ def test_a_rank_that_closes_with_a_collective_pending_is_named_on_the_others_at_
         assert name == "PeerFailureError", message
         assert "rank 2 closed the communicator with all_gather" in message, message
         assert elapsed < TIMEOUT  # told by rank 2, not found by waiting
+
+
+def test_a_done_collective_whose_peer_stops_reading_fails_at_the_timeout():
+    """Rank 1 (here by hand, in a thread of this process) sends its part of a ring AllGather
+    and then reads nothing, as a frozen process or a partitioned host: rank 0 is done, but its
+    one frame (16 MiB, more than the sockets hold) cannot leave, and its Work completes only
+    once the frame is written. It fails at the timeout from completion, naming rank 1."""
+    secret, frame = os.urandom(32), 16 << 20
+    server = StoreServer("127.0.0.1", 0)
+    frozen: dict[int, object] = {}
+    meet = threading.Thread(target=lambda: frozen.update({1: rendezvous(
+        1, 2, store=StoreClient("127.0.0.1", server.port, 30), secret=secret, timeout=30)}))
+    meet.start()
+    comm = overcast.Communicator(0, 2, store=StoreClient("127.0.0.1", server.port, 30),
+                                 secret=secret, timeout=1.0, frame_bytes=frame)
+    meet.join()
+    links = frozen[1]
+    try:
+        count = frame // 4
+        work = comm.all_gather(np.empty(2 * count, np.float32), np.zeros(count, np.float32),
+                               async_op=True)
+        links.streams[0].settimeout(30)
+        links.streams[0].sendall(links.sealer.seal(Kind.RING_DATA, 0, 0, 0,
+                                                   np.ones(count, np.float32)))
+        with pytest.raises(CollectiveTimeoutError) as err:
+            work.wait(timeout=10)
+        assert "was done, but rank 1 did not take its last frames within 1.0 s" in \
+            str(err.value)
+    finally:
+        comm.close()
+        for sock in [*links.streams.values(), links.udp, links.multicast]:
+            if sock is not None:
+                sock.close()
+        server.close()
 
 
 def test_silent_rank_gives_the_others_a_timeout_naming_what_they_waited_for():

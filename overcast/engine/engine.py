@@ -20,7 +20,7 @@ import threading
 import time
 
 from overcast.engine.trace import Trace
-from overcast.errors import CommunicatorClosedError, OvercastError
+from overcast.errors import CollectiveTimeoutError, CommunicatorClosedError, OvercastError
 from overcast.native import _core
 from overcast.protocols.base import DATAGRAM, MULTICAST, STREAM, Collective
 from overcast.protocols.session import Session
@@ -130,7 +130,8 @@ class Engine:
         self._lock = threading.Lock()
         self._submitted: collections.deque = collections.deque()
         self._works: dict[int, Work] = {}
-        self._finishing: list[Collective] = []  # done, waiting for their streams to write them
+        # done, waiting for their streams to write them, each until its deadline
+        self._finishing: list[tuple[Collective, float]] = []
         self._close_requested = False
         self._close_deadline: float | None = None
         self._thread = threading.Thread(target=self._run, name=f"overcast-engine-{links.rank}",
@@ -335,18 +336,33 @@ class Engine:
             stream.close()
 
     def _report(self) -> None:
+        now = time.monotonic()
         finished = self.session.finished
         while finished:
-            self._finishing.append(finished.pop())
+            self._finishing.append((finished.pop(), now + self.session.timeout))
         if self._finishing:
-            self._finishing = [coll for coll in self._finishing if not self._finish(coll)]
+            self._finishing = [(coll, due) for coll, due in self._finishing
+                               if not self._finish(coll, now >= due)]
 
-    def _finish(self, coll: Collective) -> bool:
+    def _finish(self, coll: Collective, overdue: bool) -> bool:
         """Complete the collective's Work, unless a stream has yet to write bytes it sent: those
         are written from the collective's own buffers, which the caller may reuse once the Work
-        is complete. A failed collective completes at once."""
-        if coll.error is None and any(s.holds(coll.seq) for s in self.streams.values()):
-            return False
+        is complete. A failed collective completes at once. One whose streams are still not
+        written the communicator's timeout after it was done (`overdue`) fails: the peers that
+        take nothing (a frozen process, a partition) are dropped, unsent frames and all, and the
+        communicator aborts, as for any collective that makes no progress."""
+        holding = [s for s in self.streams.values() if s.holds(coll.seq)]
+        if coll.error is None and holding:
+            if not overdue:
+                return False
+            peers = ", ".join(f"rank {s.peer}" for s in holding)
+            error = CollectiveTimeoutError(
+                f"{coll.desc} #{coll.seq} on rank {self.session.rank} was done, but {peers} did "
+                f"not take its last frames within {self.session.timeout:.1f} s")
+            coll.fail(error)
+            self.session.abort(error)
+            for stream in holding:
+                self._lose(stream)
         if self.trace:
             self.trace.end(coll.seq, time.monotonic())
         work = self._works.pop(coll.seq, None)
