@@ -1,7 +1,9 @@
 """An in-memory network for sans-I/O protocol tests: sessions exchange messages through queues,
 on a clock the test controls.
 
-Stream routes stay in order per pair of ranks, as TCP keeps them. Datagram and multicast routes
+Stream routes stay in order per pair of ranks, as TCP keeps them, and a receiver's session may
+stop reading a sender's (Session.paused_peers): what it sent waits here, as in TCP's buffers.
+Datagram and multicast routes
 may lose, duplicate and reorder, from a seeded generator; multicast goes to every other rank.
 With `runs` above 1, datagrams that one sender queued back to back are delivered up to that
 many at once, as a run (overcast.wire.runs), as a GRO read hands them on.
@@ -17,7 +19,7 @@ import collections
 import random
 
 from overcast.protocols.base import MULTICAST, STREAM
-from overcast.protocols.session import Session
+from overcast.protocols.session import EARLY_STREAM_BYTES, Session
 from overcast.transport.loss import LossModel, LossSpec
 from overcast.wire.header import AGGREGATOR, ANY, Header, endpoint, is_aggregator
 from overcast.wire.runs import Run
@@ -26,14 +28,16 @@ from overcast.wire.runs import Run
 class Fabric:
     def __init__(self, world: int, timeout: float = 10.0, seed: int = 0, loss: float = 0.0,
                  burst: int = 1, duplicate: float = 0.0, reorder: bool = False,
-                 aggregator=None, key="comm", runs: int = 1):
+                 aggregator=None, key="comm", runs: int = 1,
+                 early_stream_bytes: int = EARLY_STREAM_BYTES):
         self.world, self.runs = world, runs
         self.aggregators = [] if aggregator is None else \
             aggregator if isinstance(aggregator, list) else [aggregator]
         self.aggregator, self.key = aggregator, key
         for stripe, agg in enumerate(self.aggregators):
             agg.register(key, world, stripe=stripe)
-        self.sessions = [Session(r, world, timeout) for r in range(world)]
+        self.sessions = [Session(r, world, timeout, early_stream_bytes=early_stream_bytes)
+                         for r in range(world)]
         for session in self.sessions:
             session.plane.set_stripes(max(len(self.aggregators), 1))
         self.now = 0.0
@@ -96,7 +100,8 @@ class Fabric:
     def step(self) -> bool:
         """Deliver one message from a randomly chosen pair; False if none is left."""
         self._collect()
-        pairs = [("s", p) for p, q in self.streams.items() if q] + \
+        paused = {(src, dst) for dst, s in enumerate(self.sessions) for src in s.paused_peers()}
+        pairs = [("s", p) for p, q in self.streams.items() if q and p not in paused] + \
                 [("d", p) for p, q in self.datagrams.items() if q]
         if not pairs:
             return False

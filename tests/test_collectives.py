@@ -1,13 +1,18 @@
 """Ring AllGather and ReduceScatter between real processes over loopback TCP: bit-exact for every
 dtype, sizes from one byte to 64 MiB with uneven tails, P in {2, 3, 5, 8}."""
 
+import threading
+
 import numpy as np
 import pytest
 import torch
 
 import overcast
+from by_hand import rank_1_by_hand
 from overcast.buffers import BFLOAT16
 from overcast.cluster.launch import loopback_placements, run_ranks
+from overcast.protocols.session import EARLY_STREAM_BYTES
+from overcast.wire.header import Kind
 
 DTYPES = ["uint8", "int8", "int32", "int64", "float16", "bfloat16", "float32", "float64"]
 FRAME = 1 << 12  # small frames, so modest sizes cross many frame and block boundaries
@@ -125,6 +130,41 @@ def overlapped(rank):
         ok = all((outs[i].reshape(world, 5000) ==
                   (np.arange(world) * 10 + i)[:, None]).all() for i in range(6))
         return [ok, all(w.is_completed() for w in works), len(completed)]
+
+
+def read_to_the_end(sock):
+    while sock.recv(1 << 20):
+        pass
+
+
+def test_a_peer_far_ahead_is_read_up_to_a_limit_until_its_calls_are_issued():
+    """Rank 1 (by hand) sends rank 0 its part of ten ring AllGathers of 4 MiB per rank that
+    rank 0 has not issued: 40 MiB of frames. Rank 0 holds them only up to the session's limit
+    (and what one read brings past it), then reads no more of that stream: the rest waits on
+    rank 1's side, its send blocked. Issued, the ten read on and complete exact."""
+    count, frame, ahead = 1 << 20, 1 << 20, 10
+    with rank_1_by_hand(timeout=60, frame_bytes=frame) as (comm, links):
+        sock = links.streams[0]
+        frames = [links.sealer.seal(Kind.RING_DATA, seq, 0, j, part)
+                  for seq in range(ahead)
+                  for j, part in enumerate(np.split(np.full(count, 100 + seq, np.int32), 4))]
+        sender = threading.Thread(target=lambda: [sock.sendall(f) for f in frames])
+        sender.start()
+        sender.join(timeout=2)
+        assert sender.is_alive()  # blocked: rank 0 stopped reading
+        held = comm._engine.session.early_stream_bytes[1]
+        assert held <= EARLY_STREAM_BYTES + (2 << 20), held
+        reader = threading.Thread(target=read_to_the_end, args=(sock,))
+        reader.start()  # rank 1 takes what rank 0 sends, until rank 0 closes
+        outs = [np.empty(2 * count, np.int32) for _ in range(ahead)]
+        works = [comm.all_gather(outs[seq], np.full(count, seq, np.int32), async_op=True)
+                 for seq in range(ahead)]
+        for work in works:
+            work.wait(timeout=60)
+        sender.join()
+    reader.join()
+    for seq, out in enumerate(outs):
+        assert (out[:count] == seq).all() and (out[count:] == 100 + seq).all()
 
 
 def through_a_torch_store(rank, port):

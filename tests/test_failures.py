@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 import overcast
+from by_hand import rank_1_by_hand
 from conftest import root_only
 from overcast.cluster.launch import RankError, loopback_placements, run_ranks
 from overcast.errors import CollectiveTimeoutError
-from overcast.transport.rendezvous import rendezvous
 from overcast.transport.store import StoreClient, StoreServer
 from overcast.wire.auth import Sealer, derive_key
 from overcast.wire.header import Kind
@@ -34,10 +34,10 @@ def outcome(call):
 
 
 def with_comm(body):
-    def run(rank):
+    def run(rank, *args):
         comm = overcast.Communicator(timeout=TIMEOUT)
         try:
-            return body(rank, comm)
+            return body(rank, comm, *args)
         finally:
             comm.close()
     return run
@@ -130,25 +130,30 @@ def test_killed_rank_becomes_an_error_on_the_others_quickly():
 
 def test_a_rank_that_closes_with_a_collective_pending_is_named_on_the_others_at_once():
     """Rank 2 closes while its all_gather #1 is pending (it cannot finish: rank 1 issues #1
-    only once rank 2 has closed, told through the store). Rank 0, waiting in #1, and rank 1,
-    issuing it after, fail from rank 2's word, not at the timeout."""
-    def body(rank, comm):
+    only once rank 2 has closed, told through a store of the test's own). Rank 0, waiting in
+    #1, and rank 1, issuing it after, fail from rank 2's word, not at the timeout."""
+    def body(rank, comm, port):
         comm.barrier()
-        store = StoreClient(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), 30)
+        store = StoreClient("127.0.0.1", port, 30)
         try:
             if rank == 2:
                 work = comm.all_gather(np.empty(3000, np.float32), np.zeros(1000, np.float32),
                                        async_op=True)
                 comm.close()
-                store.set("test/closed", b"1")
+                store.set("closed", b"1")
                 return outcome(work.wait)
             if rank == 1:
-                store.get("test/closed")
+                store.get("closed")
             return outcome(lambda: ag(comm, 1000))
         finally:
             store.close()
 
-    results = run_ranks(with_comm(body), loopback_placements(3), timeout=60)
+    server = StoreServer("127.0.0.1", 0)
+    try:
+        results = run_ranks(with_comm(body), loopback_placements(3), args=(server.port,),
+                            timeout=60)
+    finally:
+        server.close()
     assert results[2][0] == "CommunicatorClosedError", results[2]
     for name, message, elapsed in results[:2]:
         assert name == "PeerFailureError", message
@@ -157,37 +162,21 @@ def test_a_rank_that_closes_with_a_collective_pending_is_named_on_the_others_at_
 
 
 def test_a_done_collective_whose_peer_stops_reading_fails_at_the_timeout():
-    """Rank 1 (here by hand, in a thread of this process) sends its part of a ring AllGather
-    and then reads nothing, as a frozen process or a partitioned host: rank 0 is done, but its
-    one frame (16 MiB, more than the sockets hold) cannot leave, and its Work completes only
-    once the frame is written. It fails at the timeout from completion, naming rank 1."""
-    secret, frame = os.urandom(32), 16 << 20
-    server = StoreServer("127.0.0.1", 0)
-    frozen: dict[int, object] = {}
-    meet = threading.Thread(target=lambda: frozen.update({1: rendezvous(
-        1, 2, store=StoreClient("127.0.0.1", server.port, 30), secret=secret, timeout=30)}))
-    meet.start()
-    comm = overcast.Communicator(0, 2, store=StoreClient("127.0.0.1", server.port, 30),
-                                 secret=secret, timeout=1.0, frame_bytes=frame)
-    meet.join()
-    links = frozen[1]
-    try:
+    """Rank 1 (by hand) sends its part of a ring AllGather and then reads nothing, as a frozen
+    process or a partitioned host: rank 0 is done, but its one frame (16 MiB, more than the
+    sockets hold) cannot leave, and its Work completes only once the frame is written. It
+    fails at the timeout from completion, naming rank 1."""
+    frame = 16 << 20
+    with rank_1_by_hand(timeout=1.0, frame_bytes=frame) as (comm, links):
         count = frame // 4
         work = comm.all_gather(np.empty(2 * count, np.float32), np.zeros(count, np.float32),
                                async_op=True)
-        links.streams[0].settimeout(30)
         links.streams[0].sendall(links.sealer.seal(Kind.RING_DATA, 0, 0, 0,
                                                    np.ones(count, np.float32)))
         with pytest.raises(CollectiveTimeoutError) as err:
             work.wait(timeout=10)
         assert "was done, but rank 1 did not take its last frames within 1.0 s" in \
             str(err.value)
-    finally:
-        comm.close()
-        for sock in [*links.streams.values(), links.udp, links.multicast]:
-            if sock is not None:
-                sock.close()
-        server.close()
 
 
 def test_silent_rank_gives_the_others_a_timeout_naming_what_they_waited_for():

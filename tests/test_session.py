@@ -12,7 +12,7 @@ from overcast.protocols.budget import LinkBudget
 from overcast.protocols.innetwork import InNetworkReduceScatter
 from overcast.protocols.ring import RingAllGather, RingReduceScatter
 from overcast.switch.aggregator import Aggregator
-from overcast.wire.header import Header, Kind
+from overcast.wire.header import HEADER_BYTES, Header, Kind
 
 
 def gather(fabric, count, dtype, frame_bytes, seq=0):
@@ -195,3 +195,59 @@ def test_a_collective_the_native_plane_refuses_fails_on_every_rank_not_the_engin
         assert "#0 cannot run on rank" in str(coll.error)
     later, _, _ = gather(fabric, 10, np.int32, 64, seq=1)
     assert all(isinstance(c.error, InvalidArgumentError) for c in later)
+
+
+def ring_gathers(fabric, rank, seqs, count=250, frame_bytes=256):
+    """Rank `rank`'s part of ring AllGathers #seqs of `count` int32 per rank: (collective,
+    output) each; rank r's block of #seq holds r * 100 + seq."""
+    world = fabric.world
+    posted = []
+    for seq in seqs:
+        desc = Descriptor("all_gather", "ring", np.dtype(np.int32), count)
+        out = np.empty(world * count, np.int32)
+        coll = RingAllGather(seq, rank, world, desc, out,
+                             np.full(count, rank * 100 + seq, np.int32), frame_bytes)
+        fabric.post(rank, coll)
+        posted.append((coll, out))
+    return posted
+
+
+def check_gathers(posted, count=250):
+    for coll, out in posted:
+        assert coll.done and coll.error is None, coll.error
+        world = len(out) // count
+        expect = np.repeat([r * 100 + coll.seq for r in range(world)], count).astype(np.int32)
+        assert out.tobytes() == expect.tobytes()
+
+
+def test_stream_messages_for_collectives_not_posted_are_held_up_to_a_limit():
+    """Rank 0 issues ten ring AllGathers (about 1.2 kB of frames each to rank 1), rank 1 none
+    yet: rank 1 holds what comes for them only up to its limit (and the frame that passed it),
+    then reads no more of rank 0's stream, whose frames wait in the network as TCP would keep
+    them. Once rank 1 issues the ten, it reads on, and every result is exact."""
+    limit = 3000
+    fabric = Fabric(2, early_stream_bytes=limit)
+    first = ring_gathers(fabric, 0, range(10))
+    fabric.run()
+    held = fabric.sessions[1].early_stream_bytes[0]
+    assert limit < held <= limit + HEADER_BYTES + 256
+    assert fabric.sessions[1].paused_peers() == {0} and fabric.streams[(0, 1)]
+    second = ring_gathers(fabric, 1, range(10))
+    fabric.run()
+    check_gathers(first + second)
+    assert fabric.sessions[1].paused_peers() == set() and not fabric.sessions[1].early
+
+
+def test_a_stream_that_a_collective_in_flight_waits_on_is_read_past_the_limit():
+    """Rank 1 issues #0 while rank 0 has issued #0-#9: rank 0 sends their frames interleaved,
+    so #0's last ones come behind more than the limit of the others'. Rank 1 reads on while #0
+    waits on that stream; once #0 is done, it stops."""
+    fabric = Fabric(2, early_stream_bytes=3000)
+    first = ring_gathers(fabric, 0, range(10))
+    second = ring_gathers(fabric, 1, [0])
+    fabric.run()
+    check_gathers(second)
+    assert fabric.sessions[1].paused_peers() == {0}
+    second += ring_gathers(fabric, 1, range(1, 10))
+    fabric.run()
+    check_gathers(first + second)

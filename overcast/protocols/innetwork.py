@@ -86,6 +86,9 @@ class InNetworkReduceScatter(Collective):
             self.enter(Phase.DRAINING)
         self._check_done()
 
+    def awaits_stream(self, peer: int) -> bool:
+        return False  # results and credit come by datagram
+
     def finished(self) -> None:
         if self.posted:
             self.plane.release(self.seq)

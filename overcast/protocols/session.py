@@ -14,7 +14,7 @@ from overcast.errors import (CollectiveMismatchError, CollectiveTimeoutError,
 from overcast.native import _core
 from overcast.protocols.base import DATAGRAM, MULTICAST, STREAM, Collective, Descriptor, \
     Outgoing
-from overcast.wire.header import ANY, Kind, MalformedError, is_aggregator
+from overcast.wire.header import ANY, HEADER_BYTES, Kind, MalformedError, is_aggregator
 from overcast.wire.messages import pack_abort, pack_goodbye, unpack_abort, unpack_goodbye
 from overcast.wire.runs import Run
 
@@ -28,6 +28,11 @@ _DESCRIBED = (Kind.MCAST_END, Kind.REPAIR_REQUEST)
 DATAGRAM_KINDS = frozenset((Kind.MCAST_DATA, Kind.CONTRIB, Kind.RESULT, Kind.RESULT_ACK,
                              Kind.CREDIT))
 EARLY_DATAGRAM_BYTES = 16 * 1024 * 1024
+# Stream messages for collectives not posted yet are never dropped (a stream is reliable): past
+# this many bytes held, the engine stops reading the peers that sent them (TCP then holds the
+# rest on their side) until the collectives are posted, unless something in flight here waits
+# on that peer's stream (Session.paused_peers).
+EARLY_STREAM_BYTES = 16 * 1024 * 1024
 # How many finished collectives keep their descriptor, to check a DESCRIBE that arrives late.
 _HISTORY = 1024
 
@@ -46,7 +51,8 @@ class Session:
     """
 
     def __init__(self, rank: int, world: int, timeout: float,
-                 drops: collections.Counter | None = None, plane=None):
+                 drops: collections.Counter | None = None, plane=None,
+                 early_stream_bytes: int = EARLY_STREAM_BYTES):
         self.rank, self.world, self.timeout = rank, world, timeout
         self.plane = _core.Plane(rank, world) if plane is None else plane
         self._plane_drops: dict[str, int] = {}  # the plane's drops already in `drops`
@@ -69,6 +75,9 @@ class Session:
         self.stale = 0
         self.early_dropped = 0
         self._early_datagram_bytes = 0
+        self.early_stream_limit = early_stream_bytes
+        self.early_stream_bytes: collections.Counter = collections.Counter()  # by sender
+        self._early_stream_total = 0
         self.stats: collections.Counter = collections.Counter()
         # collectives that verify every peer: seq -> peers whose DESCRIBE has not matched yet
         self.unverified: dict[int, set[int]] = {}
@@ -111,6 +120,9 @@ class Session:
             datagram = hdr.kind in DATAGRAM_KINDS  # checked against the channel on arrival
             if datagram:
                 self._early_datagram_bytes -= len(payload)
+            else:
+                self.early_stream_bytes[hdr.src] -= HEADER_BYTES + len(payload)
+                self._early_stream_total -= HEADER_BYTES + len(payload)
             self.receive(hdr, payload, now, datagram)
         self._settle(coll)
 
@@ -208,7 +220,24 @@ class Session:
                 self._early_datagram_bytes += len(payload)
                 self.early[hdr.seq].append((hdr, bytes(payload)))
         else:
-            self.early[hdr.seq].append((hdr, bytes(payload)))
+            self._hold_stream(hdr, payload)
+
+    def _hold_stream(self, hdr, payload) -> None:
+        self.early_stream_bytes[hdr.src] += HEADER_BYTES + len(payload)
+        self._early_stream_total += HEADER_BYTES + len(payload)
+        self.early[hdr.seq].append((hdr, bytes(payload)))
+
+    def paused_peers(self) -> set[int]:
+        """The peers whose streams the engine should not read now: while the stream messages
+        held for collectives not posted here pass the limit, those that sent any, but for a
+        peer that a collective in flight here still waits on (what it waits for may be behind
+        them on the stream)."""
+        if self._early_stream_total <= self.early_stream_limit:
+            return set()
+        return {peer for peer, held in self.early_stream_bytes.items()
+                if held and not any(coll.awaits_stream(peer) or
+                                    peer in self.unverified.get(seq, ())
+                                    for seq, coll in self.active.items())}
 
     def _misfit(self, datagram: bool, reason: str, message) -> None:
         """A message (or a run of them) that does not fit. A datagram proves only that some rank
@@ -229,7 +258,7 @@ class Session:
             mine = coll.desc if coll is not None else self.history.get(hdr.seq)
             if mine is None:
                 if hdr.seq >= self.next_seq:
-                    self.early[hdr.seq].append((hdr, bytes(payload)))
+                    self._hold_stream(hdr, payload)
                 return
             if self._verify(mine, theirs, hdr, coll, now) and coll is not None:
                 self._settle(coll)
@@ -286,6 +315,8 @@ class Session:
             self._settle(coll)
         self.early.clear()
         self._early_datagram_bytes = 0
+        self.early_stream_bytes.clear()
+        self._early_stream_total = 0
 
     def abort(self, error: OvercastError) -> None:
         """Fail locally and tell every peer why, so the error surfaces on every rank."""
