@@ -55,7 +55,9 @@ def test_the_cores_unit_tests_pass_under_the_sanitizers(programs):
 
 def test_the_aggregator_survives_out_of_memory_at_each_allocation(tmp_path):
     """Its whole life run once per allocation it makes, that one failing (tests/native/
-    test_oom.c): no crash, no leak, and what it could not take counted as out_of_memory."""
+    test_oom.c): no crash, no leak, and what it could not take counted as out_of_memory. And a
+    rank's gather whose list of requests cannot grow leaves the chunks missing, to be asked
+    for again."""
     program = build(tmp_path / "test_oom", ROOT / "tests" / "native" / "test_oom.c",
                     link=["-Wl,--wrap=malloc,--wrap=calloc,--wrap=realloc"])
     run = subprocess.run([program], capture_output=True, text=True, timeout=300)

@@ -118,10 +118,11 @@ void oc_gather_request(oc_gather *g, uint32_t s, uint32_t lo, uint32_t hi) {
             c++;
             continue;
         }
+        /* room first: a chunk marked requested is never asked for again */
+        if (oc_grow((void **)&g->requests, &g->requests_cap, g->nrequests + 1, sizeof(oc_range)))
+            return; /* no memory: still missing, for a later gap or the segment's tail timer */
         uint32_t from = c;
         while (c < hi && state[c] == OC_CHUNK_MISSING) state[c++] = OC_CHUNK_REQUESTED;
-        if (oc_grow((void **)&g->requests, &g->requests_cap, g->nrequests + 1, sizeof(oc_range)))
-            return; /* no memory: the tail timer asks for the segment's rest again */
         g->requests[g->nrequests++] = (oc_range){s * g->k + from, c - from};
         g->news = 1;
     }

@@ -2,12 +2,14 @@
  * of every rank, results sealed, acknowledgements, the timer, unregister, free) runs once for
  * every allocation it makes, that allocation failing. It must neither crash nor leak (built with
  * AddressSanitizer and LeakSanitizer), count what it dropped, and finish the run with nothing
- * failed. Linked with -Wl,--wrap=malloc,--wrap=calloc,--wrap=realloc (tests/test_native.py). */
+ * failed. Then a rank's gather whose request list cannot grow. Linked with
+ * -Wl,--wrap=malloc,--wrap=calloc,--wrap=realloc (tests/test_native.py). */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "aggregator.h"
+#include "gather.h"
 #include "sums.h"
 
 void *__real_malloc(size_t n);
@@ -66,6 +68,36 @@ static long life(oc_sealer ranks[WORLD], uint64_t *lost) {
     return results;
 }
 
+/* A gather whose request list cannot grow: the chunks it could not list stay missing, so the
+ * next request (a later gap, the tail timer) asks for them. 0, or 1 if that failed. */
+static int gather_request_out_of_memory(void) {
+    enum { K = 8, SEGMENT = K * 16 };
+    static uint8_t buffer[2 * SEGMENT];
+    const uint32_t roots[2] = {0, 1};
+    const uint64_t offsets[2] = {0, SEGMENT};
+    oc_budget budget;
+    oc_budget_init(&budget, 0, 0.005, 1, 100, 1);
+    fail_at = 0;
+    oc_gather g;
+    if (oc_gather_init(&g, 1, 2, buffer, 2, roots, offsets, SEGMENT, 16, 0, 1, &budget)) {
+        printf("FAIL: a gather could not be made\n");
+        return 1;
+    }
+    allocations = 0;
+    fail_at = 1; /* the request list's first growth */
+    oc_gather_request(&g, 1, 2, 5);
+    fail_at = 0;
+    int bad = g.nrequests != 0;
+    for (uint32_t c = 0; c < K; c++) bad |= g.state[K + c] != OC_CHUNK_MISSING;
+    oc_gather_request(&g, 1, 0, K); /* what the tail timer asks */
+    bad |= g.nrequests != 1 || g.requests[0].first != K || g.requests[0].count != K;
+    if (bad)
+        printf("FAIL: a request without memory left %zu ranges, chunks 2-4 %d %d %d\n",
+               g.nrequests, g.state[K + 2], g.state[K + 3], g.state[K + 4]);
+    oc_gather_free(&g);
+    return bad;
+}
+
 int main(void) {
     oc_sealer ranks[WORLD];
     for (int r = 0; r < WORLD; r++) {
@@ -89,6 +121,7 @@ int main(void) {
         }
     }
     for (int r = 0; r < WORLD; r++) oc_gmac_free(&ranks[r].gmac);
+    failed += gather_request_out_of_memory();
     printf("%ld allocations failed in turn, %ld failed\n", total, failed);
     return failed != 0;
 }
