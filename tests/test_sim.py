@@ -16,7 +16,8 @@ from overcast.schedules import cost
 from overcast.sim.collectives import ALGORITHMS as SIM_ALGORITHMS
 from overcast.sim.engine import AggregatorPool, Engine, pool_for
 from overcast.sim.fairness import max_min_rates
-from overcast.sim.plan import Model, plan_point
+from overcast.report.simulate import pair_text
+from overcast.sim.plan import SIZING_STEPS, AggregatorSizing, Model, plan_point, size_aggregators
 from overcast.sim.run import compare, simulate
 from overcast.sim.topology import fat_tree, placement, star
 
@@ -341,4 +342,22 @@ def test_plan_says_how_many_aggregator_hosts_and_cores_the_pair_needs():
     point = plan_point(Model.uniform(7e9, 32), star(64, 100e9), 8.0)
     a = point["aggregators"]
     assert a["count"] >= 1 and a["shards"] >= 1 and a["cores"] == a["count"] * a["shards"]
-    assert a["pair_ratio"] <= 1.10 and a["nic_bits_per_s"] == 100e9
+    assert a["pair_ratio"] <= 1.10 and a["met"] and a["nic_bits_per_s"] == 100e9
+
+
+def test_aggregator_sizing_that_never_meets_the_bar_returns_the_last_pool_it_simulated():
+    """A bar no pool reaches (the pair's own overheads keep it above 1.0001x): the sizing
+    simulates SIZING_STEPS pools, each 10% larger than the last, and returns the last with its
+    own ratio, saying the bar was not met; the table says so too."""
+    topo, model = star(8, 100e9), Model.uniform(1e8, 4)
+    a = size_aggregators(model, topo, AggregatorSizing(within=1.0001))
+    assert a["met"] is False and a["pair_ratio"] > 1.0001
+    count = pool_for(8, 100e9, 1.0001, chunk_bytes=8920, cores_per_host=16).count
+    for _ in range(SIZING_STEPS - 1):
+        count = math.ceil(count * 1.1)
+    assert a["count"] == count
+    pool = AggregatorPool(a["count"], a["shards"], a["nic_bits_per_s"], a["us_per_contribution"])
+    gather, reduce = max(model.shards(8), key=sum)
+    assert simulate("overlap", "overcast", topo, gather, reduce_bytes=reduce,
+                    aggregators=pool)["ratio_to_floor"] == a["pair_ratio"]
+    assert pair_text(a) == f"{a['pair_ratio']:.2f}x, not within 1.0001x"

@@ -265,7 +265,9 @@ def _plan(args) -> int:
                       f"[bold]{p['choice']}[/]: {p['why']}; its software aggregators: "
                       f"{a['count']:,} hosts x {a['shards']} cores ({a['cores']:,} cores) "
                       f"behind {a['nic_bits_per_s'] / 1e9:g} Gbit/s links hold the pair at "
-                      f"{a['pair_ratio']:.2f}x its floor", highlight=False)
+                      f"{a['pair_ratio']:.2f}x its floor" + ("" if a["met"] else
+                      f", not within {a['within']:g}x (the largest pool the sizing tried)"),
+                      highlight=False)
     _save(doc, console, args.json, _png(args), plot_plan)
     return 0
 

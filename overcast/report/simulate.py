@@ -94,6 +94,13 @@ def plot_simulate(doc: dict, path: str) -> None:
     plt.close(fig)
 
 
+def pair_text(aggregators: dict) -> str:
+    """The pair's time over its floor on the aggregators sized for it, and the bar it did not
+    meet if it did not."""
+    ratio = f"{aggregators['pair_ratio']:.2f}x"
+    return ratio if aggregators["met"] else f"{ratio}, not within {aggregators['within']:g}x"
+
+
 def plan_table(doc: dict, wide: bool = False) -> Table:
     meta = doc["meta"]
     spec = [("hosts", lambda p: str(p["nodes"]), False),
@@ -108,7 +115,7 @@ def plan_table(doc: dict, wide: bool = False) -> Table:
             ("aggregators", lambda p: f"{p['aggregators']['count']:,} x "
                                       f"{p['aggregators']['shards']}", True),
             ("agg. link", lambda p: rate_text(p["aggregators"]["nic_bits_per_s"]), True),
-            ("pair", lambda p: f"{p['aggregators']['pair_ratio']:.2f}x", True),
+            ("pair", lambda p: pair_text(p["aggregators"]), True),
             ("use", lambda p: p["choice"], False)]
     return table_of(f"plan: {meta['params'] / 1e9:.2f}B parameters in {meta['layers']} layers, "
                     f"{meta['dtype']} gathered, {meta['reduce_dtype']} reduced, "

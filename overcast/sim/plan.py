@@ -47,6 +47,8 @@ WAYS = ("rings", "rings-separate", "overcast")
 WAY_TEXT = {"rings": "rings, one group (gloo/NCCL default)",
             "rings-separate": "rings, ReduceScatter on its own group",
             "overcast": "overcast: multicast + in-network, overlapped"}
+# How many pools the aggregator sizing simulates, each 10% larger than the one before.
+SIZING_STEPS = 8
 DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}
 # Clusters by name: (topology, radix, nodes, link Gbit/s).
 PRESETS = {
@@ -117,21 +119,24 @@ class AggregatorSizing:
 
 
 def size_aggregators(model: Model, topo: Topology, sizing: AggregatorSizing) -> dict:
-    """The aggregator pool the pair needs on `topo` (engine.pool_for), grown until the largest
-    layer's pair, simulated on it, holds the bar."""
+    """The aggregator pool the pair needs on `topo` (engine.pool_for), grown by 10% at a time
+    until the largest layer's pair, simulated on it, holds the bar, at most SIZING_STEPS times:
+    the pool returned is the last simulated, with its ratio, and `met` says whether it held the
+    bar (it cannot where the fabric, not the aggregators, holds the pair back)."""
     link_bits = float(topo.rate[topo.uplink[0]] * 8)
     pool = pool_for(topo.hosts, link_bits, sizing.within, chunk_bytes=NATIVE.chunk_bytes,
                     nic_bits_per_s=sizing.nic_bits, cores_per_host=sizing.cores)
     gather, reduce = max(model.shards(topo.hosts), key=sum)
-    for _ in range(8):
+    for step in range(SIZING_STEPS):
+        if step:
+            pool = AggregatorPool(math.ceil(pool.count * 1.1), pool.shards, pool.nic_bits_per_s,
+                                  pool.us_per_contribution)
         ratio = simulate("overlap", "overcast", topo, gather, reduce_bytes=reduce,
                          aggregators=pool)["ratio_to_floor"]
         if ratio <= sizing.within:
             break
-        pool = AggregatorPool(math.ceil(pool.count * 1.1), pool.shards, pool.nic_bits_per_s,
-                              pool.us_per_contribution)
     return {**pool.describe(), "cores": pool.count * pool.shards, "pair_ratio": ratio,
-            "within": sizing.within}
+            "within": sizing.within, "met": ratio <= sizing.within}
 
 
 def plan_point(model: Model, topo: Topology, host_cores: float,
