@@ -1,6 +1,8 @@
 """The reliable multicast Broadcast and AllGather, sans I/O: bit-exact under loss, bursts,
 duplicates and reordering, with repairs that chain toward the root and bounded state."""
 
+import itertools
+
 import numpy as np
 import pytest
 
@@ -10,6 +12,7 @@ from overcast.protocols.base import Descriptor, Phase
 from overcast.protocols.budget import LinkBudget
 from overcast.protocols.multicast import MulticastGather
 from overcast.schedules.chains import chains, concurrent_senders
+from overcast.wire.header import Kind
 
 CHUNK = 64
 RATE = 1e6  # link bytes per second of one stream: pacing in simulated time
@@ -191,6 +194,25 @@ def test_a_gather_whose_streams_have_ended_stops_sharing_the_pace(world, roots, 
         check(colls, outs, expect)
     assert ended_before_done > 0
     assert [b.gathers_in_flight for b in budgets] == [0] * world
+
+
+def test_an_all_gather_rank_says_nothing_on_a_stream_before_its_end_notice():
+    """Rank 1's link is ten times slower, so it has every other root's chunks while its own
+    are still going out: its FIN (it will ask nothing more) waits for its MCAST_END, the
+    first thing on each of its streams, which carries its call to be checked before anything
+    else of it is taken."""
+    world = 3
+    fabric = Fabric(world)
+    budgets = [link(world, world) for _ in range(world)]
+    budgets[1] = LinkBudget(RATE / 10 * concurrent_senders(world, world))
+    colls, outs, expect = all_gather(fabric, 20 * CHUNK, roots=world, budgets=budgets)
+    fabric.run_timed()
+    check(colls, outs, expect)
+    first: dict[tuple[int, int], int] = {}
+    for hdr, _, datagram in fabric.seen:
+        if not datagram:
+            first.setdefault((hdr.src, hdr.dst), hdr.kind)
+    assert first == {pair: Kind.MCAST_END for pair in itertools.permutations(range(world), 2)}
 
 
 def test_a_root_that_never_sends_times_out_everywhere():

@@ -283,7 +283,9 @@ class MulticastGather(Collective):
             self.streams_ended = self.plane.gather_streams_ended(self.seq)  # once its own is sent
         state = self._state()
         complete = state is None or state["complete"]
-        if complete and not self.sent_fin and self.world > 1:
+        # a root's FIN follows its own MCAST_END, which tells its call before anything else
+        ended = self.phase not in (Phase.WAITING, Phase.SENDING)
+        if complete and ended and not self.sent_fin and self.world > 1:
             self.sent_fin = True
             self.queue((STREAM, self.successor), Outgoing(Kind.FIN, self.seq, 0, b"",
                                                           self.successor))
