@@ -17,7 +17,8 @@ from overcast.sim.collectives import ALGORITHMS as SIM_ALGORITHMS
 from overcast.sim.engine import AggregatorPool, Engine, pool_for
 from overcast.sim.fairness import max_min_rates
 from overcast.report.simulate import pair_text
-from overcast.sim.plan import SIZING_STEPS, AggregatorSizing, Model, plan_point, size_aggregators
+from overcast.sim.plan import (SIZING_STEPS, AggregatorSizing, Model, _choose, plan_point,
+                               size_aggregators)
 from overcast.sim.run import compare, simulate
 from overcast.sim.topology import fat_tree, placement, star
 
@@ -246,6 +247,16 @@ def test_plan_command_writes_a_table_a_choice_and_a_plot(tmp_path):
     assert point["nodes"] == 8 and point["choice"] == "overcast"
     assert "8 hosts, 0.1 Gbit/s: overcast:" in done.stdout
     assert (tmp_path / "plan.png").stat().st_size > 10_000
+
+
+def test_plan_chooses_overcast_only_where_it_saves_five_percent():
+    """Saving 4.9% of the rings' time (1.0515x faster) is not enough; 5.1% is."""
+    for overcast_seconds, choice in ((0.951, "rings"), (0.949, "overcast")):
+        point = {"ways": {"rings": {"seconds": 1.0}, "rings-separate": {"seconds": 1.2},
+                          "overcast": {"seconds": overcast_seconds, "engine_cores_native": 1.0,
+                                       "engine_cores_offload": 0.1,
+                                       "seconds_on_host_cores": overcast_seconds}}}
+        assert _choose(point, 8.0)[0] == choice
 
 
 SIMULATE = ["simulate", "--nodes", "64"]

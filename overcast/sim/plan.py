@@ -47,6 +47,8 @@ WAYS = ("rings", "rings-separate", "overcast")
 WAY_TEXT = {"rings": "rings, one group (gloo/NCCL default)",
             "rings-separate": "rings, ReduceScatter on its own group",
             "overcast": "overcast: multicast + in-network, overlapped"}
+# The least share of the rings' time overcast must save to be the choice.
+WORTH_SAVING = 0.05
 # How many pools the aggregator sizing simulates, each 10% larger than the one before.
 SIZING_STEPS = 8
 DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}
@@ -197,8 +199,9 @@ def _choose(point: dict, host_cores: float) -> tuple[str, str]:
     oc, rings = ways["overcast"], ways["rings"]
     best_ring = min(("rings", "rings-separate"), key=lambda w: ways[w]["seconds"])
     gain = ways[best_ring]["seconds"] / oc["seconds"]
-    if gain < 1.05:
-        return best_ring, (f"overcast would save {100 * (1 - 1 / gain):.0f}% at most: the "
+    saving = 1 - 1 / gain
+    if saving < WORTH_SAVING:
+        return best_ring, (f"overcast would save {100 * saving:.0f}% at most: the "
                            f"step's communication is not bandwidth-bound here")
     if oc["engine_cores_native"] <= host_cores:
         return "overcast", (f"communication {gain:.2f}x faster than {best_ring}; "
