@@ -99,7 +99,7 @@ class Communicator:
         links = rendezvous(self.rank, self.world_size, name=name, store=store, secret=secret,
                            timeout=timeout, switch=switch)
         self.address, self.mtu = links.address, links.mtu
-        # One datagram per chunk, within the path MTU.
+        # One datagram per chunk, within every rank's path MTU (agreed at rendezvous).
         self.chunk_bytes = chunk_bytes(links.mtu)
         self._multicast_error = links.multicast_error
         self._switch_error, self._switch_slots = links.switch_error, links.switch_slots

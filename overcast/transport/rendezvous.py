@@ -63,7 +63,7 @@ class Links:
     job: int
     comm: int
     drops: Drops
-    mtu: int
+    mtu: int  # the smallest path MTU any rank measured to its peers
     group: tuple[str, int]
     multicast: socket.socket | None
     multicast_error: str | None
