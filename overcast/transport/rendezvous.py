@@ -331,7 +331,7 @@ def rendezvous(rank: int, world: int, *, name: str = "default", store=None,
             streams[peer] = sock
         _accept_peers(listener, rank, world, opener, sealer, deadline, streams)
         if not own_store:  # every rank has met every other: each has read these
-            forget(store, [f"{prefix}addr/{rank}"] +
+            forget(store, [f"{prefix}addr/{rank}", f"{prefix}mtu/{rank}"] +
                    ([prefix + "salt", prefix + "secret"] if rank == 0 else []))
     except BaseException:
         for sock in streams.values():
