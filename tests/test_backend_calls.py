@@ -63,7 +63,11 @@ def late_callbacks(rank, backend):
         return [first.get_future().then(lambda _: later.wait()),
                 first.get_future().then(lambda _: later.get_future().wait()[0][0].item()),
                 first.get_future().then(lambda _: dist.all_reduce(
-                    f, group=group, async_op=True).get_future().wait()[0][0].item())]
+                    f, group=group, async_op=True).get_future().wait()[0][0].item()),
+                first.get_future().then(lambda _: later.get_future().then(
+                    lambda fut: fut.value()[0][0].item()).wait()),
+                first.get_future().then(lambda _: torch.futures.wait_all(
+                    [later.get_future()])[0][0][0].item())]
     _, futures = made(lambda: [dist.all_reduce(d, group=group, async_op=True),
                                dist.all_reduce(e, group=group, async_op=True)], waiting)
     said["waited"] = [fut.wait() for fut in futures]
@@ -76,6 +80,24 @@ def late_callbacks(rank, backend):
                          lambda _: where.append(threading.current_thread().name))])
     fut.wait()
     said["callback_thread"] = where
+
+    # 4. wait() returns once the call's callbacks have run, as gloo's: a slow one halves the sum
+    halved = tensor(1)
+    (work,), _ = made(lambda: [dist.all_reduce(halved, group=group, async_op=True)],
+                      lambda works: [works[0].get_future().then(
+                          lambda _: time.sleep(0.2) or halved.div_(2, rounding_mode="floor"))])
+    work.wait()
+    said["halved"] = halved[0].item()
+
+    # 5. a callback that blocks on a lock the program holds while it makes a call
+    lock = threading.RLock()  # rank 0 runs its callback on this thread, holding it
+    with lock:
+        (blocked,), _ = made(lambda: [dist.all_reduce(tensor(1), group=group, async_op=True)],
+                             lambda works: [works[0].get_future().then(
+                                 lambda _: lock.acquire() and lock.release())])
+        held = tensor(1)
+        dist.all_reduce(held, group=group)
+    said["under_lock"] = held[0].item()
     dist.destroy_process_group(sync)
     if group is not dist.group.WORLD:
         dist.destroy_process_group(group)
@@ -100,10 +122,13 @@ def test_calls_made_by_callbacks_take_their_place_and_may_wait_for_later_ones(wo
         assert said["overcast"]["sums"] == said["gloo"]["sums"] == [1000 * ranks,
                                                                      10000 * ranks,
                                                                      100000 * ranks]
-        assert said["overcast"]["waited"] == said["gloo"]["waited"] == [True, 10000 * ranks,
-                                                                         100000 * ranks]
+        assert said["overcast"]["waited"] == said["gloo"]["waited"] == [
+            True, 10000 * ranks, 100000 * ranks, 10000 * ranks, 10000 * ranks]
+        assert said["overcast"]["halved"] == said["gloo"]["halved"] == ranks // 2
+        assert said["overcast"]["under_lock"] == said["gloo"]["under_lock"] == ranks
         where = said["overcast"]["callback_thread"]
-        assert where == ["MainThread" if rank == 0 else "overcast-pg-0-%d-0-completer" % world]
+        assert where == ["MainThread"] if rank == 0 else where[0].startswith(
+            f"overcast-pg-0-{world}-0-completer-"), where
     assert time.monotonic() - began < 60
 
 
@@ -189,6 +214,43 @@ def test_abort_while_the_group_closes_ends_its_calls_and_its_companions():
     assert first["seconds"] < 15, first
     for said in results:
         assert "aborted" in said["call"] and "aborted" in said["companion"], said
+
+
+def ended_by_a_callback(rank):
+    """A callback of call a shuts its group down (runs the calls made: b), or aborts it (at
+    once): rank 1 attaches it before a can complete, so it runs on a completer."""
+    gloo = start(timeout=30)
+    said = {}
+    for how in ("shutdown", "abort"):
+        group = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=60))
+        a, b = torch.full((4,), rank + 1.0), torch.full((4,), rank + 1.0)
+        if rank == 0:
+            dist.barrier(gloo)
+        wa = dist.all_reduce(a, group=group, async_op=True)
+        wb = dist.all_reduce(b, group=group, async_op=True)
+
+        def end(_, group=group, how=how):
+            began = time.monotonic()
+            getattr(group, how)()
+            return time.monotonic() - began
+        ended = wa.get_future().then(end)
+        if rank == 1:
+            dist.barrier(gloo)
+        seconds = ended.wait()
+        try:
+            wb.wait()
+            said[how] = [seconds, b.tolist()]
+        except Exception as err:
+            said[how] = [seconds, str(err)]
+        dist.barrier(gloo)
+    dist.destroy_process_group()
+    return said
+
+
+def test_a_callback_may_shut_its_group_down_or_abort_it():
+    for said in run_ranks(ended_by_a_callback, loopback_placements(2), timeout=60):
+        assert said["shutdown"][1] == [3.0] * 4, said  # the call made before it ran
+        assert said["shutdown"][0] < 10 and said["abort"][0] < 5, said
 
 
 def settings_differ(rank):

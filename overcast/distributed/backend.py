@@ -184,7 +184,7 @@ class _Lifetime:
     def abort(self, reason: str) -> None:
         """Fail every call in flight now, on every rank, unless closed; close (on a thread of its
         own, so that a call stuck outside the network cannot hold this), waiting ABORT_SECONDS
-        at most."""
+        at most (not at all from a callback: the close waits for the callbacks)."""
         with self._lock:
             closed = self._state == "closed"
         if not closed:
@@ -193,7 +193,8 @@ class _Lifetime:
         if self._begin():
             threading.Thread(target=self._close, args=(True,), daemon=True,
                              name="overcast-abort").start()
-        self._closed.wait(ABORT_SECONDS)
+        if threading.current_thread() not in self.calls.threads():  # a callback's abort would
+            self._closed.wait(ABORT_SECONDS)                        # wait for itself
 
     def _close(self, aborted: bool) -> None:
         try:
@@ -494,7 +495,7 @@ class ProcessGroupOvercast(dist.ProcessGroup):
         return self._submit("broadcast", run, tensors)
 
     def barrier(self, opts=None) -> dist.Work:
-        return self._submit("barrier", self.communicator.barrier, None)
+        return self._submit("barrier", self.communicator.barrier, [])
 
     @_staged("inout")
     def reduce(self, tensors, opts=None) -> dist.Work:

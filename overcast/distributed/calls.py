@@ -1,20 +1,18 @@
 """How an "overcast" process group's calls run: in the order they are made, one at a time, on the
-group's worker thread; their futures completed on another thread, the group's completer, in the
-same order. Both follow gloo's contract (a call takes its place in the order when it is made,
-on the calling thread) and keep it where gloo's threads could not:
+group's worker thread; their futures completed by the group's completer threads, never by the
+worker. They follow gloo's contract (a call takes its place in the order when it is made, on the
+calling thread) and keep it where gloo's two threads could not:
 
 - A call made from a future's callback is queued when it is made, like any other: a callback
   attached to a call already complete runs at once on the attaching thread, one attached before
-  runs on the completer when the call completes, and either way the new call follows every
-  call made before the callback ran. So the order is the one the program made, on every rank.
-- Callbacks never run on the worker, so a callback may wait for any later call. A callback that
-  waits on the completer (Work.wait(), or its future's wait() or value()) for a call whose future
-  is not complete yet completes the futures before it itself, in order: a callback never waits
-  behind itself, and callbacks run in the same order on every rank. (A future made by then() on
-  a later call's future is torch's own: waiting on one of those inside a callback would wait
-  behind itself; wait on the call's own future, as PowerSGD's hook does.)
+  runs on a completer when the call completes, and either way the new call follows every call
+  made before the callback ran.
+- Callbacks never run on the worker, and a completer blocked in a callback (waiting for a later
+  call, its future, a future then() made of it, or a lock) has the next completion taken by
+  another completer, started when none is idle: a callback may wait for anything the program
+  does later.
 - An error anywhere in a call's bookkeeping (a CUDA error in its staging, a future the caller
-  completed itself) fails that call alone; both threads go on.
+  completed itself) fails that call alone; the threads go on.
 """
 
 from __future__ import annotations
@@ -46,23 +44,6 @@ def _tensors(result) -> list[torch.Tensor]:
     return [t for item in result for t in (item if isinstance(item, (list, tuple)) else [item])]
 
 
-class _Future(torch.futures.Future):
-    """A call's future: torch's, but whose wait() and value() on the group's completer thread
-    complete the calls before it first (see the module's doc)."""
-
-    def __init__(self, work: "Work", devices):
-        super().__init__(devices=devices)
-        self._work = work
-
-    def wait(self):
-        self._work._wait_marked(None)
-        return super().wait()
-
-    def value(self):
-        self._work._wait_marked(None)
-        return super().value()
-
-
 class Work(dist._Work):
     """A call's handle, as gloo's: wait() raises what the call raised (a Work made by torch from
     a Future alone returns True whatever happened), and honours its timeout; the future's value
@@ -74,15 +55,16 @@ class Work(dist._Work):
         self._error: BaseException | None = None
         self._ran = False  # the worker is through with it: its outputs and error are final
         self._marked = threading.Event()  # its future is complete
+        self._done = threading.Event()  # and its callbacks have run
         # on a GPU, the future records an event on the side stream when it completes, and a
         # value() or wait() of it makes the then-current stream wait for it
-        self._fut = _Future(self, [staging.device] if staging else None)
+        self._fut = torch.futures.Future(devices=[staging.device] if staging else None)
         # the future's first callback, before any of the caller's: the call is complete the
         # moment its future is, not once every callback has run (one may wait for this Work)
         self._fut.add_done_callback(lambda _: self._ran and self._marked.set())
 
     def _complete(self) -> None:
-        """Complete the future (its callbacks run here, on the completer)."""
+        """Complete the future (its callbacks run here, on a completer)."""
         try:
             with (torch.cuda.stream(self._staging.stream) if self._staging else
                   contextlib.nullcontext()):
@@ -95,15 +77,15 @@ class Work(dist._Work):
                 self._error = err
         finally:
             self._marked.set()
-
-    def _wait_marked(self, seconds: float | None) -> bool:
-        if threading.current_thread() is self._calls.completer:
-            return self._calls.complete_through(self, seconds)
-        return self._marked.wait(seconds)
+            self._done.set()
 
     def wait(self, timeout=None) -> bool:
+        """Once the call is complete and its future's callbacks have run, as gloo's; from a
+        callback (on a completer), once the call is complete: its own callbacks, or a later
+        call's that wait for it, may still be running."""
         seconds = _seconds(timeout)
-        if not self._wait_marked(seconds):
+        done = self._marked if self._calls.completing() else self._done
+        if not done.wait(seconds):
             raise CollectiveTimeoutError(f"{self._what} not complete after {seconds} s "
                                          f"(the timeout given to wait(); the call goes on)")
         if self._error is not None:
@@ -141,20 +123,43 @@ class Work(dist._Work):
         return self._fut
 
 
+# A completer idle this long ends, unless it is the last one.
+_IDLE_SECONDS = 5.0
+
+
 class Calls:
     """The group's worker and completer threads (see the module's doc)."""
 
     def __init__(self, name: str):
+        self._name = name
         self._lock = threading.Condition()
         self._calls: collections.deque = collections.deque()  # made, not yet run
         self._ran: collections.deque = collections.deque()  # run, futures not yet complete
         self._closed = False  # no more calls taken
         self._worker_done = False
+        self._completers: set[threading.Thread] = set()
+        self._idle = 0  # completers waiting for a completion
+        self._started = 0
         self.worker = threading.Thread(target=self._work, name=name, daemon=True)
-        self.completer = threading.Thread(target=self._complete, name=f"{name}-completer",
-                                          daemon=True)
         self.worker.start()
-        self.completer.start()
+        with self._lock:
+            self._start_completer()
+
+    def _start_completer(self) -> None:
+        """Under the lock: one more completer thread."""
+        self._started += 1
+        thread = threading.Thread(target=self._complete, daemon=True,
+                                  name=f"{self._name}-completer-{self._started}")
+        self._completers.add(thread)
+        thread.start()
+
+    def completing(self) -> bool:
+        """Whether this thread is one of the group's completers (a callback runs on it)."""
+        return threading.current_thread() in self._completers
+
+    def threads(self) -> list[threading.Thread]:
+        with self._lock:
+            return [self.worker, *self._completers]
 
     def submit(self, what: str, fn, result, staging: Staging | None = None) -> Work:
         work = Work(what, result, staging, self)
@@ -178,45 +183,38 @@ class Calls:
             work._ran = True
             with self._lock:
                 self._ran.append(work)
+                if self._idle < len(self._ran):  # each blocked in a callback, or busy
+                    self._start_completer()
                 self._lock.notify_all()
 
-    def _next_ran(self, seconds: float | None = None) -> Work | None:
-        """The oldest call run whose future is not complete, once there is one (within
-        `seconds`); None once the worker has stopped and every future is complete, or after
-        `seconds`."""
-        with self._lock:
-            self._lock.wait_for(lambda: self._ran or self._worker_done, seconds)
-            return self._ran.popleft() if self._ran else None
-
     def _complete(self) -> None:
-        while (work := self._next_ran()) is not None:
-            work._complete()
-
-    def complete_through(self, work: Work, seconds: float | None) -> bool:
-        """On the completer (a callback waiting for `work`): complete the futures in order up to
-        and including `work`'s; False if `work` has not run within `seconds`."""
-        deadline = None if seconds is None else time.monotonic() + seconds
-        while not work._marked.is_set():
-            left = None if deadline is None else deadline - time.monotonic()
-            earlier = self._next_ran(left if left is None else max(left, 0.0))
-            if earlier is None:
-                return False
-            earlier._complete()
-        return True
+        me = threading.current_thread()
+        while True:
+            with self._lock:
+                self._idle += 1
+                self._lock.wait_for(lambda: self._ran or self._worker_done, _IDLE_SECONDS)
+                self._idle -= 1
+                if not self._ran and (self._worker_done or len(self._completers) > 1):
+                    self._completers.discard(me)
+                    return
+                work = self._ran.popleft() if self._ran else None
+            if work is not None:
+                work._complete()
 
     def stop(self, seconds: float) -> bool:
         """Take no more calls, run those made and complete them; True once done, False if a call
-        or a callback still runs after `seconds` (or if asked from a callback, which the
-        completer runs)."""
+        or a callback still runs after `seconds`. From a callback, the other threads are
+        waited for."""
         with self._lock:
             self._closed = True
             self._lock.notify_all()
-        if threading.current_thread() in (self.worker, self.completer):
-            return False
         deadline = time.monotonic() + seconds
-        for thread in (self.worker, self.completer):
-            thread.join(max(0.0, deadline - time.monotonic()))
-        return not (self.worker.is_alive() or self.completer.is_alive())
+        me = threading.current_thread()
+        while True:
+            others = [t for t in self.threads() if t is not me and t.is_alive()]
+            if not others or time.monotonic() >= deadline:
+                return not others
+            others[0].join(max(0.0, deadline - time.monotonic()))
 
 
 def _run(fn, work: Work) -> None:
