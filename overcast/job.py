@@ -9,6 +9,8 @@ import dataclasses
 import datetime
 import os
 import secrets as secrets_module
+import threading
+import time
 
 from overcast.comm import Communicator
 from overcast.errors import OvercastError
@@ -19,6 +21,7 @@ from overcast.transport.store import forget
 # How long rank 0 waits for the other ranks, before stopping the aggregator it started or before
 # failing when it could not start one (a rank that died never answers).
 CLOSE_WAIT_SECONDS = 10.0
+_WAIT_SLICE = 0.2
 
 
 class JobSwitch:
@@ -28,16 +31,20 @@ class JobSwitch:
 
     def __init__(self, store, key: str, world: int, proc=None):
         self.store, self.key, self.world, self.proc = store, key, world, proc
+        self.aborted = threading.Event()  # stop waiting for the others: nobody needs results
 
     def wait_for_others(self, what: str) -> None:
-        """Until every other rank has said `what`, or CLOSE_WAIT_SECONDS: rank 0 serves the
-        store, so it must not leave before they have read what they need from it. Their words
-        are deleted after."""
+        """Until every other rank has said `what`, CLOSE_WAIT_SECONDS, or an abort: rank 0
+        serves the store, so it must not leave before they have read what they need from it.
+        Their words are deleted after."""
         keys = [f"{self.key}{what}/{r}" for r in range(1, self.world)]
-        try:
-            self.store.wait(keys, datetime.timedelta(seconds=CLOSE_WAIT_SECONDS))
-        except RuntimeError:  # torch's DistStoreError on timeout: a rank that died or hangs
-            pass
+        deadline = time.monotonic() + CLOSE_WAIT_SECONDS
+        while not self.aborted.is_set() and (left := deadline - time.monotonic()) > 0:
+            try:  # in slices, to see an abort
+                self.store.wait(keys, datetime.timedelta(seconds=min(left, _WAIT_SLICE)))
+                break
+            except RuntimeError:  # torch's DistStoreError on timeout: a rank that died or hangs
+                pass
         forget(self.store, keys)
 
     def close(self, rank: int, wait_for_peers: bool = True) -> None:

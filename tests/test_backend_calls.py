@@ -216,6 +216,34 @@ def test_abort_while_the_group_closes_ends_its_calls_and_its_companions():
         assert "aborted" in said["call"] and "aborted" in said["companion"], said
 
 
+def abort_while_waiting_for_peers(rank):
+    """Rank 0 started the group's aggregator; its shutdown waits for rank 1 to close before it
+    stops it, and is aborted meanwhile: the abort returns at once, the aggregator stopped."""
+    gloo = start(timeout=30)
+    group = dist.new_group([0, 1])
+    dist.all_reduce(torch.ones(1000), group=group)
+    said = {}
+    if rank == 0:
+        closing = threading.Thread(target=group.shutdown)
+        closing.start()
+        while group._lifetime._state == "open":  # until the shutdown has begun
+            time.sleep(0.01)
+        began = time.monotonic()
+        group.abort()
+        said["abort_seconds"] = time.monotonic() - began
+        said["aggregator_stopped"] = group._group.job_switch.proc.poll() is not None
+        closing.join()
+    dist.barrier(gloo)
+    group.shutdown()
+    dist.destroy_process_group()
+    return said
+
+
+def test_abort_does_not_wait_for_the_peers_to_close():
+    first = run_ranks(abort_while_waiting_for_peers, loopback_placements(2, LINK), timeout=60)[0]
+    assert first["abort_seconds"] < 3 and first["aggregator_stopped"], first
+
+
 def ended_by_a_callback(rank):
     """A callback of call a shuts its group down (runs the calls made: b), or aborts it (at
     once): rank 1 attaches it before a can complete, so it runs on a completer."""

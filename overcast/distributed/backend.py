@@ -190,6 +190,8 @@ class _Lifetime:
         if not closed:
             for comm in [self.group.comm, *self.companions]:
                 comm.abort(reason)
+            if self.group.job_switch is not None:  # a close may be waiting for the others
+                self.group.job_switch.aborted.set()
         if self._begin():
             threading.Thread(target=self._close, args=(True,), daemon=True,
                              name="overcast-abort").start()
