@@ -341,28 +341,30 @@ def test_a_header_but_a_hellos_of_its_size_closes_the_connection_at_once(kind, l
     assert closed and service.drops["not_hello"] == 1
 
 
-def test_an_accept_out_of_descriptors_is_counted_and_rests_the_listener():
-    """accept() at the descriptor limit (EMFILE, the process's own, lowered for a moment to
-    what is open): counted, the oldest connection waiting for its HELLO shed to make room, the
-    listener left alone for ACCEPT_BACKOFF_SECONDS (the connection waits in the backlog), then
-    taken."""
+def test_an_accept_out_of_descriptors_is_counted_and_rests_the_listener_shedding_nobody():
+    """accept() with one descriptor left (the process's limit lowered for a moment to what is
+    open, and one): the first connection takes it; the next accept fails (Linux says EMFILE at
+    the limit whether or not a connection waits), is counted and rests the listener for
+    ACCEPT_BACKOFF_SECONDS, and sheds nobody: the first keeps its connection, the second waits
+    in the backlog and is taken once the listener listens again."""
     service = SwitchService("127.0.0.1", 0, [HOSTILE])
-    oldest = socket.create_connection(("127.0.0.1", service.port), timeout=5)
-    newest = None
+    first = socket.create_connection(("127.0.0.1", service.port), timeout=5)
+    second = socket.create_connection(("127.0.0.1", service.port), timeout=5)
     try:
-        assert service._accept()
-        newest = socket.create_connection(("127.0.0.1", service.port), timeout=5)
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
         lowest = os.dup(0)  # every descriptor below it is open
         os.close(lowest)
-        resource.setrlimit(resource.RLIMIT_NOFILE, (lowest, hard))
+        resource.setrlimit(resource.RLIMIT_NOFILE, (lowest + 1, hard))
         try:
-            more = service._accept()
+            taken = [service._accept(), service._accept()]
         finally:
             resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
-        assert not more and service.drops["accept_emfile"] == 1
-        assert service.drops["unregistered_shed"] == 1 and not service.connections
-        assert len(oldest.recv(64)) == SWITCH_CHALLENGE.size and oldest.recv(1) == b""
+        assert taken == [True, False] and service.drops["accept_emfile"] == 1
+        assert "unregistered_shed" not in service.drops and len(service.connections) == 1
+        assert len(first.recv(64)) == SWITCH_CHALLENGE.size
+        first.setblocking(False)
+        with pytest.raises(BlockingIOError):  # open, waiting for its HELLO
+            first.recv(1)
         assert service.listener not in {k.fileobj for k in service._selector.get_map().values()}
         rested = service.listening_again
         assert rested >= time.monotonic() + ACCEPT_BACKOFF_SECONDS / 2
@@ -370,11 +372,11 @@ def test_an_accept_out_of_descriptors_is_counted_and_rests_the_listener():
         assert service.listening_again == rested  # still resting
         service._listen_again(rested)
         assert service.listening_again is None and service._accept()
-        assert len(newest.recv(64)) == SWITCH_CHALLENGE.size  # taken from the backlog
+        assert len(second.recv(64)) == SWITCH_CHALLENGE.size  # taken from the backlog
+        assert len(service.connections) == 2
     finally:
-        oldest.close()
-        if newest is not None:
-            newest.close()
+        first.close()
+        second.close()
         service.close()
 
 

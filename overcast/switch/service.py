@@ -13,7 +13,8 @@ Anyone can reach the port, so a connection costs the service little before it re
 may send one HELLO of its exact size and nothing else (any other header closes it as soon as it
 parses), at most MAX_UNREGISTERED (or a quarter of the descriptors) wait at once (the oldest
 goes first), and an accept that fails for want of descriptors, buffers or memory is counted
-and the listener rests for ACCEPT_BACKOFF_SECONDS; nothing the port meets ends the service.
+and the listener rests for ACCEPT_BACKOFF_SECONDS, the connections waiting in the backlog;
+nothing the port meets ends the service.
 The descriptor limit is raised to its hard limit at start (each rank holds a connection).
 
 A job member may be buggy or hostile, so what a HELLO asks is held to the aggregator's Limits: a
@@ -66,7 +67,7 @@ MAX_UNREGISTERED = 1024  # connections waiting for their HELLO at once, at most
 ACCEPT_BACKOFF_SECONDS = 0.1
 ACCEPTS_PER_WAKE = 64
 # accept's errors that say the process or the system ran short: waiting helps, retrying at once
-# would spin (the connection waits in the backlog meanwhile)
+# would spin (the connections wait in the backlog meanwhile)
 SCARCE = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
 # What a registered connection costs this process (its socket object, registration, selector
 # entry), set aside with its communicator for each of its ranks: measured at about 1 KiB.
@@ -194,8 +195,8 @@ class SwitchService:
             self.drops[f"accept_{errno.errorcode.get(err.errno, err.errno)}".lower()] += 1
             if err.errno not in SCARCE:
                 return True  # that connection's own (ECONNABORTED, EPROTO, EPERM)
-            if self.unregistered:  # descriptors or memory for the newest: the oldest goes
-                self._shed_oldest()
+            # Nobody is shed for it: Linux says EMFILE at the limit whether or not a connection
+            # waits, so the one that took the last descriptor would go. The backlog holds them.
             if self.listening_again is None:
                 self._selector.unregister(self.listener)
             self.listening_again = time.monotonic() + ACCEPT_BACKOFF_SECONDS
