@@ -26,8 +26,8 @@ from overcast.buffers import dtype_code
 from overcast.cluster.launch import loopback_placements, run_ranks
 from overcast.native import MAX_REDUCTIONS
 from overcast.switch.launch import start_switch, stop_switch
-from overcast.switch.service import (ACCEPT_BACKOFF_SECONDS, MAX_UNREGISTERED, Limits,
-                                     SwitchService)
+from overcast.switch.service import (ACCEPT_BACKOFF_SECONDS, ADDRESS_SHARE, MAX_UNREGISTERED,
+                                     Limits, SwitchService)
 from overcast.transport.datagram import chunk_bytes
 from overcast.transport.rendezvous import register_with_aggregators
 from overcast.wire.auth import Drops, Opener, Sealer, derive_key, job_id_of
@@ -42,19 +42,32 @@ SIEGE = pathlib.Path(__file__).resolve().parent.parent / "tools" / "registration
 INT32 = dtype_code(np.dtype(np.int32))
 
 
+class Lagging:
+    """A rank's sealer that takes `seconds` to seal: its HELLO leaves that long after the
+    aggregator's challenge came (a long path, or a busy rank)."""
+
+    def __init__(self, sealer: Sealer, seconds: float):
+        self.sealer, self.seconds = sealer, seconds
+
+    def seal(self, *args):
+        time.sleep(self.seconds)
+        return self.sealer.seal(*args)
+
+
 def member(address: str, world: int, *, salt: bytes | None = None, src: int = 0,
-           mtu: int = 1500, keep_udp: bool = False) -> types.SimpleNamespace:
+           mtu: int = 1500, keep_udp: bool = False,
+           hello_lag: float = 0.0) -> types.SimpleNamespace:
     """Register as rank `src` of a communicator of `world` ranks of the hostile job, as a rank
-    does (rendezvous.register_with_aggregators); the links it filled (switches: the connection
-    held open, or switch_error; salt; udp, the rank's datagram socket, left open if
-    keep_udp)."""
+    does (rendezvous.register_with_aggregators), its HELLO sent `hello_lag` seconds after the
+    challenge came; the links it filled (switches: the connection held open, or switch_error;
+    salt; udp, the rank's datagram socket, left open if keep_udp)."""
     salt = salt or os.urandom(16)
     key = derive_key(HOSTILE, salt, b"comm")
     job, comm = job_id_of(HOSTILE), int.from_bytes(salt[:4], "little")
     udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     udp.bind(("127.0.0.1", 0))
     links = types.SimpleNamespace(world=world, udp=udp, multicast=None, mtu=mtu,
-                                  sealer=Sealer(key, job, comm, src),
+                                  sealer=Lagging(Sealer(key, job, comm, src), hello_lag),
                                   opener=Opener(key, job, comm, Drops()), switches={},
                                   switch_names={}, endpoints=[], switch_slots=0,
                                   switch_error="unregistered", salt=salt)
@@ -292,8 +305,9 @@ def siege(*args: str) -> dict:
 def test_a_crowd_of_connections_neither_stops_the_aggregator_nor_keeps_a_rank_out(hard):
     """1,500 connections held open, no secret needed, against an aggregator started under
     `ulimit -n 1024` (its soft limit, which it raises to the hard one, or both): every one is
-    answered, the oldest waiting for their HELLO are shed once a quarter of the descriptors
-    (or 1,024) wait, and a rank registers during the crowd and after it."""
+    answered, the oldest waiting for their HELLO are shed once a 16th of a quarter of the
+    descriptors (or of 1,024) wait from their address, and a rank registers during the crowd
+    and after it, from the same address."""
     result = siege("--connections", "1500", "--junk", "0", *(["--hard"] if hard else []))
     assert result["alive"]
     assert result["during"]["error"] is None and result["after"]["error"] is None
@@ -302,8 +316,64 @@ def test_a_crowd_of_connections_neither_stops_the_aggregator_nor_keeps_a_rank_ou
     limit = 1024 if hard else resource.getrlimit(resource.RLIMIT_NOFILE)[1]
     waiting = MAX_UNREGISTERED if limit == resource.RLIM_INFINITY else \
         min(MAX_UNREGISTERED, limit // 4)
-    # each connection past the cap sheds one (the two registrations' too, if they come first)
-    assert 1500 - waiting <= result["drops"]["unregistered_shed"] <= 1502 - waiting
+    share = waiting // ADDRESS_SHARE
+    # each connection past its address's share sheds one (the two registrations' too, if
+    # they come first)
+    assert 1500 - share <= result["drops"]["unregistered_shed"] <= 1502 - share
+
+
+# Connects to 127.0.0.1:PORT from 127.0.0.2 as fast as it can, never sends, holds the newest
+# HOLD; says so once it has opened 2 x HOLD.
+CHURN = """
+import collections, socket, sys
+port, hold = int(sys.argv[1]), int(sys.argv[2])
+held, opened = collections.deque(), 0
+while True:
+    sock = socket.socket()
+    try:
+        sock.setsockopt(socket.IPPROTO_IP, socket.IP_BIND_ADDRESS_NO_PORT, 1)
+        sock.bind(("127.0.0.2", 0))
+        sock.setblocking(False)
+        sock.connect_ex(("127.0.0.1", port))
+    except OSError:
+        sock.close()
+        continue
+    held.append(sock)
+    if len(held) > hold:
+        held.popleft().close()
+    opened += 1
+    if opened == 2 * hold:
+        print("churning", flush=True)
+"""
+
+
+def test_one_host_churning_connections_does_not_shed_another_hosts_slow_rank(tmp_path):
+    """One process at another address (127.0.0.2) opens connections as fast as it can, never
+    registering, against an aggregator under `ulimit -n 256` (64 may wait, 4 of them from one
+    address). A rank whose HELLO leaves 0.1 s after the challenge (the churn sheds 64 waiting
+    connections in far less) registers meanwhile, three times: the churn sheds its own
+    connections alone."""
+    stats = tmp_path / "switch.json"
+    proc, address = start_switch("127.0.0.1", 0, secrets=[HOSTILE.hex()], shards=1,
+                                 stats_path=str(stats),
+                                 prefix=("sh", "-c", 'ulimit -n 256 && exec "$@"', "sh"))
+    churn = subprocess.Popen([sys.executable, "-c", CHURN, address.rsplit(":", 1)[1], "128"],
+                             stdout=subprocess.PIPE, text=True)
+    said = []
+    try:
+        assert churn.stdout.readline() == "churning\n"
+        for _ in range(3):
+            links = member(address, 2, hello_lag=0.1)
+            said.append(links.switch_error)
+            for sock in links.switches.values():
+                sock.close()
+    finally:
+        churn.kill()
+        churn.wait()
+        churn.stdout.close()
+        stop_switch(proc)
+    assert said == [None] * 3
+    assert json.loads(stats.read_text())["drops"]["unregistered_shed"] >= 128
 
 
 def test_junk_behind_the_largest_header_is_refused_as_the_header_parses():

@@ -11,10 +11,12 @@ ports. A connection that has not registered within REGISTRATION_SECONDS is close
 
 Anyone can reach the port, so a connection costs the service little before it registers: it
 may send one HELLO of its exact size and nothing else (any other header closes it as soon as it
-parses), at most MAX_UNREGISTERED (or a quarter of the descriptors) wait at once (the oldest
-goes first), and an accept that fails for want of descriptors, buffers or memory is counted
-and the listener rests for ACCEPT_BACKOFF_SECONDS, the connections waiting in the backlog;
-nothing the port meets ends the service.
+parses), at most MAX_UNREGISTERED (or a quarter of the descriptors) wait at once, a 16th of
+those from one address (one more sheds the oldest of its address, or past the cap, of the
+address holding the most: one host's crowd sheds only its own), and an accept that fails
+for want of descriptors, buffers or memory is counted and the listener rests for
+ACCEPT_BACKOFF_SECONDS, the connections waiting in the backlog; nothing the port meets ends
+the service.
 The descriptor limit is raised to its hard limit at start (each rank holds a connection).
 
 A job member may be buggy or hostile, so what a HELLO asks is held to the aggregator's Limits: a
@@ -64,6 +66,7 @@ from overcast.wire.registration import (HELLO, NONCE_BYTES, REFUSAL_LABEL, SWITC
 REGISTRATION_SECONDS = 10.0
 HELLO_FRAME_BYTES = HEADER_BYTES + HELLO.size + TAG_BYTES  # all a connection may send
 MAX_UNREGISTERED = 1024  # connections waiting for their HELLO at once, at most
+ADDRESS_SHARE = 16  # a source address holds at most this fraction (1/16) of them
 ACCEPT_BACKOFF_SECONDS = 0.1
 ACCEPTS_PER_WAKE = 64
 # accept's errors that say the process or the system ran short: waiting helps, retrying at once
@@ -110,13 +113,66 @@ class _Comm:
 class _Registration:
     """A TCP connection from a rank, before and after its HELLO."""
 
-    def __init__(self, sock: socket.socket, due: float):
-        self.sock = sock
+    def __init__(self, sock: socket.socket, address: str, due: float):
+        self.sock, self.address = sock, address  # address: where it came from
         self.buf = bytearray()
         self.nonce = secrets.token_bytes(NONCE_BYTES)
         self.due = due  # until when it may take to register
         self.comm_key: tuple[int, bytes] | None = None  # (job, salt) once registered
         self.rank = -1  # once registered
+
+
+class _Waiting:
+    """The connections waiting for their HELLO: oldest first, and by the address they came
+    from, so that the address holding the most gives way first."""
+
+    def __init__(self, per_address: int):
+        self.per_address = per_address
+        self.oldest_first: dict[_Registration, None] = {}
+        self.by_address: dict[str, dict[_Registration, None]] = {}
+        # the addresses holding n connections in holding[n], in the order each came to n
+        self.holding: list[dict[str, None]] = [{} for _ in range(per_address + 1)]
+
+    def __len__(self) -> int:
+        return len(self.oldest_first)
+
+    def oldest(self) -> _Registration | None:
+        return next(iter(self.oldest_first), None)
+
+    def full(self, address: str) -> bool:
+        """Whether `address` holds its share."""
+        return len(self.by_address.get(address, ())) >= self.per_address
+
+    def oldest_of(self, address: str) -> _Registration:
+        return next(iter(self.by_address[address]))
+
+    def busiest(self) -> str:
+        """An address holding the most (there is one)."""
+        return next(iter(next(h for h in reversed(self.holding) if h)))
+
+    def add(self, reg: _Registration) -> None:
+        """Takes a connection of an address below its share."""
+        regs = self.by_address.setdefault(reg.address, {})
+        self._moved(reg.address, len(regs), len(regs) + 1)
+        regs[reg] = None
+        self.oldest_first[reg] = None
+
+    def remove(self, reg: _Registration) -> None:
+        """Forgets a connection, if it waits."""
+        if reg not in self.oldest_first:
+            return
+        del self.oldest_first[reg]
+        regs = self.by_address[reg.address]
+        del regs[reg]
+        self._moved(reg.address, len(regs) + 1, len(regs))
+        if not regs:
+            del self.by_address[reg.address]
+
+    def _moved(self, address: str, held: int, holds: int) -> None:
+        if held:
+            del self.holding[held][address]
+        if holds:
+            self.holding[holds][address] = None
 
 
 def default_shards() -> int:
@@ -172,12 +228,13 @@ class SwitchService:
         self._selector.register(self._wake_r, selectors.EVENT_READ)
         if lifeline is not None:
             self._selector.register(lifeline, selectors.EVENT_READ)
-        # waiting for their HELLO, oldest first; a quarter of the descriptors at most, so that
-        # a crowd of them leaves the rest to registered ranks
-        self.unregistered: dict[_Registration, None] = {}
+        # waiting for their HELLO: a quarter of the descriptors at most, so that a crowd of
+        # them leaves the rest to registered ranks, and a 16th of those from one address, so
+        # that one host's crowd leaves the rest to others
         soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
         self.max_unregistered = MAX_UNREGISTERED if soft == resource.RLIM_INFINITY else \
             max(1, min(MAX_UNREGISTERED, soft // 4))
+        self.unregistered = _Waiting(max(1, self.max_unregistered // ADDRESS_SHARE))
         self.listening_again: float | None = None  # the listener rests until then
         self.stopped = False
         # last: threads that read the sockets start once nothing above can fail and leave
@@ -188,7 +245,7 @@ class SwitchService:
     def _accept(self) -> bool:
         """Take one connection from the backlog: whether there may be more."""
         try:
-            sock, _ = self.listener.accept()
+            sock, (address, *_) = self.listener.accept()
         except (BlockingIOError, InterruptedError):
             return False
         except OSError as err:  # counted, never raised: the port stays open to everyone
@@ -201,9 +258,12 @@ class SwitchService:
                 self._selector.unregister(self.listener)
             self.listening_again = time.monotonic() + ACCEPT_BACKOFF_SECONDS
             return False
-        if len(self.unregistered) >= self.max_unregistered:
-            self._shed_oldest()
-        reg = _Registration(sock, time.monotonic() + REGISTRATION_SECONDS)
+        waiting = self.unregistered
+        if waiting.full(address):  # its address's oldest goes
+            self._shed(waiting.oldest_of(address))
+        elif len(waiting) >= self.max_unregistered:  # the oldest of the address holding most
+            self._shed(waiting.oldest_of(waiting.busiest()))
+        reg = _Registration(sock, address, time.monotonic() + REGISTRATION_SECONDS)
         try:  # a few bytes into an empty socket buffer: never blocks
             sock.sendall(SWITCH_CHALLENGE.pack(SWITCH_MAGIC, reg.nonce))
         except OSError:
@@ -212,12 +272,12 @@ class SwitchService:
         sock.setblocking(False)
         self.connections[sock] = reg
         self._selector.register(sock, selectors.EVENT_READ, reg)
-        self.unregistered[reg] = None
+        self.unregistered.add(reg)
         return True
 
-    def _shed_oldest(self) -> None:
+    def _shed(self, reg: _Registration) -> None:
         self.drops["unregistered_shed"] += 1
-        self._disconnect(next(iter(self.unregistered)))
+        self._disconnect(reg)
 
     def _listen_again(self, now: float) -> None:
         if self.listening_again is not None and now >= self.listening_again:
@@ -225,8 +285,8 @@ class SwitchService:
             self._selector.register(self.listener, selectors.EVENT_READ)
 
     def _expire_registrations(self, now: float) -> None:
-        for reg in [r for r in self.unregistered if now >= r.due]:
-            self.drops["registration_timeout"] += 1
+        while (reg := self.unregistered.oldest()) is not None and now >= reg.due:
+            self.drops["registration_timeout"] += 1  # oldest first: the first due
             self._disconnect(reg)
 
     def _on_registration(self, reg: _Registration) -> None:
@@ -302,7 +362,7 @@ class SwitchService:
             raise
         comm.conns[hdr.src] = reg.sock
         reg.comm_key, reg.rank = (hdr.job, salt), hdr.src
-        self.unregistered.pop(reg, None)
+        self.unregistered.remove(reg)
         reg.buf = bytearray()
         return self._say(reg, pack_welcome(derive_key(secret, salt, WELCOME_LABEL), theirs,
                                            comm.slots, self.ports))
@@ -394,7 +454,7 @@ class SwitchService:
         return True
 
     def _disconnect(self, reg: _Registration) -> None:
-        self.unregistered.pop(reg, None)
+        self.unregistered.remove(reg)
         del self.connections[reg.sock]
         self._selector.unregister(reg.sock)
         reg.sock.close()
@@ -420,7 +480,8 @@ class SwitchService:
             now = time.monotonic()
             self._expire_registrations(now)
             self._listen_again(now)
-            due = min((r.due for r in self.unregistered), default=now + 0.5)
+            oldest = self.unregistered.oldest()
+            due = now + 0.5 if oldest is None else oldest.due
             if self.listening_again is not None:
                 due = min(due, self.listening_again)
             for key, _ in self._selector.select(max(0.0, min(due, now + 0.5) - now)):
