@@ -9,6 +9,7 @@ listening) are the reason it reports, not an exception out of its rendezvous."""
 import json
 import os
 import pathlib
+import re
 import resource
 import socket
 import subprocess
@@ -55,15 +56,16 @@ class Lagging:
 
 
 def member(address: str, world: int, *, salt: bytes | None = None, src: int = 0,
-           mtu: int = 1500, keep_udp: bool = False,
-           hello_lag: float = 0.0) -> types.SimpleNamespace:
-    """Register as rank `src` of a communicator of `world` ranks of the hostile job, as a rank
-    does (rendezvous.register_with_aggregators), its HELLO sent `hello_lag` seconds after the
-    challenge came; the links it filled (switches: the connection held open, or switch_error;
-    salt; udp, the rank's datagram socket, left open if keep_udp)."""
+           mtu: int = 1500, keep_udp: bool = False, hello_lag: float = 0.0,
+           secret: bytes = HOSTILE) -> types.SimpleNamespace:
+    """Register as rank `src` of a communicator of `world` ranks of the hostile job (or the
+    job of `secret`), as a rank does (rendezvous.register_with_aggregators), its HELLO sent
+    `hello_lag` seconds after the challenge came; the links it filled (switches: the
+    connection held open, or switch_error; salt; udp, the rank's datagram socket, left open if
+    keep_udp)."""
     salt = salt or os.urandom(16)
-    key = derive_key(HOSTILE, salt, b"comm")
-    job, comm = job_id_of(HOSTILE), int.from_bytes(salt[:4], "little")
+    key = derive_key(secret, salt, b"comm")
+    job, comm = job_id_of(secret), int.from_bytes(salt[:4], "little")
     udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     udp.bind(("127.0.0.1", 0))
     links = types.SimpleNamespace(world=world, udp=udp, multicast=None, mtu=mtu,
@@ -71,7 +73,7 @@ def member(address: str, world: int, *, salt: bytes | None = None, src: int = 0,
                                   opener=Opener(key, job, comm, Drops()), switches={},
                                   switch_names={}, endpoints=[], switch_slots=0,
                                   switch_error="unregistered", salt=salt)
-    register_with_aggregators(links, address, HOSTILE, salt, 5.0)
+    register_with_aggregators(links, address, secret, salt, 5.0)
     if not keep_udp:
         udp.close()
     return links
@@ -289,6 +291,49 @@ def test_a_keyed_member_that_registers_and_contributes_stays_within_the_budget(t
     assert all("--pool-bytes" in m.switch_error for m in narrow if not m.switches)
     assert report["stats"]["contributions"] == \
         MAX_REDUCTIONS * wide.switch_slots * 7 + 999 * len(admitted)
+
+
+def test_a_jobs_connections_stay_within_its_share_of_the_descriptors(tmp_path):
+    """An aggregator under `ulimit -n 128` serving two jobs: the hostile job registers
+    communicators of 8 ranks, each rank holding its connection, until one is refused for want
+    of the job's share of the descriptors (the reason its ranks report); that is at most half
+    of what is left once 32 are kept for connections waiting, and the other job's ranks
+    register at once."""
+    stats = tmp_path / "switch.json"
+    proc, address = start_switch("127.0.0.1", 0, secrets=[HOSTILE.hex(), GOOD.hex()],
+                                 shards=1, stats_path=str(stats),
+                                 prefix=("sh", "-c", 'ulimit -n 128 && exec "$@"', "sh"))
+    held = []
+    try:
+        while len(held) < 128 and all(m.switches for m in held):  # 128: all it may open
+            salt = os.urandom(16)
+            held += [member(address, 8, salt=salt, src=rank) for rank in range(8)]
+        salt = os.urandom(16)
+        other = [member(address, 2, salt=salt, src=rank, secret=GOOD) for rank in range(2)]
+        held += other
+    finally:
+        for links in held:
+            for sock in links.switches.values():
+                sock.close()
+        stop_switch(proc)
+    refused = held[-3].switch_error
+    assert "ulimit -n, shared among the jobs served" in refused, refused
+    share = int(re.search(r"of the job's (\d+) are left", refused)[1])
+    registered = sum(bool(m.switches) for m in held[:-2])
+    assert registered == share // 8 * 8 and share <= (128 - 32) // 2
+    assert [m.switch_error for m in other] == [None, None]
+    assert json.loads(stats.read_text())["drops"]["refused_connections"] == 8
+
+
+def test_too_few_descriptors_to_start_are_said_in_one_line():
+    """`overcast switch` of two shards under `ulimit -n 8`: a line that says how many it needs,
+    and exit status 2, not a traceback from the socket it could not open."""
+    run = subprocess.run(["sh", "-c", 'ulimit -n 8 && exec "$@"', "sh", sys.executable, "-m",
+                          "overcast.cli.main", "switch", "--port", "0", "--shards", "2"],
+                         env={**os.environ, "OVERCAST_SECRET": HOSTILE.hex()},
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and run.stderr.count("\n") == 1, run.stderr
+    assert run.stderr.startswith("overcast: 8 descriptors (ulimit -n) are too few"), run.stderr
 
 
 def siege(*args: str) -> dict:

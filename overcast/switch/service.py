@@ -21,8 +21,9 @@ The descriptor limit is raised to its hard limit at start (each rank holds a con
 
 A job member may be buggy or hostile, so what a HELLO asks is held to the aggregator's Limits: a
 registration beyond one (a world too large, too many communicators for its job, memory past the
-budget, a receive buffer too small for its world, a rank registered already) is refused to that
-connection alone, with the reason, and everything else carries on. What a communicator can make
+budget, connections past the job's share of the descriptors, a receive buffer too small for its
+world, a rank registered already) is refused to that connection alone, with the reason, and
+everything else carries on. What a communicator can make
 the aggregator hold (its ranks' connections here; in every shard its ranks' state and replay
 windows, and at most MAX_REDUCTIONS pools of slots x world x its widest row, the one a finished
 reduction leaves for the next among them: Shards.comm_bytes) is set aside from the budget when
@@ -75,6 +76,9 @@ SCARCE = {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
 # What a registered connection costs this process (its socket object, registration, selector
 # entry), set aside with its communicator for each of its ranks: measured at about 1 KiB.
 CONNECTION_BYTES = 2048
+# Descriptors kept beside the service's own sockets: the stats file it writes as it stops, and
+# the one an accept takes before a waiting connection is shed for it.
+SPARE_DESCRIPTORS = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,6 +207,14 @@ class SwitchService:
         self.comms: dict[tuple[int, bytes], _Comm] = {}  # by job and salt
         self.wire_ids: set[tuple[int, int]] = set()  # (job, id on the wire) of those
         self.reserved_bytes = 0  # of the budget, set aside for the communicators
+        # waiting for their HELLO: a quarter of the descriptors at most, so that a crowd of
+        # them leaves the rest to registered ranks, and a 16th of those from one address, so
+        # that one host's crowd leaves the rest to others
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        self.max_unregistered = MAX_UNREGISTERED if soft == resource.RLIM_INFINITY else \
+            max(1, min(MAX_UNREGISTERED, soft // 4))
+        self.unregistered = _Waiting(max(1, self.max_unregistered // ADDRESS_SHARE))
+        self.job_connections = self._connections_per_job(soft, shards)
         self.listener = socket.create_server((host, port), backlog=256)
         self.listener.setblocking(False)
         self.port = self.listener.getsockname()[1]
@@ -228,18 +240,31 @@ class SwitchService:
         self._selector.register(self._wake_r, selectors.EVENT_READ)
         if lifeline is not None:
             self._selector.register(lifeline, selectors.EVENT_READ)
-        # waiting for their HELLO: a quarter of the descriptors at most, so that a crowd of
-        # them leaves the rest to registered ranks, and a 16th of those from one address, so
-        # that one host's crowd leaves the rest to others
-        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-        self.max_unregistered = MAX_UNREGISTERED if soft == resource.RLIM_INFINITY else \
-            max(1, min(MAX_UNREGISTERED, soft // 4))
-        self.unregistered = _Waiting(max(1, self.max_unregistered // ADDRESS_SHARE))
         self.listening_again: float | None = None  # the listener rests until then
         self.stopped = False
         # last: threads that read the sockets start once nothing above can fail and leave
         # them reading sockets garbage collection closes
         self.shards.start()
+
+    def _connections_per_job(self, soft: int, shards: int) -> int | None:
+        """Each job's even share of the descriptors this process may open (numbers below
+        `soft`) that are left for registered connections, once its own are set aside (those
+        open, and what the service opens: the listener, its selector, a pair to wake it, each
+        shard's socket, eventfd and epoll), with those for connections waiting and
+        SPARE_DESCRIPTORS: one job cannot take the descriptors another's ranks need. None if
+        unlimited; ValueError if too few for a world of 2 a job."""
+        if soft == resource.RLIM_INFINITY:
+            return None
+        open_below = sum(int(fd) < soft for fd in os.listdir("/proc/self/fd")) - 1  # listdir's
+        kept = open_below + 4 + 3 * shards + self.max_unregistered + SPARE_DESCRIPTORS
+        share = (soft - kept) // len(self.secrets)
+        if share < 2:
+            raise ValueError(f"{soft} descriptors (ulimit -n) are too few for the aggregator: "
+                             f"it keeps {kept} for itself, its {shards} shard(s) and "
+                             f"{self.max_unregistered} connection(s) waiting to register, and "
+                             f"needs 2 more for each job's ranks: {kept + 2 * len(self.secrets)} "
+                             f"or more")
+        return share
 
     # -- registration ----------------------------------------------------------------------
     def _accept(self) -> bool:
@@ -389,6 +414,15 @@ class SwitchService:
         if not 2 <= world <= limits.max_world:
             raise Refusal(Refused.WORLD, f"a world of {world} ranks; this aggregator takes 2 "
                                          f"to {limits.max_world} (--max-world)")
+        # Each job has an even share of the descriptors, set aside a connection per rank of
+        # each of its communicators: one job's members cannot lock another's ranks out.
+        held = sum(c.world for c in self.comms.values() if c.job == job)
+        if self.job_connections is not None and held + world > self.job_connections:
+            raise Refusal(Refused.CONNECTIONS,
+                          f"a world of {world} needs as many connections here; "
+                          f"{self.job_connections - held} of the job's {self.job_connections} "
+                          f"are left (its share of the descriptors the aggregator may open: "
+                          f"ulimit -n, shared among the jobs served)")
         if stripe + len(self.ports) > MAX_STRIPES:
             raise Refusal(Refused.INCONSISTENT, f"this aggregator's {len(self.ports)} shards "
                                                 f"from stripe {stripe}; a job stripes over at "

@@ -61,6 +61,7 @@ class Refused(enum.IntEnum):
     INCONSISTENT = 6   # the communicator is registered with another world or row width
     MEMORY = 7         # the aggregator ran out of memory
     RANK = 8           # the rank is registered already, on another connection
+    CONNECTIONS = 9    # its ranks' connections would pass the job's share of the descriptors
 
 
 def _tag(key: bytes, body: bytes) -> bytes:
