@@ -6,12 +6,15 @@ connections, junk behind headers that announce the largest frame), neither stops
 rank out. And aggregators a rank cannot use (a malformed or unresolvable name, nothing
 listening) are the reason it reports, not an exception out of its rendezvous."""
 
+import errno
 import json
 import os
 import pathlib
 import re
 import resource
+import selectors
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -493,6 +496,69 @@ def test_an_accept_out_of_descriptors_is_counted_and_rests_the_listener_shedding
         first.close()
         second.close()
         service.close()
+
+
+def test_a_connection_reset_before_its_challenge_is_counted():
+    """A connection reset while it waits in the backlog: accept() gives it, the challenge
+    cannot be sent; counted and closed, and the accept loop goes on."""
+    service = SwitchService("127.0.0.1", 0, [HOSTILE])
+    try:
+        reset = socket.create_connection(("127.0.0.1", service.port), timeout=5)
+        reset.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        reset.close()  # a RST, not a FIN
+        assert service._accept()
+        assert service.drops["challenge_unsent"] == 1 and not service.connections
+    finally:
+        service.close()
+
+
+class RefusingToWatch:
+    """The service's real selector, but it takes no more connections to watch (as epoll does
+    past the user's max_user_watches, ENOSPC): the listener and the wake-up pair, registered
+    before, stay watched. A fault, injected: the test cannot lower the system's limit."""
+
+    def __init__(self, selector: selectors.BaseSelector):
+        self.selector = selector
+
+    def __getattr__(self, name):
+        return getattr(self.selector, name)
+
+    def register(self, *args):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def test_a_connection_the_selector_cannot_watch_costs_that_connection_alone():
+    """Counted and closed (its challenge sent already), and the accept loop goes on."""
+    service = SwitchService("127.0.0.1", 0, [HOSTILE])
+    service._selector = RefusingToWatch(service._selector)
+    try:
+        with socket.create_connection(("127.0.0.1", service.port), timeout=5) as sock:
+            assert service._accept()
+            assert service.drops["unwatched"] == 1 and not service.connections
+            assert len(sock.recv(64)) == SWITCH_CHALLENGE.size and sock.recv(1) == b""
+    finally:
+        service.close()
+
+
+def test_a_registered_connection_that_sends_anything_is_closed_and_counted():
+    """Nothing is expected on a registered connection: a byte on it closes it (its
+    communicator, its last connection gone, is forgotten), where the service read whatever
+    came for as long as it came."""
+    service = SwitchService("127.0.0.1", 0, [HOSTILE])
+    serving = threading.Thread(target=service.serve)
+    serving.start()
+    try:
+        links = member(f"127.0.0.1:{service.port}", 2)
+        (sock,) = links.switches.values()
+        sock.sendall(b"x")
+        closed = sock.recv(1) == b""
+    finally:
+        service.stop()
+        serving.join()
+        service.close()
+        for sock in links.switches.values():
+            sock.close()
+    assert closed and service.drops["sent_after_registering"] == 1 and not service.comms
 
 
 class FailingOnce:

@@ -3,11 +3,11 @@
 One TCP port takes registrations: each rank of a communicator connects, gets a fresh nonce, sends
 a HELLO that carries it, sealed under its communicator key (the aggregator derives that key from
 the job secret it was given and the salt in the HELLO, so a HELLO it can verify comes from the
-job, and from this connection), and keeps the connection open: when the service dies, every rank
-sees it at once. The HELLO says which stripe this aggregator's first shard is among the job's
-endpoints (native/numbering.h); each shard seals under its own stripe's source id, and the
-WELCOME (an HMAC under a key for welcomes, binding the rank's nonce) gives the shards' datagram
-ports. A connection that has not registered within REGISTRATION_SECONDS is closed.
+job, and from this connection), and keeps the connection open, sending nothing more on it (a
+byte closes it): when the service dies, every rank sees it at once. The HELLO says which stripe
+this aggregator's first shard is among the job's endpoints (native/numbering.h); each shard
+seals under its own stripe's source id, and the WELCOME (an HMAC under a key for welcomes,
+binding the rank's nonce) gives the shards' datagram ports. A connection that has not registered within REGISTRATION_SECONDS is closed.
 
 Anyone can reach the port, so a connection costs the service little before it registers: it
 may send one HELLO of its exact size and nothing else (any other header closes it as soon as it
@@ -283,21 +283,27 @@ class SwitchService:
                 self._selector.unregister(self.listener)
             self.listening_again = time.monotonic() + ACCEPT_BACKOFF_SECONDS
             return False
+        reg = _Registration(sock, address, time.monotonic() + REGISTRATION_SECONDS)
+        try:  # a few bytes into an empty socket buffer: never blocks
+            sock.sendall(SWITCH_CHALLENGE.pack(SWITCH_MAGIC, reg.nonce))
+        except OSError:  # reset already
+            self.drops["challenge_unsent"] += 1
+            sock.close()
+            return True
+        sock.setblocking(False)
+        try:
+            self._selector.register(sock, selectors.EVENT_READ, reg)
+        except OSError:  # epoll took no more (ENOMEM, ENOSPC): that connection goes
+            self.drops["unwatched"] += 1
+            sock.close()
+            return True
         waiting = self.unregistered
         if waiting.full(address):  # its address's oldest goes
             self._shed(waiting.oldest_of(address))
         elif len(waiting) >= self.max_unregistered:  # the oldest of the address holding most
             self._shed(waiting.oldest_of(waiting.busiest()))
-        reg = _Registration(sock, address, time.monotonic() + REGISTRATION_SECONDS)
-        try:  # a few bytes into an empty socket buffer: never blocks
-            sock.sendall(SWITCH_CHALLENGE.pack(SWITCH_MAGIC, reg.nonce))
-        except OSError:
-            sock.close()
-            return
-        sock.setblocking(False)
         self.connections[sock] = reg
-        self._selector.register(sock, selectors.EVENT_READ, reg)
-        self.unregistered.add(reg)
+        waiting.add(reg)
         return True
 
     def _shed(self, reg: _Registration) -> None:
@@ -324,8 +330,10 @@ class SwitchService:
         if not data:
             self._disconnect(reg)
             return
-        if reg.comm_key is not None:
-            return  # nothing more is expected on a registered connection
+        if reg.comm_key is not None:  # nothing is expected on a registered connection
+            self.drops["sent_after_registering"] += 1
+            self._disconnect(reg)
+            return
         reg.buf += data
         if len(reg.buf) < HEADER_BYTES:
             return
