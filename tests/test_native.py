@@ -13,6 +13,7 @@ import pytest
 from overcast.buffers import DTYPES, accumulator_dtype, dtype_code
 from overcast.native import Aggregator as Engine
 from overcast.native import _core
+from overcast.native._core import OUTBOX_BYTES
 from overcast.wire.auth import Drops, Opener, Sealer
 from overcast.wire.header import AGGREGATOR, HEADER_BYTES, TAG_BYTES, Kind, endpoint
 from overcast.wire.messages import CONTRIB_PREFIX, pack_acks, pack_contribution_prefix, unpack_credit
@@ -258,6 +259,28 @@ def test_an_outbox_of_a_communicator_gone_is_never_sealed():
     engine.feed(probe, len(probe), 0.0)  # answered: what rank 1 owes of a reduction refused
     engine.unregister(handle)
     assert engine.flush() == []
+
+
+def test_credit_probes_queue_no_more_than_the_outbox_takes():
+    """One read of a keyed member's CREDIT probes for a reduction never begun, each naming
+    every chunk sent: each answer names the whole window to send again (4 KiB for 1,024
+    slots). The outbox takes answers up to OUTBOX_BYTES and counts the rest as outbox_full;
+    emptied, it takes the next read's as many."""
+    engine = Engine(1024)
+    engine.register(JOB, COMM, 2, 1024, KEY, 1 << 40)
+    sealer = Sealer(KEY, JOB, COMM, 1)
+    answer = (0).to_bytes(4, "little") + np.arange(1024, dtype="<u4").tobytes()
+    taken = []
+    for _ in range(2):
+        probes = [sealer.seal(Kind.CREDIT, 7, AGGREGATOR, 0, (2**32 - 1).to_bytes(4, "little"))
+                  for _ in range(65536 // (HEADER_BYTES + 4 + TAG_BYTES))]  # a read's worth
+        engine.feed(b"".join(probes), len(probes[0]), 0.0)
+        queued = engine.take_outbox()
+        assert all((dst, kind, seq, payload) == (1, Kind.CREDIT, 7, answer)
+                   for _, dst, kind, seq, _, payload in queued)
+        taken.append(len(queued))
+    assert taken[0] == taken[1] and OUTBOX_BYTES * 0.9 < taken[0] * len(answer) <= OUTBOX_BYTES
+    assert engine.counters()[0] == {"outbox_full": 2 * len(probes) - sum(taken)}
 
 
 def test_a_run_that_does_not_lie_in_its_buffer_is_refused():

@@ -44,6 +44,7 @@ HOSTILE, GOOD = os.urandom(32), os.urandom(32)
 LIMITS = Limits(max_world=4096, max_communicators=40, pool_bytes=64 << 20)
 SIEGE = pathlib.Path(__file__).resolve().parent.parent / "tools" / "registration_siege.py"
 INT32 = dtype_code(np.dtype(np.int32))
+UDP_SEGMENT = 103  # linux/udp.h: a GSO send's segment size
 
 
 class Lagging:
@@ -96,14 +97,15 @@ def contributions(links, seq: int, chunk: int, row: bytes) -> list[bytes]:
             for src in reversed(range(links.world)) if src != chunk]
 
 
-def result_came(links, seq: int) -> bool:
-    """Whether the result of chunk 0 of collective `seq` reaches rank 0 within 10 s: the
-    aggregator has read every datagram sent to its one shard before the last one it needed."""
+def came(links, kind: Kind, seq: int) -> bool:
+    """Whether a message of `kind` for chunk 0 of collective `seq` (a result; a CREDIT, which
+    names no chunk) reaches rank 0 within 10 s: the aggregator has read every datagram sent to
+    its one shard before the last one it needed."""
     links.udp.settimeout(10)
     try:
         while True:
             hdr = unpack_header(links.udp.recv(1 << 16))
-            if hdr.kind == Kind.RESULT and hdr.seq == seq and hdr.chunk == 0:
+            if hdr.kind == kind and hdr.seq == seq and hdr.chunk == 0:
                 return True
     except TimeoutError:
         return False
@@ -243,6 +245,12 @@ def test_an_aggregator_the_rank_cannot_use_is_its_reason(spec, reason):
     assert links.switches == {} and links.endpoints == []
 
 
+def most_rss_growth(budget: int, communicators: int) -> int:
+    """What the aggregator's RSS may grow by (docs/protocols.md): its --pool-bytes, 4 KiB a
+    communicator, and a few MiB of its own (allocators, each shard's outbox)."""
+    return budget + communicators * 4096 + (4 << 20)
+
+
 def test_a_keyed_member_that_registers_and_contributes_stays_within_the_budget(tmp_path):
     """Hostile registrations that contribute: a communicator of 8 ranks whose rows are as wide
     as loopback takes, and communicators of 1,000 ranks of narrow rows until the budget refuses
@@ -267,7 +275,7 @@ def test_a_keyed_member_that_registers_and_contributes_stays_within_the_budget(t
             for chunk in chunks:
                 for datagram in contributions(links, seq, chunk, row):
                     sender.sendto(datagram, ("127.0.0.1", port))
-            assert not links.switches or result_came(links, seq)
+            assert not links.switches or came(links, Kind.RESULT, seq)
     try:
         start = status_bytes(proc.pid, "VmRSS")
         wide = member(address, 8, mtu=65536, keep_udp=True)
@@ -289,7 +297,7 @@ def test_a_keyed_member_that_registers_and_contributes_stays_within_the_budget(t
         stop_switch(proc)
     report = json.loads(stats.read_text())
     admitted = [m for m in narrow if m.switches]
-    assert peak - start <= budget + (1 + len(admitted)) * 4096 + (4 << 20), (peak - start, report)
+    assert peak - start <= most_rss_growth(budget, 1 + len(admitted)), (peak - start, report)
     assert wide.switches and admitted and len(admitted) < len(narrow)
     assert all("--pool-bytes" in m.switch_error for m in narrow if not m.switches)
     assert report["stats"]["contributions"] == \
@@ -337,6 +345,46 @@ def test_too_few_descriptors_to_start_are_said_in_one_line():
                          capture_output=True, text=True, timeout=60)
     assert run.returncode == 2 and run.stderr.count("\n") == 1, run.stderr
     assert run.stderr.startswith("overcast: 8 descriptors (ulimit -n) are too few"), run.stderr
+
+
+def test_a_keyed_members_credit_probes_keep_the_aggregator_within_the_budget(tmp_path):
+    """A keyed member of a communicator of 2 ranks and 512 slots sends 64,000 CREDIT probes for
+    a reduction never begun, each naming every chunk, in GSO batches of 64 as fast as it can:
+    each answer names 512 chunks to send again (2 KiB). The aggregator's peak RSS grows by no
+    more than the budget allows; it grew by 8 MiB and more when a shard queued every answer of
+    64 reads before it sent any."""
+    budget = 2 << 20
+    stats = tmp_path / "switch.json"
+    proc, address = start_switch("127.0.0.1", 0, secrets=[HOSTILE.hex()], slots=512,
+                                 stats_path=str(stats), shards=1, limits=Limits(pool_bytes=budget))
+    sender = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    links = None
+    try:
+        start = status_bytes(proc.pid, "VmRSS")
+        links = member(address, 2, mtu=104, keep_udp=True)
+        key = derive_key(HOSTILE, links.salt, b"comm")
+        sealer = Sealer(key, job_id_of(HOSTILE), int.from_bytes(links.salt[:4], "little"), 1)
+        every = (2**32 - 1).to_bytes(4, "little")
+        batches = [b"".join(sealer.seal(Kind.CREDIT, 7, endpoint(0), 0, every)
+                            for _ in range(64)) for _ in range(1000)]
+        sender.setsockopt(socket.IPPROTO_UDP, UDP_SEGMENT, len(batches[0]) // 64)
+        for batch in batches:
+            sender.sendto(batch, links.endpoints[0])
+        # rank 0's own probe, read after all of them (from another port: a read of its own)
+        links.udp.sendto(links.sealer.seal(Kind.CREDIT, 7, endpoint(0), 0, every),
+                         links.endpoints[0])
+        assert came(links, Kind.CREDIT, 7)
+        peak = status_bytes(proc.pid, "VmHWM")
+    finally:
+        sender.close()
+        if links is not None:
+            links.udp.close()
+            for sock in links.switches.values():
+                sock.close()
+        stop_switch(proc)
+    report = json.loads(stats.read_text())
+    assert links.switch_slots == 512 and report["stats"]["nacks"] > 0
+    assert peak - start <= most_rss_growth(budget, 1), (peak - start, report)
 
 
 def siege(*args: str) -> dict:

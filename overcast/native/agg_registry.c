@@ -186,6 +186,7 @@ oc_agg *oc_agg_new(uint32_t slots) {
     a->expiry = OC_EXPIRY_SECONDS;
     a->next_tick = -1.0;
     a->last = -1;
+    a->outbox_limit = OC_OUTBOX_BYTES;
     a->sealed = malloc(OC_MAX_DATAGRAM);
     if (a->sealed == NULL) {
         free(a);
@@ -213,6 +214,7 @@ void oc_agg_free(oc_agg *a) {
 void oc_agg_set_expiry(oc_agg *a, double seconds) { a->expiry = seconds; }
 
 size_t oc_agg_outbox_count(const oc_agg *a) { return a->nout; }
+size_t oc_agg_outbox_bytes(const oc_agg *a) { return a->nout * sizeof(oc_out) + a->arena_len; }
 const oc_out *oc_agg_outbox(const oc_agg *a, size_t i) { return i < a->nout ? &a->out[i] : NULL; }
 const uint8_t *oc_agg_payload(const oc_agg *a, const oc_out *o) {
     if (!o->in_pool) return a->arena + o->offset;
@@ -226,6 +228,12 @@ const uint8_t *oc_agg_payload(const oc_agg *a, const oc_out *o) {
 void oc_agg_outbox_clear(oc_agg *a) {
     a->nout = 0;
     a->arena_len = 0;
+    /* what datagrams queue fills at most OC_OUTBOX_BYTES: more was a timer's burst (`done`
+     * keeps a byte for each message `out` keeps) */
+    size_t keep = 2 * OC_OUTBOX_BYTES;
+    trim((void **)&a->out, &a->out_cap, sizeof(oc_out), keep);
+    trim((void **)&a->arena, &a->arena_cap, 1, keep);
+    trim((void **)&a->done, &a->done_cap, 1, keep / sizeof(oc_out));
 }
 const uint64_t *oc_agg_drops(const oc_agg *a) { return a->drops; }
 uint64_t *oc_agg_drops_mut(oc_agg *a) { return a->drops; }

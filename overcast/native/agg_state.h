@@ -110,6 +110,7 @@ struct oc_agg {
     size_t nout, out_cap;
     uint8_t *arena;
     size_t arena_len, arena_cap;
+    size_t outbox_limit;          /* OC_OUTBOX_BYTES; lifted while the timer queues */
     uint64_t drops[OC_DROP_COUNT], stats[OC_STAT_COUNT];
     uint64_t pool_bytes, peak_pool_bytes;
     double next_tick;             /* < 0: none */
@@ -125,6 +126,15 @@ struct oc_agg {
     uint8_t *done;                /* scratch: outbox entries flushed */
     size_t done_cap;
 };
+
+/* Frees an array of *cap elements of `size` bytes if they pass `keep` bytes: what a burst made
+ * it need is not held for good. */
+static inline void trim(void **p, size_t *cap, size_t size, size_t keep) {
+    if (*cap * size <= keep) return;
+    free(*p);
+    *p = NULL;
+    *cap = 0;
+}
 
 /* An allocation failed: counted, and the caller drops what needed it. */
 static inline void out_of_memory(oc_agg *a, uint64_t what) { a->drops[OC_DROP_out_of_memory] += what; }

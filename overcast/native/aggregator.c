@@ -6,8 +6,16 @@ const char *const oc_stat_names[OC_STAT_COUNT] = {OC_STATS(NAME)};
 
 /* -- the outbox ---------------------------------------------------------------------------- */
 
+/* Whether the outbox takes one more message with `copied` bytes of payload; counted if not. */
+static int outbox_takes(oc_agg *a, size_t copied) {
+    if (oc_agg_outbox_bytes(a) + sizeof(oc_out) + copied <= a->outbox_limit) return 1;
+    a->drops[OC_DROP_outbox_full]++;
+    return 0;
+}
+
 static oc_out *queue_header(oc_agg *a, int h, uint16_t dst, uint8_t kind, uint32_t seq,
                            uint32_t chunk, size_t len) {
+    if (!outbox_takes(a, 0)) return NULL;
     if (oc_grow((void **)&a->out, &a->out_cap, a->nout + 1, sizeof(oc_out))) {
         out_of_memory(a, 1);
         return NULL;
@@ -20,6 +28,7 @@ static oc_out *queue_header(oc_agg *a, int h, uint16_t dst, uint8_t kind, uint32
 /* A message whose payload is copied into the arena: where to write it, or NULL. */
 static uint8_t *queue(oc_agg *a, int h, uint16_t dst, uint8_t kind, uint32_t seq, uint32_t chunk,
                       size_t len) {
+    if (!outbox_takes(a, len)) return NULL;
     if (oc_grow((void **)&a->arena, &a->arena_cap, a->arena_len + len, 1)) {
         out_of_memory(a, 1);
         return NULL;
@@ -570,7 +579,8 @@ static int by_pair(const void *x, const void *y) {
     return p < q ? -1 : p > q;
 }
 
-void oc_agg_handle_timer(oc_agg *a, double now) {
+/* Each reduction's expiry, resends and requests to send again. */
+static void handle_reductions(oc_agg *a, double now) {
     a->next_tick = busy(a) ? now + TICK_SECONDS : -1.0;
     for (int h = 0; h < a->ncomms; h++) {
         comm_t *c = a->comms[h];
@@ -636,6 +646,13 @@ void oc_agg_handle_timer(oc_agg *a, double now) {
             }
         }
     }
+}
+
+void oc_agg_handle_timer(oc_agg *a, double now) {
+    a->outbox_limit = SIZE_MAX; /* what it queues is within its communicators' bounds */
+    handle_reductions(a, now);
+    a->outbox_limit = OC_OUTBOX_BYTES;
+    trim((void **)&a->pairs, &a->pairs_cap, sizeof(uint64_t), OC_OUTBOX_BYTES);
 }
 
 /* -- datagrams ----------------------------------------------------------------------------- */

@@ -27,8 +27,10 @@
  * reduction to take (not counted in the pool's bytes) until it is unregistered, and a new pool
  * takes it or frees it. So what a communicator makes the engine hold (its ranks' state, replay
  * windows made with each rank's first authentic datagram, reductions, pools and spare, and its
- * share of the outbox and scratch) stays within oc_agg_comm_bytes, whatever its ranks send, but
- * for a fixed part per communicator (its keys' contexts). Payloads are copied into the engine
+ * share of what the timer queues and of scratch) stays within oc_agg_comm_bytes, whatever its
+ * ranks send, but for a fixed part per communicator (its keys' contexts); what datagrams make
+ * it queue to send is held to OC_OUTBOX_BYTES in all, whoever sends them, and the outbox's
+ * arrays are freed when sent if a burst made them larger. Payloads are copied into the engine
  * (rows, outbox), so the caller's buffers may be freed or reused as soon as a call returns; the
  * outbox holds its own copies until oc_agg_flush or oc_agg_outbox_clear, but for results, which
  * it names by slot and seals from the pool. A rank that dies mid-reduction leaves its slots
@@ -55,12 +57,18 @@
 /* A reduction with no contribution or acknowledgement for this long is given up (seconds). */
 #define OC_EXPIRY_SECONDS 300.0
 #define OC_REPLAY_WIDTH (1u << 14)
+/* What the outbox may hold (its messages and the payloads copied for them) of what datagrams
+ * made the engine queue: past it a message is dropped (outbox_full), as a lost datagram would
+ * be, and asked for again. A CREDIT probe's answer names up to a window of chunks, so without
+ * it a keyed member's probes would pile MiB of answers into the reads between two flushes. The
+ * timer's messages are not held to it: they are within oc_agg_comm_bytes. */
+#define OC_OUTBOX_BYTES (256u << 10)
 
 /* Counters, by the names overcast's reports use. */
 #define OC_DROPS(X) X(malformed) X(foreign) X(bad_mac) X(replayed) X(truncated)            \
     X(unregistered) X(misdirected) X(wrong_sender) X(unexpected_kind) X(stale)              \
     X(inconsistent) X(out_of_range) X(beyond_window) X(wrong_length) X(stray_acks)          \
-    X(send_error) X(send_buffer_full) X(out_of_memory)
+    X(send_error) X(send_buffer_full) X(out_of_memory) X(outbox_full)
 #define OC_STATS(X) X(contributions) X(results) X(results_resent) X(results_resent_early)    \
     X(nacks) X(refused) X(late_contributions) X(duplicate_contributions) X(reductions)        \
     X(pools_reused) X(expired) X(held)
@@ -136,6 +144,8 @@ double oc_agg_timer(const oc_agg *a);
 void oc_agg_handle_timer(oc_agg *a, double now);
 
 size_t oc_agg_outbox_count(const oc_agg *a);
+/* What the outbox holds: its messages and the payloads copied for them (bytes). */
+size_t oc_agg_outbox_bytes(const oc_agg *a);
 const oc_out *oc_agg_outbox(const oc_agg *a, size_t i);
 /* A message's payload, valid until the next call that changes the engine; NULL for a result
  * that is no longer to be sent. */
@@ -144,7 +154,8 @@ void oc_agg_outbox_clear(oc_agg *a);
 
 /* Seal the outbox, per destination in order, into batches of equal-sized datagrams (one GSO
  * send each; the last may be shorter) and hand each to `emit`; messages of unkeyed
- * communicators are dropped. The batch is valid during the call only. Empties the outbox. */
+ * communicators are dropped. The batch is valid during the call only. Empties the outbox, and
+ * frees its arrays if a timer's burst made them larger than OC_OUTBOX_BYTES needs. */
 typedef void (*oc_emit)(void *ctx, int handle, uint16_t dst, const uint8_t *data, size_t len,
                         size_t segment);
 void oc_agg_flush(oc_agg *a, oc_emit emit, void *ctx);

@@ -37,6 +37,7 @@ static int add_types(PyObject *m) {
         {"PORT_INTERRUPTED", OC_PORT_INTERRUPTED}, {"PORT_ERROR", OC_PORT_ERROR},
         {"ROUTE_AGGREGATOR", OC_ROUTE_AGGREGATOR}, {"ROUTE_GROUP", OC_ROUTE_GROUP},
         {"ROUTE_RANK", OC_ROUTE_RANK}, {"MAX_STRIPES", OC_MAX_STRIPES},
+        {"OUTBOX_BYTES", OC_OUTBOX_BYTES},
     };
     for (size_t i = 0; i < sizeof constants / sizeof constants[0]; i++)
         if (PyModule_AddIntConstant(m, constants[i].name, constants[i].value) < 0) return -1;

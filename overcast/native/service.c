@@ -6,8 +6,10 @@
 #include <unistd.h>
 #include <time.h>
 
-/* Reads taken before what they produced is sent: results of several reads leave together. A
- * wake-up reads at most READS_PER_WAKEUP times before it looks at the control descriptors. */
+/* Reads taken before what they produced is sent: results of several reads leave together,
+ * unless the outbox holds a quarter of what reads may fill (OC_OUTBOX_BYTES), so that the next
+ * read finds room for all it makes. A wake-up reads at most READS_PER_WAKEUP times before it
+ * looks at the control descriptors. */
 #define READS_PER_FLUSH 64
 #define READS_PER_WAKEUP 256
 #define MAX_WAIT_SECONDS 0.5
@@ -124,7 +126,9 @@ int oc_serve(oc_agg *a, oc_udp *u, int waiter, double until, oc_serve_stats *sta
                 if (misfit == OC_UDP_EMPTY) oc_agg_drops_mut(a)[OC_DROP_malformed]++;
                 if (got == 0) emptied = 1;
                 else if (got > 0) oc_agg_feed(a, u->buf, (size_t)got, segment, oc_monotonic());
-                if (reads % READS_PER_FLUSH == READS_PER_FLUSH - 1) oc_agg_flush(a, send_batch, &s);
+                if (reads % READS_PER_FLUSH == READS_PER_FLUSH - 1 ||
+                    oc_agg_outbox_bytes(a) >= OC_OUTBOX_BYTES / 4)
+                    oc_agg_flush(a, send_batch, &s);
             }
             oc_agg_flush(a, send_batch, &s);
             if (emptied && readable < 0 && hold_off(a, until)) result = OC_SERVE_INTERRUPTED;

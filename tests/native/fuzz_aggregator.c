@@ -83,6 +83,10 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
                 at += n;
             }
             if (at) oc_agg_feed(a, batch, at, segment, now);
+            if (oc_agg_outbox_bytes(a) > OC_OUTBOX_BYTES) { /* flushed after every step */
+                fprintf(stderr, "outbox %zu bytes\n", oc_agg_outbox_bytes(a));
+                abort();
+            }
         }
         /* a pool never holds more than its reductions' windows of the widest rows */
         if (oc_agg_pool_bytes(a) > (uint64_t)OC_MAX_REDUCTIONS * SLOTS * WORLD * 8 * 64) {
