@@ -7,7 +7,8 @@ job, and from this connection), and keeps the connection open, sending nothing m
 byte closes it): when the service dies, every rank sees it at once. The HELLO says which stripe
 this aggregator's first shard is among the job's endpoints (native/numbering.h); each shard
 seals under its own stripe's source id, and the WELCOME (an HMAC under a key for welcomes,
-binding the rank's nonce) gives the shards' datagram ports. A connection that has not registered within REGISTRATION_SECONDS is closed.
+binding the rank's nonce) gives the shards' datagram ports. A connection that has not
+registered within REGISTRATION_SECONDS is closed.
 
 Anyone can reach the port, so a connection costs the service little before it registers: it
 may send one HELLO of its exact size and nothing else (any other header closes it as soon as it
@@ -23,12 +24,12 @@ A job member may be buggy or hostile, so what a HELLO asks is held to the aggreg
 registration beyond one (a world too large, too many communicators for its job, memory past the
 budget, connections past the job's share of the descriptors, a receive buffer too small for its
 world, a rank registered already) is refused to that connection alone, with the reason, and
-everything else carries on. What a communicator can make
-the aggregator hold (its ranks' connections here; in every shard its ranks' state and replay
-windows, and at most MAX_REDUCTIONS pools of slots x world x its widest row, the one a finished
-reduction leaves for the next among them: Shards.comm_bytes) is set aside from the budget when
-it registers, so the budget holds by construction. Results go to the address the registration
-came from.
+everything else carries on. What a communicator can make the aggregator hold (its ranks'
+connections here; in every shard its ranks' state and replay windows, and at most
+MAX_REDUCTIONS pools of slots x world x its widest row, the one a finished reduction leaves for
+the next among them: Shards.comm_bytes) is set aside from the budget when it registers, so the
+budget holds by construction; so is a connection a rank of its world from its job's share of
+the descriptors. Results go to the address the registration came from.
 The data path runs over `shards` cores (overcast/native/shards.h): each shard is a native
 thread with its own UDP port (the first one the same number as the TCP port), engine, pools,
 replay windows and timers, and is the job's aggregator endpoint first + i, so ranks stripe
