@@ -14,6 +14,7 @@ import overcast
 from conftest import root_only
 from overcast.cluster.launch import RankError
 from overcast.cluster.netns import Cluster, aggregator_address
+from overcast.limits import LOWEST_MTU
 from overcast.transport.loss import LossSpec
 from overcast.wire.registration import DEFAULT_SWITCH_PORT
 
@@ -66,6 +67,29 @@ def test_sums_under_loss(world):
         results = cluster.run(sums, args=(sizes,), timeout=900)
         cluster.stop_switch(switch)
     assert results == [[] for _ in range(world)]
+
+
+def smallest_path(rank):
+    """In-network ReduceScatter where a datagram carries 24 bytes of data: many results to
+    acknowledge, and credit naming many chunks, each in datagrams the path takes."""
+    with overcast.Communicator(timeout=20, link_bits_per_s=1e9) as comm:
+        world, right = comm.world_size, []
+        for dtype in (np.float32, np.int64):
+            out = np.empty(3000, dtype)
+            comm.reduce_scatter(out, np.arange(world * 3000, dtype=dtype) + rank,
+                                algorithm="innetwork")
+            mine = np.arange(rank * 3000, (rank + 1) * 3000, dtype=dtype)
+            right.append(bool(np.array_equal(out, mine * world + sum(range(world)))))
+        return [comm.chunk_bytes, right, comm.counters()["drops"].get("send_error", 0)]
+
+
+def test_in_network_reduction_at_the_smallest_mtu():
+    with Cluster(2, 1_000_000_000, mtu=LOWEST_MTU) as cluster:
+        switch = cluster.start_switch()
+        results = cluster.run(smallest_path, timeout=120)
+        cluster.stop_switch(switch)
+    for chunk, right, send_errors in results:
+        assert right == [True, True] and send_errors == 0, (chunk, right, send_errors)
 
 
 def kill_mid_reduction(rank, killer, pid=None):

@@ -23,8 +23,6 @@
 /* CONTRIB's: dtype u8, group u8, world u16, total u32 (chunks of every stripe), stripe u16,
  * stripes u16 */
 #define PREFIX_BYTES 12
-/* The most chunks one CREDIT names to send again: its payload stays one datagram. */
-#define CREDIT_MAX_RESEND ((OC_MAX_DATAGRAM - OC_OVERHEAD_BYTES - 4) / 4)
 
 
 enum { EMPTY = 0, COLLECTING = 1, SUMMED = 2 };

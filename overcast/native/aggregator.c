@@ -40,12 +40,14 @@ static uint8_t *queue(oc_agg *a, int h, uint16_t dst, uint8_t kind, uint32_t seq
     return a->arena + o->offset;
 }
 
-/* CREDIT: `released`, then chunks to send again, in messages that each fit a datagram. */
+/* CREDIT: `released`, then chunks to send again, in messages that each fit the datagrams of
+ * the communicator's path: no larger a payload than its widest contribution's. */
 static void credit(oc_agg *a, int h, uint16_t dst, uint32_t seq, uint32_t released,
                    const uint32_t *again, size_t n) {
+    size_t most = (a->comms[h]->max_row + PREFIX_BYTES) / 4 - 1; /* >= 2 */
     size_t done = 0; /* `again` may be NULL when n is 0: it is only indexed, never moved */
     do {
-        size_t part = n - done < CREDIT_MAX_RESEND ? n - done : CREDIT_MAX_RESEND;
+        size_t part = n - done < most ? n - done : most;
         uint8_t *p = queue(a, h, dst, OC_CREDIT, seq, 0, 4 + 4 * part);
         if (p == NULL) return;
         put32(p, released);

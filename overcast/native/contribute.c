@@ -41,6 +41,9 @@ int oc_reducer_init(oc_reducer *r, uint32_t seq, uint32_t rank, uint32_t world, 
     r->budget = budget;
     r->output = output;
     r->pump_at = r->probe_at = r->ack_at = r->progress_at = -1;
+    /* a RESULT_ACK's payload, 4 bytes an acknowledgement, fits where a contribution's does */
+    r->ack_batch = (chunk_bytes + OC_CONTRIB_PREFIX_BYTES) / 4;
+    if (r->ack_batch > OC_ACK_BATCH) r->ack_batch = OC_ACK_BATCH;
     r->resend = malloc(((size_t)r->total + 1) * sizeof(uint32_t));
     r->pending = calloc(words(r->total) + 1, sizeof(uint64_t));
     r->have = calloc(words(r->k) + 1, sizeof(uint64_t));
@@ -140,7 +143,7 @@ static void flush_acks(oc_reducer *r, oc_outbox *o) {
 
 static void acknowledge(oc_reducer *r, oc_outbox *o, uint32_t g, double now) {
     r->acks[r->nacks++] = g;
-    if (r->nacks == OC_ACK_BATCH) flush_acks(r, o);
+    if (r->nacks >= r->ack_batch) flush_acks(r, o);
     else if (r->ack_at < 0) r->ack_at = now + OC_ACK_DELAY_SECONDS;
 }
 

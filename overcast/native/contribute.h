@@ -28,7 +28,7 @@
 /* dtype u8, group u8, world u16, total u32, stripe u16, stripes u16 */
 #define OC_CONTRIB_PREFIX_BYTES 12
 #define OC_RETRY_SECONDS 0.05
-#define OC_ACK_BATCH 64
+#define OC_ACK_BATCH 64 /* acknowledgements a RESULT_ACK names at most, if its datagram holds */
 #define OC_ACK_DELAY_SECONDS 0.005
 
 enum { OC_REDUCER_SENDING, OC_REDUCER_RECEIVING, OC_REDUCER_DRAINED };
@@ -55,7 +55,7 @@ typedef struct {
     uint64_t *pending;         /* bit g: g is in `resend` */
     uint64_t *have;            /* bit c: chunk c of the block is in the output */
     uint32_t acks[OC_ACK_BATCH];
-    size_t nacks;
+    size_t nacks, ack_batch;   /* ack_batch: as many as a contribution's datagram holds */
     double pump_at, probe_at, ack_at; /* < 0: not set */
     uint64_t progress;         /* steps toward the result: data sent once, results, credit */
     double progress_at;        /* when the last step was taken (< 0: none yet) */

@@ -665,6 +665,34 @@ static void test_aggregator(void) {
     oc_agg_free(a);
 }
 
+/* A CREDIT naming many chunks to send again is cut into datagrams no larger than the
+ * communicator's contributions: a path of a small MTU takes nothing larger. */
+static void test_credit_fits_the_path(void) {
+    enum { ROW = 16, SLOTS = 64 };
+    oc_agg *a = oc_agg_new(SLOTS);
+    uint32_t granted;
+    int h = oc_agg_register(a, 1, 2, WORLD, 0, SLOTS, ROW, KEY, 1000, &granted);
+    oc_agg_set_address(a, h, 1, 0x0100007f, 1000, 0);
+    oc_sealer rank = {.job = 1, .comm = 2, .src = 1};
+    oc_gmac_init(&rank.gmac, KEY, 1);
+    uint8_t probe[128], below[4] = {SLOTS, 0, 0, 0}; /* a reduction never started */
+    size_t n = oc_seal_into(&rank, probe, sizeof probe, OC_CREDIT, 7, OC_AGGREGATOR, 0, below, 4);
+    oc_agg_feed(a, probe, n, n, 0.0);
+    size_t credits = 0, named = 0, widest = 0;
+    for (size_t i = 0; i < oc_agg_outbox_count(a); i++) {
+        const oc_out *o = oc_agg_outbox(a, i);
+        if (o->kind != OC_CREDIT) continue;
+        credits++;
+        named += (o->len - 4) / 4;
+        if (o->len > widest) widest = o->len;
+    }
+    CHECK(named == SLOTS && credits > 1 && widest <= ROW + 12,
+          "%zu chunks named in %zu credits of at most %zu bytes (a contribution: %d)", named,
+          credits, widest, ROW + 12);
+    oc_gmac_free(&rank.gmac);
+    oc_agg_free(a);
+}
+
 /* A second registration with another world replaces the first, freeing what it held. */
 static void test_reregistration(void) {
     oc_agg *a = oc_agg_new(4);
@@ -1359,6 +1387,7 @@ int main(int argc, char **argv) {
     test_conversions();
     test_sums();
     test_aggregator();
+    test_credit_fits_the_path();
     test_reregistration();
     test_destinations();
     test_udp();
