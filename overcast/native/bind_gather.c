@@ -118,8 +118,7 @@ PyObject *Plane_gather_request(Plane *self, PyObject *args) {
         return NULL;
     oc_gather *g = gather_of(self, seq);
     if (g == NULL) return NULL;
-    oc_gather_request(g, s, lo, hi);
-    Py_RETURN_NONE;
+    return PyBool_FromLong(oc_gather_request(g, s, lo, hi) == 0);
 }
 
 PyObject *Plane_gather_requests(Plane *self, PyObject *arg) {

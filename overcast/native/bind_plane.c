@@ -638,7 +638,8 @@ static PyMethodDef Plane_methods[] = {
     {"gather_have", (PyCFunction)Plane_gather_have, METH_VARARGS,
      "gather_have(seq, first, count) -> 1 all here, 0 not, -1 not a range of one segment"},
     {"gather_request", (PyCFunction)Plane_gather_request, METH_VARARGS,
-     "gather_request(seq, segment, lo, hi): mark what is missing there requested"},
+     "gather_request(seq, segment, lo, hi) -> whether all that is missing there is now "
+     "requested (False: no memory for the list)"},
     {"gather_requests", (PyCFunction)Plane_gather_requests, METH_O,
      "gather_requests(seq) -> [(first, count)] marked requested since last asked"},
     {"gather_state", (PyCFunction)Plane_gather_state, METH_O, "gather_state(seq) -> dict or None"},

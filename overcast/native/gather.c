@@ -110,8 +110,8 @@ static void note_complete(oc_gather *g) {
     }
 }
 
-void oc_gather_request(oc_gather *g, uint32_t s, uint32_t lo, uint32_t hi) {
-    if (s >= g->nseg || hi > g->k) return;
+int oc_gather_request(oc_gather *g, uint32_t s, uint32_t lo, uint32_t hi) {
+    if (s >= g->nseg || hi > g->k) return 0;
     uint8_t *state = g->state + (size_t)s * g->k;
     for (uint32_t c = lo; c < hi;) {
         if (state[c] != OC_CHUNK_MISSING) {
@@ -120,12 +120,13 @@ void oc_gather_request(oc_gather *g, uint32_t s, uint32_t lo, uint32_t hi) {
         }
         /* room first: a chunk marked requested is never asked for again */
         if (oc_grow((void **)&g->requests, &g->requests_cap, g->nrequests + 1, sizeof(oc_range)))
-            return; /* no memory: still missing, for a later gap or the segment's tail timer */
+            return -1; /* no memory: still missing, for a later gap or the tail timer again */
         uint32_t from = c;
         while (c < hi && state[c] == OC_CHUNK_MISSING) state[c++] = OC_CHUNK_REQUESTED;
         g->requests[g->nrequests++] = (oc_range){s * g->k + from, c - from};
         g->news = 1;
     }
+    return 0;
 }
 
 /* Chunks first .. last of segment s came: a skip before them is a gap, and a gap far enough

@@ -85,8 +85,9 @@ int oc_gather_store(oc_gather *g, uint32_t first, const uint8_t *payload, size_t
 /* Whether chunks first .. first + count - 1 (one segment) are all here; -1 if not a range. */
 int oc_gather_have(const oc_gather *g, uint32_t first, uint32_t count);
 /* Mark the chunks of segment s in [lo, hi) still missing as requested, adding their ranges to
- * the requests. */
-void oc_gather_request(oc_gather *g, uint32_t s, uint32_t lo, uint32_t hi);
+ * the requests: 0, or -1 if the request list could not grow (the rest stay missing, for the
+ * caller to ask again). */
+int oc_gather_request(oc_gather *g, uint32_t s, uint32_t lo, uint32_t hi);
 int oc_gather_complete(const oc_gather *g);
 double oc_gather_timer(const oc_gather *g);
 void oc_gather_handle_timer(oc_gather *g, oc_outbox *o, double now);

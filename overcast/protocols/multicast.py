@@ -139,9 +139,11 @@ class MulticastGather(Collective):
 
     def handle_timer(self, now: float) -> None:
         for s, due in list(self.tail_due.items()):
-            if now >= due:
-                del self.tail_due[s]
-                self.plane.gather_request(self.seq, s, 0, self.k)
+            if now >= due:  # asked once; again later if the plane had no memory to list it
+                if self.plane.gather_request(self.seq, s, 0, self.k):
+                    del self.tail_due[s]
+                else:
+                    self.tail_due[s] = now + TAIL_GRACE_SECONDS
         self.native_news(now)
 
     def after_receive(self, now: float) -> None:
