@@ -161,6 +161,39 @@ def test_a_rank_that_closes_with_a_collective_pending_is_named_on_the_others_at_
         assert elapsed < TIMEOUT  # told by rank 2, not found by waiting
 
 
+def closes_mid_transfer(rank, port):
+    """Rank 0 closes as soon as it has posted a ring AllGather of 1.2 MiB a rank, while rank 1,
+    in the same call, still sends to it: what rank 1 hears, eight times over."""
+    heard = []
+    for attempt in range(8):
+        comm = overcast.Communicator(rank, 2, store=StoreClient("127.0.0.1", port, 30),
+                                     name=f"closing-{attempt}", secret=b"k" * 32, timeout=TIMEOUT)
+        comm.barrier()
+        if rank == 0:
+            comm.all_gather(np.empty(600_000, np.float32), np.ones(300_000, np.float32),
+                            async_op=True)
+            comm.close()
+            continue
+        heard.append(outcome(lambda: comm.all_gather(np.empty(600_000, np.float32),
+                                                     np.ones(300_000, np.float32)))[:2])
+        comm.close()
+    return heard
+
+
+def test_a_rank_that_closes_mid_transfer_is_heard_not_reset():
+    """Closed with its peer's frames unread, a socket would reset the connection, and the reset
+    would discard the closing rank's ABORT on the peer, which then saw only a lost connection."""
+    server = StoreServer("127.0.0.1", 0)
+    try:
+        _, heard = run_ranks(closes_mid_transfer, loopback_placements(2), args=(server.port,),
+                             timeout=90)
+    finally:
+        server.close()
+    for name, message in heard:
+        assert name == "ok" or (name == "PeerFailureError" and
+                                "rank 0 closed the communicator with" in message), message
+
+
 def test_a_done_collective_whose_peer_stops_reading_fails_at_the_timeout():
     """Rank 1 (by hand) sends its part of a ring AllGather and then reads nothing, as a frozen
     process or a partitioned host: rank 0 is done, but its one frame (16 MiB, more than the

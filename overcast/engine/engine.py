@@ -35,6 +35,10 @@ from overcast.wire.runs import Run
 # the session, not the queue, decides the interleaving of collectives.
 _STREAM_HIGH_WATER = 1 << 20
 _CLOSE_FLUSH_SECONDS = 10.0
+# How long a closing engine waits for its peers to read its last words (a GOODBYE, an ABORT)
+# and close their side: a socket closed with bytes unread resets its connection, and a peer's
+# kernel that takes the reset throws away what it had not read yet, those words too.
+_LINGER_SECONDS = 0.5
 # The longest the engine waits in the plane before it looks at its own state again.
 _MAX_WAIT = 0.5
 
@@ -404,6 +408,7 @@ class Engine:
         for coll, work in leftover:
             if coll is not None:
                 work._finish(CommunicatorClosedError("the communicator is closed"))
+        self._linger()
         for stream in list(self.streams.values()):
             self._drop_stream(stream)
         self._report()  # what waited for its streams: they are gone
@@ -413,6 +418,26 @@ class Engine:
         self.plane.detach()
         for sock in self._datagram_sockets:
             sock.close()
+
+    def _linger(self) -> None:
+        """End every stream with a FIN, then read (and drop) what the peers still send until
+        each closes its side, for _LINGER_SECONDS at most: see _LINGER_SECONDS."""
+        waiting = selectors.DefaultSelector()
+        for stream in self.streams.values():
+            stream.finish()
+            waiting.register(stream.sock, selectors.EVENT_READ)
+        deadline = time.monotonic() + _LINGER_SECONDS
+        with waiting:
+            while waiting.get_map() and (left := deadline - time.monotonic()) > 0:
+                for key, _ in waiting.select(left):
+                    try:
+                        data = key.fileobj.recv(1 << 16)
+                    except BlockingIOError:
+                        continue
+                    except OSError:
+                        data = b""
+                    if not data:
+                        waiting.unregister(key.fileobj)
 
     # -- introspection ---------------------------------------------------------------------
     def memory(self) -> dict:

@@ -152,5 +152,13 @@ class Stream:
                     self._out[0] = head[n:]
                 n -= done
 
+    def finish(self) -> None:
+        """Say no more: the peer reads EOF after what was written (a FIN, not a reset)."""
+        try:
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
+            self.sock.shutdown(socket.SHUT_WR)
+        except OSError:  # gone already
+            pass
+
     def close(self) -> None:
         self.sock.close()
