@@ -125,7 +125,7 @@ def test_killed_rank_becomes_an_error_on_the_others_quickly():
         name, message, elapsed = info.value.results[rank]
         assert name == "PeerFailureError", message
         assert "rank 2" in message
-        assert elapsed < TIMEOUT  # from the broken connection, not from the timeout
+        assert elapsed < 1.0  # from the broken connection, not from the timeout
 
 
 def test_a_rank_that_closes_with_a_collective_pending_is_named_on_the_others_at_once():
@@ -158,7 +158,7 @@ def test_a_rank_that_closes_with_a_collective_pending_is_named_on_the_others_at_
     for name, message, elapsed in results[:2]:
         assert name == "PeerFailureError", message
         assert "rank 2 closed the communicator with all_gather" in message, message
-        assert elapsed < TIMEOUT  # told by rank 2, not found by waiting
+        assert elapsed < 1.0  # told by rank 2, not found by waiting
 
 
 def closes_mid_transfer(rank, port):
