@@ -4,9 +4,11 @@ from overcast.comm import Communicator
 from overcast.engine.engine import Work
 from overcast.transport.loss import LossSpec
 from overcast.errors import (CollectiveMismatchError, CollectiveTimeoutError,
-                             CommunicatorClosedError, InvalidArgumentError, OvercastError,
-                             PeerFailureError, ProtocolError, TorchFeatureError)
+                             CommunicatorClosedError, InvalidArgumentError,
+                             MulticastNotDeliveredWarning, OvercastError, PeerFailureError,
+                             ProtocolError, TorchFeatureError)
 
 __all__ = ["Communicator", "Work", "LossSpec", "OvercastError", "InvalidArgumentError",
            "CollectiveMismatchError", "CollectiveTimeoutError", "CommunicatorClosedError",
-           "PeerFailureError", "ProtocolError", "TorchFeatureError"]
+           "PeerFailureError", "ProtocolError", "TorchFeatureError",
+           "MulticastNotDeliveredWarning"]

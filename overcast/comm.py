@@ -23,6 +23,7 @@ from overcast.protocols.innetwork import InNetworkReduceScatter
 from overcast.schedules.ring import DEFAULT_FRAME_BYTES
 from overcast.transport.datagram import chunk_bytes, pace_batch, reduction_batch
 from overcast.transport.loss import LossSpec
+from overcast.transport.probe import undelivered
 from overcast.transport.rendezvous import rendezvous
 from overcast.wire.header import datagram_link_bytes
 from overcast.wire.messages import CONTRIB_PREFIX
@@ -102,6 +103,11 @@ class Communicator:
         # One datagram per chunk, within every rank's path MTU (agreed at rendezvous).
         self.chunk_bytes = chunk_bytes(links.mtu)
         self._multicast_error = links.multicast_error
+        # for each rank, the ranks whose multicast it did not hear when the communicator was
+        # made (empty where every rank heard every other), alike on every rank; and why that
+        # means multicast is not delivered, naming them and their hosts
+        self.multicast_unheard = links.multicast_unheard
+        self.multicast_undelivered = undelivered(links.multicast_unheard, links.addresses)
         self._switch_error, self._switch_slots = links.switch_error, links.switch_slots
         # the aggregator endpoints (every shard of every aggregator) in-network reductions are
         # striped over: 0 without an aggregator
@@ -259,6 +265,8 @@ class Communicator:
         if algorithm in ("multicast", "innetwork") and self.world_size > 1:
             if algorithm == "multicast" and self._multicast_error:
                 return f"multicast is unavailable here: {self._multicast_error}"
+            if algorithm == "multicast" and self.multicast_undelivered:
+                return self.multicast_undelivered
             if algorithm == "innetwork" and self._switch_error:
                 return f"in-network reduction is unavailable: {self._switch_error}"
             if not self.link_bits_per_s:

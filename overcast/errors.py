@@ -1,4 +1,5 @@
-"""Errors overcast raises into user code. Every one names what went wrong and where.
+"""Errors overcast raises into user code, and the one warning it gives. Every one names what went
+wrong and where.
 
 Each class has its own `abort_code`: an ABORT message carries it, so that every rank raises the
 class the detecting rank raised.
@@ -62,6 +63,12 @@ class CommunicatorClosedError(OvercastError):
     """The communicator was closed before or while the collective ran."""
 
     abort_code = 5
+
+
+class MulticastNotDeliveredWarning(UserWarning):
+    """Multicast is not delivered between the ranks of a communicator (some rank did not hear
+    another's probe when it was made), so overlap() and the backend's "auto" run the AllGather
+    and broadcast on the ring; the message names the ranks and their hosts."""
 
 
 def error_class(abort_code: int) -> type[OvercastError]:

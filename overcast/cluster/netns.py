@@ -29,7 +29,8 @@ from dataclasses import dataclass
 
 from overcast.cluster.launch import Placement, compute_threads, run_ranks
 from overcast.errors import OvercastError
-from overcast.limits import check_aggregators, check_hosts, check_link_rate, check_mtu
+from overcast.limits import (check_aggregators, check_hosts, check_link_rate, check_mtu,
+                             require)
 from overcast.switch.launch import SwitchStartError, start_switch, stop_switch
 from overcast.transport.datagram import reduction_batch
 from overcast.wire.registration import DEFAULT_SWITCH_PORT
@@ -262,6 +263,39 @@ class Cluster:
         if recv_bits:
             _tc("-n", self.switch_ns, "qdisc", "add", "dev", port, "root",
                 *_tbf(recv_bits, self.mtu, self.switch_queue_bytes))
+
+    def drop_multicast(self, hosts: list[int]) -> None:
+        """Have the switch drop every multicast datagram (UDP to 239.0.0.0/8) it would send to
+        each of `hosts`, as a network that carries unicast and not the group (a cloud VPC, a
+        routed hop, a firewall) does; their own multicast still reaches the others. Their
+        switch ports' queue becomes an HTB whose default class holds the shaping as before and
+        whose other class drops all (a FIFO of no packets; this kernel's tc has no drop
+        action), with a u32 filter sending multicast there."""
+        for i in hosts:
+            require(isinstance(i, int) and 0 <= i < self.hosts, "a host whose multicast is "
+                    "dropped", f"a host number from 0 to {self.hosts - 1}", i,
+                    "--drop-multicast, drop_multicast")
+        sw = ("-n", self.switch_ns)
+        for i in hosts:
+            port = f"h{i}"
+            _tc(*sw, "qdisc", "del", "dev", port, "root")
+            _tc(*sw, "qdisc", "add", "dev", port, "root", "handle", "1:", "htb", "default", "1")
+            for band in ("1:1", "1:2"):  # HTB's own rate far above the link's: it only sorts
+                _tc(*sw, "class", "add", "dev", port, "parent", "1:", "classid", band, "htb",
+                    "rate", "100gbit")
+            _tc(*sw, "qdisc", "add", "dev", port, "parent", "1:1",
+                *_tbf(self.link_bits_per_s, self.mtu, self.switch_queue_bytes))
+            _tc(*sw, "qdisc", "add", "dev", port, "parent", "1:2", "pfifo", "limit", "0")
+            _tc(*sw, "filter", "add", "dev", port, "parent", "1:", "protocol", "ip", "prio", "1",
+                "u32", "match", "ip", "dst", MULTICAST_NET, "match", "ip", "protocol", "17",
+                "0xff", "flowid", "1:2")
+
+    def multicast_dropped(self, host: int) -> int:
+        """Multicast datagrams the switch has dropped on their way to `host`
+        (drop_multicast's)."""
+        out = subprocess.run(["tc", "-n", self.switch_ns, "-s", "-j", "qdisc", "show", "dev",
+                              f"h{host}"], check=True, capture_output=True, text=True).stdout
+        return sum(q.get("drops", 0) for q in json.loads(out) if q["kind"] == "pfifo")
 
     def down(self) -> None:
         for proc in self._procs:

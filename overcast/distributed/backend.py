@@ -26,6 +26,7 @@ import functools
 import json
 import os
 import threading
+import warnings
 import weakref
 
 import numpy as np
@@ -35,7 +36,7 @@ import torch.distributed as dist
 from overcast.buffers import DTYPES, SUMMING_OPS, as_array
 from overcast.comm import ALGORITHMS
 from overcast.distributed.calls import Calls, mapped
-from overcast.errors import InvalidArgumentError
+from overcast.errors import InvalidArgumentError, MulticastNotDeliveredWarning
 from overcast.job import GroupCommunicator, group_communicator
 from overcast.staging import Staging, device_of, process_pool
 from overcast.torch_api import premul_factor
@@ -48,6 +49,8 @@ ALGORITHM_ENV = {"all_gather": "OVERCAST_ALL_GATHER", "reduce_scatter": "OVERCAS
                  "all_reduce": "OVERCAST_ALL_REDUCE", "broadcast": "OVERCAST_BROADCAST"}
 FASTEST = {"all_gather": "multicast", "reduce_scatter": "innetwork", "all_reduce": "fullduplex",
            "broadcast": "multicast"}
+# The collectives whose fastest algorithm multicasts (the full-duplex all_reduce's AllGathers).
+MULTICASTING = ("all_gather", "broadcast", "all_reduce")
 # torch's reduce ops as overcast's; PREMUL_SUM is a sum of inputs scaled first.
 REDUCE_OPS = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.AVG: "avg", dist.ReduceOp.MAX: "max",
               dist.ReduceOp.MIN: "min", dist.ReduceOp.PRODUCT: "product",
@@ -268,8 +271,10 @@ class ProcessGroupOvercast(dist.ProcessGroup):
     def _agree(self, chosen: dict[str, str]) -> dict[str, str]:
         """The algorithms, alike on every rank: each rank's choices must be rank 0's; "auto"
         resolves to the fastest unless any rank cannot run it (its multicast join or its
-        registration with the aggregator failed), to the ring otherwise. The ranks tell each
-        other over the communicator itself, so nothing is left in the store."""
+        registration with the aggregator failed, or multicast was proven undelivered when the
+        communicator was made: a MulticastNotDeliveredWarning says so), to the ring otherwise.
+        The ranks tell each other over the communicator itself, so nothing is left in the
+        store."""
         comm = self.communicator
         mine = {"chosen": chosen, "cannot": {c: comm.unavailable(c, FASTEST[c])
                                              for c, a in chosen.items() if a == "auto"}}
@@ -286,9 +291,20 @@ class ProcessGroupOvercast(dist.ProcessGroup):
         reasons: dict[str, str] = {}
         for r, theirs in enumerate(said):
             for c, why in theirs["cannot"].items():
-                if why and c not in reasons:
+                if why and why != comm.multicast_undelivered and c not in reasons:
                     reasons[c] = f"rank {r}: {why}" if comm.world_size > 1 else why
+        for c, why in mine["cannot"].items():  # multicast proven undelivered, which every rank
+            if why and c not in reasons:      # says alike, and none explains more closely
+                reasons[c] = why
         self.fallbacks = reasons
+        # Multicast proven undelivered when the communicator was made (alike on every rank):
+        # said once, naming the ranks that did not hear and the collectives that take the ring.
+        undelivered = [c for c, a in chosen.items() if a == "auto" and c in reasons and
+                       c in MULTICASTING and comm.multicast_undelivered]
+        if undelivered:
+            warnings.warn(f"{comm.multicast_undelivered}; group {self._group_name!r} runs "
+                          f"{', '.join(undelivered)} on the ring", MulticastNotDeliveredWarning,
+                          stacklevel=2)
         return {c: ("ring" if c in reasons else FASTEST[c]) if a == "auto" else a
                 for c, a in chosen.items()}
 

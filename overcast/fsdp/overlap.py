@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -22,7 +23,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from overcast.buffers import DTYPES, as_array
 from overcast.comm import ALGORITHMS, Communicator
-from overcast.errors import InvalidArgumentError
+from overcast.errors import InvalidArgumentError, MulticastNotDeliveredWarning
 from overcast.fsdp.collectives import (DeferredReduceScatters, Poster, TimedAllGather,
                                       TimedReduceScatter)
 from overcast.fsdp.timing import CommTime
@@ -163,6 +164,8 @@ class Overlap:
         # backend="torch": the process group its ReduceScatters run on, apart from the
         # AllGathers' (None where every module has a ReduceScatter group of its own)
         self.reduce_scatter_group = reduce_scatter_group
+        # what each collective runs (backend="overcast"; None: the process group's own)
+        self.algorithms: dict[str, str | None] = {}
         self._deferred = DeferredReduceScatters()
         # posts overcast's collectives on a GPU (its thread starts with the first)
         self._poster = Poster(times) if comm is not None else None
@@ -360,6 +363,16 @@ def overlap(model, *, comm: Communicator | None = None, backend: str = "overcast
         handle = Overlap(model, made.comm if made else comm, times, made)
         comm = handle.comm
     try:
+        if comm is not None and comm.multicast_undelivered and "multicast" in (
+                allgather, unpaired_allgather):
+            # proven when the communicator was made, alike on every rank: all take the ring
+            allgather = "ring" if allgather == "multicast" else allgather
+            unpaired_allgather = "ring" if unpaired_allgather == "multicast" else \
+                unpaired_allgather
+            warnings.warn(f"{comm.multicast_undelivered}; overlap() runs the AllGathers on the "
+                          f"ring", MulticastNotDeliveredWarning, stacklevel=2)
+        handle.algorithms = {"allgather": allgather, "unpaired_allgather":
+                             unpaired_allgather or allgather, "reduce_scatter": reduce_scatter}
         if comm is not None:  # raised here alone: every rank finds the same
             for collective, algorithm in [("all_gather", allgather),
                                           ("all_gather", unpaired_allgather),

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from overcast.errors import OvercastError
 from overcast.transport.datagram import (chunk_bytes, multicast_group, open_multicast,
                                          path_mtu, prepare_sender)
+from overcast.transport.probe import prove_delivery
 from overcast.transport.store import (StoreClient, StoreError, StoreServer, connect_until, forget,
                                       read_exact)
 from overcast.wire.auth import Drops, Opener, Sealer, derive_key, frame_length, job_id_of
@@ -75,6 +76,9 @@ class Links:
     endpoints: list[tuple[str, int]] = dataclasses.field(default_factory=list)
     switch_slots: int = 0
     switch_error: str | None = "no aggregator configured (set OVERCAST_SWITCH=host:port)"
+    # the ranks whose multicast each rank did not hear, alike on every rank (transport.probe):
+    # empty where every rank heard every other
+    multicast_unheard: dict[int, list[int]] = dataclasses.field(default_factory=dict)
 
 
 _server: StoreServer | None = None
@@ -352,10 +356,28 @@ def rendezvous(rank: int, world: int, *, name: str = "default", store=None,
                            f"{err.strerror or err}")
     links = Links(rank, world, address, addresses, streams, udp, [int(p[2]) for p in peers],
                   sealer, opener, key, job, comm, drops, mtu, group, multicast, multicast_error)
+    if world > 1:
+        try:
+            links.multicast_unheard = {r: ranks for r, ranks in
+                                       prove_delivery(links, deadline).items() if ranks}
+        except BaseException as err:
+            close_links(links)
+            if isinstance(err, (OSError, ConnectionError, MalformedError)):
+                raise RendezvousError(f"rank {rank} could not prove multicast delivery with "
+                                      f"its peers of communicator {name!r}: {err}") from None
+            raise
     switch = switch if switch is not None else os.environ.get("OVERCAST_SWITCH")
     if switch:
         register_with_aggregators(links, switch, secret, salt, min(timeout, 5.0))
     return links
+
+
+def close_links(links: Links) -> None:
+    """Close every socket of `links` (a rendezvous that failed after meeting)."""
+    for sock in [*links.streams.values(), links.udp, links.multicast,
+                 *links.switches.values()]:
+        if sock is not None:
+            sock.close()
 
 
 def parse_switches(spec: str) -> list[tuple[str, int]]:

@@ -1,0 +1,126 @@
+"""Multicast delivery proven when a communicator is made: every rank hears every other's probe, or
+every rank knows who did not, names them, and overlap() and the backend's "auto" run the ring
+with a warning that says so. On loopback and on the emulated cluster with the switch dropping
+the multicast it would send to two of the hosts."""
+
+import copy
+import warnings
+
+import numpy as np
+
+import overcast
+from conftest import root_only
+from overcast.cluster.launch import loopback_placements, run_ranks
+from overcast.cluster.netns import Cluster
+from overcast.transport.probe import undelivered
+
+
+def made(rank):
+    with overcast.Communicator(timeout=20, link_bits_per_s=1e9) as comm:
+        return [comm.multicast_unheard, comm.unavailable("all_gather", "multicast")]
+
+
+def test_every_rank_hears_every_other_on_loopback():
+    assert run_ranks(made, loopback_placements(3), timeout=60) == [[{}, None]] * 3
+
+
+def test_undelivered_names_the_ranks_and_their_hosts():
+    hosts = [f"10.0.0.{i}" for i in range(12)]
+    assert undelivered({}, hosts) is None
+    assert undelivered({1: [0, 2], 2: [1]}, hosts[:3]) == (
+        "multicast not delivered: rank 1 (10.0.0.1) heard no other rank's multicast; "
+        "rank 2 (10.0.0.2) did not hear rank 1 (10.0.0.1)")
+    deaf = undelivered({r: [p for p in range(12) if p != r] for r in range(12)}, hosts)
+    assert deaf.startswith("multicast not delivered: ranks 0 (10.0.0.0), 1 (10.0.0.1)")
+    assert deaf.endswith("7 (10.0.0.7) and 4 more heard no other rank's multicast")
+
+
+def _train(model, steps, **options):
+    """`steps` SGD steps of the GPT through overlap(**options): the losses, the algorithms it
+    ran, and the warnings it gave."""
+    import torch
+    from overcast.train.gpt import rank_batch
+    import torch.distributed as dist
+
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        with overcast.fsdp.overlap(model, **options) as handle:
+            for step in range(steps):
+                loss = model(*rank_batch(model.cfg, step, dist.get_rank(),
+                                         dist.get_world_size()))
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                losses.append(loss.item())
+    return losses, handle.algorithms, [[w.category.__name__, str(w.message)] for w in said]
+
+
+def when_multicast_is_dropped(rank):
+    """What a communicator, overlap() and an "overcast" process group make of a network that
+    does not deliver multicast to hosts 2 and 3."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import overcast.distributed  # noqa: F401  registers the backend
+    import overcast.fsdp
+    from overcast.train.config import SHAPES, GPTConfig
+    from overcast.train.gpt import build, shard
+
+    out = {}
+    dist.init_process_group("gloo")
+    try:
+        with overcast.Communicator(store=dist.distributed_c10d._get_default_store(),
+                                   timeout=20) as comm:
+            out["unheard"] = comm.multicast_unheard  # its keys strings once through JSON
+            out["reason"] = comm.unavailable("all_gather", "multicast")
+            try:
+                comm.all_gather(np.empty(comm.world_size, np.float32), np.ones(1, np.float32),
+                                algorithm="multicast")
+            except overcast.InvalidArgumentError as err:
+                out["refused"] = str(err)
+        cfg = GPTConfig(**SHAPES["small"])
+        model = build(cfg)
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        twin = copy.deepcopy(model)
+        out["fallback"] = _train(shard(model, mesh), 3)
+        out["ring"] = _train(shard(twin, mesh), 3, allgather="ring")
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            group = dist.new_group(backend="overcast")
+        out["group"] = [dict(group.algorithms), dict(group.fallbacks),
+                        [[w.category.__name__, str(w.message)] for w in said]]
+    finally:
+        dist.destroy_process_group()
+    return out
+
+
+@root_only
+def test_undelivered_multicast_is_named_and_the_ring_runs_instead():
+    with Cluster(4, 100_000_000) as cluster:
+        cluster.start_switch()
+        cluster.drop_multicast([2, 3])
+        results = cluster.run(when_multicast_is_dropped, timeout=300)
+        dropped = [cluster.multicast_dropped(h) for h in range(4)]
+    named = ("multicast not delivered: ranks 2 (198.18.0.3), 3 (198.18.0.4) heard no other "
+             "rank's multicast")
+    assert dropped[:2] == [0, 0] and min(dropped[2:]) > 0
+    for r in results:
+        assert r["unheard"] == {"2": [0, 1, 3], "3": [0, 1, 2]}
+        assert r["reason"] == named
+        assert named in r["refused"]
+        losses, algorithms, said = r["fallback"]
+        assert algorithms == {"allgather": "ring", "unpaired_allgather": "ring",
+                              "reduce_scatter": "innetwork"}
+        assert said == [["MulticastNotDeliveredWarning",
+                         f"{named}; overlap() runs the AllGathers on the ring"]]
+        ring_losses, _, ring_said = r["ring"]
+        assert losses == ring_losses and ring_said == []
+        algorithms, fallbacks, said = r["group"]
+        assert algorithms == {"all_gather": "ring", "broadcast": "ring", "all_reduce": "ring",
+                              "reduce_scatter": "innetwork"}
+        assert fallbacks == dict.fromkeys(("all_gather", "broadcast", "all_reduce"), named)
+        assert [category for category, _ in said] == ["MulticastNotDeliveredWarning"]
+        assert said[0][1].startswith(named + "; group ")
+        assert said[0][1].endswith(" runs all_gather, all_reduce, broadcast on the ring")
