@@ -1,5 +1,6 @@
 """The `overcast` command: train (the main job), bench, soak, simulate and plan (at scale,
-without a network), the emulated cluster (up, run, clean) and the aggregator (switch).
+without a network), check (a job's network), the emulated cluster (up, run, clean) and the
+aggregator (switch).
 
 Every command names one thing one way (--hosts, --link-mbit or --link-gbit, --sizes, --png,
 --host-cores; the older names stay as aliases), shows its defaults in --help, and checks every
@@ -21,17 +22,16 @@ import subprocess
 import sys
 import threading
 
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-from overcast.report.bench import WIDTH
+from overcast.cli import scale
+from overcast.cli.common import (HelpFormatter, aggregator_flags, aggregators_from,
+                                 check_writable, console_for, csv_items, file_flags, hosts_flag,
+                                 link_flags, link_rates, parse_ints, parse_sizes, png_of,
+                                 progress_bar, save_results)
 from overcast.units import parse_size
 
 # Older names each flag still answers to, and the one it has now.
 ALIASES = {"--nodes": "--hosts", "--size": "--sizes", "--bytes-per-rank": "--sizes",
            "--plot": "--png", "--cores": "--host-cores", "--width": "--dim"}
-# The link rate's flags: bits/s per unit, the unit, and the scale as the API's names say it.
-UNITS = {"--link-mbit": (1e6, "Mbit/s", "1e6"), "--link-gbit": (1e9, "Gbit/s", "1e9")}
 
 
 def _version() -> str:
@@ -42,129 +42,36 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
-class _Help(argparse.ArgumentDefaultsHelpFormatter):
-    """--help shows each flag's default, where it has one."""
-
-    def _get_help_string(self, action):
-        if action.default is None or action.default is argparse.SUPPRESS or \
-                not action.help or "%(default)" in action.help or action.nargs == 0:  # a switch
-            return action.help
-        return super()._get_help_string(action)
-
-
-def _console(args) -> Console:
-    """The terminal's width, or where output is not a terminal, 120 columns (or as wide as
-    --wide's tables need)."""
-    return Console(width=None if sys.stdout.isatty() else
-                   (250 if getattr(args, "wide", False) else WIDTH))
-
-
-def _csv(text: str) -> list[str]:
-    return [x.strip() for x in text.split(",") if x.strip()]
-
-
-def _link_rates(args, several: bool) -> list[float]:
-    """The link rates per direction in bits/s, from --link-mbit or --link-gbit (whichever was
-    given, else the command's default), each checked in the unit typed."""
-    typed = ((flag, getattr(args, flag[2:].replace("-", "_"))) for flag in UNITS)
-    flag, text = next(((f, t) for f, t in typed if t is not None), args.link_default)
-    scale, unit, scale_text = UNITS[flag]
-    values = _floats(text, flag)
-    if not values:
-        raise ValueError(f"the link rates must be at least one, not none ({flag}, link_bits)")
-    if not several and len(values) > 1:
-        raise ValueError(f"{flag} takes one link rate here, not {text!r}")
-    for value in values:
-        if not (math.isfinite(value) and value > 0):
-            raise ValueError(f"the link rate must be above 0 {unit}, not {value:g} ({flag}, "
-                             f"link_bits_per_s / {scale_text})")
-    return [v * scale for v in values]
-
-
-def _aggregator_flags(p) -> None:
-    p.add_argument("--aggregators", type=int, default=1,
-                   help="aggregators for in-network reduction, each on an attachment of its "
-                        "own; the ranks stripe their chunks over all their shards")
-    p.add_argument("--aggregator-link-mbit", type=float, default=None,
-                   help="each aggregator's link, Mbit/s per direction (default: unshaped, the "
-                        "switch's own compute)")
-    p.add_argument("--shards", type=int, default=None,
-                   help="each aggregator's data-path threads (default: the cores it may use)")
-
-
-def _aggregators(args):
-    """The aggregators the flags ask for, checked."""
-    from overcast.bench.run import Aggregators
-
-    rate = args.aggregator_link_mbit
-    aggregators = Aggregators(args.aggregators, args.shards, None if rate is None else rate * 1e6)
-    aggregators.check()  # in the unit typed, before the rate is made whole
-    return dataclasses.replace(aggregators, link_bits=None if rate is None else round(rate * 1e6))
-
-
-def _sizes(text: str, several: bool = True) -> list[int]:
-    sizes = [parse_size(s) for s in _csv(text)]
-    if not sizes or (not several and len(sizes) > 1):
-        raise ValueError(f"--sizes takes {'sizes, comma-separated' if several else 'one size'}"
-                         f", not {text!r}")
-    return sizes
-
-
-def _writable(path: str | None, flag: str) -> None:
-    """An output file the command will write: its folder must exist and take files."""
-    if path is None:
-        return
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder):
-        raise ValueError(f"{flag} {path}: the folder {folder} does not exist")
-    if not os.access(folder, os.W_OK):
-        raise ValueError(f"{flag} {path}: the folder {folder} is not writable")
-
-
-def _readable_json(paths: list[str], flag: str) -> list[dict]:
-    """Input files the command reads, each JSON."""
-    docs = []
-    for path in paths:
-        try:
-            with open(path) as f:
-                docs.append(json.load(f))
-        except OSError as err:
-            raise ValueError(f"{flag} {path}: {err.strerror.lower()}") from None
-        except ValueError:
-            raise ValueError(f"{flag} {path}: not a JSON file") from None
-    return docs
-
-
 def _bench(args) -> int:
     from overcast.bench.run import check_flags, check_request, run_bench
     from overcast.report.bench import plot_busbw, plot_sweep, print_table
     from overcast.report.timeline import write_timeline
 
-    console = _console(args)
-    sizes = _sizes(args.sizes)
-    rates = _link_rates(args, several=True)
-    check_request(_csv(args.collectives), _csv(args.algorithms))
+    console = console_for(args)
+    sizes = parse_sizes(args.sizes)
+    rates = link_rates(args, several=True)
+    check_request(csv_items(args.collectives), csv_items(args.algorithms))
     try:
-        roots = [None if r == "all" else int(r) for r in _csv(args.roots)]
+        roots = [None if r == "all" else int(r) for r in csv_items(args.roots)]
     except ValueError:
         raise ValueError(f"--roots takes 'all' or whole numbers, comma-separated, not "
                          f"{args.roots!r}") from None
-    aggregators = _aggregators(args)
+    aggregators = aggregators_from(args)
     check_flags(args.hosts, rates, sizes, args.reps, args.warmup, args.mtu, roots, args.loss,
                 args.loss_burst, args.slots, args.within, aggregators)
-    _writable(args.json, "--json")
-    _writable(_png(args), "--png")
-    _writable(args.timeline, "--timeline")
-    bar, progress = _progress(console)
+    check_writable(args.json, "--json")
+    check_writable(png_of(args), "--png")
+    check_writable(args.timeline, "--timeline")
+    bar, progress = progress_bar(console)
     with bar:
-        doc = run_bench(args.hosts, [int(bits) for bits in rates], sizes, _csv(args.collectives),
-                        _csv(args.algorithms), reps=args.reps, warmup=args.warmup, mtu=args.mtu,
-                        roots=roots, loss=args.loss, loss_burst=args.loss_burst,
+        doc = run_bench(args.hosts, [int(bits) for bits in rates], sizes,
+                        csv_items(args.collectives), csv_items(args.algorithms), reps=args.reps,
+                        warmup=args.warmup, mtu=args.mtu, roots=roots, loss=args.loss, loss_burst=args.loss_burst,
                         timeline=args.timeline, switch_slots=args.slots, within=args.within,
                         write_timeline=write_timeline, progress=progress,
                         aggregators=aggregators)
     print_table(doc, console, wide=args.wide)
-    _save(doc, console, args.json, _png(args),
+    save_results(doc, console, args.json, png_of(args),
           plot_busbw if doc["meta"]["link_bits_per_s"] else plot_sweep)
     for path in doc["meta"]["timelines"]:
         console.print(f"timeline: {path}.json, {path}.png")
@@ -175,176 +82,37 @@ def _soak(args) -> int:
     from overcast.bench.soak import run_soak
     from overcast.report.soak import plot, summary_table
 
-    console = _console(args)
-    [nbytes] = _sizes(args.sizes, several=False)
-    [bits] = _link_rates(args, several=False)
+    console = console_for(args)
+    [nbytes] = parse_sizes(args.sizes, several=False)
+    [bits] = link_rates(args, several=False)
     try:
-        marks = [int(m) for m in _csv(args.marks)]
+        marks = [int(m) for m in csv_items(args.marks)]
     except ValueError:
         raise ValueError(f"--marks takes whole numbers, comma-separated, not {args.marks!r}") \
             from None
-    _writable(args.json, "--json")
-    _writable(_png(args), "--png")
-    bar, progress = _progress(console)
+    check_writable(args.json, "--json")
+    check_writable(png_of(args), "--png")
+    bar, progress = progress_bar(console)
     with bar:  # run_soak checks every setting before it builds anything
         doc = run_soak(args.hosts, int(bits), args.pairs, nbytes, args.loss, args.loss_burst,
-                       marks, progress=progress, aggregators=_aggregators(args))
+                       marks, progress=progress, aggregators=aggregators_from(args))
     console.print(summary_table(doc))
-    _save(doc, console, args.json, _png(args), plot)
+    save_results(doc, console, args.json, png_of(args), plot)
     return 0 if doc["summary"]["pairs_exact"] == args.pairs else 1
-
-
-def _simulate(args) -> int:
-    from overcast.report.simulate import plot_simulate, simulate_table
-    from overcast.sim.engine import AggregatorPool, engine
-    from overcast.sim.run import compare, sweep
-
-    console = _console(args)
-    model = engine(args.engine)
-    if args.host_cores is not None:
-        model = model.with_cores(args.host_cores)
-    rates = _link_rates(args, several=True)
-    sizes = _sizes(args.sizes)
-    hosts = _ints(args.hosts, "--hosts")
-    measured = _readable_json(_csv(args.compare), "--compare") if args.compare else None
-    pool = None if args.aggregators is None else AggregatorPool(
-        args.aggregators, args.shards, None if args.aggregator_link_gbit is None else
-        args.aggregator_link_gbit * 1e9, args.us_per_contribution)
-    _writable(args.json, "--json")
-    _writable(_png(args), "--png")
-    bar, progress = _progress(console)
-    with bar:  # sweep checks every setting before the first run
-        doc = sweep(hosts, args.topology, rates, sizes, _csv(args.collectives),
-                    _csv(args.algorithms), radix=args.radix,
-                    oversubscription=_floats(args.oversubscription, "--oversubscription"),
-                    levels=args.levels, roots=None if args.roots == "all" else
-                    _ints(args.roots, "--roots")[0], engine=model, place=args.placement,
-                    latency=args.latency_us * 1e-6, shared_cores=args.machine_cores,
-                    aggregators=pool, progress=progress)
-    if measured is not None:
-        compare(doc, measured)
-    console.print(simulate_table(doc, wide=args.wide))
-    _save(doc, console, args.json, _png(args), plot_simulate)
-    return 0
-
-
-def _plan(args) -> int:
-    from overcast.report.simulate import plan_table, plot_plan
-    from overcast.sim.plan import PRESETS, AggregatorSizing, Model, parse_count, plan
-
-    console = _console(args)
-    kind, radix = args.topology, args.radix
-    if args.preset:
-        if args.preset not in PRESETS:
-            raise ValueError(f"unknown preset {args.preset!r}; available: {', '.join(PRESETS)}")
-        kind, radix, hosts, gbits = PRESETS[args.preset]
-        rates = [g * 1e9 for g in gbits]
-    else:
-        hosts, rates = _ints(args.hosts, "--hosts"), _link_rates(args, several=True)
-    options = {"dtype": args.dtype, "reduce_dtype": args.reduce_dtype,
-               "micro_steps": args.micro_steps}
-    if args.layer_params:
-        model = Model(tuple(parse_count(x, "--layer-params") for x in _csv(args.layer_params)),
-                      **options)
-    else:
-        model = Model.uniform(parse_count(args.params, "--params"), args.layers, **options)
-    _writable(args.json, "--json")
-    _writable(_png(args), "--png")
-    sizing = AggregatorSizing(args.within, args.aggregator_cores,
-                              None if args.aggregator_link_gbit is None else
-                              args.aggregator_link_gbit * 1e9)
-    bar, progress = _progress(console)
-    with bar:  # plan checks the model and the cluster before the first run
-        doc = plan(model, kind, hosts, rates, radix=radix,
-                   oversubscription=_floats(args.oversubscription, "--oversubscription"),
-                   host_cores=args.host_cores, sizing=sizing, progress=progress)
-    console.print(plan_table(doc))
-    for p in doc["results"]:
-        a = p["aggregators"]
-        console.print(f"{p['nodes']} hosts, {p['link_bits_per_s'] / 1e9:g} Gbit/s: "
-                      f"[bold]{p['choice']}[/]: {p['why']}; its software aggregators: "
-                      f"{a['count']:,} hosts x {a['shards']} cores ({a['cores']:,} cores) "
-                      f"behind {a['nic_bits_per_s'] / 1e9:g} Gbit/s links hold the pair at "
-                      f"{a['pair_ratio']:.2f}x its floor" + ("" if a["met"] else
-                      f", not within {a['within']:g}x (the largest pool the sizing tried)"),
-                      highlight=False)
-    _save(doc, console, args.json, _png(args), plot_plan)
-    return 0
-
-
-def _ints(text: str, flag: str) -> list[int]:
-    try:
-        return [int(x) for x in _csv(text)]
-    except ValueError:
-        raise ValueError(f"{flag} takes whole numbers, comma-separated, not {text!r}") from None
-
-
-def _floats(text: str, flag: str) -> list[float]:
-    try:
-        return [float(x) for x in _csv(text)]
-    except ValueError:
-        raise ValueError(f"{flag} takes numbers, comma-separated, not {text!r}") from None
-
-
-def _png(args) -> str | None:
-    """--png, or beside --json."""
-    return args.png or (os.path.splitext(args.json)[0] + ".png" if args.json else None)
-
-
-def _save(doc: dict, console: Console, json_path: str | None, png_path: str | None,
-          plot) -> None:
-    """Stamp the command line on the results; write them, and their plot, where asked."""
-    doc["meta"]["command"] = "overcast " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-    if json_path:
-        with open(json_path, "w") as f:
-            json.dump(doc, f, indent=1)
-        console.print(f"results: {json_path}")
-    if png_path:
-        plot(doc, png_path)
-        console.print(f"plot: {png_path}")
-
-
-class _Progress:
-    """A transient progress bar shown from its first step on, so that a check that fails
-    before any work leaves the terminal as it was."""
-
-    def __init__(self, console: Console):
-        self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                            TimeElapsedColumn(), console=console, transient=True)
-        self.task = None
-
-    def __enter__(self) -> "_Progress":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.task is not None:
-            self.bar.stop()
-
-    def step(self, done: int, total: int | None, what: str) -> None:
-        if self.task is None:
-            self.task = self.bar.add_task(what, total=total)
-            self.bar.start()
-        self.bar.update(self.task, completed=done, total=total, description=what)
-
-
-def _progress(console: Console):
-    """A progress bar to run the work in, and the callback (done, total, what) that moves it."""
-    bar = _Progress(console)
-    return bar, bar.step
 
 
 def _train(args) -> int:
     from overcast.train.config import SHAPES, GPTConfig, check_request
 
-    console = _console(args)
-    ways = _csv(args.ways)
-    [bits] = _link_rates(args, several=False)
+    console = console_for(args)
+    ways = csv_items(args.ways)
+    [bits] = link_rates(args, several=False)
     given = GPTConfig(vocab=args.vocab, blocks=args.blocks, dim=args.dim, seq=args.seq,
                       batch_per_rank=args.batch, reshard=args.reshard,
                       micro_steps=args.micro_steps,
                       activation_checkpointing=args.activation_checkpointing)
     if args.shapes:
-        names = _csv(args.shapes)
+        names = csv_items(args.shapes)
         unknown = [n for n in names if n not in SHAPES]
         if unknown or not names:
             raise ValueError(f"unknown shape {', '.join(unknown) or '(none)'}; available: "
@@ -365,7 +133,7 @@ def _train(args) -> int:
     from overcast.train.compare import run_training
     from overcast.report.timeline import every_span, write_timeline
     from overcast.report.train import matrix_table, staging_lines, table, write
-    bar, progress = _progress(console)
+    bar, progress = progress_bar(console)
     with bar:
         doc = run_training(args.hosts, int(bits), ways, args.steps, args.warmup, shapes,
                            lr=args.lr, out_dir=args.out, progress=progress,
@@ -387,6 +155,34 @@ def _train(args) -> int:
     return 0
 
 
+def _check(args) -> int:
+    try:
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    except (KeyError, ValueError):
+        raise ValueError("check runs on every rank of the job, under a launcher that sets "
+                         "RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT: torchrun [...] "
+                         "--no-python overcast check, or overcast cluster run --hosts 4 -- "
+                         "overcast check") from None
+    link = None if args.link_mbit is None else args.link_mbit * 1e6
+    if link is not None and not (math.isfinite(link) and link > 0):
+        raise ValueError(f"the link rate must be above 0 Mbit/s, not {args.link_mbit:g} "
+                         f"(--link-mbit)")
+    if not (math.isfinite(args.seconds) and args.seconds > 0):
+        raise ValueError(f"--seconds must be above 0, not {args.seconds:g}")
+    check_writable(args.json, "--json")
+    from overcast.bench.check import check_rank, verdict
+    from overcast.report.check import print_report
+
+    doc = verdict(check_rank(rank, world, link, args.seconds))
+    if rank == 0:
+        print_report(doc, console_for(args))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(doc, f, indent=1)
+    return 0 if doc["ready"] else 1
+
+
 def _relay(stream, prefix: str) -> None:
     """Copy a host's output to ours line by line, each line under its rank's prefix."""
     for line in iter(stream.readline, b""):
@@ -405,10 +201,12 @@ def _cluster(args) -> int:
     if args.action == "run" and not args.command:
         raise ValueError("cluster run: give the command to run on every host after --, as in "
                          "overcast cluster run --hosts 4 -- python train.py")
-    [bits] = _link_rates(args, several=False)
-    aggregators = _aggregators(args)
+    [bits] = link_rates(args, several=False)
+    aggregators = aggregators_from(args)
+    dropped = list(range(args.hosts)) if args.drop_multicast == "all" else \
+        parse_ints(args.drop_multicast, "--drop-multicast")
     with Cluster(args.hosts, int(bits), mtu=args.mtu, aggregators=aggregators.count,
-                 aggregator_bits_per_s=aggregators.link_bits) as cluster:
+                 aggregator_bits_per_s=aggregators.link_bits, drop_multicast=dropped) as cluster:
         if args.action == "up":
             print(f"cluster {cluster.run_id}: hosts {' '.join(cluster.host_ns)}, switch "
                   f"{cluster.switch_ns}, aggregators {' '.join(cluster.aggregator_ns)}")
@@ -440,9 +238,9 @@ def _switch(args) -> int:
     check_count("communicators per job", args.max_communicators, 1, "--max-communicators")
     check_positive("a reduction's expiry", args.expiry, "--expiry", " seconds")
     limits = Limits(args.max_world, args.max_communicators, parse_size(args.pool_bytes))
-    _writable(args.stats, "--stats")
+    check_writable(args.stats, "--stats")
     given = os.environ.get("OVERCAST_SECRETS", "") or os.environ.get("OVERCAST_SECRET", "")
-    secrets = [bytes.fromhex(x) for x in _csv(given)]
+    secrets = [bytes.fromhex(x) for x in csv_items(given)]
     if not secrets:
         print("overcast switch: set OVERCAST_SECRET (hex) to the job's secret, or "
               "OVERCAST_SECRETS to several, comma-separated", file=sys.stderr)
@@ -453,43 +251,18 @@ def _switch(args) -> int:
     return 0
 
 
-def _hosts(p, default, many: bool = False) -> None:
-    if many:
-        p.add_argument("--hosts", "--nodes", dest="hosts", default=default,
-                       help="hosts (one rank each), comma-separated for several")
-    else:
-        p.add_argument("--hosts", "--nodes", dest="hosts", type=int, default=default,
-                       help="emulated hosts, one rank each")
-
-
-def _link(p, default: str, unit: str, several: bool) -> None:
-    """--link-mbit and --link-gbit, one of them: the link rate per direction."""
-    many = "; comma-separated for several" if several else ""
-    group = p.add_mutually_exclusive_group()
-    for flag, name in (("--link-mbit", "Mbit/s"), ("--link-gbit", "Gbit/s")):
-        group.add_argument(flag, help=f"link rate per direction in {name}{many}" +
-                           (f" (default: {default})" if flag == unit else
-                            f" (instead of {unit})"))
-    p.set_defaults(link_default=(unit, default))
-
-
-def _files(p, json_help: str, png_help: str) -> None:
-    p.add_argument("--json", help=json_help)
-    p.add_argument("--png", "--plot", dest="png", help=png_help + " (default: beside --json)")
-
-
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="overcast", description=__doc__.split("\n\n")[0],
-                                formatter_class=_Help)
+                                formatter_class=HelpFormatter)
     p.add_argument("--version", action="version", version=f"overcast {_version()}")
     sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
 
     def command(name: str, help: str) -> argparse.ArgumentParser:
-        return sub.add_parser(name, help=help, description=help, formatter_class=_Help)
+        return sub.add_parser(name, help=help, description=help, formatter_class=HelpFormatter)
 
     b = command("bench", "benchmark collectives on the emulated cluster, beside gloo")
-    _hosts(b, 8)
-    _link(b, "400", "--link-mbit", several=True)
+    hosts_flag(b, 8)
+    link_flags(b, "400", "--link-mbit", several=True)
     b.add_argument("--within", type=float, default=1.15,
                    help="a sweep of several link rates names, per point, the highest rate at "
                         "which it takes at most this many times its floor")
@@ -518,8 +291,8 @@ def parser() -> argparse.ArgumentParser:
                         "as PREFIX-<algorithm>.json (Chrome trace) and .png")
     b.add_argument("--slots", type=int, default=256,
                    help="the aggregator's slots per reduction (its pool), chunks")
-    _aggregator_flags(b)
-    _files(b, "write the results here (JSON)", "busbw against size")
+    aggregator_flags(b)
+    file_flags(b, "write the results here (JSON)", "busbw against size")
     b.add_argument("--wide", action="store_true",
                    help="every column (algbw, payload ratios, CPU, the aggregator's); the JSON "
                         "has them all")
@@ -527,8 +300,8 @@ def parser() -> argparse.ArgumentParser:
 
     t = command("train", "train a small GPT with FSDP2 four ways on the emulated cluster and "
                          "compare them (the main job)")
-    _hosts(t, 4)
-    _link(t, "100", "--link-mbit", several=False)
+    hosts_flag(t, 4)
+    link_flags(t, "100", "--link-mbit", several=False)
     t.add_argument("--ways", default="gloo,gloo-separate,overcast-ring,overcast",
                    help="comma-separated: gloo (one group), gloo-separate (ReduceScatter on its "
                         "own group), overcast-ring, overcast (multicast + in-network)")
@@ -571,8 +344,8 @@ def parser() -> argparse.ArgumentParser:
 
     s = command("soak", "many overlapped pairs under bursty loss: exact results, flat memory, "
                         "no drift, nothing left behind")
-    _hosts(s, 8)
-    _link(s, "400", "--link-mbit", several=False)
+    hosts_flag(s, 8)
+    link_flags(s, "400", "--link-mbit", several=False)
     s.add_argument("--pairs", type=int, default=1000,
                    help="overlapped pairs (multicast AllGather + in-network ReduceScatter)")
     s.add_argument("--sizes", "--size", dest="sizes", default="256KiB",
@@ -584,93 +357,31 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--marks", default="100",
                    help="pairs after which memory is read, comma-separated (the last pair "
                         "always is)")
-    _aggregator_flags(s)
-    _files(s, "write the results here (JSON)", "per-pair time")
+    aggregator_flags(s)
+    file_flags(s, "write the results here (JSON)", "per-pair time")
     s.set_defaults(func=_soak)
 
-    from overcast.sim.engine import AGGREGATOR_US_PER_CONTRIBUTION
+    scale.add_commands(command)
 
-    m = command("simulate", "predict collectives on a large cluster (a flow-level simulator; "
-                            "nothing runs on a network, no root needed)")
-    _hosts(m, "8,64,188,1024", many=True)
-    _link(m, "100", "--link-gbit", several=True)
-    m.add_argument("--topology", default="fat-tree", help="star (one switch) or fat-tree")
-    m.add_argument("--radix", type=int, default=32, help="fat tree: ports per switch")
-    m.add_argument("--levels", type=int, help="fat tree: switch levels (default: the fewest "
-                                              "that hold the hosts)")
-    m.add_argument("--oversubscription", default="1",
-                   help="fat tree: down over up ports, one per level from the leaves up, or one "
-                        "for all")
-    m.add_argument("--placement", default="contiguous",
-                   help="contiguous (rank r on leaf r // hosts per leaf) or strided")
-    m.add_argument("--latency-us", type=float, default=1.0, help="latency per link, us")
-    m.add_argument("--sizes", "--bytes-per-rank", "--size", dest="sizes", default="64MiB",
-                   help="bytes per rank, comma-separated")
-    m.add_argument("--collectives", default="allgather,reduce_scatter,overlap",
-                   help="allgather, reduce_scatter, overlap; comma-separated")
-    m.add_argument("--algorithms", default="ring,multicast,innetwork,overcast",
-                   help="ring, multicast, innetwork, overcast; comma-separated")
-    m.add_argument("--roots", default="all", help="multicast roots sending at once, or 'all'")
-    m.add_argument("--engine", default="ideal",
-                   help="ideal (links only), native (overcast's engine as measured) or offload "
-                        "(an engine on the NIC)")
-    m.add_argument("--host-cores", "--cores", dest="host_cores", type=float,
-                   help="engine cores per host (default: the engine's own)")
-    m.add_argument("--machine-cores", type=float,
-                   help="every host and the aggregator share this many cores, as the emulated "
-                        "cluster's one machine does")
-    m.add_argument("--aggregators", type=int,
-                   help="software aggregators that sum in-network reductions, the chunks "
-                        "striped over them (default: the switch sums at line rate)")
-    m.add_argument("--shards", type=int, default=1, help="cores per aggregator, one shard each")
-    m.add_argument("--aggregator-link-gbit", type=float,
-                   help="each aggregator's link, Gbit/s per direction (default: unbounded)")
-    m.add_argument("--us-per-contribution", type=float, default=AGGREGATOR_US_PER_CONTRIBUTION,
-                   help="a shard's wall time per contribution, microseconds (measured)")
-    m.add_argument("--compare", help="overcast bench JSON files (comma-separated, one per run): "
-                                     "their measured times beside the predictions")
-    _files(m, "write {meta, results} here (JSON)", "time over the floor and link traffic "
-                                                   "against hosts")
-    m.add_argument("--wide", action="store_true",
-                   help="every column (link traffic, busiest link, rx per NIC, engine cores); "
-                        "the JSON has them all")
-    m.set_defaults(func=_simulate)
-
-    n = command("plan", "a training step's communication on a cluster, rings against "
-                        "overcast, and which to use (simulated, no root needed)")
-    n.add_argument("--preset", help="a cluster by name: emulated, ethernet-fat-tree, rail-400g "
-                                    "(instead of --hosts, --link-gbit, --topology, --radix)")
-    _hosts(n, "8,64,188,1024", many=True)
-    _link(n, "100,400,1600", "--link-gbit", several=True)
-    n.add_argument("--topology", default="fat-tree", help="star or fat-tree")
-    n.add_argument("--radix", type=int, default=32, help="fat tree: ports per switch")
-    n.add_argument("--oversubscription", default="1",
-                   help="fat tree: down over up ports, per level or one for all")
-    n.add_argument("--params", default="7B", help="the model's parameter count (7B, 350M, 1.3e9)")
-    n.add_argument("--layers", type=int, default=32, help="FSDP units (one per block)")
-    n.add_argument("--layer-params", help="each unit's parameter count, comma-separated "
-                                          "(instead of --params and --layers)")
-    n.add_argument("--dtype", default="bf16", help="the gathered dtype (FSDP2's param_dtype)")
-    n.add_argument("--reduce-dtype", help="the gradients' dtype (default: --dtype)")
-    n.add_argument("--micro-steps", type=int, default=1, help="gradient accumulation steps")
-    n.add_argument("--host-cores", "--cores", dest="host_cores", type=float, default=8.0,
-                   help="cores per host the communication engine may use")
-    n.add_argument("--within", type=float, default=1.10,
-                   help="size overcast's software aggregators for the pair to hold this "
-                        "many times its floor")
-    n.add_argument("--aggregator-cores", type=int, default=16,
-                   help="cores per aggregator host (one shard each)")
-    n.add_argument("--aggregator-link-gbit", type=float, default=None,
-                   help="each aggregator host's link, Gbit/s per direction (default: the "
-                        "hosts' link rate)")
-    _files(n, "write {meta, results} here (JSON)", "the speedup against hosts and link rate")
-    n.set_defaults(func=_plan)
+    k = command("check", "is this job's network ready for overcast? Run on every rank under "
+                         "torchrun (--no-python overcast check) or overcast cluster run: "
+                         "multicast delivered between every pair of ranks, the path MTU, "
+                         "socket buffers, the aggregator, the secret, the link rate, and a few "
+                         "seconds of each collective; a verdict with the reason for each "
+                         "failure (exit code 1)")
+    k.add_argument("--link-mbit", type=float,
+                   help="the links' rate per direction, Mbit/s (default: "
+                        "OVERCAST_LINK_BITS_PER_S)")
+    k.add_argument("--seconds", type=float, default=2.0,
+                   help="seconds of each collective (at least 3 runs after a warm-up)")
+    k.add_argument("--json", help="rank 0 writes the findings and the verdict here (JSON)")
+    k.set_defaults(func=_check)
 
     c = command("cluster", "the emulated cluster of network namespaces: up, run, clean")
     actions = c.add_subparsers(dest="action", required=True, metavar="ACTION")
 
     def action(name: str, help: str) -> argparse.ArgumentParser:
-        a = actions.add_parser(name, help=help, description=help, formatter_class=_Help)
+        a = actions.add_parser(name, help=help, description=help, formatter_class=HelpFormatter)
         a.set_defaults(func=_cluster)
         return a
 
@@ -679,10 +390,13 @@ def parser() -> argparse.ArgumentParser:
                                "under [rank N]: overcast cluster run --hosts 4 -- COMMAND "
                                "[ARGS...]")):
         a = action(name, help)
-        _hosts(a, 4)
-        _link(a, "400", "--link-mbit", several=False)
+        hosts_flag(a, 4)
+        link_flags(a, "400", "--link-mbit", several=False)
         a.add_argument("--mtu", type=int, default=9000, help="the links' MTU, bytes")
-        _aggregator_flags(a)
+        aggregator_flags(a)
+        a.add_argument("--drop-multicast", default="",
+                       help="hosts, comma-separated, or all: the switch drops the multicast it "
+                            "would send them, as a network without multicast does")
         if name == "run":
             a.add_argument("--no-switch", dest="switch", action="store_false",
                            help="do not start the aggregators (overcast switch) on their "

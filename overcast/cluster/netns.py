@@ -9,7 +9,9 @@ host's eth0 (its send direction) and on the switch's port h<i> (its receive dire
 switch port drops when more arrives than it can send). The service attachments stand for the
 aggregators of in-network reduction, one each (`aggregators`; the first is the service's):
 unshaped by default, as the switch's own compute behind its internal fabric, or shaped at
-`aggregator_bits_per_s` each way, as aggregator hosts whose NICs are slower than P links.
+`aggregator_bits_per_s` each way, as aggregator hosts whose NICs are slower than P links. The
+switch can drop the multicast it would send to some hosts (`drop_multicast`), as a network
+without multicast does.
 
 Everything is created under one run id, so concurrent runs never collide, and removed on exit,
 on error, on Ctrl-C and on SIGTERM; `clean_leftovers()` removes what a killed run left behind.
@@ -165,8 +167,12 @@ class Cluster:
 
     def __init__(self, hosts: int, link_bits_per_s: int, *, mtu: int = 9000,
                  switch_queue_bytes: int = 512 * 1024, aggregators: int = 1,
-                 aggregator_bits_per_s: int | None = None, service: bool = True):
+                 aggregator_bits_per_s: int | None = None, service: bool = True,
+                 drop_multicast: list[int] = ()):
         check_hosts(hosts, least=1)
+        for i in drop_multicast:
+            require(isinstance(i, int) and 0 <= i < hosts, "a host whose multicast is dropped",
+                    f"a host number from 0 to {hosts - 1}", i, "--drop-multicast, drop_multicast")
         check_link_rate(link_bits_per_s)
         check_mtu(mtu)
         check_aggregators(aggregators, MAX_AGGREGATORS)
@@ -177,6 +183,7 @@ class Cluster:
         self.switch_queue_bytes = switch_queue_bytes
         self.aggregators, self.aggregator_bits_per_s = aggregators, aggregator_bits_per_s
         self.service = service
+        self.drop_multicast = sorted(set(drop_multicast))
         self.run_id = secrets.token_hex(3)
         self.secret = secrets.token_hex(32)
         self.switch_ns = f"{PREFIX}{self.run_id}-sw"
@@ -234,6 +241,8 @@ class Cluster:
             rate = self.aggregator_bits_per_s
             for a, ns in enumerate(self.aggregator_ns):
                 self._attach(ns, f"svc{a or ''}", aggregator_address(a), rate, rate)
+        for i in self.drop_multicast:
+            self._drop_multicast(i)
         time.sleep(max(0.0, snooping_from - time.monotonic()))
 
     def _netns(self, name: str) -> None:
@@ -264,35 +273,27 @@ class Cluster:
             _tc("-n", self.switch_ns, "qdisc", "add", "dev", port, "root",
                 *_tbf(recv_bits, self.mtu, self.switch_queue_bytes))
 
-    def drop_multicast(self, hosts: list[int]) -> None:
-        """Have the switch drop every multicast datagram (UDP to 239.0.0.0/8) it would send to
-        each of `hosts`, as a network that carries unicast and not the group (a cloud VPC, a
-        routed hop, a firewall) does; their own multicast still reaches the others. Their
-        switch ports' queue becomes an HTB whose default class holds the shaping as before and
-        whose other class drops all (a FIFO of no packets; this kernel's tc has no drop
+    def _drop_multicast(self, i: int) -> None:
+        """The switch drops every multicast datagram (UDP to 239.0.0.0/8) it would send to host
+        `i`: its port's queue becomes an HTB whose default class holds the shaping as before and
+        whose other class drops all (a FIFO of no packets: this kernel's tc has no drop
         action), with a u32 filter sending multicast there."""
-        for i in hosts:
-            require(isinstance(i, int) and 0 <= i < self.hosts, "a host whose multicast is "
-                    "dropped", f"a host number from 0 to {self.hosts - 1}", i,
-                    "--drop-multicast, drop_multicast")
-        sw = ("-n", self.switch_ns)
-        for i in hosts:
-            port = f"h{i}"
-            _tc(*sw, "qdisc", "del", "dev", port, "root")
-            _tc(*sw, "qdisc", "add", "dev", port, "root", "handle", "1:", "htb", "default", "1")
-            for band in ("1:1", "1:2"):  # HTB's own rate far above the link's: it only sorts
-                _tc(*sw, "class", "add", "dev", port, "parent", "1:", "classid", band, "htb",
-                    "rate", "100gbit")
-            _tc(*sw, "qdisc", "add", "dev", port, "parent", "1:1",
-                *_tbf(self.link_bits_per_s, self.mtu, self.switch_queue_bytes))
-            _tc(*sw, "qdisc", "add", "dev", port, "parent", "1:2", "pfifo", "limit", "0")
-            _tc(*sw, "filter", "add", "dev", port, "parent", "1:", "protocol", "ip", "prio", "1",
-                "u32", "match", "ip", "dst", MULTICAST_NET, "match", "ip", "protocol", "17",
-                "0xff", "flowid", "1:2")
+        sw, port = ("-n", self.switch_ns), f"h{i}"
+        _tc(*sw, "qdisc", "del", "dev", port, "root")
+        _tc(*sw, "qdisc", "add", "dev", port, "root", "handle", "1:", "htb", "default", "1")
+        for band in ("1:1", "1:2"):  # HTB's own rate far above the link's: it only sorts
+            _tc(*sw, "class", "add", "dev", port, "parent", "1:", "classid", band, "htb", "rate",
+                "100gbit")
+        _tc(*sw, "qdisc", "add", "dev", port, "parent", "1:1",
+            *_tbf(self.link_bits_per_s, self.mtu, self.switch_queue_bytes))
+        _tc(*sw, "qdisc", "add", "dev", port, "parent", "1:2", "pfifo", "limit", "0")
+        _tc(*sw, "filter", "add", "dev", port, "parent", "1:", "protocol", "ip", "prio", "1",
+            "u32", "match", "ip", "dst", MULTICAST_NET, "match", "ip", "protocol", "17", "0xff",
+            "flowid", "1:2")
 
     def multicast_dropped(self, host: int) -> int:
-        """Multicast datagrams the switch has dropped on their way to `host`
-        (drop_multicast's)."""
+        """Multicast datagrams the switch has dropped on their way to `host` (one of
+        `drop_multicast`)."""
         out = subprocess.run(["tc", "-n", self.switch_ns, "-s", "-j", "qdisc", "show", "dev",
                               f"h{host}"], check=True, capture_output=True, text=True).stdout
         return sum(q.get("drops", 0) for q in json.loads(out) if q["kind"] == "pfifo")
