@@ -130,7 +130,7 @@ def add_commands(command) -> None:
     m.add_argument("--compare", help="overcast bench JSON files (comma-separated, one per run): "
                                      "their measured times beside the predictions")
     file_flags(m, "write {meta, results} here (JSON)", "time over the floor and link traffic "
-                                                   "against hosts")
+                                                       "against hosts")
     m.add_argument("--wide", action="store_true",
                    help="every column (link traffic, busiest link, rx per NIC, engine cores); "
                         "the JSON has them all")
