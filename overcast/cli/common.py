@@ -134,7 +134,7 @@ def png_of(args) -> str | None:
 
 
 def save_results(doc: dict, console: Console, json_path: str | None, png_path: str | None,
-          plot) -> None:
+                 plot) -> None:
     """Stamp the command line on the results; write them, and their plot, where asked."""
     doc["meta"]["command"] = "overcast " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     if json_path:

@@ -66,13 +66,13 @@ def _bench(args) -> int:
     with bar:
         doc = run_bench(args.hosts, [int(bits) for bits in rates], sizes,
                         csv_items(args.collectives), csv_items(args.algorithms), reps=args.reps,
-                        warmup=args.warmup, mtu=args.mtu, roots=roots, loss=args.loss, loss_burst=args.loss_burst,
-                        timeline=args.timeline, switch_slots=args.slots, within=args.within,
+                        warmup=args.warmup, mtu=args.mtu, roots=roots, loss=args.loss,
+                        loss_burst=args.loss_burst, timeline=args.timeline, switch_slots=args.slots, within=args.within,
                         write_timeline=write_timeline, progress=progress,
                         aggregators=aggregators)
     print_table(doc, console, wide=args.wide)
     save_results(doc, console, args.json, png_of(args),
-          plot_busbw if doc["meta"]["link_bits_per_s"] else plot_sweep)
+                 plot_busbw if doc["meta"]["link_bits_per_s"] else plot_sweep)
     for path in doc["meta"]["timelines"]:
         console.print(f"timeline: {path}.json, {path}.png")
     return 0 if all(r["correct"] for r in doc["results"]) else 1

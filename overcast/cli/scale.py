@@ -57,8 +57,8 @@ def _plan(args) -> int:
     options = {"dtype": args.dtype, "reduce_dtype": args.reduce_dtype,
                "micro_steps": args.micro_steps}
     if args.layer_params:
-        model = Model(tuple(parse_count(x, "--layer-params") for x in csv_items(args.layer_params)),
-                      **options)
+        model = Model(tuple(parse_count(x, "--layer-params")
+                            for x in csv_items(args.layer_params)), **options)
     else:
         model = Model.uniform(parse_count(args.params, "--params"), args.layers, **options)
     check_writable(args.json, "--json")
