@@ -67,7 +67,8 @@ def _bench(args) -> int:
         doc = run_bench(args.hosts, [int(bits) for bits in rates], sizes,
                         csv_items(args.collectives), csv_items(args.algorithms), reps=args.reps,
                         warmup=args.warmup, mtu=args.mtu, roots=roots, loss=args.loss,
-                        loss_burst=args.loss_burst, timeline=args.timeline, switch_slots=args.slots, within=args.within,
+                        loss_burst=args.loss_burst, timeline=args.timeline,
+                        switch_slots=args.slots, within=args.within,
                         write_timeline=write_timeline, progress=progress,
                         aggregators=aggregators)
     print_table(doc, console, wide=args.wide)
