@@ -96,6 +96,10 @@ def test_overcast_train_compares_four_ways(tmp_path):
     [run] = doc["shapes"]
     ways = {r["way"]: r for r in run["results"]}
     assert list(ways) == ["gloo", "gloo-separate", "overcast-ring", "overcast"]
+    assert "aggregator switch-like (its link unshaped)" in " ".join(proc.stdout.split())
+    assert ways["overcast"]["algorithms"] == {"allgather": "multicast",
+                                              "unpaired_allgather": "ring",
+                                              "reduce_scatter": "innetwork"}
     for r in ways.values():
         assert r["max_loss_difference"] < 1e-4, r["way"]
         assert r["collectives_per_step"] == {"allgathers": 6.0, "reduce_scatters": 4.0}, r
@@ -143,6 +147,29 @@ def test_overcast_train_compares_four_ways(tmp_path):
                        if f"blocks.{int(b[-1]) - 1}" in gathers and b in scatters
                        and _overlap(scatters[b], gathers[f"blocks.{int(b[-1]) - 1}"]) > 0]
     assert overlapped, [e for e in trace if e["ph"] == "X"]
+
+
+@root_only
+def test_overcast_train_behind_a_shaped_aggregator_without_multicast(tmp_path):
+    """--aggregator-link-mbit names the aggregator's link in the table; --drop-multicast 1 has
+    overlap() run its AllGathers on the ring, the table saying why."""
+    proc = subprocess.run(CLI + ["train", "--hosts", "3", "--link-mbit", "50", "--steps", "2",
+                                 "--warmup", "1", "--blocks", "2", "--dim", "64", "--ways",
+                                 "overcast", "--aggregator-link-mbit", "50", "--drop-multicast",
+                                 "1", "--no-sched-trace", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    shown = " ".join(proc.stdout.split())
+    assert "3 hosts, 50 Mbit/s per direction, aggregator behind a 50 Mbit/s link;" in shown
+    said = ("multicast not delivered: rank 1 (198.18.0.2) heard no other rank's multicast; "
+            "overlap() runs the AllGathers on the ring")
+    assert f"overcast: {said}" in shown
+    doc = json.loads((tmp_path / "train.json").read_text())
+    assert doc["meta"]["aggregator_link_bits_per_s"] == 50_000_000
+    [result] = doc["shapes"][0]["results"]
+    assert result["warnings"] == [said]
+    assert result["algorithms"] == {"allgather": "ring", "unpaired_allgather": "ring",
+                                    "reduce_scatter": "innetwork"}
 
 
 @root_only

@@ -199,3 +199,14 @@ def file_flags(p, json_help: str, png_help: str) -> None:
     p.add_argument("--json", help=json_help)
     p.add_argument("--png", "--plot", dest="png", help=png_help + " (default: beside --json)")
 
+
+
+def drop_flag(p) -> None:
+    p.add_argument("--drop-multicast", default="",
+                   help="hosts, comma-separated, or all: the switch drops the multicast it would "
+                        "send them, as a network without multicast does")
+
+
+def dropped_hosts(args) -> list[int]:
+    return list(range(args.hosts)) if args.drop_multicast == "all" else \
+        parse_ints(args.drop_multicast, "--drop-multicast")

@@ -24,9 +24,9 @@ import threading
 
 from overcast.cli import scale
 from overcast.cli.common import (HelpFormatter, aggregator_flags, aggregators_from,
-                                 check_writable, console_for, csv_items, file_flags, hosts_flag,
-                                 link_flags, link_rates, parse_ints, parse_sizes, png_of,
-                                 progress_bar, save_results)
+                                 check_writable, console_for, csv_items, drop_flag,
+                                 dropped_hosts, file_flags, hosts_flag, link_flags, link_rates,
+                                 parse_ints, parse_sizes, png_of, progress_bar, save_results)
 from overcast.units import parse_size
 
 # Older names each flag still answers to, and the one it has now.
@@ -124,6 +124,8 @@ def _train(args) -> int:
     for _, cfg in shapes:
         check_request(ways, args.hosts, args.steps, args.warmup, bits, cfg, args.lr,
                       args.prefetch, args.device)
+    aggregator_bits = aggregators_from(args).link_bits
+    dropped = dropped_hosts(args)
     try:
         os.makedirs(args.out, exist_ok=True)
     except OSError as err:
@@ -137,6 +139,7 @@ def _train(args) -> int:
     bar, progress = progress_bar(console)
     with bar:
         doc = run_training(args.hosts, int(bits), ways, args.steps, args.warmup, shapes,
+                           aggregator_bits=aggregator_bits, drop_multicast=dropped,
                            lr=args.lr, out_dir=args.out, progress=progress,
                            prefetch=args.prefetch, sched_trace=args.sched_trace,
                            device=args.device,
@@ -204,8 +207,7 @@ def _cluster(args) -> int:
                          "overcast cluster run --hosts 4 -- python train.py")
     [bits] = link_rates(args, several=False)
     aggregators = aggregators_from(args)
-    dropped = list(range(args.hosts)) if args.drop_multicast == "all" else \
-        parse_ints(args.drop_multicast, "--drop-multicast")
+    dropped = dropped_hosts(args)
     with Cluster(args.hosts, int(bits), mtu=args.mtu, aggregators=aggregators.count,
                  aggregator_bits_per_s=aggregators.link_bits, drop_multicast=dropped) as cluster:
         if args.action == "up":
@@ -333,6 +335,11 @@ def parser() -> argparse.ArgumentParser:
                    help="record the scheduler (tracefs, root) to say what the training threads "
                         "waited behind for a CPU; it slows short steps, so compare step times "
                         "without")
+    t.add_argument("--aggregator-link-mbit", type=float, default=None,
+                   help="the aggregator's link, Mbit/s per direction (default: unshaped, a "
+                        "switch that sums at line rate)")
+    drop_flag(t)
+    t.set_defaults(aggregators=1, shards=None)  # one aggregator, its default shards
     t.add_argument("--lr", type=float, default=1e-3, help="AdamW's learning rate")
     t.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                    help="where each host's rank trains (cuda: every rank on this machine's "
@@ -395,9 +402,7 @@ def parser() -> argparse.ArgumentParser:
         link_flags(a, "400", "--link-mbit", several=False)
         a.add_argument("--mtu", type=int, default=9000, help="the links' MTU, bytes")
         aggregator_flags(a)
-        a.add_argument("--drop-multicast", default="",
-                       help="hosts, comma-separated, or all: the switch drops the multicast it "
-                            "would send them, as a network without multicast does")
+        drop_flag(a)
         if name == "run":
             a.add_argument("--no-switch", dest="switch", action="store_false",
                            help="do not start the aggregators (overcast switch) on their "

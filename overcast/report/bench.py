@@ -51,9 +51,20 @@ def table(doc: dict, wide: bool = False) -> Table:
             ("agg cpu s", lambda r: _maybe(r.get("switch_cpu_seconds_per_run"), ".3f"), True),
             ("machine cpu", lambda r: f"{r['machine_cpu_busy']:.0%}", True),
             ("correct", lambda r: "yes" if r["correct"] else "[bold red]NO[/]", False)]
+    pool = meta.get("aggregators")
     return table_of(f"{meta['hosts']} hosts, {mbit_text(rates)} Mbit/s per direction, MTU "
-                    f"{meta['mtu']}, {meta['dtype']}, median of {meta['repetitions']} runs",
-                    spec, doc["results"], wide)
+                    f"{meta['mtu']}, {meta['dtype']}, median of {meta['repetitions']} runs" +
+                    (f"; {aggregator_text(pool['count'], pool['link_bits_per_s'])}" if pool
+                     else ""), spec, doc["results"], wide)
+
+
+def aggregator_text(count: int, link_bits: float | None) -> str:
+    """What the in-network reductions were summed by: the emulated switch's aggregators, their
+    links unshaped (a switch that sums at line rate on every port) or shaped (aggregator
+    hosts)."""
+    who = "aggregator" if count == 1 else f"{count} aggregators, each"
+    return (f"{who} switch-like (its link unshaped)" if link_bits is None else
+            f"{who} behind a {link_bits / 1e6:g} Mbit/s link")
 
 
 def algorithm_label(r: dict) -> str:

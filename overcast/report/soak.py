@@ -7,6 +7,7 @@ import numpy as np
 from rich.table import Table
 
 from overcast.bench.soak import slowest_rank_seconds
+from overcast.report.bench import aggregator_text
 from overcast.units import human_bytes
 
 
@@ -17,9 +18,9 @@ def summary_table(doc: dict):
     t = Table(title=f"soak: {s['pairs']} overlapped pairs, {meta['hosts']} hosts, "
                     f"{meta['link_bits_per_s'] / 1e6:g} Mbit/s, "
                     f"{human_bytes(meta['bytes_per_rank'])} per rank, loss {meta['loss']:g} "
-                    f"(bursts of {meta['loss_burst']:g}), {pool['count']} aggregator"
-                    f"{'s' if pool['count'] > 1 else ''}"
-                    f" of {pool['shards']} shard{'s' if pool['shards'] > 1 else ''}")
+                    f"(bursts of {meta['loss_burst']:g}); "
+                    f"{aggregator_text(pool['count'], pool.get('link_bits_per_s'))}, "
+                    f"{pool['shards']} shard{'s' if pool['shards'] > 1 else ''} each")
     t.add_column("what")
     t.add_column("value", justify="right")
     t.add_row("pairs bit-exact", f"{s['pairs_exact']} of {s['pairs']}")

@@ -7,7 +7,7 @@ import os
 
 from rich.table import Table
 
-from overcast.report.bench import table_of
+from overcast.report.bench import aggregator_text, table_of
 from overcast.units import human_bytes
 from overcast.train.compare import PEER
 from overcast.train.config import OVERCAST_WAYS
@@ -54,6 +54,7 @@ def table(doc: dict, run: dict, wide: bool = False) -> Table:
     prefetch = meta.get("prefetch", 1)
     t = table_of(f"GPT {_shape_text(run)}; FSDP2 on {meta['hosts']} hosts, "
                  f"{meta['link_bits_per_s'] / 1e6:g} Mbit/s per direction"
+                 f"{_aggregator(meta, run['results'])}"
                  f"{f', prefetch {prefetch} blocks' if prefetch != 1 else ''}; median of "
                  f"steps {meta['warmup'] + 1}-{meta['steps']}; speedup over {PEER}; loss "
                  f"diff: the largest from {run['results'][0]['way']}'s at any step",
@@ -80,8 +81,17 @@ def table(doc: dict, run: dict, wide: bool = False) -> Table:
                         f"rate): overcast {p['step_seconds']['overcast']:.3f} s, rings "
                         f"{p['step_seconds']['rings']:.3f} s, speed-up over rings "
                         f"{p['speedup_over_rings']:.2f}x")
+    for r in run["results"]:
+        captions += [f"{r['way']}: {said}" for said in r.get("warnings", [])]
     t.caption = "\n".join(captions) or None
     return t
+
+
+def _aggregator(meta: dict, results: list[dict]) -> str:
+    """", " and the aggregator's link, where a way reduced in the network; else nothing."""
+    if not any(r.get("algorithms", {}).get("reduce_scatter") == "innetwork" for r in results):
+        return ""
+    return ", " + aggregator_text(1, meta.get("aggregator_link_bits_per_s"))
 
 
 def _behind(result: dict) -> str:
@@ -124,7 +134,8 @@ def matrix_table(doc: dict, wide: bool = False) -> Table:
              lambda run: against_peer(run, "own_host_compute_seconds"), True),
             ("loss diff", lambda run: f"{max(r['max_loss_difference'] for r in run['results']):.1e}",
              False)]
-    return table_of(f"Shapes on {meta['hosts']} hosts, {meta['link_bits_per_s'] / 1e6:g} Mbit/s: "
+    return table_of(f"Shapes on {meta['hosts']} hosts, {meta['link_bits_per_s'] / 1e6:g} Mbit/s"
+                    f"{_aggregator(meta, [r for run in doc['shapes'] for r in run['results']])}: "
                     f"step seconds, median of steps {meta['warmup'] + 1}-{meta['steps']}; vs "
                     f"rings measured and predicted; overcast's step over the predicted one",
                     spec, doc["shapes"], wide, left=("shape",))

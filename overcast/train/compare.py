@@ -88,6 +88,8 @@ def summarize(way: str, per_rank: list[dict], warmup: int, switch_cpu: float | N
     } if traced else {}
     return {
         "way": way, "description": WAYS[way], **waits,
+        # what overlap() ran each collective on, and what it warned of (rank 0's)
+        "algorithms": per_rank[0]["algorithms"], "warnings": per_rank[0]["warnings"],
         "step_seconds": slowest("seconds"),
         "step_seconds_all": per_step("seconds"),
         "forward_comm_seconds": slowest("forward_comm_seconds"),
@@ -160,20 +162,26 @@ def prediction(cfg: GPTConfig, hosts: int, link_bits: float, results: list[dict]
 def run_training(hosts: int, link_bits: int, ways: list[str], steps: int, warmup: int,
                  shapes: list[tuple[str, GPTConfig]], lr: float = 1e-3,
                  out_dir: str | None = None, progress=None, prefetch: int = 1,
-                 sched_trace: bool = True, device: str = "cpu", write_timeline=None) -> dict:
+                 sched_trace: bool = True, device: str = "cpu", write_timeline=None,
+                 aggregator_bits: int | None = None, drop_multicast: list[int] = ()) -> dict:
     """Train every shape every way on one cluster; return {"meta": ..., "shapes": [...]} and,
     with `out_dir` and `write_timeline(traces, path, link_bits, title)` (overcast.report.
     timeline's), write the backward-step timelines of the overcast ways there.
     `sched_trace` records the scheduler to say what the training threads waited behind
     (overcast.train.waits); it slows overcast's steps more than the others' where steps are
-    short (docs/results.md), so step times meant for comparison are best taken without it."""
+    short (docs/results.md), so step times meant for comparison are best taken without it.
+    The aggregator's link is unshaped (a switch that sums at line rate), or `aggregator_bits`
+    each way (an aggregator host's NIC); the switch drops the multicast it would send to the
+    hosts `drop_multicast` names (a network without multicast)."""
     for _, cfg in shapes:
         check_request(ways, hosts, steps, warmup, link_bits, cfg, lr, prefetch, device)
     import torch  # imported once here so that forked hosts start fast
 
     runs, total = [], len(shapes) * len(ways)
     why_untraced = mount_tracefs() if sched_trace else "--no-sched-trace"
-    with Cluster(hosts, link_bits) as cluster, kernel_run_delays() as delays_kept:
+    with Cluster(hosts, link_bits, aggregator_bits_per_s=aggregator_bits,
+                 drop_multicast=drop_multicast) as cluster, \
+            kernel_run_delays() as delays_kept:
         switch = cluster.start_switch() if "overcast" in ways else None
         for name, cfg in shapes:
             results, timelines = [], []
@@ -211,6 +219,8 @@ def run_training(hosts: int, link_bits: int, ways: list[str], steps: int, warmup
             progress(total, total, "done")
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "hosts": hosts, "link_bits_per_s": link_bits, "steps": steps, "warmup": warmup,
+            "aggregator_link_bits_per_s": aggregator_bits,
+            "multicast_dropped_to": list(drop_multicast),
             "lr": lr, "prefetch": prefetch, "device": device, "cpu_waits_measured": delays_kept,
             "machine": machine(),
             "cpu_waits_traced": why_untraced is None, "untraced_because": why_untraced,

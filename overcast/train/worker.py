@@ -51,6 +51,7 @@ def train_rank(rank: int, way: str, config: dict, steps: int, lr: float, trace: 
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
+    import overcast
     from overcast.cluster.netns import read_nic_counters
     from overcast.fsdp.timing import thread_clock
     from overcast.staging import process_pool, stream_gates
@@ -65,7 +66,14 @@ def train_rank(rank: int, way: str, config: dict, steps: int, lr: float, trace: 
         torch.cuda.set_device(0)
     try:
         model = shard(build(cfg), init_device_mesh(device, (world,)))
-        with configure(model, way, trace, prefetch) as handle:
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always", overcast.MulticastNotDeliveredWarning)
+            handle = configure(model, way, trace, prefetch)
+        for warning in said:  # multicast not delivered: every rank alike, the table tells it
+            if warning.category is not overcast.MulticastNotDeliveredWarning:
+                warnings.warn_explicit(warning.message, warning.category, warning.filename,
+                                       warning.lineno)
+        with handle:
             optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
             times = handle.times
             rows = []
@@ -123,6 +131,9 @@ def train_rank(rank: int, way: str, config: dict, steps: int, lr: float, trace: 
                     "comm": handle.stats(),
                     "pinned_peak_bytes": process_pool().stats()["peak_bytes"] if gpu else 0,
                     "stream_gates": gpu and stream_gates() is not None,
-                    "trace": _window(timeline, *backward) if timeline else None}
+                    "trace": _window(timeline, *backward) if timeline else None,
+                    "algorithms": handle.algorithms,
+                    "warnings": [str(w.message) for w in said
+                                 if w.category is overcast.MulticastNotDeliveredWarning]}
     finally:
         dist.destroy_process_group()
