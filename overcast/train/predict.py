@@ -25,12 +25,7 @@ it does not is the exposed communication.
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-
-import numpy as np
-
-from overcast.sim.fairness import max_min_rates
+from overcast.sim.step import run_step
 from overcast.train.config import GPTConfig
 from overcast.train.gpt import TinyGPT
 
@@ -155,57 +150,12 @@ def _bytes_each_way(kind: str, n: int, world: int, overlapped: bool) -> tuple[fl
     return (n, (world - 1) * n) if kind == "allgather" else ((world - 1) * n, n)
 
 
-@dataclass
-class _Flight:
-    """A collective in flight: bytes left in its busier direction, and the share of those its
-    send and its receive direction each carry."""
-    left: float
-    sent: float
-    received: float
-
-
 def simulate_step(schedule: list[tuple], world: int, link_bytes_per_s: float,
                   overlapped: bool) -> float:
-    """Seconds the schedule takes with every collective at the link's rate: the collectives in
-    flight share each direction of a rank's link max-min fairly (a flow's rate is the bytes/s
-    of its busier direction), while the training thread computes or waits."""
-    flights: dict[str, _Flight] = {}
-    posted: set[str] = set()
-    now = 0.0
-
-    def run(until: float = math.inf, name: str | None = None) -> None:
-        """Move the flights on until `until`, or until `name` has landed."""
-        nonlocal now
-        while flights and (name in flights if name else now < until):
-            names = list(flights)
-            demand = np.array([[flights[n].sent for n in names],
-                               [flights[n].received for n in names]])
-            rates = max_min_rates(demand, np.full(2, link_bytes_per_s),
-                                  np.full(len(names), np.inf), np.ones(len(names), bool))
-            step = min(min(flights[n].left / r for n, r in zip(names, rates)), until - now)
-            now += step
-            for n, r in zip(names, rates):
-                flights[n].left -= r * step
-                if flights[n].left <= 1e-9 * link_bytes_per_s:
-                    del flights[n]
-        if until < math.inf:
-            now = max(now, until)
-
-    for action in schedule:
-        if action[0] == "compute":
-            run(until=now + action[1])
-        elif action[0] == "post":
-            _, name, kind, n = action
-            posted.add(name)
-            sent, received = _bytes_each_way(kind, n, world, overlapped)
-            busier = max(sent, received)
-            if busier > 0:
-                flights[name] = _Flight(busier, sent / busier, received / busier)
-        else:
-            if action[1] not in posted:
-                raise ValueError(f"the schedule waits for {action[1]!r} before posting it")
-            run(name=action[1])
-    return now
+    """Seconds the schedule takes with every collective at the link's rate (overcast.sim.step),
+    each moving what `_bytes_each_way` says: rings, or overcast's two when `overlapped`."""
+    return run_step(schedule, link_bytes_per_s,
+                    lambda kind, n: _bytes_each_way(kind, n, world, overlapped))
 
 
 def predict(cfg: GPTConfig, world: int, link_bits_per_s: float, compute: dict,
