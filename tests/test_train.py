@@ -134,6 +134,10 @@ def test_overcast_train_compares_four_ways(tmp_path):
     for name in ("losses-given.png", "steps-given.png", "timeline-given-overcast.png",
                  "timeline-given-overcast.json"):
         assert (tmp_path / name).stat().st_size > 0
+    # the gloo way ran under overcast.fsdp.timed(): its step profile, for overcast plan --timed
+    profile = json.loads((tmp_path / "profile-given.json").read_text())
+    assert profile["step_seconds"] == ways["gloo"]["step_seconds"]
+    assert profile["compute_seconds"] == ways["gloo"]["compute_seconds"]
     # The backward overlaps a block's ReduceScatter with the AllGather of the block before.
     # Whether a given pair's spans meet depends on how long the compute between them took on
     # these shared cores (one CI run saw only blocks.1's on rank 0): on some rank, one must.

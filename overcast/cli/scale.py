@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from overcast.cli.common import (check_writable, console_for, csv_items, file_flags, hosts_flag,
                                  link_flags, link_rates, parse_floats, parse_ints, parse_sizes,
                                  png_of, progress_bar, read_json_files, save_results)
@@ -42,8 +44,9 @@ def _simulate(args) -> int:
 
 
 def _plan(args) -> int:
-    from overcast.report.simulate import plan_table, plot_plan
-    from overcast.sim.plan import PRESETS, AggregatorSizing, Model, parse_count, plan
+    from overcast.report.simulate import plan_lines, plan_table, plot_plan
+    from overcast.sim.plan import (PRESETS, AggregatorSizing, Job, Model, compute_from_profile,
+                                   parse_count, plan)
 
     console = console_for(args)
     kind, radix = args.topology, args.radix
@@ -61,29 +64,39 @@ def _plan(args) -> int:
                             for x in csv_items(args.layer_params)), **options)
     else:
         model = Model.uniform(parse_count(args.params, "--params"), args.layers, **options)
+    job = Job(args.ranks_per_node, args.mtu, args.host_cores,
+              aggregators=int(args.aggregators) if args.aggregators.isdigit() else
+              args.aggregators)
+    if args.compute_ms and args.timed:
+        raise ValueError("give the compute per layer (--compute-ms) or a step profile "
+                         "(--timed), not both")
+    if args.compute_ms:
+        given = parse_floats(args.compute_ms, "--compute-ms")
+        if len(given) not in (1, 2):
+            raise ValueError(f"--compute-ms takes a layer's forward milliseconds, and its "
+                             f"backward's (default: twice the forward), not {args.compute_ms!r}")
+        forward, backward = given[0] / 1e3, (given[1] if len(given) > 1 else 2 * given[0]) / 1e3
+        job = replace(job, compute=(forward, backward),
+                      compute_from=f"{forward * 1e3:g} ms forward, {backward * 1e3:g} ms "
+                                   f"backward (given)")
+    elif args.timed:
+        compute, said = compute_from_profile(args.timed, model)
+        job = replace(job, compute=compute, compute_from=said)
     check_writable(args.json, "--json")
     check_writable(png_of(args), "--png")
     sizing = AggregatorSizing(args.within, args.aggregator_cores,
                               None if args.aggregator_link_gbit is None else
                               args.aggregator_link_gbit * 1e9)
     bar, progress = progress_bar(console)
-    with bar:  # plan checks the model and the cluster before the first run
+    with bar:  # plan checks the model, the job and the cluster before the first run
         doc = plan(model, kind, hosts, rates, radix=radix,
                    oversubscription=parse_floats(args.oversubscription, "--oversubscription"),
-                   host_cores=args.host_cores, sizing=sizing, progress=progress)
-    console.print(plan_table(doc))
-    for p in doc["results"]:
-        a = p["aggregators"]
-        console.print(f"{p['nodes']} hosts, {p['link_bits_per_s'] / 1e9:g} Gbit/s: "
-                      f"[bold]{p['choice']}[/]: {p['why']}; its software aggregators: "
-                      f"{a['count']:,} hosts x {a['shards']} cores ({a['cores']:,} cores) "
-                      f"behind {a['nic_bits_per_s'] / 1e9:g} Gbit/s links hold the pair at "
-                      f"{a['pair_ratio']:.2f}x its floor" + ("" if a["met"] else
-                      f", not within {a['within']:g}x (the largest pool the sizing tried)"),
-                      highlight=False)
+                   job=job, sizing=sizing, progress=progress)
+    console.print(plan_table(doc, wide=args.wide))
+    for line in plan_lines(doc):
+        console.print(line, highlight=False)
     save_results(doc, console, args.json, png_of(args), plot_plan)
     return 0
-
 
 
 def add_commands(command) -> None:
@@ -136,8 +149,9 @@ def add_commands(command) -> None:
                         "the JSON has them all")
     m.set_defaults(func=_simulate)
 
-    n = command("plan", "a training step's communication on a cluster, rings against "
-                        "overcast, and which to use (simulated, no root needed)")
+    n = command("plan", "your training job's step on a cluster, against an NCCL-like ring at "
+                        "line rate, which to use and the hardware it assumes (simulated, no "
+                        "root needed)")
     n.add_argument("--preset", help="a cluster by name: emulated, ethernet-fat-tree, rail-400g "
                                     "(instead of --hosts, --link-gbit, --topology, --radix)")
     hosts_flag(n, "8,64,188,1024", many=True)
@@ -153,8 +167,25 @@ def add_commands(command) -> None:
     n.add_argument("--dtype", default="bf16", help="the gathered dtype (FSDP2's param_dtype)")
     n.add_argument("--reduce-dtype", help="the gradients' dtype (default: --dtype)")
     n.add_argument("--micro-steps", type=int, default=1, help="gradient accumulation steps")
-    n.add_argument("--host-cores", "--cores", dest="host_cores", type=float, default=8.0,
-                   help="cores per host the communication engine may use")
+    n.add_argument("--ranks-per-node", type=int, default=1,
+                   help="ranks on each node, sharing its NIC")
+    n.add_argument("--mtu", type=int, default=9000,
+                   help="the path MTU, bytes: overcast's engine pays per datagram")
+    n.add_argument("--host-cores", "--cores", dest="host_cores", type=float,
+                   help="cores per node overcast's engine may use (default: one per rank, "
+                        "what it uses: a thread per rank)")
+    n.add_argument("--compute-ms",
+                   help="each layer's compute per micro-step, ms: forward[,backward] (default "
+                        "backward: twice the forward; default: none, communication alone)")
+    n.add_argument("--timed", metavar="FILE",
+                   help="a step profile from overcast.fsdp.timed(model) (handle.profile) or "
+                        "overcast train: its compute, the step less its exposed "
+                        "communication, shared among the layers (instead of --compute-ms)")
+    n.add_argument("--aggregators", default="sized",
+                   help="what sums the in-network reductions: sized (aggregator hosts sized "
+                        "for --within), switch (a switch that sums at line rate), "
+                        "beside-rank-0 (one on node 0, as overlap() starts without "
+                        "OVERCAST_SWITCH), or a number of aggregator hosts")
     n.add_argument("--within", type=float, default=1.10,
                    help="size overcast's software aggregators for the pair to hold this "
                         "many times its floor")
@@ -164,4 +195,7 @@ def add_commands(command) -> None:
                    help="each aggregator host's link, Gbit/s per direction (default: the "
                         "hosts' link rate)")
     file_flags(n, "write {meta, results} here (JSON)", "the speedup against hosts and link rate")
+    n.add_argument("--wide", action="store_true",
+                   help="every column (exposed communication, an offloaded engine's step, the "
+                        "pair on the sized aggregators); the JSON has them all")
     n.set_defaults(func=_plan)

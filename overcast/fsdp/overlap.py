@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import json
 import warnings
 
 import torch
@@ -175,6 +176,25 @@ class Overlap:
         """Seconds the training thread spent posting and waiting on collectives, its CPU time
         in them, and the number of each, since overlap()."""
         return self.times.as_dict()
+
+    def profile(self, steps: int, seconds: float, path: str | None = None) -> dict:
+        """The step of the `steps` steps that took `seconds` since overlap() or timed() (open
+        it after a warm-up step): its mean, the communication it left exposed (the training
+        thread posting and waiting), its compute (the rest), the collectives per step;
+        written to `path` as JSON if given, for `overcast plan --timed`."""
+        if not (isinstance(steps, int) and steps >= 1 and seconds > 0):
+            raise InvalidArgumentError(f"profile() needs 1 or more steps and their seconds "
+                                       f"above 0, not {steps!r} and {seconds!r}")
+        stats = self.stats()
+        step, exposed = seconds / steps, (stats["post_seconds"] + stats["wait_seconds"]) / steps
+        out = {"what": "overcast.fsdp step profile", "steps": steps, "step_seconds": step, "exposed_seconds": exposed,
+               "compute_seconds": step - exposed,
+               "allgathers_per_step": stats["allgathers"] / steps,
+               "reduce_scatters_per_step": stats["reduce_scatters"] / steps}
+        if path is not None:
+            with open(path, "w") as f:
+                json.dump(out, f, indent=1)
+        return out
 
     def spans(self) -> list[tuple[str, str, float, float]]:
         """With trace=True, each collective as (kind "AG"/"RS", module, posted, waited) in

@@ -103,29 +103,45 @@ def pair_text(aggregators: dict) -> str:
 
 def plan_table(doc: dict, wide: bool = False) -> Table:
     meta = doc["meta"]
+    def oc(p: dict) -> dict:
+        return p["ways"]["overcast"]
     spec = [("hosts", lambda p: str(p["nodes"]), False),
             ("link", lambda p: rate_text(p["link_bits_per_s"]), False),
-            *((way, lambda p, way=way: seconds_text(p["ways"][way]["seconds"]), False)
-              for way in ("rings", "rings-separate", "overcast")),
-            ("speedup", lambda p: f"{p['speedup_over_rings']:.2f}x", False),
-            ("native cores", lambda p: f"{p['ways']['overcast']['engine_cores_native']:.1f}",
-             False),
-            ("offload engines",
-             lambda p: f"{p['ways']['overcast']['engine_cores_offload']:.2f}", False),
-            ("aggregators", lambda p: f"{p['aggregators']['count']:,} x "
-                                      f"{p['aggregators']['shards']}", True),
-            ("agg. link", lambda p: rate_text(p["aggregators"]["nic_bits_per_s"]), True),
-            ("pair", lambda p: pair_text(p["aggregators"]), True),
+            ("ring s", lambda p: f"{p['ways']['ring']['step_seconds']:.3f}", False),
+            ("ring exposed s", lambda p: f"{p['ways']['ring']['exposed_seconds']:.3f}", True),
+            ("overcast s", lambda p: f"{oc(p)['step_seconds_on_host_cores']:.3f}", False),
+            ("vs ring", lambda p: f"{p['speedup_over_ring']:.2f}x", False),
+            ("cores", lambda p: f"{oc(p)['engine_cores_native']:.1f}", False),
+            ("offloaded s", lambda p: f"{oc(p)['step_seconds']:.3f}", False),
+            ("vs ring ", lambda p: f"{p['speedup_over_ring_offloaded']:.2f}x", False),
+            ("overcast exposed s", lambda p: f"{oc(p)['exposed_seconds']:.3f}", True),
+            ("aggregators", lambda p: p["aggregators"]["short"], False),
+            ("pair", lambda p: pair_text(p["aggregators"]) if "pair_ratio" in p["aggregators"]
+             else "", True),
             ("use", lambda p: p["choice"], False)]
-    return table_of(f"plan: {meta['params'] / 1e9:.2f}B parameters in {meta['layers']} layers, "
-                    f"{meta['dtype']} gathered, {meta['reduce_dtype']} reduced, "
-                    f"{meta['micro_steps']} micro-step(s); communication per step", spec,
-                    doc["results"], wide, left=("use",))
+    ranks = meta["ranks_per_node"]
+    t = table_of(f"plan: {meta['params'] / 1e9:.2f}B parameters in {meta['layers']} layers, "
+                 f"{meta['dtype']} gathered, {meta['reduce_dtype']} reduced, "
+                 f"{meta['micro_steps']} micro-step(s); {ranks} rank{'s' * (ranks > 1)} per "
+                 f"node, MTU {meta['mtu']}; compute per layer: {meta['compute_from']}",
+                 spec, doc["results"], wide, left=("use", "aggregators"))
+    t.caption = (f"A step's seconds. ring: an NCCL-like ring at line rate; overcast: with its "
+                 f"engine on {meta['host_cores']:g} core(s) per node (cores: how many it needs); "
+                 f"offloaded: overcast with an offloaded engine; vs ring: the ring's step over "
+                 f"the one before")
+    return t
+
+
+def plan_lines(doc: dict) -> list[str]:
+    """Each point's choice and why, and the hardware overcast's figures assume."""
+    return [f"{p['nodes']} hosts, {rate_text(p['link_bits_per_s'])}: [bold]{p['choice']}[/]: "
+            f"{p['why']}" for p in doc["results"]] + \
+        ["overcast assumes: " + "; ".join(doc["meta"]["overcast_assumes"])]
 
 
 def plot_plan(doc: dict, path: str) -> None:
-    """The speedup of overcast over rings (one group), against nodes for each link rate (left)
-    and against the link rate for each node count (right)."""
+    """overcast's step against the ring's, against nodes for each link rate (left) and
+    against the link rate for each node count (right)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -133,17 +149,17 @@ def plot_plan(doc: dict, path: str) -> None:
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
     rows = doc["results"]
     for rate in sorted({p["link_bits_per_s"] for p in rows}):
-        pts = sorted((p["nodes"], p["speedup_over_rings"]) for p in rows
+        pts = sorted((p["nodes"], p["speedup_over_ring"]) for p in rows
                      if p["link_bits_per_s"] == rate)
         left.plot(*zip(*pts), marker="o", label=rate_text(rate))
     for nodes in sorted({p["nodes"] for p in rows}):
-        pts = sorted((p["link_bits_per_s"] / 1e9, p["speedup_over_rings"]) for p in rows
+        pts = sorted((p["link_bits_per_s"] / 1e9, p["speedup_over_ring"]) for p in rows
                      if p["nodes"] == nodes)
         right.plot(*zip(*pts), marker="o", label=f"{nodes} nodes")
     for ax, what in ((left, "hosts"), (right, "link rate per direction, Gbit/s")):
         ax.set_xscale("log", base=2 if ax is left else 10)
         ax.set_xlabel(what)
-        ax.set_ylabel("step communication: rings / overcast")
+        ax.set_ylabel("step: ring / overcast")
         ax.axhline(1, color="grey", linewidth=0.8)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)

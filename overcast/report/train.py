@@ -202,8 +202,9 @@ def plot_steps(doc: dict, run: dict, path: str) -> None:
 
 
 def write(doc: dict, out_dir: str) -> list[str]:
-    """train.json, and losses-<shape>.png and steps-<shape>.png per shape, in `out_dir`;
-    returns the paths written."""
+    """train.json, and losses-<shape>.png and steps-<shape>.png per shape, in `out_dir`, and
+    where the gloo way ran (overcast.fsdp.timed), its step profile for `overcast plan --timed`
+    as profile-<shape>.json; returns the paths written."""
     paths = [os.path.join(out_dir, "train.json")]
     with open(paths[0], "w") as f:
         json.dump(doc, f, indent=1)
@@ -213,7 +214,24 @@ def write(doc: dict, out_dir: str) -> list[str]:
         plot_losses(run, losses)
         plot_steps(doc, run, steps)
         paths += [losses, steps]
+        timed = next((r for r in run["results"] if r["way"] == "gloo"), None)
+        if timed is not None:
+            paths.append(os.path.join(out_dir, f"profile-{run['shape']}.json"))
+            with open(paths[-1], "w") as f:
+                json.dump(profile_of(doc["meta"], timed), f, indent=1)
     return paths
+
+
+def profile_of(meta: dict, result: dict) -> dict:
+    """A way's step as a step profile (overcast.fsdp.Overlap.profile's form): the step, the
+    communication it left exposed, its compute and that split between forward and backward."""
+    return {"what": f"overcast train, way {result['way']}, {meta['hosts']} hosts at "
+                    f"{meta['link_bits_per_s'] / 1e6:g} Mbit/s",
+            "steps": meta["steps"] - meta["warmup"], "step_seconds": result["step_seconds"],
+            "exposed_seconds": result["forward_comm_seconds"] + result["backward_comm_seconds"],
+            "compute_seconds": result["compute_seconds"],
+            "forward_compute_seconds": result["forward_compute_seconds"],
+            "backward_compute_seconds": result["backward_compute_seconds"]}
 
 
 def staging_lines(run: dict) -> list[str]:

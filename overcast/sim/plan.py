@@ -1,63 +1,69 @@
-"""`overcast plan`: a training step's communication on a given cluster, three ways, and which to
-use.
+"""`overcast plan`: a training step of the user's job on a given cluster, against an NCCL-like ring
+at line rate, and which to use, with the hardware that answer assumes.
 
-The step is what `overcast.fsdp.overlap` makes of FSDP2 with reshard_after_forward=True: per
-micro-step, the forward pass gathers every layer's parameters (an AllGather of the layer's
-shard, in the gathered dtype) and the backward pass gathers them again while the previous
-layer's gradients are reduce-scattered (in the reduce dtype). The three ways:
+The job: a model (each FSDP unit's parameters, the gathered and reduced dtypes, micro-steps),
+its ranks per node (one NIC per node, which the node's ranks share), the path MTU, the cores
+overcast's engine may use per node (by default what it uses: a thread per rank), its compute per
+layer (given, or the step less its exposed communication as `overcast.fsdp.timed(model)`
+measured it), and what sums the in-network reductions: a switch that sums at line rate, software
+aggregator hosts (sized for the pair, or a given count), or the one overlap() starts beside
+rank 0 when no OVERCAST_SWITCH is named, on node 0's link.
 
-- rings: one process group, as gloo and NCCL run FSDP2 by default: each layer's backward
-  AllGather and ReduceScatter share one ring schedule, one after the other;
-- rings-separate: the ReduceScatter on a process group of its own, so the two rings overlap
-  (they then share both directions of every link: no faster on the wire, only less exposed);
-- overcast: multicast AllGather beside in-network ReduceScatter, overlapped; the forward's
-  AllGathers multicast too (`overlap(model, unpaired_allgather=None)`). overlap() runs them on
-  its ring by default, which on a few ranks costs less per call; here, with no per-call cost in
-  the engine model, the two take the same time, multicast with less CPU per byte, and at a
-  thousand ranks the ring's P-1 steps make it latency-bound.
+The step is what `overcast.fsdp.overlap` makes of FSDP2 with reshard_after_forward=True and a
+prefetch of one layer: per micro-step the forward gathers every layer, the backward gathers each
+again while the layer after it is reduce-scattered (the last micro-step only). Two ways:
 
-Each collective is simulated (overcast.sim.run) on the cluster; the engine cores each way needs
-come from the engine cost model: cores = CPU-seconds per host / seconds of communication, for
-overcast's engine on the host CPU (datagrams in its native core; rings: its TCP streams) and
-for an offloaded one (rings: NCCL on the GPU, no host CPU). With the host's engine and
-`host_cores` cores per host, a way whose CPU needs more than that takes CPU-seconds /
-host_cores instead.
+- ring: an NCCL-like ring at line rate: an AllGather or ReduceScatter of N bytes per rank moves
+  (P-1)N each way through each node's NIC, whatever the ranks per node;
+- overcast: multicast AllGather (the forward's too, `overlap(unpaired_allgather=None)`) beside
+  in-network ReduceScatter: a node's NIC sends its G ranks' shards once and receives the other
+  (P-G) ranks' shards; for the ReduceScatter it sends its ranks' whole gradients, G(P-1)M, and
+  receives their G results.
 
-overcast's in-network ReduceScatter needs something that sums. A switch that reduces (SHARP)
-does it at line rate on every port; overcast's software aggregator does it at the cost measured
-per contribution (overcast.sim.engine.AGGREGATOR_US_PER_CONTRIBUTION) per core. Each point says
-how many aggregator hosts (behind NICs of `aggregator_nic_bits`, default the hosts' rate) of at
-most `aggregator_cores` cores it takes for the pair to hold `within` times its floor
-(engine.pool_for), and confirms it by simulating the largest layer's pair on that pool.
+Each collective is simulated alone on the cluster (overcast.sim.run, one host per node, each
+host's bytes those of its node's G ranks together: exact for what a node sends and what the
+aggregators take), then the step's schedule runs against a node's link (overcast.sim.step): the
+collectives in flight share each direction max-min, each moving its bytes through the node's NIC
+and then taking what its simulated time adds to theirs at line rate (hops' latency, the
+aggregators' pace) without the link. overcast's engine pays its CPU per datagram
+(the chunk the MTU allows); where it needs more cores than the node gives it, its collectives
+stretch by that much. One baseline, the ring, for every speed-up and every verdict.
 """
 
 from __future__ import annotations
 
 import datetime
+import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from overcast.errors import InvalidArgumentError
-from overcast.limits import check_count, check_positive
-from overcast.sim.engine import NATIVE, OFFLOAD, AggregatorPool, pool_for
+from overcast.limits import check_count, check_mtu, check_positive
+from overcast.sim.engine import IDEAL, NATIVE, OFFLOAD, AggregatorPool, pool_for
 from overcast.sim.run import simulate
+from overcast.sim.step import run_step
 from overcast.sim.topology import Topology, build
+from overcast.transport.datagram import chunk_bytes
 
-WAYS = ("rings", "rings-separate", "overcast")
-WAY_TEXT = {"rings": "rings, one group (gloo/NCCL default)",
-            "rings-separate": "rings, ReduceScatter on its own group",
-            "overcast": "overcast: multicast + in-network, overlapped"}
-# The least share of the rings' time overcast must save to be the choice.
+WAYS = ("ring", "overcast")
+WAY_TEXT = {"ring": "an NCCL-like ring at line rate: an AllGather or ReduceScatter of N bytes "
+                    "per rank moves (P-1)N each way through each node's NIC",
+            "overcast": "multicast AllGather beside in-network ReduceScatter, at line rate"}
+# The least share of the ring's step overcast must save to be the choice.
 WORTH_SAVING = 0.05
 # How many pools the aggregator sizing simulates, each 10% larger than the one before.
 SIZING_STEPS = 8
 DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}
 # Clusters by name: (topology, radix, nodes, link Gbit/s).
 PRESETS = {
-    "emulated": ("star", None, [8], [0.1]),
+    "emulated": ("star", None, [4], [0.1]),
     "ethernet-fat-tree": ("fat-tree", 32, [8, 64, 188, 1024], [100, 400, 1600]),
     "rail-400g": ("fat-tree", 64, [64, 256, 1024, 2048], [400]),
 }
+# What sums the in-network reductions (or a whole number of aggregator hosts).
+AGGREGATOR_CHOICES = ("sized", "switch", "beside-rank-0")
+# A share of compute the forward takes when a profile does not split it (backward: twice).
+FORWARD_SHARE = 1 / 3
 
 
 def parse_count(text: str, flag: str) -> int:
@@ -104,9 +110,46 @@ class Model:
 
 
 @dataclass(frozen=True)
+class Job:
+    """How the model runs: `ranks_per_node` sharing each node's NIC, the path `mtu`, the cores
+    overcast's engine may use per node (None: one per rank, as its engine is a thread per rank),
+    each layer's compute per micro-step (forward, backward seconds; `compute_from` says where
+    it came from), and what sums the in-network reductions (AGGREGATOR_CHOICES, or a count of
+    aggregator hosts)."""
+
+    ranks_per_node: int = 1
+    mtu: int = 9000
+    host_cores: float | None = None
+    compute: tuple[float, float] = (0.0, 0.0)
+    compute_from: str = "none: communication alone"
+    aggregators: str | int = "sized"
+
+    def check(self) -> None:
+        check_count("the ranks per node", self.ranks_per_node, 1,
+                    "--ranks-per-node, ranks_per_node")
+        check_mtu(self.mtu)
+        if self.host_cores is not None:
+            check_positive("the engine's cores per node", self.host_cores,
+                           "--host-cores, host_cores")
+        if min(self.compute) < 0:
+            raise InvalidArgumentError(f"the compute per layer must be 0 or more, not "
+                                       f"{self.compute} (--compute-ms, compute)")
+        if self.aggregators not in AGGREGATOR_CHOICES and not (
+                isinstance(self.aggregators, int) and self.aggregators >= 1):
+            raise InvalidArgumentError(f"the aggregators must be one of "
+                                       f"{', '.join(AGGREGATOR_CHOICES)} or a count of hosts, "
+                                       f"not {self.aggregators!r} (--aggregators, aggregators)")
+
+    @property
+    def cores(self) -> float:
+        return float(self.ranks_per_node if self.host_cores is None else self.host_cores)
+
+
+@dataclass(frozen=True)
 class AggregatorSizing:
-    """What the software aggregators are sized for: the pair within `within` of its floor, on
-    hosts of at most `cores` cores behind NICs of `nic_bits` (None: the hosts' link rate)."""
+    """What software aggregator hosts are like, and what "sized" sizes them for: the pair
+    within `within` of its floor, on hosts of at most `cores` cores behind NICs of `nic_bits`
+    (None: the nodes' link rate)."""
 
     within: float = 1.10
     cores: int = 16
@@ -120,123 +163,274 @@ class AggregatorSizing:
                            "--aggregator-link-gbit, nic_bits")
 
 
-def size_aggregators(model: Model, topo: Topology, sizing: AggregatorSizing) -> dict:
-    """The aggregator pool the pair needs on `topo` (engine.pool_for), grown by 10% at a time
-    until the largest layer's pair, simulated on it, holds the bar, at most SIZING_STEPS times:
-    the pool returned is the last simulated, with its ratio, and `met` says whether it held the
-    bar (it cannot where the fabric, not the aggregators, holds the pair back)."""
+def compute_from_profile(path: str, model: Model) -> tuple[tuple[float, float], str]:
+    """Each layer's (forward, backward) compute per micro-step from a step profile (written by
+    overcast.fsdp.timed(model)'s handle, or `overcast train` for its gloo way): the step less
+    its exposed communication, shared evenly among the model's layers; and words saying so."""
+    try:
+        with open(path) as f:
+            profile = json.load(f)
+        compute = profile["compute_seconds"]
+        forward = profile.get("forward_compute_seconds", compute * FORWARD_SHARE)
+        backward = profile.get("backward_compute_seconds", compute - forward)
+        step, exposed = profile["step_seconds"], profile["exposed_seconds"]
+    except OSError as err:
+        raise InvalidArgumentError(f"--timed {path}: {err.strerror.lower()}") from None
+    except (ValueError, KeyError, TypeError):
+        raise InvalidArgumentError(f"--timed {path}: not a step profile (JSON with "
+                                   f"step_seconds, exposed_seconds, compute_seconds)") from None
+    share = len(model.layer_params) * model.micro_steps
+    return ((forward / share, backward / share),
+            f"timed() in {path}: a step of {step:.3f} s, {exposed:.3f} s of it exposed "
+            f"communication, {compute:.3f} s compute")
+
+
+def _node_bytes(gather: int, reduce: int, nodes: int, g: int) -> dict:
+    """What each collective of a layer moves through a node's NIC with `g` ranks per node
+    (sent, received), and the bytes per rank a one-rank-per-host simulation needs for it."""
+    p = nodes * g
+    ring_ag, ring_rs = (p - 1) * gather, (p - 1) * reduce
+    return {"ring_allgather": ((ring_ag, ring_ag), math.ceil(ring_ag / (nodes - 1))),
+            "ring_reduce_scatter": ((ring_rs, ring_rs), math.ceil(ring_rs / (nodes - 1))),
+            "multicast": ((g * gather, (p - g) * gather), g * gather),
+            "innetwork": ((g * (p - 1) * reduce, g * reduce),
+                          math.ceil(g * (p - 1) * reduce / (nodes - 1)))}
+
+
+def aggregator_pool(job: Job, sizing: AggregatorSizing, model: Model, topo: Topology,
+                    chunk: int) -> tuple[AggregatorPool | None, dict]:
+    """What sums the in-network reductions on `topo`, and how the table says it."""
+    link = float(topo.rate[topo.uplink[0]] * 8)
+    nic = sizing.nic_bits or link
+    if job.aggregators == "switch":
+        return None, {"placement": "switch", "short": "switch"}
+    if job.aggregators == "beside-rank-0":
+        pool = AggregatorPool(1, sizing.cores, link)
+        return pool, {**pool.describe(), "placement": "beside-rank-0", "short": "rank 0's"}
+    if job.aggregators == "sized":
+        sized = size_aggregators(model, topo, sizing, job.ranks_per_node, chunk)
+        return AggregatorPool(sized["count"], sized["shards"], nic), {
+            **sized, "placement": "hosts", "short": f"{sized['count']:,} x {sized['shards']}"}
+    pool = AggregatorPool(job.aggregators, sizing.cores, nic)
+    return pool, {**pool.describe(), "placement": "hosts",
+                  "short": f"{pool.count:,} x {pool.shards}"}
+
+
+def assumes(job: Job, sizing: AggregatorSizing) -> list[str]:
+    """The hardware beyond the nodes and the ring's network that overcast's figures assume."""
+    nic = "the nodes' link rate" if sizing.nic_bits is None else \
+        f"{sizing.nic_bits / 1e9:g} Gbit/s"
+    aggregators = {
+        "switch": "a switch that sums at line rate on every port (SHARP-like)",
+        "beside-rank-0": f"one aggregator of {sizing.cores} cores beside rank 0, on node 0's "
+                         f"link (what overlap() starts without OVERCAST_SWITCH; node 0's own "
+                         f"traffic on that link is not counted)",
+        "sized": f"aggregator hosts of up to {sizing.cores} cores behind links of {nic}, as many "
+                 f"as the aggregators column says (hosts x cores), sized for the pair within "
+                 f"{sizing.within:g}x its floor"}.get(
+        job.aggregators, f"{job.aggregators} aggregator hosts of {sizing.cores} cores behind "
+                         f"links of {nic}")
+    return [f"IP multicast between the nodes at layer 2 (IGMP snooping and a querier), MTU "
+            f"{job.mtu}", aggregators,
+            f"overcast's engine on {job.cores:g} core(s) per node, or, for the offloaded "
+            f"column, an engine on the NIC"]
+
+
+def size_aggregators(model: Model, topo: Topology, sizing: AggregatorSizing, g: int = 1,
+                     chunk: int = NATIVE.chunk_bytes) -> dict:
+    """The aggregator pool the pair needs on `topo` (engine.pool_for, for every rank's
+    contributions), grown by 10% at a time until the largest layer's pair, simulated on it,
+    holds the bar, at most SIZING_STEPS times: the pool returned is the last simulated, with its
+    ratio, and `met` says whether it held the bar (it cannot where the fabric, not the
+    aggregators, holds the pair back)."""
     link_bits = float(topo.rate[topo.uplink[0]] * 8)
-    pool = pool_for(topo.hosts, link_bits, sizing.within, chunk_bytes=NATIVE.chunk_bytes,
-                    nic_bits_per_s=sizing.nic_bits, cores_per_host=sizing.cores)
-    gather, reduce = max(model.shards(topo.hosts), key=sum)
+    pool = pool_for(topo.hosts, link_bits * g, sizing.within, chunk_bytes=chunk,
+                    nic_bits_per_s=sizing.nic_bits or link_bits, cores_per_host=sizing.cores)
+    gather, reduce = max(model.shards(topo.hosts * g), key=sum)
+    moved = _node_bytes(gather, reduce, topo.hosts, g)
+    engine = replace(IDEAL, chunk_bytes=chunk)
     for step in range(SIZING_STEPS):
         if step:
             pool = AggregatorPool(math.ceil(pool.count * 1.1), pool.shards, pool.nic_bits_per_s,
                                   pool.us_per_contribution)
-        ratio = simulate("overlap", "overcast", topo, gather, reduce_bytes=reduce,
-                         aggregators=pool)["ratio_to_floor"]
+        ratio = simulate("overlap", "overcast", topo, moved["multicast"][1],
+                         reduce_bytes=moved["innetwork"][1], aggregators=pool,
+                         engine=engine)["ratio_to_floor"]
         if ratio <= sizing.within:
             break
     return {**pool.describe(), "cores": pool.count * pool.shards, "pair_ratio": ratio,
             "within": sizing.within, "met": ratio <= sizing.within}
 
 
-def plan_point(model: Model, topo: Topology, host_cores: float,
-               sizing: AggregatorSizing = AggregatorSizing()) -> dict:
-    """One cluster: each way's forward and backward communication per step, the engine cores
-    it needs, which to use, and the software aggregators overcast's pair needs."""
-    seconds = {w: [0.0, 0.0] for w in WAYS}   # forward, backward
-    moved = {w: [0.0, 0.0] for w in WAYS}     # bytes through the busiest NIC: stream, datagram
-    memo: dict = {}
-    for gather, reduce in model.shards(topo.hosts):
-        if (gather, reduce) not in memo:
-            memo[(gather, reduce)] = _layer(topo, gather, reduce)
-        for way, (fwd, bwd, stream, datagram) in memo[(gather, reduce)].items():
-            seconds[way][0] += fwd * model.micro_steps
-            seconds[way][1] += bwd * model.micro_steps
-            moved[way][0] += stream * model.micro_steps
-            moved[way][1] += datagram * model.micro_steps
-    out = {"nodes": topo.hosts, "link_bits_per_s": float(topo.rate[topo.uplink[0]] * 8),
-           "topology": topo.kind, "radix": topo.radix, "ways": {}}
-    for way in WAYS:
-        total = sum(seconds[way])
-        cpu = {name: moved[way][0] * e.cpu_per_byte(False) + moved[way][1] * e.cpu_per_byte(True)
-               for name, e in (("native", NATIVE), ("offload", OFFLOAD))}
-        out["ways"][way] = {
-            "forward_seconds": seconds[way][0], "backward_seconds": seconds[way][1],
-            "seconds": total,
-            "engine_cores_native": cpu["native"] / total, "engine_cores_offload":
-                cpu["offload"] / total,
-            "seconds_on_host_cores": max(total, cpu["native"] / host_cores)}
-    out["speedup_over_rings"] = out["ways"]["rings"]["seconds"] / out["ways"]["overcast"]["seconds"]
-    out["speedup_over_rings_separate"] = (out["ways"]["rings-separate"]["seconds"]
-                                          / out["ways"]["overcast"]["seconds"])
-    out["choice"], out["why"] = _choose(out, host_cores)
-    out["aggregators"] = size_aggregators(model, topo, sizing)
+def step_schedule(layers: int, micro_steps: int, forward: float, backward: float) -> list:
+    """The training thread's step as overlap() drives FSDP2 (every layer resharded, a prefetch
+    of one): ("compute", s), ("post", name, kind, layer), ("wait", name); kind "forward" for
+    an AllGather no ReduceScatter meets, "allgather" and "reduce_scatter" in a backward that
+    reduces."""
+    out = []
+    for m in range(micro_steps):
+        sync = m == micro_steps - 1
+        out.append(("post", f"AG 0 {m}", "forward", 0))
+        for i in range(layers):
+            out.append(("wait", f"AG {i} {m}"))
+            if i + 1 < layers:
+                out.append(("post", f"AG {i + 1} {m}", "forward", i + 1))
+            out.append(("compute", forward))
+        gather = "allgather" if sync else "forward"
+        out.append(("post", f"BAG {layers - 1} {m}", gather, layers - 1))
+        for i in reversed(range(layers)):
+            out.append(("wait", f"BAG {i} {m}"))
+            if i:
+                out.append(("post", f"BAG {i - 1} {m}", gather, i - 1))
+            out.append(("compute", backward))
+            if sync:  # one ReduceScatter in flight at a time (FSDP2's one input buffer)
+                if i < layers - 1:
+                    out.append(("wait", f"RS {i + 1}"))
+                out.append(("post", f"RS {i}", "reduce_scatter", i))
+        if sync:
+            out.append(("wait", "RS 0"))
     return out
 
 
-def _layer(topo: Topology, gather: int, reduce: int) -> dict:
-    """(forward s, backward s, stream bytes, datagram bytes through a NIC) per way, one layer."""
-    ag_ring = simulate("allgather", "ring", topo, gather)
-    ag_mcast = simulate("allgather", "multicast", topo, gather)
-    rs_ring = simulate("reduce_scatter", "ring", topo, reduce)
-    pair_ring = simulate("overlap", "ring", topo, gather, reduce_bytes=reduce)
-    pair = simulate("overlap", "overcast", topo, gather, reduce_bytes=reduce)
-
-    def nic(*rows):
-        return sum(r["tx_bytes_per_nic_max"] + r["rx_bytes_per_nic_max"] for r in rows)
-
-    return {"rings": (ag_ring["seconds"], ag_ring["seconds"] + rs_ring["seconds"],
-                      nic(ag_ring, ag_ring, rs_ring), 0.0),
-            "rings-separate": (ag_ring["seconds"], pair_ring["seconds"],
-                               nic(ag_ring, pair_ring), 0.0),
-            "overcast": (ag_mcast["seconds"], pair["seconds"], 0.0, nic(ag_mcast, pair))}
+def _layer_times(topo: Topology, moved: dict, pool: AggregatorPool | None, chunk: int) -> dict:
+    """Each collective of one layer alone on the cluster: seconds."""
+    engine = replace(IDEAL, chunk_bytes=chunk)
+    return {"ring_allgather": simulate("allgather", "ring", topo,
+                                       moved["ring_allgather"][1])["seconds"],
+            "ring_reduce_scatter": simulate("reduce_scatter", "ring", topo,
+                                            moved["ring_reduce_scatter"][1])["seconds"],
+            "multicast": simulate("allgather", "multicast", topo,
+                                  moved["multicast"][1])["seconds"],
+            "innetwork": simulate("reduce_scatter", "innetwork", topo, moved["innetwork"][1],
+                                  aggregators=pool, engine=engine)["seconds"]}
 
 
-def _choose(point: dict, host_cores: float) -> tuple[str, str]:
-    ways = point["ways"]
-    oc, rings = ways["overcast"], ways["rings"]
-    best_ring = min(("rings", "rings-separate"), key=lambda w: ways[w]["seconds"])
-    gain = ways[best_ring]["seconds"] / oc["seconds"]
-    saving = 1 - 1 / gain
-    if saving < WORTH_SAVING:
-        return best_ring, (f"overcast would save {100 * saving:.0f}% at most: the "
-                           f"step's communication is not bandwidth-bound here")
-    if oc["engine_cores_native"] <= host_cores:
-        return "overcast", (f"communication {gain:.2f}x faster than {best_ring}; "
-                            f"overcast's engine needs {oc['engine_cores_native']:.1f} "
-                            f"cores per host at this rate (of {host_cores:g})")
-    return "overcast-offloaded", (
-        f"communication {gain:.2f}x faster than {best_ring} with an offloaded engine "
-        f"(or NCCL's NVLS + CollNet/SHARP), which needs {oc['engine_cores_offload']:.2f} "
-        f"engines per host; "
-        f"overcast's engine would need {oc['engine_cores_native']:.0f} cores per host "
-        f"(of {host_cores:g}) and take {oc['seconds_on_host_cores'] / rings['seconds']:.1f}x "
-        f"the rings' time")
+def plan_point(model: Model, topo: Topology, job: Job = Job(),
+               sizing: AggregatorSizing = AggregatorSizing()) -> dict:
+    """One cluster: each way's step, its exposed communication, the engine cores overcast
+    needs, which way to use and why, and the hardware that assumes."""
+    nodes, g = topo.hosts, job.ranks_per_node
+    link = float(topo.rate[topo.uplink[0]] * 8)
+    chunk = chunk_bytes(job.mtu)
+    pool, aggregators = aggregator_pool(job, sizing, model, topo, chunk)
+    layers = model.shards(nodes * g)
+    memo: dict = {}
+    moved, times = [], []
+    for gather, reduce in layers:
+        if (gather, reduce) not in memo:
+            m = _node_bytes(gather, reduce, nodes, g)
+            memo[(gather, reduce)] = (m, _layer_times(topo, m, pool, chunk))
+        moved.append(memo[(gather, reduce)][0])
+        times.append(memo[(gather, reduce)][1])
+    bytes_per_s = link / 8
+
+    def demand(way: str, stretch: float = 1.0):
+        """(sent, received, seconds more) of a collective: the bytes through a node's NIC (by
+        `stretch` more where overcast's engine is short of cores: it moves them that much
+        slower), then what its simulated time adds to their time at line rate (latency, and
+        the aggregators' pace), which takes no bandwidth from the others in flight."""
+        def of(kind: str, layer: int) -> tuple[float, float, float]:
+            key = ("ring_allgather" if kind != "reduce_scatter" else "ring_reduce_scatter") \
+                if way == "ring" else ("multicast" if kind != "reduce_scatter" else "innetwork")
+            (sent, received), _ = moved[layer][key]
+            more = max(0.0, times[layer][key] - max(sent, received) / bytes_per_s)
+            scale = stretch if way == "overcast" else 1.0
+            return sent * scale, received * scale, more
+        return of
+
+    schedule = step_schedule(len(layers), model.micro_steps, *job.compute)
+    compute = model.micro_steps * len(layers) * sum(job.compute)
+    alone = step_schedule(len(layers), model.micro_steps, 0.0, 0.0)
+    through = sum(sum(m["multicast"][0]) * model.micro_steps * 2 + sum(m["innetwork"][0])
+                  for m in moved)  # datagram bytes through a node's NIC per step
+    busy = run_step(alone, bytes_per_s, demand("overcast"))
+    cores = {e.name: through * e.us_per_datagram * 1e-6 /
+             (chunk if e is NATIVE else e.chunk_bytes) / busy for e in (NATIVE, OFFLOAD)}
+    stretch = max(1.0, cores["native"] / job.cores)
+    steps = {"ring": run_step(schedule, bytes_per_s, demand("ring")),
+             "overcast": run_step(schedule, bytes_per_s, demand("overcast")),
+             "overcast_on_host_cores": run_step(schedule, bytes_per_s,
+                                                demand("overcast", stretch))}
+    out = {"nodes": nodes, "ranks_per_node": g, "ranks": nodes * g, "link_bits_per_s": link,
+           "topology": topo.kind, "radix": topo.radix, "compute_seconds": compute,
+           "ways": {
+               "ring": {"step_seconds": steps["ring"],
+                        "exposed_seconds": steps["ring"] - compute},
+               "overcast": {"step_seconds": steps["overcast"],
+                            "exposed_seconds": steps["overcast"] - compute,
+                            "step_seconds_on_host_cores": steps["overcast_on_host_cores"],
+                            "engine_cores_native": cores["native"],
+                            "engine_cores_offload": cores["offload"]}},
+           "speedup_over_ring": steps["ring"] / steps["overcast_on_host_cores"],
+           "speedup_over_ring_offloaded": steps["ring"] / steps["overcast"],
+           "aggregators": aggregators}
+    out["choice"], out["why"] = _choose(out, job, _held_back(moved, times, bytes_per_s, g))
+    return out
+
+
+def _held_back(moved: list[dict], times: list[dict], bytes_per_s: float, g: int) -> str:
+    """What holds overcast's pair back, where something does, in words ("" if nothing)."""
+    largest = max(range(len(moved)), key=lambda i: sum(moved[i]["innetwork"][0]))
+    (sent, _), _ = moved[largest]["innetwork"]
+    slower = times[largest]["innetwork"] / (sent / bytes_per_s)
+    if slower > 1.10:
+        return (f"the aggregators take the ReduceScatter's contributions at 1/{slower:.1f} of "
+                f"the nodes' line rate")
+    if g > 1:
+        return (f"each of a node's {g} ranks sends its whole gradient to the aggregators "
+                f"through the node's NIC, {g}x what a ring sends")
+    return ""
+
+
+def _choose(point: dict, job: Job, held_back: str) -> tuple[str, str]:
+    oc = point["ways"]["overcast"]
+    on_host, offloaded = point["speedup_over_ring"], point["speedup_over_ring_offloaded"]
+    needed = oc["engine_cores_native"]
+    if 1 - 1 / on_host >= WORTH_SAVING:
+        return "overcast", (f"its step {on_host:.2f}x faster than the ring's, its engine using "
+                            f"{needed:.2g} of the {job.cores:g} core(s) per node it has" if
+                            needed <= job.cores else
+                            f"its step {on_host:.2f}x faster than the ring's with its engine "
+                            f"short of cores ({needed:.2g} needed per node, {job.cores:g} "
+                            f"given; {offloaded:.2f}x with enough)")
+    if 1 - 1 / offloaded >= WORTH_SAVING:
+        return "overcast-offloaded", (
+            f"its step {offloaded:.2f}x faster than the ring's with an offloaded engine "
+            f"({oc['engine_cores_offload']:.2f} per node; or NCCL's NVLS and CollNet/SHARP); "
+            f"overcast's engine would need {oc['engine_cores_native']:.0f} cores per node (of "
+            f"{job.cores:g}) and its step take {1 / on_host:.2f}x the ring's")
+    text = (f"overcast would save {100 * (1 - 1 / offloaded):.0f}% of the ring's step at most"
+            if offloaded >= 1 else f"overcast's step would take {1 / offloaded:.2f}x the ring's")
+    return "ring", text + (f": {held_back}" if held_back else
+                           ": the step is not bound by its communication's bandwidth here")
 
 
 def plan(model: Model, kind: str, nodes: list[int], link_bits: list[float], *,
-         radix: int | None = None, oversubscription=(1.0,), host_cores: float = 8.0,
+         radix: int | None = None, oversubscription=(1.0,), job: Job = Job(),
          sizing: AggregatorSizing = AggregatorSizing(), progress=None) -> dict:
     """Every (nodes, link rate) of the cluster, as `{"meta": ..., "results": [point, ...]}`."""
     model.check()
+    job.check()
     sizing.check()
-    check_positive("the host's cores", host_cores, "--host-cores, host_cores")
     topologies = [build(kind, n, b, radix=radix, oversubscription=oversubscription)
                   for n in nodes for b in link_bits]  # every setting checked before any run
     points = []
     for topo in topologies:
-        points.append(plan_point(model, topo, host_cores, sizing))
+        points.append(plan_point(model, topo, job, sizing))
         if progress:
             progress(len(points), len(topologies), f"{topo.hosts} nodes")
     meta = {"topology": kind, "radix": radix, "oversubscription": list(oversubscription),
             "layers": len(model.layer_params), "params": sum(model.layer_params),
             "dtype": model.dtype, "reduce_dtype": model.reduce_dtype or model.dtype,
-            "micro_steps": model.micro_steps, "host_cores": host_cores,
+            "micro_steps": model.micro_steps, "ranks_per_node": job.ranks_per_node,
+            "mtu": job.mtu, "host_cores": job.cores,
+            "compute_per_layer_seconds": list(job.compute), "compute_from": job.compute_from,
+            "aggregators": job.aggregators,
             "aggregator_sizing": {"within": sizing.within, "cores": sizing.cores,
                                   "nic_bits_per_s": sizing.nic_bits},
-            "fsdp": "reshard_after_forward=True; backward AllGather beside ReduceScatter",
+            "fsdp": "reshard_after_forward=True, prefetch 1; backward AllGather beside the "
+                    "ReduceScatter of the layer after it",
+            "overcast_assumes": assumes(job, sizing),
             "ways": WAY_TEXT,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     return {"meta": meta, "results": points}
