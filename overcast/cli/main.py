@@ -413,7 +413,10 @@ def parser() -> argparse.ArgumentParser:
     from overcast.native import EXPIRY_SECONDS
     from overcast.switch.service import Limits
 
-    w = command("switch", "the aggregator for in-network reduction, standing in for the switch")
+    w = command("switch", "the aggregator for in-network reduction, standing in for the "
+                          "switch; it serves the jobs whose secrets it holds: set "
+                          "OVERCAST_SECRET (64 hex digits, the job's), or OVERCAST_SECRETS to "
+                          "several, comma-separated")
     w.add_argument("--host", default="0.0.0.0", help="address to listen on")
     w.add_argument("--port", type=int, default=18515,
                    help="TCP port, and the first shard's UDP port (the others' are any free)")
