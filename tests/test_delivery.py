@@ -85,7 +85,7 @@ def when_multicast_is_dropped(rank):
         mesh = init_device_mesh("cpu", (dist.get_world_size(),))
         twin = copy.deepcopy(model)
         out["fallback"] = _train(shard(model, mesh), 3)
-        out["ring"] = _train(shard(twin, mesh), 3, allgather="ring")
+        out["ring"] = _train(shard(twin, mesh), 3, allgather="ring", reduce_scatter="ring")
         with warnings.catch_warnings(record=True) as said:
             warnings.simplefilter("always")
             group = dist.new_group(backend="overcast")
@@ -111,9 +111,9 @@ def test_undelivered_multicast_is_named_and_the_ring_runs_instead():
         assert named in r["refused"]
         losses, algorithms, said = r["fallback"]
         assert algorithms == {"allgather": "ring", "unpaired_allgather": "ring",
-                              "reduce_scatter": "innetwork"}
-        assert said == [["MulticastNotDeliveredWarning",
-                         f"{named}; overlap() runs the AllGathers on the ring"]]
+                              "reduce_scatter": "ring"}
+        assert said == [["MulticastNotDeliveredWarning", f"{named}; overlap() runs its "
+                         f"AllGathers and ReduceScatters on overcast's rings"]]
         ring_losses, _, ring_said = r["ring"]
         assert losses == ring_losses and ring_said == []
         algorithms, fallbacks, said = r["group"]

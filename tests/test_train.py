@@ -166,14 +166,14 @@ def test_overcast_train_behind_a_shaped_aggregator_without_multicast(tmp_path):
     shown = " ".join(proc.stdout.split())
     assert "3 hosts, 50 Mbit/s per direction, aggregator behind a 50 Mbit/s link;" in shown
     said = ("multicast not delivered: rank 1 (198.18.0.2) heard no other rank's multicast; "
-            "overlap() runs the AllGathers on the ring")
+            "overlap() runs its AllGathers and ReduceScatters on overcast's rings")
     assert f"overcast: {said}" in shown
     doc = json.loads((tmp_path / "train.json").read_text())
     assert doc["meta"]["aggregator_link_bits_per_s"] == 50_000_000
     [result] = doc["shapes"][0]["results"]
     assert result["warnings"] == [said]
     assert result["algorithms"] == {"allgather": "ring", "unpaired_allgather": "ring",
-                                    "reduce_scatter": "innetwork"}
+                                    "reduce_scatter": "ring"}
 
 
 @root_only

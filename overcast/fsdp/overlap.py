@@ -385,12 +385,15 @@ def overlap(model, *, comm: Communicator | None = None, backend: str = "overcast
     try:
         if comm is not None and comm.multicast_undelivered and "multicast" in (
                 allgather, unpaired_allgather):
-            # proven when the communicator was made, alike on every rank: all take the ring
-            allgather = "ring" if allgather == "multicast" else allgather
-            unpaired_allgather = "ring" if unpaired_allgather == "multicast" else \
-                unpaired_allgather
-            warnings.warn(f"{comm.multicast_undelivered}; overlap() runs the AllGathers on the "
-                          f"ring", MulticastNotDeliveredWarning, stacklevel=2)
+            # Proven when the communicator was made, alike on every rank: every collective takes
+            # the ring, the ReduceScatter too (beside a ring AllGather, which loads both
+            # directions, an in-network one adds to the send direction: it was slower than both
+            # rings, docs/results.md).
+            allgather = reduce_scatter = "ring"
+            unpaired_allgather = unpaired_allgather and "ring"
+            warnings.warn(f"{comm.multicast_undelivered}; overlap() runs its AllGathers and "
+                          f"ReduceScatters on overcast's rings", MulticastNotDeliveredWarning,
+                          stacklevel=2)
         handle.algorithms = {"allgather": allgather, "unpaired_allgather":
                              unpaired_allgather or allgather, "reduce_scatter": reduce_scatter}
         if comm is not None:  # raised here alone: every rank finds the same
