@@ -111,7 +111,7 @@ def plan_table(doc: dict, wide: bool = False) -> Table:
             ("ring exposed s", lambda p: f"{p['ways']['ring']['exposed_seconds']:.3f}", True),
             ("overcast s", lambda p: f"{oc(p)['step_seconds_on_host_cores']:.3f}", False),
             ("vs ring", lambda p: f"{p['speedup_over_ring']:.2f}x", False),
-            ("cores", lambda p: f"{oc(p)['engine_cores_native']:.1f}", False),
+            ("cores", lambda p: _cores(oc(p)["engine_cores_native"]), False),
             ("offloaded s", lambda p: f"{oc(p)['step_seconds']:.3f}", False),
             ("vs ring ", lambda p: f"{p['speedup_over_ring_offloaded']:.2f}x", False),
             ("overcast exposed s", lambda p: f"{oc(p)['exposed_seconds']:.3f}", True),
@@ -130,6 +130,10 @@ def plan_table(doc: dict, wide: bool = False) -> Table:
                  f"offloaded: overcast with an offloaded engine; vs ring: the ring's step over "
                  f"the one before")
     return t
+
+
+def _cores(n: float) -> str:
+    return f"{n:.2g}" if n < 10 else f"{n:,.0f}"
 
 
 def plan_lines(doc: dict) -> list[str]:

@@ -166,13 +166,17 @@ class AggregatorSizing:
 def compute_from_profile(path: str, model: Model) -> tuple[tuple[float, float], str]:
     """Each layer's (forward, backward) compute per micro-step from a step profile (written by
     overcast.fsdp.timed(model)'s handle, or `overcast train` for its gloo way): the step less
-    its exposed communication, shared evenly among the model's layers; and words saying so."""
+    its exposed communication, split as the profile splits it (else a third forward), shared
+    evenly among the model's layers and micro-steps; and words saying so."""
     try:
         with open(path) as f:
             profile = json.load(f)
         compute = profile["compute_seconds"]
-        forward = profile.get("forward_compute_seconds", compute * FORWARD_SHARE)
-        backward = profile.get("backward_compute_seconds", compute - forward)
+        split = (profile["forward_compute_seconds"], profile["backward_compute_seconds"]) \
+            if "forward_compute_seconds" in profile else (FORWARD_SHARE, 1 - FORWARD_SHARE)
+        # the rest of the compute (the optimizer) shared between the two as they split
+        forward = compute * split[0] / sum(split)
+        backward = compute - forward
         step, exposed = profile["step_seconds"], profile["exposed_seconds"]
     except OSError as err:
         raise InvalidArgumentError(f"--timed {path}: {err.strerror.lower()}") from None
@@ -228,8 +232,8 @@ def assumes(job: Job, sizing: AggregatorSizing) -> list[str]:
         "sized": f"aggregator hosts of up to {sizing.cores} cores behind links of {nic}, as many "
                  f"as the aggregators column says (hosts x cores), sized for the pair within "
                  f"{sizing.within:g}x its floor"}.get(
-        job.aggregators, f"{job.aggregators} aggregator hosts of {sizing.cores} cores behind "
-                         f"links of {nic}")
+        job.aggregators, f"{job.aggregators} aggregator host{'s' * (job.aggregators != 1)} "
+                         f"of {sizing.cores} cores behind links of {nic}")
     return [f"IP multicast between the nodes at layer 2 (IGMP snooping and a querier), MTU "
             f"{job.mtu}", aggregators,
             f"overcast's engine on {job.cores:g} core(s) per node, or, for the offloaded "
