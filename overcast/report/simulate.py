@@ -144,26 +144,32 @@ def plan_lines(doc: dict) -> list[str]:
 
 
 def plot_plan(doc: dict, path: str) -> None:
-    """overcast's step against the ring's, against nodes for each link rate (left) and
-    against the link rate for each node count (right)."""
+    """The ring's step over overcast's (with an offloaded engine: solid; with its engine on the
+    cores given: dotted), against nodes for each link rate (left) and against the link rate
+    for each node count (right)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
     rows = doc["results"]
-    for rate in sorted({p["link_bits_per_s"] for p in rows}):
-        pts = sorted((p["nodes"], p["speedup_over_ring"]) for p in rows
-                     if p["link_bits_per_s"] == rate)
-        left.plot(*zip(*pts), marker="o", label=rate_text(rate))
-    for nodes in sorted({p["nodes"] for p in rows}):
-        pts = sorted((p["link_bits_per_s"] / 1e9, p["speedup_over_ring"]) for p in rows
-                     if p["nodes"] == nodes)
-        right.plot(*zip(*pts), marker="o", label=f"{nodes} nodes")
+    cores = doc["meta"]["host_cores"]
+    for key, style, what in (("speedup_over_ring_offloaded", "-", "offloaded engine"),
+                             ("speedup_over_ring", ":", f"engine on {cores:g} core(s)")):
+        for i, rate in enumerate(sorted({p["link_bits_per_s"] for p in rows})):
+            pts = sorted((p["nodes"], p[key]) for p in rows if p["link_bits_per_s"] == rate)
+            left.plot(*zip(*pts), style, marker="o", color=f"C{i}",
+                      label=f"{rate_text(rate)}, {what}")
+        for i, nodes in enumerate(sorted({p["nodes"] for p in rows})):
+            pts = sorted((p["link_bits_per_s"] / 1e9, p[key]) for p in rows
+                         if p["nodes"] == nodes)
+            right.plot(*zip(*pts), style, marker="o", color=f"C{i}",
+                       label=f"{nodes} nodes, {what}")
     for ax, what in ((left, "hosts"), (right, "link rate per direction, Gbit/s")):
         ax.set_xscale("log", base=2 if ax is left else 10)
         ax.set_xlabel(what)
         ax.set_ylabel("step: ring / overcast")
+        ax.set_yscale("log")
         ax.axhline(1, color="grey", linewidth=0.8)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
