@@ -22,7 +22,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").glob("*.md"))]
 # What a placeholder in a documented command stands for, to parse or run it.
 PLACEHOLDERS = {"FILE": "out.json", "PREFIX": "timeline", "RUNS": "run.json", "HOST": "127.0.0.1",
-                "P": "4", "B": "100", "$way": "overcast", "$SECRET": "ab" * 32,
+                "P": "4", "B": "100", "R": "400", "$way": "overcast", "$SECRET": "ab" * 32,
                 "<hex>": "ab" * 32, "<the same 64 hex digits everywhere>": "ab" * 32}
 # The commands run as written: those that need no root, GPU or second machine, and end soon.
 RUN = ("overcast plan", "overcast switch", "overcast simulate --hosts 8,64,188,1024 --topology "
