@@ -61,6 +61,11 @@ class Communicator:
     aggregator for in-network reduction, "host:port" (default: OVERCAST_SWITCH). With `trace`,
     the engine records each collective's span and bytes over time (see `trace()`).
 
+    Making it proves multicast delivered (overcast.transport.probe): `multicast_unheard` is,
+    alike on every rank, each rank's list of the ranks whose multicast it did not hear, and
+    where it is not empty `multicast_undelivered` says so, naming them and their hosts, and the
+    multicast algorithms are refused with that reason.
+
     Bad input (a wrong size, dtype, op or algorithm) raises InvalidArgumentError on the rank
     that gave it, before anything is sent. With `fail_peers_on_bad_input` (the default, as
     NCCL's abort) it also fails the communicator on every other rank, which would otherwise wait
