@@ -153,27 +153,35 @@ def test_overcast_train_compares_four_ways(tmp_path):
     assert overlapped, [e for e in trace if e["ph"] == "X"]
 
 
-@root_only
-def test_overcast_train_behind_a_shaped_aggregator_without_multicast(tmp_path):
-    """--aggregator-link-mbit names the aggregator's link in the table; --drop-multicast 1 has
-    overlap() run its AllGathers on the ring, the table saying why."""
+def _small_train(tmp_path, *flags) -> tuple[str, dict]:
     proc = subprocess.run(CLI + ["train", "--hosts", "3", "--link-mbit", "50", "--steps", "2",
                                  "--warmup", "1", "--blocks", "2", "--dim", "64", "--ways",
-                                 "overcast", "--aggregator-link-mbit", "50", "--drop-multicast",
-                                 "1", "--no-sched-trace", "--out", str(tmp_path)],
+                                 "overcast", "--no-sched-trace", "--out", str(tmp_path), *flags],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    shown = " ".join(proc.stdout.split())
+    doc = json.loads((tmp_path / "train.json").read_text())
+    return " ".join(proc.stdout.split()), doc
+
+
+@root_only
+def test_overcast_train_names_a_shaped_aggregator(tmp_path):
+    shown, doc = _small_train(tmp_path, "--aggregator-link-mbit", "50")
     assert "3 hosts, 50 Mbit/s per direction, aggregator behind a 50 Mbit/s link;" in shown
+    assert doc["meta"]["aggregator_link_bits_per_s"] == 50_000_000
+
+
+@root_only
+def test_overcast_train_without_multicast_says_so_and_runs_its_rings(tmp_path):
+    """--drop-multicast 1: overlap() runs its rings, the table saying why."""
+    shown, doc = _small_train(tmp_path, "--drop-multicast", "1")
     said = ("multicast not delivered: rank 1 (198.18.0.2) heard no other rank's multicast; "
             "overlap() runs its AllGathers and ReduceScatters on overcast's rings")
     assert f"overcast: {said}" in shown
-    doc = json.loads((tmp_path / "train.json").read_text())
-    assert doc["meta"]["aggregator_link_bits_per_s"] == 50_000_000
     [result] = doc["shapes"][0]["results"]
     assert result["warnings"] == [said]
     assert result["algorithms"] == {"allgather": "ring", "unpaired_allgather": "ring",
                                     "reduce_scatter": "ring"}
+    assert doc["meta"]["multicast_dropped_to"] == [1]
 
 
 @root_only
