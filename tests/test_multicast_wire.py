@@ -95,14 +95,14 @@ def root_dies_mid_broadcast(rank, nbytes):
     bytes of the root's data reached its buffer."""
     comm = overcast.Communicator(timeout=60)
     try:
-        comm.barrier()
         data = pattern(0, nbytes)
+        buf = data + 1  # no byte of it is the root's; made first, so that the call is at once
+        comm.barrier()
         if rank == 0:
             comm.broadcast(data, 0, async_op=True)
             while comm.counters()["datagram_bytes_out"] < nbytes // 8:
                 threading.Event().wait(0.005)
             os.kill(os.getpid(), signal.SIGKILL)
-        buf = data + 1  # no byte of it is the root's
         try:
             comm.broadcast(buf, 0)
             return ["ok", "", nbytes]
