@@ -1,5 +1,5 @@
-"""Sizes as people write and read them: '64KiB' to bytes, and bytes to '64.0 KiB'. Shared by
-every command and report."""
+"""Sizes as people write and read them: '64KiB' to bytes, and bytes to '64.0 KiB'; counts as
+'3.44M'. Shared by every command and report."""
 
 from __future__ import annotations
 
@@ -26,3 +26,11 @@ def human_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n} B"
+
+
+def human_count(n: float) -> str:
+    """A count as `overcast plan --params` takes it: 3.44M, 7B, 125K, 512."""
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= scale * 0.9995:  # what .3g would round up to 1000 takes the next unit
+            return f"{n / scale:.3g}{unit}"
+    return f"{n:.0f}"

@@ -121,13 +121,15 @@ def test_overcast_is_chosen_only_where_it_saves_five_percent_of_the_ring():
 
 def test_a_step_profile_gives_the_compute_per_layer(tmp_path):
     path = tmp_path / "profile.json"
-    path.write_text(json.dumps({"steps": 5, "step_seconds": 3.0, "exposed_seconds": 2.4,
+    path.write_text(json.dumps({"what": "overcast.fsdp step profile", "steps": 5,
+                                "step_seconds": 3.0, "exposed_seconds": 2.4,
                                 "compute_seconds": 0.6}))
     (forward, backward), said = compute_from_profile(str(path), Model.uniform(1e9, 4))
     assert forward == pytest.approx(0.05) and backward == pytest.approx(0.1)
     assert said == f"timed() in {path}: a step of 3.000 s, 2.400 s of it exposed " \
                    f"communication, 0.600 s compute"
-    path.write_text(json.dumps({"step_seconds": 3.0, "exposed_seconds": 2.4,
+    path.write_text(json.dumps({"what": "overcast train, way gloo", "step_seconds": 3.0,
+                                "exposed_seconds": 2.4,
                                 "compute_seconds": 0.6, "forward_compute_seconds": 0.1,
                                 "backward_compute_seconds": 0.4}))  # and 0.1 s optimizer
     assert compute_from_profile(str(path), Model.uniform(1e9, 2, micro_steps=2))[0] == \
@@ -136,8 +138,8 @@ def test_a_step_profile_gives_the_compute_per_layer(tmp_path):
 
 def test_the_plan_command_prints_its_baseline_its_choice_and_what_it_assumes(tmp_path):
     profile = tmp_path / "profile.json"
-    profile.write_text(json.dumps({"step_seconds": 2.0, "exposed_seconds": 1.6,
-                                   "compute_seconds": 0.4}))
+    profile.write_text(json.dumps({"what": "overcast.fsdp step profile", "step_seconds": 2.0,
+                                   "exposed_seconds": 1.6, "compute_seconds": 0.4}))
     done = overcast("plan", "--preset", "emulated", "--params", "3.44M", "--layers", "5",
                     "--timed", str(profile), "--json", str(tmp_path / "plan.json"),
                     "--plot", str(tmp_path / "plan.png"))
@@ -145,6 +147,7 @@ def test_the_plan_command_prints_its_baseline_its_choice_and_what_it_assumes(tmp
     assert widest(done.stdout) <= 120 and "\u2026" not in done.stdout, done.stdout
     shown = " ".join(done.stdout.split())
     assert "ring: an NCCL-like ring at line rate" in shown
+    assert "plan: 3.44M parameters in 5 layers" in shown
     assert "overcast assumes: IP multicast between the nodes at layer 2" in shown
     assert f"compute per layer: timed() in {profile}: a step of 2.000 s" in shown
     doc = json.loads((tmp_path / "plan.json").read_text())
@@ -170,12 +173,45 @@ PLAN = ["plan", "--nodes", "8"]
     (PLAN + ["--compute-ms", "1", "--timed", "x.json"], "not both"),
     (PLAN + ["--timed", "/nonexistent.json"], "--timed /nonexistent.json: no such file"),
     (PLAN + ["--mtu", "100"], "the MTU must be"),
+    (PLAN + ["--compute-ms", "nan"], "the compute per layer must be finite, 0 ms or more, not "
+                                     "(nan, nan) ms (--compute-ms, compute)"),
+    (PLAN + ["--compute-ms", "1,inf"], "the compute per layer must be finite"),
 ])
 def test_bad_settings_are_refused_in_one_line(flags, message):
     done = overcast(*flags)
     assert done.returncode == 2
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], done.stderr
+
+
+STEP = {"what": "overcast.fsdp step profile", "step_seconds": 1, "exposed_seconds": 0.5,
+        "compute_seconds": 0.5}
+
+
+@pytest.mark.parametrize("profile,message", [
+    ({**STEP, "what": "something else"}, 'not a step profile: its "what" is neither'),
+    ({k: v for k, v in STEP.items() if k != "what"}, 'not a step profile: its "what" is'),
+    ([1, 2], 'not a step profile: its "what" is'),
+    ({**STEP, "compute_seconds": float("nan")}, "compute_seconds must be a number of seconds, "
+                                                "finite and 0 or more, not nan"),
+    ({**STEP, "compute_seconds": float("inf")}, "compute_seconds must be a number of seconds"),
+    ({**STEP, "compute_seconds": True}, "compute_seconds must be a number of seconds"),
+    ({**STEP, "step_seconds": "1"}, "step_seconds must be a number of seconds"),
+    ({**STEP, "exposed_seconds": 2, "compute_seconds": -1},
+     "compute_seconds must be a number of seconds, finite and 0 or more, not -1"),
+    ({**STEP, "forward_compute_seconds": -1, "backward_compute_seconds": 0.5},
+     "forward_compute_seconds must be a number of seconds"),
+    ({**STEP, "forward_compute_seconds": 0, "backward_compute_seconds": 0},
+     "forward_compute_seconds and backward_compute_seconds are both 0"),
+])
+def test_a_profile_that_does_not_hold_is_refused_naming_the_file(tmp_path, profile, message):
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(profile))
+    done = overcast(*PLAN, "--timed", str(path))
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"overcast: --timed {path}: ") and \
+        message in lines[0] and "--compute-ms" not in lines[0], done.stderr
 
 
 def test_plan_sizes_the_aggregator_hosts_and_cores_the_pair_needs():

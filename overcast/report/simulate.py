@@ -5,7 +5,7 @@ from __future__ import annotations
 from rich.table import Table
 
 from overcast.report.bench import table_of
-from overcast.units import human_bytes
+from overcast.units import human_bytes, human_count
 
 
 def rate_text(bits_per_s: float) -> str:
@@ -120,7 +120,7 @@ def plan_table(doc: dict, wide: bool = False) -> Table:
              else "", True),
             ("use", lambda p: p["choice"], False)]
     ranks = meta["ranks_per_node"]
-    t = table_of(f"plan: {meta['params'] / 1e9:.2f}B parameters in {meta['layers']} layers, "
+    t = table_of(f"plan: {human_count(meta['params'])} parameters in {meta['layers']} layers, "
                  f"{meta['dtype']} gathered, {meta['reduce_dtype']} reduced, "
                  f"{meta['micro_steps']} micro-step(s); {ranks} rank{'s' * (ranks > 1)} per "
                  f"node, MTU {meta['mtu']}; compute per layer: {meta['compute_from']}",
@@ -174,7 +174,7 @@ def plot_plan(doc: dict, path: str) -> None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     meta = doc["meta"]
-    fig.suptitle(f"overcast plan: {meta['params'] / 1e9:.2f}B parameters, {meta['layers']} "
+    fig.suptitle(f"overcast plan: {human_count(meta['params'])} parameters, {meta['layers']} "
                  f"layers, {meta['topology']}" + (f" radix {meta['radix']}" if meta["radix"]
                                                    else ""))
     fig.tight_layout()

@@ -64,6 +64,9 @@ PRESETS = {
 AGGREGATOR_CHOICES = ("sized", "switch", "beside-rank-0")
 # A share of compute the forward takes when a profile does not split it (backward: twice).
 FORWARD_SHARE = 1 / 3
+# How the step profiles plan reads begin their "what": overcast.fsdp's handle.profile(), and
+# overcast train's for its gloo way.
+PROFILE_WRITERS = ("overcast.fsdp step profile", "overcast train")
 
 
 def parse_count(text: str, flag: str) -> int:
@@ -131,9 +134,10 @@ class Job:
         if self.host_cores is not None:
             check_positive("the engine's cores per node", self.host_cores,
                            "--host-cores, host_cores")
-        if min(self.compute) < 0:
-            raise InvalidArgumentError(f"the compute per layer must be 0 or more, not "
-                                       f"{self.compute} (--compute-ms, compute)")
+        if not all(math.isfinite(c) and c >= 0 for c in self.compute):
+            raise InvalidArgumentError(f"the compute per layer must be finite, 0 ms or more, "
+                                       f"not ({', '.join(f'{c * 1e3:g}' for c in self.compute)})"
+                                       f" ms (--compute-ms, compute)")
         if self.aggregators not in AGGREGATOR_CHOICES and not (
                 isinstance(self.aggregators, int) and self.aggregators >= 1):
             raise InvalidArgumentError(f"the aggregators must be one of "
@@ -165,24 +169,46 @@ class AggregatorSizing:
 
 def compute_from_profile(path: str, model: Model) -> tuple[tuple[float, float], str]:
     """Each layer's (forward, backward) compute per micro-step from a step profile (written by
-    overcast.fsdp.timed(model)'s handle, or `overcast train` for its gloo way): the step less
-    its exposed communication, split as the profile splits it (else a third forward), shared
-    evenly among the model's layers and micro-steps; and words saying so."""
+    overcast.fsdp.timed(model)'s handle, or `overcast train` for its gloo way, each naming
+    itself under "what"): the step less its exposed communication, split as the profile splits
+    it (else a third forward), shared evenly among the model's layers and micro-steps; and words
+    saying so. InvalidArgumentError, naming the file, for anything else."""
+    def refused(why: str) -> InvalidArgumentError:
+        return InvalidArgumentError(f"--timed {path}: {why}")
+
     try:
         with open(path) as f:
             profile = json.load(f)
-        compute = profile["compute_seconds"]
-        split = (profile["forward_compute_seconds"], profile["backward_compute_seconds"]) \
-            if "forward_compute_seconds" in profile else (FORWARD_SHARE, 1 - FORWARD_SHARE)
-        # the rest of the compute (the optimizer) shared between the two as they split
-        forward = compute * split[0] / sum(split)
-        backward = compute - forward
-        step, exposed = profile["step_seconds"], profile["exposed_seconds"]
     except OSError as err:
-        raise InvalidArgumentError(f"--timed {path}: {err.strerror.lower()}") from None
-    except (ValueError, KeyError, TypeError):
-        raise InvalidArgumentError(f"--timed {path}: not a step profile (JSON with "
-                                   f"step_seconds, exposed_seconds, compute_seconds)") from None
+        raise refused(err.strerror.lower()) from None
+    except ValueError as err:
+        raise refused(f"not JSON ({err})") from None
+    if not isinstance(profile, dict) or not isinstance(profile.get("what"), str) or \
+            not profile["what"].startswith(PROFILE_WRITERS):
+        raise refused(f'not a step profile: its "what" is neither '
+                      f'{" nor ".join(map(repr, PROFILE_WRITERS))}')
+
+    def seconds(key: str) -> float:
+        value = profile.get(key)
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not (number and math.isfinite(value) and value >= 0):
+            why = " (its exposed communication outlasts its step)" if \
+                number and key == "compute_seconds" and value < 0 else ""
+            raise refused(f"{key} must be a number of seconds, finite and 0 or more, not "
+                          f"{value!r}{why}")
+        return float(value)
+
+    step, exposed, compute = (seconds(k) for k in ("step_seconds", "exposed_seconds",
+                                                   "compute_seconds"))
+    split = (FORWARD_SHARE, 1 - FORWARD_SHARE)
+    if "forward_compute_seconds" in profile or "backward_compute_seconds" in profile:
+        split = (seconds("forward_compute_seconds"), seconds("backward_compute_seconds"))
+        if sum(split) == 0 and compute > 0:
+            raise refused(f"forward_compute_seconds and backward_compute_seconds are both 0, "
+                          f"so nothing says how its {compute:g} s of compute split")
+    # the rest of the compute (the optimizer) shared between the two as they split
+    forward = compute * split[0] / sum(split) if compute else 0.0
+    backward = compute - forward
     share = len(model.layer_params) * model.micro_steps
     return ((forward / share, backward / share),
             f"timed() in {path}: a step of {step:.3f} s, {exposed:.3f} s of it exposed "
