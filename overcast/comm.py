@@ -268,15 +268,23 @@ class Communicator:
             return (self.unavailable("reduce_scatter", rs_algorithm) or
                     self.unavailable("all_gather", ag_algorithm))
         if algorithm in ("multicast", "innetwork") and self.world_size > 1:
-            if algorithm == "multicast" and self._multicast_error:
-                return f"multicast is unavailable here: {self._multicast_error}"
-            if algorithm == "multicast" and self.multicast_undelivered:
-                return self.multicast_undelivered
-            if algorithm == "innetwork" and self._switch_error:
-                return f"in-network reduction is unavailable: {self._switch_error}"
+            if self.network_unavailable(algorithm):
+                return self.network_unavailable(algorithm)
             if not self.link_bits_per_s:
                 return (f"{algorithm} paces its senders to the link rate: pass "
                         "link_bits_per_s= or set OVERCAST_LINK_BITS_PER_S")
+        return None
+
+    def network_unavailable(self, algorithm: str) -> str | None:
+        """Why the network does not carry `algorithm` ("multicast" or "innetwork") for this
+        communicator, the link rate aside: a join that failed, multicast not delivered, an
+        aggregator out of reach or refusing; or None."""
+        if algorithm == "multicast" and self._multicast_error:
+            return f"multicast is unavailable here: {self._multicast_error}"
+        if algorithm == "multicast" and self.multicast_undelivered:
+            return self.multicast_undelivered
+        if algorithm == "innetwork" and self._switch_error:
+            return f"in-network reduction is unavailable: {self._switch_error}"
         return None
 
     def check_algorithm(self, collective: str, algorithm: str) -> None:

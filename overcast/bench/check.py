@@ -19,35 +19,46 @@ Every rank then holds every rank's findings (a gloo all_gather_object), and `ver
 
 from __future__ import annotations
 
+import collections
 import math
 import os
 import socket
 import statistics
 import time
 
+import numpy as np
+
 from overcast.bench.worker import DTYPE, workload
 from overcast.schedules import cost
+from overcast.sim.plan import WORTH_SAVING
 from overcast.transport.datagram import RECV_BUFFER_BYTES, enlarge_receive_buffer
 
-# (collective, algorithm), as `overcast bench` names them; what each needs of every rank (its
-# finding under that name says why it cannot)
+# (collective, algorithm), as `overcast bench` names them; what each needs (a finding of that
+# name says why it cannot run)
 COLLECTIVES = [("allgather", "ring"), ("allgather", "multicast"), ("reduce_scatter", "ring"),
                ("reduce_scatter", "innetwork"), ("overlap", "ring"), ("overlap", "overcast")]
-NEEDS = {"multicast": ("multicast",), "innetwork": ("aggregator",),
-         "overcast": ("multicast", "aggregator")}
-# One AllGather's floor at the link rate: the bytes per rank follow from it.
+NEEDS = {"multicast": ("link rate", "multicast"), "innetwork": ("link rate", "aggregator"),
+         "overcast": ("link rate", "multicast", "aggregator")}
+# What each call should take: a ring AllGather's bytes per rank are grown until it takes this
+# long here, whatever the links' rate, and every collective moves that many.
 CALL_SECONDS = 0.25
 LEAST_BYTES, MOST_BYTES = 64 << 10, 64 << 20
 JUMBO_MTU = 9000
-# A multicast AllGather further than this from its floor says the rate given is not the link's.
+# A rate given more than this far from what the rings measured is not the links'.
 RATE_SLACK = 1.25
+# A datagram collective (multicast AllGather, in-network ReduceScatter) further than this from
+# its floor at the link rate is held back by something the checks try to name.
+DATAGRAM_SLACK = 1.5
+# The exit codes: ready; not ready (a check failed); working, but overcast's pair slower than
+# its rings here (each usage error exits 2, as every command's does).
+READY, NOT_READY, SLOWER = 0, 1, 3
 
 
-def bytes_per_rank(link_bits: float, world: int) -> int:
-    """What each rank gives an AllGather so that it takes about CALL_SECONDS at the link rate
-    (a multiple of 64 KiB)."""
-    n = link_bits / 8 * CALL_SECONDS / max(1, world - 1)
-    return int(min(max(n, LEAST_BYTES), MOST_BYTES)) // LEAST_BYTES * LEAST_BYTES
+def scaled_bytes(n: int, seconds: float) -> int:
+    """The bytes per rank that take CALL_SECONDS where `n` took `seconds` (a multiple of 64 KiB,
+    within LEAST_BYTES and MOST_BYTES)."""
+    wanted = n * CALL_SECONDS / max(seconds, 1e-6)
+    return int(min(max(wanted, LEAST_BYTES), MOST_BYTES)) // LEAST_BYTES * LEAST_BYTES
 
 
 def check_rank(rank: int, world: int, link_bits: float | None, seconds: float) -> list[dict]:
@@ -76,8 +87,8 @@ def check_rank(rank: int, world: int, link_bits: float | None, seconds: float) -
             comm = made.comm
             mine.update(address=comm.address, mtu=comm.mtu, chunk_bytes=comm.chunk_bytes,
                         unheard=comm.multicast_unheard,
-                        multicast=comm.unavailable("all_gather", "multicast"),
-                        aggregator=comm.unavailable("reduce_scatter", "innetwork"),
+                        multicast=comm.network_unavailable("multicast"),
+                        aggregator=comm.network_unavailable("innetwork"),
                         endpoints=comm.aggregator_endpoints,
                         aggregator_started=made.job_switch is not None, switch=made.switch)
         every = [None] * world
@@ -108,45 +119,85 @@ def _receive_buffer() -> int:
         return enlarge_receive_buffer(sock)
 
 
+def _blocked(algorithm: str, every: list[dict]) -> str | None:
+    """The finding that keeps `algorithm` from running on some rank, or None."""
+    for need in NEEDS.get(algorithm, ()):
+        if need == "link rate" and not every[0]["link_bits_per_s"] or \
+                need != "link rate" and any(r[need] for r in every):
+            return need
+    return None
+
+
+def _slowest(comm, seconds: float) -> float:
+    """The most `seconds` any rank gives: alike on every rank."""
+    every = np.empty(comm.world_size, np.float64)
+    comm.all_gather(every, np.array([seconds], np.float64))
+    return float(every.max())
+
+
+def _timed(comm, run, reset) -> float:
+    """One call between barriers: the slowest rank's seconds."""
+    reset()
+    comm.barrier()
+    began = time.perf_counter()
+    run()
+    return _slowest(comm, time.perf_counter() - began)
+
+
+def _sized(comm) -> int:
+    """The bytes per rank a ring AllGather takes about CALL_SECONDS to gather here, timed
+    (growing from LEAST_BYTES), not worked out from a rate that may be wrong or missing."""
+    n = LEAST_BYTES
+    while True:
+        run, reset, _ = workload(comm, None, "allgather", "ring", comm.rank,
+                                 n // DTYPE().itemsize, comm.world_size)
+        took = _timed(comm, run, reset)
+        if took >= CALL_SECONDS / 4 or n >= MOST_BYTES:
+            return scaled_bytes(n, took)
+        n = min(MOST_BYTES, n * 16)
+
+
 def _runs(comm, every: list[dict], seconds: float) -> list[dict]:
-    """Each collective a few times, timed between barriers, its results checked: skipped, with
-    the reason, where any rank cannot run it."""
+    """Each collective after a warm-up, as many times as fit in `seconds` (3 at least), timed
+    between barriers, its results checked: skipped, with the reason, where any rank cannot run
+    it. Each moves what a ring AllGather takes CALL_SECONDS to gather here."""
     world, rank = comm.world_size, comm.rank
     link_bits = every[0]["link_bits_per_s"]
-    n = bytes_per_rank(link_bits or 1e9, world)
+    n = _sized(comm)
     count = n // DTYPE().itemsize
     out = []
     for collective, algorithm in COLLECTIVES:
-        why = next((need for need in NEEDS.get(algorithm, ()) for r in every if r[need]), None)
+        why = _blocked(algorithm, every)
         if why is not None:  # the checks' table says why
             out.append({"collective": collective, "algorithm": algorithm, "skipped": why})
             continue
         run, reset, check = workload(comm, None, collective, algorithm, rank, count, world)
-        floor = cost.floor_seconds(collective, n, world, (link_bits or 1e9) / 8)
-        times, correct = [], True
-        for k in range(1 + max(3, math.ceil(seconds / floor))):  # the first warms up
-            reset()
-            comm.barrier()
-            t0 = time.perf_counter()
-            run()
-            if k:
-                times.append(time.perf_counter() - t0)
+        warm = _timed(comm, run, reset)
+        times, correct = [], check()
+        for _ in range(max(3, math.ceil(seconds / max(warm, 1e-6)))):
+            times.append(_timed(comm, run, reset))
             correct = correct and check()
         out.append({"collective": collective, "algorithm": algorithm, "bytes_per_rank": n,
-                    "seconds": times, "floor_seconds": floor, "correct": correct})
+                    "seconds": times, "correct": correct,
+                    "floor_seconds": cost.floor_seconds(collective, n, world, link_bits / 8)
+                    if link_bits else None})
     return out
 
 
 def verdict(every: list[dict]) -> dict:
-    """What every rank found, as checks (name, "ok"/"note"/"fail", detail), the collectives'
-    rows (the slowest rank's time per run, median and range), and "ready" or why not."""
+    """What every rank found, as checks (name, "ok", "note", "slower" or "fail", detail), the
+    collectives' rows (the slowest rank's time per run, median and range), and the verdict with
+    its exit code: "ready" where overcast's pair saves WORTH_SAVING of its rings' pair measured
+    in the same run, else "works, but slower than rings here" and why, or "not ready" and the
+    reason for each failure."""
     first, world = every[0], len(every)
     checks: list[tuple[str, str, str]] = []
     rate = first["link_bits_per_s"]
     checks.append(("link rate", "ok", f"{rate / 1e6:g} Mbit/s per direction") if rate else
                   ("link rate", "fail", "no link rate: set OVERCAST_LINK_BITS_PER_S to the "
-                                        "NIC's bits/s per direction (or --link-mbit); "
-                                        "multicast paces its senders to it"))
+                                        "NIC's bits/s per direction (or --link-mbit): "
+                                        "multicast paces its senders to it, and the "
+                                        "collectives that need it were skipped"))
     failed = [r for r in every if "error" in r]
     if failed:
         checks.append(("meeting", "fail", "; ".join(f"rank {r['rank']}: {r['error']}"
@@ -176,37 +227,121 @@ def verdict(every: list[dict]) -> dict:
                     ": net.core.rmem_max caps it and this user lacks CAP_NET_ADMIN; a burst "
                     "that does not fit is lost and repaired (sysctl -w "
                     f"net.core.rmem_max={RECV_BUFFER_BYTES})")))
-    refused = [f"rank {r['rank']}: {r['aggregator']}" for r in every if r["aggregator"]]
-    if refused:
-        checks.append(("aggregator", "fail", "; ".join(refused[:4])))
-    elif first["aggregator_started"]:
-        checks.append(("aggregator", "note",
-                       f"no OVERCAST_SWITCH: rank 0 started one beside itself at "
-                       f"{first['switch']}, whose host's link then carries every rank's "
-                       f"contributions (docs/deploy.md)"))
-    else:
-        checks.append(("aggregator", "ok", f"{first['switch']}: every rank welcomed under the "
-                                           f"job's secret, {first['endpoints']} endpoint(s)"))
-    unset = [r["rank"] for r in every if not r["secret"]]
-    checks.append(("secret", "note" if unset else "ok",
-                   f"no OVERCAST_SECRET on {_ranks(unset)}: rank 0 drew one and shared it "
-                   f"through the job's store, which must then be trusted as torchrun's is"
-                   if unset else "OVERCAST_SECRET set on every rank"))
+    checks += _secret_and_aggregator(every)
     rows = _rows(every)
     wrong = [f"{r['collective']} {r['algorithm']}" for r in rows if not r.get("correct", True)]
     if wrong:
         checks.append(("collectives", "fail", f"wrong results: {', '.join(wrong)}"))
-    multicast = next((r for r in rows if r["algorithm"] == "multicast" and "ratio" in r), None)
-    if rate and multicast is not None:
-        ratio = multicast["ratio"]
-        checks.append(("rate", "ok" if 1 / RATE_SLACK <= ratio <= RATE_SLACK else "note",
-                       f"a multicast AllGather took {ratio:.2f}x its floor at "
-                       f"{rate / 1e6:g} Mbit/s" +
-                       ("" if ratio <= RATE_SLACK else ": the links carry less than the rate "
-                        "given, or the engines cannot keep up with it") +
-                       ("" if ratio >= 1 / RATE_SLACK else ": the links carry more than the "
-                        "rate given, which multicast then leaves unused")))
+    checks += _measured(rows, every)
     return _summed(checks, rows, world)
+
+
+def _secret_and_aggregator(every: list[dict]) -> list[tuple[str, str, str]]:
+    """The aggregator's check and the secret's: a registration that fails (not a refusal, nor
+    an aggregator out of reach) is most likely a secret the aggregator does not hold, as it
+    closes such a registration without a word."""
+    first = every[0]
+    unset = [r["rank"] for r in every if not r["secret"]]
+    external = not first["aggregator_started"]
+    out = []
+    refused = [r for r in every if r["aggregator"]]
+    if refused:
+        detail = "; ".join(f"rank {r['rank']}: {r['aggregator']}" for r in refused[:4])
+        if any("registration with the aggregator" in r["aggregator"] for r in refused):
+            detail += (": most likely the secret: an aggregator closes a registration from a job "
+                       "whose secret it does not hold, and " +
+                       (f"OVERCAST_SECRET is not set on {_ranks(unset)}" if unset else
+                        "this one must be started with the OVERCAST_SECRET the ranks have"))
+        out.append(("aggregator", "fail", detail))
+    elif not external:
+        out.append(("aggregator", "note",
+                    f"no OVERCAST_SWITCH: rank 0 started one beside itself at "
+                    f"{first['switch']}, whose host's link then carries every rank's "
+                    f"contributions (docs/deploy.md)"))
+    else:
+        out.append(("aggregator", "ok", f"{first['switch']}: every rank welcomed under the "
+                                        f"job's secret, {first['endpoints']} endpoint(s)"))
+    if not unset:
+        out.append(("secret", "ok", "OVERCAST_SECRET set on every rank"))
+    elif external and first["switch"]:
+        out.append(("secret", "fail",
+                    f"OVERCAST_SECRET is not set on {_ranks(unset)}: rank 0 drew a secret of "
+                    f"its own, which the aggregator at {first['switch']} (OVERCAST_SWITCH) "
+                    f"cannot hold; set OVERCAST_SECRET on every rank to the one it was started "
+                    f"with"))
+    else:
+        out.append(("secret", "note",
+                    f"no OVERCAST_SECRET on {_ranks(unset)}: rank 0 drew one and shared it "
+                    f"through the job's store, which must then be trusted as torchrun's is"))
+    return out
+
+
+def _measured(rows: list[dict], every: list[dict]) -> list[tuple[str, str, str]]:
+    """What the times say: the link rate against what the rings moved, each datagram
+    collective against its floor (within DATAGRAM_SLACK), and overcast's pair against the
+    rings' pair, with the likely causes where it does not beat it."""
+    first, world = every[0], len(every)
+    rate = first["link_bits_per_s"]
+    timed = {(r["collective"], r["algorithm"]): r for r in rows if "seconds" in r}
+    ring, multicast, ring_rs, innetwork = (timed.get(k) for k in (
+        ("allgather", "ring"), ("allgather", "multicast"), ("reduce_scatter", "ring"),
+        ("reduce_scatter", "innetwork")))
+    out, causes = [], []
+    if rate and ring is not None:
+        moved, ratio = rate / ring["ratio"], ring["ratio"]
+        said = (f"a ring AllGather moved about {moved / 1e6:.3g} Mbit/s per link, "
+                f"{1 / ratio:.2f}x the {rate / 1e6:g} Mbit/s given")
+        why = None
+        if ratio < 1 / RATE_SLACK:
+            why = ("the links carry more than OVERCAST_LINK_BITS_PER_S says, and multicast, "
+                   "paced to the rate given, leaves the rest unused")
+        elif ratio > RATE_SLACK and multicast is not None and multicast["ratio"] > RATE_SLACK:
+            why = ("the links (or the hosts) carry less than OVERCAST_LINK_BITS_PER_S says, "
+                   "and multicast, paced to the rate given, overruns them and resends")
+        if why:
+            causes.append(why)
+        out.append(("rate", "note" if why else "ok", said + (f": {why}" if why else "")))
+    datagram = [(name, r) for name, r in (("multicast AllGather", multicast),
+                                          ("in-network ReduceScatter", innetwork)) if r]
+    if datagram:
+        slow = [name for name, r in datagram if r["ratio"] > DATAGRAM_SLACK]
+        out.append(("datagram collectives", "note" if slow else "ok",
+                    ", ".join(f"{name} {r['ratio']:.2f}x" for name, r in datagram) +
+                    f" its floor (within {DATAGRAM_SLACK:g}x expected)"))
+    sharing = max(collections.Counter(r["address"] for r in every).values())
+    if sharing > 1:
+        causes.append(f"{sharing} ranks share a NIC, and each sends its whole gradient through "
+                      f"it to the aggregator, {sharing}x what a ring sends")
+    if first["aggregator_started"]:
+        causes.append("the aggregator rank 0 started beside itself (no OVERCAST_SWITCH) takes "
+                      "every rank's contributions through rank 0's link")
+    elif innetwork is not None:
+        # against the ring's ReduceScatter of the same bytes where the links are slower than
+        # the rate given, and less what ranks sharing a NIC send through it
+        behind = innetwork["ratio"] / max(1.0, ring_rs["ratio"]) / sharing
+        if behind > DATAGRAM_SLACK:
+            causes.append(f"the aggregator at {first['switch']} takes the contributions at "
+                          f"about 1/{behind:.1f} of the hosts' rate: its link or cores are "
+                          f"behind what {world} ranks send it")
+    if multicast is not None and multicast["ratio"] > DATAGRAM_SLACK and not any(
+            "OVERCAST_LINK_BITS_PER_S" in c for c in causes):
+        causes.append(f"a multicast AllGather took {multicast['ratio']:.2f}x its floor: "
+                      f"datagrams lost and resent, or the engines short of CPU")
+    pair, rings = timed.get(("overlap", "overcast")), timed.get(("overlap", "ring"))
+    if pair is not None and rings is not None:
+        said = (f"overcast's pair {pair['seconds'] * 1e3:.0f} ms against its rings' "
+                f"{rings['seconds'] * 1e3:.0f} ms measured here")
+        if pair["seconds"] <= (1 - WORTH_SAVING) * rings["seconds"]:
+            out.append(("overcast's pair", "ok", f"{said}, "
+                                                 f"{rings['seconds'] / pair['seconds']:.2f}x "
+                                                 f"faster"))
+        else:
+            out.append(("overcast's pair", "slower",
+                        f"{said} (ready takes at most {1 - WORTH_SAVING:.0%} of theirs); "
+                        f"likely: " + ("; ".join(causes) or "no cause found among the link "
+                                                            "rate, the aggregator and ranks "
+                                                            "sharing a NIC")))
+    return out
 
 
 def _ranks(ranks: list[int]) -> str:
@@ -221,18 +356,23 @@ def _rows(every: list[dict]) -> list[dict]:
         if "skipped" in run:
             rows.append({**row, "skipped": run["skipped"]})
             continue
-        slowest = [max(r["runs"][k]["seconds"][i] for r in every)
-                   for i in range(len(run["seconds"]))]
+        slowest = run["seconds"]  # every rank's: each call's slowest, agreed
         median = statistics.median(slowest)
         rows.append({**row, "bytes_per_rank": run["bytes_per_rank"], "seconds": median,
                      "range": [min(slowest), max(slowest)], "runs": len(slowest),
-                     "ratio": median / run["floor_seconds"],
-                     "correct": all(r["runs"][k]["correct"] for r in every)})
+                     "correct": all(r["runs"][k]["correct"] for r in every),
+                     **({"ratio": median / run["floor_seconds"]} if run["floor_seconds"]
+                        else {})})
     return rows
 
 
 def _summed(checks: list[tuple[str, str, str]], rows: list[dict], world: int) -> dict:
-    failures = [detail if detail.startswith(name) else f"{name}: {detail}"
-                for name, state, detail in checks if state == "fail"]
-    return {"ranks": world, "checks": checks, "collectives": rows, "ready": not failures,
-            "verdict": "ready" if not failures else "not ready: " + "; ".join(failures)}
+    def said(state: str) -> list[str]:
+        return [detail if detail.startswith(name) else f"{name}: {detail}"
+                for name, state_, detail in checks if state_ == state]
+    failures, slower = said("fail"), said("slower")
+    code = NOT_READY if failures else SLOWER if slower else READY
+    return {"ranks": world, "checks": checks, "collectives": rows, "ready": code == READY,
+            "exit_code": code,
+            "verdict": {READY: "ready", NOT_READY: "not ready: " + "; ".join(failures),
+                        SLOWER: "works, but slower than rings here: " + "; ".join(slower)}[code]}

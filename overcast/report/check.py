@@ -9,7 +9,9 @@ from rich.table import Table
 from overcast.report.bench import table_of
 from overcast.units import human_bytes
 
-STATES = {"ok": "[green]ok[/]", "note": "[yellow]note[/]", "fail": "[bold red]FAIL[/]"}
+STATES = {"ok": "[green]ok[/]", "note": "[yellow]note[/]", "slower": "[bold yellow]SLOWER[/]",
+          "fail": "[bold red]FAIL[/]"}
+VERDICT_STYLES = {"ready": "bold green", "works": "bold yellow", "not": "bold red"}
 
 
 def checks_table(doc: dict) -> Table:
@@ -44,5 +46,5 @@ def print_report(doc: dict, console: Console) -> None:
     console.print(checks_table(doc))
     if doc["collectives"]:
         console.print(collectives_table(doc))
-    console.print(f"verdict: {'[bold green]' if doc['ready'] else '[bold red]'}"
-                  f"{doc['verdict']}[/]", highlight=False)
+    style = VERDICT_STYLES[doc["verdict"].split()[0].rstrip(",")]
+    console.print(f"verdict: [{style}]{doc['verdict']}[/]", highlight=False)
