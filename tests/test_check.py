@@ -161,8 +161,11 @@ def test_a_registration_that_fails_is_most_likely_the_secret():
         f"drew a secret of its own, which the aggregator at 10.0.0.9:18515 (OVERCAST_SWITCH) "
         f"cannot hold; set OVERCAST_SECRET on every rank to the one it was started with")
     doc = verdict([finding(0), finding(1, aggregator=failed)])
-    assert doc["verdict"].endswith("this one must be started with the OVERCAST_SECRET the "
-                                   "ranks have")
+    assert doc["verdict"].endswith("the aggregator must be started with the OVERCAST_SECRET "
+                                   "the ranks have")
+    doc = verdict([finding(0, aggregator=failed), finding(1, aggregator=failed)])
+    assert doc["verdict"].startswith(f"not ready: aggregator: ranks 0, 1: {failed}: most "
+                                     f"likely the secret")
 
 
 def test_each_call_takes_about_a_quarter_second_here():

@@ -246,12 +246,16 @@ def _secret_and_aggregator(every: list[dict]) -> list[tuple[str, str, str]]:
     out = []
     refused = [r for r in every if r["aggregator"]]
     if refused:
-        detail = "; ".join(f"rank {r['rank']}: {r['aggregator']}" for r in refused[:4])
+        said: dict[str, list[int]] = {}  # each reason once, with the ranks that gave it
+        for r in refused:
+            said.setdefault(r["aggregator"], []).append(r["rank"])
+        detail = "; ".join(f"{_ranks(ranks)}: {why}" for why, ranks in list(said.items())[:4])
         if any("registration with the aggregator" in r["aggregator"] for r in refused):
             detail += (": most likely the secret: an aggregator closes a registration from a job "
                        "whose secret it does not hold, and " +
                        (f"OVERCAST_SECRET is not set on {_ranks(unset)}" if unset else
-                        "this one must be started with the OVERCAST_SECRET the ranks have"))
+                        "the aggregator must be started with the OVERCAST_SECRET the ranks "
+                        "have"))
         out.append(("aggregator", "fail", detail))
     elif not external:
         out.append(("aggregator", "note",
