@@ -351,7 +351,9 @@ class Communicator:
 
     def counters(self) -> dict:
         """Dropped messages by reason, stale messages, bytes and datagrams, and the protocols'
-        own counts (chunks multicast, repaired, repair bytes...)."""
+        own counts (chunks multicast, repaired, repair bytes...); probe_drops: the delivery
+        probes this rank dropped when the communicator was made, by why (malformed, foreign,
+        bad_mac, replayed, unexpected)."""
         return self._engine.counters()
 
     def memory(self) -> dict:

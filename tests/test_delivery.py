@@ -4,6 +4,9 @@ with a warning that says so. On loopback and on the emulated cluster with the sw
 the multicast it would send to two of the hosts."""
 
 import copy
+import os
+import socket
+import time
 import warnings
 
 import numpy as np
@@ -12,16 +15,53 @@ import overcast
 from conftest import root_only
 from overcast.cluster.launch import loopback_placements, run_ranks
 from overcast.cluster.netns import Cluster
-from overcast.transport.probe import undelivered
+from overcast.transport import probe
+from overcast.transport.probe import PROBE, PROBE_SECONDS, undelivered
+from overcast.wire.auth import Drops, Opener, Sealer
+from overcast.wire.header import ANY, Kind, unpack_header
 
 
 def made(rank):
     with overcast.Communicator(timeout=20, link_bits_per_s=1e9) as comm:
-        return [comm.multicast_unheard, comm.unavailable("all_gather", "multicast")]
+        return [comm.multicast_unheard, comm.unavailable("all_gather", "multicast"),
+                comm.counters()["probe_drops"]]
 
 
 def test_every_rank_hears_every_other_on_loopback():
-    assert run_ranks(made, loopback_placements(3), timeout=60) == [[{}, None]] * 3
+    assert run_ranks(made, loopback_placements(3), timeout=60) == [[{}, None, {}]] * 3
+
+
+def _listening(key: bytes, drops: Drops):
+    """Rank 0 of 2 listening for probes on one end of a datagram socket pair (each datagram
+    queued whole as it is sent); the other end."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+    ours.setblocking(False)
+    return probe._Listening(ours, Opener(key, 7, 9, drops), 0, 2), theirs
+
+
+def test_a_probe_is_heard_once_per_counter_and_a_replay_is_dropped():
+    key, drops = os.urandom(16), Drops()
+    listening, theirs = _listening(key, drops)
+    sealer = Sealer(key, 7, 9, 1)
+    first = sealer.seal(Kind.HELLO, 0, ANY, 0, PROBE.ljust(64, b"\0"))
+    later = sealer.seal(Kind.HELLO, 0, ANY, 0, PROBE.ljust(64, b"\0"))
+    other_job = Sealer(os.urandom(16), 7, 9, 1).seal(Kind.HELLO, 0, ANY, 0, PROBE)
+    for datagram in (first, first, later, first, other_job):
+        theirs.send(datagram)
+    listening.hear(time.monotonic() + 60)
+    assert listening.heard == {1} and listening.last == {1: unpack_header(later).counter}
+    assert drops == {"replayed": 2, "bad_mac": 1}
+
+
+def test_a_flood_of_datagrams_does_not_hold_the_listener_past_its_time():
+    drops = Drops()
+    listening, theirs = _listening(os.urandom(16), drops)
+    for _ in range(200):
+        theirs.send(b"junk" * 16)
+    listening.hear(time.monotonic())  # its time is up: it reads nothing
+    assert drops == {} and listening.listener.recv(100) == b"junk" * 16
+    listening.hear(time.monotonic() + 60)
+    assert drops == {"malformed": 199} and not listening.heard
 
 
 def test_undelivered_names_the_ranks_and_their_hosts():
@@ -123,3 +163,28 @@ def test_undelivered_multicast_is_named_and_the_ring_runs_instead():
         assert [category for category, _ in said] == ["MulticastNotDeliveredWarning"]
         assert said[0][1].startswith(named + "; group ")
         assert said[0][1].endswith(" runs all_gather, all_reduce, broadcast on the ring")
+
+
+def made_again(rank):
+    """Three communicators one after the other: how long each took, and what it found."""
+    out = []
+    for k in range(3):
+        began = time.monotonic()
+        with overcast.Communicator(name=f"again-{k}", timeout=20) as comm:
+            out.append([time.monotonic() - began, comm.multicast_unheard])
+    return out, sorted(probe._unheard_hosts)
+
+
+@root_only
+def test_a_process_that_found_a_host_unheard_waits_no_longer_for_it():
+    """Without multicast the first communicator listens PROBE_SECONDS for each peer after it
+    said it began; the next ones of the same process wait only a few probes' time for the hosts
+    it did not hear, and find the same."""
+    with Cluster(2, 100_000_000, service=False, drop_multicast=[0, 1]) as cluster:
+        results = cluster.run(made_again, timeout=120)
+    hosts = ["198.18.0.1", "198.18.0.2"]
+    for rank, (made, unheard_hosts) in enumerate(results):  # through JSON: lists, str keys
+        assert [found for _, found in made] == [{"0": [1], "1": [0]}] * 3
+        assert unheard_hosts == [[hosts[rank], hosts[1 - rank]]]
+        first, *later = [took for took, _ in made]
+        assert first >= PROBE_SECONDS and max(later) < first, made

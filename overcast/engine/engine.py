@@ -464,6 +464,7 @@ class Engine:
         _, stats, io = self.plane.counters()
         return {
             "drops": dict(self.links.drops),  # the plane's among them: the session polls it
+            "probe_drops": dict(self.links.probe_drops),  # when it was made (transport.probe)
             "stale": self.session.stale,
             "early_dropped": self.session.early_dropped,
             "datagrams_in": io["datagrams_in"],

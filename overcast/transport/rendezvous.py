@@ -77,8 +77,9 @@ class Links:
     switch_slots: int = 0
     switch_error: str | None = "no aggregator configured (set OVERCAST_SWITCH=host:port)"
     # the ranks whose multicast each rank did not hear, alike on every rank (transport.probe):
-    # empty where every rank heard every other
+    # empty where every rank heard every other; and the probes this rank dropped, by why
     multicast_unheard: dict[int, list[int]] = dataclasses.field(default_factory=dict)
+    probe_drops: Drops = dataclasses.field(default_factory=Drops)
 
 
 _server: StoreServer | None = None
