@@ -157,12 +157,17 @@ def test_undelivered_multicast_is_named_and_the_ring_runs_instead():
         ring_losses, _, ring_said = r["ring"]
         assert losses == ring_losses and ring_said == []
         algorithms, fallbacks, said = r["group"]
-        assert algorithms == {"all_gather": "ring", "broadcast": "ring", "all_reduce": "ring",
-                              "reduce_scatter": "innetwork"}
-        assert fallbacks == dict.fromkeys(("all_gather", "broadcast", "all_reduce"), named)
+        # as overlap(): beside a ring AllGather an in-network ReduceScatter gains nothing
+        assert algorithms == dict.fromkeys(("all_gather", "broadcast", "all_reduce",
+                                            "reduce_scatter"), "ring")
+        assert fallbacks == {**dict.fromkeys(("all_gather", "broadcast", "all_reduce"), named),
+                             "reduce_scatter": f"{named}: an in-network ReduceScatter beside a "
+                                               f"ring AllGather adds to the send direction the "
+                                               f"ring loads already"}
         assert [category for category, _ in said] == ["MulticastNotDeliveredWarning"]
         assert said[0][1].startswith(named + "; group ")
-        assert said[0][1].endswith(" runs all_gather, all_reduce, broadcast on the ring")
+        assert said[0][1].endswith(" runs all_gather, reduce_scatter, all_reduce, broadcast on "
+                                   "the ring")
 
 
 def made_again(rank):

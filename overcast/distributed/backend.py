@@ -49,8 +49,6 @@ ALGORITHM_ENV = {"all_gather": "OVERCAST_ALL_GATHER", "reduce_scatter": "OVERCAS
                  "all_reduce": "OVERCAST_ALL_REDUCE", "broadcast": "OVERCAST_BROADCAST"}
 FASTEST = {"all_gather": "multicast", "reduce_scatter": "innetwork", "all_reduce": "fullduplex",
            "broadcast": "multicast"}
-# The collectives whose fastest algorithm multicasts (the full-duplex all_reduce's AllGathers).
-MULTICASTING = ("all_gather", "broadcast", "all_reduce")
 # torch's reduce ops as overcast's; PREMUL_SUM is a sum of inputs scaled first.
 REDUCE_OPS = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.AVG: "avg", dist.ReduceOp.MAX: "max",
               dist.ReduceOp.MIN: "min", dist.ReduceOp.PRODUCT: "product",
@@ -272,7 +270,8 @@ class ProcessGroupOvercast(dist.ProcessGroup):
         """The algorithms, alike on every rank: each rank's choices must be rank 0's; "auto"
         resolves to the fastest unless any rank cannot run it (its multicast join or its
         registration with the aggregator failed, or multicast was proven undelivered when the
-        communicator was made: a MulticastNotDeliveredWarning says so), to the ring otherwise.
+        communicator was made: a MulticastNotDeliveredWarning says so, and the ReduceScatter
+        takes the ring too, as overlap()'s does), to the ring otherwise.
         The ranks tell each other over the communicator itself, so nothing is left in the
         store."""
         comm = self.communicator
@@ -296,11 +295,16 @@ class ProcessGroupOvercast(dist.ProcessGroup):
         for c, why in mine["cannot"].items():  # multicast proven undelivered, which every rank
             if why and c not in reasons:      # says alike, and none explains more closely
                 reasons[c] = why
+        if comm.multicast_undelivered and "reduce_scatter" in mine["cannot"] and \
+                "reduce_scatter" not in reasons:  # as overlap() does
+            reasons["reduce_scatter"] = (f"{comm.multicast_undelivered}: an in-network "
+                                         f"ReduceScatter beside a ring AllGather adds to the "
+                                         f"send direction the ring loads already")
         self.fallbacks = reasons
         # Multicast proven undelivered when the communicator was made (alike on every rank):
         # said once, naming the ranks that did not hear and the collectives that take the ring.
-        undelivered = [c for c, a in chosen.items() if a == "auto" and c in reasons and
-                       c in MULTICASTING and comm.multicast_undelivered]
+        undelivered = [c for c in chosen if comm.multicast_undelivered and
+                       reasons.get(c, "").startswith(comm.multicast_undelivered)]
         if undelivered:
             warnings.warn(f"{comm.multicast_undelivered}; group {self._group_name!r} runs "
                           f"{', '.join(undelivered)} on the ring", MulticastNotDeliveredWarning,
