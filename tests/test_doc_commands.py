@@ -133,7 +133,8 @@ RUNNABLE = [(d, c, e) for d, c, e in COMMANDS if d != "results.md" and
 def test_each_command_that_needs_no_root_runs_as_written(doc, command, exports, tmp_path):
     profile = tmp_path / "out" / "train" / "profile-default.json"  # what tools/demo writes
     profile.parent.mkdir(parents=True)
-    profile.write_text(json.dumps({"step_seconds": 3.3, "exposed_seconds": 3.1,
+    profile.write_text(json.dumps({"what": "overcast train, way gloo, 4 hosts at 100 Mbit/s",
+                                   "step_seconds": 3.3, "exposed_seconds": 3.1,
                                    "compute_seconds": 0.2}))
     (tmp_path / "examples").symlink_to(ROOT / "examples")
     done = _run(command, exports, tmp_path)
