@@ -125,8 +125,9 @@ def _install(modules, comm, allgather: str | None, reduce_scatter: str | None,
     None), their ReduceScatters left behind the backward pass in `deferred` where FSDP2 allows,
     their AllGathers with no ReduceScatter beside them on `unpaired_allgather` if given, the
     process group's ReduceScatters on `reduce_scatter_group` if given, except where the user
-    gave the module one of its own; on a GPU, overcast's through `poster`. Returns what each had, to give back on close; if one fails,
-    those already set get theirs back before the error is raised."""
+    gave the module one of its own; on a GPU, overcast's through `poster`. Returns what each
+    had, to give back on close; if one fails, those already set get theirs back before the
+    error is raised."""
     saved = {}
     try:
         for name, module in modules:
@@ -187,8 +188,8 @@ class Overlap:
                                        f"above 0, not {steps!r} and {seconds!r}")
         stats = self.stats()
         step, exposed = seconds / steps, (stats["post_seconds"] + stats["wait_seconds"]) / steps
-        out = {"what": "overcast.fsdp step profile", "steps": steps, "step_seconds": step, "exposed_seconds": exposed,
-               "compute_seconds": step - exposed,
+        out = {"what": "overcast.fsdp step profile", "steps": steps, "step_seconds": step,
+               "exposed_seconds": exposed, "compute_seconds": step - exposed,
                "allgathers_per_step": stats["allgathers"] / steps,
                "reduce_scatters_per_step": stats["reduce_scatters"] / steps}
         if path is not None:
