@@ -49,6 +49,8 @@ def test_a_probe_is_heard_once_per_counter_and_a_replay_is_dropped():
     for datagram in (first, first, later, first, other_job):
         theirs.send(datagram)
     listening.hear(time.monotonic() + 60)
+    listening.listener.close()
+    theirs.close()
     assert listening.heard == {1} and listening.last == {1: unpack_header(later).counter}
     assert drops == {"replayed": 2, "bad_mac": 1}
 
@@ -61,6 +63,8 @@ def test_a_flood_of_datagrams_does_not_hold_the_listener_past_its_time():
     listening.hear(time.monotonic())  # its time is up: it reads nothing
     assert drops == {} and listening.listener.recv(100) == b"junk" * 16
     listening.hear(time.monotonic() + 60)
+    listening.listener.close()
+    theirs.close()
     assert drops == {"malformed": 199} and not listening.heard
 
 
