@@ -13,6 +13,7 @@ import sys
 import pytest
 
 from conftest import widest
+from overcast.errors import InvalidArgumentError
 from overcast.report.simulate import pair_text
 from overcast.sim.engine import AggregatorPool, pool_for
 from overcast.sim.plan import (SIZING_STEPS, AggregatorSizing, Job, Model, _choose,
@@ -207,11 +208,19 @@ STEP = {"what": "overcast.fsdp step profile", "step_seconds": 1, "exposed_second
 def test_a_profile_that_does_not_hold_is_refused_naming_the_file(tmp_path, profile, message):
     path = tmp_path / "profile.json"
     path.write_text(json.dumps(profile))
+    with pytest.raises(InvalidArgumentError) as refused:
+        compute_from_profile(str(path), Model.uniform(1e9, 4))
+    said = str(refused.value)
+    assert said.startswith(f"--timed {path}: ") and message in said and "\n" not in said
+
+
+def test_the_plan_command_refuses_a_profile_in_one_line(tmp_path):
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps({**STEP, "exposed_seconds": 2, "compute_seconds": -1}))
     done = overcast(*PLAN, "--timed", str(path))
-    assert done.returncode == 2
-    lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f"overcast: --timed {path}: ") and \
-        message in lines[0] and "--compute-ms" not in lines[0], done.stderr
+    assert done.returncode == 2 and done.stderr == (
+        f"overcast: --timed {path}: compute_seconds must be a number of seconds, finite and 0 "
+        f"or more, not -1 (its exposed communication outlasts its step)\n")
 
 
 def test_plan_sizes_the_aggregator_hosts_and_cores_the_pair_needs():
