@@ -10,11 +10,14 @@ process group, then an overcast communicator), and finds, on every rank:
 - the aggregator: reached, welcomed under the job's secret, how many endpoints; or, with no
   OVERCAST_SWITCH, the one rank 0 starts beside itself;
 - whether the job secret is set, and the link rate the multicast senders pace to;
-- a few seconds of each collective, ring and overcast's, each result checked, each time against
-  its floor at that rate.
+- a few seconds of each collective, ring and overcast's, each result checked, each call moving
+  what a ring AllGather takes CALL_SECONDS to gather here, each time against its floor at that
+  rate.
 
-Every rank then holds every rank's findings (a gloo all_gather_object), and `verdict` says
-"ready" or "not ready", with the reason for each failure.
+Every rank then holds every rank's findings (a gloo all_gather_object), and `verdict` judges what
+they measured: "ready" where nothing failed and overcast's pair beats its rings' pair timed in
+the same run; "works, but slower than rings here" with the likely causes where it does not;
+"not ready" with the reason for each failure; each with its exit code.
 """
 
 from __future__ import annotations
