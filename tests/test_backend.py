@@ -70,11 +70,12 @@ def against_gloo(rank, device="cpu", dtypes=DTYPES):
         for count in SIZES:
             case = f"{dtype} x {count}"
             for name, op in OPS.items():
-                if name == "avg" and not dtype.is_floating_point:
-                    continue
                 mine, theirs = placed(rank, count, dtype), values(rank, count, dtype)
                 dist.all_reduce(mine, op=op)
-                if name == "avg":  # gloo has no AVG: its exact sum, divided, rounded once
+                if name == "avg" and not dtype.is_floating_point:  # NCCL's: the sum truncated
+                    dist.all_reduce(theirs, group=gloo)
+                    theirs = torch.div(theirs, world, rounding_mode="trunc")
+                elif name == "avg":  # gloo has no AVG: its exact sum, divided, rounded once
                     total = theirs.double()
                     dist.all_reduce(total, group=gloo)
                     theirs = (total / world).to(dtype)
@@ -142,6 +143,20 @@ def against_gloo(rank, device="cpu", dtypes=DTYPES):
     dist.all_to_all_single(theirs, send, received, splits, group=gloo)
     if not agrees(mine, theirs):
         differ.append("all_to_all_single uneven")
+    # Integer AVG, as NCCL's: the sum divided and truncated toward zero, on the backend and on
+    # the group's Communicator, negative sums and positive, against the exact integers.
+    base = [-29, -7, -5, -4, -3, -1, 0, 1, 3, 4, 5, 7, 29]  # sums within int8 at P = 4
+    sums = [world * b + world * (world - 1) // 2 for b in base]
+    exact = [abs(s) // world * (1 if s >= 0 else -1) for s in sums]
+    for dtype in (torch.int8, torch.int32, torch.int64):
+        mine = (torch.tensor(base) + rank).to(dtype).to(device)
+        dist.all_reduce(mine, op=dist.ReduceOp.AVG)
+        arr = (torch.tensor(base) + rank).to(dtype).numpy()
+        dist.group.WORLD.communicator.all_reduce(arr, "avg",
+                                                 dist.group.WORLD.algorithms["all_reduce"])
+        if mine.tolist() != exact or arr.tolist() != exact:
+            differ.append(f"all_reduce avg {dtype} of negative and positive sums: "
+                          f"{mine.tolist()}, {arr.tolist()}, not {exact}")
     work = dist.all_reduce(placed(rank, 3, torch.float32), async_op=True)
     work.wait()
     if not isinstance(work, dist.Work):
