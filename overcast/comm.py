@@ -63,10 +63,11 @@ class Communicator:
     Bad input (a wrong size, dtype, op or algorithm) raises InvalidArgumentError on the rank
     that gave it, before anything is sent. With `fail_peers_on_bad_input` (the default, as
     NCCL's abort) it also fails the communicator on every other rank, which would otherwise wait
-    for this rank's part; without it (gloo's contract, the torch.distributed backend's) the
-    communicator stays usable, and a rank whose peers did issue the call meets them at its next
-    call (a CollectiveMismatchError) or at the timeout. A group of one rank runs every
-    collective as a local copy.
+    for this rank's part; without it (gloo's contract, the torch.distributed backend's) the call
+    is refused: it takes its sequence number, and every other rank's call at that number raises
+    InvalidArgumentError naming this rank and the reason, as soon as the refusal arrives; the
+    communicator stays usable (`refuse`). A group of one rank runs every collective as a local
+    copy.
     """
 
     def __init__(self, rank: int | None = None, world_size: int | None = None, *,
@@ -193,6 +194,13 @@ class Communicator:
                 a, b = spans[k]
                 reductions.append(self.reduce_scatter(results[a:b], padded[world * a:world * b],
                                                       op, True, rs_algorithm))
+                if k == 0 and pieces > 1:
+                    # A peer may refuse the call (refuse): then only its first collective
+                    # fails. The rest are posted once no peer can refuse it any more, so
+                    # that a refused call takes one number on every rank.
+                    reductions[0].wait_verified()
+                    if reductions[0].exception() is not None:
+                        reductions[0].wait()
             if k > 0:
                 a, b = spans[k - 1]
                 reductions[k - 1].wait()
@@ -289,12 +297,33 @@ class Communicator:
         return out, inp
 
     def _reject(self, message: str):
-        """Bad input on this rank: raise here, and fail the communicator on every other rank
-        (which would otherwise wait for this rank's part) if it is to."""
+        """Bad input on this rank: raise here; fail the communicator on every other rank (which
+        would otherwise wait for this rank's part) if it is to, else refuse the call."""
         error = InvalidArgumentError(f"rank {self.rank}: {message}")
         if self.fail_peers_on_bad_input:
             self._engine.abort(OvercastError(f"bad input on rank {self.rank}: {message}"))
+        else:
+            self.refuse(InvalidArgumentError(message))
+            error.peers_told = True
         raise error
+
+    def refuse(self, error: BaseException) -> None:
+        """This rank will not make the collective its peers make next (its arguments are bad,
+        or whatever would prepare them failed): the call takes that collective's number, and
+        every peer's collective at that number fails with `error`'s class (OvercastError for
+        another) and message, naming this rank, as soon as the refusal reaches it. The
+        communicator goes on, its numbers alike on every rank. `error` is marked `peers_told`."""
+        error.peers_told = True
+        if self.world_size == 1:
+            return
+        told = error if isinstance(error, OvercastError) else \
+            OvercastError(f"{type(error).__name__}: {error}")
+        with self._lock:
+            if self._closed:
+                return
+            seq = self._seq
+            self._seq += 1
+            self._engine.refuse(seq, told)
 
     def _issue(self, desc: Descriptor, out, inp, async_op: bool) -> Work | None:
         self.check_algorithm(desc.collective, desc.algorithm)

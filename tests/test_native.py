@@ -101,10 +101,12 @@ def keyed_engine(slots: int = 64) -> tuple[Engine, int]:
 
 
 def contributions(sealer: Sealer, dtype, rows: np.ndarray, chunks: list[int],
-                  total: int) -> bytes:
-    """One read: rank `sealer.src`'s contributions to `chunks`, back to back."""
+                  total: int, seq: int = 0) -> bytes:
+    """One read: rank `sealer.src`'s contributions to `chunks` of reduction `seq`, back to
+    back."""
     prefix = pack_contribution_prefix(dtype_code(dtype), 1, WORLD, total)
-    return b"".join(sealer.seal(Kind.CONTRIB, 0, AGGREGATOR, g, (prefix, rows[i].view(np.uint8)))
+    return b"".join(sealer.seal(Kind.CONTRIB, seq, AGGREGATOR, g,
+                                (prefix, rows[i].view(np.uint8)))
                     for i, g in enumerate(chunks))
 
 
@@ -393,16 +395,23 @@ def test_an_aggregator_is_set_up_once():
         engine.__init__(8)
 
 
+def one_reduction(expiry: float, now: float):
+    """An engine whose reductions expire after `expiry` s, rank 1 having contributed to two
+    chunks of reduction #0 at `now`: (engine, handle, rank 1's sealer, the rows it sent)."""
+    engine = Engine(16, expiry)
+    handle, _ = engine.register(JOB, COMM, WORLD, 16, KEY, 1 << 40)
+    sealer = Sealer(KEY, JOB, COMM, 1)
+    rows = np.ones((2, 8), np.float32)
+    engine.feed(contributions(sealer, np.float32, rows, [0, 2], 8), sealer_segment(rows), now)
+    assert engine.reductions(handle) == [(0, 0)] and engine.memory()[0] > 0
+    return engine, handle, sealer, rows
+
+
 def test_an_idle_reduction_expires_and_frees_its_pool():
     """Rank 1 contributes to a reduction whose other ranks never do (dead, or buggy): after
     the expiry its pool is freed and its slot goes to others; the reduction is remembered as
     finished, so its late contributions make nothing new."""
-    engine = Engine(16, 1.0)
-    handle, _ = engine.register(JOB, COMM, WORLD, 16, KEY, 1 << 40)
-    sealer = Sealer(KEY, JOB, COMM, 1)
-    rows = np.ones((2, 8), np.float32)
-    engine.feed(contributions(sealer, np.float32, rows, [0, 2], 8), sealer_segment(rows), 10.0)
-    assert engine.reductions(handle) == [(0, 0)] and engine.memory()[0] > 0
+    engine, handle, sealer, rows = one_reduction(1.0, 10.0)
     engine.handle_timer(10.5)
     assert engine.reductions(handle) == [(0, 0)]
     engine.handle_timer(11.1)
@@ -410,6 +419,28 @@ def test_an_idle_reduction_expires_and_frees_its_pool():
     assert dict(engine.counters()[1])["expired"] == 1
     engine.feed(contributions(sealer, np.float32, rows, [6], 8), sealer_segment(rows), 11.2)
     assert engine.reductions(handle) == []
+
+
+def test_a_withdrawn_reduction_is_freed_at_once_and_not_started_again():
+    """A rank whose call a peer refused WITHDRAWs the reduction: its pool is freed and its place
+    among the communicator's reductions given back, now rather than at its expiry; contributions
+    still on their way make nothing new, nor do those of a reduction withdrawn before any came.
+    A WITHDRAW with a payload is malformed."""
+    engine, handle, sealer, rows = one_reduction(300.0, 1.0)
+    withdraw = sealer.seal(Kind.WITHDRAW, 0, AGGREGATOR, 0, b"")
+    engine.feed(withdraw, len(withdraw), 1.1)
+    assert engine.reductions(handle) == [] and engine.memory()[0] == 0
+    assert dict(engine.counters()[1])["withdrawn"] == 1
+    engine.feed(contributions(sealer, np.float32, rows, [6], 8), sealer_segment(rows), 1.2)
+    assert engine.reductions(handle) == []
+    early = sealer.seal(Kind.WITHDRAW, 1, AGGREGATOR, 0, b"")  # before any contribution to #1
+    engine.feed(early, len(early), 1.3)
+    engine.feed(contributions(sealer, np.float32, rows, [0, 2], 8, seq=1), sealer_segment(rows),
+                1.4)
+    assert engine.reductions(handle) == [] and engine.memory()[0] == 0
+    malformed = sealer.seal(Kind.WITHDRAW, 2, AGGREGATOR, 0, b"x")
+    engine.feed(malformed, len(malformed), 1.5)
+    assert dict(engine.counters()[0])["malformed"] == 1
 
 
 def sealer_segment(rows: np.ndarray) -> int:

@@ -10,8 +10,10 @@ inside one call, overcast's collectives run several at a time (the full-duplex a
 point). Futures complete on another thread, so a callback may wait for any later call
 (overcast/distributed/calls.py).
 
-Bad arguments raise InvalidArgumentError from the call on the rank that gave them and leave the
-group usable, as gloo does; nothing of such a call reaches the network.
+Bad arguments raise InvalidArgumentError from the call on the rank that gave them, before any of
+its data moves. When one rank alone makes such a call, its place among the group's calls is
+refused (Communicator.refuse): the other ranks' same call raises it too, naming the rank, and the
+group stays usable.
 
 CUDA tensors are staged through pinned host memory as gloo stages them (overcast/staging.py): the
 copies to the host queue on a side stream after the caller's stream, the collective runs on the
@@ -35,7 +37,7 @@ import torch.distributed as dist
 from overcast.buffers import DTYPES, SUMMING_OPS, as_array
 from overcast.comm import ALGORITHMS
 from overcast.distributed.calls import Calls, mapped
-from overcast.errors import InvalidArgumentError
+from overcast.errors import CommunicatorClosedError, InvalidArgumentError
 from overcast.job import GroupCommunicator, group_communicator
 from overcast.staging import Staging, device_of, process_pool
 from overcast.torch_api import premul_factor
@@ -121,19 +123,29 @@ _ROLES = {"in": {"read": True, "written": False}, "out": {"read": False, "writte
 
 def _staged(*roles: str):
     """A collective method that takes CUDA tensors: its first len(roles) arguments are checked
-    for their device and, on a GPU, replaced by staged host twins (see the module's doc)."""
+    for their device and, on a GPU, replaced by staged host twins (see the module's doc). What
+    raises here, before the call is queued, raises from the call and is refused to the other
+    ranks in the call's place (ProcessGroupOvercast._refused)."""
     def wrap(method):
         @functools.wraps(method)
         def call(self, *args, **kwargs):
             given = args[:len(roles)]
-            device = device_of(_leaves(given), method.__name__)
+            try:
+                device = device_of(_leaves(given), method.__name__)
+            except Exception as err:
+                self._refused(method.__name__, err)
+                raise
             if device is None:
                 return method(self, *args, **kwargs)
             staging = Staging(device, self._side_stream(device), process_pool())
             try:
-                host = [mapped(a, lambda t, role=role: staging.twin(t, **_ROLES[role]))
-                        for a, role in zip(given, roles)]
-                staging.sealed()
+                try:
+                    host = [mapped(a, lambda t, role=role: staging.twin(t, **_ROLES[role]))
+                            for a, role in zip(given, roles)]
+                    staging.sealed()
+                except Exception as err:
+                    self._refused(method.__name__, err)
+                    raise
                 self._calling.staging = staging
                 try:
                     return method(self, *host, *args[len(roles):], **kwargs)
@@ -258,7 +270,8 @@ class ProcessGroupOvercast(dist.ProcessGroup):
             raise
         self._calling = threading.local()  # the staging of the CUDA call being made, if any
         self._side_streams: dict[torch.device, object] = {}
-        self._calls = Calls(f"overcast-{self.communicator.name}")
+        self._calls = Calls(f"overcast-{self.communicator.name}",
+                            refuse=self.communicator.refuse)
         self._lifetime = _Lifetime(self._calls, self._group, timeout)
         self._finalizer = weakref.finalize(self, self._lifetime.close)
 
@@ -351,6 +364,15 @@ class ProcessGroupOvercast(dist.ProcessGroup):
 
     def _submit(self, what: str, fn, result) -> dist.Work:
         return self._calls.submit(what, fn, result, getattr(self._calling, "staging", None))
+
+    def _refused(self, what: str, error: Exception) -> None:
+        """A call that failed before it was queued (its tensors' devices, its staging): queued
+        anyway, as a call that raises `error`, so that the worker refuses it to the other ranks
+        in its place among the calls (Communicator.refuse), numbered as theirs."""
+        def fail():
+            raise error
+        with contextlib.suppress(CommunicatorClosedError):
+            self._calls.submit(what, fail, None)
 
     def _all_reduce(self, t: torch.Tensor, op) -> None:
         name, factor = _reduce_op(op)

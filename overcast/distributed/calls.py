@@ -14,7 +14,10 @@ on the calling thread) and keep it where gloo's threads could not:
   a later call's future is torch's own: waiting on one of those inside a callback would wait
   behind itself; wait on the call's own future, as PowerSGD's hook does.)
 - An error anywhere in a call's bookkeeping (a CUDA error in its staging, a future the caller
-  completed itself) fails that call alone; both threads go on.
+  completed itself) fails that call alone; both threads go on. One raised before the call's
+  collectives are made (bad arguments, a failed staging copy) is also told to the group's other
+  ranks (`refuse`, Communicator.refuse), whose own call then raises it, naming this rank, rather
+  than wait for this rank's part.
 """
 
 from __future__ import annotations
@@ -142,9 +145,11 @@ class Work(dist._Work):
 
 
 class Calls:
-    """The group's worker and completer threads (see the module's doc)."""
+    """The group's worker and completer threads (see the module's doc). `refuse(error)` tells
+    the group's other ranks that this rank's call failed before its collectives were made."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, refuse=None):
+        self._refuse = refuse
         self._lock = threading.Condition()
         self._calls: collections.deque = collections.deque()  # made, not yet run
         self._ran: collections.deque = collections.deque()  # run, futures not yet complete
@@ -174,7 +179,7 @@ class Calls:
                     self._lock.notify_all()
                     return
                 fn, work = self._calls.popleft()
-            _run(fn, work)
+            _run(fn, work, self._refuse)
             work._ran = True
             with self._lock:
                 self._ran.append(work)
@@ -219,15 +224,21 @@ class Calls:
         return not (self.worker.is_alive() or self.completer.is_alive())
 
 
-def _run(fn, work: Work) -> None:
+def _run(fn, work: Work, refuse) -> None:
     """Run a call's body on the worker: for a staged call, once its copies to the host are
     done, its outputs' copies back queued after it. Whatever raises, its own or its
-    bookkeeping's, is the call's error."""
+    bookkeeping's, is the call's error; one raised before or by the body that did not come from
+    the network (not `peers_told`) is refused to the other ranks too."""
     staging = work._staging
     try:
-        if staging is not None:
-            staging.arrived()
-        fn()
+        try:
+            if staging is not None:
+                staging.arrived()
+            fn()
+        except Exception as err:
+            if refuse is not None and not getattr(err, "peers_told", False):
+                refuse(err)
+            raise
         if staging is not None:
             work._result = _copied_out(work._result, staging)
     except BaseException as err:  # the caller's wait() raises it

@@ -45,6 +45,9 @@ class Work:
     def __init__(self, seq: int, description: str):
         self.seq, self.description = seq, description
         self._event = threading.Event()
+        # set once no peer can refuse the call any more: every peer described a matching one,
+        # or it finished (see Communicator.all_reduce)
+        self._verified = threading.Event()
         self._error: BaseException | None = None
         self._lock = threading.Lock()
         self._callbacks: list = []
@@ -53,6 +56,7 @@ class Work:
         with self._lock:
             self._error = error
             self._event.set()
+            self._verified.set()
             callbacks, self._callbacks = self._callbacks, []
         for fn in callbacks:
             fn()
@@ -70,12 +74,19 @@ class Work:
         return self._event.is_set()
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Block until the collective finished; raise its error if it failed."""
+        """Block until the collective finished; raise its error if it failed (marked
+        `peers_told`: it came from the communicator, which needs no refusal sent for it)."""
         if not self._event.wait(timeout):
             raise TimeoutError(f"{self.description} #{self.seq} not complete after {timeout} s")
         if self._error is not None:
-            raise type(self._error)(str(self._error))
+            error = type(self._error)(str(self._error))
+            error.peers_told = True
+            raise error
         return True
+
+    def wait_verified(self) -> None:
+        """Block until no peer can refuse the collective any more (it may still be running)."""
+        self._verified.wait()
 
     def exception(self) -> BaseException | None:
         return self._error
@@ -145,13 +156,21 @@ class Engine:
             if self._close_requested:
                 work._finish(CommunicatorClosedError("the communicator is closed"))
                 return
-            self._submitted.append((coll, work))
+            self._submitted.append(("post", coll, work))
+        self._wake()
+
+    def refuse(self, seq: int, error: OvercastError) -> None:
+        """Give collective number `seq` to a call this rank refused (Session.refuse)."""
+        with self._lock:
+            if self._close_requested:
+                return
+            self._submitted.append(("refuse", seq, error))
         self._wake()
 
     def abort(self, error: OvercastError) -> None:
         """Fail this communicator on every rank with `error` (bad input found by a caller)."""
         with self._lock:
-            self._submitted.append((None, error))
+            self._submitted.append(("abort", error))
         self._wake()
 
     def close(self) -> None:
@@ -235,14 +254,17 @@ class Engine:
             batch = list(self._submitted)
             self._submitted.clear()
             closing = self._close_requested
-        for coll, work in batch:
-            if coll is None:
-                self.session.abort(work)
-                continue
-            self._works[coll.seq] = work
-            if self.trace:
-                self.trace.begin(coll.seq, str(coll.desc), now)
-            self.session.post(coll, now)
+        for action, *args in batch:
+            if action == "abort":
+                self.session.abort(*args)
+            elif action == "refuse":
+                self.session.refuse(*args, now)
+            else:
+                coll, work = args
+                self._works[coll.seq] = work
+                if self.trace:
+                    self.trace.begin(coll.seq, str(coll.desc), now)
+                self.session.post(coll, now)
         if closing and self._close_deadline is None:
             self.session.close()
             self._close_deadline = now + _CLOSE_FLUSH_SECONDS
@@ -361,6 +383,11 @@ class Engine:
 
     def _report(self) -> None:
         now = time.monotonic()
+        verified = self.session.verified
+        while verified:
+            work = self._works.get(verified.pop())
+            if work is not None:
+                work._verified.set()
         finished = self.session.finished
         while finished:
             self._finishing.append((finished.pop(), now + self.session.timeout))
@@ -401,9 +428,9 @@ class Engine:
             self._close_requested = True
             leftover = list(self._submitted)
             self._submitted.clear()
-        for coll, work in leftover:
-            if coll is not None:
-                work._finish(CommunicatorClosedError("the communicator is closed"))
+        for action, *args in leftover:
+            if action == "post":
+                args[1]._finish(CommunicatorClosedError("the communicator is closed"))
         for stream in list(self.streams.values()):
             self._drop_stream(stream)
         self._report()  # what waited for its streams: they are gone

@@ -170,23 +170,42 @@ static void answer_credit(oc_agg *a, int h, comm_t *c, uint32_t seq, uint16_t ra
 
 /* Take `r` out of its communicator, remembering it as finished: contributions that come for it
  * later are answered with credit, not taken as a new reduction. Frees it. */
+/* Remember reduction `seq` as finished with `total` chunks (the oldest forgotten past
+ * OC_TOMBSTONES). */
+static void remember_finished(comm_t *c, uint32_t seq, uint32_t total) {
+    int i = finished_index(c, seq);
+    if (i >= 0) {
+        c->finished_total[i] = total;
+        return;
+    }
+    if (c->nfinished == OC_TOMBSTONES) {
+        memmove(c->finished_seq, c->finished_seq + 1, sizeof(uint32_t) * (OC_TOMBSTONES - 1));
+        memmove(c->finished_total, c->finished_total + 1, sizeof(uint32_t) * (OC_TOMBSTONES - 1));
+        c->nfinished--;
+    }
+    c->finished_seq[c->nfinished] = seq;
+    c->finished_total[c->nfinished++] = total;
+}
+
 static void retire(oc_agg *a, comm_t *c, reduction_t *r) {
     int i = 0;
     while (c->reductions[i] != r) i++;
     memmove(&c->reductions[i], &c->reductions[i + 1], sizeof(r) * (size_t)(c->nreductions - i - 1));
     c->nreductions--;
-    if ((i = finished_index(c, r->seq)) >= 0) {
-        c->finished_total[i] = r->total;
-    } else {
-        if (c->nfinished == OC_TOMBSTONES) {
-            memmove(c->finished_seq, c->finished_seq + 1, sizeof(uint32_t) * (OC_TOMBSTONES - 1));
-            memmove(c->finished_total, c->finished_total + 1, sizeof(uint32_t) * (OC_TOMBSTONES - 1));
-            c->nfinished--;
-        }
-        c->finished_seq[c->nfinished] = r->seq;
-        c->finished_total[c->nfinished++] = r->total;
-    }
+    remember_finished(c, r->seq, r->total);
     agg_free_reduction(a, c, r);
+}
+
+/* A rank gives reduction `seq` up (its call was refused on another rank): freed now, not at
+ * its expiry, and remembered as finished whether it had started here or not. */
+static void withdraw(oc_agg *a, comm_t *c, uint32_t seq) {
+    reduction_t *r = agg_find_reduction(c, seq);
+    if (r != NULL) {
+        retire(a, c, r);
+        a->stats[OC_STAT_withdrawn]++;
+    } else {
+        remember_finished(c, seq, 0);
+    }
 }
 
 static void finish(oc_agg *a, int h, comm_t *c, reduction_t *r) {
@@ -516,6 +535,9 @@ void oc_agg_receive_run(oc_agg *a, int h, const oc_header *hdr, const uint32_t *
         a->drops[OC_DROP_wrong_sender] += count;
     } else if (hdr->kind == OC_CONTRIB) {
         on_contributions(a, h, c, hdr, chunks, count, data, offset, stride, now);
+    } else if (hdr->kind == OC_WITHDRAW) {
+        if (hdr->length) a->drops[OC_DROP_malformed] += count;
+        else withdraw(a, c, hdr->seq);
     } else if (hdr->kind == OC_RESULT_ACK || hdr->kind == OC_CREDIT) {
         for (size_t i = 0; i < count; i++) {
             const uint8_t *p = data + offset + i * stride;

@@ -231,6 +231,11 @@ class Collective:
     def finished(self) -> None:
         """Called once when the collective is done or failed: release shared resources."""
 
+    def withdrawal(self) -> list[tuple[tuple[int, int], Outgoing]]:
+        """What to send, as (route, message), when a peer refused the call and the communicator
+        goes on without it: whatever this rank started elsewhere for it, given up."""
+        return []
+
     def waiting_for(self) -> str:
         """What the collective still waits for, for timeout messages."""
         return "data"

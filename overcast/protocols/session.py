@@ -18,7 +18,7 @@ from overcast.wire.header import ANY, HEADER_BYTES, Kind, MalformedError, is_agg
 from overcast.wire.messages import pack_abort, pack_goodbye, unpack_abort, unpack_goodbye
 from overcast.wire.runs import Run
 
-_CONTROL = (Kind.DESCRIBE, Kind.ABORT, Kind.GOODBYE)
+_CONTROL = (Kind.DESCRIBE, Kind.ABORT, Kind.GOODBYE, Kind.REFUSE)
 # Stream messages that open with their sender's descriptor: a multicast AllGather's are the
 # first it sends a peer, in place of a DESCRIBE (Collective.described_by_end_notices).
 _DESCRIBED = (Kind.MCAST_END, Kind.REPAIR_REQUEST)
@@ -26,7 +26,7 @@ _DESCRIBED = (Kind.MCAST_END, Kind.REPAIR_REQUEST)
 # the other channel is a misfit. Datagrams may also be dropped when they arrive before their
 # collective is posted and too many bytes are held already: the protocols repair such losses.
 DATAGRAM_KINDS = frozenset((Kind.MCAST_DATA, Kind.CONTRIB, Kind.RESULT, Kind.RESULT_ACK,
-                             Kind.CREDIT))
+                             Kind.CREDIT, Kind.WITHDRAW))
 EARLY_DATAGRAM_BYTES = 16 * 1024 * 1024
 # Stream messages for collectives not posted yet are never dropped (a stream is reliable): past
 # this many bytes held, the engine stops reading the peers that sent them (TCP then holds the
@@ -40,9 +40,12 @@ _HISTORY = 1024
 class Session:
     """The collectives of one rank in one communicator.
 
-    `post` adds a collective (sequence numbers must come in order); `receive` takes a message;
-    `pop(route)` gives the next message for a route; `get_timer`/`handle_timer` drive timeouts.
-    Finished collectives (done or failed) are appended to `finished` for the engine to report.
+    `post` adds a collective (sequence numbers must come in order), `refuse` takes the next
+    number for a call this rank refused; `receive` takes a message; `pop(route)` gives the next
+    message for a route; `get_timer`/`handle_timer` drive timeouts. Finished collectives (done or
+    failed) are appended to `finished` for the engine to report, and the numbers of collectives
+    no peer can refuse any more (every peer has described a matching call, or it finished) to
+    `verified`.
 
     `plane` is the rank's native datagram plane (overcast/native/plane.h), which runs the
     per-datagram work of the collectives posted to it. Once attached to sockets, the engine runs
@@ -64,10 +67,13 @@ class Session:
         self.last_progress: dict[int, float] = {}
         self.next_seq = 0
         self.early: dict[int, list] = collections.defaultdict(list)
-        self.history: collections.OrderedDict[int, Descriptor] = collections.OrderedDict()
+        # finished collectives' descriptors; None for a call this rank refused (refuse)
+        self.history: collections.OrderedDict[int, Descriptor | None] = \
+            collections.OrderedDict()
         # messages of no collective's outbox: control, and the plane's while the session runs it
         self.control: collections.deque[tuple[tuple[int, int], Outgoing]] = collections.deque()
         self.finished: list[Collective] = []
+        self.verified: list[int] = []
         self.error: OvercastError | None = None
         self.closed_peers: dict[int, int] = {}
         self.lost_peers: set[int] = set()
@@ -100,6 +106,13 @@ class Session:
                     f"{coll.desc} #{coll.seq} cannot run"))
                 self.finished.append(coll)
                 return
+        refusal = self._held_refusal(coll.seq)
+        if refusal is not None:  # refused by a peer before it was posted here: never started
+            self._drop_held(coll.seq)
+            coll.fail(self._refusal_error(coll, *refusal))
+            self._remember(coll.seq, coll.desc)
+            self.finished.append(coll)
+            return
         self.active[coll.seq] = coll
         self.last_progress[coll.seq] = now
         coll.plane = self.plane
@@ -117,14 +130,61 @@ class Session:
             self.abort(InvalidArgumentError(f"{coll.desc} #{coll.seq} cannot run on rank "
                                             f"{self.rank}: {err}"))
         for hdr, payload in self.early.pop(coll.seq, ()):
-            datagram = hdr.kind in DATAGRAM_KINDS  # checked against the channel on arrival
-            if datagram:
-                self._early_datagram_bytes -= len(payload)
-            else:
-                self.early_stream_bytes[hdr.src] -= HEADER_BYTES + len(payload)
-                self._early_stream_total -= HEADER_BYTES + len(payload)
+            datagram = self._unhold(hdr, payload)
             self.receive(hdr, payload, now, datagram)
         self._settle(coll)
+
+    def refuse(self, seq: int, error: OvercastError, now: float) -> None:
+        """This rank refused its call #seq (bad arguments, found before anything was sent): the
+        number is taken as a collective's would be, and every peer is told why in place of a
+        DESCRIBE, so that its own #seq fails with the reason, naming this rank, and the
+        communicator goes on with the numbers alike on every rank."""
+        self.clock = now
+        if seq != self.next_seq:
+            raise ValueError(f"call #{seq} refused, #{self.next_seq} expected")
+        self.next_seq += 1
+        self._remember(seq, None)
+        self._drop_held(seq)
+        if self.error is None:
+            message = pack_abort(error.abort_code, str(error))
+            for peer in range(self.world):
+                if peer != self.rank and peer not in self.closed_peers:
+                    self._send_control(Kind.REFUSE, seq, peer, message)
+
+    def _held_refusal(self, seq: int) -> tuple | None:
+        """A peer's REFUSE held for collective `seq`, if one came before it was posted."""
+        return next(((hdr, payload) for hdr, payload in self.early.get(seq, ())
+                     if hdr.kind == Kind.REFUSE), None)
+
+    def _drop_held(self, seq: int) -> None:
+        """Drop what peers sent for collective `seq` before it was posted (it will not run)."""
+        for hdr, payload in self.early.pop(seq, ()):
+            self._unhold(hdr, payload)
+            self.stale += 1
+
+    def _unhold(self, hdr, payload) -> bool:
+        """Take a held message off the counts of what is held; whether it came by datagram
+        (its channel was checked on arrival)."""
+        datagram = hdr.kind in DATAGRAM_KINDS
+        if datagram:
+            self._early_datagram_bytes -= len(payload)
+        else:
+            self.early_stream_bytes[hdr.src] -= HEADER_BYTES + len(payload)
+            self._early_stream_total -= HEADER_BYTES + len(payload)
+        return datagram
+
+    def _refusal_error(self, coll: Collective, hdr, payload) -> OvercastError:
+        try:
+            code, reason = unpack_abort(payload)
+        except MalformedError:
+            code, reason = InvalidArgumentError.abort_code, "a refusal without a reason"
+        return error_class(code)(f"{coll.desc} #{coll.seq} on rank {self.rank}: rank "
+                                 f"{hdr.src} refused the call: {reason}")
+
+    def _remember(self, seq: int, desc: Descriptor | None) -> None:
+        self.history[seq] = desc
+        while len(self.history) > _HISTORY:
+            self.history.popitem(last=False)
 
     def _settle(self, coll: Collective) -> None:
         """Finish `coll` if it failed, or if it is done and every DESCRIBE it waits for has
@@ -135,9 +195,7 @@ class Session:
             self.unverified.pop(coll.seq, None)
             del self.active[coll.seq]
             del self.last_progress[coll.seq]
-            self.history[coll.seq] = coll.desc
-            while len(self.history) > _HISTORY:
-                self.history.popitem(last=False)
+            self._remember(coll.seq, coll.desc)
             self.stats.update(coll.stats)
             coll.finished()
             self.finished.append(coll)
@@ -256,12 +314,24 @@ class Session:
                 return
             coll = self.active.get(hdr.seq)
             mine = coll.desc if coll is not None else self.history.get(hdr.seq)
-            if mine is None:
+            if mine is None:  # not posted yet, refused here, or long finished
                 if hdr.seq >= self.next_seq:
                     self._hold_stream(hdr, payload)
+                else:
+                    self.stale += 1
                 return
             if self._verify(mine, theirs, hdr, coll, now) and coll is not None:
                 self._settle(coll)
+        elif hdr.kind == Kind.REFUSE:
+            coll = self.active.get(hdr.seq)
+            if coll is not None:
+                coll.fail(self._refusal_error(coll, hdr, payload))
+                self.control.extend(coll.withdrawal())
+                self._settle(coll)
+            elif hdr.seq >= self.next_seq:
+                self._hold_stream(hdr, payload)
+            else:  # its collective failed or was refused here already
+                self.stale += 1
         elif hdr.kind == Kind.ABORT:
             try:
                 code, reason = unpack_abort(payload)
@@ -301,7 +371,10 @@ class Session:
                 f"{theirs}, rank {self.rank} issued {mine}"))
             return False
         if coll is not None and hdr.seq in self.unverified:
-            self.unverified[hdr.seq].discard(hdr.src)
+            peers = self.unverified[hdr.seq]
+            peers.discard(hdr.src)
+            if not peers:
+                self.verified.append(hdr.seq)
             self.last_progress[hdr.seq] = now
         return True
 

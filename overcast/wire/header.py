@@ -64,6 +64,7 @@ class Kind(enum.IntEnum):
     DESCRIBE = 2
     ABORT = 3
     GOODBYE = 4
+    REFUSE = 5
     RING_DATA = 10
     MCAST_DATA = 20
     REPAIR_REQUEST = 21
@@ -75,6 +76,7 @@ class Kind(enum.IntEnum):
     RESULT = 31
     RESULT_ACK = 32
     CREDIT = 33
+    WITHDRAW = 34
 
 
 KINDS = frozenset(int(k) for k in Kind)
