@@ -11,11 +11,12 @@ from overcast.buffers import SUMMING_OPS, as_array, check_dtype, check_reduce
 from overcast.engine.engine import Engine, Work
 from overcast.engine.trace import Trace
 from overcast.errors import InvalidArgumentError, OvercastError
-from overcast.limits import check_count, check_frame_bytes, check_link_rate, check_positive, \
-    check_roots, require
+from overcast.limits import bytes_from_env, check_count, check_frame_bytes, check_link_rate, \
+    check_positive, check_roots, require
 from overcast.native import _core
 from overcast.protocols.base import Descriptor
 from overcast.protocols.multicast import MulticastGather
+from overcast.protocols.p2p import Transfer
 from overcast.protocols.ring import RingAllGather, RingBroadcast, RingReduceScatter
 from overcast.protocols.session import Session
 from overcast.protocols.budget import LinkBudget
@@ -41,6 +42,13 @@ ALL_REDUCE_PARTS = {"ring": ("ring", "ring"), "fullduplex": ("innetwork", "multi
 # piece's collectives are not dominated by their fixed costs.
 FULLDUPLEX_PIECES = 8
 FULLDUPLEX_MIN_PIECE_BYTES = 64 << 10
+# The most bytes of sends not yet taken by their receivers that a communicator holds copies of
+# (so that their calls complete at once); a send past it is sent from the caller's buffer.
+SEND_COPY_ENV = "OVERCAST_SEND_COPY_BYTES"
+DEFAULT_SEND_COPY_BYTES = 256 << 20
+_TAGS = 1 << 32
+
+
 
 
 class Communicator:
@@ -120,6 +128,8 @@ class Communicator:
         self._lock = threading.Lock()
         self._seq = 0
         self._closed = False
+        self._copy_limit = bytes_from_env(SEND_COPY_ENV, DEFAULT_SEND_COPY_BYTES)
+        self._copied = 0  # bytes of copied sends not yet taken
 
     # -- collectives -----------------------------------------------------------------------
     def all_gather(self, output, input, async_op: bool = False, algorithm: str = "ring",
@@ -225,6 +235,84 @@ class Communicator:
         """Return once every rank has entered the barrier (a one-element all_gather)."""
         mine = np.zeros(1, np.int64)
         self.all_gather(np.empty(self.world_size, np.int64), mine)
+
+    # -- point to point ---------------------------------------------------------------------
+    def isend(self, buffer, dst: int, tag: int = 0) -> Work:
+        """Send `buffer` (a numpy array or CPU tensor of any dtype: its bytes) to rank `dst`
+        (this rank too) with `tag` (0 to 2^32 - 1), for the recv there that takes this rank and
+        tag: the k-th send of a rank and tag meets the k-th such recv, and a recv must take as
+        many bytes. Not a collective: no other rank takes part, and it is not numbered among
+        the collectives. Its data moves only once the receiver has a recv for it, straight into
+        that recv's buffer (docs/protocols.md). While sends not yet taken hold less than
+        OVERCAST_SEND_COPY_BYTES (256 MiB) here, the data is copied and the Work returned is
+        complete at once (so two ranks may each send to the other, then receive); a larger one
+        is sent from `buffer`, which must then stay unchanged until the Work is complete, when
+        the receiver has taken it all. Bad arguments raise InvalidArgumentError here alone."""
+        arr = self._transfer_buffer(buffer, "send buffer")
+        if not (isinstance(dst, int) and 0 <= dst < self.world_size):
+            raise InvalidArgumentError(f"send destination {dst!r} is not a rank of the "
+                                       f"communicator (0 to {self.world_size - 1})")
+        tag = self._tag(tag)
+        with self._lock:
+            copy = self._copied + arr.nbytes <= self._copy_limit
+            if copy:
+                self._copied += arr.nbytes
+        op = Transfer("send", self.rank, dst, tag, arr.copy() if copy else arr,
+                      self.frame_bytes, copied=copy)
+        work = self._transfer(op)
+        if not copy:
+            return work
+        work.add_done_callback(lambda: self._release_copy(arr.nbytes))
+        done = Work(-1, str(op))
+        done._finish(None)
+        return done
+
+    def send(self, buffer, dst: int, tag: int = 0) -> None:
+        """isend, then wait: returns once the data is copied (see isend), or taken."""
+        self.isend(buffer, dst, tag).wait()
+
+    def irecv(self, buffer, src: int | None = None, tag: int = 0) -> Work:
+        """Receive into `buffer` the next message sent with `tag` to this rank by rank `src`
+        (this rank too), or by any rank (None): the Work's `source` is the sender once it is
+        complete. A message whose size differs from the buffer's fails here and at its sender
+        with an InvalidArgumentError naming both sizes. Bad arguments raise here alone."""
+        arr = self._transfer_buffer(buffer, "recv buffer")
+        if not arr.flags.writeable:
+            raise InvalidArgumentError("recv buffer is read-only")
+        if src is not None and not (isinstance(src, int) and 0 <= src < self.world_size):
+            raise InvalidArgumentError(f"recv source {src!r} is not a rank of the "
+                                       f"communicator (0 to {self.world_size - 1}) or None")
+        return self._transfer(Transfer("recv", self.rank, src, self._tag(tag), arr,
+                                       self.frame_bytes))
+
+    def recv(self, buffer, src: int | None = None, tag: int = 0) -> int:
+        """irecv, then wait; returns the sender's rank."""
+        work = self.irecv(buffer, src, tag)
+        work.wait()
+        return work.source
+
+    @staticmethod
+    def _transfer_buffer(buffer, what: str) -> np.ndarray:
+        return as_array(buffer, what).view(np.uint8)
+
+    @staticmethod
+    def _tag(tag) -> int:
+        if not (isinstance(tag, int) and 0 <= tag < _TAGS):
+            raise InvalidArgumentError(f"tag {tag!r} is not a whole number from 0 to "
+                                       f"{_TAGS - 1}")
+        return tag
+
+    def _transfer(self, op: Transfer) -> Work:
+        with self._lock:
+            if self._closed:
+                raise OvercastError("the communicator is closed")
+        work = Work(-1, str(op))
+        self._engine.submit_transfer(op, work)
+        return work
+
+    def _release_copy(self, nbytes: int) -> None:
+        with self._lock:
+            self._copied -= nbytes
 
     def _check_reduce(self, dtype: np.dtype, op: str, algorithm: str) -> None:
         try:

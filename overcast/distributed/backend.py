@@ -615,16 +615,39 @@ class ProcessGroupOvercast(dist.ProcessGroup):
         if not output.is_contiguous():
             output.copy_(dest.view_as(output))
 
-    def send(self, tensors, dst: int, tag: int) -> dist.Work:
-        raise InvalidArgumentError("the overcast backend offers no point-to-point send/recv: "
-                                   "its transport is collectives only (docs/backend.md)")
+    # -- point to point ----------------------------------------------------------------------
+    @_staged("in")
+    def send(self, tensors, dstRank: int, tag: int) -> dist.Work:  # noqa: N803 (torch's names)
+        """Sent over the communicator's stream to the peer (Communicator.isend): complete once
+        the data is copied, or taken by the peer's recv."""
+        tensor = _one_tensor(tensors, "send")
+        return self._calls.submit_transfer(
+            "send", lambda: self.communicator.isend(_bytes(tensor.contiguous()), dstRank, tag),
+            tensors, getattr(self._calling, "staging", None))
 
-    def recv(self, tensors, src: int, tag: int) -> dist.Work:
-        raise InvalidArgumentError("the overcast backend offers no point-to-point send/recv: "
-                                   "its transport is collectives only (docs/backend.md)")
+    @_staged("out")
+    def recv(self, tensors, srcRank: int, tag: int) -> dist.Work:  # noqa: N803
+        return self._recv(tensors, srcRank, tag)
 
+    @_staged("out")
     def recv_anysource(self, tensors, tag: int) -> dist.Work:
-        return self.recv(tensors, -1, tag)
+        """The work's _source_rank() is the sender, as torch.distributed.recv asks."""
+        return self._recv(tensors, None, tag)
+
+    def _recv(self, tensors, src: int | None, tag: int) -> dist.Work:
+        tensor = _one_tensor(tensors, "recv")
+        target = tensor if tensor.is_contiguous() else torch.empty_like(
+            tensor, memory_format=torch.contiguous_format)
+        return self._calls.submit_transfer(
+            "recv", lambda: self.communicator.irecv(_bytes(target), src, tag), tensors,
+            getattr(self._calling, "staging", None),
+            None if target is tensor else lambda: tensor.copy_(target))
+
+
+def _one_tensor(tensors, what: str) -> torch.Tensor:
+    if len(tensors) != 1:
+        raise InvalidArgumentError(f"{what} takes one tensor, not {len(tensors)}")
+    return tensors[0]
 
 
 def create(backend_opts, options=None) -> ProcessGroupOvercast:

@@ -36,7 +36,8 @@ enum oc_kind {
     OC_HELLO = 1, OC_DESCRIBE = 2, OC_ABORT = 3, OC_GOODBYE = 4, OC_REFUSE = 5,
     OC_RING_DATA = 10, OC_MCAST_DATA = 20, OC_REPAIR_REQUEST = 21, OC_REPAIR_DATA = 22,
     OC_ACTIVATE = 23, OC_FIN = 24, OC_MCAST_END = 25, OC_CONTRIB = 30, OC_RESULT = 31,
-    OC_RESULT_ACK = 32, OC_CREDIT = 33, OC_WITHDRAW = 34,
+    OC_RESULT_ACK = 32, OC_CREDIT = 33, OC_WITHDRAW = 34, OC_P2P_OFFER = 40, OC_P2P_ACCEPT = 41,
+    OC_P2P_REFUSE = 42, OC_P2P_DATA = 43,
 };
 
 /* Why an authentic message did not fit its receiver's state (the drop counters' names). */

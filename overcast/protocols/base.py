@@ -86,6 +86,9 @@ class Outgoing:
     chunk: int
     payload: object  # any contiguous buffer; copied when sealed
     dst: int
+    # what the payload's buffer belongs to, for the streams that write it from where it lies
+    # (engine.Engine._finish): its collective's `seq` when None
+    holder: int | None = None
 
 
 class Phase(enum.Enum):
@@ -159,6 +162,14 @@ class Collective:
         self.progress = 0
         self.error: BaseException | None = None
         self.stats: collections.Counter = collections.Counter()
+
+    @property
+    def holder(self) -> int:
+        """What the engine knows this collective's buffers by (Outgoing.holder): its number."""
+        return self.seq
+
+    def __str__(self) -> str:
+        return f"{self.desc} #{self.seq}"
 
     @property
     def received_all(self) -> bool:

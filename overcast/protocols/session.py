@@ -14,6 +14,7 @@ from overcast.errors import (CollectiveMismatchError, CollectiveTimeoutError,
 from overcast.native import _core
 from overcast.protocols.base import DATAGRAM, MULTICAST, STREAM, Collective, Descriptor, \
     Outgoing
+from overcast.protocols.p2p import P2P_KINDS, PointToPoint, Transfer
 from overcast.wire.header import ANY, HEADER_BYTES, Kind, MalformedError, is_aggregator
 from overcast.wire.messages import pack_abort, pack_goodbye, unpack_abort, unpack_goodbye
 from overcast.wire.runs import Run
@@ -41,11 +42,12 @@ class Session:
     """The collectives of one rank in one communicator.
 
     `post` adds a collective (sequence numbers must come in order), `refuse` takes the next
-    number for a call this rank refused; `receive` takes a message; `pop(route)` gives the next
-    message for a route; `get_timer`/`handle_timer` drive timeouts. Finished collectives (done or
-    failed) are appended to `finished` for the engine to report, and the numbers of collectives
-    no peer can refuse any more (every peer has described a matching call, or it finished) to
-    `verified`.
+    number for a call this rank refused, `transfer` adds a point-to-point send or recv (`p2p`:
+    no number); `receive` takes a message; `pop(route)` gives the next message for a route;
+    `get_timer`/`handle_timer` drive timeouts. Finished collectives (done or failed) are
+    appended to `finished` for the engine to report, finished transfers to `p2p.finished`, and
+    the numbers of collectives no peer can refuse any more (every peer has described a matching
+    call, or it finished) to `verified`.
 
     `plane` is the rank's native datagram plane (overcast/native/plane.h), which runs the
     per-datagram work of the collectives posted to it. Once attached to sockets, the engine runs
@@ -74,6 +76,7 @@ class Session:
         self.control: collections.deque[tuple[tuple[int, int], Outgoing]] = collections.deque()
         self.finished: list[Collective] = []
         self.verified: list[int] = []
+        self.p2p = PointToPoint(rank, world)
         self.error: OvercastError | None = None
         self.closed_peers: dict[int, int] = {}
         self.lost_peers: set[int] = set()
@@ -133,6 +136,17 @@ class Session:
             datagram = self._unhold(hdr, payload)
             self.receive(hdr, payload, now, datagram)
         self._settle(coll)
+
+    def transfer(self, op: Transfer, now: float) -> None:
+        """Post a point-to-point send or recv (protocols.p2p)."""
+        self.clock = now
+        if self.error is not None:
+            self.p2p.end(op, self.error)
+        elif op.peer in self.closed_peers:
+            self.p2p.end(op, PeerFailureError(f"rank {op.peer} closed the communicator; {op} "
+                                              f"cannot run"))
+        else:
+            self.p2p.post(op, now)
 
     def refuse(self, seq: int, error: OvercastError, now: float) -> None:
         """This rank refused its call #seq (bad arguments, found before anything was sent): the
@@ -233,6 +247,12 @@ class Session:
             for hdr, payload in run.messages():
                 self._receive_control(hdr, payload, now)
             return
+        if kind in P2P_KINDS:  # a stream's: one message a run
+            try:
+                self.p2p.receive(hdr, run.payload(0), now)
+            except Rejected as err:
+                self._misfit(datagram, err.reason, err.__str__)
+            return
         coll = self.active.get(hdr.seq)
         if coll is None:
             for hdr, payload in run.messages():
@@ -287,15 +307,17 @@ class Session:
 
     def paused_peers(self) -> set[int]:
         """The peers whose streams the engine should not read now: while the stream messages
-        held for collectives not posted here pass the limit, those that sent any, but for a
-        peer that a collective in flight here still waits on (what it waits for may be behind
-        them on the stream)."""
-        if self._early_stream_total <= self.early_stream_limit:
-            return set()
-        return {peer for peer, held in self.early_stream_bytes.items()
-                if held and not any(coll.awaits_stream(peer) or
-                                    peer in self.unverified.get(seq, ())
-                                    for seq, coll in self.active.items())}
+        held for collectives not posted here pass the limit, those that sent any, and those
+        with more offers waiting for a recv than p2p.OFFERS_HELD; but for a peer that a
+        collective in flight or a transfer here still waits on (what it waits for may be
+        behind them on the stream)."""
+        flooding = self.p2p.flooding()
+        if self._early_stream_total > self.early_stream_limit:
+            flooding |= {peer for peer, held in self.early_stream_bytes.items() if held}
+        return {peer for peer in flooding
+                if not self.p2p.awaits_stream(peer) and
+                not any(coll.awaits_stream(peer) or peer in self.unverified.get(seq, ())
+                        for seq, coll in self.active.items())}
 
     def _misfit(self, datagram: bool, reason: str, message) -> None:
         """A message (or a run of them) that does not fit. A datagram proves only that some rank
@@ -345,6 +367,8 @@ class Session:
                 self.abort(Rejected(f"rank {hdr.src}: {err}", "malformed"))
                 return
             self.closed_peers[hdr.src] = count
+            self.p2p.fail(PeerFailureError(f"rank {hdr.src} closed the communicator while a "
+                                           f"transfer with it was pending here"), peer=hdr.src)
             for coll in list(self.active.values()):
                 if coll.seq >= count:
                     coll.fail(PeerFailureError(
@@ -386,6 +410,7 @@ class Session:
         for coll in list(self.active.values()):
             coll.fail(self.error)
             self._settle(coll)
+        self.p2p.fail(self.error)
         self.early.clear()
         self._early_datagram_bytes = 0
         self.early_stream_bytes.clear()
@@ -427,6 +452,8 @@ class Session:
             coll.fail(CommunicatorClosedError(f"communicator closed while {coll.desc} "
                                               f"#{coll.seq} was pending"))
             self._settle(coll)
+        self.p2p.fail(CommunicatorClosedError("communicator closed while the transfer was "
+                                              "pending"))
         peers = [p for p in range(self.world) if p != self.rank and p not in self.closed_peers]
         if pending:
             also = f" and {len(pending) - 1} more" if len(pending) > 1 else ""
@@ -441,6 +468,8 @@ class Session:
     # -- timers ----------------------------------------------------------------------------
     def get_timer(self) -> float | None:
         times = [t + self.timeout for t in self.last_progress.values()]
+        if (t := self.p2p.timer(self.timeout)) is not None:
+            times.append(t)
         if not self.plane.attached and (t := self.plane.timer()) is not None:
             times.append(t)
         for coll in self.active.values():
@@ -454,6 +483,12 @@ class Session:
         if not self.plane.attached and (t := self.plane.timer()) is not None and now >= t:
             self.plane.handle_timer(now)
             self._take_plane(now)
+        stalled = self.p2p.stalled(now, self.timeout)
+        if stalled is not None:
+            self.abort(CollectiveTimeoutError(
+                f"{stalled} on rank {self.rank} made no progress for {self.timeout:.1f} s; "
+                f"waiting for {stalled.waiting_for()}"))
+            return
         for seq, coll in list(self.active.items()):
             stepped = coll.stepped_at()  # progress made where the session does not see it
             if stepped is not None and stepped > self.last_progress[seq]:
@@ -498,7 +533,7 @@ class Session:
 
     def pending_routes(self) -> set[tuple[int, int]]:
         self._take_plane()
-        routes = {route for route, _ in self.control}
+        routes = {route for route, _ in self.control} | self.p2p.routes()
         for coll in self.active.values():
             routes.update(coll.outbox)
         return routes
@@ -516,16 +551,20 @@ class Session:
         return out
 
     def pop(self, route: tuple[int, int]) -> Outgoing | None:
-        """The next message for the route: control first, then collectives in turn."""
+        """The next message for the route: control first, then collectives and transfers in
+        turn."""
         for i, (r, msg) in enumerate(self.control):
             if r == route:
                 del self.control[i]
                 return msg
-        colls = [c for c in self.active.values() if route in c.outbox]
-        if not colls:
+        sources = [c for c in self.active.values() if route in c.outbox]
+        if route in self.p2p.routes():
+            sources.append(self.p2p)
+        if not sources:
             return None
         self._rr += 1
-        coll = colls[self._rr % len(colls)]
-        msg = coll.pop(route)
-        self._settle(coll)
+        source = sources[self._rr % len(sources)]
+        msg = source.pop(route)
+        if source is not self.p2p:
+            self._settle(source)
         return msg

@@ -77,6 +77,10 @@ class Kind(enum.IntEnum):
     RESULT_ACK = 32
     CREDIT = 33
     WITHDRAW = 34
+    P2P_OFFER = 40
+    P2P_ACCEPT = 41
+    P2P_REFUSE = 42
+    P2P_DATA = 43
 
 
 KINDS = frozenset(int(k) for k in Kind)
