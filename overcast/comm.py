@@ -17,6 +17,7 @@ from overcast.native import _core
 from overcast.protocols.base import Descriptor
 from overcast.protocols.multicast import MulticastGather
 from overcast.protocols.p2p import Transfer
+from overcast.protocols.pairwise import PairwiseAllToAll
 from overcast.protocols.ring import RingAllGather, RingBroadcast, RingReduceScatter
 from overcast.protocols.session import Session
 from overcast.protocols.budget import LinkBudget
@@ -34,7 +35,8 @@ from overcast.wire.messages import CONTRIB_PREFIX
 # no longer than at 0.95 (docs/results.md).
 DEFAULT_PACING_SHARE = 1.0
 ALGORITHMS = {"all_gather": ("ring", "multicast"), "reduce_scatter": ("ring", "innetwork"),
-              "broadcast": ("multicast", "ring"), "all_reduce": ("ring", "fullduplex")}
+              "broadcast": ("multicast", "ring"), "all_reduce": ("ring", "fullduplex"),
+              "all_to_all": ("pairwise",)}
 # What each all_reduce algorithm runs: (its ReduceScatter's algorithm, its AllGather's).
 ALL_REDUCE_PARTS = {"ring": ("ring", "ring"), "fullduplex": ("innetwork", "multicast")}
 # The full-duplex all_reduce's pieces: small enough that the first ReduceScatter and the last
@@ -49,6 +51,12 @@ DEFAULT_SEND_COPY_BYTES = 256 << 20
 _TAGS = 1 << 32
 
 
+
+
+def _told(error: BaseException) -> BaseException:
+    """`error`, raised alike on every rank: no peer needs telling (Communicator.refuse)."""
+    error.peers_told = True
+    return error
 
 
 class Communicator:
@@ -231,6 +239,52 @@ class Communicator:
         return self._issue(Descriptor("broadcast", algorithm, buf.dtype, buf.size, param=root),
                            buf, buf, async_op)
 
+    def all_to_all(self, output, input, output_splits=None, input_splits=None, *, row: int = 1,
+                   sizes_algorithm: str = "ring") -> None:
+        """Send block p of `input` to rank p and receive rank p's block for this rank into block
+        p of `output`, as torch.distributed.all_to_all_single: the split sizes count rows of
+        `row` elements, `input_splits[p]` of them going to rank p and `output_splits[p]` coming
+        from it (None: the rows split evenly). Every rank's split sizes are gathered first (an
+        all_gather by `sizes_algorithm`), so sizes that do not fit raise the same
+        InvalidArgumentError on every rank, naming the rank; then each rank sends each peer its
+        block on their stream and receives only what the sizes say, all at once: N(P-1)/P
+        bytes each way for N bytes split evenly. Returns when the output is in place."""
+        out, inp = self._arrays(output, input, "all_to_all")
+        if not (isinstance(row, int) and row >= 1 and inp.size % row == 0 and
+                out.size % row == 0):
+            self._reject(f"all_to_all rows of {row!r} elements do not cut the input "
+                         f"({inp.size}) and the output ({out.size}) into whole rows")
+        world, rank = self.world_size, self.rank
+        rows, out_rows = inp.size // row, out.size // row
+        in_splits = [rows // world] * world if input_splits is None else list(input_splits)
+        out_splits = [out_rows // world] * world if output_splits is None else \
+            list(output_splits)
+        fits = (len(in_splits) == world and len(out_splits) == world and
+                sum(in_splits) == rows and sum(out_splits) == out_rows and
+                min(in_splits + out_splits) >= 0)
+        sizes = np.empty((world, 2 * world), np.int64)
+        self.all_gather(sizes.reshape(-1), np.array(in_splits + out_splits if fits else
+                                                    [-1] * 2 * world, np.int64),
+                        algorithm=sizes_algorithm)
+        for src in range(world):  # every rank raises the same, after the gather: no refusal
+            if sizes[src, 0] < 0:
+                raise _told(InvalidArgumentError(
+                    f"all_to_all: rank {src}'s split sizes do not divide its input and output "
+                    f"rows among {world} ranks" + (
+                        f" (here: input split sizes {in_splits} for {rows} rows, output split "
+                        f"sizes {out_splits} for {out_rows} rows)" if src == rank else "")))
+        sends, expects = sizes[:, :world], sizes[:, world:]
+        for src in range(world):
+            for dst in range(world):
+                if sends[src, dst] != expects[dst, src]:
+                    raise _told(InvalidArgumentError(
+                        f"all_to_all: rank {src} sends {int(sends[src, dst])} rows to rank "
+                        f"{dst}, whose output split sizes expect {int(expects[dst, src])}"))
+        nbytes = row * inp.dtype.itemsize
+        layout = ([int(n) * nbytes for n in sends[rank]], [int(n) * nbytes for n in expects[rank]])
+        self._issue(Descriptor("all_to_all", "pairwise", inp.dtype, int(sends.sum()) * row), out,
+                    inp, False, layout)
+
     def barrier(self) -> None:
         """Return once every rank has entered the barrier (a one-element all_gather)."""
         mine = np.zeros(1, np.int64)
@@ -323,8 +377,11 @@ class Communicator:
             self._reject(f"in-network reduction sums; op {op!r} needs algorithm 'ring'")
 
     # -- protocol choice -------------------------------------------------------------------
-    def _protocol(self, seq: int, desc: Descriptor, out: np.ndarray, inp: np.ndarray):
+    def _protocol(self, seq: int, desc: Descriptor, out: np.ndarray, inp: np.ndarray,
+                  layout: tuple | None):
         rank, world = self.rank, self.world_size
+        if desc.algorithm == "pairwise":
+            return PairwiseAllToAll(seq, rank, world, desc, out, inp, *layout, self.frame_bytes)
         if desc.algorithm == "ring":
             if desc.collective == "broadcast":
                 return RingBroadcast(seq, rank, world, desc, out, self.frame_bytes)
@@ -392,7 +449,7 @@ class Communicator:
             self._engine.abort(OvercastError(f"bad input on rank {self.rank}: {message}"))
         else:
             self.refuse(InvalidArgumentError(message))
-            error.peers_told = True
+            _told(error)
         raise error
 
     def refuse(self, error: BaseException) -> None:
@@ -401,7 +458,7 @@ class Communicator:
         every peer's collective at that number fails with `error`'s class (OvercastError for
         another) and message, naming this rank, as soon as the refusal reaches it. The
         communicator goes on, its numbers alike on every rank. `error` is marked `peers_told`."""
-        error.peers_told = True
+        _told(error)
         if self.world_size == 1:
             return
         told = error if isinstance(error, OvercastError) else \
@@ -413,7 +470,8 @@ class Communicator:
             self._seq += 1
             self._engine.refuse(seq, told)
 
-    def _issue(self, desc: Descriptor, out, inp, async_op: bool) -> Work | None:
+    def _issue(self, desc: Descriptor, out, inp, async_op: bool,
+               layout: tuple | None = None) -> Work | None:
         self.check_algorithm(desc.collective, desc.algorithm)
         with self._lock:
             if self._closed:
@@ -423,7 +481,7 @@ class Communicator:
             else:
                 seq = self._seq
                 self._seq += 1
-                coll = self._protocol(seq, desc, out, inp)
+                coll = self._protocol(seq, desc, out, inp, layout)
                 work = Work(seq, str(desc))
                 self._engine.submit(coll, work)
         if async_op:

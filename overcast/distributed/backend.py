@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import math
 import os
 import threading
 import weakref
@@ -551,8 +552,8 @@ class ProcessGroupOvercast(dist.ProcessGroup):
     @_staged("out", "in")
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes,
                       opts=None) -> dist.Work:
-        """Every rank's input gathered by every rank (P times the bytes an all-to-all needs:
-        correct, not fast), after an all_gather of the split sizes."""
+        """A pairwise exchange (Communicator.all_to_all), after an all_gather of the split
+        sizes."""
         return self._submit("all_to_all_single",
                             lambda: self._all_to_all(output, input, list(output_split_sizes),
                                                      list(input_split_sizes)), [output])
@@ -571,49 +572,24 @@ class ProcessGroupOvercast(dist.ProcessGroup):
         return self._submit("all_to_all", run, outputs)
 
     def _all_to_all(self, output, input, out_splits, in_splits) -> None:
-        """Every rank's split sizes, what it sends and what it expects, are gathered first, so
-        that sizes which do not fit raise the same error on every rank, before any data moves."""
-        world, rank = self.size(), self.rank()
+        """Rows (the first dimension) of the tensors' bytes, split as torch splits them (empty
+        split lists: evenly)."""
+        row_shape = tuple(input.shape[1:]) if input.dim() else ()
+        if output.dtype != input.dtype or \
+                (tuple(output.shape[1:]) if output.dim() else ()) != row_shape:
+            raise InvalidArgumentError(
+                f"all_to_all: the output's rows are {tuple(output.shape[1:])} x {output.dtype}, "
+                f"the input's {row_shape} x {input.dtype}; they must be alike")
         rows = input.shape[0] if input.dim() else 1
-        row = input.numel() // rows if rows else 0
-        in_splits = in_splits or [rows // world] * world
         out_rows = output.shape[0] if output.dim() else 1
-        out_splits = out_splits or [out_rows // world] * world
-        fits = (len(in_splits) == world and len(out_splits) == world and
-                sum(in_splits) == rows and sum(out_splits) == out_rows and
-                min(in_splits + out_splits) >= 0)
-        sizes = torch.empty(world, 2 * world, dtype=torch.int64)
-        self._all_gather_into(sizes, torch.tensor(in_splits + out_splits if fits else
-                                                  [-1] * 2 * world, dtype=torch.int64))
-        for src in range(world):
-            if int(sizes[src, 0]) < 0:
-                raise InvalidArgumentError(
-                    f"all_to_all: rank {src}'s split sizes do not divide its tensors' rows among "
-                    f"{world} ranks" + (f" (here: input split sizes {in_splits} for "
-                                        f"{rows} rows, output split sizes {out_splits} for "
-                                        f"{out_rows} rows)" if src == rank else ""))
-        sends, expects = sizes[:, :world], sizes[:, world:]
-        for src in range(world):
-            for dst in range(world):
-                if sends[src, dst] != expects[dst, src]:
-                    raise InvalidArgumentError(
-                        f"all_to_all: rank {src} sends {int(sends[src, dst])} rows to rank "
-                        f"{dst}, whose output split sizes expect {int(expects[dst, src])}")
-        longest = int(sends.sum(dim=1).max()) * row
-        padded = torch.zeros(longest, dtype=input.dtype)
-        padded[:input.numel()] = input.reshape(-1)
-        gathered = torch.empty(world, longest, dtype=input.dtype)
-        self._all_gather_into(gathered, padded)
-        dest = output.reshape(-1) if output.is_contiguous() else torch.empty(output.numel(),
-                                                                             dtype=output.dtype)
-        at = 0
-        for src in range(world):
-            start = int(sends[src, :rank].sum()) * row
-            length = int(sends[src, rank]) * row
-            dest[at:at + length] = gathered[src, start:start + length]
-            at += length
-        if not output.is_contiguous():
-            output.copy_(dest.view_as(output))
+        row = math.prod(row_shape) * input.element_size()
+        with _contiguous(output) as dest:
+            if row:
+                sent, received = _bytes(input.contiguous()), _bytes(dest)
+            else:  # rows of nothing: a byte a row stands in for each, so the sizes are checked
+                sent, received, row = np.zeros(rows, np.uint8), np.empty(out_rows, np.uint8), 1
+            self.communicator.all_to_all(received, sent, out_splits or None, in_splits or None,
+                                         row=row, sizes_algorithm=self.algorithms["all_gather"])
 
     # -- point to point ----------------------------------------------------------------------
     @_staged("in")

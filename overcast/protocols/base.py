@@ -26,8 +26,8 @@ from overcast.wire.runs import Run
 # or the aggregator.
 STREAM, DATAGRAM, MULTICAST = 0, 1, 2
 
-COLLECTIVES = ("all_gather", "reduce_scatter", "broadcast")
-ALGORITHMS = ("ring", "multicast", "innetwork")
+COLLECTIVES = ("all_gather", "reduce_scatter", "broadcast", "all_to_all")
+ALGORITHMS = ("ring", "multicast", "innetwork", "pairwise")
 OPS = ("none",) + REDUCE_OPS
 
 _DESCRIPTOR = struct.Struct("<BBBBQII")
@@ -40,7 +40,7 @@ class Descriptor:
     collective: str
     algorithm: str
     dtype: np.dtype
-    count: int  # elements per rank (the shard)
+    count: int  # elements per rank (the shard); an all_to_all's: every rank's, moved in all
     op: str = "none"
     param: int = 0  # broadcast root, or the number of multicast roots
     # Bytes per datagram chunk, as the datagram protocols cut the data (each rank cuts for its

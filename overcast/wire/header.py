@@ -66,6 +66,7 @@ class Kind(enum.IntEnum):
     GOODBYE = 4
     REFUSE = 5
     RING_DATA = 10
+    A2A_DATA = 11
     MCAST_DATA = 20
     REPAIR_REQUEST = 21
     REPAIR_DATA = 22
