@@ -17,7 +17,7 @@ from overcast.native import _core
 from overcast.protocols.base import Descriptor
 from overcast.protocols.multicast import MulticastGather
 from overcast.protocols.p2p import Transfer
-from overcast.protocols.pairwise import PairwiseAllToAll
+from overcast.protocols.pairwise import PairwiseAllToAll, sizes_error
 from overcast.protocols.ring import RingAllGather, RingBroadcast, RingReduceScatter
 from overcast.protocols.session import Session
 from overcast.protocols.budget import LinkBudget
@@ -239,51 +239,36 @@ class Communicator:
         return self._issue(Descriptor("broadcast", algorithm, buf.dtype, buf.size, param=root),
                            buf, buf, async_op)
 
-    def all_to_all(self, output, input, output_splits=None, input_splits=None, *, row: int = 1,
-                   sizes_algorithm: str = "ring") -> None:
+    def all_to_all(self, output, input, output_splits=None, input_splits=None, *,
+                   row: int = 1) -> None:
         """Send block p of `input` to rank p and receive rank p's block for this rank into block
         p of `output`, as torch.distributed.all_to_all_single: the split sizes count rows of
         `row` elements, `input_splits[p]` of them going to rank p and `output_splits[p]` coming
-        from it (None: the rows split evenly). Every rank's split sizes are gathered first (an
-        all_gather by `sizes_algorithm`), so sizes that do not fit raise the same
-        InvalidArgumentError on every rank, naming the rank; then each rank sends each peer its
-        block on their stream and receives only what the sizes say, all at once: N(P-1)/P
-        bytes each way for N bytes split evenly. Returns when the output is in place."""
+        from it (None: the rows split evenly). Every rank first tells every other its sizes, so
+        that sizes that do not fit raise the same InvalidArgumentError on every rank, naming the
+        rank; each rank sends each peer its block on their stream and receives only what the
+        sizes say: N(P-1)/P bytes each way for N bytes split evenly (docs/protocols.md).
+        Returns when the output is in place."""
         out, inp = self._arrays(output, input, "all_to_all")
         if not (isinstance(row, int) and row >= 1 and inp.size % row == 0 and
                 out.size % row == 0):
             self._reject(f"all_to_all rows of {row!r} elements do not cut the input "
                          f"({inp.size}) and the output ({out.size}) into whole rows")
-        world, rank = self.world_size, self.rank
+        world = self.world_size
         rows, out_rows = inp.size // row, out.size // row
-        in_splits = [rows // world] * world if input_splits is None else list(input_splits)
-        out_splits = [out_rows // world] * world if output_splits is None else \
-            list(output_splits)
-        fits = (len(in_splits) == world and len(out_splits) == world and
-                sum(in_splits) == rows and sum(out_splits) == out_rows and
-                min(in_splits + out_splits) >= 0)
-        sizes = np.empty((world, 2 * world), np.int64)
-        self.all_gather(sizes.reshape(-1), np.array(in_splits + out_splits if fits else
-                                                    [-1] * 2 * world, np.int64),
-                        algorithm=sizes_algorithm)
-        for src in range(world):  # every rank raises the same, after the gather: no refusal
-            if sizes[src, 0] < 0:
-                raise _told(InvalidArgumentError(
-                    f"all_to_all: rank {src}'s split sizes do not divide its input and output "
-                    f"rows among {world} ranks" + (
-                        f" (here: input split sizes {in_splits} for {rows} rows, output split "
-                        f"sizes {out_splits} for {out_rows} rows)" if src == rank else "")))
-        sends, expects = sizes[:, :world], sizes[:, world:]
-        for src in range(world):
-            for dst in range(world):
-                if sends[src, dst] != expects[dst, src]:
-                    raise _told(InvalidArgumentError(
-                        f"all_to_all: rank {src} sends {int(sends[src, dst])} rows to rank "
-                        f"{dst}, whose output split sizes expect {int(expects[dst, src])}"))
-        nbytes = row * inp.dtype.itemsize
-        layout = ([int(n) * nbytes for n in sends[rank]], [int(n) * nbytes for n in expects[rank]])
-        self._issue(Descriptor("all_to_all", "pairwise", inp.dtype, int(sends.sum()) * row), out,
-                    inp, False, layout)
+        ins = [rows // world] * world if input_splits is None else list(input_splits)
+        outs = [out_rows // world] * world if output_splits is None else list(output_splits)
+        fits = (len(ins) == world and len(outs) == world and sum(ins) == rows and
+                sum(outs) == out_rows and min(ins + outs) >= 0)
+        here = (f"input split sizes {ins} for {rows} rows, output split sizes {outs} for "
+                f"{out_rows} rows")
+        sizes = ins + outs if fits else None
+        if world == 1:  # every rank's sizes are this one's: checked here
+            why = sizes_error([sizes], 0, here)
+            if why:
+                raise _told(InvalidArgumentError(why))
+        self._issue(Descriptor("all_to_all", "pairwise", inp.dtype, row), out, inp, False,
+                    (sizes, here, row * inp.dtype.itemsize))
 
     def barrier(self) -> None:
         """Return once every rank has entered the barrier (a one-element all_gather)."""

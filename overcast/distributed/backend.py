@@ -5,7 +5,7 @@ torch calls the methods below from Python (dist.all_reduce...) and from C++ (DDP
 FSDP2, functional collectives); each returns a dist.Work whose future's value is the call's
 outputs. The group's worker thread runs the calls one at a time in the order they were made,
 the same order on every rank, so that a collective made of several overcast collectives
-(all_reduce's pieces, all_to_all's exchange of sizes) keeps its sequence numbers together;
+(all_reduce's pieces, a list's tensors one by one) keeps its sequence numbers together;
 inside one call, overcast's collectives run several at a time (the full-duplex all_reduce's
 point). Futures complete on another thread, so a callback may wait for any later call
 (overcast/distributed/calls.py).
@@ -552,8 +552,7 @@ class ProcessGroupOvercast(dist.ProcessGroup):
     @_staged("out", "in")
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes,
                       opts=None) -> dist.Work:
-        """A pairwise exchange (Communicator.all_to_all), after an all_gather of the split
-        sizes."""
+        """A pairwise exchange (Communicator.all_to_all), every rank's split sizes first."""
         return self._submit("all_to_all_single",
                             lambda: self._all_to_all(output, input, list(output_split_sizes),
                                                      list(input_split_sizes)), [output])
@@ -589,7 +588,7 @@ class ProcessGroupOvercast(dist.ProcessGroup):
             else:  # rows of nothing: a byte a row stands in for each, so the sizes are checked
                 sent, received, row = np.zeros(rows, np.uint8), np.empty(out_rows, np.uint8), 1
             self.communicator.all_to_all(received, sent, out_splits or None, in_splits or None,
-                                         row=row, sizes_algorithm=self.algorithms["all_gather"])
+                                         row=row)
 
     # -- point to point ----------------------------------------------------------------------
     @_staged("in")

@@ -40,7 +40,7 @@ class Descriptor:
     collective: str
     algorithm: str
     dtype: np.dtype
-    count: int  # elements per rank (the shard); an all_to_all's: every rank's, moved in all
+    count: int  # elements per rank (the shard); an all_to_all's: per row
     op: str = "none"
     param: int = 0  # broadcast root, or the number of multicast roots
     # Bytes per datagram chunk, as the datagram protocols cut the data (each rank cuts for its
@@ -241,6 +241,10 @@ class Collective:
 
     def finished(self) -> None:
         """Called once when the collective is done or failed: release shared resources."""
+
+    def described_by(self, peer: int, extra: memoryview, now: float) -> None:
+        """A peer's DESCRIBE matched this call's; `extra` is what it carried after its
+        descriptor (this call's `described` may carry more than the descriptor)."""
 
     def withdrawal(self) -> list[tuple[tuple[int, int], Outgoing]]:
         """What to send, as (route, message), when a peer refused the call and the communicator

@@ -343,6 +343,7 @@ class Session:
                     self.stale += 1
                 return
             if self._verify(mine, theirs, hdr, coll, now) and coll is not None:
+                self._guard(coll, coll.described_by, hdr.src, payload[Descriptor.SIZE:], now)
                 self._settle(coll)
         elif hdr.kind == Kind.REFUSE:
             coll = self.active.get(hdr.seq)

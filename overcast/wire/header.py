@@ -67,6 +67,7 @@ class Kind(enum.IntEnum):
     REFUSE = 5
     RING_DATA = 10
     A2A_DATA = 11
+    A2A_PULL = 12
     MCAST_DATA = 20
     REPAIR_REQUEST = 21
     REPAIR_DATA = 22
