@@ -422,24 +422,29 @@ def test_an_idle_reduction_expires_and_frees_its_pool():
 
 
 def test_a_withdrawn_reduction_is_freed_at_once_and_not_started_again():
-    """A rank whose call a peer refused WITHDRAWs the reduction: its pool is freed and its place
-    among the communicator's reductions given back, now rather than at its expiry; contributions
-    still on their way make nothing new, nor do those of a reduction withdrawn before any came.
-    A WITHDRAW with a payload is malformed."""
+    """Ranks whose call a peer refused WITHDRAW the reduction: once every rank that contributed
+    has, its pool is freed and its place among the communicator's reductions given back, now
+    rather than at its expiry, and contributions still on their way make nothing new. A rank
+    that never contributed, or one rank alone of those that did, ends nothing; a WITHDRAW for a
+    reduction not begun here is let go (stale), and one with a payload is malformed."""
     engine, handle, sealer, rows = one_reduction(300.0, 1.0)
-    withdraw = sealer.seal(Kind.WITHDRAW, 0, AGGREGATOR, 0, b"")
-    engine.feed(withdraw, len(withdraw), 1.1)
+    other = Sealer(KEY, JOB, COMM, 2)
+    engine.feed(contributions(other, np.float32, rows[:1], [1], 8), sealer_segment(rows), 1.0)
+
+    def withdraw(by, seq=0, body=b""):
+        sealed = by.seal(Kind.WITHDRAW, seq, AGGREGATOR, 0, body)
+        engine.feed(sealed, len(sealed), 1.1)
+    withdraw(Sealer(KEY, JOB, COMM, 3))  # rank 3 never contributed
+    withdraw(other)
+    assert engine.reductions(handle) == [(0, 0)]  # rank 1 goes on
+    withdraw(sealer)
     assert engine.reductions(handle) == [] and engine.memory()[0] == 0
     assert dict(engine.counters()[1])["withdrawn"] == 1
     engine.feed(contributions(sealer, np.float32, rows, [6], 8), sealer_segment(rows), 1.2)
     assert engine.reductions(handle) == []
-    early = sealer.seal(Kind.WITHDRAW, 1, AGGREGATOR, 0, b"")  # before any contribution to #1
-    engine.feed(early, len(early), 1.3)
-    engine.feed(contributions(sealer, np.float32, rows, [0, 2], 8, seq=1), sealer_segment(rows),
-                1.4)
-    assert engine.reductions(handle) == [] and engine.memory()[0] == 0
-    malformed = sealer.seal(Kind.WITHDRAW, 2, AGGREGATOR, 0, b"x")
-    engine.feed(malformed, len(malformed), 1.5)
+    withdraw(sealer, seq=1)  # nothing of #1 here yet
+    assert dict(engine.counters()[0])["stale"] == 1
+    withdraw(sealer, seq=2, body=b"x")
     assert dict(engine.counters()[0])["malformed"] == 1
 
 

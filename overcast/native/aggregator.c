@@ -64,6 +64,7 @@ static void free_pool(oc_agg *a, comm_t *c, reduction_t *r) {
 void agg_free_reduction(oc_agg *a, comm_t *c, reduction_t *r) {
     free_pool(a, c, r);
     free(r->passed);
+    free(r->withdrawn);
     free(r->slots);
     free(r->have);
     free(r);
@@ -100,9 +101,10 @@ static reduction_t *new_reduction(oc_agg *a, comm_t *c, uint32_t seq, uint8_t co
     r->highest = -1;
     r->words = (c->world + 63) / 64;
     r->passed = malloc(sizeof(int64_t) * c->world);
+    r->withdrawn = calloc(r->words, sizeof(uint64_t));
     r->slots = calloc(r->window, sizeof(slot_t));
     r->have = calloc((size_t)r->window * r->words, sizeof(uint64_t));
-    if (r->passed == NULL || r->slots == NULL || r->have == NULL) {
+    if (r->passed == NULL || r->withdrawn == NULL || r->slots == NULL || r->have == NULL) {
         agg_free_reduction(a, c, r);
         return NULL;
     }
@@ -196,16 +198,22 @@ static void retire(oc_agg *a, comm_t *c, reduction_t *r) {
     agg_free_reduction(a, c, r);
 }
 
-/* A rank gives reduction `seq` up (its call was refused on another rank): freed now, not at
- * its expiry, and remembered as finished whether it had started here or not. */
-static void withdraw(oc_agg *a, comm_t *c, uint32_t seq) {
+/* Rank `src` gives reduction `seq` up (its call was refused on another rank). Once every rank
+ * that contributed to it has, it is freed, not held until its expiry, and remembered as
+ * finished: its ranks have all stopped, and contributions still on their way start nothing. A
+ * rank's WITHDRAW alone (a buggy member's) does not end a reduction the others go on with; one
+ * for a reduction not begun here names nothing to free, and is let go (stale). */
+static void withdraw(oc_agg *a, comm_t *c, uint32_t seq, uint16_t src) {
     reduction_t *r = agg_find_reduction(c, seq);
-    if (r != NULL) {
-        retire(a, c, r);
-        a->stats[OC_STAT_withdrawn]++;
-    } else {
-        remember_finished(c, seq, 0);
+    if (r == NULL) {
+        a->drops[OC_DROP_stale]++;
+        return;
     }
+    r->withdrawn[src / 64] |= (uint64_t)1 << (src % 64);
+    for (uint32_t i = 0; i < r->world; i++)
+        if (r->passed[i] >= 0 && !(r->withdrawn[i / 64] >> (i % 64) & 1)) return;
+    retire(a, c, r);
+    a->stats[OC_STAT_withdrawn]++;
 }
 
 static void finish(oc_agg *a, int h, comm_t *c, reduction_t *r) {
@@ -537,7 +545,7 @@ void oc_agg_receive_run(oc_agg *a, int h, const oc_header *hdr, const uint32_t *
         on_contributions(a, h, c, hdr, chunks, count, data, offset, stride, now);
     } else if (hdr->kind == OC_WITHDRAW) {
         if (hdr->length) a->drops[OC_DROP_malformed] += count;
-        else withdraw(a, c, hdr->seq);
+        else withdraw(a, c, hdr->seq, hdr->src);
     } else if (hdr->kind == OC_RESULT_ACK || hdr->kind == OC_CREDIT) {
         for (size_t i = 0; i < count; i++) {
             const uint8_t *p = data + offset + i * stride;

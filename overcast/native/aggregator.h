@@ -34,9 +34,10 @@
  * it names by slot and seals from the pool. A rank that dies mid-reduction leaves its slots
  * incomplete: they ask again (bounded by the window) until the reduction expires (no
  * contribution or acknowledgement for the expiry) or the communicator is unregistered (its last
- * connection closes), which frees them. A rank whose call was refused on another rank (its peers
- * never contribute) WITHDRAWs the reduction: it is given up at once, its pool freed, and
- * remembered as finished, so that contributions still on their way do not start it again. Every allocation that fails is counted (out_of_memory)
+ * connection closes), which frees them. A rank whose call was refused on another rank (that
+ * rank never contributes) WITHDRAWs the reduction: once every rank that contributed has, it is
+ * given up, its pool freed, and remembered as finished, so that contributions still on their way
+ * do not start it again. Every allocation that fails is counted (out_of_memory)
  * and drops what needed it. The engine is not thread-safe: one thread at
  * a time, which in the service is the one running oc_serve. */
 #ifndef OVERCAST_NATIVE_AGGREGATOR_H
