@@ -284,9 +284,11 @@ class Communicator:
         the collectives. Its data moves only once the receiver has a recv for it, straight into
         that recv's buffer (docs/protocols.md). While sends not yet taken hold less than
         OVERCAST_SEND_COPY_BYTES (256 MiB) here, the data is copied and the Work returned is
-        complete at once (so two ranks may each send to the other, then receive); a larger one
-        is sent from `buffer`, which must then stay unchanged until the Work is complete, when
-        the receiver has taken it all. Bad arguments raise InvalidArgumentError here alone."""
+        complete at once (so two ranks may each send to the other, then receive); a larger one,
+        or one memory has no room to copy, is sent from `buffer`, which must then stay unchanged
+        until the Work is complete, when the receiver has taken it all. Nothing of a message is
+        held on the receiving side but in its recv's buffer. Bad arguments raise
+        InvalidArgumentError here alone."""
         arr = self._transfer_buffer(buffer, "send buffer")
         if not (isinstance(dst, int) and 0 <= dst < self.world_size):
             raise InvalidArgumentError(f"send destination {dst!r} is not a rank of the "
@@ -296,8 +298,14 @@ class Communicator:
             copy = self._copied + arr.nbytes <= self._copy_limit
             if copy:
                 self._copied += arr.nbytes
-        op = Transfer("send", self.rank, dst, tag, arr.copy() if copy else arr,
-                      self.frame_bytes, copied=copy)
+        data = arr
+        if copy:
+            try:
+                data = arr.copy()
+            except MemoryError:  # no room for a copy: sent from the caller's buffer instead
+                self._release_copy(arr.nbytes)
+                copy = False
+        op = Transfer("send", self.rank, dst, tag, data, self.frame_bytes, copied=copy)
         work = self._transfer(op)
         if not copy:
             return work

@@ -171,3 +171,39 @@ def test_a_peer_that_dies_fails_the_transfers_waiting_on_it():
         for what in ("recv", "send"):
             kind, message = said[what]
             assert kind == "PeerFailureError" and "rank 1" in message, (what, said)
+
+
+def no_room_to_copy(rank):
+    """Rank 0's address space has no room for a copy of its 96 MiB send: it goes from the
+    caller's array, and its Work completes only once rank 1 has taken it all."""
+    import resource
+
+    import overcast
+    comm = overcast.Communicator(timeout=30)
+    n = 96 << 20
+    try:
+        if rank == 0:
+            data = np.full(n, 7, np.uint8)
+            limits = resource.getrlimit(resource.RLIMIT_AS)
+            with open("/proc/self/status") as f:
+                size = next(int(line.split()[1]) * 1024 for line in f
+                            if line.startswith("VmSize"))
+            resource.setrlimit(resource.RLIMIT_AS, (size + (32 << 20), limits[1]))
+            try:
+                work = comm.isend(data, 1)
+                at_once = work.is_completed()
+            finally:
+                resource.setrlimit(resource.RLIMIT_AS, limits)
+            comm.barrier()  # rank 1 posts its recv after this
+            work.wait()
+            return at_once
+        comm.barrier()
+        got = np.empty(n, np.uint8)
+        comm.recv(got, 0)
+        return bool((got == 7).all())
+    finally:
+        comm.close()
+
+
+def test_a_send_memory_has_no_room_to_copy_goes_from_the_callers_buffer():
+    assert run_ranks(no_room_to_copy, loopback_placements(2), timeout=120) == [False, True]
