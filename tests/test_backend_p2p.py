@@ -1,20 +1,19 @@
 """Point-to-point on the "overcast" backend between real processes over loopback, against gloo in
 the same job: send, recv, isend, irecv and batch_isend_irecv with tags, a recv from any rank,
 two ranks that each send before they receive, a recv that waits for a send its peer makes after
-a collective, every dtype, non-contiguous tensors, messages past the copy budget, sizes that
-differ, and a peer that dies."""
+a collective, every dtype, non-contiguous tensors, messages past the copy budget or with no
+room to copy, sizes that differ, and a peer that dies."""
 
 import os
 import signal
 
 import numpy as np
+import pytest
 import torch
 import torch.distributed as dist
 
 from overcast.cluster.launch import RankError, loopback_placements, run_ranks
 from test_backend import DTYPES, same, start, values
-
-import pytest
 
 COPY_BYTES = 1 << 20  # messages past it are sent from the caller's tensor
 
