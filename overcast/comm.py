@@ -162,7 +162,8 @@ class Communicator:
     def reduce_scatter(self, output, input, op: str = "sum", async_op: bool = False,
                        algorithm: str = "ring"):
         """Reduce `input` across ranks (op "sum", "avg", "max", "min" or "product"; the
-        in-network algorithm sums and averages only) and leave block `rank` of the result in
+        in-network algorithm sums and averages only; an average of integers is their sum
+        divided and truncated toward zero, as NCCL's) and leave block `rank` of the result in
         `output`, as torch.distributed.reduce_scatter_tensor."""
         out, inp = self._arrays(output, input, "reduce_scatter")
         self._check_reduce(inp.dtype, op, algorithm)
