@@ -81,8 +81,6 @@ def check_reduce(dtype: np.dtype, op: str) -> None:
     if op not in REDUCE_OPS:
         raise InvalidArgumentError(f"unsupported reduce op {op!r}; supported: "
                                    f"{', '.join(REDUCE_OPS)}")
-    if op == "avg" and dtype.kind in "iu":
-        raise InvalidArgumentError(f"op 'avg' needs a floating-point dtype, not {dtype}")
 
 
 def reduce_into(out: np.ndarray, a: np.ndarray, b: np.ndarray, op: str) -> None:
@@ -92,7 +90,15 @@ def reduce_into(out: np.ndarray, a: np.ndarray, b: np.ndarray, op: str) -> None:
 
 
 def divide_into(out: np.ndarray, world: int) -> None:
-    """Turn a finished sum into an average, in place."""
+    """Turn a finished sum into an average, in place: integers (their sums wrapped) truncated
+    toward zero, as NCCL averages them; floats divided in their accumulator's dtype."""
+    if out.dtype.kind in "iu":
+        # numpy's floor division, then one up where a negative sum did not divide evenly
+        inexact = np.remainder(out, world) != 0
+        np.floor_divide(out, world, out=out)
+        if out.dtype.kind == "i":
+            out += inexact & (out < 0)
+        return
     np.divide(out, world, out=out, dtype=accumulator_dtype(out.dtype), casting="unsafe")
 
 

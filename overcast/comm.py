@@ -11,11 +11,13 @@ from overcast.buffers import SUMMING_OPS, as_array, check_dtype, check_reduce
 from overcast.engine.engine import Engine, Work
 from overcast.engine.trace import Trace
 from overcast.errors import InvalidArgumentError, OvercastError
-from overcast.limits import check_count, check_frame_bytes, check_link_rate, check_positive, \
-    check_roots, require
+from overcast.limits import bytes_from_env, check_count, check_frame_bytes, check_link_rate, \
+    check_positive, check_roots, require
 from overcast.native import _core
 from overcast.protocols.base import Descriptor
 from overcast.protocols.multicast import MulticastGather
+from overcast.protocols.p2p import Transfer
+from overcast.protocols.pairwise import PairwiseAllToAll, sizes_error
 from overcast.protocols.ring import RingAllGather, RingBroadcast, RingReduceScatter
 from overcast.protocols.session import Session
 from overcast.protocols.budget import LinkBudget
@@ -34,7 +36,8 @@ from overcast.wire.messages import CONTRIB_PREFIX
 # no longer than at 0.95 (docs/results.md).
 DEFAULT_PACING_SHARE = 1.0
 ALGORITHMS = {"all_gather": ("ring", "multicast"), "reduce_scatter": ("ring", "innetwork"),
-              "broadcast": ("multicast", "ring"), "all_reduce": ("ring", "fullduplex")}
+              "broadcast": ("multicast", "ring"), "all_reduce": ("ring", "fullduplex"),
+              "all_to_all": ("pairwise",)}
 # What each all_reduce algorithm runs: (its ReduceScatter's algorithm, its AllGather's).
 ALL_REDUCE_PARTS = {"ring": ("ring", "ring"), "fullduplex": ("innetwork", "multicast")}
 # The full-duplex all_reduce's pieces: small enough that the first ReduceScatter and the last
@@ -42,6 +45,19 @@ ALL_REDUCE_PARTS = {"ring": ("ring", "ring"), "fullduplex": ("innetwork", "multi
 # piece's collectives are not dominated by their fixed costs.
 FULLDUPLEX_PIECES = 8
 FULLDUPLEX_MIN_PIECE_BYTES = 64 << 10
+# The most bytes of sends not yet taken by their receivers that a communicator holds copies of
+# (so that their calls complete at once); a send past it is sent from the caller's buffer.
+SEND_COPY_ENV = "OVERCAST_SEND_COPY_BYTES"
+DEFAULT_SEND_COPY_BYTES = 256 << 20
+_TAGS = 1 << 32
+
+
+
+
+def _told(error: BaseException) -> BaseException:
+    """`error`, raised alike on every rank: no peer needs telling (Communicator.refuse)."""
+    error.peers_told = True
+    return error
 
 
 class Communicator:
@@ -69,10 +85,11 @@ class Communicator:
     Bad input (a wrong size, dtype, op or algorithm) raises InvalidArgumentError on the rank
     that gave it, before anything is sent. With `fail_peers_on_bad_input` (the default, as
     NCCL's abort) it also fails the communicator on every other rank, which would otherwise wait
-    for this rank's part; without it (gloo's contract, the torch.distributed backend's) the
-    communicator stays usable, and a rank whose peers did issue the call meets them at its next
-    call (a CollectiveMismatchError) or at the timeout. A group of one rank runs every
-    collective as a local copy.
+    for this rank's part; without it (gloo's contract, the torch.distributed backend's) the call
+    is refused: it takes its sequence number, and every other rank's call at that number raises
+    InvalidArgumentError naming this rank and the reason, as soon as the refusal arrives; the
+    communicator stays usable (`refuse`). A group of one rank runs every collective as a local
+    copy.
     """
 
     def __init__(self, rank: int | None = None, world_size: int | None = None, *,
@@ -130,6 +147,8 @@ class Communicator:
         self._lock = threading.Lock()
         self._seq = 0
         self._closed = False
+        self._copy_limit = bytes_from_env(SEND_COPY_ENV, DEFAULT_SEND_COPY_BYTES)
+        self._copied = 0  # bytes of copied sends not yet taken
 
     # -- collectives -----------------------------------------------------------------------
     def all_gather(self, output, input, async_op: bool = False, algorithm: str = "ring",
@@ -154,7 +173,8 @@ class Communicator:
     def reduce_scatter(self, output, input, op: str = "sum", async_op: bool = False,
                        algorithm: str = "ring"):
         """Reduce `input` across ranks (op "sum", "avg", "max", "min" or "product"; the
-        in-network algorithm sums and averages only) and leave block `rank` of the result in
+        in-network algorithm sums and averages only; an average of integers is their sum
+        divided and truncated toward zero, as NCCL's) and leave block `rank` of the result in
         `output`, as torch.distributed.reduce_scatter_tensor."""
         out, inp = self._arrays(output, input, "reduce_scatter")
         self._check_reduce(inp.dtype, op, algorithm)
@@ -204,6 +224,13 @@ class Communicator:
                 a, b = spans[k]
                 reductions.append(self.reduce_scatter(results[a:b], padded[world * a:world * b],
                                                       op, True, rs_algorithm))
+                if k == 0 and pieces > 1:
+                    # A peer may refuse the call (refuse): then only its first collective
+                    # fails. The rest are posted once no peer can refuse it any more, so
+                    # that a refused call takes one number on every rank.
+                    reductions[0].wait_verified()
+                    if reductions[0].exception() is not None:
+                        reductions[0].wait()
             if k > 0:
                 a, b = spans[k - 1]
                 reductions[k - 1].wait()
@@ -224,10 +251,127 @@ class Communicator:
         return self._issue(Descriptor("broadcast", algorithm, buf.dtype, buf.size, param=root),
                            buf, buf, async_op)
 
+    def all_to_all(self, output, input, output_splits=None, input_splits=None, *,
+                   row: int = 1) -> None:
+        """Send block p of `input` to rank p and receive rank p's block for this rank into block
+        p of `output`, as torch.distributed.all_to_all_single: the split sizes count rows of
+        `row` elements, `input_splits[p]` of them going to rank p and `output_splits[p]` coming
+        from it (None: the rows split evenly). Every rank first tells every other its sizes, so
+        that sizes that do not fit raise the same InvalidArgumentError on every rank, naming the
+        rank; each rank sends each peer its block on their stream and receives only what the
+        sizes say: N(P-1)/P bytes each way for N bytes split evenly (docs/protocols.md).
+        Returns when the output is in place."""
+        out, inp = self._arrays(output, input, "all_to_all")
+        if not (isinstance(row, int) and row >= 1 and inp.size % row == 0 and
+                out.size % row == 0):
+            self._reject(f"all_to_all rows of {row!r} elements do not cut the input "
+                         f"({inp.size}) and the output ({out.size}) into whole rows")
+        world = self.world_size
+        rows, out_rows = inp.size // row, out.size // row
+        ins = [rows // world] * world if input_splits is None else list(input_splits)
+        outs = [out_rows // world] * world if output_splits is None else list(output_splits)
+        fits = (len(ins) == world and len(outs) == world and sum(ins) == rows and
+                sum(outs) == out_rows and min(ins + outs) >= 0)
+        here = (f"input split sizes {ins} for {rows} rows, output split sizes {outs} for "
+                f"{out_rows} rows")
+        sizes = ins + outs if fits else None
+        if world == 1:  # every rank's sizes are this one's: checked here
+            why = sizes_error([sizes], 0, here)
+            if why:
+                raise _told(InvalidArgumentError(why))
+        self._issue(Descriptor("all_to_all", "pairwise", inp.dtype, row), out, inp, False,
+                    (sizes, here, row * inp.dtype.itemsize))
+
     def barrier(self) -> None:
         """Return once every rank has entered the barrier (a one-element all_gather)."""
         mine = np.zeros(1, np.int64)
         self.all_gather(np.empty(self.world_size, np.int64), mine)
+
+    # -- point to point ---------------------------------------------------------------------
+    def isend(self, buffer, dst: int, tag: int = 0) -> Work:
+        """Send `buffer` (a numpy array or CPU tensor of any dtype: its bytes) to rank `dst`
+        (this rank too) with `tag` (0 to 2^32 - 1), for the recv there that takes this rank and
+        tag: the k-th send of a rank and tag meets the k-th such recv, and a recv must take as
+        many bytes. Not a collective: no other rank takes part, and it is not numbered among
+        the collectives. Its data moves only once the receiver has a recv for it, straight into
+        that recv's buffer (docs/protocols.md). While sends not yet taken hold less than
+        OVERCAST_SEND_COPY_BYTES (256 MiB) here, the data is copied and the Work returned is
+        complete at once (so two ranks may each send to the other, then receive); a larger one,
+        or one memory has no room to copy, is sent from `buffer`, which must then stay unchanged
+        until the Work is complete, when the receiver has taken it all. Nothing of a message is
+        held on the receiving side but in its recv's buffer. Bad arguments raise
+        InvalidArgumentError here alone."""
+        arr = self._transfer_buffer(buffer, "send buffer")
+        if not (isinstance(dst, int) and 0 <= dst < self.world_size):
+            raise InvalidArgumentError(f"send destination {dst!r} is not a rank of the "
+                                       f"communicator (0 to {self.world_size - 1})")
+        tag = self._tag(tag)
+        with self._lock:
+            copy = self._copied + arr.nbytes <= self._copy_limit
+            if copy:
+                self._copied += arr.nbytes
+        data = arr
+        if copy:
+            try:
+                data = arr.copy()
+            except MemoryError:  # no room for a copy: sent from the caller's buffer instead
+                self._release_copy(arr.nbytes)
+                copy = False
+        op = Transfer("send", self.rank, dst, tag, data, self.frame_bytes, copied=copy)
+        work = self._transfer(op)
+        if not copy:
+            return work
+        work.add_done_callback(lambda: self._release_copy(arr.nbytes))
+        done = Work(-1, str(op))
+        done._finish(None)
+        return done
+
+    def send(self, buffer, dst: int, tag: int = 0) -> None:
+        """isend, then wait: returns once the data is copied (see isend), or taken."""
+        self.isend(buffer, dst, tag).wait()
+
+    def irecv(self, buffer, src: int | None = None, tag: int = 0) -> Work:
+        """Receive into `buffer` the next message sent with `tag` to this rank by rank `src`
+        (this rank too), or by any rank (None): the Work's `source` is the sender once it is
+        complete. A message whose size differs from the buffer's fails here and at its sender
+        with an InvalidArgumentError naming both sizes. Bad arguments raise here alone."""
+        arr = self._transfer_buffer(buffer, "recv buffer")
+        if not arr.flags.writeable:
+            raise InvalidArgumentError("recv buffer is read-only")
+        if src is not None and not (isinstance(src, int) and 0 <= src < self.world_size):
+            raise InvalidArgumentError(f"recv source {src!r} is not a rank of the "
+                                       f"communicator (0 to {self.world_size - 1}) or None")
+        return self._transfer(Transfer("recv", self.rank, src, self._tag(tag), arr,
+                                       self.frame_bytes))
+
+    def recv(self, buffer, src: int | None = None, tag: int = 0) -> int:
+        """irecv, then wait; returns the sender's rank."""
+        work = self.irecv(buffer, src, tag)
+        work.wait()
+        return work.source
+
+    @staticmethod
+    def _transfer_buffer(buffer, what: str) -> np.ndarray:
+        return as_array(buffer, what).view(np.uint8)
+
+    @staticmethod
+    def _tag(tag) -> int:
+        if not (isinstance(tag, int) and 0 <= tag < _TAGS):
+            raise InvalidArgumentError(f"tag {tag!r} is not a whole number from 0 to "
+                                       f"{_TAGS - 1}")
+        return tag
+
+    def _transfer(self, op: Transfer) -> Work:
+        with self._lock:
+            if self._closed:
+                raise OvercastError("the communicator is closed")
+        work = Work(-1, str(op))
+        self._engine.submit_transfer(op, work)
+        return work
+
+    def _release_copy(self, nbytes: int) -> None:
+        with self._lock:
+            self._copied -= nbytes
 
     def _check_reduce(self, dtype: np.dtype, op: str, algorithm: str) -> None:
         try:
@@ -238,8 +382,11 @@ class Communicator:
             self._reject(f"in-network reduction sums; op {op!r} needs algorithm 'ring'")
 
     # -- protocol choice -------------------------------------------------------------------
-    def _protocol(self, seq: int, desc: Descriptor, out: np.ndarray, inp: np.ndarray):
+    def _protocol(self, seq: int, desc: Descriptor, out: np.ndarray, inp: np.ndarray,
+                  layout: tuple | None):
         rank, world = self.rank, self.world_size
+        if desc.algorithm == "pairwise":
+            return PairwiseAllToAll(seq, rank, world, desc, out, inp, *layout, self.frame_bytes)
         if desc.algorithm == "ring":
             if desc.collective == "broadcast":
                 return RingBroadcast(seq, rank, world, desc, out, self.frame_bytes)
@@ -310,14 +457,36 @@ class Communicator:
         return out, inp
 
     def _reject(self, message: str):
-        """Bad input on this rank: raise here, and fail the communicator on every other rank
-        (which would otherwise wait for this rank's part) if it is to."""
+        """Bad input on this rank: raise here; fail the communicator on every other rank (which
+        would otherwise wait for this rank's part) if it is to, else refuse the call."""
         error = InvalidArgumentError(f"rank {self.rank}: {message}")
         if self.fail_peers_on_bad_input:
             self._engine.abort(OvercastError(f"bad input on rank {self.rank}: {message}"))
+        else:
+            self.refuse(InvalidArgumentError(message))
+            _told(error)
         raise error
 
-    def _issue(self, desc: Descriptor, out, inp, async_op: bool) -> Work | None:
+    def refuse(self, error: BaseException) -> None:
+        """This rank will not make the collective its peers make next (its arguments are bad,
+        or whatever would prepare them failed): the call takes that collective's number, and
+        every peer's collective at that number fails with `error`'s class (OvercastError for
+        another) and message, naming this rank, as soon as the refusal reaches it. The
+        communicator goes on, its numbers alike on every rank. `error` is marked `peers_told`."""
+        _told(error)
+        if self.world_size == 1:
+            return
+        told = error if isinstance(error, OvercastError) else \
+            OvercastError(f"{type(error).__name__}: {error}")
+        with self._lock:
+            if self._closed:
+                return
+            seq = self._seq
+            self._seq += 1
+            self._engine.refuse(seq, told)
+
+    def _issue(self, desc: Descriptor, out, inp, async_op: bool,
+               layout: tuple | None = None) -> Work | None:
         self.check_algorithm(desc.collective, desc.algorithm)
         with self._lock:
             if self._closed:
@@ -327,7 +496,7 @@ class Communicator:
             else:
                 seq = self._seq
                 self._seq += 1
-                coll = self._protocol(seq, desc, out, inp)
+                coll = self._protocol(seq, desc, out, inp, layout)
                 work = Work(seq, str(desc))
                 self._engine.submit(coll, work)
         if async_op:

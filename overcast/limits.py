@@ -9,6 +9,7 @@ same ones, so a script gets the words a shell user gets.
 from __future__ import annotations
 
 import math
+import os
 
 from overcast.errors import InvalidArgumentError
 from overcast.wire.header import IP_UDP_BYTES, MAX_PAYLOAD, MAX_STRIPES, OVERHEAD_BYTES
@@ -116,3 +117,17 @@ def check_algorithms(collectives, algorithms, table: dict) -> None:
         known = "; ".join(f"{c}: {', '.join(table[c])}" for c in collectives)
         raise InvalidArgumentError(f"no algorithm {', '.join(sorted(unknown))} for "
                                    f"{', '.join(collectives)} (available: {known})")
+
+
+def bytes_from_env(name: str, default: int) -> int:
+    """A number of bytes the environment variable `name` gives (0 or more), or `default`."""
+    text = os.environ.get(name)
+    if text is None:
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise InvalidArgumentError(f"{name}={text!r} is not a number of bytes")
+    return value

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from overcast.errors import InvalidArgumentError
+from overcast.limits import bytes_from_env
 
 PINNED_BYTES_ENV = "OVERCAST_PINNED_BYTES"
 GATES_ENV = "OVERCAST_STREAM_GATES"  # "0": no gates; a synchronous ReduceScatter then blocks
@@ -29,16 +30,7 @@ _ALIGN = 1 << 20  # buffers are whole MiBs, so that sizes near each other reuse 
 
 def pinned_limit() -> int:
     """The bytes of pinned host memory a pool keeps (OVERCAST_PINNED_BYTES, default 1 GiB)."""
-    text = os.environ.get(PINNED_BYTES_ENV)
-    if text is None:
-        return DEFAULT_PINNED_BYTES
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise InvalidArgumentError(f"{PINNED_BYTES_ENV}={text!r} is not a number of bytes")
-    return value
+    return bytes_from_env(PINNED_BYTES_ENV, DEFAULT_PINNED_BYTES)
 
 
 def device_of(tensors, what: str) -> torch.device | None:

@@ -70,11 +70,12 @@ def against_gloo(rank, device="cpu", dtypes=DTYPES):
         for count in SIZES:
             case = f"{dtype} x {count}"
             for name, op in OPS.items():
-                if name == "avg" and not dtype.is_floating_point:
-                    continue
                 mine, theirs = placed(rank, count, dtype), values(rank, count, dtype)
                 dist.all_reduce(mine, op=op)
-                if name == "avg":  # gloo has no AVG: its exact sum, divided, rounded once
+                if name == "avg" and not dtype.is_floating_point:  # NCCL's: the sum truncated
+                    dist.all_reduce(theirs, group=gloo)
+                    theirs = torch.div(theirs, world, rounding_mode="trunc")
+                elif name == "avg":  # gloo has no AVG: its exact sum, divided, rounded once
                     total = theirs.double()
                     dist.all_reduce(total, group=gloo)
                     theirs = (total / world).to(dtype)
@@ -142,6 +143,59 @@ def against_gloo(rank, device="cpu", dtypes=DTYPES):
     dist.all_to_all_single(theirs, send, received, splits, group=gloo)
     if not agrees(mine, theirs):
         differ.append("all_to_all_single uneven")
+    # empty blocks (rank r sends rank d nothing when r + d is even), rows of 3 x 2, bool; even
+    # splits; the list form
+    splits = [0 if (rank + d) % 2 == 0 else d + 1 for d in range(world)]
+    received = [0 if (s + rank) % 2 == 0 else rank + 1 for s in range(world)]
+    send = (torch.arange(sum(splits) * 6).view(-1, 3, 2) + rank) % 3 == 0
+    mine = empty(sum(received), 3, 2, dtype=torch.bool)
+    theirs = torch.empty(sum(received), 3, 2, dtype=torch.bool)
+    dist.all_to_all_single(mine, send.to(device), received, splits)
+    dist.all_to_all_single(theirs, send, received, splits, group=gloo)
+    if not agrees(mine, theirs):
+        differ.append("all_to_all_single empty blocks")
+    send = placed(rank, 4 * world, torch.float64)
+    mine, theirs = empty(4 * world, dtype=torch.float64), torch.empty(4 * world,
+                                                                     dtype=torch.float64)
+    dist.all_to_all_single(mine, send)
+    dist.all_to_all_single(theirs, send.cpu(), group=gloo)
+    if not agrees(mine, theirs):
+        differ.append("all_to_all_single even")
+    ins = [placed(rank * world + d, 3, torch.int32) for d in range(world)]  # gloo's: even
+    mine = [empty(3, dtype=torch.int32) for _ in range(world)]
+    theirs = [torch.empty(3, dtype=torch.int32) for _ in range(world)]
+    dist.all_to_all(mine, ins)
+    dist.all_to_all(theirs, [i.cpu() for i in ins], group=gloo)
+    if not all(agrees(a, b) for a, b in zip(mine, theirs)):
+        differ.append("all_to_all list")
+    # each rank sends and receives only its blocks: 64 KiB rows, rank d getting d + 1 of them
+    comm = dist.group.WORLD.communicator
+    before = comm.counters()
+    row = 64 << 10
+    send = torch.full(((world * (world + 1)) // 2, row), rank, dtype=torch.uint8)
+    dist.all_to_all_single(empty(world * (rank + 1), row, dtype=torch.uint8), send.to(device),
+                           [rank + 1] * world, [d + 1 for d in range(world)])
+    after = comm.counters()
+    out = after["stream_bytes_out"] - before["stream_bytes_out"]
+    into = after["stream_bytes_in"] - before["stream_bytes_in"]
+    data_out = sum(d + 1 for d in range(world) if d != rank) * row
+    data_in = (world - 1) * (rank + 1) * row
+    if not (data_out <= out < data_out + 16384 and data_in <= into < data_in + 16384):
+        differ.append(f"all_to_all bytes: out {out} for {data_out}, in {into} for {data_in}")
+    # Integer AVG, as NCCL's: the sum divided and truncated toward zero, on the backend and on
+    # the group's Communicator, negative sums and positive, against the exact integers.
+    base = [-29, -7, -5, -4, -3, -1, 0, 1, 3, 4, 5, 7, 29]  # sums within int8 at P = 4
+    sums = [world * b + world * (world - 1) // 2 for b in base]
+    exact = [abs(s) // world * (1 if s >= 0 else -1) for s in sums]
+    for dtype in (torch.int8, torch.int32, torch.int64):
+        mine = (torch.tensor(base) + rank).to(dtype).to(device)
+        dist.all_reduce(mine, op=dist.ReduceOp.AVG)
+        arr = (torch.tensor(base) + rank).to(dtype).numpy()
+        dist.group.WORLD.communicator.all_reduce(arr, "avg",
+                                                 dist.group.WORLD.algorithms["all_reduce"])
+        if mine.tolist() != exact or arr.tolist() != exact:
+            differ.append(f"all_reduce avg {dtype} of negative and positive sums: "
+                          f"{mine.tolist()}, {arr.tolist()}, not {exact}")
     work = dist.all_reduce(placed(rank, 3, torch.float32), async_op=True)
     work.wait()
     if not isinstance(work, dist.Work):
@@ -176,7 +230,7 @@ def refusals(rank):
             ("int16 sum", lambda: dist.all_reduce(torch.ones(3, dtype=torch.int16))),
             ("complex max", lambda: dist.all_reduce(torch.ones(3, dtype=torch.complex64),
                                                     op=dist.ReduceOp.MAX)),
-            ("send", lambda: dist.send(torch.ones(3), (rank + 1) % 2))]:
+            ("tag", lambda: dist.isend(torch.ones(3), rank, tag=-1).wait())]:
         try:
             call()
             said[what] = None
@@ -191,7 +245,7 @@ def test_unsupported_ops_and_dtypes_are_named():
     assert "BXOR" in said["bxor"] and "SUM, AVG, PREMUL_SUM, MAX, MIN, PRODUCT" in said["bxor"]
     assert "torch.int16" in said["int16 sum"] and "supported" in said["int16 sum"]
     assert "complex" in said["complex max"]
-    assert "send/recv" in said["send"]
+    assert "tag -1 is not a whole number from 0 to 4294967295" in said["tag"]
 
 
 def just_start(rank):

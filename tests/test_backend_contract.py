@@ -261,42 +261,88 @@ def test_the_work_api_is_whole():
 
 
 def bad_arguments(rank):
-    """Bad calls made by every rank, then one made by rank 1 alone: each raises the same
-    named error on every rank, and the group goes on."""
-    start()
+    """Bad calls made by every rank, then ones made by rank 1 alone, each collective on the
+    group's algorithms: every rank raises, at once, and the group goes on (its calls numbered
+    alike: the results after are exact). In-network reductions refused more times than the
+    aggregator keeps reductions in flight."""
+    gloo = start(timeout=20)
     world = dist.get_world_size()
-    said = {}
-    for what, call in [
-            ("output size", lambda: dist.all_gather_into_tensor(torch.empty(3), torch.ones(2))),
-            ("bxor", lambda: dist.all_reduce(torch.ones(3, dtype=torch.int32),
-                                             op=dist.ReduceOp.BXOR)),
-            ("int16", lambda: dist.all_reduce(torch.ones(3, dtype=torch.int16))),
-            ("avg int", lambda: dist.reduce_scatter_tensor(
-                torch.empty(2, dtype=torch.int32), torch.ones(2 * world, dtype=torch.int32),
-                op=dist.ReduceOp.AVG)),
-            ("splits on rank 1 alone", lambda: dist.all_to_all_single(
-                torch.empty(world * 2), torch.ones(world * 2),
-                [2] * world, [2] * world if rank != 1 else [1] * world))]:
+    said, spans = {}, {}
+
+    def attempt(what, call):
+        began = time.monotonic()
         try:
             call()
             said[what] = None
         except Exception as err:
             said[what] = [type(err).__name__, str(err).split("\n")[0]]
-    t = torch.full((5,), float(rank))
+        spans[what] = (began, time.monotonic())
+    for what, call in [
+            ("output size", lambda: dist.all_gather_into_tensor(torch.empty(3), torch.ones(2))),
+            ("bxor", lambda: dist.all_reduce(torch.ones(3, dtype=torch.int32),
+                                             op=dist.ReduceOp.BXOR)),
+            ("int16", lambda: dist.all_reduce(torch.ones(3, dtype=torch.int16))),
+            ("dtypes differ", lambda: dist.reduce_scatter_tensor(
+                torch.empty(2, dtype=torch.int32), torch.ones(2 * world))),
+            ("splits on rank 1 alone", lambda: dist.all_to_all_single(
+                torch.empty(world * 2), torch.ones(world * 2),
+                [2] * world, [2] * world if rank != 1 else [1] * world))]:
+        attempt(what, call)
+    alone = rank == 1
+    big = 100_000  # the full-duplex all_reduce cuts it into pieces
+    one_rank = [
+        ("all_gather", lambda: dist.all_gather_into_tensor(
+            torch.empty(3 if alone else 2 * world), torch.ones(2))),
+        ("all_reduce", lambda: dist.all_reduce(
+            torch.ones(big), op=dist.ReduceOp.BXOR if alone else dist.ReduceOp.SUM)),
+        ("broadcast", lambda: dist.broadcast(
+            torch.ones(5, device="meta" if alone else "cpu"), 0)),
+        ("reduce_scatter list", lambda: dist.reduce_scatter(
+            torch.empty(4), [torch.ones(4), torch.ones(4 if not alone else 5)] +
+            [torch.ones(4)] * (world - 2)))]
+    # more refused reductions than the aggregator keeps in flight for a communicator
+    one_rank += [(f"reduce_scatter {i}", lambda: dist.reduce_scatter_tensor(
+        torch.empty(1000, dtype=torch.int32),
+        torch.ones(1000 * world, dtype=torch.float32 if alone else torch.int32)))
+        for i in range(6)]
+    for what, call in one_rank:
+        dist.barrier(gloo)
+        attempt(what, call)
+    t = torch.full((big,), float(rank))
     dist.all_reduce(t)
-    said["usable"] = t.tolist() == [float(sum(range(world)))] * 5
+    out = torch.empty(1000, dtype=torch.int32)
+    dist.reduce_scatter_tensor(out, torch.ones(1000 * world, dtype=torch.int32))
+    said["usable"] = bool((t == sum(range(world))).all()) and bool((out == world).all())
+    said["spans"] = spans
     dist.destroy_process_group()
     return said
 
 
-def test_bad_arguments_raise_on_every_rank_and_leave_the_group_usable():
-    results = run_ranks(bad_arguments, loopback_placements(2, LINK), timeout=60)
+ONE_RANK = ["all_gather", "all_reduce", "broadcast", "reduce_scatter list"] + \
+    [f"reduce_scatter {i}" for i in range(6)]
+
+
+@pytest.mark.parametrize("settings", ["ring", "fastest"])
+def test_bad_arguments_raise_on_every_rank_and_leave_the_group_usable(settings):
+    results = run_ranks(bad_arguments, loopback_placements(3, LINK if settings == "fastest"
+                                                           else {}), timeout=90)
     for said in results:
         assert said["usable"], said
-        for what in ("output size", "bxor", "int16", "avg int", "splits on rank 1 alone"):
+        for what in ("output size", "bxor", "int16", "dtypes differ", "splits on rank 1 alone"):
             assert said[what] and said[what][0] == "InvalidArgumentError", (what, said[what])
-    assert "rank 1's split sizes" in results[0]["splits on rank 1 alone"][1]
-    assert "rank 1's split sizes" in results[1]["splits on rank 1 alone"][1]
+        assert "rank 1's split sizes" in said["splits on rank 1 alone"][1]
+    for what in ONE_RANK:
+        for rank, said in enumerate(results):
+            kind, message = said[what]
+            assert kind == "InvalidArgumentError", (rank, what, message)
+            if rank != 1:
+                assert "rank 1 refused the call" in message, (rank, what, message)
+        reason = results[1][what][1]
+        assert all(reason in said[what][1] for said in results), (what, reason)
+        # every rank raised within a second of the last one's call
+        began = max(said["spans"][what][0] for said in results)
+        raised = max(said["spans"][what][1] for said in results)
+        assert raised - began < 1.0, (what, raised - began)
 
 
 def aborted(rank):

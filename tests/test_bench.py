@@ -104,6 +104,35 @@ def test_all_reduce_bench_moves_what_each_algorithm_must(tmp_path):
         assert 1.0 <= rows[algorithm]["rx_over_payload"] < 1.08, rows[algorithm]
 
 
+def test_exchanges_bench_moves_only_what_each_rank_sends(tmp_path):
+    """all_to_all (even and uneven splits) and send_recv on the backend beside gloo: exact, each
+    host sending and receiving the blocks its sizes say (plus headers), against their floors:
+    N(P-1)/(PB), the busiest host's bytes over B, and N/B."""
+    out = tmp_path / "exchanges.json"
+    subprocess.run([sys.executable, "-m", "overcast.cli.main", "bench", "--hosts", "4",
+                    "--link-mbit", "200", "--sizes", "1MiB", "--collectives",
+                    "all_to_all,all_to_all_uneven,send_recv", "--algorithms",
+                    "pairwise,stream,gloo", "--reps", "2", "--warmup", "0", "--json", str(out)],
+                   check=True, capture_output=True, text=True, timeout=600)
+    rows = {(r["collective"], r["algorithm"]): r for r in json.loads(out.read_text())["results"]}
+    assert set(rows) == {(c, a) for c, a in [("all_to_all", "pairwise"), ("all_to_all", "gloo"),
+                                             ("all_to_all_uneven", "pairwise"),
+                                             ("all_to_all_uneven", "gloo"),
+                                             ("send_recv", "stream"), ("send_recv", "gloo")]}
+    assert all(r["correct"] for r in rows.values())
+    n, b = 1 << 20, 200e6 / 8
+    assert rows[("all_to_all", "pairwise")]["floor_seconds"] == n * 3 / 4 / b
+    assert rows[("all_to_all", "pairwise")]["payload_sent_per_host"] == n * 3 / 4
+    assert rows[("send_recv", "stream")]["floor_seconds"] == n / b
+    assert rows[("send_recv", "stream")]["payload_sent_per_host"] == n / 2
+    uneven = rows[("all_to_all_uneven", "pairwise")]
+    assert uneven["floor_seconds"] > n * 3 / 4 / b  # its busiest host moves more than 3N/4
+    for key in (("all_to_all", "pairwise"), ("all_to_all_uneven", "pairwise"),
+                ("send_recv", "stream")):
+        assert 1.0 <= rows[key]["tx_over_payload"] < 1.05, rows[key]
+        assert 1.0 <= rows[key]["rx_over_payload"] < 1.05, rows[key]
+
+
 def test_a_sweep_runs_every_point_on_a_cluster_of_each_rate(tmp_path):
     out = tmp_path / "sweep.json"
     run = subprocess.run([sys.executable, "-m", "overcast.cli.main", "bench", "--hosts", "2",

@@ -300,10 +300,11 @@ def test_generated_datagrams_never_raise_and_every_run_ends(fuzz_scale, fuzz_rep
 
 
 def test_retransmissions_going_round_do_not_keep_a_stuck_collective_alive():
-    """Seed 1018 forges a contribution of the wrong width into an aggregator slot: the slot
+    """Seed 1154 forges a contribution of the wrong width into an aggregator slot: the slot
     never completes, and the aggregator asks for the same chunk again and again. The timeout
     counts steps toward the result, not messages, so every rank fails in bounded time."""
-    fabric, colls, _ = under_fire(1018, 3_000, generated, collections.Counter())
+    fabric, colls, _ = under_fire(1154, 3_000, generated, collections.Counter())
+    assert fabric.aggregator.stats["nacks"] > 1000
     assert all(isinstance(s.error, CollectiveTimeoutError) for s in fabric.sessions)
     assert "made no progress for 10.0 s" in str(fabric.sessions[0].error)
     assert fabric.now < 2 * fabric.sessions[0].timeout

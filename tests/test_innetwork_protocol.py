@@ -28,7 +28,7 @@ def reduce_scatter(fabric, count, dtype, op="sum", slots=16, inputs=None, seq=0)
         else:
             inputs = [rng.integers(-1000, 1000, world * count).astype(dtype)
                       for _ in range(world)]
-    outs = [np.full(count, -1, dtype) for _ in range(world)]
+    outs = [np.full(count, -1).astype(dtype) for _ in range(world)]
     colls = []
     for r in range(world):
         desc = Descriptor("reduce_scatter", "innetwork", np.dtype(dtype), count, op)
@@ -67,6 +67,28 @@ def test_integer_sums_are_exact_under_loss(world, loss, burst, dtype, runs):
     if loss >= 0.05:  # enough loss that contributions and results, not just credit, were hit
         assert agg.stats["nacks"] + agg.stats["results_resent"] + \
             agg.stats["results_resent_early"] > 0
+
+
+@pytest.mark.parametrize("world", [2, 3, 5])
+@pytest.mark.parametrize("dtype", [np.int8, np.int32, np.int64, np.uint8])
+def test_integer_averages_truncate_toward_zero(world, dtype):
+    """The owner divides its block's sum natively as NCCL averages integers: truncated toward
+    zero, negative sums and positive, even and not."""
+    from test_session import truncated_averages
+    count = 50
+    low = 0 if np.dtype(dtype).kind == "u" else -20
+    inputs = [((np.arange(world * count) * 7 + r * 5) % 41 + low).astype(dtype)
+              for r in range(world)]
+    fabric = Fabric(world, seed=world, aggregator=Aggregator(slots=16))
+    colls, outs, _ = reduce_scatter(fabric, count, dtype, op="avg", inputs=inputs)
+    fabric.run_timed()
+    check_done(colls)
+    expect = truncated_averages(inputs, world)
+    if low:
+        assert (expect < 0).any() and (expect > 0).any() and (expect * world != sum(
+            i.astype(np.int64) for i in inputs)).any()
+    for r in range(world):
+        assert outs[r].tolist() == expect[r * count:(r + 1) * count].tolist()
 
 
 def test_acknowledgements_and_credit_ride_at_the_end_of_a_batch():

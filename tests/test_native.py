@@ -102,10 +102,12 @@ def keyed_engine(slots: int = 64) -> tuple[Engine, int]:
 
 
 def contributions(sealer: Sealer, dtype, rows: np.ndarray, chunks: list[int],
-                  total: int) -> bytes:
-    """One read: rank `sealer.src`'s contributions to `chunks`, back to back."""
+                  total: int, seq: int = 0) -> bytes:
+    """One read: rank `sealer.src`'s contributions to `chunks` of reduction `seq`, back to
+    back."""
     prefix = pack_contribution_prefix(dtype_code(dtype), 1, WORLD, total)
-    return b"".join(sealer.seal(Kind.CONTRIB, 0, AGGREGATOR, g, (prefix, rows[i].view(np.uint8)))
+    return b"".join(sealer.seal(Kind.CONTRIB, seq, AGGREGATOR, g,
+                                (prefix, rows[i].view(np.uint8)))
                     for i, g in enumerate(chunks))
 
 
@@ -416,16 +418,23 @@ def test_an_aggregator_is_set_up_once():
         engine.__init__(8)
 
 
+def one_reduction(expiry: float, now: float):
+    """An engine whose reductions expire after `expiry` s, rank 1 having contributed to two
+    chunks of reduction #0 at `now`: (engine, handle, rank 1's sealer, the rows it sent)."""
+    engine = Engine(16, expiry)
+    handle, _ = engine.register(JOB, COMM, WORLD, 16, KEY, 1 << 40)
+    sealer = Sealer(KEY, JOB, COMM, 1)
+    rows = np.ones((2, 8), np.float32)
+    engine.feed(contributions(sealer, np.float32, rows, [0, 2], 8), sealer_segment(rows), now)
+    assert engine.reductions(handle) == [(0, 0)] and engine.memory()[0] > 0
+    return engine, handle, sealer, rows
+
+
 def test_an_idle_reduction_expires_and_frees_its_pool():
     """Rank 1 contributes to a reduction whose other ranks never do (dead, or buggy): after
     the expiry its pool is freed and its slot goes to others; the reduction is remembered as
     finished, so its late contributions make nothing new."""
-    engine = Engine(16, 1.0)
-    handle, _ = engine.register(JOB, COMM, WORLD, 16, KEY, 1 << 40)
-    sealer = Sealer(KEY, JOB, COMM, 1)
-    rows = np.ones((2, 8), np.float32)
-    engine.feed(contributions(sealer, np.float32, rows, [0, 2], 8), sealer_segment(rows), 10.0)
-    assert engine.reductions(handle) == [(0, 0)] and engine.memory()[0] > 0
+    engine, handle, sealer, rows = one_reduction(1.0, 10.0)
     engine.handle_timer(10.5)
     assert engine.reductions(handle) == [(0, 0)]
     engine.handle_timer(11.1)
@@ -433,6 +442,33 @@ def test_an_idle_reduction_expires_and_frees_its_pool():
     assert dict(engine.counters()[1])["expired"] == 1
     engine.feed(contributions(sealer, np.float32, rows, [6], 8), sealer_segment(rows), 11.2)
     assert engine.reductions(handle) == []
+
+
+def test_a_withdrawn_reduction_is_freed_at_once_and_not_started_again():
+    """Ranks whose call a peer refused WITHDRAW the reduction: once every rank that contributed
+    has, its pool is freed and its place among the communicator's reductions given back, now
+    rather than at its expiry, and contributions still on their way make nothing new. A rank
+    that never contributed, or one rank alone of those that did, ends nothing; a WITHDRAW for a
+    reduction not begun here is let go (stale), and one with a payload is malformed."""
+    engine, handle, sealer, rows = one_reduction(300.0, 1.0)
+    other = Sealer(KEY, JOB, COMM, 2)
+    engine.feed(contributions(other, np.float32, rows[:1], [1], 8), sealer_segment(rows), 1.0)
+
+    def withdraw(by, seq=0, body=b""):
+        sealed = by.seal(Kind.WITHDRAW, seq, AGGREGATOR, 0, body)
+        engine.feed(sealed, len(sealed), 1.1)
+    withdraw(Sealer(KEY, JOB, COMM, 3))  # rank 3 never contributed
+    withdraw(other)
+    assert engine.reductions(handle) == [(0, 0)]  # rank 1 goes on
+    withdraw(sealer)
+    assert engine.reductions(handle) == [] and engine.memory()[0] == 0
+    assert dict(engine.counters()[1])["withdrawn"] == 1
+    engine.feed(contributions(sealer, np.float32, rows, [6], 8), sealer_segment(rows), 1.2)
+    assert engine.reductions(handle) == []
+    withdraw(sealer, seq=1)  # nothing of #1 here yet
+    assert dict(engine.counters()[0])["stale"] == 1
+    withdraw(sealer, seq=2, body=b"x")
+    assert dict(engine.counters()[0])["malformed"] == 1
 
 
 def sealer_segment(rows: np.ndarray) -> int:

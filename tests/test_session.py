@@ -66,6 +66,37 @@ def test_ring_reduce_scatter_bit_exact(world, dtype, op):
         assert outs[r].tobytes() == exact.tobytes()
 
 
+def truncated_averages(inputs, world):
+    """The exact average of each element of the inputs' sum, truncated toward zero (NCCL's
+    integer AVG), from Python's integers: the sums here never wrap."""
+    total = [sum(int(i[k]) for i in inputs) for k in range(inputs[0].size)]
+    return np.array([abs(t) // world * (1 if t >= 0 else -1) for t in total], inputs[0].dtype)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 5])
+@pytest.mark.parametrize("dtype", [np.int8, np.int32, np.int64, np.uint8])
+def test_ring_average_of_integers_truncates_toward_zero(world, dtype):
+    """Sums negative and positive, dividing evenly and not: -7/3 is -2, 7/3 is 2."""
+    count = 11
+    low = 0 if np.dtype(dtype).kind == "u" else -20
+    inputs = [((np.arange(world * count) * 7 + r * 5) % 41 + low).astype(dtype)
+              for r in range(world)]
+    fabric = Fabric(world, seed=11)
+    outs = [np.empty(count, dtype) for _ in range(world)]
+    colls = []
+    for r in range(world):
+        desc = Descriptor("reduce_scatter", "ring", np.dtype(dtype), count, "avg")
+        colls.append(RingReduceScatter(0, r, world, desc, outs[r], inputs[r], 8))
+        fabric.post(r, colls[-1])
+    fabric.run()
+    expect = truncated_averages(inputs, world)
+    if low and world > 1:
+        assert (expect < 0).any() and (expect > 0).any()
+    for r in range(world):
+        assert colls[r].done and colls[r].error is None
+        assert outs[r].tolist() == expect[r * count:(r + 1) * count].tolist()
+
+
 def test_many_collectives_in_flight_complete_in_any_delivery_order():
     fabric = Fabric(3, seed=3)
     runs = [gather(fabric, 100 + seq, np.int64, 64, seq=seq) for seq in range(4)]

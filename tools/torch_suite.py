@@ -5,10 +5,10 @@ them on gloo: each test spawns WORLD_SIZE processes that init_process_group("ove
     .venv/bin/python tools/torch_suite.py --world 2,4 [-k PATTERN] [--json FILE]
 
 It tells distributed_test.py that overcast is a plugin backend with DDP and subgroups (its
-backend_feature tables), skips the tests of features overcast does not offer (NOT_OFFERED, each
-with the feature named), runs the test the suite keeps for backends whose Work has a future
-(OPENED: overcast's does, with the outputs as its value), and prints per world size how many
-tests ran, passed, were skipped (by reason) and failed.
+backend_feature tables), runs the tests the suite keeps for gloo or MPI that overcast meets too
+(OPENED: the test of a Work's future, whose value overcast's Work has; the batched send and
+recv of CPU tensors; all_to_all of CPU tensors), and prints per world size how many tests ran,
+passed, were skipped (by reason) and failed.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import argparse
 import collections
 import json
 import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -41,12 +40,6 @@ for feature in ("plugin", "ddp", "subgroup"):
 from torch.testing._internal.distributed.distributed_test import (  # noqa: E402
     DistributedTest, TestDistBackend)
 
-# Tests of features overcast does not offer, by the feature: (name pattern, feature).
-NOT_OFFERED = [
-    (r"send_recv|isend|irecv|batch_isend|_p2p|sendrecv", "point-to-point send/recv"),
-]
-
-
 class TestOvercastBackend(TestDistBackend, DistributedTest._DistTestBase):
     def setUp(self):
         super().setUp()
@@ -56,25 +49,24 @@ class TestOvercastBackend(TestDistBackend, DistributedTest._DistTestBase):
 # Tests the suite gates by the backend's name that overcast meets: their skip is lifted. The
 # other tests behind "get_future is only supported on mpi, nccl and gloo" (the
 # accumulate_gradients_no_sync ones) build their model only for those three names.
-OPENED = {"test_get_future": "get_future is only supported on mpi, nccl and gloo"}
+_GROUPS = ("", "_complex", "_group", "_full_group")
+OPENED = {"test_get_future": "get_future is only supported on mpi, nccl and gloo",
+          "test_batch_isend_irecv_gloo": "GLOO Batch Send Recv CPU",
+          "test_batch_isend_irecv_gloo_tags": "GLOO Batch Send Recv CPU",
+          **{f"test_all_to_all_single_{split}_split{group}":
+             "Only MPI supports CPU all_to_all_single"
+             for split in ("equal", "unequal") for group in _GROUPS},
+          **{f"test_all_to_all{group}": "Only MPI supports all_to_all" for group in _GROUPS}}
 
 
-def _mark_not_offered() -> None:
-    for name in dir(TestOvercastBackend):
-        if not name.startswith("test_"):
-            continue
-        test = getattr(TestOvercastBackend, name)
-        if name in OPENED and getattr(test, "__unittest_skip_why__", None) == OPENED[name]:
+def _open() -> None:
+    for name, reason in OPENED.items():
+        test = getattr(TestOvercastBackend, name, None)  # not every name is in every torch
+        if getattr(test, "__unittest_skip_why__", None) == reason:
             test.__unittest_skip__ = False
-        for pattern, feature in NOT_OFFERED:
-            if re.search(pattern, name):
-                reason = f"not offered by overcast: {feature}"
-                setattr(TestOvercastBackend, name,
-                        unittest.skip(reason)(getattr(TestOvercastBackend, name)))
-                break
 
 
-_mark_not_offered()
+_open()
 
 
 class _Tally(unittest.TextTestResult):

@@ -16,7 +16,7 @@ import platform
 import statistics
 import tempfile
 
-from overcast.bench.worker import DTYPE, run_point
+from overcast.bench.worker import DTYPE, run_point, uneven_splits
 from overcast.cluster.netns import MAX_AGGREGATORS, Cluster
 from overcast.limits import (check_aggregators, check_algorithms, check_count, check_hosts,
                              check_link_rate, check_loss, check_mtu, check_roots, check_shards,
@@ -25,11 +25,17 @@ from overcast.schedules import cost
 from overcast.switch.service import default_shards
 from overcast.wire.header import OVERHEAD_BYTES
 
-COLLECTIVES = ("allgather", "reduce_scatter", "overlap", "all_reduce")
+COLLECTIVES = ("allgather", "reduce_scatter", "overlap", "all_reduce", "all_to_all",
+               "all_to_all_uneven", "send_recv")
+# all_to_all (split evenly, or unevenly: worker.uneven_splits) and send_recv (each even rank
+# sends to the odd one after it) run on torch.distributed groups: the "overcast" backend's
+# pairwise exchange and point-to-point stream, or gloo's.
 ALGORITHMS = {"allgather": ("ring", "multicast", "gloo"),
               "reduce_scatter": ("ring", "innetwork", "gloo"),
               "overlap": ("overcast", "ring", "gloo"),
-              "all_reduce": ("ring", "fullduplex", "gloo")}
+              "all_reduce": ("ring", "fullduplex", "gloo"),
+              "all_to_all": ("pairwise", "gloo"), "all_to_all_uneven": ("pairwise", "gloo"),
+              "send_recv": ("stream", "gloo")}
 # Algorithms that need the aggregator (overcast switch) on the cluster.
 NEEDS_SWITCH = {("reduce_scatter", "innetwork"), ("overlap", "overcast"),
                 ("all_reduce", "fullduplex")}
@@ -119,8 +125,13 @@ def summarize(collective: str, algorithm: str, hosts: int, nbytes: int, link_bit
     runs = [[r["runs"][k] for r in per_rank] for k in range(reps)]
     seconds = [max(x["seconds"] for x in run) for run in runs]
     median = statistics.median(seconds)
-    floor = cost.floor_seconds(collective, n, hosts, link_bits / 8)
-    sent, received = cost.traffic(collective, algorithm, n, hosts)
+    if collective == "all_to_all_uneven":
+        matrix = [[k * DTYPE().itemsize for k in row] for row in uneven_splits(hosts, count)]
+        floor = cost.exchange_floor_seconds(matrix, link_bits / 8)
+        sent, received = cost.exchange_traffic(matrix)
+    else:
+        floor = cost.floor_seconds(collective, n, hosts, link_bits / 8)
+        sent, received = cost.traffic(collective, algorithm, n, hosts)
     tx = statistics.fmean(r["tx_bytes"] for r in per_rank)
     rx = statistics.fmean(r["rx_bytes"] for r in per_rank)
     datagrams = statistics.fmean(r["protocol"].get("datagrams_in", 0) +

@@ -18,7 +18,8 @@ PROTOCOL_COUNTERS = ("injected_losses", "multicast_chunks", "duplicate_chunks", 
                      "contributions_resent", "credit_probes", "datagrams_in", "datagrams_out",
                      "datagram_reads", "datagram_sends", "wakeups", "python_cpu_seconds",
                      "data_path_cpu_seconds")
-GLOO_PORT_OFFSET = 1
+# torch.distributed groups meet at MASTER_PORT plus these (the bench's Communicator at MASTER_PORT)
+PORT_OFFSETS = {"gloo": 1, "overcast": 2}
 
 
 def pattern(rank: int, count: int, world: int) -> np.ndarray:
@@ -36,22 +37,37 @@ def shard(rank: int, count: int) -> np.ndarray:
     return ((np.arange(count) * 7 + rank * 131) % 2039).astype(DTYPE)
 
 
-class _Gloo:
-    """torch.distributed with gloo on the same hosts, for the baseline. ReduceScatter gets its own
-    process group, as FSDP2's set_separate_reduce_scatter_group gives it, so that the two can
+def uneven_splits(world: int, count: int) -> list[list[int]]:
+    """Elements rank s sends rank d in the uneven all_to_all: `count` in all from every rank,
+    in shares of 1 + (s + d) mod P (a rank sends its neighbours' blocks in every size), so that
+    blocks differ pair by pair while every host sends and receives about as much."""
+    shares = [[1 + (s + d) % world for d in range(world)] for s in range(world)]
+    total = sum(shares[0])
+    splits = [[count * w // total for w in row] for row in shares]
+    for row in splits:
+        row[-1] += count - sum(row)
+    return splits
+
+
+class _TorchGroup:
+    """torch.distributed on the same hosts: gloo for the baseline, or the "overcast" backend
+    (all_to_all and send_recv run on a group of either). ReduceScatter gets its own process
+    group, as FSDP2's set_separate_reduce_scatter_group gives it, so that the two can
     overlap."""
 
-    def __init__(self, rank: int, world: int):
+    def __init__(self, rank: int, world: int, backend: str = "gloo"):
         import torch
         import torch.distributed as dist
+        if backend == "overcast":
+            import overcast.distributed  # noqa: F401  (registers the backend)
         # torch 2.13 calls these two "deprecated" in favour of *_single; they are what FSDP2
         # and users call today, so they are the baseline.
         warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
         self.torch, self.dist = torch, dist
-        port = int(os.environ["MASTER_PORT"]) + GLOO_PORT_OFFSET
-        dist.init_process_group("gloo", init_method=f"tcp://{os.environ['MASTER_ADDR']}:{port}",
+        port = int(os.environ["MASTER_PORT"]) + PORT_OFFSETS[backend]
+        dist.init_process_group(backend, init_method=f"tcp://{os.environ['MASTER_ADDR']}:{port}",
                                 rank=rank, world_size=world)
-        self.rs_group = dist.new_group(backend="gloo")
+        self.rs_group = dist.new_group(backend="gloo") if backend == "gloo" else None
 
     def all_gather(self, out, inp, async_op=False):
         return self.dist.all_gather_into_tensor(self.torch.from_numpy(out),
@@ -65,22 +81,64 @@ class _Gloo:
                                                self.torch.from_numpy(inp), group=self.rs_group,
                                                async_op=async_op)
 
+    def all_to_all(self, out, inp, out_splits, in_splits):
+        self.dist.all_to_all_single(self.torch.from_numpy(out), self.torch.from_numpy(inp),
+                                    out_splits, in_splits)
+
+    def send_recv(self, buf, rank: int, world: int):
+        """Each even rank sends `buf` to the odd rank after it, which receives it."""
+        tensor = self.torch.from_numpy(buf)
+        if rank % 2 == 0 and rank + 1 < world:
+            self.dist.send(tensor, rank + 1)
+        elif rank % 2:
+            self.dist.recv(tensor, rank - 1)
+
     def close(self):
         self.dist.destroy_process_group()
 
 
+# Collectives timed on a torch.distributed group (overcast's or gloo's), not a Communicator
+TORCH_COLLECTIVES = ("all_to_all", "all_to_all_uneven", "send_recv")
 # (AllGather algorithm, ReduceScatter algorithm) of each overlapped pair
 OVERLAP = {"overcast": ("multicast", "innetwork"), "ring": ("ring", "ring")}
 
 
-def workload(comm, gloo, collective: str, algorithm: str, rank: int, count: int, world: int):
+def exchange(group: _TorchGroup, collective: str, rank: int, count: int, world: int):
+    """(run, reset, check) of an all_to_all or a send_recv on a torch.distributed group: every
+    element says who sent it, to whom, and where it was."""
+    if collective == "send_recv":
+        source = ((np.arange(count) * 7 + rank) % 2039).astype(DTYPE)
+        buffer = source.copy()
+        expect = ((np.arange(count) * 7 + rank - 1) % 2039).astype(DTYPE) if rank % 2 else \
+            source
+
+        def reset():
+            buffer[:] = source if rank % 2 == 0 else -1
+        return (lambda: group.send_recv(buffer, rank, world)), reset, \
+            lambda: np.array_equal(buffer, expect)
+    splits = uneven_splits(world, count) if collective == "all_to_all_uneven" else \
+        [[count // world] * (world - 1) + [count - count // world * (world - 1)]] * world
+
+    def block(src, dst):
+        return ((np.arange(splits[src][dst]) * 3 + src * 131 + dst * 17) % 2039).astype(DTYPE)
+    inp = np.concatenate([block(rank, d) for d in range(world)])
+    expect = np.concatenate([block(s, rank) for s in range(world)])
+    out = np.empty_like(expect)
+    ins, outs = splits[rank], [row[rank] for row in splits]
+    return (lambda: group.all_to_all(out, inp, outs, ins)), (lambda: out.fill(-1)), \
+        lambda: np.array_equal(out, expect)
+
+
+def workload(comm, group, collective: str, algorithm: str, rank: int, count: int, world: int):
     """(run, reset, check): one collective (or overlapped pair) on fixed buffers."""
+    if collective in TORCH_COLLECTIVES:
+        return exchange(group, collective, rank, count, world)
     ag_in, ag_out = shard(rank, count), np.empty(world * count, DTYPE)
     ag_expect = np.concatenate([shard(r, count) for r in range(world)])
     rs_in, rs_out = pattern(rank, count, world), np.empty(count, DTYPE)
     rs_expect = expected_sum(rank, count, world)
-    if gloo:
-        ag, rs = gloo.all_gather, gloo.reduce_scatter
+    if group:
+        ag, rs = group.all_gather, group.reduce_scatter
     else:
         ag_algo, rs_algo = OVERLAP.get(algorithm, (algorithm, algorithm))
         ag = lambda o, i, async_op=False: comm.all_gather(o, i, async_op, algorithm=ag_algo)  # noqa
@@ -90,7 +148,7 @@ def workload(comm, gloo, collective: str, algorithm: str, rank: int, count: int,
         base = np.arange(count) % 1021
         source, buffer = (base + rank).astype(DTYPE), np.empty(count, DTYPE)
         expect = (base * world + world * (world - 1) // 2).astype(DTYPE)
-        run = (lambda: gloo.all_reduce(buffer)) if gloo else \
+        run = (lambda: group.all_reduce(buffer)) if group else \
             (lambda: comm.all_reduce(buffer, algorithm=algorithm))
 
         def reset():
@@ -139,9 +197,10 @@ def run_point(rank: int, collective: str, algorithm: str, nbytes: int, reps: int
     world = int(os.environ["WORLD_SIZE"])
     count = max(1, nbytes // DTYPE().itemsize)
     comm = overcast.Communicator(timeout=120, roots=roots or world, trace=trace)
-    gloo = _Gloo(rank, world) if algorithm == "gloo" else None
+    group = _TorchGroup(rank, world) if algorithm == "gloo" else \
+        _TorchGroup(rank, world, "overcast") if collective in TORCH_COLLECTIVES else None
     try:
-        run, reset, check = workload(comm, gloo, collective, algorithm, rank, count, world)
+        run, reset, check = workload(comm, group, collective, algorithm, rank, count, world)
         for _ in range(warmup):
             comm.barrier()
             run()
@@ -174,6 +233,6 @@ def run_point(rank: int, collective: str, algorithm: str, nbytes: int, reps: int
                 "protocol": protocol, "chunk_bytes": comm.chunk_bytes, "mtu": comm.mtu,
                 "trace": timeline}
     finally:
-        if gloo:
-            gloo.close()
+        if group:
+            group.close()
         comm.close()

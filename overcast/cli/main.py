@@ -278,10 +278,12 @@ def parser() -> argparse.ArgumentParser:
                         "64k = 64KiB)")
     b.add_argument("--collectives", default="allgather,reduce_scatter",
                    help="allgather, reduce_scatter, overlap (the two at once), all_reduce, "
-                        "broadcast; comma-separated")
+                        "all_to_all, all_to_all_uneven, send_recv (each even rank to the "
+                        "next); comma-separated")
     b.add_argument("--algorithms", default="ring,gloo",
                    help="ring, multicast, innetwork, overcast (multicast with in-network), "
-                        "fullduplex, gloo; comma-separated")
+                        "fullduplex, pairwise (all_to_all), stream (send_recv), gloo; "
+                        "comma-separated")
     b.add_argument("--reps", type=int, default=5, help="timed runs per point")
     b.add_argument("--warmup", type=int, default=1, help="untimed runs per point")
     b.add_argument("--mtu", type=int, default=9000, help="the links' MTU, bytes")

@@ -5,13 +5,15 @@ torch calls the methods below from Python (dist.all_reduce...) and from C++ (DDP
 FSDP2, functional collectives); each returns a dist.Work whose future's value is the call's
 outputs. The group's worker thread runs the calls one at a time in the order they were made,
 the same order on every rank, so that a collective made of several overcast collectives
-(all_reduce's pieces, all_to_all's exchange of sizes) keeps its sequence numbers together;
+(all_reduce's pieces, a list's tensors one by one) keeps its sequence numbers together;
 inside one call, overcast's collectives run several at a time (the full-duplex all_reduce's
 point). Futures complete on another thread, so a callback may wait for any later call
 (overcast/distributed/calls.py).
 
-Bad arguments raise InvalidArgumentError from the call on the rank that gave them and leave the
-group usable, as gloo does; nothing of such a call reaches the network.
+Bad arguments raise InvalidArgumentError from the call on the rank that gave them, before any of
+its data moves. When one rank alone makes such a call, its place among the group's calls is
+refused (Communicator.refuse): the other ranks' same call raises it too, naming the rank, and the
+group stays usable.
 
 CUDA tensors are staged through pinned host memory as gloo stages them (overcast/staging.py): the
 copies to the host queue on a side stream after the caller's stream, the collective runs on the
@@ -24,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import math
 import os
 import threading
 import warnings
@@ -36,7 +39,8 @@ import torch.distributed as dist
 from overcast.buffers import DTYPES, SUMMING_OPS, as_array
 from overcast.comm import ALGORITHMS
 from overcast.distributed.calls import Calls, mapped
-from overcast.errors import InvalidArgumentError, MulticastNotDeliveredWarning
+from overcast.errors import (CommunicatorClosedError, InvalidArgumentError,
+                             MulticastNotDeliveredWarning)
 from overcast.job import GroupCommunicator, group_communicator
 from overcast.staging import Staging, device_of, process_pool
 from overcast.torch_api import premul_factor
@@ -122,19 +126,29 @@ _ROLES = {"in": {"read": True, "written": False}, "out": {"read": False, "writte
 
 def _staged(*roles: str):
     """A collective method that takes CUDA tensors: its first len(roles) arguments are checked
-    for their device and, on a GPU, replaced by staged host twins (see the module's doc)."""
+    for their device and, on a GPU, replaced by staged host twins (see the module's doc). What
+    raises here, before the call is queued, raises from the call and is refused to the other
+    ranks in the call's place (ProcessGroupOvercast._refused)."""
     def wrap(method):
         @functools.wraps(method)
         def call(self, *args, **kwargs):
             given = args[:len(roles)]
-            device = device_of(_leaves(given), method.__name__)
+            try:
+                device = device_of(_leaves(given), method.__name__)
+            except Exception as err:
+                self._refused(method.__name__, err)
+                raise
             if device is None:
                 return method(self, *args, **kwargs)
             staging = Staging(device, self._side_stream(device), process_pool())
             try:
-                host = [mapped(a, lambda t, role=role: staging.twin(t, **_ROLES[role]))
-                        for a, role in zip(given, roles)]
-                staging.sealed()
+                try:
+                    host = [mapped(a, lambda t, role=role: staging.twin(t, **_ROLES[role]))
+                            for a, role in zip(given, roles)]
+                    staging.sealed()
+                except Exception as err:
+                    self._refused(method.__name__, err)
+                    raise
                 self._calling.staging = staging
                 try:
                     return method(self, *host, *args[len(roles):], **kwargs)
@@ -262,7 +276,8 @@ class ProcessGroupOvercast(dist.ProcessGroup):
             raise
         self._calling = threading.local()  # the staging of the CUDA call being made, if any
         self._side_streams: dict[torch.device, object] = {}
-        self._calls = Calls(f"overcast-{self.communicator.name}")
+        self._calls = Calls(f"overcast-{self.communicator.name}",
+                            refuse=self.communicator.refuse)
         self._lifetime = _Lifetime(self._calls, self._group, timeout)
         self._finalizer = weakref.finalize(self, self._lifetime.close)
 
@@ -374,6 +389,15 @@ class ProcessGroupOvercast(dist.ProcessGroup):
 
     def _submit(self, what: str, fn, result) -> dist.Work:
         return self._calls.submit(what, fn, result, getattr(self._calling, "staging", None))
+
+    def _refused(self, what: str, error: Exception) -> None:
+        """A call that failed before it was queued (its tensors' devices, its staging): queued
+        anyway, as a call that raises `error`, so that the worker refuses it to the other ranks
+        in its place among the calls (Communicator.refuse), numbered as theirs."""
+        def fail():
+            raise error
+        with contextlib.suppress(CommunicatorClosedError):
+            self._calls.submit(what, fail, None)
 
     def _all_reduce(self, t: torch.Tensor, op) -> None:
         name, factor = _reduce_op(op)
@@ -552,8 +576,7 @@ class ProcessGroupOvercast(dist.ProcessGroup):
     @_staged("out", "in")
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes,
                       opts=None) -> dist.Work:
-        """Every rank's input gathered by every rank (P times the bytes an all-to-all needs:
-        correct, not fast), after an all_gather of the split sizes."""
+        """A pairwise exchange (Communicator.all_to_all), every rank's split sizes first."""
         return self._submit("all_to_all_single",
                             lambda: self._all_to_all(output, input, list(output_split_sizes),
                                                      list(input_split_sizes)), [output])
@@ -572,60 +595,58 @@ class ProcessGroupOvercast(dist.ProcessGroup):
         return self._submit("all_to_all", run, outputs)
 
     def _all_to_all(self, output, input, out_splits, in_splits) -> None:
-        """Every rank's split sizes, what it sends and what it expects, are gathered first, so
-        that sizes which do not fit raise the same error on every rank, before any data moves."""
-        world, rank = self.size(), self.rank()
+        """Rows (the first dimension) of the tensors' bytes, split as torch splits them (empty
+        split lists: evenly)."""
+        row_shape = tuple(input.shape[1:]) if input.dim() else ()
+        if output.dtype != input.dtype or \
+                (tuple(output.shape[1:]) if output.dim() else ()) != row_shape:
+            raise InvalidArgumentError(
+                f"all_to_all: the output's rows are {tuple(output.shape[1:])} x {output.dtype}, "
+                f"the input's {row_shape} x {input.dtype}; they must be alike")
         rows = input.shape[0] if input.dim() else 1
-        row = input.numel() // rows if rows else 0
-        in_splits = in_splits or [rows // world] * world
         out_rows = output.shape[0] if output.dim() else 1
-        out_splits = out_splits or [out_rows // world] * world
-        fits = (len(in_splits) == world and len(out_splits) == world and
-                sum(in_splits) == rows and sum(out_splits) == out_rows and
-                min(in_splits + out_splits) >= 0)
-        sizes = torch.empty(world, 2 * world, dtype=torch.int64)
-        self._all_gather_into(sizes, torch.tensor(in_splits + out_splits if fits else
-                                                  [-1] * 2 * world, dtype=torch.int64))
-        for src in range(world):
-            if int(sizes[src, 0]) < 0:
-                raise InvalidArgumentError(
-                    f"all_to_all: rank {src}'s split sizes do not divide its tensors' rows among "
-                    f"{world} ranks" + (f" (here: input split sizes {in_splits} for "
-                                        f"{rows} rows, output split sizes {out_splits} for "
-                                        f"{out_rows} rows)" if src == rank else ""))
-        sends, expects = sizes[:, :world], sizes[:, world:]
-        for src in range(world):
-            for dst in range(world):
-                if sends[src, dst] != expects[dst, src]:
-                    raise InvalidArgumentError(
-                        f"all_to_all: rank {src} sends {int(sends[src, dst])} rows to rank "
-                        f"{dst}, whose output split sizes expect {int(expects[dst, src])}")
-        longest = int(sends.sum(dim=1).max()) * row
-        padded = torch.zeros(longest, dtype=input.dtype)
-        padded[:input.numel()] = input.reshape(-1)
-        gathered = torch.empty(world, longest, dtype=input.dtype)
-        self._all_gather_into(gathered, padded)
-        dest = output.reshape(-1) if output.is_contiguous() else torch.empty(output.numel(),
-                                                                             dtype=output.dtype)
-        at = 0
-        for src in range(world):
-            start = int(sends[src, :rank].sum()) * row
-            length = int(sends[src, rank]) * row
-            dest[at:at + length] = gathered[src, start:start + length]
-            at += length
-        if not output.is_contiguous():
-            output.copy_(dest.view_as(output))
+        row = math.prod(row_shape) * input.element_size()
+        with _contiguous(output) as dest:
+            if row:
+                sent, received = _bytes(input.contiguous()), _bytes(dest)
+            else:  # rows of nothing: a byte a row stands in for each, so the sizes are checked
+                sent, received, row = np.zeros(rows, np.uint8), np.empty(out_rows, np.uint8), 1
+            self.communicator.all_to_all(received, sent, out_splits or None, in_splits or None,
+                                         row=row)
 
-    def send(self, tensors, dst: int, tag: int) -> dist.Work:
-        raise InvalidArgumentError("the overcast backend offers no point-to-point send/recv: "
-                                   "its transport is collectives only (docs/backend.md)")
+    # -- point to point ----------------------------------------------------------------------
+    @_staged("in")
+    def send(self, tensors, dstRank: int, tag: int) -> dist.Work:  # noqa: N803 (torch's names)
+        """Sent over the communicator's stream to the peer (Communicator.isend): complete once
+        the data is copied, or taken by the peer's recv."""
+        tensor = _one_tensor(tensors, "send")
+        return self._calls.submit_transfer(
+            "send", lambda: self.communicator.isend(_bytes(tensor.contiguous()), dstRank, tag),
+            tensors, getattr(self._calling, "staging", None))
 
-    def recv(self, tensors, src: int, tag: int) -> dist.Work:
-        raise InvalidArgumentError("the overcast backend offers no point-to-point send/recv: "
-                                   "its transport is collectives only (docs/backend.md)")
+    @_staged("out")
+    def recv(self, tensors, srcRank: int, tag: int) -> dist.Work:  # noqa: N803
+        return self._recv(tensors, srcRank, tag)
 
+    @_staged("out")
     def recv_anysource(self, tensors, tag: int) -> dist.Work:
-        return self.recv(tensors, -1, tag)
+        """The work's _source_rank() is the sender, as torch.distributed.recv asks."""
+        return self._recv(tensors, None, tag)
+
+    def _recv(self, tensors, src: int | None, tag: int) -> dist.Work:
+        tensor = _one_tensor(tensors, "recv")
+        target = tensor if tensor.is_contiguous() else torch.empty_like(
+            tensor, memory_format=torch.contiguous_format)
+        return self._calls.submit_transfer(
+            "recv", lambda: self.communicator.irecv(_bytes(target), src, tag), tensors,
+            getattr(self._calling, "staging", None),
+            None if target is tensor else lambda: tensor.copy_(target))
+
+
+def _one_tensor(tensors, what: str) -> torch.Tensor:
+    if len(tensors) != 1:
+        raise InvalidArgumentError(f"{what} takes one tensor, not {len(tensors)}")
+    return tensors[0]
 
 
 def create(backend_opts, options=None) -> ProcessGroupOvercast:

@@ -2,7 +2,8 @@
 
 It runs the session's protocols without the caller's thread: reads and authenticates what
 arrives, feeds it to the session, seals and writes what the session wants sent as fast as each
-socket takes it, fires timers, and completes Work handles. Callers only post collectives and wait.
+socket takes it, fires timers, and completes Work handles. Callers only post collectives and
+point-to-point transfers, and wait.
 
 The datagram sockets belong to the rank's native plane (overcast/native/port.h): the engine's
 thread waits in it with the GIL released, and it reads, opens, sends and paces datagrams there,
@@ -23,6 +24,7 @@ from overcast.engine.trace import Trace
 from overcast.errors import CollectiveTimeoutError, CommunicatorClosedError, OvercastError
 from overcast.native import _core
 from overcast.protocols.base import DATAGRAM, MULTICAST, STREAM, Collective
+from overcast.protocols.p2p import P2P_KINDS, Transfer
 from overcast.protocols.session import Session
 from overcast.transport.datagram import enlarge_receive_buffer
 from overcast.transport.loss import LossSpec
@@ -44,11 +46,16 @@ _MAX_WAIT = 0.5
 
 
 class Work:
-    """A handle on one collective in flight, as torch.distributed's Work."""
+    """A handle on one collective or transfer in flight, as torch.distributed's Work. `source`
+    is a recv's sender, once it is complete."""
 
     def __init__(self, seq: int, description: str):
         self.seq, self.description = seq, description
+        self.source: int | None = None
         self._event = threading.Event()
+        # set once no peer can refuse the call any more: every peer described a matching one,
+        # or it finished (see Communicator.all_reduce)
+        self._verified = threading.Event()
         self._error: BaseException | None = None
         self._lock = threading.Lock()
         self._callbacks: list = []
@@ -57,6 +64,7 @@ class Work:
         with self._lock:
             self._error = error
             self._event.set()
+            self._verified.set()
             callbacks, self._callbacks = self._callbacks, []
         for fn in callbacks:
             fn()
@@ -74,12 +82,20 @@ class Work:
         return self._event.is_set()
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Block until the collective finished; raise its error if it failed."""
+        """Block until the collective finished; raise its error if it failed (marked
+        `peers_told`: it came from the communicator, which needs no refusal sent for it)."""
         if not self._event.wait(timeout):
-            raise TimeoutError(f"{self.description} #{self.seq} not complete after {timeout} s")
+            name = self.description if self.seq < 0 else f"{self.description} #{self.seq}"
+            raise TimeoutError(f"{name} not complete after {timeout} s")
         if self._error is not None:
-            raise type(self._error)(str(self._error))
+            error = type(self._error)(str(self._error))
+            error.peers_told = True
+            raise error
         return True
+
+    def wait_verified(self) -> None:
+        """Block until no peer can refuse the collective any more (it may still be running)."""
+        self._verified.wait()
 
     def exception(self) -> BaseException | None:
         return self._error
@@ -136,7 +152,7 @@ class Engine:
         self._submitted: collections.deque = collections.deque()
         self._works: dict[int, Work] = {}
         # done, waiting for their streams to write them, each until its deadline
-        self._finishing: list[tuple[Collective, float]] = []
+        self._finishing: list[tuple[Collective | Transfer, float]] = []
         self._close_requested = False
         self._close_deadline: float | None = None
         self._thread = threading.Thread(target=self._run, name=f"overcast-engine-{links.rank}",
@@ -145,17 +161,32 @@ class Engine:
 
     # -- called from user threads ----------------------------------------------------------
     def submit(self, coll: Collective, work: Work) -> None:
+        self._submit("post", coll, work)
+
+    def submit_transfer(self, op: Transfer, work: Work) -> None:
+        """Post a point-to-point send or recv; `work` completes when it does."""
+        self._submit("transfer", op, work)
+
+    def _submit(self, action: str, item, work: Work) -> None:
         with self._lock:
             if self._close_requested:
                 work._finish(CommunicatorClosedError("the communicator is closed"))
                 return
-            self._submitted.append((coll, work))
+            self._submitted.append((action, item, work))
+        self._wake()
+
+    def refuse(self, seq: int, error: OvercastError) -> None:
+        """Give collective number `seq` to a call this rank refused (Session.refuse)."""
+        with self._lock:
+            if self._close_requested:
+                return
+            self._submitted.append(("refuse", seq, error))
         self._wake()
 
     def abort(self, error: OvercastError) -> None:
         """Fail this communicator on every rank with `error` (bad input found by a caller)."""
         with self._lock:
-            self._submitted.append((None, error))
+            self._submitted.append(("abort", error))
         self._wake()
 
     def close(self) -> None:
@@ -239,14 +270,21 @@ class Engine:
             batch = list(self._submitted)
             self._submitted.clear()
             closing = self._close_requested
-        for coll, work in batch:
-            if coll is None:
-                self.session.abort(work)
-                continue
-            self._works[coll.seq] = work
-            if self.trace:
-                self.trace.begin(coll.seq, str(coll.desc), now)
-            self.session.post(coll, now)
+        for action, *args in batch:
+            if action == "abort":
+                self.session.abort(*args)
+            elif action == "refuse":
+                self.session.refuse(*args, now)
+            elif action == "transfer":
+                op, work = args
+                self._works[op.holder] = work
+                self.session.transfer(op, now)
+            else:
+                coll, work = args
+                self._works[coll.seq] = work
+                if self.trace:
+                    self.trace.begin(coll.seq, str(coll.desc), now)
+                self.session.post(coll, now)
         if closing and self._close_deadline is None:
             self.session.close()
             self._close_deadline = now + _CLOSE_FLUSH_SECONDS
@@ -266,7 +304,8 @@ class Engine:
             return lambda run: session.receive_run(run, now, datagram)
 
         def deliver(run):
-            trace.count("rx", run.hdr.seq, len(run) * datagram_link_bytes(run.length), now)
+            if run.hdr.kind not in P2P_KINDS:  # their numbers are no collective's
+                trace.count("rx", run.hdr.seq, len(run) * datagram_link_bytes(run.length), now)
             session.receive_run(run, now, datagram)
         return deliver
 
@@ -336,7 +375,7 @@ class Engine:
                     if msg is None:
                         break
                     stream.enqueue(seal(msg.kind, msg.seq, msg.dst, msg.chunk, msg.payload),
-                                   msg.seq)
+                                   msg.seq if msg.holder is None else msg.holder)
                 if not stream.queued_bytes:
                     break
                 self._flush(stream)
@@ -365,37 +404,44 @@ class Engine:
 
     def _report(self) -> None:
         now = time.monotonic()
-        finished = self.session.finished
-        while finished:
-            self._finishing.append((finished.pop(), now + self.session.timeout))
+        verified = self.session.verified
+        while verified:
+            work = self._works.get(verified.pop())
+            if work is not None:
+                work._verified.set()
+        for finished in (self.session.finished, self.session.p2p.finished):
+            while finished:
+                self._finishing.append((finished.pop(), now + self.session.timeout))
         if self._finishing:
             self._finishing = [(coll, due) for coll, due in self._finishing
                                if not self._finish(coll, now >= due)]
 
-    def _finish(self, coll: Collective, overdue: bool) -> bool:
-        """Complete the collective's Work, unless a stream has yet to write bytes it sent: those
-        are written from the collective's own buffers, which the caller may reuse once the Work
-        is complete. A failed collective completes at once. One whose streams are still not
-        written the communicator's timeout after it was done (`overdue`) fails: the peers that
-        take nothing (a frozen process, a partition) are dropped, unsent frames and all, and the
+    def _finish(self, item: Collective | Transfer, overdue: bool) -> bool:
+        """Complete a collective's or transfer's Work, unless a stream has yet to write bytes it
+        sent: those are written from its own buffers, which the caller may reuse once the Work
+        is complete. A failed one completes at once. One whose streams are still not written
+        the communicator's timeout after it was done (`overdue`) fails: the peers that take
+        nothing (a frozen process, a partition) are dropped, unsent frames and all, and the
         communicator aborts, as for any collective that makes no progress."""
-        holding = [s for s in self.streams.values() if s.holds(coll.seq)]
-        if coll.error is None and holding:
+        holding = [s for s in self.streams.values() if s.holds(item.holder)]
+        if item.error is None and holding:
             if not overdue:
                 return False
             peers = ", ".join(f"rank {s.peer}" for s in holding)
             error = CollectiveTimeoutError(
-                f"{coll.desc} #{coll.seq} on rank {self.session.rank} was done, but {peers} did "
-                f"not take its last frames within {self.session.timeout:.1f} s")
-            coll.fail(error)
+                f"{item} on rank {self.session.rank} was done, but {peers} did not take its "
+                f"last frames within {self.session.timeout:.1f} s")
+            item.fail(error)
             self.session.abort(error)
             for stream in holding:
                 self._lose(stream)
         if self.trace:
-            self.trace.end(coll.seq, time.monotonic())
-        work = self._works.pop(coll.seq, None)
+            self.trace.end(item.holder, time.monotonic())
+        work = self._works.pop(item.holder, None)
         if work is not None:
-            work._finish(coll.error)
+            if isinstance(item, Transfer):
+                work.source = item.source
+            work._finish(item.error)
         return True
 
     def _shutdown(self) -> None:
@@ -405,9 +451,9 @@ class Engine:
             self._close_requested = True
             leftover = list(self._submitted)
             self._submitted.clear()
-        for coll, work in leftover:
-            if coll is not None:
-                work._finish(CommunicatorClosedError("the communicator is closed"))
+        for action, *args in leftover:
+            if action in ("post", "transfer"):
+                args[1]._finish(CommunicatorClosedError("the communicator is closed"))
         self._linger()
         for stream in list(self.streams.values()):
             self._drop_stream(stream)

@@ -53,6 +53,7 @@ typedef struct {
     size_t itemsize, row_bytes;   /* row_bytes: the pool's width per row */
     int64_t highest;              /* the highest chunk any contribution came for */
     int64_t *passed;              /* per rank: the highest chunk it sent */
+    uint64_t *withdrawn;          /* words: the ranks that gave it up (WITHDRAW) */
     slot_t *slots;                /* window */
     uint64_t *have;               /* window x words: contributors per slot */
     uint32_t words;

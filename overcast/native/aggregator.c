@@ -75,6 +75,7 @@ static void free_pool(oc_agg *a, comm_t *c, reduction_t *r) {
 void agg_free_reduction(oc_agg *a, comm_t *c, reduction_t *r) {
     free_pool(a, c, r);
     free(r->passed);
+    free(r->withdrawn);
     free(r->slots);
     free(r->have);
     free(r);
@@ -111,9 +112,10 @@ static reduction_t *new_reduction(oc_agg *a, comm_t *c, uint32_t seq, uint8_t co
     r->highest = -1;
     r->words = (c->world + 63) / 64;
     r->passed = malloc(sizeof(int64_t) * c->world);
+    r->withdrawn = calloc(r->words, sizeof(uint64_t));
     r->slots = calloc(r->window, sizeof(slot_t));
     r->have = calloc((size_t)r->window * r->words, sizeof(uint64_t));
-    if (r->passed == NULL || r->slots == NULL || r->have == NULL) {
+    if (r->passed == NULL || r->withdrawn == NULL || r->slots == NULL || r->have == NULL) {
         agg_free_reduction(a, c, r);
         return NULL;
     }
@@ -181,23 +183,48 @@ static void answer_credit(oc_agg *a, int h, comm_t *c, uint32_t seq, uint16_t ra
 
 /* Take `r` out of its communicator, remembering it as finished: contributions that come for it
  * later are answered with credit, not taken as a new reduction. Frees it. */
+/* Remember reduction `seq` as finished with `total` chunks (the oldest forgotten past
+ * OC_TOMBSTONES). */
+static void remember_finished(comm_t *c, uint32_t seq, uint32_t total) {
+    int i = finished_index(c, seq);
+    if (i >= 0) {
+        c->finished_total[i] = total;
+        return;
+    }
+    if (c->nfinished == OC_TOMBSTONES) {
+        memmove(c->finished_seq, c->finished_seq + 1, sizeof(uint32_t) * (OC_TOMBSTONES - 1));
+        memmove(c->finished_total, c->finished_total + 1, sizeof(uint32_t) * (OC_TOMBSTONES - 1));
+        c->nfinished--;
+    }
+    c->finished_seq[c->nfinished] = seq;
+    c->finished_total[c->nfinished++] = total;
+}
+
 static void retire(oc_agg *a, comm_t *c, reduction_t *r) {
     int i = 0;
     while (c->reductions[i] != r) i++;
     memmove(&c->reductions[i], &c->reductions[i + 1], sizeof(r) * (size_t)(c->nreductions - i - 1));
     c->nreductions--;
-    if ((i = finished_index(c, r->seq)) >= 0) {
-        c->finished_total[i] = r->total;
-    } else {
-        if (c->nfinished == OC_TOMBSTONES) {
-            memmove(c->finished_seq, c->finished_seq + 1, sizeof(uint32_t) * (OC_TOMBSTONES - 1));
-            memmove(c->finished_total, c->finished_total + 1, sizeof(uint32_t) * (OC_TOMBSTONES - 1));
-            c->nfinished--;
-        }
-        c->finished_seq[c->nfinished] = r->seq;
-        c->finished_total[c->nfinished++] = r->total;
-    }
+    remember_finished(c, r->seq, r->total);
     agg_free_reduction(a, c, r);
+}
+
+/* Rank `src` gives reduction `seq` up (its call was refused on another rank). Once every rank
+ * that contributed to it has, it is freed, not held until its expiry, and remembered as
+ * finished: its ranks have all stopped, and contributions still on their way start nothing. A
+ * rank's WITHDRAW alone (a buggy member's) does not end a reduction the others go on with; one
+ * for a reduction not begun here names nothing to free, and is let go (stale). */
+static void withdraw(oc_agg *a, comm_t *c, uint32_t seq, uint16_t src) {
+    reduction_t *r = agg_find_reduction(c, seq);
+    if (r == NULL) {
+        a->drops[OC_DROP_stale]++;
+        return;
+    }
+    r->withdrawn[src / 64] |= (uint64_t)1 << (src % 64);
+    for (uint32_t i = 0; i < r->world; i++)
+        if (r->passed[i] >= 0 && !(r->withdrawn[i / 64] >> (i % 64) & 1)) return;
+    retire(a, c, r);
+    a->stats[OC_STAT_withdrawn]++;
 }
 
 static void finish(oc_agg *a, int h, comm_t *c, reduction_t *r) {
@@ -527,6 +554,9 @@ void oc_agg_receive_run(oc_agg *a, int h, const oc_header *hdr, const uint32_t *
         a->drops[OC_DROP_wrong_sender] += count;
     } else if (hdr->kind == OC_CONTRIB) {
         on_contributions(a, h, c, hdr, chunks, count, data, offset, stride, now);
+    } else if (hdr->kind == OC_WITHDRAW) {
+        if (hdr->length) a->drops[OC_DROP_malformed] += count;
+        else withdraw(a, c, hdr->seq, hdr->src);
     } else if (hdr->kind == OC_RESULT_ACK || hdr->kind == OC_CREDIT) {
         for (size_t i = 0; i < count; i++) {
             const uint8_t *p = data + offset + i * stride;

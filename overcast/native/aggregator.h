@@ -36,7 +36,10 @@
  * it names by slot and seals from the pool. A rank that dies mid-reduction leaves its slots
  * incomplete: they ask again (bounded by the window) until the reduction expires (no
  * contribution or acknowledgement for the expiry) or the communicator is unregistered (its last
- * connection closes), which frees them. Every allocation that fails is counted (out_of_memory)
+ * connection closes), which frees them. A rank whose call was refused on another rank (that
+ * rank never contributes) WITHDRAWs the reduction: once every rank that contributed has, it is
+ * given up, its pool freed, and remembered as finished, so that contributions still on their way
+ * do not start it again. Every allocation that fails is counted (out_of_memory)
  * and drops what needed it. The engine is not thread-safe: one thread at
  * a time, which in the service is the one running oc_serve. */
 #ifndef OVERCAST_NATIVE_AGGREGATOR_H
@@ -71,7 +74,7 @@
     X(send_error) X(send_buffer_full) X(out_of_memory) X(outbox_full)
 #define OC_STATS(X) X(contributions) X(results) X(results_resent) X(results_resent_early)    \
     X(nacks) X(refused) X(late_contributions) X(duplicate_contributions) X(reductions)        \
-    X(pools_reused) X(expired) X(held)
+    X(pools_reused) X(expired) X(withdrawn) X(held)
 #define OC_ENUM_DROP(name) OC_DROP_##name,
 #define OC_ENUM_STAT(name) OC_STAT_##name,
 enum { OC_DROPS(OC_ENUM_DROP) OC_DROP_COUNT };

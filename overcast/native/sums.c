@@ -180,7 +180,23 @@ void oc_add_pair(unsigned code, uint8_t *out, const uint8_t *a, const uint8_t *b
     }
 }
 
+/* x / divisor truncated toward zero, as C divides (NCCL's average of integers). */
+#define DIVIDE_INTS(type)                                                                       \
+    for (size_t i = 0; i < elems; i++) {                                                        \
+        type x;                                                                                 \
+        memcpy(&x, out + sizeof(type) * i, sizeof(type));                                       \
+        x = (type)((int64_t)x / (int64_t)divisor);                                              \
+        memcpy(out + sizeof(type) * i, &x, sizeof(type));                                       \
+    }
+
 void oc_divide(unsigned code, uint8_t *out, size_t elems, unsigned divisor) {
+    switch (code) {
+    case OC_INT32: DIVIDE_INTS(int32_t) return;
+    case OC_INT64: DIVIDE_INTS(int64_t) return;
+    case OC_INT8: DIVIDE_INTS(int8_t) return;
+    case OC_UINT8: DIVIDE_INTS(uint8_t) return;
+    default: break;
+    }
     for (size_t i = 0; i < elems; i++) {
         if (code == OC_FLOAT32) {
             float x;

@@ -29,8 +29,9 @@ void oc_sum_rows(unsigned code, uint8_t *out, const uint8_t *rows, size_t stride
  * rank's own contribution added to the aggregator's sum). No alignment is assumed: `a` may be a
  * datagram's payload. `out` may be `a` or `b`. */
 void oc_add_pair(unsigned code, uint8_t *out, const uint8_t *a, const uint8_t *b, size_t elems);
-/* out /= divisor in place, for the floating dtypes (an average): float32 and float64 in their
- * own type, 16-bit floats in float32 and rounded once. Integer dtypes are left alone. */
+/* out /= divisor in place (an average): float32 and float64 in their own type, 16-bit floats in
+ * float32 and rounded once, integers (their sums wrapped) truncated toward zero, as NCCL
+ * averages integers (the quotient taken in int64, so any divisor is exact). */
 void oc_divide(unsigned code, uint8_t *out, size_t elems, unsigned divisor);
 
 float oc_half_to_float(uint16_t h);

@@ -26,8 +26,8 @@ from overcast.wire.runs import Run
 # or the aggregator.
 STREAM, DATAGRAM, MULTICAST = 0, 1, 2
 
-COLLECTIVES = ("all_gather", "reduce_scatter", "broadcast")
-ALGORITHMS = ("ring", "multicast", "innetwork")
+COLLECTIVES = ("all_gather", "reduce_scatter", "broadcast", "all_to_all")
+ALGORITHMS = ("ring", "multicast", "innetwork", "pairwise")
 OPS = ("none",) + REDUCE_OPS
 
 _DESCRIPTOR = struct.Struct("<BBBBQII")
@@ -40,7 +40,7 @@ class Descriptor:
     collective: str
     algorithm: str
     dtype: np.dtype
-    count: int  # elements per rank (the shard)
+    count: int  # elements per rank (the shard); an all_to_all's: per row
     op: str = "none"
     param: int = 0  # broadcast root, or the number of multicast roots
     # Bytes per datagram chunk, as the datagram protocols cut the data (each rank cuts for its
@@ -86,6 +86,9 @@ class Outgoing:
     chunk: int
     payload: object  # any contiguous buffer; copied when sealed
     dst: int
+    # what the payload's buffer belongs to, for the streams that write it from where it lies
+    # (engine.Engine._finish): its collective's `seq` when None
+    holder: int | None = None
 
 
 class Phase(enum.Enum):
@@ -161,6 +164,14 @@ class Collective:
         self.stats: collections.Counter = collections.Counter()
 
     @property
+    def holder(self) -> int:
+        """What the engine knows this collective's buffers by (Outgoing.holder): its number."""
+        return self.seq
+
+    def __str__(self) -> str:
+        return f"{self.desc} #{self.seq}"
+
+    @property
     def received_all(self) -> bool:
         return self.phase in (Phase.DRAINING, Phase.DONE)
 
@@ -230,6 +241,15 @@ class Collective:
 
     def finished(self) -> None:
         """Called once when the collective is done or failed: release shared resources."""
+
+    def described_by(self, peer: int, extra: memoryview, now: float) -> None:
+        """A peer's DESCRIBE matched this call's; `extra` is what it carried after its
+        descriptor (this call's `described` may carry more than the descriptor)."""
+
+    def withdrawal(self) -> list[tuple[tuple[int, int], Outgoing]]:
+        """What to send, as (route, message), when a peer refused the call and the communicator
+        goes on without it: whatever this rank started elsewhere for it, given up."""
+        return []
 
     def waiting_for(self) -> str:
         """What the collective still waits for, for timeout messages."""

@@ -28,7 +28,8 @@ from __future__ import annotations
 import numpy as np
 
 from overcast.buffers import dtype_code
-from overcast.protocols.base import Accept, Collective, Descriptor, Phase
+from overcast.protocols.base import DATAGRAM, Accept, Collective, Descriptor, Outgoing, \
+    Phase
 from overcast.protocols.budget import LinkBudget
 from overcast.schedules.chains import chunk_count
 from overcast.wire.header import Kind, endpoints
@@ -88,6 +89,13 @@ class InNetworkReduceScatter(Collective):
 
     def awaits_stream(self, peer: int) -> bool:
         return False  # results and credit come by datagram
+
+    def withdrawal(self) -> list[tuple[tuple[int, int], Outgoing]]:
+        """The aggregator endpoints give the reduction up at once: a peer that refused the call
+        never contributes, and the reduction would hold a pool and one of the communicator's
+        few places until it expired."""
+        return [((DATAGRAM, e), Outgoing(Kind.WITHDRAW, self.seq, 0, b"", e))
+                for e in sorted(self.aggregator)]
 
     def finished(self) -> None:
         if self.posted:

@@ -148,7 +148,13 @@ class RingReduceScatter(_RingStream):
 class RingBroadcast(_RingStream):
     """The root's buffer passed along the ring frame by frame, each rank storing every frame in
     place and forwarding it unless its successor is the root: every link carries the buffer
-    once, pipelined, whatever P."""
+    once, pipelined, whatever P.
+
+    The rank before the root forwards nothing, so no frame shows whether it issued the call:
+    every peer's DESCRIBE is awaited, as the datagram protocols await them, so that a call it
+    refused fails on every rank rather than completing on the others."""
+
+    verify_every_peer = True
 
     def __init__(self, seq, rank, world, desc, buffer: np.ndarray, frame_bytes: int):
         super().__init__(seq, rank, world, desc, frame_bytes)

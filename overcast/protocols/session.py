@@ -14,11 +14,12 @@ from overcast.errors import (CollectiveMismatchError, CollectiveTimeoutError,
 from overcast.native import _core
 from overcast.protocols.base import DATAGRAM, MULTICAST, STREAM, Collective, Descriptor, \
     Outgoing
+from overcast.protocols.p2p import P2P_KINDS, PointToPoint, Transfer
 from overcast.wire.header import ANY, HEADER_BYTES, Kind, MalformedError, is_aggregator
 from overcast.wire.messages import pack_abort, pack_goodbye, unpack_abort, unpack_goodbye
 from overcast.wire.runs import Run
 
-_CONTROL = (Kind.DESCRIBE, Kind.ABORT, Kind.GOODBYE)
+_CONTROL = (Kind.DESCRIBE, Kind.ABORT, Kind.GOODBYE, Kind.REFUSE)
 # Stream messages that open with their sender's descriptor: a multicast AllGather's are the
 # first it sends a peer, in place of a DESCRIBE (Collective.described_by_end_notices).
 _DESCRIBED = (Kind.MCAST_END, Kind.REPAIR_REQUEST)
@@ -26,7 +27,7 @@ _DESCRIBED = (Kind.MCAST_END, Kind.REPAIR_REQUEST)
 # the other channel is a misfit. Datagrams may also be dropped when they arrive before their
 # collective is posted and too many bytes are held already: the protocols repair such losses.
 DATAGRAM_KINDS = frozenset((Kind.MCAST_DATA, Kind.CONTRIB, Kind.RESULT, Kind.RESULT_ACK,
-                             Kind.CREDIT))
+                             Kind.CREDIT, Kind.WITHDRAW))
 EARLY_DATAGRAM_BYTES = 16 * 1024 * 1024
 # Stream messages for collectives not posted yet are never dropped (a stream is reliable): past
 # this many bytes held, the engine stops reading the peers that sent them (TCP then holds the
@@ -40,9 +41,13 @@ _HISTORY = 1024
 class Session:
     """The collectives of one rank in one communicator.
 
-    `post` adds a collective (sequence numbers must come in order); `receive` takes a message;
-    `pop(route)` gives the next message for a route; `get_timer`/`handle_timer` drive timeouts.
-    Finished collectives (done or failed) are appended to `finished` for the engine to report.
+    `post` adds a collective (sequence numbers must come in order), `refuse` takes the next
+    number for a call this rank refused, `transfer` adds a point-to-point send or recv (`p2p`:
+    no number); `receive` takes a message; `pop(route)` gives the next message for a route;
+    `get_timer`/`handle_timer` drive timeouts. Finished collectives (done or failed) are
+    appended to `finished` for the engine to report, finished transfers to `p2p.finished`, and
+    the numbers of collectives no peer can refuse any more (every peer has described a matching
+    call, or it finished) to `verified`.
 
     `plane` is the rank's native datagram plane (overcast/native/plane.h), which runs the
     per-datagram work of the collectives posted to it. Once attached to sockets, the engine runs
@@ -64,10 +69,14 @@ class Session:
         self.last_progress: dict[int, float] = {}
         self.next_seq = 0
         self.early: dict[int, list] = collections.defaultdict(list)
-        self.history: collections.OrderedDict[int, Descriptor] = collections.OrderedDict()
+        # finished collectives' descriptors; None for a call this rank refused (refuse)
+        self.history: collections.OrderedDict[int, Descriptor | None] = \
+            collections.OrderedDict()
         # messages of no collective's outbox: control, and the plane's while the session runs it
         self.control: collections.deque[tuple[tuple[int, int], Outgoing]] = collections.deque()
         self.finished: list[Collective] = []
+        self.verified: list[int] = []
+        self.p2p = PointToPoint(rank, world)
         self.error: OvercastError | None = None
         self.closed_peers: dict[int, int] = {}
         self.lost_peers: set[int] = set()
@@ -100,6 +109,13 @@ class Session:
                     f"{coll.desc} #{coll.seq} cannot run"))
                 self.finished.append(coll)
                 return
+        refusal = self._held_refusal(coll.seq)
+        if refusal is not None:  # refused by a peer before it was posted here: never started
+            self._drop_held(coll.seq)
+            coll.fail(self._refusal_error(coll, *refusal))
+            self._remember(coll.seq, coll.desc)
+            self.finished.append(coll)
+            return
         self.active[coll.seq] = coll
         self.last_progress[coll.seq] = now
         coll.plane = self.plane
@@ -117,14 +133,72 @@ class Session:
             self.abort(InvalidArgumentError(f"{coll.desc} #{coll.seq} cannot run on rank "
                                             f"{self.rank}: {err}"))
         for hdr, payload in self.early.pop(coll.seq, ()):
-            datagram = hdr.kind in DATAGRAM_KINDS  # checked against the channel on arrival
-            if datagram:
-                self._early_datagram_bytes -= len(payload)
-            else:
-                self.early_stream_bytes[hdr.src] -= HEADER_BYTES + len(payload)
-                self._early_stream_total -= HEADER_BYTES + len(payload)
+            datagram = self._unhold(hdr, payload)
             self.receive(hdr, payload, now, datagram)
         self._settle(coll)
+
+    def transfer(self, op: Transfer, now: float) -> None:
+        """Post a point-to-point send or recv (protocols.p2p)."""
+        self.clock = now
+        if self.error is not None:
+            self.p2p.end(op, self.error)
+        elif op.peer in self.closed_peers:
+            self.p2p.end(op, PeerFailureError(f"rank {op.peer} closed the communicator; {op} "
+                                              f"cannot run"))
+        else:
+            self.p2p.post(op, now)
+
+    def refuse(self, seq: int, error: OvercastError, now: float) -> None:
+        """This rank refused its call #seq (bad arguments, found before anything was sent): the
+        number is taken as a collective's would be, and every peer is told why in place of a
+        DESCRIBE, so that its own #seq fails with the reason, naming this rank, and the
+        communicator goes on with the numbers alike on every rank."""
+        self.clock = now
+        if seq != self.next_seq:
+            raise ValueError(f"call #{seq} refused, #{self.next_seq} expected")
+        self.next_seq += 1
+        self._remember(seq, None)
+        self._drop_held(seq)
+        if self.error is None:
+            message = pack_abort(error.abort_code, str(error))
+            for peer in range(self.world):
+                if peer != self.rank and peer not in self.closed_peers:
+                    self._send_control(Kind.REFUSE, seq, peer, message)
+
+    def _held_refusal(self, seq: int) -> tuple | None:
+        """A peer's REFUSE held for collective `seq`, if one came before it was posted."""
+        return next(((hdr, payload) for hdr, payload in self.early.get(seq, ())
+                     if hdr.kind == Kind.REFUSE), None)
+
+    def _drop_held(self, seq: int) -> None:
+        """Drop what peers sent for collective `seq` before it was posted (it will not run)."""
+        for hdr, payload in self.early.pop(seq, ()):
+            self._unhold(hdr, payload)
+            self.stale += 1
+
+    def _unhold(self, hdr, payload) -> bool:
+        """Take a held message off the counts of what is held; whether it came by datagram
+        (its channel was checked on arrival)."""
+        datagram = hdr.kind in DATAGRAM_KINDS
+        if datagram:
+            self._early_datagram_bytes -= len(payload)
+        else:
+            self.early_stream_bytes[hdr.src] -= HEADER_BYTES + len(payload)
+            self._early_stream_total -= HEADER_BYTES + len(payload)
+        return datagram
+
+    def _refusal_error(self, coll: Collective, hdr, payload) -> OvercastError:
+        try:
+            code, reason = unpack_abort(payload)
+        except MalformedError:
+            code, reason = InvalidArgumentError.abort_code, "a refusal without a reason"
+        return error_class(code)(f"{coll.desc} #{coll.seq} on rank {self.rank}: rank "
+                                 f"{hdr.src} refused the call: {reason}")
+
+    def _remember(self, seq: int, desc: Descriptor | None) -> None:
+        self.history[seq] = desc
+        while len(self.history) > _HISTORY:
+            self.history.popitem(last=False)
 
     def _settle(self, coll: Collective) -> None:
         """Finish `coll` if it failed, or if it is done and every DESCRIBE it waits for has
@@ -135,9 +209,7 @@ class Session:
             self.unverified.pop(coll.seq, None)
             del self.active[coll.seq]
             del self.last_progress[coll.seq]
-            self.history[coll.seq] = coll.desc
-            while len(self.history) > _HISTORY:
-                self.history.popitem(last=False)
+            self._remember(coll.seq, coll.desc)
             self.stats.update(coll.stats)
             coll.finished()
             self.finished.append(coll)
@@ -174,6 +246,12 @@ class Session:
         if kind in _CONTROL:
             for hdr, payload in run.messages():
                 self._receive_control(hdr, payload, now)
+            return
+        if kind in P2P_KINDS:  # a stream's: one message a run
+            try:
+                self.p2p.receive(hdr, run.payload(0), now)
+            except Rejected as err:
+                self._misfit(datagram, err.reason, err.__str__)
             return
         coll = self.active.get(hdr.seq)
         if coll is None:
@@ -229,15 +307,17 @@ class Session:
 
     def paused_peers(self) -> set[int]:
         """The peers whose streams the engine should not read now: while the stream messages
-        held for collectives not posted here pass the limit, those that sent any, but for a
-        peer that a collective in flight here still waits on (what it waits for may be behind
-        them on the stream)."""
-        if self._early_stream_total <= self.early_stream_limit:
-            return set()
-        return {peer for peer, held in self.early_stream_bytes.items()
-                if held and not any(coll.awaits_stream(peer) or
-                                    peer in self.unverified.get(seq, ())
-                                    for seq, coll in self.active.items())}
+        held for collectives not posted here pass the limit, those that sent any, and those
+        with more offers waiting for a recv than p2p.OFFERS_HELD; but for a peer that a
+        collective in flight or a transfer here still waits on (what it waits for may be
+        behind them on the stream)."""
+        flooding = self.p2p.flooding()
+        if self._early_stream_total > self.early_stream_limit:
+            flooding |= {peer for peer, held in self.early_stream_bytes.items() if held}
+        return {peer for peer in flooding
+                if not self.p2p.awaits_stream(peer) and
+                not any(coll.awaits_stream(peer) or peer in self.unverified.get(seq, ())
+                        for seq, coll in self.active.items())}
 
     def _misfit(self, datagram: bool, reason: str, message) -> None:
         """A message (or a run of them) that does not fit. A datagram proves only that some rank
@@ -256,12 +336,25 @@ class Session:
                 return
             coll = self.active.get(hdr.seq)
             mine = coll.desc if coll is not None else self.history.get(hdr.seq)
-            if mine is None:
+            if mine is None:  # not posted yet, refused here, or long finished
                 if hdr.seq >= self.next_seq:
                     self._hold_stream(hdr, payload)
+                else:
+                    self.stale += 1
                 return
             if self._verify(mine, theirs, hdr, coll, now) and coll is not None:
+                self._guard(coll, coll.described_by, hdr.src, payload[Descriptor.SIZE:], now)
                 self._settle(coll)
+        elif hdr.kind == Kind.REFUSE:
+            coll = self.active.get(hdr.seq)
+            if coll is not None:
+                coll.fail(self._refusal_error(coll, hdr, payload))
+                self.control.extend(coll.withdrawal())
+                self._settle(coll)
+            elif hdr.seq >= self.next_seq:
+                self._hold_stream(hdr, payload)
+            else:  # its collective failed or was refused here already
+                self.stale += 1
         elif hdr.kind == Kind.ABORT:
             try:
                 code, reason = unpack_abort(payload)
@@ -275,6 +368,8 @@ class Session:
                 self.abort(Rejected(f"rank {hdr.src}: {err}", "malformed"))
                 return
             self.closed_peers[hdr.src] = count
+            self.p2p.fail(PeerFailureError(f"rank {hdr.src} closed the communicator while a "
+                                           f"transfer with it was pending here"), peer=hdr.src)
             for coll in list(self.active.values()):
                 if coll.seq >= count:
                     coll.fail(PeerFailureError(
@@ -301,7 +396,10 @@ class Session:
                 f"{theirs}, rank {self.rank} issued {mine}"))
             return False
         if coll is not None and hdr.seq in self.unverified:
-            self.unverified[hdr.seq].discard(hdr.src)
+            peers = self.unverified[hdr.seq]
+            peers.discard(hdr.src)
+            if not peers:
+                self.verified.append(hdr.seq)
             self.last_progress[hdr.seq] = now
         return True
 
@@ -313,6 +411,7 @@ class Session:
         for coll in list(self.active.values()):
             coll.fail(self.error)
             self._settle(coll)
+        self.p2p.fail(self.error)
         self.early.clear()
         self._early_datagram_bytes = 0
         self.early_stream_bytes.clear()
@@ -354,6 +453,8 @@ class Session:
             coll.fail(CommunicatorClosedError(f"communicator closed while {coll.desc} "
                                               f"#{coll.seq} was pending"))
             self._settle(coll)
+        self.p2p.fail(CommunicatorClosedError("communicator closed while the transfer was "
+                                              "pending"))
         peers = [p for p in range(self.world) if p != self.rank and p not in self.closed_peers]
         if pending:
             also = f" and {len(pending) - 1} more" if len(pending) > 1 else ""
@@ -368,6 +469,8 @@ class Session:
     # -- timers ----------------------------------------------------------------------------
     def get_timer(self) -> float | None:
         times = [t + self.timeout for t in self.last_progress.values()]
+        if (t := self.p2p.timer(self.timeout)) is not None:
+            times.append(t)
         if not self.plane.attached and (t := self.plane.timer()) is not None:
             times.append(t)
         for coll in self.active.values():
@@ -381,6 +484,12 @@ class Session:
         if not self.plane.attached and (t := self.plane.timer()) is not None and now >= t:
             self.plane.handle_timer(now)
             self._take_plane(now)
+        stalled = self.p2p.stalled(now, self.timeout)
+        if stalled is not None:
+            self.abort(CollectiveTimeoutError(
+                f"{stalled} on rank {self.rank} made no progress for {self.timeout:.1f} s; "
+                f"waiting for {stalled.waiting_for()}"))
+            return
         for seq, coll in list(self.active.items()):
             stepped = coll.stepped_at()  # progress made where the session does not see it
             if stepped is not None and stepped > self.last_progress[seq]:
@@ -425,7 +534,7 @@ class Session:
 
     def pending_routes(self) -> set[tuple[int, int]]:
         self._take_plane()
-        routes = {route for route, _ in self.control}
+        routes = {route for route, _ in self.control} | self.p2p.routes()
         for coll in self.active.values():
             routes.update(coll.outbox)
         return routes
@@ -443,16 +552,20 @@ class Session:
         return out
 
     def pop(self, route: tuple[int, int]) -> Outgoing | None:
-        """The next message for the route: control first, then collectives in turn."""
+        """The next message for the route: control first, then collectives and transfers in
+        turn."""
         for i, (r, msg) in enumerate(self.control):
             if r == route:
                 del self.control[i]
                 return msg
-        colls = [c for c in self.active.values() if route in c.outbox]
-        if not colls:
+        sources = [c for c in self.active.values() if route in c.outbox]
+        if route in self.p2p.routes():
+            sources.append(self.p2p)
+        if not sources:
             return None
         self._rr += 1
-        coll = colls[self._rr % len(colls)]
-        msg = coll.pop(route)
-        self._settle(coll)
+        source = sources[self._rr % len(sources)]
+        msg = source.pop(route)
+        if source is not self.p2p:
+            self._settle(source)
         return msg

@@ -64,7 +64,10 @@ class Kind(enum.IntEnum):
     DESCRIBE = 2
     ABORT = 3
     GOODBYE = 4
+    REFUSE = 5
     RING_DATA = 10
+    A2A_DATA = 11
+    A2A_PULL = 12
     MCAST_DATA = 20
     REPAIR_REQUEST = 21
     REPAIR_DATA = 22
@@ -75,6 +78,11 @@ class Kind(enum.IntEnum):
     RESULT = 31
     RESULT_ACK = 32
     CREDIT = 33
+    WITHDRAW = 34
+    P2P_OFFER = 40
+    P2P_ACCEPT = 41
+    P2P_REFUSE = 42
+    P2P_DATA = 43
 
 
 KINDS = frozenset(int(k) for k in Kind)

@@ -23,7 +23,8 @@ _U32 = struct.Struct("<I")
 # REPAIR_REQUEST (rank -> rank): the sender's collective descriptor (protocols.base), then
 # (first chunk, count) ranges. MCAST_END (rank -> rank): the sender's collective descriptor.
 REPAIR_RANGE = struct.Struct("<II")
-# ABORT: the error class's abort code, then the reason in UTF-8.
+# ABORT, and REFUSE (a rank's call refused in place of its collective): the error class's abort
+# code, then the reason in UTF-8. WITHDRAW (rank -> aggregator endpoint): no payload.
 _ABORT = struct.Struct("<B")
 ABORT_REASON_BYTES = 4000
 # GOODBYE: how many collectives the closing rank issued (one u32, as a rank's credit probe).
