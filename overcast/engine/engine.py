@@ -112,8 +112,7 @@ class Engine:
         for peer, sock in links.switches.items():  # kept open: an aggregator's death is seen at once
             self.streams[peer] = Stream(sock, peer, links.opener)
         self._selector = selectors.DefaultSelector()
-        self._masks: dict[int, int] = {}  # what each stream is watched for (0: not at all)
-        self._paused: set[int] = set()  # peers whose streams are not read (Session.paused_peers)
+        self._masks: dict[int, int] = {}  # what each stream is watched for
         self._closed_bytes = [0, 0]  # bytes out, in, of streams already closed
         self.python_cpu_seconds = 0.0  # the engine thread's CPU outside the plane's wait
         for stream in self.streams.values():
@@ -224,7 +223,6 @@ class Engine:
                 timer = session.get_timer()
             self._fill_and_flush()
             self._report()
-            self._pause_reads()
             if self._close_deadline is not None:
                 if not any(s.queued_bytes for s in self.streams.values()) \
                         and not session.pending_routes() or now >= self._close_deadline:
@@ -311,9 +309,8 @@ class Engine:
 
     def _read(self, stream: Stream) -> None:
         deliver = self._deliverer(time.monotonic(), datagram=False)
-        try:  # a read holds at most one recv past the session's limit of what comes early
-            stream.read(lambda hdr, payload: deliver(Run.one(hdr, payload)),
-                        lambda: stream.peer not in self.session.paused_peers())
+        try:
+            stream.read(lambda hdr, payload: deliver(Run.one(hdr, payload)))
         except StreamClosed:
             self._lose(stream)
 
@@ -331,31 +328,11 @@ class Engine:
             if stream.peer in self.streams:
                 self._lose(stream)
             return
-        self._watch(stream)
-
-    def _watch(self, stream: Stream) -> None:
-        """Watch the stream for what the engine wants of it: reading, unless the session holds
-        too much from its peer for collectives not posted yet; writing, while frames wait."""
-        want = (0 if stream.peer in self._paused else selectors.EVENT_READ) | \
-            (selectors.EVENT_WRITE if stream.queued_bytes else 0)
-        have = self._masks[stream.peer]
-        if want == have:
-            return
-        if not have:
-            self._selector.register(stream, want, stream)
-        elif not want:
-            self._selector.unregister(stream)
-        else:
+        # always read (a peer's death or ABORT is seen at once); written while frames wait
+        want = selectors.EVENT_READ | (selectors.EVENT_WRITE if stream.queued_bytes else 0)
+        if self._masks[stream.peer] != want:
             self._selector.modify(stream, want, stream)
-        self._masks[stream.peer] = want
-
-    def _pause_reads(self) -> None:
-        paused = self.session.paused_peers()
-        if paused != self._paused:
-            changed, self._paused = paused ^ self._paused, paused
-            for peer in changed:
-                if peer in self.streams:
-                    self._watch(self.streams[peer])
+            self._masks[stream.peer] = want
 
     def _fill_and_flush(self) -> None:
         """Seal what the session has for each route and write until the sockets are full.
@@ -398,8 +375,8 @@ class Engine:
         if self.streams.pop(stream.peer, None) is not None:
             self._closed_bytes[0] += stream.bytes_out
             self._closed_bytes[1] += stream.bytes_in
-            if self._masks.pop(stream.peer):
-                self._selector.unregister(stream)
+            self._selector.unregister(stream)
+            self._masks.pop(stream.peer)
             stream.close()
 
     def _report(self) -> None:
