@@ -284,6 +284,33 @@ def test_past_the_limit_held_every_rank_fails_naming_the_rank_ahead():
     assert failed == [["OvercastError", f"{message} (reported by rank 1)"]] * ahead
 
 
+def test_a_rank_that_stood_still_past_its_timeout_reads_what_came_before_it_judges():
+    """Rank 1 (timeout 1 s) issues a ring AllGather and is stopped (SIGSTOP) for 2.5 s; rank 0
+    issues its part meanwhile, which waits in rank 1's socket. Continued, rank 1 reads it
+    before its timers judge the call, which completes, rather than failing for the time it
+    stood still."""
+    def body(rank, store):
+        with overcast.Communicator(timeout=1.0 if rank == 1 else 30.0) as comm:
+            comm.barrier()
+            out = np.empty(2000, np.int32)
+            if rank == 1:
+                work = comm.all_gather(out, np.full(1000, 1, np.int32), async_op=True)
+                store.set("pid", str(os.getpid()).encode())
+                result = outcome(work.wait)[:2]
+            else:
+                pid = int(store.get("pid"))
+                os.kill(pid, signal.SIGSTOP)
+                try:
+                    work = comm.all_gather(out, np.zeros(1000, np.int32), async_op=True)
+                    threading.Event().wait(2.5)  # rank 1 stands still past its timeout
+                finally:
+                    os.kill(pid, signal.SIGCONT)
+                result = outcome(work.wait)[:2]
+            return result + [bool((out[:1000] == 0).all() and (out[1000:] == 1).all())]
+
+    assert with_store(body, 2) == [["ok", "", True]] * 2
+
+
 def test_silent_rank_gives_the_others_a_timeout_naming_what_they_waited_for():
     def body(rank, comm):
         if rank == 1:

@@ -115,6 +115,7 @@ class Engine:
         self._masks: dict[int, int] = {}  # what each stream is watched for
         self._closed_bytes = [0, 0]  # bytes out, in, of streams already closed
         self.python_cpu_seconds = 0.0  # the engine thread's CPU outside the plane's wait
+        self._python_since = 0.0  # the engine thread's CPU time when it last left the wait
         for stream in self.streams.values():
             self._selector.register(stream, selectors.EVENT_READ, stream)
             self._masks[stream.peer] = selectors.EVENT_READ
@@ -213,9 +214,16 @@ class Engine:
 
     def _loop(self) -> None:
         session = self.session
-        left = time.thread_time()  # the engine's CPU outside the plane's wait holds the GIL
+        self._python_since = time.thread_time()  # its CPU outside the plane's wait holds the GIL
+        back_by = time.monotonic()  # when the loop should be back here
         while True:
             now = time.monotonic()
+            if now - back_by > session.timeout:
+                # The engine stood still past the timeout (its process was stopped, or starved
+                # of CPU): what came meanwhile is read before the timers judge anyone by it.
+                self._python_events()
+                self._serve(now)
+                now = time.monotonic()
             self._take_submissions(now)
             timer = session.get_timer()
             if timer is not None and now >= timer:
@@ -230,18 +238,24 @@ class Engine:
             wait = _MAX_WAIT if timer is None else min(_MAX_WAIT, max(0.0, timer - now))
             if self._close_deadline is not None:
                 wait = min(wait, 0.05)
-            self.python_cpu_seconds += time.thread_time() - left
-            why = self.plane.serve(now + wait)
-            left = time.thread_time()
-            if self.trace:
-                self.trace.add_bins(self.plane.trace_bins())
-            if why == _core.PORT_RUNS:
-                self._deliver_runs()
-            session.poll_plane(time.monotonic())
-            if why == _core.PORT_PYTHON:
-                self._python_events()
-            elif why == _core.PORT_ERROR:
-                raise OSError("the datagram plane's wait failed")
+            self._serve(now + wait)
+            back_by = now + wait
+
+    def _serve(self, until: float) -> None:
+        """Wait in the plane (which serves the datagrams) until `until`, or until it has
+        something for Python, and act on that: it looks at the sockets at least once."""
+        self.python_cpu_seconds += time.thread_time() - self._python_since
+        why = self.plane.serve(until)
+        self._python_since = time.thread_time()
+        if self.trace:
+            self.trace.add_bins(self.plane.trace_bins())
+        if why == _core.PORT_RUNS:
+            self._deliver_runs()
+        self.session.poll_plane(time.monotonic())
+        if why == _core.PORT_PYTHON:
+            self._python_events()
+        elif why == _core.PORT_ERROR:
+            raise OSError("the datagram plane's wait failed")
 
     def _deliver_runs(self) -> None:
         """Hand the session the messages of the plane's last read that are Python's."""
