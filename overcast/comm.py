@@ -49,7 +49,10 @@ FULLDUPLEX_MIN_PIECE_BYTES = 64 << 10
 # (so that their calls complete at once); a send past it is sent from the caller's buffer.
 SEND_COPY_ENV = "OVERCAST_SEND_COPY_BYTES"
 DEFAULT_SEND_COPY_BYTES = 256 << 20
-_TAGS = 1 << 32
+# The highest tag is overcast's own: on the torch.distributed backend, rank 0 tells the others
+# the order of a group's calls with it (overcast/distributed/calls.py). Callers have the rest.
+ORDER_TAG = (1 << 32) - 1
+_TAGS = ORDER_TAG
 
 
 
@@ -298,7 +301,7 @@ class Communicator:
     # -- point to point ---------------------------------------------------------------------
     def isend(self, buffer, dst: int, tag: int = 0) -> Work:
         """Send `buffer` (a numpy array or CPU tensor of any dtype: its bytes) to rank `dst`
-        (this rank too) with `tag` (0 to 2^32 - 1), for the recv there that takes this rank and
+        (this rank too) with `tag` (0 to 2^32 - 2), for the recv there that takes this rank and
         tag: the k-th send of a rank and tag meets the k-th such recv, and a recv must take as
         many bytes. Not a collective: no other rank takes part, and it is not numbered among
         the collectives. Its data moves only once the receiver has a recv for it, straight into
@@ -357,6 +360,19 @@ class Communicator:
         work = self.irecv(buffer, src, tag)
         work.wait()
         return work.source
+
+    def tell_order(self, word: bytes) -> None:
+        """Rank 0's word to every other rank, on the tag kept for it (ORDER_TAG), in order:
+        the backend's order of calls. Copied; nothing waits for it to be taken."""
+        for dst in range(1, self.world_size):
+            self._transfer(Transfer("send", self.rank, dst, ORDER_TAG,
+                                    np.frombuffer(word, np.uint8).copy(), self.frame_bytes,
+                                    copied=True))
+
+    def hear_order(self, buffer: np.ndarray) -> Work:
+        """The next word of rank 0's tell_order, into `buffer` (its size)."""
+        return self._transfer(Transfer("recv", self.rank, 0, ORDER_TAG, buffer,
+                                       self.frame_bytes))
 
     @staticmethod
     def _transfer_buffer(buffer, what: str) -> np.ndarray:

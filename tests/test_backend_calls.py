@@ -12,6 +12,8 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
 import overcast.distributed  # noqa: F401  (registers the backend)
 from overcast.cluster.launch import loopback_placements, run_ranks
@@ -130,6 +132,42 @@ def test_calls_made_by_callbacks_take_their_place_and_may_wait_for_later_ones(wo
         assert where == ["MainThread"] if rank == 0 else where[0].startswith(
             f"overcast-pg-0-{world}-0-completer-"), where
     assert time.monotonic() - began < 60
+
+
+def powersgd_buckets(rank):
+    """DDP with PowerSGD over several buckets, rank 1 slow to hand buckets 0 and 1 to its hook:
+    rank 0 makes bucket 1's all_reduce before bucket 0's can complete, so bucket 0's callback
+    makes its all_reduce after it; rank 1 makes bucket 1's once that callback has made its own.
+    Rank 0's order runs on both; the ranks end with the same parameters."""
+    start(timeout=30)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 24), nn.Tanh(), nn.Linear(24, 24), nn.Tanh(),
+                          nn.Linear(24, 8))
+    ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.001)
+    state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1,
+                                        start_powerSGD_iter=2, min_compression_rate=0.5,
+                                        use_error_feedback=True, warm_start=True, random_seed=7)
+
+    def hook(state, bucket):
+        if rank == 1 and bucket.index() < 2:
+            time.sleep(0.2)  # the scenario: this rank's backward is slower here
+        return powerSGD_hook.powerSGD_hook(state, bucket)
+    ddp.register_comm_hook(state, hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    for step in range(5):
+        g = torch.Generator().manual_seed(step * 2 + rank)
+        x, y = torch.randn(6, 16, generator=g), torch.randn(6, 8, generator=g)
+        nn.functional.mse_loss(ddp(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    flat = torch.cat([p.detach().reshape(-1) for p in ddp.parameters()])
+    dist.destroy_process_group()
+    return flat.tolist()
+
+
+def test_powersgd_over_buckets_whose_callbacks_race_the_backward():
+    first, second = run_ranks(powersgd_buckets, loopback_placements(2), timeout=60)
+    assert first == second
 
 
 def completed_by_the_caller(rank):

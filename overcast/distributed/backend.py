@@ -277,7 +277,8 @@ class ProcessGroupOvercast(dist.ProcessGroup):
         self._calling = threading.local()  # the staging of the CUDA call being made, if any
         self._side_streams: dict[torch.device, object] = {}
         self._calls = Calls(f"overcast-{self.communicator.name}",
-                            refuse=self.communicator.refuse)
+                            refuse=self.communicator.refuse,
+                            order=self.communicator if world > 1 else None, timeout=timeout)
         self._lifetime = _Lifetime(self._calls, self._group, timeout)
         self._finalizer = weakref.finalize(self, self._lifetime.close)
 

@@ -3,10 +3,13 @@ group's worker thread; their futures completed by the group's completer threads,
 worker. They follow gloo's contract (a call takes its place in the order when it is made, on the
 calling thread) and keep it where gloo's two threads could not:
 
-- A call made from a future's callback is queued when it is made, like any other: a callback
-  attached to a call already complete runs at once on the attaching thread, one attached before
-  runs on a completer when the call completes, and either way the new call follows every call
-  made before the callback ran.
+- Every rank runs the group's collective calls in rank 0's order: each call has a key naming
+  it alike on every rank (the program's n-th call, or a callback's m-th, the callback named by
+  its future's key and its place among that future's callbacks), rank 0 tells the others the
+  keys in the order its calls are made, and they run theirs in that order. So a call a callback
+  makes (DDP's PowerSGD hook makes some while the backward makes the next bucket's) runs at the
+  same point everywhere, whether the callback ran at once on the attaching thread (its call
+  complete already) or later on a completer.
 - Callbacks never run on the worker, and a completer blocked in a callback (waiting for a later
   call, its future, a future then() made of it, or a lock) has the next completion taken by
   another completer, started when none is idle: a callback may wait for anything the program
@@ -30,13 +33,16 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import hashlib
+import itertools
 import threading
 import time
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
-from overcast.errors import CollectiveTimeoutError, CommunicatorClosedError
+from overcast.errors import CollectiveTimeoutError, CommunicatorClosedError, OvercastError
 from overcast.staging import Staging
 
 
@@ -55,14 +61,87 @@ def _tensors(result) -> list[torch.Tensor]:
     return [t for item in result for t in (item if isinstance(item, (list, tuple)) else [item])]
 
 
+# Every collective call has a key, the same on every rank that makes it: ("call", n) for the n-th
+# call the program makes outside a callback, and (the callback's key, m) for the m-th one a
+# callback makes; a callback's key is (its future's key, j) for the j-th callback attached to it.
+_calling = threading.local()  # the key and count of the callback running on this thread
+
+
+class _Callback:
+    """A callback running: its key, and how many calls it has made."""
+
+    def __init__(self, key: tuple):
+        self.key, self.made = key, 0
+
+
+@contextlib.contextmanager
+def _calling_from(key: tuple):
+    outer = getattr(_calling, "callback", None)
+    _calling.callback = _Callback(key)
+    try:
+        yield
+    finally:
+        _calling.callback = outer
+
+
+def _word(key: tuple) -> bytes:
+    """A call's key as rank 0 tells it (8 bytes of a hash: calls pending at once never share)."""
+    return hashlib.blake2b(repr(key).encode(), digest_size=_WORD_BYTES).digest()
+
+
+_WORD_BYTES = 8
+
+
+class _Future(torch.futures.Future):
+    """A call's future: torch's, whose callbacks (then, add_done_callback) run under their keys,
+    so that the calls they make have the same keys on every rank, whichever thread runs them
+    and whenever they are attached. Futures then() makes are keyed alike (on CPU tensors; on
+    CUDA ones, torch's own then() makes them)."""
+
+    def __init__(self, key: tuple | None, devices=None):
+        super().__init__(devices=devices)
+        self._key, self._cuda, self._attached = key, bool(devices), itertools.count()
+
+    def _keyed(self, callback):
+        if self._key is None:  # a transfer's: no counterpart on the other ranks
+            return callback, None
+        key = (self._key, next(self._attached))
+
+        def run(fut):
+            with _calling_from(key):
+                return callback(fut)
+        return run, key
+
+    def add_done_callback(self, callback) -> None:
+        torch.futures.Future.add_done_callback(self, self._keyed(callback)[0])
+
+    def then(self, callback):
+        run, key = self._keyed(callback)
+        if self._cuda or key is None:
+            return torch.futures.Future.then(self, run)
+        child = _Future(key)
+
+        def chain(fut):
+            try:
+                value = run(fut)
+            except BaseException as err:
+                child.set_exception(err)
+            else:
+                child.set_result(value)
+        torch.futures.Future.add_done_callback(self, chain)
+        return child
+
+
 class Work(dist._Work):
     """A call's handle, as gloo's: wait() raises what the call raised (a Work made by torch from
     a Future alone returns True whatever happened), and honours its timeout; the future's value
     is the call's outputs, so DDP's comm hooks chain on it."""
 
-    def __init__(self, what: str, result, staging: Staging | None, calls: "Calls"):
+    def __init__(self, what: str, result, staging: Staging | None, calls: "Calls",
+                 key: tuple | None = None):
         super().__init__()
         self._what, self._result, self._staging, self._calls = what, result, staging, calls
+        self.key = key
         self._error: BaseException | None = None
         self._source: int | None = None  # a recv's sender
         self._ran = False  # the worker is through with it: its outputs and error are final
@@ -70,10 +149,11 @@ class Work(dist._Work):
         self._done = threading.Event()  # and its callbacks have run
         # on a GPU, the future records an event on the side stream when it completes, and a
         # value() or wait() of it makes the then-current stream wait for it
-        self._fut = torch.futures.Future(devices=[staging.device] if staging else None)
+        self._fut = _Future(key, [staging.device] if staging else None)
         # the future's first callback, before any of the caller's: the call is complete the
         # moment its future is, not once every callback has run (one may wait for this Work)
-        self._fut.add_done_callback(lambda _: self._ran and self._marked.set())
+        torch.futures.Future.add_done_callback(self._fut, lambda _: self._ran and
+                                               self._marked.set())
 
     def _complete(self) -> None:
         """Complete the future (its callbacks run here, on a completer)."""
@@ -151,10 +231,16 @@ class Calls:
     tells the group's other ranks that this rank's call failed before its collectives were
     made."""
 
-    def __init__(self, name: str, refuse=None):
-        self._name, self._refuse = name, refuse
+    def __init__(self, name: str, refuse=None, order=None, timeout: float = 1800.0):
+        self._name, self._refuse, self._timeout = name, refuse, timeout
+        # the communicator rank 0 tells the others the order of calls on (tell_order,
+        # hear_order); None for a group of one
+        self._order = order
         self._lock = threading.Condition()
-        self._calls: collections.deque = collections.deque()  # made, not yet run
+        # collective calls made, not yet run, by their words (_word), in the order made
+        self._calls: collections.OrderedDict = collections.OrderedDict()
+        self._top = 0  # calls the program made outside callbacks
+        self._heard: collections.deque = collections.deque()  # words of rank 0's order
         self._transfers: collections.deque = collections.deque()  # made, not yet posted
         # what the completers do next, in order: complete the future of a call run, or of a
         # transfer that ended
@@ -189,31 +275,83 @@ class Calls:
             return [self.worker, self.poster, *self._completers]
 
     def submit(self, what: str, fn, result, staging: Staging | None = None) -> Work:
-        """A collective call: `fn` runs on the worker, after every call made before it."""
-        return self._queue(self._calls, what, fn, result, staging)
+        """A collective call: `fn` runs on the worker, in rank 0's order of the calls (on rank
+        0, the order they are made)."""
+        with self._lock:
+            self._open(what)
+            callback = getattr(_calling, "callback", None)
+            if callback is None:
+                key, self._top = ("call", self._top), self._top + 1
+            else:
+                key, callback.made = (callback.key, callback.made), callback.made + 1
+            word = _word(key)
+            if self._order is not None and self._order.rank == 0:
+                self._order.tell_order(word)  # under the lock: told in the order made
+            work = Work(what, result, staging, self, key)
+            self._calls[word] = (fn, work)
+            self._lock.notify_all()
+        return work
 
     def submit_transfer(self, what: str, post, result, staging: Staging | None = None,
                         landed=None) -> Work:
         """A point-to-point call: `post()` runs on the poster, after every transfer made before
         it, and returns the communicator's Work of it; the call completes when that does (then
-        `landed()` runs, on a completer), whatever the collectives do meanwhile."""
-        return self._queue(self._transfers, what, (post, landed), result, staging)
-
-    def _queue(self, queue: collections.deque, what: str, fn, result,
-               staging: Staging | None) -> Work:
+        `landed()` runs, on a completer), whatever the collectives do meanwhile. Its callbacks
+        have no key of their own: it has no counterpart on the other ranks."""
         work = Work(what, result, staging, self)
         with self._lock:
-            if self._closed:
-                raise CommunicatorClosedError(f"{what}: the overcast process group is shut down")
-            queue.append((fn, work))
+            self._open(what)
+            self._transfers.append(((post, landed), work))
             self._lock.notify_all()
         return work
 
-    def _take(self, queue: collections.deque):
-        """The next call of `queue`, once there is one; None once closed and it is empty."""
+    def _open(self, what: str) -> None:
+        if self._closed:
+            raise CommunicatorClosedError(f"{what}: the overcast process group is shut down")
+
+    def _take_transfer(self):
+        """The next transfer made, once there is one; None once closed and there is none."""
         with self._lock:
-            self._lock.wait_for(lambda: queue or self._closed)
-            return queue.popleft() if queue else None
+            self._lock.wait_for(lambda: self._transfers or self._closed)
+            return self._transfers.popleft() if self._transfers else None
+
+    def _take_call(self):
+        """The next collective call to run, once there is one; None once closed and every call
+        made has run. Rank 0 runs them in the order made; the others in the order rank 0 tells
+        (a call made from a callback may come at another point of the order on each rank:
+        where it came on rank 0 is where it runs everywhere)."""
+        with self._lock:
+            self._lock.wait_for(lambda: self._calls or self._closed)
+            if not self._calls:
+                return None
+            if self._order is None or self._order.rank == 0:
+                return self._calls.popitem(last=False)[1]
+        word = self._hear()
+        with self._lock:
+            if word is None:  # rank 0 is gone or the group aborted: the calls fail as they run
+                return self._calls.popitem(last=False)[1]
+            if not self._lock.wait_for(lambda: word in self._calls, self._timeout):
+                self._out_of_order()
+                return self._calls.popitem(last=False)[1]
+            return self._calls.pop(word)
+
+    def _hear(self) -> bytes | None:
+        """Rank 0's next word, asked for once a call is made here (an ask waiting with nothing
+        to run would time out an idle group); None if it cannot come."""
+        buffer = np.empty(_WORD_BYTES, np.uint8)
+        try:
+            heard = self._order.hear_order(buffer)
+            heard.wait()
+        except OvercastError:
+            return None
+        return buffer.tobytes()
+
+    def _out_of_order(self) -> None:
+        """Under the lock: rank 0 ran a call this rank has not made within the group's timeout:
+        the ranks' calls differ. The group aborts, naming it."""
+        self._order.abort(f"rank {self._order.rank} has not made, within {self._timeout:.0f} s, "
+                          f"the call rank 0 ran next on the group (every rank makes the same "
+                          f"calls; only those that callbacks make may come in another order)")
 
     def _to_complete(self, step) -> None:
         """Under the lock: `step` for the completers, with one more of them if none is idle (each
@@ -224,7 +362,7 @@ class Calls:
         self._lock.notify_all()
 
     def _work(self) -> None:
-        while (call := self._take(self._calls)) is not None:
+        while (call := self._take_call()) is not None:
             fn, work = call
             _run(fn, work, self._refuse)
             work._ran = True
@@ -235,7 +373,7 @@ class Calls:
             self._lock.notify_all()
 
     def _post(self) -> None:
-        while (call := self._take(self._transfers)) is not None:
+        while (call := self._take_transfer()) is not None:
             (post, landed), work = call
             try:
                 if work._staging is not None:
