@@ -19,7 +19,7 @@ from overcast.protocols.multicast import MulticastGather
 from overcast.protocols.p2p import Transfer
 from overcast.protocols.pairwise import PairwiseAllToAll, sizes_error
 from overcast.protocols.ring import RingAllGather, RingBroadcast, RingReduceScatter
-from overcast.protocols.session import Session
+from overcast.protocols.session import EARLY_STREAM_BYTES, EARLY_STREAM_ENV, Session
 from overcast.protocols.budget import LinkBudget
 from overcast.protocols.innetwork import InNetworkReduceScatter
 from overcast.schedules.ring import DEFAULT_FRAME_BYTES
@@ -79,6 +79,9 @@ class Communicator:
     (default: OVERCAST_LOSS, OVERCAST_LOSS_BURST, OVERCAST_LOSS_SEED). `switch` is the
     aggregator for in-network reduction, "host:port" (default: OVERCAST_SWITCH). With `trace`,
     the engine records each collective's span and bytes over time (see `trace()`).
+    `early_stream_bytes` is the most this rank holds of what peers sent on their streams for
+    collectives it has not issued yet (default: OVERCAST_EARLY_STREAM_BYTES, else 256 MiB):
+    a peer further ahead fails the communicator on every rank, with an error naming it.
 
     Making it proves multicast delivered (overcast.transport.probe): `multicast_unheard` is,
     alike on every rank, each rank's list of the ranks whose multicast it did not hear, and
@@ -101,7 +104,7 @@ class Communicator:
                  link_bits_per_s: float | None = None, roots: int | None = None,
                  pacing_share: float = DEFAULT_PACING_SHARE, loss: LossSpec | None = None,
                  switch: str | None = None, trace: bool = False,
-                 fail_peers_on_bad_input: bool = True):
+                 fail_peers_on_bad_input: bool = True, early_stream_bytes: int | None = None):
         self.rank = int(os.environ["RANK"]) if rank is None else rank
         self.world_size = int(os.environ["WORLD_SIZE"]) if world_size is None else world_size
         self.name, self.timeout, self.frame_bytes = name, timeout, frame_bytes
@@ -116,6 +119,10 @@ class Communicator:
         if link_bits_per_s is not None:
             check_link_rate(link_bits_per_s)
         check_roots(roots, self.world_size)
+        if early_stream_bytes is None:
+            early_stream_bytes = bytes_from_env(EARLY_STREAM_ENV, EARLY_STREAM_BYTES)
+        check_count("the bytes held for collectives not issued", early_stream_bytes, 0,
+                    f"{EARLY_STREAM_ENV}, early_stream_bytes")
         require(0 < pacing_share <= 1, "the pacing share", "a fraction above 0, at most 1",
                 pacing_share, "pacing_share")
         self.link_bits_per_s = link_bits_per_s
@@ -145,7 +152,8 @@ class Communicator:
                                   reduction_batch=reduction_batch(uplink, datagram))
         plane = _core.Plane(self.rank, self.world_size, links.job, links.comm, links.key,
                             links.sealer.native)
-        session = Session(self.rank, self.world_size, timeout, links.drops, plane)
+        session = Session(self.rank, self.world_size, timeout, links.drops, plane,
+                          early_stream_bytes)
         self._engine = Engine(links, session, self.loss, Trace() if trace else None)
         self._lock = threading.Lock()
         self._seq = 0

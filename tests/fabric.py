@@ -1,9 +1,7 @@
 """An in-memory network for sans-I/O protocol tests: sessions exchange messages through queues,
 on a clock the test controls.
 
-Stream routes stay in order per pair of ranks, as TCP keeps them, and a receiver's session may
-stop reading a sender's (Session.paused_peers): what it sent waits here, as in TCP's buffers.
-Datagram and multicast routes
+Stream routes stay in order per pair of ranks, as TCP keeps them. Datagram and multicast routes
 may lose, duplicate and reorder, from a seeded generator; multicast goes to every other rank.
 With `runs` above 1, datagrams that one sender queued back to back are delivered up to that
 many at once, as a run (overcast.wire.runs), as a GRO read hands them on.
@@ -100,8 +98,7 @@ class Fabric:
     def step(self) -> bool:
         """Deliver one message from a randomly chosen pair; False if none is left."""
         self._collect()
-        paused = {(src, dst) for dst, s in enumerate(self.sessions) for src in s.paused_peers()}
-        pairs = [("s", p) for p, q in self.streams.items() if q and p not in paused] + \
+        pairs = [("s", p) for p, q in self.streams.items() if q] + \
                 [("d", p) for p, q in self.datagrams.items() if q]
         if not pairs:
             return False

@@ -11,7 +11,6 @@ import overcast
 from by_hand import rank_1_by_hand
 from overcast.buffers import BFLOAT16
 from overcast.cluster.launch import loopback_placements, run_ranks
-from overcast.protocols.session import EARLY_STREAM_BYTES
 from overcast.wire.header import Kind
 
 DTYPES = ["uint8", "int8", "int32", "int64", "float16", "bfloat16", "float32", "float64"]
@@ -142,11 +141,10 @@ def read_to_the_end(sock):
         pass
 
 
-def test_a_peer_far_ahead_is_read_up_to_a_limit_until_its_calls_are_issued():
+def test_a_peer_far_ahead_is_read_in_full_and_its_calls_complete_once_issued():
     """Rank 1 (by hand) sends rank 0 its part of ten ring AllGathers of 4 MiB per rank that
-    rank 0 has not issued: 40 MiB of frames. Rank 0 holds them only up to the session's limit
-    (and what one read brings past it), then reads no more of that stream: the rest waits on
-    rank 1's side, its send blocked. Issued, the ten read on and complete exact."""
+    rank 0 has not issued: 40 MiB of frames. Rank 0 reads them all at once (rank 1's send is
+    never held up) and holds them; issued, the ten complete exact and nothing is held after."""
     count, frame, ahead = 1 << 20, 1 << 20, 10
     with rank_1_by_hand(timeout=60, frame_bytes=frame) as (comm, links):
         sock = links.streams[0]
@@ -155,10 +153,9 @@ def test_a_peer_far_ahead_is_read_up_to_a_limit_until_its_calls_are_issued():
                   for j, part in enumerate(np.split(np.full(count, 100 + seq, np.int32), 4))]
         sender = threading.Thread(target=lambda: [sock.sendall(f) for f in frames])
         sender.start()
-        sender.join(timeout=2)
-        assert sender.is_alive()  # blocked: rank 0 stopped reading
-        held = comm._engine.session.early_stream_bytes[1]
-        assert held <= EARLY_STREAM_BYTES + (2 << 20), held
+        sender.join(timeout=30)
+        assert not sender.is_alive()  # rank 0 took all 40 MiB
+        session = comm._engine.session
         reader = threading.Thread(target=read_to_the_end, args=(sock,))
         reader.start()  # rank 1 takes what rank 0 sends, until rank 0 closes
         outs = [np.empty(2 * count, np.int32) for _ in range(ahead)]
@@ -166,7 +163,7 @@ def test_a_peer_far_ahead_is_read_up_to_a_limit_until_its_calls_are_issued():
                  for seq in range(ahead)]
         for work in works:
             work.wait(timeout=60)
-        sender.join()
+        assert session._early_stream_total == 0 and not session.early
     reader.join()
     for seq, out in enumerate(outs):
         assert (out[:count] == seq).all() and (out[count:] == 100 + seq).all()

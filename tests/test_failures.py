@@ -3,6 +3,7 @@ turned into errors in bounded time, and a peer that stops reading; forged, forei
 datagrams dropped and counted."""
 
 import os
+import re
 import signal
 import socket
 import threading
@@ -208,6 +209,106 @@ def test_a_done_collective_whose_peer_stops_reading_fails_at_the_timeout():
             work.wait(timeout=10)
         assert "was done, but rank 1 did not take its last frames within 1.0 s" in \
             str(err.value)
+
+
+def with_store(body, world, env=None):
+    """run_ranks(body) with body(rank, store): a store of the test's own to tell ranks apart
+    what the communicator's would not."""
+    def run(rank, port):
+        store = StoreClient("127.0.0.1", port, 30)
+        try:
+            return body(rank, store)
+        finally:
+            store.close()
+
+    server = StoreServer("127.0.0.1", 0)
+    try:
+        return run_ranks(run, loopback_placements(world, env), args=(server.port,), timeout=90)
+    finally:
+        server.close()
+
+
+def rank_0_ahead(count, ahead, then):
+    """body(rank, store) for with_store: rank 0 issues `ahead` ring AllGathers of `count` int32
+    a rank that rank 1 has not issued, and returns then(comm, works); rank 1 waits until it has,
+    then issues one and returns how it ended."""
+    def body(rank, store):
+        with overcast.Communicator(timeout=30) as comm:
+            comm.barrier()
+            if rank == 1:
+                store.get("rank 0 is done")
+                return outcome(lambda: ag(comm, count, np.int32))
+            works = [comm.all_gather(np.empty(2 * count, np.int32), np.zeros(count, np.int32),
+                                     async_op=True) for _ in range(ahead)]
+            result = then(comm, works)
+            store.set("rank 0 is done", b"1")
+            return result
+    return body
+
+
+def test_a_rank_far_ahead_that_closes_closes_at_once_and_is_named():
+    """Rank 0 issues ten ring AllGathers of 4 MiB a rank that rank 1 has not issued: rank 1
+    reads all 40 MiB and holds them. Rank 0 then closes with the ten pending: its close does not
+    wait on rank 1, and rank 1's next call fails from rank 0's word, naming it."""
+    count, ahead = 1 << 20, 10
+
+    def close_once_sent(comm, works):
+        deadline = time.monotonic() + 30
+        while comm.counters()["stream_bytes_out"] < ahead * 4 * count and \
+                time.monotonic() < deadline:  # until rank 1 has taken them all
+            threading.Event().wait(0.01)
+        return [comm.counters()["stream_bytes_out"], outcome(comm.close)]
+
+    (sent, (name, _, close_seconds)), (error, message, _) = with_store(
+        rank_0_ahead(count, ahead, close_once_sent), 2)
+    assert sent >= ahead * 4 * count
+    assert name == "ok" and close_seconds < 5.0  # not the close's 10 s bound on flushing
+    assert error == "PeerFailureError", message
+    assert message.startswith("rank 0 closed the communicator with all_gather"), message
+
+
+def test_past_the_limit_held_every_rank_fails_naming_the_rank_ahead():
+    """With OVERCAST_EARLY_STREAM_BYTES at 1 MiB, rank 0 issues ten ring AllGathers of 1 MiB a
+    rank that rank 1 has not issued: every rank raises rank 1's words, which name rank 0, how
+    far ahead it is and the setting to raise; rank 1's call issued after raises them too."""
+    count, ahead = 1 << 18, 10
+    failed, (name, message, elapsed) = with_store(
+        rank_0_ahead(count, ahead, lambda comm, works: [outcome(w.wait)[:2] for w in works]),
+        2, {"OVERCAST_EARLY_STREAM_BYTES": str(1 << 20)})
+    assert name == "OvercastError" and elapsed < 1.0, message
+    assert re.fullmatch(r"rank 0 is \d+ collectives ahead of rank 1: rank 1 holds .* from it "
+                        r"for collectives #1 to #\d+, which it has not issued yet: .* B in all, "
+                        r"past its limit of 1,048,576 B; raise early_stream_bytes \(the "
+                        r"Communicator's, or OVERCAST_EARLY_STREAM_BYTES\) to let a rank fall "
+                        r"further behind", message), message
+    assert failed == [["OvercastError", f"{message} (reported by rank 1)"]] * ahead
+
+
+def test_a_rank_that_stood_still_past_its_timeout_reads_what_came_before_it_judges():
+    """Rank 1 (timeout 1 s) issues a ring AllGather and is stopped (SIGSTOP) for 2.5 s; rank 0
+    issues its part meanwhile, which waits in rank 1's socket. Continued, rank 1 reads it
+    before its timers judge the call, which completes, rather than failing for the time it
+    stood still."""
+    def body(rank, store):
+        with overcast.Communicator(timeout=1.0 if rank == 1 else 30.0) as comm:
+            comm.barrier()
+            out = np.empty(2000, np.int32)
+            if rank == 1:
+                work = comm.all_gather(out, np.full(1000, 1, np.int32), async_op=True)
+                store.set("pid", str(os.getpid()).encode())
+                result = outcome(work.wait)[:2]
+            else:
+                pid = int(store.get("pid"))
+                os.kill(pid, signal.SIGSTOP)
+                try:
+                    work = comm.all_gather(out, np.zeros(1000, np.int32), async_op=True)
+                    threading.Event().wait(2.5)  # rank 1 stands still past its timeout
+                finally:
+                    os.kill(pid, signal.SIGCONT)
+                result = outcome(work.wait)[:2]
+            return result + [bool((out[:1000] == 0).all() and (out[1000:] == 1).all())]
+
+    assert with_store(body, 2) == [["ok", "", True]] * 2
 
 
 def test_silent_rank_gives_the_others_a_timeout_naming_what_they_waited_for():

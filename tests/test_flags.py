@@ -153,7 +153,9 @@ def test_a_flag_out_of_range_is_one_line_on_the_command_line_and_in_the_api(case
     (dict(frame_bytes=(1 << 26) + 1), FRAME.format((1 << 26) + 1)),
     (dict(link_bits_per_s=-1e6), RATE.format(-1)),
     (dict(pacing_share=1.5), "the pacing share must be a fraction above 0, at most 1, not 1.5 "
-                             "(pacing_share)")])
+                             "(pacing_share)"),
+    (dict(early_stream_bytes=-1), "the bytes held for collectives not issued must be 0 or more, "
+                                  "not -1 (OVERCAST_EARLY_STREAM_BYTES, early_stream_bytes)")])
 def test_communicator_settings_are_checked_before_rendezvous(kwargs, line):
     """The store given is not one: were rendezvous reached, it would fail otherwise."""
     with pytest.raises(InvalidArgumentError) as err:

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from fabric import Fabric
-from overcast.errors import (CollectiveTimeoutError, InvalidArgumentError, PeerFailureError,
-                             ProtocolError, Rejected)
+from overcast.errors import (CollectiveTimeoutError, InvalidArgumentError, OvercastError,
+                             PeerFailureError, ProtocolError, Rejected)
 from overcast.protocols.base import STREAM, Descriptor
 from overcast.protocols.p2p import OFFERS_HELD, Transfer
 from overcast.protocols.ring import RingAllGather
@@ -175,33 +175,34 @@ def test_what_a_peer_may_not_say_on_its_stream_aborts(case, reason):
         assert isinstance(fabric.sessions[0].error, ProtocolError)
 
 
-def test_a_recv_is_served_past_the_limit_of_what_is_held_for_later_collectives():
-    """Rank 0 runs ahead in collectives rank 1 has not posted, past the bytes rank 1 holds for
-    them, then sends: rank 1's stream from rank 0 is paused, but its recv from rank 0 (or from
-    anyone) is served, as a collective in flight would be."""
+def test_a_recv_is_served_while_messages_for_later_collectives_are_held():
+    """Rank 0 runs ahead in collectives rank 1 has not posted, then sends: rank 1 holds what
+    came for the collectives and serves its recv from rank 0 (or from anyone) all the same."""
     for src in (0, None):
-        fabric = Fabric(2, early_stream_bytes=1000)
+        fabric = Fabric(2)
         for seq in range(3):
             desc = Descriptor("all_gather", "ring", np.dtype(np.uint8), 600)
             fabric.post(0, RingAllGather(seq, 0, 2, desc, np.empty(1200, np.uint8),
                                          np.zeros(600, np.uint8), 64))
-        fabric.run()
-        assert 0 in fabric.sessions[1].paused_peers()
         out = send(fabric, 0, 1, payload(30, 0))
+        fabric.run()
         into = recv(fabric, 1, src, 30)
         fabric.run()
         assert out.done and into.done and bytes(into.buffer) == payload(30, 0)
+        assert len(fabric.sessions[1].early) == 3
 
 
-def test_a_peer_that_offers_without_end_is_read_no_further():
-    """Past OFFERS_HELD offers waiting for a recv, the peer's stream is paused (TCP holds the
-    rest on its side), unless a recv here waits on it."""
+def test_a_peer_that_offers_without_end_fails_the_communicator_naming_it():
+    """Past OFFERS_HELD offers waiting for a recv, the communicator fails on both ranks, naming
+    the rank that sent them; the sends fail with it."""
     fabric = Fabric(2)
-    session = fabric.sessions[1]
-    for _ in range(OFFERS_HELD + 1):
-        send(fabric, 0, 1, b"", tag=1)
-    while fabric.step():
-        pass
-    assert session.paused_peers() == {0}
-    recv(fabric, 1, 0, 0, tag=2)
-    assert session.paused_peers() == set()
+    sends = [send(fabric, 0, 1, b"", tag=1) for _ in range(OFFERS_HELD + 1)]
+    fabric.run()
+    error = fabric.sessions[1].error
+    assert type(error) is OvercastError
+    assert str(error) == (f"rank 0 sent rank 1 more than {OFFERS_HELD} messages that no recv on "
+                          f"rank 1 has taken: past that many held, the communicator fails "
+                          f"(rank 1 must post recvs for them sooner)")
+    assert str(fabric.sessions[0].error) == f"{error} (reported by rank 1)"
+    assert all(str(op.error) == f"{error} (reported by rank 1)" for op in sends)
+    assert fabric.sessions[1].p2p.offers_held(0) == 0

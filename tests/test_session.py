@@ -1,12 +1,15 @@
 """The ring protocols and the session's cross-rank checks, without sockets: deterministic."""
 
+import re
+
 import numpy as np
 import pytest
 
 from fabric import Fabric
 from overcast.buffers import BFLOAT16
 from overcast.errors import (CollectiveMismatchError, CollectiveTimeoutError,
-                             InvalidArgumentError, PeerFailureError, ProtocolError)
+                             InvalidArgumentError, OvercastError, PeerFailureError,
+                             ProtocolError)
 from overcast.protocols.base import Descriptor
 from overcast.protocols.budget import LinkBudget
 from overcast.protocols.innetwork import InNetworkReduceScatter
@@ -251,34 +254,98 @@ def check_gathers(posted, count=250):
         assert out.tobytes() == expect.tobytes()
 
 
-def test_stream_messages_for_collectives_not_posted_are_held_up_to_a_limit():
-    """Rank 0 issues ten ring AllGathers (about 1.2 kB of frames each to rank 1), rank 1 none
-    yet: rank 1 holds what comes for them only up to its limit (and the frame that passed it),
-    then reads no more of rank 0's stream, whose frames wait in the network as TCP would keep
-    them. Once rank 1 issues the ten, it reads on, and every result is exact."""
-    limit = 3000
-    fabric = Fabric(2, early_stream_bytes=limit)
+def held_stream_bytes(fabric, rank):
+    """What rank `rank` holds for collectives not posted, by the counts and by the messages."""
+    session = fabric.sessions[rank]
+    messages = sum(HEADER_BYTES + len(payload) for held in session.early.values()
+                   for _, payload in held)
+    return session._early_stream_total, sum(session.early_stream_bytes.values()), messages
+
+
+def test_stream_messages_for_collectives_not_posted_are_read_held_and_counted():
+    """Rank 0 issues ten ring AllGathers, rank 1 none yet: rank 1 reads all of rank 0's stream
+    and holds every message, counted to the byte; once it issues the ten, every result is
+    exact and nothing is held or counted."""
+    fabric = Fabric(2)
     first = ring_gathers(fabric, 0, range(10))
     fabric.run()
-    held = fabric.sessions[1].early_stream_bytes[0]
-    assert limit < held <= limit + HEADER_BYTES + 256
-    assert fabric.sessions[1].paused_peers() == {0} and fabric.streams[(0, 1)]
+    assert not fabric.streams[(0, 1)]
+    total, by_sender, messages = held_stream_bytes(fabric, 1)
+    assert total == by_sender == messages > 10 * 1000
     second = ring_gathers(fabric, 1, range(10))
     fabric.run()
     check_gathers(first + second)
-    assert fabric.sessions[1].paused_peers() == set() and not fabric.sessions[1].early
+    assert held_stream_bytes(fabric, 1) == (0, 0, 0) and not fabric.sessions[1].early
 
 
-def test_a_stream_that_a_collective_in_flight_waits_on_is_read_past_the_limit():
-    """Rank 1 issues #0 while rank 0 has issued #0-#9: rank 0 sends their frames interleaved,
-    so #0's last ones come behind more than the limit of the others'. Rank 1 reads on while #0
-    waits on that stream; once #0 is done, it stops."""
-    fabric = Fabric(2, early_stream_bytes=3000)
-    first = ring_gathers(fabric, 0, range(10))
-    second = ring_gathers(fabric, 1, [0])
+def test_past_the_limit_held_every_rank_fails_naming_the_peer_ahead_and_the_setting():
+    """Rank 0 issues ten ring AllGathers (about 1.2 kB of frames each to rank 1), rank 1 none,
+    with 3000 B the most rank 1 holds for collectives not issued: the communicator fails on
+    every rank with rank 1's words, which say who is ahead, by how much, and what to raise; and
+    so do the calls rank 1 issues after."""
+    fabric = Fabric(3, early_stream_bytes=3000)
+    first = ring_gathers(fabric, 0, range(10)) + ring_gathers(fabric, 2, range(10))
     fabric.run()
-    check_gathers(second)
-    assert fabric.sessions[1].paused_peers() == {0}
-    second += ring_gathers(fabric, 1, range(1, 10))
+    error = fabric.sessions[1].error
+    said = re.fullmatch(
+        r"rank 0 is (\d+) collectives ahead of rank 1: rank 1 holds [\d.]+ KiB from it for "
+        r"collectives #0 to #(\d+), which it has not issued yet: 3,\d{3} B in all, past its "
+        r"limit of 3,000 B; raise early_stream_bytes \(the Communicator's, or "
+        r"OVERCAST_EARLY_STREAM_BYTES\) to let a rank fall further behind", str(error))
+    assert type(error) is OvercastError and said, error
+    assert int(said[1]) == int(said[2]) + 1
+    for coll, _ in first:
+        assert type(coll.error) is OvercastError
+        assert str(coll.error) == f"{error} (reported by rank 1)"
+    late = ring_gathers(fabric, 1, [0])[0][0]
+    assert late.error is error
+    assert held_stream_bytes(fabric, 1) == (0, 0, 0)
+
+
+def test_an_abort_behind_what_a_peer_far_ahead_sent_is_read_at_once():
+    """Rank 0 runs 20 MiB ahead of rank 1 (five ring AllGathers of 4 MiB per rank, not issued
+    on rank 1), then aborts: rank 1 reads on to the ABORT and fails with rank 0's reason as soon
+    as it arrives, the clock not moved, rather than at its timeout."""
+    fabric = Fabric(2)
+    count, frame = 1 << 20, 1 << 20
+    ring_gathers(fabric, 0, range(5), count, frame)
     fabric.run()
-    check_gathers(first + second)
+    assert held_stream_bytes(fabric, 1)[0] > 5 * 4 * count
+    fabric.sessions[0].abort(OvercastError("rank 0's user gave up"))
+    fabric.run()
+    assert str(fabric.sessions[1].error) == "rank 0's user gave up (reported by rank 0)"
+    assert fabric.now == 0.0
+
+
+def test_what_was_held_is_counted_off_once_when_a_replay_aborts():
+    """Rank 1 holds rank 0's DESCRIBE and frames of #0, then issues a #0 of another size: the
+    DESCRIBE replayed first aborts, and the frames replayed after it are stale, not counted off
+    a second time."""
+    fabric = Fabric(2)
+    ring_gathers(fabric, 0, [0])
+    fabric.run()
+    assert held_stream_bytes(fabric, 1)[0] > 1000
+    desc = Descriptor("all_gather", "ring", np.dtype(np.int32), 251)
+    mine = RingAllGather(0, 1, 2, desc, np.empty(502, np.int32), np.zeros(251, np.int32), 256)
+    fabric.post(1, mine)
+    assert isinstance(mine.error, CollectiveMismatchError)
+    assert held_stream_bytes(fabric, 1) == (0, 0, 0)
+
+
+def test_what_was_held_for_collectives_a_closed_peer_never_issued_is_let_go():
+    """Rank 2 closes after #0; rank 0 had issued #1-#10 already, whose frames rank 1 holds.
+    Rank 1's #1-#10 fail as they are posted (rank 2 never issued them), and what was held for
+    each goes with it, counted as stale."""
+    fabric = Fabric(3)
+    first = [posted for rank in range(3) for posted in ring_gathers(fabric, rank, [0])]
+    fabric.run()
+    check_gathers(first)
+    ring_gathers(fabric, 0, range(1, 11))
+    fabric.sessions[2].close()
+    fabric.run()
+    assert held_stream_bytes(fabric, 1)[0] > 10 * 1000
+    stale = fabric.sessions[1].stale
+    later = ring_gathers(fabric, 1, range(1, 11))
+    assert all(isinstance(coll.error, PeerFailureError) for coll, _ in later)
+    assert held_stream_bytes(fabric, 1) == (0, 0, 0) and not fabric.sessions[1].early
+    assert fabric.sessions[1].stale > stale + 10

@@ -7,7 +7,8 @@ import pytest
 
 from overcast.native import _core
 from overcast.wire.auth import STREAM_COPY_BYTES, Drops, Opener, Sealer, derive_key, job_id_of
-from overcast.wire.header import HEADER_BYTES, OVERHEAD_BYTES, TAG_BYTES, Kind, unpack_header
+from overcast.wire.header import (HEADER_BYTES, OVERHEAD_BYTES, TAG_BYTES, VERSION, Kind,
+                                  unpack_header)
 
 SECRET = b"s" * 32
 KEY = derive_key(SECRET, b"salt-one", b"comm")
@@ -39,6 +40,7 @@ def test_keys_differ_per_salt_and_label():
     (lambda f: f[:10], "malformed"),                                   # short
     (lambda f: b"XX" + f[2:], "malformed"),                             # magic
     (lambda f: f[:2] + bytes([9]) + f[3:], "malformed"),                # version
+    (lambda f: f[:2] + bytes([VERSION - 1]) + f[3:], "malformed"),      # the version before
     (lambda f: f[:3] + bytes([200]) + f[4:], "malformed"),              # unknown kind
     (lambda f: f + b"extra", "malformed"),                              # length disagrees
     (lambda f: f[:HEADER_BYTES] + bytes([f[HEADER_BYTES] ^ 1]) + f[HEADER_BYTES + 1:],

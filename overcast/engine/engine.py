@@ -112,10 +112,10 @@ class Engine:
         for peer, sock in links.switches.items():  # kept open: an aggregator's death is seen at once
             self.streams[peer] = Stream(sock, peer, links.opener)
         self._selector = selectors.DefaultSelector()
-        self._masks: dict[int, int] = {}  # what each stream is watched for (0: not at all)
-        self._paused: set[int] = set()  # peers whose streams are not read (Session.paused_peers)
+        self._masks: dict[int, int] = {}  # what each stream is watched for
         self._closed_bytes = [0, 0]  # bytes out, in, of streams already closed
         self.python_cpu_seconds = 0.0  # the engine thread's CPU outside the plane's wait
+        self._python_since = 0.0  # the engine thread's CPU time when it last left the wait
         for stream in self.streams.values():
             self._selector.register(stream, selectors.EVENT_READ, stream)
             self._masks[stream.peer] = selectors.EVENT_READ
@@ -214,9 +214,16 @@ class Engine:
 
     def _loop(self) -> None:
         session = self.session
-        left = time.thread_time()  # the engine's CPU outside the plane's wait holds the GIL
+        self._python_since = time.thread_time()  # its CPU outside the plane's wait holds the GIL
+        back_by = time.monotonic()  # when the loop should be back here
         while True:
             now = time.monotonic()
+            if now - back_by > session.timeout:
+                # The engine stood still past the timeout (its process was stopped, or starved
+                # of CPU): what came meanwhile is read before the timers judge anyone by it.
+                self._python_events()
+                self._serve(now)
+                now = time.monotonic()
             self._take_submissions(now)
             timer = session.get_timer()
             if timer is not None and now >= timer:
@@ -224,7 +231,6 @@ class Engine:
                 timer = session.get_timer()
             self._fill_and_flush()
             self._report()
-            self._pause_reads()
             if self._close_deadline is not None:
                 if not any(s.queued_bytes for s in self.streams.values()) \
                         and not session.pending_routes() or now >= self._close_deadline:
@@ -232,18 +238,24 @@ class Engine:
             wait = _MAX_WAIT if timer is None else min(_MAX_WAIT, max(0.0, timer - now))
             if self._close_deadline is not None:
                 wait = min(wait, 0.05)
-            self.python_cpu_seconds += time.thread_time() - left
-            why = self.plane.serve(now + wait)
-            left = time.thread_time()
-            if self.trace:
-                self.trace.add_bins(self.plane.trace_bins())
-            if why == _core.PORT_RUNS:
-                self._deliver_runs()
-            session.poll_plane(time.monotonic())
-            if why == _core.PORT_PYTHON:
-                self._python_events()
-            elif why == _core.PORT_ERROR:
-                raise OSError("the datagram plane's wait failed")
+            self._serve(now + wait)
+            back_by = now + wait
+
+    def _serve(self, until: float) -> None:
+        """Wait in the plane (which serves the datagrams) until `until`, or until it has
+        something for Python, and act on that: it looks at the sockets at least once."""
+        self.python_cpu_seconds += time.thread_time() - self._python_since
+        why = self.plane.serve(until)
+        self._python_since = time.thread_time()
+        if self.trace:
+            self.trace.add_bins(self.plane.trace_bins())
+        if why == _core.PORT_RUNS:
+            self._deliver_runs()
+        self.session.poll_plane(time.monotonic())
+        if why == _core.PORT_PYTHON:
+            self._python_events()
+        elif why == _core.PORT_ERROR:
+            raise OSError("the datagram plane's wait failed")
 
     def _deliver_runs(self) -> None:
         """Hand the session the messages of the plane's last read that are Python's."""
@@ -311,9 +323,8 @@ class Engine:
 
     def _read(self, stream: Stream) -> None:
         deliver = self._deliverer(time.monotonic(), datagram=False)
-        try:  # a read holds at most one recv past the session's limit of what comes early
-            stream.read(lambda hdr, payload: deliver(Run.one(hdr, payload)),
-                        lambda: stream.peer not in self.session.paused_peers())
+        try:
+            stream.read(lambda hdr, payload: deliver(Run.one(hdr, payload)))
         except StreamClosed:
             self._lose(stream)
 
@@ -331,31 +342,11 @@ class Engine:
             if stream.peer in self.streams:
                 self._lose(stream)
             return
-        self._watch(stream)
-
-    def _watch(self, stream: Stream) -> None:
-        """Watch the stream for what the engine wants of it: reading, unless the session holds
-        too much from its peer for collectives not posted yet; writing, while frames wait."""
-        want = (0 if stream.peer in self._paused else selectors.EVENT_READ) | \
-            (selectors.EVENT_WRITE if stream.queued_bytes else 0)
-        have = self._masks[stream.peer]
-        if want == have:
-            return
-        if not have:
-            self._selector.register(stream, want, stream)
-        elif not want:
-            self._selector.unregister(stream)
-        else:
+        # always read (a peer's death or ABORT is seen at once); written while frames wait
+        want = selectors.EVENT_READ | (selectors.EVENT_WRITE if stream.queued_bytes else 0)
+        if self._masks[stream.peer] != want:
             self._selector.modify(stream, want, stream)
-        self._masks[stream.peer] = want
-
-    def _pause_reads(self) -> None:
-        paused = self.session.paused_peers()
-        if paused != self._paused:
-            changed, self._paused = paused ^ self._paused, paused
-            for peer in changed:
-                if peer in self.streams:
-                    self._watch(self.streams[peer])
+            self._masks[stream.peer] = want
 
     def _fill_and_flush(self) -> None:
         """Seal what the session has for each route and write until the sockets are full.
@@ -398,8 +389,8 @@ class Engine:
         if self.streams.pop(stream.peer, None) is not None:
             self._closed_bytes[0] += stream.bytes_out
             self._closed_bytes[1] += stream.bytes_in
-            if self._masks.pop(stream.peer):
-                self._selector.unregister(stream)
+            self._selector.unregister(stream)
+            self._masks.pop(stream.peer)
             stream.close()
 
     def _report(self) -> None:

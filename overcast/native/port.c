@@ -183,7 +183,7 @@ int oc_port_serve(oc_port *port, double until) {
     double cpu0 = thread_cpu();
     int result = -1;
     oc_plane_clear_runs(p);
-    while (result < 0) {
+    for (int looked = 0; result < 0; looked = 1) {
         double now = oc_monotonic();
         double timer = oc_plane_timer(p);
         if (timer >= 0 && now >= timer) {
@@ -195,11 +195,11 @@ int oc_port_serve(oc_port *port, double until) {
             result = OC_PORT_NEWS;
             break;
         }
-        if (now >= until) {
+        if (now >= until && looked) {
             result = OC_PORT_DEADLINE;
             break;
         }
-        double wait = until - now;
+        double wait = now < until ? until - now : 0;
         if (timer >= 0 && timer - now < wait) wait = timer > now ? timer - now : 0;
         if (wait > MAX_WAIT_SECONDS) wait = MAX_WAIT_SECONDS;
         struct epoll_event ready[4];

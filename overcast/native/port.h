@@ -2,8 +2,8 @@
  * and multicast sockets, feeds the plane, seals its outbox into GSO sends, and wakes for its
  * timers; runs until Python has something to do: runs of messages for it (valid until the next
  * call), news of a collective (oc_plane_news), its own descriptor (the engine's selector:
- * streams, submissions) readable, or its deadline. It touches no Python object and runs with
- * the GIL released.
+ * streams, submissions) readable, or its deadline; it looks at its sockets once even when the
+ * deadline has passed already. It touches no Python object and runs with the GIL released.
  *
  * Ownership: the sockets are the caller's (not closed here); the port owns its epoll
  * descriptor, read buffers and the sealed batches the socket could not take yet. */

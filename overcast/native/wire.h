@@ -20,7 +20,7 @@
 #define OC_OVERHEAD_BYTES (OC_HEADER_BYTES + OC_TAG_BYTES)
 #define OC_MAX_PAYLOAD (1u << 26)
 #define OC_MAX_DATAGRAM 65507u
-#define OC_VERSION 1
+#define OC_VERSION 2
 #define OC_KEY_BYTES 16
 #define OC_AGGREGATOR 0xFFFEu
 /* In-network reduction may be striped over several aggregator endpoints (the shards of one or

@@ -222,12 +222,6 @@ class Collective:
     def get_timer(self) -> float | None:
         return None
 
-    def awaits_stream(self, peer: int) -> bool:
-        """Whether something the collective waits for may still come on `peer`'s stream (the
-        session's DESCRIBEs aside): the engine reads such a stream whatever it holds already.
-        Until every byte is in place, any peer's."""
-        return not self.received_all
-
     def native_news(self, now: float) -> None:
         """The rank's native plane has news of this collective (see Session.poll_plane)."""
 

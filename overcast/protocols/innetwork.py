@@ -87,9 +87,6 @@ class InNetworkReduceScatter(Collective):
             self.enter(Phase.DRAINING)
         self._check_done()
 
-    def awaits_stream(self, peer: int) -> bool:
-        return False  # results and credit come by datagram
-
     def withdrawal(self) -> list[tuple[tuple[int, int], Outgoing]]:
         """The aggregator endpoints give the reduction up at once: a peer that refused the call
         never contributes, and the reduction would hold a pool and one of the communicator's

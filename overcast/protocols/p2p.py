@@ -35,8 +35,8 @@ P2P_KINDS = frozenset((Kind.P2P_OFFER, Kind.P2P_ACCEPT, Kind.P2P_REFUSE, Kind.P2
 # OFFER: the tag, then the message's bytes.
 _OFFER = struct.Struct("<IQ")
 _NUMBERS = 1 << 32
-# Offers a peer may have waiting for a recv here before its stream is read no further (unless
-# something here waits on that stream): a peer that sends without end cannot fill this memory.
+# Offers a peer may have waiting for a recv here: past them the communicator aborts (the
+# session), so that a peer that sends without end cannot fill this memory.
 OFFERS_HELD = 1 << 16
 
 
@@ -300,14 +300,9 @@ class PointToPoint:
                                                if o is None or not hit(o))
 
     # -- the session's questions ------------------------------------------------------------
-    def awaits_stream(self, peer: int) -> bool:
-        """Whether a transfer here waits for something on `peer`'s stream."""
-        return any(r.peer in (None, peer) for r in self._recvs) or \
-            any(p == peer for p, _ in self._offered) or any(p == peer for p, _ in self._incoming)
-
-    def flooding(self) -> set[int]:
-        """Peers with more offers waiting here for a recv than OFFERS_HELD."""
-        return {peer for peer, held in self._held.items() if held > OFFERS_HELD}
+    def offers_held(self, peer: int) -> int:
+        """How many of `peer`'s offers wait here for a recv."""
+        return self._held[peer]
 
     def timer(self, timeout: float) -> float | None:
         return min((op.progress_at + timeout for op in self.pending()), default=None)

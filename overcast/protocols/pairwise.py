@@ -173,10 +173,6 @@ class PairwiseAllToAll(Collective):
             self.enter(Phase.DRAINING)
         self._check_done()
 
-    def awaits_stream(self, peer: int) -> bool:
-        return peer not in self.heard or peer in self.unpulled or \
-            self.arrived[peer] < len(self.layouts[peer])
-
     def waiting_for(self) -> str:
         short = [f"the split sizes of rank {p}" for p in sorted(self.peers - self.heard)]
         short += [f"frames from rank {p}: {self.arrived[p]} of {len(self.layouts[p])}"

@@ -55,9 +55,6 @@ class _RingStream(Collective):
             self.enter(Phase.DRAINING)
         self._check_done()
 
-    def awaits_stream(self, peer: int) -> bool:
-        return peer == self.predecessor and not self.received_all
-
     def waiting_for(self) -> str:
         return (f"frames from rank {self.predecessor}: {self.arrived} of {self.expected} "
                 f"arrived")

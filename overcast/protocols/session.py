@@ -14,7 +14,8 @@ from overcast.errors import (CollectiveMismatchError, CollectiveTimeoutError,
 from overcast.native import _core
 from overcast.protocols.base import DATAGRAM, MULTICAST, STREAM, Collective, Descriptor, \
     Outgoing
-from overcast.protocols.p2p import P2P_KINDS, PointToPoint, Transfer
+from overcast.protocols.p2p import OFFERS_HELD, P2P_KINDS, PointToPoint, Transfer
+from overcast.units import human_bytes
 from overcast.wire.header import ANY, HEADER_BYTES, Kind, MalformedError, is_aggregator
 from overcast.wire.messages import pack_abort, pack_goodbye, unpack_abort, unpack_goodbye
 from overcast.wire.runs import Run
@@ -29,11 +30,11 @@ _DESCRIBED = (Kind.MCAST_END, Kind.REPAIR_REQUEST)
 DATAGRAM_KINDS = frozenset((Kind.MCAST_DATA, Kind.CONTRIB, Kind.RESULT, Kind.RESULT_ACK,
                              Kind.CREDIT, Kind.WITHDRAW))
 EARLY_DATAGRAM_BYTES = 16 * 1024 * 1024
-# Stream messages for collectives not posted yet are never dropped (a stream is reliable): past
-# this many bytes held, the engine stops reading the peers that sent them (TCP then holds the
-# rest on their side) until the collectives are posted, unless something in flight here waits
-# on that peer's stream (Session.paused_peers).
-EARLY_STREAM_BYTES = 16 * 1024 * 1024
+# Stream messages for collectives not posted yet are never dropped (a stream is reliable) and
+# every stream is always read (a peer's death or ABORT is seen at once): past this many bytes
+# held in all, the communicator aborts, naming the peer that is furthest ahead.
+EARLY_STREAM_BYTES = 256 << 20
+EARLY_STREAM_ENV = "OVERCAST_EARLY_STREAM_BYTES"
 # How many finished collectives keep their descriptor, to check a DESCRIBE that arrives late.
 _HISTORY = 1024
 
@@ -98,6 +99,8 @@ class Session:
         if coll.seq != self.next_seq:
             raise ValueError(f"collective #{coll.seq} posted, #{self.next_seq} expected")
         self.next_seq += 1
+        # off the counts before any is replayed: a replay that aborts clears them
+        held = self._release(coll.seq)
         if self.error is not None:
             coll.fail(self.error)
             self.finished.append(coll)
@@ -107,12 +110,13 @@ class Session:
                 coll.fail(PeerFailureError(
                     f"rank {peer} closed the communicator after {count} collectives; "
                     f"{coll.desc} #{coll.seq} cannot run"))
+                self.stale += len(held)
                 self.finished.append(coll)
                 return
-        refusal = self._held_refusal(coll.seq)
+        refusal = next((m for m in held if m[0].kind == Kind.REFUSE), None)
         if refusal is not None:  # refused by a peer before it was posted here: never started
-            self._drop_held(coll.seq)
             coll.fail(self._refusal_error(coll, *refusal))
+            self.stale += len(held)
             self._remember(coll.seq, coll.desc)
             self.finished.append(coll)
             return
@@ -132,9 +136,8 @@ class Session:
         except ValueError as err:  # the native plane refuses to run it: the settings given
             self.abort(InvalidArgumentError(f"{coll.desc} #{coll.seq} cannot run on rank "
                                             f"{self.rank}: {err}"))
-        for hdr, payload in self.early.pop(coll.seq, ()):
-            datagram = self._unhold(hdr, payload)
-            self.receive(hdr, payload, now, datagram)
+        for hdr, payload in held:
+            self.receive(hdr, payload, now, hdr.kind in DATAGRAM_KINDS)
         self._settle(coll)
 
     def transfer(self, op: Transfer, now: float) -> None:
@@ -158,34 +161,24 @@ class Session:
             raise ValueError(f"call #{seq} refused, #{self.next_seq} expected")
         self.next_seq += 1
         self._remember(seq, None)
-        self._drop_held(seq)
+        self.stale += len(self._release(seq))
         if self.error is None:
             message = pack_abort(error.abort_code, str(error))
             for peer in range(self.world):
                 if peer != self.rank and peer not in self.closed_peers:
                     self._send_control(Kind.REFUSE, seq, peer, message)
 
-    def _held_refusal(self, seq: int) -> tuple | None:
-        """A peer's REFUSE held for collective `seq`, if one came before it was posted."""
-        return next(((hdr, payload) for hdr, payload in self.early.get(seq, ())
-                     if hdr.kind == Kind.REFUSE), None)
-
-    def _drop_held(self, seq: int) -> None:
-        """Drop what peers sent for collective `seq` before it was posted (it will not run)."""
-        for hdr, payload in self.early.pop(seq, ()):
-            self._unhold(hdr, payload)
-            self.stale += 1
-
-    def _unhold(self, hdr, payload) -> bool:
-        """Take a held message off the counts of what is held; whether it came by datagram
-        (its channel was checked on arrival)."""
-        datagram = hdr.kind in DATAGRAM_KINDS
-        if datagram:
-            self._early_datagram_bytes -= len(payload)
-        else:
-            self.early_stream_bytes[hdr.src] -= HEADER_BYTES + len(payload)
-            self._early_stream_total -= HEADER_BYTES + len(payload)
-        return datagram
+    def _release(self, seq: int) -> list[tuple]:
+        """What peers sent for collective `seq` before it was posted, taken off the counts of
+        what is held (a message's channel was checked on arrival: its kind says which)."""
+        held = self.early.pop(seq, [])
+        for hdr, payload in held:
+            if hdr.kind in DATAGRAM_KINDS:
+                self._early_datagram_bytes -= len(payload)
+            else:
+                self.early_stream_bytes[hdr.src] -= HEADER_BYTES + len(payload)
+                self._early_stream_total -= HEADER_BYTES + len(payload)
+        return held
 
     def _refusal_error(self, coll: Collective, hdr, payload) -> OvercastError:
         try:
@@ -252,6 +245,12 @@ class Session:
                 self.p2p.receive(hdr, run.payload(0), now)
             except Rejected as err:
                 self._misfit(datagram, err.reason, err.__str__)
+                return
+            if kind == Kind.P2P_OFFER and self.p2p.offers_held(hdr.src) > OFFERS_HELD:
+                self.abort(OvercastError(
+                    f"rank {hdr.src} sent rank {self.rank} more than {OFFERS_HELD} messages "
+                    f"that no recv on rank {self.rank} has taken: past that many held, the "
+                    f"communicator fails (rank {self.rank} must post recvs for them sooner)"))
             return
         coll = self.active.get(hdr.seq)
         if coll is None:
@@ -304,20 +303,23 @@ class Session:
         self.early_stream_bytes[hdr.src] += HEADER_BYTES + len(payload)
         self._early_stream_total += HEADER_BYTES + len(payload)
         self.early[hdr.seq].append((hdr, bytes(payload)))
-
-    def paused_peers(self) -> set[int]:
-        """The peers whose streams the engine should not read now: while the stream messages
-        held for collectives not posted here pass the limit, those that sent any, and those
-        with more offers waiting for a recv than p2p.OFFERS_HELD; but for a peer that a
-        collective in flight or a transfer here still waits on (what it waits for may be
-        behind them on the stream)."""
-        flooding = self.p2p.flooding()
         if self._early_stream_total > self.early_stream_limit:
-            flooding |= {peer for peer, held in self.early_stream_bytes.items() if held}
-        return {peer for peer in flooding
-                if not self.p2p.awaits_stream(peer) and
-                not any(coll.awaits_stream(peer) or peer in self.unverified.get(seq, ())
-                        for seq, coll in self.active.items())}
+            self.abort(OvercastError(self._too_far_ahead()))
+
+    def _too_far_ahead(self) -> str:
+        """Why the stream messages held here passed the limit: the peer most is held from, how
+        far ahead it is, and the setting that allows more."""
+        peer, held = self.early_stream_bytes.most_common(1)[0]
+        seqs = [seq for seq, messages in self.early.items()
+                if any(h.src == peer and h.kind not in DATAGRAM_KINDS for h, _ in messages)]
+        also = self._early_stream_total - held
+        others = f" (and {human_bytes(also)} from other ranks)" if also else ""
+        return (f"rank {peer} is {max(seqs) - self.next_seq + 1} collectives ahead of rank "
+                f"{self.rank}: rank {self.rank} holds {human_bytes(held)} from it{others} for "
+                f"collectives #{min(seqs)} to #{max(seqs)}, which it has not issued yet: "
+                f"{self._early_stream_total:,} B in all, past its limit of "
+                f"{self.early_stream_limit:,} B; raise early_stream_bytes (the "
+                f"Communicator's, or {EARLY_STREAM_ENV}) to let a rank fall further behind")
 
     def _misfit(self, datagram: bool, reason: str, message) -> None:
         """A message (or a run of them) that does not fit. A datagram proves only that some rank
@@ -337,10 +339,7 @@ class Session:
             coll = self.active.get(hdr.seq)
             mine = coll.desc if coll is not None else self.history.get(hdr.seq)
             if mine is None:  # not posted yet, refused here, or long finished
-                if hdr.seq >= self.next_seq:
-                    self._hold_stream(hdr, payload)
-                else:
-                    self.stale += 1
+                self._hold(hdr, payload, False)
                 return
             if self._verify(mine, theirs, hdr, coll, now) and coll is not None:
                 self._guard(coll, coll.described_by, hdr.src, payload[Descriptor.SIZE:], now)
@@ -351,10 +350,8 @@ class Session:
                 coll.fail(self._refusal_error(coll, hdr, payload))
                 self.control.extend(coll.withdrawal())
                 self._settle(coll)
-            elif hdr.seq >= self.next_seq:
-                self._hold_stream(hdr, payload)
-            else:  # its collective failed or was refused here already
-                self.stale += 1
+            else:  # not posted yet, or its collective failed or was refused here already
+                self._hold(hdr, payload, False)
         elif hdr.kind == Kind.ABORT:
             try:
                 code, reason = unpack_abort(payload)

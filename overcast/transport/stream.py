@@ -54,15 +54,12 @@ class Stream:
         return len(self._rbuf) + self.queued_bytes
 
     # -- reading ---------------------------------------------------------------------------
-    def read(self, on_message, more=None) -> None:
+    def read(self, on_message) -> None:
         """Read what is available and call on_message(header, payload) per authentic frame.
 
-        The payload view is only valid during the call. Raises StreamClosed at EOF. With
-        `more`, reads after the first only while more() says to.
+        The payload view is only valid during the call. Raises StreamClosed at EOF.
         """
-        for i in range(_READS_PER_EVENT):
-            if i and more is not None and not more():
-                return
+        for _ in range(_READS_PER_EVENT):
             view = memoryview(self._rbuf)
             try:
                 n = self.sock.recv_into(view[self._filled:])

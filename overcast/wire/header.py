@@ -22,7 +22,7 @@ import struct
 from typing import NamedTuple
 
 MAGIC = b"OC"
-VERSION = 1
+VERSION = 2  # 2: chunk size agreed at rendezvous, held stream bytes bounded, order tag
 HEADER = struct.Struct("<2sBBIIIHHIIQ")
 HEADER_BYTES = HEADER.size
 TAG_BYTES = 16

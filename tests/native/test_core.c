@@ -72,8 +72,10 @@ static void test_header(void) {
     bad[0] = 'X';
     CHECK(oc_header_parse(bad, sizeof bad, &back) == -1, "bad magic");
     memcpy(bad, b, sizeof b);
-    bad[2] = 2;
-    CHECK(oc_header_parse(bad, sizeof bad, &back) == -1, "another version");
+    bad[2] = OC_VERSION - 1;
+    CHECK(oc_header_parse(bad, sizeof bad, &back) == -1, "the version before");
+    bad[2] = OC_VERSION + 1;
+    CHECK(oc_header_parse(bad, sizeof bad, &back) == -1, "the version after");
     memcpy(bad, b, sizeof b);
     bad[3] = 99;
     CHECK(oc_header_parse(bad, sizeof bad, &back) == -1, "an unknown kind");
@@ -1319,6 +1321,9 @@ static void test_port(void) {
     }
     CHECK(got == 5 && ok, "every chunk came, whole and in order (%zu)", got);
     CHECK(oc_port_serve(&pr, oc_monotonic() + 0.01) == OC_PORT_DEADLINE, "then quiet");
+    CHECK(write(quiet[1], "x", 1) == 1, "wake");
+    CHECK(oc_port_serve(&pr, oc_monotonic() - 1.0) == OC_PORT_PYTHON,
+          "past its deadline, it still looks at its descriptors once");
     oc_port_free(&ps);
     oc_port_free(&pr);
     oc_plane_free(sender);
