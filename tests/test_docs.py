@@ -50,3 +50,17 @@ def test_every_link_between_the_documents_leads_somewhere():
             elif anchor and where.suffix == ".md" and anchor not in anchors(where):
                 broken.append(f"{doc.name}: {target} (no such heading)")
     assert broken == []
+
+
+def test_every_environment_variable_read_is_in_the_guides_table_and_no_other():
+    """The names the library reads (a quoted "OVERCAST_..." in its Python or C) against the
+    rows of docs/guide.md's table of them."""
+    read = set()
+    for source in [*(ROOT / "overcast").rglob("*.py"), *(ROOT / "overcast").rglob("*.[ch]")]:
+        read |= set(re.findall(r"[\"'](OVERCAST_[A-Z0-9_]+)[\"']", source.read_text()))
+    guide = (ROOT / "docs" / "guide.md").read_text()
+    table = guide.split("## Environment variables", 1)[1].split("\n## ", 1)[0]
+    rows = {name for line in table.splitlines() if line.startswith("| `OVERCAST_")
+            for name in re.findall(r"`(OVERCAST_[A-Z0-9_]+)`", line.split(" | ")[0])}
+    assert read == rows, (f"read but not in the table: {sorted(read - rows)}; "
+                          f"in the table but not read: {sorted(rows - read)}")
