@@ -64,3 +64,9 @@ def test_every_environment_variable_read_is_in_the_guides_table_and_no_other():
             for name in re.findall(r"`(OVERCAST_[A-Z0-9_]+)`", line.split(" | ")[0])}
     assert read == rows, (f"read but not in the table: {sorted(read - rows)}; "
                           f"in the table but not read: {sorted(rows - read)}")
+
+
+def test_status_has_one_short_line_per_capability():
+    rows = [line for line in (ROOT / "docs" / "status.md").read_text().splitlines()
+            if line.startswith("| ") and not line.startswith("| capability")]
+    assert rows and max(len(row) for row in rows) <= 250
