@@ -120,7 +120,7 @@ def run_soak(hosts: int, link_bits: int, pairs: int, nbytes: int, loss: float,
         finally:
             stop.set()
         reports = cluster.stop_switches(switches, tmp)
-    meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    meta = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "hosts": hosts, "link_bits_per_s": link_bits, "pairs": pairs,
             "bytes_per_rank": nbytes, "loss": loss, "loss_burst": loss_burst, "marks": marks,
             "aggregators": {"count": aggregators.count, "shards": aggregators.shard_count(),

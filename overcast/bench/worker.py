@@ -151,9 +151,9 @@ def workload(comm, group, collective: str, algorithm: str, rank: int, count: int
         run = (lambda: group.all_reduce(buffer)) if group else \
             (lambda: comm.all_reduce(buffer, algorithm=algorithm))
 
-        def reset():
+        def restore():
             buffer[:] = source
-        return run, reset, lambda: np.array_equal(buffer, expect)
+        return run, restore, lambda: np.array_equal(buffer, expect)
     if collective == "allgather":
         buffers, run = [(ag_out, ag_expect)], lambda: ag(ag_out, ag_in)
     elif collective == "reduce_scatter":
