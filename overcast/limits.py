@@ -83,7 +83,7 @@ def check_frame_bytes(frame_bytes: int) -> None:
 
 def check_roots(roots: int | None, hosts: int) -> None:
     """None means every rank."""
-    require(roots is None or _whole(roots) and 1 <= roots <= hosts, "the multicast roots",
+    require(roots is None or (_whole(roots) and 1 <= roots <= hosts), "the multicast roots",
             f"'all' or between 1 and the number of ranks ({hosts})", roots, "--roots, roots")
 
 
