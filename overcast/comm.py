@@ -16,7 +16,7 @@ from overcast.limits import bytes_from_env, check_count, check_frame_bytes, chec
 from overcast.native import _core
 from overcast.protocols.base import Descriptor
 from overcast.protocols.multicast import MulticastGather
-from overcast.protocols.p2p import Transfer
+from overcast.protocols.p2p import ORDER_TAG, Transfer
 from overcast.protocols.pairwise import PairwiseAllToAll, sizes_error
 from overcast.protocols.ring import RingAllGather, RingBroadcast, RingReduceScatter
 from overcast.protocols.session import EARLY_STREAM_BYTES, EARLY_STREAM_ENV, Session
@@ -49,10 +49,7 @@ FULLDUPLEX_MIN_PIECE_BYTES = 64 << 10
 # (so that their calls complete at once); a send past it is sent from the caller's buffer.
 SEND_COPY_ENV = "OVERCAST_SEND_COPY_BYTES"
 DEFAULT_SEND_COPY_BYTES = 256 << 20
-# The highest tag is overcast's own: on the torch.distributed backend, rank 0 tells the others
-# the order of a group's calls with it (overcast/distributed/calls.py). Callers have the rest.
-ORDER_TAG = (1 << 32) - 1
-_TAGS = ORDER_TAG
+_TAGS = ORDER_TAG  # callers' tags are those below overcast's own
 
 
 
@@ -371,8 +368,10 @@ class Communicator:
 
     def hear_order(self, buffer: np.ndarray) -> Work:
         """The next word of rank 0's tell_order, into `buffer` (its size)."""
-        return self._transfer(Transfer("recv", self.rank, 0, ORDER_TAG, buffer,
-                                       self.frame_bytes))
+        return self._transfer(Transfer(
+            "recv", self.rank, 0, ORDER_TAG, buffer, self.frame_bytes,
+            label="the wait for the place of this rank's next call in rank 0's order",
+            awaited="rank 0 to make that call, or any call this rank has not run yet"))
 
     @staticmethod
     def _transfer_buffer(buffer, what: str) -> np.ndarray:

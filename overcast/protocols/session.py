@@ -88,6 +88,13 @@ class Session:
         self.early_stream_limit = early_stream_bytes
         self.early_stream_bytes: collections.Counter = collections.Counter()  # by sender
         self._early_stream_total = 0
+        # the payload bytes held for each collective not posted, by sender, and what each
+        # sender's DESCRIBE of it allows: the next collective's, up to that, are not counted
+        # against the limit (a late rank holds one collective it is about to issue, whatever
+        # its size, and no more than the limit of those after it)
+        self._held_by: dict[int, collections.Counter] = collections.defaultdict(
+            collections.Counter)
+        self._allowed: dict[int, dict[int, int]] = collections.defaultdict(dict)
         self.stats: collections.Counter = collections.Counter()
         # collectives that verify every peer: seq -> peers whose DESCRIBE has not matched yet
         self.unverified: dict[int, set[int]] = {}
@@ -172,6 +179,8 @@ class Session:
         """What peers sent for collective `seq` before it was posted, taken off the counts of
         what is held (a message's channel was checked on arrival: its kind says which)."""
         held = self.early.pop(seq, [])
+        self._held_by.pop(seq, None)
+        self._allowed.pop(seq, None)
         for hdr, payload in held:
             if hdr.kind in DATAGRAM_KINDS:
                 self._early_datagram_bytes -= len(payload)
@@ -247,10 +256,7 @@ class Session:
                 self._misfit(datagram, err.reason, err.__str__)
                 return
             if kind == Kind.P2P_OFFER and self.p2p.offers_held(hdr.src) > OFFERS_HELD:
-                self.abort(OvercastError(
-                    f"rank {hdr.src} sent rank {self.rank} more than {OFFERS_HELD} messages "
-                    f"that no recv on rank {self.rank} has taken: past that many held, the "
-                    f"communicator fails (rank {self.rank} must post recvs for them sooner)"))
+                self.abort(OvercastError(self._too_many_offers(hdr.src)))
             return
         coll = self.active.get(hdr.seq)
         if coll is None:
@@ -302,9 +308,18 @@ class Session:
     def _hold_stream(self, hdr, payload) -> None:
         self.early_stream_bytes[hdr.src] += HEADER_BYTES + len(payload)
         self._early_stream_total += HEADER_BYTES + len(payload)
+        self._held_by[hdr.seq][hdr.src] += len(payload)
         self.early[hdr.seq].append((hdr, bytes(payload)))
-        if self._early_stream_total > self.early_stream_limit:
+        if self._counted_stream_bytes() > self.early_stream_limit:
             self.abort(OvercastError(self._too_far_ahead()))
+
+    def _counted_stream_bytes(self) -> int:
+        """What is held of the streams, less the next collective's payloads up to what each
+        sender's DESCRIBE of it allows."""
+        allowed = self._allowed.get(self.next_seq, {})
+        spared = sum(min(held, allowed.get(src, 0))
+                     for src, held in self._held_by.get(self.next_seq, {}).items())
+        return self._early_stream_total - spared
 
     def _too_far_ahead(self) -> str:
         """Why the stream messages held here passed the limit: the peer most is held from, how
@@ -317,9 +332,21 @@ class Session:
         return (f"rank {peer} is {max(seqs) - self.next_seq + 1} collectives ahead of rank "
                 f"{self.rank}: rank {self.rank} holds {human_bytes(held)} from it{others} for "
                 f"collectives #{min(seqs)} to #{max(seqs)}, which it has not issued yet: "
-                f"{self._early_stream_total:,} B in all, past its limit of "
+                f"{self._counted_stream_bytes():,} B in all, past its limit of "
                 f"{self.early_stream_limit:,} B; raise early_stream_bytes (the "
                 f"Communicator's, or {EARLY_STREAM_ENV}) to let a rank fall further behind")
+
+    def _too_many_offers(self, peer: int) -> str:
+        """Why the messages held from `peer` for recvs not posted passed OFFERS_HELD: the
+        calls rank 0 has made and this rank has not (the backend's order of calls), or sends."""
+        orders = self.p2p.orders_held(peer)
+        if orders * 2 > OFFERS_HELD:
+            return (f"rank {peer} has made {orders:,} calls in the group that rank "
+                    f"{self.rank} has not made yet: past {OFFERS_HELD:,}, the group fails (a "
+                    f"rank may not fall that far behind; wait on the calls' Works sooner)")
+        return (f"rank {peer} sent rank {self.rank} more than {OFFERS_HELD} messages that no "
+                f"recv on rank {self.rank} has taken: past that many held, the communicator "
+                f"fails (rank {self.rank} must post recvs for them sooner)")
 
     def _misfit(self, datagram: bool, reason: str, message) -> None:
         """A message (or a run of them) that does not fit. A datagram proves only that some rank
@@ -339,6 +366,8 @@ class Session:
             coll = self.active.get(hdr.seq)
             mine = coll.desc if coll is not None else self.history.get(hdr.seq)
             if mine is None:  # not posted yet, refused here, or long finished
+                if hdr.seq >= self.next_seq and self.error is None:
+                    self._allowed[hdr.seq][hdr.src] = theirs.stream_bytes_bound(self.world)
                 self._hold(hdr, payload, False)
                 return
             if self._verify(mine, theirs, hdr, coll, now) and coll is not None:
@@ -413,6 +442,8 @@ class Session:
         self._early_datagram_bytes = 0
         self.early_stream_bytes.clear()
         self._early_stream_total = 0
+        self._held_by.clear()
+        self._allowed.clear()
 
     def abort(self, error: OvercastError) -> None:
         """Fail locally and tell every peer why, so the error surfaces on every rank."""
