@@ -399,6 +399,16 @@ static PyObject *Plane_release(Plane *self, PyObject *arg) {
     Py_RETURN_NONE;
 }
 
+/* heard(endpoint) -> when its last authentic datagram came, or None: never */
+static PyObject *Plane_heard(Plane *self, PyObject *arg) {
+    uint32_t endpoint;
+    if (!oc_arg_u32(arg, &endpoint)) return NULL;
+    if (!plane_usable(self)) return NULL;
+    double at = oc_plane_heard(self->plane, endpoint);
+    if (at < 0) Py_RETURN_NONE;
+    return PyFloat_FromDouble(at);
+}
+
 /* reducer(seq) -> dict of its state, or None */
 static PyObject *Plane_reducer(Plane *self, PyObject *arg) {
     uint32_t seq;
@@ -625,6 +635,8 @@ static PyMethodDef Plane_methods[] = {
      "collectives with news since last asked (a reduction drained; a gather's requests, own "
      "multicast sent, or every chunk in place)"},
     {"release", (PyCFunction)Plane_release, METH_O, "release(seq): let a collective go"},
+    {"heard", (PyCFunction)Plane_heard, METH_O,
+     "heard(endpoint) -> when an authentic datagram from it last came, or None"},
     {"gather", (PyCFunction)Plane_gather, METH_VARARGS,
      "gather(seq, buffer, [(root, offset)], segment_bytes, chunk_bytes, mine, concurrent, "
      "budget)"},

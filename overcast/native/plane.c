@@ -23,6 +23,7 @@ struct oc_plane {
     oc_sealer *sealer;
     oc_replay *windows;          /* world + stripes: the ranks', then the aggregator endpoints' */
     uint32_t stripes;            /* aggregator endpoints its reductions are striped over */
+    double heard[OC_MAX_STRIPES]; /* when each endpoint was last heard; -1: never */
     loss_t loss;
     struct sockaddr_in group, *ranks, *aggregators;
     oc_reducer **reducers;
@@ -49,6 +50,7 @@ oc_plane *oc_plane_new(uint16_t rank, uint32_t world, uint32_t job, uint32_t com
     p->job = job;
     p->comm = comm;
     p->sealer = sealer;
+    for (uint32_t e = 0; e < OC_MAX_STRIPES; e++) p->heard[e] = -1;
     p->windows = calloc(world + OC_MAX_STRIPES, sizeof(oc_replay));
     p->ranks = calloc(world, sizeof(struct sockaddr_in));
     p->aggregators = calloc(OC_MAX_STRIPES, sizeof(struct sockaddr_in));
@@ -264,6 +266,10 @@ void oc_plane_release(oc_plane *p, uint32_t seq) {
     p->reducers[i] = p->reducers[--p->nreducers];
 }
 
+double oc_plane_heard(const oc_plane *p, uint32_t endpoint) {
+    return endpoint < OC_MAX_STRIPES ? p->heard[endpoint] : -1;
+}
+
 /* -- receiving ------------------------------------------------------------------------------ */
 
 static void misfit(oc_plane *p, int why) {
@@ -276,6 +282,8 @@ static void misfit(oc_plane *p, int why) {
 int oc_plane_receive_run(oc_plane *p, const oc_header *first, const uint32_t *chunks,
                          size_t count, const uint8_t *data, size_t offset, size_t stride,
                          double now) {
+    int from = oc_endpoint_of(first->src, p->stripes);
+    if (from >= 0 && now > p->heard[from]) p->heard[from] = now;
     if (first->kind == OC_MCAST_DATA) {
         oc_gather *g = find_gather(p, first->seq, NULL);
         if (g == NULL) return 0;
@@ -289,7 +297,7 @@ int oc_plane_receive_run(oc_plane *p, const oc_header *first, const uint32_t *ch
     if (first->kind != OC_RESULT && first->kind != OC_CREDIT) return 0;
     oc_reducer *r = find(p, first->seq, NULL);
     if (r == NULL) return 0;
-    int stripe = oc_endpoint_of(first->src, p->stripes);
+    int stripe = from;
     if (stripe < 0) {
         p->drops[OC_PLANE_DROP_wrong_sender]++;
         return 1;

@@ -100,8 +100,14 @@ oc_gather *oc_plane_gatherer(oc_plane *p, uint32_t seq);
 size_t oc_plane_news(oc_plane *p, uint32_t *seqs, size_t max);
 /* Whether oc_plane_news has anything to tell. */
 int oc_plane_has_news(const oc_plane *p);
-/* Let the collective go (done or failed): its messages still queued are dropped. */
+/* Let the collective go (done or failed): its messages still queued are dropped. A reduction
+ * let go takes nothing more (results and credit for it are Python's to drop) and acknowledges
+ * nothing more: a rank freezes a reduction this way when an aggregator is lost. */
 void oc_plane_release(oc_plane *p, uint32_t seq);
+/* When the last authentic datagram from aggregator endpoint `endpoint` came (the `now` of the
+ * feed or run that brought it), or -1: never, or an endpoint past OC_MAX_STRIPES. A rank judges
+ * an aggregator silent by it. */
+double oc_plane_heard(const oc_plane *p, uint32_t endpoint);
 
 double oc_plane_timer(const oc_plane *p);
 void oc_plane_handle_timer(oc_plane *p, double now);
