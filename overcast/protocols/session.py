@@ -14,13 +14,17 @@ from overcast.errors import (CollectiveMismatchError, CollectiveTimeoutError,
 from overcast.native import _core
 from overcast.protocols.base import DATAGRAM, MULTICAST, STREAM, Collective, Descriptor, \
     Outgoing
+from overcast.protocols.failover import FAILOVER_SECONDS, Failover, RingInstead, pack_report, \
+    unpack_report
+from overcast.protocols.innetwork import InNetworkReduceScatter
 from overcast.protocols.p2p import OFFERS_HELD, P2P_KINDS, PointToPoint, Transfer
 from overcast.units import human_bytes
-from overcast.wire.header import ANY, HEADER_BYTES, Kind, MalformedError, is_aggregator
+from overcast.wire.header import AGGREGATOR, ANY, HEADER_BYTES, Kind, MalformedError, \
+    is_aggregator
 from overcast.wire.messages import pack_abort, pack_goodbye, unpack_abort, unpack_goodbye
 from overcast.wire.runs import Run
 
-_CONTROL = (Kind.DESCRIBE, Kind.ABORT, Kind.GOODBYE, Kind.REFUSE)
+_CONTROL = (Kind.DESCRIBE, Kind.ABORT, Kind.GOODBYE, Kind.REFUSE, Kind.FAILOVER)
 # Stream messages that open with their sender's descriptor: a multicast AllGather's are the
 # first it sends a peer, in place of a DESCRIBE (Collective.described_by_end_notices).
 _DESCRIBED = (Kind.MCAST_END, Kind.REPAIR_REQUEST)
@@ -92,6 +96,13 @@ class Session:
         # collectives that verify every peer: seq -> peers whose DESCRIBE has not matched yet
         self.unverified: dict[int, set[int]] = {}
         self._rr = 0
+        # The aggregators in-network reductions are striped over, by the endpoint id of each
+        # one's first stripe: (host:port, its stripes); none, and a lost aggregator fails the
+        # communicator, until watch_aggregators.
+        self.aggregators: dict[int, tuple[str, range]] = {}
+        self.failover_seconds = FAILOVER_SECONDS
+        self.failover: Failover | None = None  # once an aggregator is lost (protocols.failover)
+        self.notices: list[str] = []  # what the engine warns of: an aggregator lost, and why
 
     # -- posting and finishing -----------------------------------------------------------
     def post(self, coll: Collective, now: float) -> None:
@@ -120,6 +131,14 @@ class Session:
             self._remember(coll.seq, coll.desc)
             self.finished.append(coll)
             return
+        deferred = False
+        if self.failover is not None and isinstance(coll, InNetworkReduceScatter):
+            if self.failover.decided:
+                coll = RingInstead(coll)
+                self.stats["in_network_on_ring"] += 1
+            else:  # waits for the decision, which runs it on the ring
+                self.failover.frozen[coll.seq] = coll
+                coll.frozen = deferred = True
         self.active[coll.seq] = coll
         self.last_progress[coll.seq] = now
         coll.plane = self.plane
@@ -132,7 +151,8 @@ class Session:
                 for peer in sorted(peers):
                     self._send_control(Kind.DESCRIBE, coll.seq, peer, coll.described)
         try:
-            self._guard(coll, coll.start, now)
+            if not deferred:
+                self._guard(coll, coll.start, now)
         except ValueError as err:  # the native plane refuses to run it: the settings given
             self.abort(InvalidArgumentError(f"{coll.desc} #{coll.seq} cannot run on rank "
                                             f"{self.rank}: {err}"))
@@ -257,6 +277,10 @@ class Session:
             for hdr, payload in run.messages():
                 self._hold(hdr, payload, datagram)
             return
+        if not datagram and self.failover is not None and coll.seq in self.failover.frozen:
+            # a peer that decided first runs the ring: kept until this rank has decided
+            self.failover.held.extend((hdr, bytes(p)) for hdr, p in run.messages())
+            return
         if kind in _DESCRIBED:  # checked before all else, as a DESCRIBE is
             for one, payload in run.messages():
                 theirs = self._descriptor(one, payload)
@@ -358,6 +382,20 @@ class Session:
             except MalformedError:
                 code, reason = OvercastError.abort_code, "an abort without a reason"
             self.fail(error_class(code)(f"{reason} (reported by rank {hdr.src})"))
+        elif hdr.kind == Kind.FAILOVER:
+            try:
+                lost, posted, lacking = unpack_report(payload)
+            except ProtocolError as err:
+                self.abort(Rejected(f"rank {hdr.src}: {err}", "malformed"))
+                return
+            if self.failover is None:
+                self.aggregator_lost(lost, f"was lost (reported by rank {hdr.src})", now)
+            try:
+                self.failover.report(hdr.src, posted, lacking)
+            except ProtocolError as err:
+                self.abort(Rejected(str(err), "duplicate"))
+                return
+            self._reported(now)
         elif hdr.kind == Kind.GOODBYE:
             try:
                 count = unpack_goodbye(payload)
@@ -430,6 +468,10 @@ class Session:
         self.control = collections.deque((r, m) for r, m in self.control if r[1] != peer)
         if peer in self.closed_peers:
             return
+        if is_aggregator(peer) and peer in self.aggregators:
+            self.aggregator_lost(peer, "closed its connection (it exited or was killed)",
+                                 self.clock)
+            return
         if is_aggregator(peer):
             at = f" at {where}" if where else ""
             self.fail(PeerFailureError(f"lost the connection to the aggregator{at} (overcast "
@@ -437,6 +479,92 @@ class Session:
         else:
             self.fail(PeerFailureError(
                 f"lost the connection to rank {peer} (its process exited or was killed)"))
+
+    # -- an aggregator lost (protocols.failover) --------------------------------------------
+    def watch_aggregators(self, names: dict[int, str], stripes: int,
+                          seconds: float = FAILOVER_SECONDS) -> None:
+        """The aggregators (host:port by the endpoint id of each one's first stripe, of
+        `stripes` endpoints in all) whose loss the ring survives: one that closes its
+        connection, or is silent `seconds` (at most the timeout) while an in-network reduction
+        waits on it."""
+        firsts = sorted(AGGREGATOR - peer for peer in names)
+        bounds = firsts[1:] + [stripes]
+        self.aggregators = {AGGREGATOR - first: (names[AGGREGATOR - first], range(first, end))
+                            for first, end in zip(firsts, bounds)}
+        self.failover_seconds = seconds
+
+    def aggregator_lost(self, peer: int, why: str, now: float) -> None:
+        """Aggregator `peer` (its first endpoint's id) is lost: the first time, freeze every
+        in-network reduction and tell every peer what this rank holds; later, note it."""
+        name = self.aggregators.get(peer, (f"endpoint {AGGREGATOR - peer}",))[0]
+        if self.failover is not None:
+            if peer not in self.failover.lost:
+                self.failover.lost[peer] = name
+                self.stats["aggregators_lost"] += 1
+                self.notices.append(f"rank {self.rank} lost the aggregator at {name} too (it "
+                                    f"{why}); the ring already runs its in-network "
+                                    f"ReduceScatters")
+            return
+        self.failover = Failover(self.rank, self.world, peer, name, why)
+        self.stats["aggregators_lost"] += 1
+        lacking = self.failover.freeze(list(self.active.values()))
+        for seq in self.failover.frozen:
+            self.last_progress[seq] = now
+        report = pack_report(peer, self.next_seq, lacking)
+        for other in range(self.world):
+            if other != self.rank:
+                self._send_control(Kind.FAILOVER, 0, other, report)
+        self.failover.report(self.rank, self.next_seq, frozenset(lacking))
+        self._reported(now)
+
+    def _reported(self, now: float) -> None:
+        """A report came: once every rank's is in, decide, alike on every rank."""
+        failover = self.failover
+        for seq in failover.frozen:
+            if seq in self.last_progress:
+                self.last_progress[seq] = now
+        if not failover.ready:
+            return
+        failover.decided = True
+        for seq, coll in sorted(failover.frozen.items()):
+            if self.active.get(seq) is not coll:
+                continue  # failed meanwhile (a refusal)
+            if coll.posted_at is not None:  # started at the aggregators: free their pools
+                self.control.extend(coll.withdrawal())
+            if not failover.redo(seq):
+                failover.complete.append(seq)
+                coll.complete_frozen()
+                self._settle(coll)
+                continue
+            failover.redone.append(seq)
+            ring = self.active[seq] = RingInstead(coll)
+            ring.plane = self.plane
+            self._guard(ring, ring.start, now)
+            self._settle(ring)
+        self.stats["in_network_redone_on_ring"] += len(failover.redone)
+        self.stats["in_network_complete_at_failover"] += len(failover.complete)
+        failover.frozen.clear()
+        held, failover.held = failover.held, []
+        for hdr, payload in held:
+            self.receive(hdr, payload, now, False)
+        self.notices.append(f"rank {self.rank} lost {failover.why}; {failover.summary()}")
+
+    def _silent_aggregator(self) -> tuple[int, float] | None:
+        """The aggregator silent longest while an in-network reduction waits on it, and when
+        it will have been silent past the bound (None: none waits on any)."""
+        if not self.aggregators or self.failover is not None:
+            return None
+        waiting = [c.posted_at for c in self.active.values()
+                   if isinstance(c, InNetworkReduceScatter) and c.waits_on_aggregators()]
+        if not waiting:
+            return None
+        bound = min(self.failover_seconds, self.timeout)
+        due = []
+        for peer, (_, stripes) in self.aggregators.items():
+            heard = [t for e in stripes if (t := self.plane.heard(e)) is not None]
+            due.append((max(heard + [min(waiting)]) + bound, peer))
+        at, peer = min(due)
+        return peer, at
 
     def close(self) -> None:
         """Say goodbye to every peer; collectives still pending fail, here and, told by an
@@ -466,6 +594,8 @@ class Session:
     # -- timers ----------------------------------------------------------------------------
     def get_timer(self) -> float | None:
         times = [t + self.timeout for t in self.last_progress.values()]
+        if (silent := self._silent_aggregator()) is not None:
+            times.append(silent[1])
         if (t := self.p2p.timer(self.timeout)) is not None:
             times.append(t)
         if not self.plane.attached and (t := self.plane.timer()) is not None:
@@ -481,6 +611,11 @@ class Session:
         if not self.plane.attached and (t := self.plane.timer()) is not None and now >= t:
             self.plane.handle_timer(now)
             self._take_plane(now)
+        silent = self._silent_aggregator()
+        if silent is not None and now >= silent[1]:
+            bound = min(self.failover_seconds, self.timeout)
+            self.aggregator_lost(silent[0], f"was silent for {bound:.1f} s while an in-network "
+                                            f"reduction waited on it", now)
         stalled = self.p2p.stalled(now, self.timeout)
         if stalled is not None:
             self.abort(CollectiveTimeoutError(
@@ -506,6 +641,9 @@ class Session:
                 self._settle(coll)
 
     def _waiting_for(self, coll: Collective) -> str:
+        if self.failover is not None and coll.seq in self.failover.frozen:
+            return "the reports of the aggregator's loss from " + ", ".join(
+                f"rank {r}" for r in self.failover.unreported())
         if not coll.received_all:
             return coll.waiting_for()
         if coll.done:
