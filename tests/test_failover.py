@@ -2,9 +2,14 @@
 flight completes, on the ring or as the aggregators finished it, alike on every rank, and those
 after run on the ring; a lost rank still fails the job."""
 
+import json
+import os
+import signal
+
 import numpy as np
 import pytest
 
+from conftest import root_only
 from fabric import Fabric
 from overcast.errors import CollectiveTimeoutError, PeerFailureError, ProtocolError
 from overcast.protocols.base import Descriptor
@@ -302,3 +307,68 @@ def test_a_report_that_does_not_parse_or_comes_twice_aborts():
     assert session.failover is not None and session.error is None
     session.receive(hdr, memoryview(report), 0.0, False)
     assert isinstance(session.error, ProtocolError) and "twice" in str(session.error)
+
+
+# -- on the emulated cluster: real ranks, a real aggregator killed --------------------------
+
+def reduce_through_a_loss(rank: int, collectives: int, count: int, pid: int, signum: int):
+    """`collectives` in-network ReduceScatters posted at once; rank 0 stops or kills the
+    aggregator (`pid`) once the second is complete, most of the rest in flight; then one more
+    in-network ReduceScatter."""
+    import overcast
+    from overcast.bench.worker import expected_sum, pattern
+    with overcast.Communicator(name="failover", timeout=30) as comm:
+        world = comm.world_size
+        grads, want = pattern(rank, count, world), expected_sum(rank, count, world)
+        outs = [np.zeros(count, np.float32) for _ in range(collectives)]
+        works = [comm.reduce_scatter(out, grads, algorithm="innetwork", async_op=True)
+                 for out in outs]
+        if rank == 0:
+            works[1].wait()
+            os.kill(pid, signum)
+        for work in works:
+            work.wait()
+        after = np.zeros(count, np.float32)  # on the ring now
+        comm.reduce_scatter(after, grads, algorithm="innetwork")
+        counters = comm.counters()
+        return {"exact": [np.array_equal(o, want) for o in outs + [after]],
+                "fallback": comm.in_network_fallback,
+                "counters": {k: counters.get(k, 0) for k in
+                             ("aggregators_lost", "in_network_redone_on_ring",
+                              "in_network_complete_at_failover", "in_network_on_ring")}}
+
+
+@root_only
+@pytest.mark.parametrize("signum,aggregators", [(signal.SIGKILL, 1), (signal.SIGSTOP, 1),
+                                                (signal.SIGKILL, 2)])
+def test_an_aggregator_killed_or_stopped_mid_job_the_ranks_go_on_exact(tmp_path, signum,
+                                                                      aggregators):
+    """Killed (its connection closes) or stopped (silent: lost after the 2 s bound), the only
+    aggregator or one of two: every collective in flight completes on every rank, exact, the
+    next runs on the ring, and every rank names the aggregator; the survivor's pool is free."""
+    from overcast.cluster.netns import Cluster
+    with Cluster(4, 400_000_000, aggregators=aggregators) as cluster:
+        switches = cluster.start_switches(stats_dir=str(tmp_path))
+        lost = cluster.switch.split(",")[0]
+        try:
+            results = cluster.run(reduce_through_a_loss, timeout=300,
+                                  args=(6, 1 << 20, switches[0].pid, signum))
+        finally:
+            if signum == signal.SIGSTOP:
+                os.kill(switches[0].pid, signal.SIGCONT)
+            switches[0].kill()
+            for proc in switches:
+                cluster.stop_switch(proc)
+    for r in results:
+        assert all(r["exact"]), r
+        assert lost in r["fallback"], r["fallback"]
+        assert r["counters"]["aggregators_lost"] == 1
+        # the last at least, posted after the loss, and those in flight then
+        assert r["counters"]["in_network_redone_on_ring"] + \
+            r["counters"]["in_network_on_ring"] >= 1, r
+    if signum == signal.SIGSTOP:
+        assert any("silent for 2.0 s" in r["fallback"] for r in results)
+    for a in range(1, aggregators):
+        with open(tmp_path / f"switch-{a}.json") as f:
+            survivor = json.load(f)
+        assert survivor["pool_bytes"] == 0, survivor

@@ -97,6 +97,7 @@ class Failover:
         self.decided = False
         self.redone: list[int] = []
         self.complete: list[int] = []
+        self.outcome: str | None = None  # once decided: what was lost, and what took over
 
     def freeze(self, colls) -> bytes:
         """Freeze this rank's in-network collectives in flight; its report for the peers (its

@@ -62,7 +62,8 @@ class Session:
 
     def __init__(self, rank: int, world: int, timeout: float,
                  drops: collections.Counter | None = None, plane=None,
-                 early_stream_bytes: int = EARLY_STREAM_BYTES):
+                 early_stream_bytes: int = EARLY_STREAM_BYTES,
+                 failover_seconds: float = FAILOVER_SECONDS):
         self.rank, self.world, self.timeout = rank, world, timeout
         self.plane = _core.Plane(rank, world) if plane is None else plane
         self._plane_drops: dict[str, int] = {}  # the plane's drops already in `drops`
@@ -100,7 +101,7 @@ class Session:
         # one's first stripe: (host:port, its stripes); none, and a lost aggregator fails the
         # communicator, until watch_aggregators.
         self.aggregators: dict[int, tuple[str, range]] = {}
-        self.failover_seconds = FAILOVER_SECONDS
+        self.failover_seconds = failover_seconds
         self.failover: Failover | None = None  # once an aggregator is lost (protocols.failover)
         self.notices: list[str] = []  # what the engine warns of: an aggregator lost, and why
 
@@ -481,17 +482,15 @@ class Session:
                 f"lost the connection to rank {peer} (its process exited or was killed)"))
 
     # -- an aggregator lost (protocols.failover) --------------------------------------------
-    def watch_aggregators(self, names: dict[int, str], stripes: int,
-                          seconds: float = FAILOVER_SECONDS) -> None:
+    def watch_aggregators(self, names: dict[int, str], stripes: int) -> None:
         """The aggregators (host:port by the endpoint id of each one's first stripe, of
         `stripes` endpoints in all) whose loss the ring survives: one that closes its
-        connection, or is silent `seconds` (at most the timeout) while an in-network reduction
-        waits on it."""
+        connection, or is silent `failover_seconds` (at most the timeout) while an in-network
+        reduction waits on it."""
         firsts = sorted(AGGREGATOR - peer for peer in names)
         bounds = firsts[1:] + [stripes]
         self.aggregators = {AGGREGATOR - first: (names[AGGREGATOR - first], range(first, end))
                             for first, end in zip(firsts, bounds)}
-        self.failover_seconds = seconds
 
     def aggregator_lost(self, peer: int, why: str, now: float) -> None:
         """Aggregator `peer` (its first endpoint's id) is lost: the first time, freeze every
@@ -547,7 +546,8 @@ class Session:
         held, failover.held = failover.held, []
         for hdr, payload in held:
             self.receive(hdr, payload, now, False)
-        self.notices.append(f"rank {self.rank} lost {failover.why}; {failover.summary()}")
+        failover.outcome = f"{failover.why}; {failover.summary()}"
+        self.notices.append(f"rank {self.rank} lost {failover.outcome}")
 
     def _silent_aggregator(self) -> tuple[int, float] | None:
         """The aggregator silent longest while an in-network reduction waits on it, and when
