@@ -97,7 +97,7 @@ class InNetworkReduceScatter(Collective):
     def waits_on_aggregators(self) -> bool:
         """Posted to the plane and not drained: it waits on every endpoint it is striped over
         (each is asked for credit once the reduction stalls, and answers)."""
-        return self.posted and self.plane.reducer(self.seq)["phase"] != "drained"
+        return self.posted and not self.received_all  # drained: news moved it on
 
     def freeze(self) -> bool:
         """An aggregator was lost (protocols.failover): let the plane's reduction go, so that
