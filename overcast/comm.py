@@ -559,8 +559,8 @@ class Communicator:
         """Why in-network ReduceScatters run on the ring now (an aggregator was lost: which,
         how, and which collectives the ring redid), alike on every rank but for who noticed
         first; None while they run on the aggregators."""
-        failover = self._engine.session.failover
-        return failover.outcome if failover is not None else None
+        rounds = list(self._engine.session.rounds)  # one per loss the ranks agreed on
+        return "; then ".join(r.outcome for r in rounds) or None
 
     def counters(self) -> dict:
         """Dropped messages by reason, stale messages, bytes and datagrams, and the protocols'

@@ -160,6 +160,27 @@ static PyObject *Plane_set_stripes(Plane *self, PyObject *arg) {
     Py_RETURN_NONE;
 }
 
+/* set_lanes([endpoint, ...]): the endpoints reductions posted from now on are striped over */
+static PyObject *Plane_set_lanes(Plane *self, PyObject *arg) {
+    uint16_t lanes[OC_MAX_STRIPES];
+    if (!plane_usable(self)) return NULL;
+    PyObject *seq = PySequence_Fast(arg, "set_lanes takes a sequence of endpoints");
+    if (seq == NULL) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    int ok = n >= 1 && n <= (Py_ssize_t)OC_MAX_STRIPES;
+    for (Py_ssize_t i = 0; ok && i < n; i++) {
+        uint32_t e;
+        ok = oc_arg_u32(PySequence_Fast_GET_ITEM(seq, i), &e) && e < OC_MAX_STRIPES;
+        if (ok) lanes[i] = (uint16_t)e;
+    }
+    Py_DECREF(seq);
+    if (PyErr_Occurred()) return NULL;
+    if (!ok || oc_plane_set_lanes(self->plane, lanes, (uint32_t)n))
+        return PyErr_Format(PyExc_ValueError, "cannot stripe over those %zd endpoints (each "
+                            "one of the stripes set, none twice)", n);
+    Py_RETURN_NONE;
+}
+
 /* set_address(route, rank, "a.b.c.d", port); for ROUTE_AGGREGATOR, rank is the endpoint */
 static PyObject *Plane_set_address(Plane *self, PyObject *args) {
     uint8_t route;
@@ -616,6 +637,8 @@ static PyMethodDef Plane_methods[] = {
     {"set_loss", (PyCFunction)Plane_set_loss, METH_VARARGS, "set_loss(rate, burst, seed)"},
     {"set_stripes", (PyCFunction)Plane_set_stripes, METH_O,
      "set_stripes(n): the aggregator endpoints its reductions are striped over"},
+    {"set_lanes", (PyCFunction)Plane_set_lanes, METH_O,
+     "set_lanes(endpoints): the endpoints reductions posted from now on are striped over"},
     {"set_address", (PyCFunction)Plane_set_address, METH_VARARGS,
      "set_address(route, rank, ipv4, port)"},
     {"attach", (PyCFunction)Plane_attach, METH_VARARGS,

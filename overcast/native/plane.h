@@ -64,6 +64,10 @@ void oc_plane_set_loss(oc_plane *p, double rate, double burst, uint64_t seed);
  * OC_MAX_STRIPES (1 at first); endpoint e is addressed as and sends as OC_AGGREGATOR - e.
  * 0, or -1 for a count outside that, with a reduction posted, or if memory ran out. */
 int oc_plane_set_stripes(oc_plane *p, uint32_t stripes);
+/* The endpoints reductions posted from now on are striped over, in order (`n` of them, each
+ * below the stripes set, none twice): those left when an aggregator was lost. Every endpoint
+ * until set, and again after oc_plane_set_stripes. 0, or -1 for a list that does not fit. */
+int oc_plane_set_lanes(oc_plane *p, const uint16_t *endpoints, uint32_t n);
 /* Where a route's datagrams go (network byte order; rank for OC_ROUTE_RANK, the endpoint for
  * OC_ROUTE_AGGREGATOR). */
 int oc_plane_set_address(oc_plane *p, uint8_t route, uint32_t rank, uint32_t ip, uint16_t port);

@@ -1,5 +1,5 @@
 """An aggregator lost mid-job, sans I/O: which in-network ReduceScatters are redone on the ring, the
-same on every rank, and the ring for those after.
+same on every rank, and the endpoints left (or the ring) for those after.
 
 A ReduceScatter's input is whole on every rank until the collective completes, and a rank
 completes an in-network one only once the aggregators say every chunk of every block is released,
@@ -11,10 +11,14 @@ takes no result or credit and acknowledges nothing more, so none of them complet
 after), then tells every peer over its stream what it holds: a FAILOVER report, the first
 collective it has not posted and the in-network ones it posted that lack its block. Once a rank
 has every rank's report, it decides from them alone, so every rank decides alike: a collective
-every rank posted and holds its block of is complete; any other in-network collective (one a rank
-lacks its block of, or had not posted) runs on the ring, from the ranks' unchanged inputs into
-the same outputs, under the same number; so do all the in-network collectives posted after. A
-result is one algorithm's: the ring's overwrites every element the aggregator's may have written.
+every rank posted and holds its block of is complete; any other in-network collective that some
+rank had posted (one a rank lacks its block of, or had not posted) runs on the ring, from the
+ranks' unchanged inputs into the same outputs, under the same number. Those from the first that
+no rank had posted on run in-network again, striped over the endpoints of the aggregators left
+(every rank's plane stripes over the same ones, in the same order), or on the ring where none is
+left. A result is one algorithm's: the ring's overwrites every element the aggregator's may have
+written. Each loss the ranks agree on in a round of its own: a second aggregator lost after the
+first round has decided starts the next.
 """
 
 from __future__ import annotations
@@ -80,61 +84,77 @@ class RingInstead(RingReduceScatter):
 
 
 class Failover:
-    """One communicator's round of reports after its first lost aggregator; the ring runs its
-    in-network collectives from then on, whatever is lost after.
+    """One round of reports after an aggregator was lost: round n is every rank's n-th report
+    (the header's seq carries n), so rounds for aggregators lost one after another stay apart.
 
     `frozen` are the in-network collectives in flight here when it froze, or posted before the
     decision (those never start on an aggregator); `held` the stream messages peers sent for them
-    meanwhile (a peer that decided first runs its ring), replayed once this rank has decided."""
+    meanwhile (a peer that decided first runs its ring), replayed once this rank has decided.
+    Decided, `lost` is every aggregator the round's reports name (endpoint id -> host:port, the
+    same on every rank), and `posted` the first collective no rank had posted when it reported:
+    in-network collectives below it that are not complete run on the ring, those from it on on
+    the endpoints left (or the ring, none being left)."""
 
-    def __init__(self, rank: int, world: int, lost: int, name: str, why: str):
-        self.rank, self.world = rank, world
-        self.lost = {lost: name}  # endpoint id -> host:port, every aggregator lost
-        self.why = f"the aggregator at {name} {why}"
-        self.reports: dict[int, tuple[int, frozenset[int]]] = {}
+    def __init__(self, number: int, rank: int, world: int):
+        self.number, self.rank, self.world = number, rank, world
+        self.why = ""  # how this rank found it lost, or who told it
+        self.reports: dict[int, tuple[int, int, frozenset[int]]] = {}
         self.frozen: dict[int, InNetworkReduceScatter] = {}
         self.held: list = []
         self.decided = False
+        self.lost: dict[int, str] = {}
+        self.posted = 0
         self.redone: list[int] = []
         self.complete: list[int] = []
         self.outcome: str | None = None  # once decided: what was lost, and what took over
 
-    def freeze(self, colls) -> bytes:
-        """Freeze this rank's in-network collectives in flight; its report for the peers (its
-        own is counted in)."""
+    def freeze(self, colls) -> list[int]:
+        """Freeze this rank's in-network collectives in flight; the ones that lack this rank's
+        block, for its report."""
         lacking = []
         for coll in colls:
-            if not isinstance(coll, InNetworkReduceScatter) or coll.received_all:
-                continue  # done here: its block is in place
+            if not isinstance(coll, InNetworkReduceScatter) or coll.received_all or coll.frozen:
+                continue  # done here (its block is in place), or frozen already
             if not coll.freeze():
                 lacking.append(coll.seq)
             self.frozen[coll.seq] = coll
         return sorted(lacking)
 
-    def report(self, rank: int, posted: int, lacking: frozenset[int]) -> None:
+    def report(self, rank: int, lost: int, posted: int, lacking: frozenset[int]) -> None:
         if rank in self.reports:
-            raise ProtocolError(f"rank {rank} reported the aggregator's loss twice")
-        self.reports[rank] = (posted, lacking)
+            raise ProtocolError(f"rank {rank} reported round {self.number} of aggregator "
+                                f"losses twice")
+        self.reports[rank] = (lost, posted, lacking)
 
     @property
     def ready(self) -> bool:
         return not self.decided and len(self.reports) == self.world
 
+    def decide(self, names) -> None:
+        """From every rank's report: what was lost (`names(endpoint)` its host:port) and where
+        collectives posted after run."""
+        self.decided = True
+        self.lost = {lost: names(lost) for lost, _, _ in self.reports.values()}
+        self.posted = max(posted for _, posted, _ in self.reports.values())
+
     def redo(self, seq: int) -> bool:
-        """Whether in-network collective `seq` runs on the ring: some rank lacks its block of it
-        or had not posted it. The same on every rank: it reads the reports alone."""
-        return any(seq >= posted or seq in lacking for posted, lacking in self.reports.values())
+        """Whether in-network collective `seq`, frozen, is not complete: some rank lacks its
+        block of it or had not posted it. The same on every rank: it reads the reports alone."""
+        return any(seq >= posted or seq in lacking
+                   for _, posted, lacking in self.reports.values())
 
     def unreported(self) -> list[int]:
         return [r for r in range(self.world) if r not in self.reports]
 
-    def summary(self) -> str:
-        """What took over, for the warning and the stats."""
-        parts = []
+    def summary(self, left: str) -> str:
+        """What was lost and what took over (`left`: what runs in-network collectives now), for
+        the warning and in_network_fallback."""
+        lost = ", ".join(sorted(self.lost.values()))
+        parts = [f"lost the aggregator{'s' * (len(self.lost) > 1)} at {lost} ({self.why})"]
         if self.redone:
             parts.append("in-network ReduceScatter " + ", ".join(f"#{s}" for s in self.redone)
                          + " redone on the ring")
         if self.complete:
             parts.append(", ".join(f"#{s}" for s in self.complete) + " complete on every rank")
-        parts.append("the ring runs in-network ReduceScatters from now on")
+        parts.append(f"in-network ReduceScatters from #{self.posted} on run on {left}")
         return "; ".join(parts)

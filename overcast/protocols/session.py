@@ -102,7 +102,18 @@ class Session:
         # communicator, until watch_aggregators.
         self.aggregators: dict[int, tuple[str, range]] = {}
         self.failover_seconds = failover_seconds
-        self.failover: Failover | None = None  # once an aggregator is lost (protocols.failover)
+        # Aggregators lost (protocols.failover): the round of reports open, or the last decided;
+        # the rounds decided; the aggregators they agreed lost, and the endpoints left that
+        # in-network reductions are striped over; the first collective number not on the ring;
+        # the aggregators this rank found lost that no round has agreed on yet, and how; reports
+        # of peers a round ahead.
+        self.failover: Failover | None = None
+        self.rounds: list[Failover] = []
+        self.lost: dict[int, str] = {}
+        self.lanes: list[int] = []
+        self.ring_below = 0
+        self.found_lost: dict[int, str] = {}
+        self._reports_ahead: list[tuple[int, int, int, int, frozenset[int]]] = []
         self.notices: list[str] = []  # what the engine warns of: an aggregator lost, and why
 
     # -- posting and finishing -----------------------------------------------------------
@@ -134,12 +145,15 @@ class Session:
             return
         deferred = False
         if self.failover is not None and isinstance(coll, InNetworkReduceScatter):
-            if self.failover.decided:
-                coll = RingInstead(coll)
-                self.stats["in_network_on_ring"] += 1
-            else:  # waits for the decision, which runs it on the ring
+            if not self.failover.decided:  # waits for the decision
                 self.failover.frozen[coll.seq] = coll
                 coll.frozen = deferred = True
+            elif coll.seq < self.ring_below or not self.lanes:
+                coll = RingInstead(coll)
+                self.stats["in_network_on_ring"] += 1
+            else:
+                coll.aggregator = self._lane_endpoints()
+                self.stats["in_network_on_fewer_endpoints"] += 1
         self.active[coll.seq] = coll
         self.last_progress[coll.seq] = now
         coll.plane = self.plane
@@ -386,17 +400,19 @@ class Session:
         elif hdr.kind == Kind.FAILOVER:
             try:
                 lost, posted, lacking = unpack_report(payload)
+                if self._aggregator_of(lost) is None:
+                    raise ProtocolError(f"a FAILOVER report names endpoint {AGGREGATOR - lost}, "
+                                        f"no aggregator's")
             except ProtocolError as err:
                 self.abort(Rejected(f"rank {hdr.src}: {err}", "malformed"))
                 return
-            if self.failover is None:
-                self.aggregator_lost(lost, f"was lost (reported by rank {hdr.src})", now)
-            try:
-                self.failover.report(hdr.src, posted, lacking)
-            except ProtocolError as err:
-                self.abort(Rejected(str(err), "duplicate"))
-                return
-            self._reported(now)
+            if hdr.seq < len(self.rounds):
+                self.abort(Rejected(f"rank {hdr.src} reported round {hdr.seq} of aggregator "
+                                    f"losses again", "duplicate"))
+            elif hdr.seq > len(self.rounds):  # it decided the round open here: kept till then
+                self._reports_ahead.append((hdr.seq, hdr.src, lost, posted, lacking))
+            else:
+                self._count_report(hdr.src, lost, posted, lacking, now)
         elif hdr.kind == Kind.GOODBYE:
             try:
                 count = unpack_goodbye(payload)
@@ -491,40 +507,73 @@ class Session:
         bounds = firsts[1:] + [stripes]
         self.aggregators = {AGGREGATOR - first: (names[AGGREGATOR - first], range(first, end))
                             for first, end in zip(firsts, bounds)}
+        self.lanes = list(range(stripes))
+
+    def _aggregator_of(self, peer: int) -> int | None:
+        """The aggregator (its first endpoint's id) endpoint id `peer` belongs to."""
+        return next((first for first, (_, stripes) in self.aggregators.items()
+                     if AGGREGATOR - peer in stripes), None)
+
+    def _lane_endpoints(self) -> frozenset[int]:
+        return frozenset(AGGREGATOR - e for e in self.lanes)
 
     def aggregator_lost(self, peer: int, why: str, now: float) -> None:
-        """Aggregator `peer` (its first endpoint's id) is lost: the first time, freeze every
-        in-network reduction and tell every peer what this rank holds; later, note it."""
-        name = self.aggregators.get(peer, (f"endpoint {AGGREGATOR - peer}",))[0]
-        if self.failover is not None:
-            if peer not in self.failover.lost:
-                self.failover.lost[peer] = name
-                self.stats["aggregators_lost"] += 1
-                self.notices.append(f"rank {self.rank} lost the aggregator at {name} too (it "
-                                    f"{why}); the ring already runs its in-network "
-                                    f"ReduceScatters")
+        """This rank found aggregator `peer` (its first endpoint's id) lost: `why`. The ranks
+        agree on it in a round of reports, this one's first if none is open."""
+        if peer in self.lost or peer in self.found_lost:
             return
-        self.failover = Failover(self.rank, self.world, peer, name, why)
-        self.stats["aggregators_lost"] += 1
-        lacking = self.failover.freeze(list(self.active.values()))
-        for seq in self.failover.frozen:
-            self.last_progress[seq] = now
+        self.found_lost[peer] = why
+        if self.failover is None or self.failover.decided:
+            self._open_round(peer, now)
+
+    def _open_round(self, peer: int, now: float, told_by: int | None = None) -> None:
+        """Freeze every in-network reduction in flight and tell every peer what this rank holds,
+        naming aggregator `peer`, which this rank found lost, or rank `told_by` reported."""
+        failover = self.failover = Failover(len(self.rounds), self.rank, self.world)
+        failover.why = f"reported by rank {told_by}" if told_by is not None else \
+            f"rank {self.rank} found that it {self.found_lost[peer]}"
+        lacking = failover.freeze(list(self.active.values()))
         report = pack_report(peer, self.next_seq, lacking)
         for other in range(self.world):
             if other != self.rank:
-                self._send_control(Kind.FAILOVER, 0, other, report)
-        self.failover.report(self.rank, self.next_seq, frozenset(lacking))
-        self._reported(now)
+                self._send_control(Kind.FAILOVER, failover.number, other, report)
+        self._count_report(self.rank, peer, self.next_seq, frozenset(lacking), now)
 
-    def _reported(self, now: float) -> None:
-        """A report came: once every rank's is in, decide, alike on every rank."""
+    def _count_report(self, rank: int, lost: int, posted: int, lacking: frozenset[int],
+                      now: float) -> None:
+        """A report for the round this rank is at: the first opens it here (naming an
+        aggregator this rank found lost, if any, else the one reported); the last decides."""
+        lost = self._aggregator_of(lost)
+        if self.failover is None or self.failover.decided:
+            mine = next((p for p in self.found_lost if p not in self.lost), None)
+            if mine is None:
+                self._open_round(lost, now, told_by=rank)
+            else:
+                self._open_round(mine, now)
         failover = self.failover
+        try:
+            failover.report(rank, lost, posted, lacking)
+        except ProtocolError as err:
+            self.abort(Rejected(str(err), "duplicate"))
+            return
         for seq in failover.frozen:
             if seq in self.last_progress:
                 self.last_progress[seq] = now
-        if not failover.ready:
-            return
-        failover.decided = True
+        if failover.ready:
+            self._decide(now)
+
+    def _decide(self, now: float) -> None:
+        """Every rank's report is in: decide, alike on every rank."""
+        failover = self.failover
+        failover.decide(lambda peer: self.aggregators[peer][0])
+        self.lost.update(failover.lost)
+        self.stats["aggregators_lost"] += len(failover.lost)
+        self.lanes = [e for e in self.lanes if self._aggregator_of(AGGREGATOR - e)
+                      not in self.lost]
+        if self.lanes:
+            self.plane.set_lanes(self.lanes)
+        self.ring_below = failover.posted
+        resumed = 0
         for seq, coll in sorted(failover.frozen.items()):
             if self.active.get(seq) is not coll:
                 continue  # failed meanwhile (a refusal)
@@ -534,25 +583,44 @@ class Session:
                 failover.complete.append(seq)
                 coll.complete_frozen()
                 self._settle(coll)
-                continue
-            failover.redone.append(seq)
-            ring = self.active[seq] = RingInstead(coll)
-            ring.plane = self.plane
-            self._guard(ring, ring.start, now)
-            self._settle(ring)
+            elif seq < failover.posted or not self.lanes:
+                failover.redone.append(seq)
+                ring = self.active[seq] = RingInstead(coll)
+                ring.plane = self.plane
+                self._guard(ring, ring.start, now)
+                self._settle(ring)
+            else:  # posted here after this rank reported, and nowhere before: never started
+                coll.frozen, coll.aggregator = False, self._lane_endpoints()
+                resumed += 1
+                self._guard(coll, coll.start, now)
+                self._settle(coll)
         self.stats["in_network_redone_on_ring"] += len(failover.redone)
         self.stats["in_network_complete_at_failover"] += len(failover.complete)
+        self.stats["in_network_on_fewer_endpoints"] += resumed
         failover.frozen.clear()
+        self.rounds.append(failover)
+        left = "the ring" if not self.lanes else \
+            f"the {len(self.lanes)} endpoints left (" + ", ".join(
+                name for first, (name, _) in sorted(self.aggregators.items())
+                if first not in self.lost) + ")"
+        failover.outcome = failover.summary(left)
+        self.notices.append(f"rank {self.rank} {failover.outcome}")
         held, failover.held = failover.held, []
         for hdr, payload in held:
             self.receive(hdr, payload, now, False)
-        failover.outcome = f"{failover.why}; {failover.summary()}"
-        self.notices.append(f"rank {self.rank} lost {failover.outcome}")
+        # the next round: a peer's report for it, or an aggregator this rank found lost since
+        ahead = [r for r in self._reports_ahead if r[0] == len(self.rounds)]
+        self._reports_ahead = [r for r in self._reports_ahead if r[0] != len(self.rounds)]
+        for _, rank, lost, posted, lacking in ahead:
+            self._count_report(rank, lost, posted, lacking, now)
+        unagreed = [p for p in self.found_lost if p not in self.lost]
+        if unagreed and self.failover.decided:
+            self._open_round(unagreed[0], now)
 
     def _silent_aggregator(self) -> tuple[int, float] | None:
         """The aggregator silent longest while an in-network reduction waits on it, and when
         it will have been silent past the bound (None: none waits on any)."""
-        if not self.aggregators or self.failover is not None:
+        if not self.aggregators or (self.failover is not None and not self.failover.decided):
             return None
         waiting = [c.posted_at for c in self.active.values()
                    if isinstance(c, InNetworkReduceScatter) and c.waits_on_aggregators()]
@@ -561,8 +629,12 @@ class Session:
         bound = min(self.failover_seconds, self.timeout)
         due = []
         for peer, (_, stripes) in self.aggregators.items():
+            if peer in self.lost or peer in self.found_lost:
+                continue
             heard = [t for e in stripes if (t := self.plane.heard(e)) is not None]
             due.append((max(heard + [min(waiting)]) + bound, peer))
+        if not due:
+            return None
         at, peer = min(due)
         return peer, at
 
@@ -642,7 +714,7 @@ class Session:
 
     def _waiting_for(self, coll: Collective) -> str:
         if self.failover is not None and coll.seq in self.failover.frozen:
-            return "the reports of the aggregator's loss from " + ", ".join(
+            return "the reports of an aggregator's loss from " + ", ".join(
                 f"rank {r}" for r in self.failover.unreported())
         if not coll.received_all:
             return coll.waiting_for()

@@ -973,18 +973,29 @@ static void to_ranks(void *ctx, int handle, uint16_t dst, const uint8_t *data, s
         if (dst == OC_ANY || dst == r) oc_plane_feed(b->planes[r], data, len, segment, b->now);
 }
 
-/* The aggregator and RW planes, each with reduction 4 of random inputs posted. */
+/* The aggregator, registered as endpoint `endpoint` (the only one left of endpoint + 1 when
+ * above 0: the planes stripe over it alone), and RW planes, each with reduction 4 of random
+ * inputs posted. */
 static void bench_reduce(bench_t *b, oc_sealer *sealers, oc_budget *budgets,
-                         int32_t in[RW][RW * RCOUNT], int32_t out[RW][RCOUNT], double loss) {
+                         int32_t in[RW][RW * RCOUNT], int32_t out[RW][RCOUNT], double loss,
+                         uint16_t endpoint) {
     uint32_t granted;
     b->agg = oc_agg_new(16);
-    b->handle = oc_agg_register(b->agg, 9, 8, RW, 0, 0, OC_MAX_DATAGRAM, KEY, 0, &granted);
+    b->handle = oc_agg_register(b->agg, 9, 8, RW, endpoint, 0, OC_MAX_DATAGRAM, KEY, 0,
+                                &granted);
     for (uint32_t r = 0; r < RW; r++) {
         sealers[r] = (oc_sealer){.job = 9, .comm = 8, .src = (uint16_t)r};
         oc_gmac_init(&sealers[r].gmac, KEY, 1);
         oc_budget_init(&budgets[r], 1e6, 0.005, 4, RCHUNK + 100, 4);
         b->planes[r] = oc_plane_new((uint16_t)r, RW, 9, 8, KEY, &sealers[r]);
         oc_plane_set_loss(b->planes[r], loss, 2, 7);
+        if (endpoint)
+            CHECK(oc_plane_set_stripes(b->planes[r], endpoint + 1u) == 0 &&
+                  oc_plane_set_lanes(b->planes[r], (uint16_t[]){endpoint}, 0) != 0 &&
+                  oc_plane_set_lanes(b->planes[r], (uint16_t[]){endpoint + 1u}, 1) != 0 &&
+                  oc_plane_set_lanes(b->planes[r], (uint16_t[]){endpoint, endpoint}, 2) != 0 &&
+                  oc_plane_set_lanes(b->planes[r], (uint16_t[]){endpoint}, 1) == 0,
+                  "lanes: one of the stripes set, none twice");
         for (int i = 0; i < RW * RCOUNT; i++) in[r][i] = (int32_t)(next() % 2001) - 1000;
         memset(out[r], 0xAB, sizeof out[r]);
         CHECK(oc_plane_reduce(b->planes[r], 4, OC_INT32, 0, RCOUNT, (uint8_t *)in[r],
@@ -995,13 +1006,14 @@ static void bench_reduce(bench_t *b, oc_sealer *sealers, oc_budget *budgets,
 }
 
 /* Three ranks' planes and the aggregator exchange sealed datagrams in memory, with loss
- * injected at every rank: the sums are exact and every reduction drains. */
-static void test_rank_planes_with_the_aggregator(double loss) {
+ * injected at every rank: the sums are exact and every reduction drains; also where the
+ * aggregator is endpoint 1, the only one left of two (its contributions say place 0 of 1). */
+static void test_rank_planes_with_the_aggregator(double loss, uint16_t endpoint) {
     bench_t b = {0};
     oc_sealer sealers[RW];
     oc_budget budgets[RW];
     int32_t in[RW][RW * RCOUNT], out[RW][RCOUNT];
-    bench_reduce(&b, sealers, budgets, in, out, loss);
+    bench_reduce(&b, sealers, budgets, in, out, loss, endpoint);
     CHECK(oc_plane_reduce(b.planes[0], 4, OC_INT32, 0, RCOUNT, (uint8_t *)in[0],
                           (uint8_t *)out[0], RCHUNK, 16, 4, &budgets[0], 0.0) != 0,
           "a sequence number is posted once");
@@ -1028,8 +1040,8 @@ static void test_rank_planes_with_the_aggregator(double loss) {
             for (uint32_t q = 0; q < RW; q++) sum += (uint32_t)in[q][r * RCOUNT + i];
             exact &= out[r][i] == (int32_t)sum;
         }
-    CHECK(all && exact, "loss %.2f: every rank drained once (%d %d %d), sums exact %d", loss,
-          drained[0], drained[1], drained[2], exact);
+    CHECK(all && exact, "loss %.2f, endpoint %u: every rank drained once (%d %d %d), sums "
+          "exact %d", loss, endpoint, drained[0], drained[1], drained[2], exact);
     uint64_t lost = 0;
     for (uint32_t r = 0; r < RW; r++) {
         lost += oc_plane_stats(b.planes[r])[OC_PLANE_STAT_injected_losses];
@@ -1055,7 +1067,7 @@ static void test_a_frozen_reduction_takes_and_acknowledges_nothing(void) {
     oc_sealer sealers[RW];
     oc_budget budgets[RW];
     int32_t in[RW][RW * RCOUNT], out[RW][RCOUNT], frozen[RCOUNT];
-    bench_reduce(&b, sealers, budgets, in, out, 0.0);
+    bench_reduce(&b, sealers, budgets, in, out, 0.0, 0);
     CHECK(oc_plane_heard(b.planes[0], 0) < 0 && oc_plane_heard(b.planes[0], OC_MAX_STRIPES) < 0,
           "nothing heard yet, nor past the endpoints");
     int released = 0, drained = 0;
@@ -1419,7 +1431,7 @@ static void test_trace(void) {
 
 /* Tests that share nothing but the process (OpenSSL, the allocator, the kernel's sockets), each
  * on a thread of its own, all at once: what ThreadSanitizer checks (tests/test_native.py). */
-static void *rank_planes(void *unused) { (void)unused; test_rank_planes_with_the_aggregator(0.05); return NULL; }
+static void *rank_planes(void *unused) { (void)unused; test_rank_planes_with_the_aggregator(0.05, 0); return NULL; }
 static void *gathers(void *unused) { (void)unused; test_gathers(0.1); return NULL; }
 static void *aggregator(void *unused) { (void)unused; test_aggregator(); return NULL; }
 static void *port(void *unused) { (void)unused; test_port(); return NULL; }
@@ -1458,8 +1470,9 @@ int main(int argc, char **argv) {
     test_shards(0);
     test_shards(1);
     test_budget();
-    test_rank_planes_with_the_aggregator(0.0);
-    test_rank_planes_with_the_aggregator(0.05);
+    test_rank_planes_with_the_aggregator(0.0, 0);
+    test_rank_planes_with_the_aggregator(0.05, 0);
+    test_rank_planes_with_the_aggregator(0.05, 1);
     test_a_frozen_reduction_takes_and_acknowledges_nothing();
     test_plane_drops();
     test_gathers_share_the_link();
