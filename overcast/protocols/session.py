@@ -520,8 +520,8 @@ class Session:
     def aggregator_lost(self, peer: int, why: str, now: float) -> None:
         """This rank found aggregator `peer` (its first endpoint's id) lost: `why`. The ranks
         agree on it in a round of reports, this one's first if none is open."""
-        if peer in self.lost or peer in self.found_lost:
-            return
+        if peer in self.lost or peer in self.found_lost or self.closing:
+            return  # closing: nothing of its own left to save (a peer's report is answered)
         self.found_lost[peer] = why
         if self.failover is None or self.failover.decided:
             self._open_round(peer, now)
