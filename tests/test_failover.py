@@ -204,6 +204,26 @@ def test_a_silent_aggregator_is_lost_within_the_bound_and_the_ring_takes_over():
     assert b"".join(o.tobytes() for o in outs) == on_the_ring(world, inputs)
 
 
+def test_of_two_aggregators_the_silent_one_is_lost_and_the_other_goes_on():
+    """One of two aggregators cut off, no connection closing: the ranks find that one silent
+    (the other answers), agree on it alone, and stripe the next collectives over the other."""
+    world = 3
+    inputs = [inputs_for(world, np.int32, seq) for seq in (20, 21)]
+    fabric = fabric_with(world, aggregators=2, seed=20)
+    outs = [post(fabric, 0, inputs[0])]
+    steps(fabric, 60)
+    fabric.silent.add(endpoint(1))
+    fabric.run_timed()
+    outs.append(post(fabric, 1, inputs[1]))
+    fabric.run_timed()
+    assert on_ring(fabric)[1] is False
+    for s in fabric.sessions:
+        assert s.lost == {endpoint(1): "198.18.0.2:7000"} and s.lanes == [0]
+    assert any("silent for 2.0 s" in s.rounds[0].outcome for s in fabric.sessions)
+    for seq in (0, 1):
+        assert b"".join(o.tobytes() for o in outs[seq]) == on_the_ring(world, inputs[seq])
+
+
 def test_an_aggregator_that_answers_is_not_lost_while_a_rank_is_slow():
     """One rank posts 5 s after the others: the aggregator answers their credit probes
     meanwhile, so nothing is lost and the aggregator sums it."""
