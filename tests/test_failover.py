@@ -142,6 +142,24 @@ def test_a_float_sum_is_the_rings_or_the_aggregators_never_a_mix():
     assert seen == {True, False}
 
 
+@pytest.mark.parametrize("delivered", [30, 120, 400])
+def test_an_aggregator_that_goes_on_answering_completes_nothing_after_the_freeze(delivered):
+    """Only rank 0's connection to the aggregator drops; the aggregator itself goes on sending
+    results and credit. Frozen, no rank takes any more of them: every rank ends with one
+    algorithm's result, the same one, never the aggregator's here and the ring's there."""
+    world = 4
+    inputs = inputs_for(world, np.float32, 40 + delivered)
+    ring, aggregator = on_the_ring(world, inputs), in_network(world, inputs)
+    fabric = fabric_with(world, seed=delivered)
+    outs = post(fabric, 0, inputs)
+    steps(fabric, delivered)
+    fabric.sessions[0].peer_lost(endpoint(0), "198.18.0.1:7000")
+    fabric.run_timed()
+    redone = on_ring(fabric)[0]
+    assert b"".join(o.tobytes() for o in outs) == (ring if redone else aggregator)
+    assert any(s.drops["aggregator_lost"] for s in fabric.sessions)
+
+
 def until(fabric: Fabric, condition, limit: int = 100_000) -> None:
     for _ in range(limit):
         if condition():
