@@ -17,7 +17,7 @@ PROTOCOL_COUNTERS = ("injected_losses", "multicast_chunks", "duplicate_chunks", 
                      "repair_bytes", "repair_requests", "results", "duplicate_results",
                      "contributions_resent", "credit_probes", "datagrams_in", "datagrams_out",
                      "datagram_reads", "datagram_sends", "wakeups", "python_cpu_seconds",
-                     "data_path_cpu_seconds")
+                     "data_path_cpu_seconds", "aggregators_lost", "in_network_redone_on_ring")
 # torch.distributed groups meet at MASTER_PORT plus these (the bench's Communicator at MASTER_PORT)
 PORT_OFFSETS = {"gloo": 1, "overcast": 2}
 

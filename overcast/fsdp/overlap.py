@@ -176,8 +176,13 @@ class Overlap:
 
     def stats(self) -> dict:
         """Seconds the training thread spent posting and waiting on collectives, its CPU time
-        in them, and the number of each, since overlap()."""
-        return self.times.as_dict()
+        in them, and the number of each, since overlap(); with `in_network_fallback` once an
+        aggregator was lost (Communicator.in_network_fallback: the ReduceScatters then run on
+        the ring, beside the multicast AllGathers)."""
+        stats = self.times.as_dict()
+        if self.comm is not None and self.comm.in_network_fallback:
+            stats["in_network_fallback"] = self.comm.in_network_fallback
+        return stats
 
     def profile(self, steps: int, seconds: float, path: str | None = None) -> dict:
         """The step of the `steps` steps that took `seconds` since overlap() or timed() (open

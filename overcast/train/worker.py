@@ -136,6 +136,7 @@ def train_rank(rank: int, way: str, config: dict, steps: int, lr: float, trace: 
                     "trace": _window(timeline, *backward) if timeline else None,
                     "algorithms": handle.algorithms,
                     "warnings": [str(w.message) for w in said
-                                 if w.category is overcast.MulticastNotDeliveredWarning]}
+                                 if w.category in (overcast.MulticastNotDeliveredWarning,
+                                                   overcast.AggregatorLostWarning)]}
     finally:
         dist.destroy_process_group()
