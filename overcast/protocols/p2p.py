@@ -316,9 +316,17 @@ class PointToPoint:
         """How many of `peer`'s offers wait here for a recv."""
         return self._held[peer]
 
-    def orders_held(self, peer: int) -> int:
-        """How many of those are on ORDER_TAG: rank 0's order of calls not made here yet."""
-        return sum(1 for o in self._offers if o.src == peer and o.tag == ORDER_TAG)
+    def too_many_offers(self, peer: int) -> str:
+        """Why the offers held from `peer` passed OFFERS_HELD: the calls rank 0 made that this
+        rank has not (ORDER_TAG: the backend's order of calls), or sends no recv took."""
+        orders = sum(1 for o in self._offers if o.src == peer and o.tag == ORDER_TAG)
+        if orders * 2 > OFFERS_HELD:
+            return (f"rank {peer} has made {orders:,} calls in the group that rank "
+                    f"{self.rank} has not made yet: past {OFFERS_HELD:,}, the group fails (a "
+                    f"rank may not fall that far behind; wait on the calls' Works sooner)")
+        return (f"rank {peer} sent rank {self.rank} more than {OFFERS_HELD} messages that no "
+                f"recv on rank {self.rank} has taken: past that many held, the communicator "
+                f"fails (rank {self.rank} must post recvs for them sooner)")
 
     def timer(self, timeout: float) -> float | None:
         return min((op.progress_at + timeout for op in self.pending() if not op.copied),

@@ -291,7 +291,7 @@ class Session:
                 self._misfit(datagram, err.reason, err.__str__)
                 return
             if kind == Kind.P2P_OFFER and self.p2p.offers_held(hdr.src) > OFFERS_HELD:
-                self.abort(OvercastError(self._too_many_offers(hdr.src)))
+                self.abort(OvercastError(self.p2p.too_many_offers(hdr.src)))
             return
         coll = self.active.get(hdr.seq)
         if coll is None:
@@ -374,18 +374,6 @@ class Session:
                 f"{self._counted_stream_bytes():,} B in all, past its limit of "
                 f"{self.early_stream_limit:,} B; raise early_stream_bytes (the "
                 f"Communicator's, or {EARLY_STREAM_ENV}) to let a rank fall further behind")
-
-    def _too_many_offers(self, peer: int) -> str:
-        """Why the messages held from `peer` for recvs not posted passed OFFERS_HELD: the
-        calls rank 0 has made and this rank has not (the backend's order of calls), or sends."""
-        orders = self.p2p.orders_held(peer)
-        if orders * 2 > OFFERS_HELD:
-            return (f"rank {peer} has made {orders:,} calls in the group that rank "
-                    f"{self.rank} has not made yet: past {OFFERS_HELD:,}, the group fails (a "
-                    f"rank may not fall that far behind; wait on the calls' Works sooner)")
-        return (f"rank {peer} sent rank {self.rank} more than {OFFERS_HELD} messages that no "
-                f"recv on rank {self.rank} has taken: past that many held, the communicator "
-                f"fails (rank {self.rank} must post recvs for them sooner)")
 
     def _misfit(self, datagram: bool, reason: str, message) -> None:
         """A message (or a run of them) that does not fit. A datagram proves only that some rank
