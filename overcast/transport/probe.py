@@ -152,11 +152,14 @@ def prove_delivery(links, deadline: float) -> dict[int, list[int]]:
             pass  # hears nobody: its report says so
     window = {p: KNOWN_UNHEARD_SECONDS if (address, links.addresses[p]) in _unheard_hosts
               else PROBE_SECONDS for p in others}
-    probe = sealer.seal(Kind.HELLO, 0, ANY, 0, PROBE.ljust(chunk_bytes(links.mtu), b"\0"))
+    padded = PROBE.ljust(chunk_bytes(links.mtu), b"\0")
 
     def send_probe() -> None:
+        # sealed anew each time: a listener that hears two sends of one probe would drop the
+        # second as a replay, and count it
         try:
-            links.udp.sendto(probe, (group[0], probe_port(group[1])))
+            links.udp.sendto(sealer.seal(Kind.HELLO, 0, ANY, 0, padded),
+                             (group[0], probe_port(group[1])))
         except OSError:
             pass  # the others will not hear it, and will say so
 
