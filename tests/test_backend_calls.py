@@ -17,6 +17,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
 import overcast.distributed  # noqa: F401  (registers the backend)
 from overcast.cluster.launch import loopback_placements, run_ranks
+from overcast.distributed.calls import _calling_from as calling_from
 from overcast.job import agreed_name
 from test_backend import LINK, start
 
@@ -376,3 +377,72 @@ def test_ranks_agree_on_names_in_a_store_reused_by_worlds_of_other_sizes():
     assert {agreed_name(store, "pg-0", 3) for _ in range(3)} == {"pg-0-3-0"}
     assert {agreed_name(store, "pg-0", 2) for _ in range(2)} == {"pg-0-2-0"}
     assert {agreed_name(store, "pg-0", 3) for _ in range(3)} == {"pg-0-3-1"}
+
+
+def callbacks_of_two_groups(rank):
+    """A callback of WORLD's first call and one of B's first call (B over the same ranks) each
+    make a call on B, both pending at once on every rank: rank 0's B is held by a call rank 1
+    makes only once both ranks' callbacks have made theirs. Each key names its future's group,
+    so the two never clash."""
+    gloo = start(timeout=30)
+    group = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=20))
+    x, y, gate = torch.ones(2), torch.ones(2), torch.ones(1)
+    p, q = torch.full((3,), rank + 1.0), torch.full((3,), 10.0 * (rank + 1))
+    wa = dist.all_reduce(x, async_op=True)
+    wb = dist.all_reduce(y, group=group, async_op=True)
+    if rank == 0:
+        gated = dist.all_reduce(gate, group=group, async_op=True)
+    fa = wa.get_future().then(lambda _: dist.all_reduce(p, group=group, async_op=True))
+    fb = wb.get_future().then(lambda _: dist.all_reduce(q, group=group, async_op=True))
+    inner = [fa.wait(), fb.wait()]
+    dist.barrier(gloo)
+    if rank == 1:
+        gated = dist.all_reduce(gate, group=group, async_op=True)
+    said = []
+    for work in [gated, *inner]:
+        try:
+            work.wait(timeout=datetime.timedelta(seconds=30))
+            said.append("done")
+        except Exception as err:
+            said.append(type(err).__name__)
+    said += [p.tolist(), q.tolist()]
+    dist.destroy_process_group()
+    return said
+
+
+def test_callbacks_of_two_groups_make_calls_keyed_apart():
+    for said in run_ranks(callbacks_of_two_groups, loopback_placements(2), timeout=90):
+        assert said == ["done"] * 3 + [[3.0] * 3, [30.0] * 3], said
+
+
+def keys_alike(rank):
+    """Two calls made under one key (as from one callback run twice) while the first is pending:
+    rank 0's is held by a call rank 1 makes only once rank 0 has made both. The second fails
+    naming its key, and the group aborts on every rank."""
+    gloo = start(timeout=30)
+    group = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=20))
+    works = []
+    if rank == 1:
+        dist.barrier(gloo)
+    works.append(dist.all_reduce(torch.ones(1), group=group, async_op=True))
+    for _ in range(2):
+        with calling_from(("one callback",)):
+            works.append(dist.all_reduce(torch.ones(4), group=group, async_op=True))
+    if rank == 0:
+        dist.barrier(gloo)
+    said = []
+    for work in works:
+        try:
+            work.wait(timeout=datetime.timedelta(seconds=30))
+            said.append("done")
+        except Exception as err:
+            said.append(str(err))
+    dist.destroy_process_group()
+    return said
+
+
+def test_a_call_keyed_as_a_pending_one_fails_and_aborts_the_group():
+    for said in run_ranks(keys_alike, loopback_placements(2), timeout=90):
+        assert len(said) == 3 and "done" not in said, said
+        assert all("('one callback',), 0)" in s and "cannot tell the two apart" in s
+                   for s in said), said

@@ -4,12 +4,12 @@ worker. They follow gloo's contract (a call takes its place in the order when it
 calling thread) and keep it where gloo's two threads could not:
 
 - Every rank runs the group's collective calls in rank 0's order: each call has a key naming
-  it alike on every rank (the program's n-th call, or a callback's m-th, the callback named by
-  its future's key and its place among that future's callbacks), rank 0 tells the others the
-  keys in the order its calls are made, and they run theirs in that order. So a call a callback
-  makes (DDP's PowerSGD hook makes some while the backward makes the next bucket's) runs at the
-  same point everywhere, whether the callback ran at once on the attaching thread (its call
-  complete already) or later on a completer.
+  it alike on every rank (the program's n-th call on the group, or a callback's m-th, the
+  callback named by its future's key and its place among that future's callbacks), rank 0 tells
+  the others the keys in the order its calls are made, and they run theirs in that order. So a
+  call a callback makes (DDP's PowerSGD hook makes some while the backward makes the next
+  bucket's) runs at the same point everywhere, whether the callback ran at once on the attaching
+  thread (its call complete already) or later on a completer.
 - Callbacks never run on the worker, and a completer blocked in a callback (waiting for a later
   call, its future, a future then() made of it, or a lock) has the next completion taken by
   another completer, started when none is idle: a callback may wait for anything the program
@@ -61,9 +61,11 @@ def _tensors(result) -> list[torch.Tensor]:
     return [t for item in result for t in (item if isinstance(item, (list, tuple)) else [item])]
 
 
-# Every collective call has a key, the same on every rank that makes it: ("call", n) for the n-th
-# call the program makes outside a callback, and (the callback's key, m) for the m-th one a
-# callback makes; a callback's key is (its future's key, j) for the j-th callback attached to it.
+# Every collective call has a key, the same on every rank that makes it: (the group's name, n)
+# for the n-th call the program makes on the group outside a callback, and (the callback's key,
+# m) for the m-th one a callback makes; a callback's key is (its future's key, j) for the j-th
+# callback attached to it. So a key names the group its outermost call was made on, and calls
+# that callbacks of two groups' futures make on one group are keyed apart.
 _calling = threading.local()  # the key and count of the callback running on this thread
 
 
@@ -239,7 +241,7 @@ class Calls:
         self._lock = threading.Condition()
         # collective calls made, not yet run, by their words (_word), in the order made
         self._calls: collections.OrderedDict = collections.OrderedDict()
-        self._top = 0  # calls the program made outside callbacks
+        self._top = 0  # calls the program made on the group outside callbacks
         self._heard: collections.deque = collections.deque()  # words of rank 0's order
         self._transfers: collections.deque = collections.deque()  # made, not yet posted
         # what the completers do next, in order: complete the future of a call run, or of a
@@ -281,16 +283,31 @@ class Calls:
             self._open(what)
             callback = getattr(_calling, "callback", None)
             if callback is None:
-                key, self._top = ("call", self._top), self._top + 1
+                key, self._top = (self._name, self._top), self._top + 1
             else:
                 key, callback.made = (callback.key, callback.made), callback.made + 1
             word = _word(key)
+            work = Work(what, result, staging, self, key)
+            if word in self._calls:
+                self._clash(work)
+                return work
             if self._order is not None and self._order.rank == 0:
                 self._order.tell_order(word)  # under the lock: told in the order made
-            work = Work(what, result, staging, self, key)
             self._calls[word] = (fn, work)
             self._lock.notify_all()
         return work
+
+    def _clash(self, work: Work) -> None:
+        """Under the lock: `work`'s key is that of a call made and not yet run. No order of the
+        two is sound (a rank may have begun the first already), so the call fails and the group
+        aborts on every rank, naming the key."""
+        work._error = OvercastError(
+            f"{work._what}: another call on the group not yet run has its key {work.key!r}, so "
+            f"the ranks cannot tell the two apart; the group is aborted")
+        if self._order is not None:
+            self._order.abort(str(work._error))
+        work._ran = True
+        self._to_complete(work._complete)
 
     def submit_transfer(self, what: str, post, result, staging: Staging | None = None,
                         landed=None) -> Work:
