@@ -5,6 +5,7 @@ a future the caller completed itself; abort() while the group is closing, and wi
 companion; the ranks' settings told apart; and what a group leaves in the store."""
 
 import datetime
+import functools
 import os
 import threading
 import time
@@ -446,3 +447,61 @@ def test_a_call_keyed_as_a_pending_one_fails_and_aborts_the_group():
         assert len(said) == 3 and "done" not in said, said
         assert all("('one callback',), 0)" in s and "cannot tell the two apart" in s
                    for s in said), said
+
+
+def note(said, what, fut):
+    said.append(what)
+
+
+class Noted:
+    """A callback object that makes no call: it notes that it ran."""
+
+    def __init__(self, said):
+        self.said = said
+
+    def __call__(self, fut):
+        note(self.said, "object", fut)
+
+
+def reduced(t, group, fut):
+    dist.all_reduce(t, group=group)
+    return t[0].item()
+
+
+def callbacks_that_make_no_call(rank):
+    """Rank 0 alone attaches callbacks that make no call (a function, a partial, a callable
+    object) before those that every rank attaches, which do: two of one function through
+    partials, then a lambda. Rank 1 attaches them before the call completes, rank 0 after (so
+    they run at once, on its thread). Only the callbacks that make calls key them."""
+    gloo = start(timeout=30)
+    group = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=10))
+    said = []
+    c, d, e = (torch.full((4,), 10.0 ** k * (rank + 1)) for k in range(3))
+    if rank == 0:
+        dist.barrier(gloo)
+    work = dist.all_reduce(torch.ones(2), group=group, async_op=True)
+    fut = work.get_future()
+    if rank == 0:
+        work.wait()
+        fut.then(lambda _: said.append("logged"))
+        fut.then(functools.partial(note, said, "partial"))
+        fut.add_done_callback(Noted(said))
+    futures = [fut.then(functools.partial(reduced, c, group)),
+               fut.then(functools.partial(reduced, d, group)),
+               fut.then(lambda _: dist.all_reduce(e, group=group))]
+    if rank == 1:
+        dist.barrier(gloo)
+    try:
+        values = [f.wait() for f in futures[:2]]
+        futures[2].wait()
+        said += [values, e[0].item()]
+    except Exception as err:
+        said.append(type(err).__name__)
+    dist.destroy_process_group()
+    return said
+
+
+def test_callbacks_that_make_no_call_on_one_rank_shift_no_keys():
+    first, second = run_ranks(callbacks_that_make_no_call, loopback_placements(2), timeout=90)
+    assert first == ["logged", "partial", "object", [3.0, 30.0], 300.0], first
+    assert second == [[3.0, 30.0], 300.0], second

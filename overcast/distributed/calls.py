@@ -5,7 +5,8 @@ calling thread) and keep it where gloo's two threads could not:
 
 - Every rank runs the group's collective calls in rank 0's order: each call has a key naming
   it alike on every rank (the program's n-th call on the group, or a callback's m-th, the
-  callback named by its future's key and its place among that future's callbacks), rank 0 tells
+  callback named by its future's key, its code and its place among that future's callbacks of
+  that code), rank 0 tells
   the others the keys in the order its calls are made, and they run theirs in that order. So a
   call a callback makes (DDP's PowerSGD hook makes some while the backward makes the next
   bucket's) runs at the same point everywhere, whether the callback ran at once on the attaching
@@ -63,9 +64,11 @@ def _tensors(result) -> list[torch.Tensor]:
 
 # Every collective call has a key, the same on every rank that makes it: (the group's name, n)
 # for the n-th call the program makes on the group outside a callback, and (the callback's key,
-# m) for the m-th one a callback makes; a callback's key is (its future's key, j) for the j-th
-# callback attached to it. So a key names the group its outermost call was made on, and calls
-# that callbacks of two groups' futures make on one group are keyed apart.
+# m) for the m-th one a callback makes; a callback's key is (its future's key, its code's
+# identity, j) for the j-th callback of that code attached to the future. So a key names the
+# group its outermost call was made on (calls that callbacks of two groups' futures make on one
+# group are keyed apart), and a callback one rank alone attaches (one that logs) shifts the key
+# of no other.
 _calling = threading.local()  # the key and count of the callback running on this thread
 
 
@@ -74,6 +77,20 @@ class _Callback:
 
     def __init__(self, key: tuple):
         self.key, self.made = key, 0
+
+
+def _identity(callback) -> tuple:
+    """A callback's code, named alike by every rank running the program wherever it is
+    installed: a function's module, qualified name and first line (a partial's function's, a
+    bound method's); a callable object's type's module and qualified name."""
+    while isinstance(callback, functools.partial):
+        callback = callback.func
+    callback = getattr(callback, "__func__", callback)
+    code = getattr(callback, "__code__", None)
+    if code is not None:
+        return callback.__module__, callback.__qualname__, code.co_firstlineno
+    named = callback if hasattr(callback, "__qualname__") else type(callback)
+    return getattr(named, "__module__", None), named.__qualname__
 
 
 @contextlib.contextmanager
@@ -97,17 +114,20 @@ _WORD_BYTES = 8
 class _Future(torch.futures.Future):
     """A call's future: torch's, whose callbacks (then, add_done_callback) run under their keys,
     so that the calls they make have the same keys on every rank, whichever thread runs them
-    and whenever they are attached. Futures then() makes are keyed alike (on CPU tensors; on
+    and whenever they are attached (a key counts the callbacks of its code attached before it,
+    never the others). Futures then() makes are keyed alike (on CPU tensors; on
     CUDA ones, torch's own then() makes them)."""
 
     def __init__(self, key: tuple | None, devices=None):
         super().__init__(devices=devices)
-        self._key, self._cuda, self._attached = key, bool(devices), itertools.count()
+        self._key, self._cuda = key, bool(devices)
+        self._attached: dict[tuple, itertools.count] = {}  # callbacks, counted by identity
 
     def _keyed(self, callback):
         if self._key is None:  # a transfer's: no counterpart on the other ranks
             return callback, None
-        key = (self._key, next(self._attached))
+        identity = _identity(callback)
+        key = (self._key, identity, next(self._attached.setdefault(identity, itertools.count())))
 
         def run(fut):
             with _calling_from(key):
