@@ -18,6 +18,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
 import overcast.distributed  # noqa: F401  (registers the backend)
 from overcast.cluster.launch import loopback_placements, run_ranks
+from overcast.distributed import calls
 from overcast.distributed.calls import _calling_from as calling_from
 from overcast.job import agreed_name
 from test_backend import LINK, start
@@ -505,3 +506,72 @@ def test_callbacks_that_make_no_call_on_one_rank_shift_no_keys():
     first, second = run_ranks(callbacks_that_make_no_call, loopback_placements(2), timeout=90)
     assert first == ["logged", "partial", "object", [3.0, 30.0], 300.0], first
     assert second == [[3.0, 30.0], 300.0], second
+
+
+def no_thread_to_complete(rank, limit):
+    """Rank 1 parks four callbacks that block until it lets them go, on calls that complete
+    once it has attached them, and may have three completer threads (by MAX_COMPLETERS, or by
+    the system: a thread start that fails past them stands in for its limit): three callbacks
+    block the three completers, and the fourth call, and a later one, fail at once, naming why.
+    Let go, the parked futures complete and the group goes on."""
+    gloo = start(timeout=30)
+    group = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=20))
+    real_start = threading.Thread.start
+    started = []
+
+    def start_thread(thread):
+        if "-completer-" in thread.name:
+            started.append(thread.name)
+            if len(started) > 2 and limit == "system":
+                raise RuntimeError("can't start new thread")
+        real_start(thread)
+
+    said = {}
+    let_go = threading.Event()
+    if rank == 0:
+        dist.barrier(gloo)
+    else:
+        threading.Thread.start = start_thread
+        if limit == "completers":
+            calls.MAX_COMPLETERS = 3
+    try:
+        parked = [dist.all_reduce(torch.ones(4), group=group, async_op=True) for _ in range(4)]
+        if rank == 1:
+            futures = [w.get_future().then(lambda f: let_go.wait() and len(f.value()))
+                       for w in parked]
+            dist.barrier(gloo)
+        later = torch.ones(4)
+        try:
+            dist.all_reduce(later, group=group, async_op=True).wait(
+                timeout=datetime.timedelta(seconds=30))
+            said["later"] = later.tolist()
+        except Exception as err:
+            said["later"] = str(err)
+        let_go.set()
+        if rank == 1:
+            said["parked"] = []
+            for fut in futures:
+                try:
+                    said["parked"].append(fut.wait())
+                except Exception as err:
+                    said["parked"].append(type(err).__name__)
+        final = torch.full((4,), rank + 1.0)
+        dist.all_reduce(final, group=group, async_op=True).wait(
+            timeout=datetime.timedelta(seconds=30))
+        said["final"] = final.tolist()
+    finally:
+        threading.Thread.start = real_start
+    dist.destroy_process_group()
+    return said
+
+
+@pytest.mark.parametrize("limit", ["completers", "system"])
+def test_a_call_no_completer_can_take_fails_and_the_group_goes_on(limit):
+    first, second = run_ranks(no_thread_to_complete, loopback_placements(2), args=(limit,),
+                              timeout=120)
+    assert first == {"later": [2.0] * 4, "final": [3.0] * 4}, first
+    assert "every completer thread of the group is busy" in second["later"], second
+    assert ("has 3, its most (MAX_COMPLETERS)" if limit == "completers" else
+            "can't start new thread") in second["later"], second
+    assert second["parked"] == [1, 1, 1, "OvercastError"], second
+    assert second["final"] == [3.0] * 4, second

@@ -14,7 +14,8 @@ calling thread) and keep it where gloo's two threads could not:
 - Callbacks never run on the worker, and a completer blocked in a callback (waiting for a later
   call, its future, a future then() made of it, or a lock) has the next completion taken by
   another completer, started when none is idle: a callback may wait for anything the program
-  does later.
+  does later. A group has at most MAX_COMPLETERS; when all are busy and no other may start, the
+  call whose future none is free for fails at once, saying so, and the threads go on.
 - An error anywhere in a call's bookkeeping (a CUDA error in its staging, a future the caller
   completed itself) fails that call alone; the threads go on. One raised before the call's
   collectives are made (bad arguments, a failed staging copy) is also told to the group's other
@@ -193,6 +194,13 @@ class Work(dist._Work):
             self._marked.set()
             self._done.set()
 
+    def _fail_now(self, error: BaseException) -> None:
+        """Fail the call before its future completes: wait() raises `error` (or the call's own)
+        from now on; the future completes with it later."""
+        self._error = self._error or error
+        self._marked.set()
+        self._done.set()
+
     def wait(self, timeout=None) -> bool:
         """Once the call is complete and its future's callbacks have run, as gloo's; from a
         callback (on a completer), once the call is complete: its own callbacks, or a later
@@ -246,6 +254,9 @@ class Work(dist._Work):
 
 # A completer idle this long ends, unless it is the last one.
 _IDLE_SECONDS = 5.0
+# At most this many completers per group: a program that parks more callbacks than this at once
+# (each blocked until something later) fails the calls whose futures no completer is free for.
+MAX_COMPLETERS = 256
 
 
 class Calls:
@@ -273,20 +284,28 @@ class Calls:
         self._completers: set[threading.Thread] = set()
         self._idle = 0  # completers waiting for a completion
         self._started = 0
+        with self._lock:
+            if (why := self._start_completer()) is not None:
+                raise OvercastError(f"{name}'s first completer thread: {why}")
         self.worker = threading.Thread(target=self._work, name=name, daemon=True)
         self.poster = threading.Thread(target=self._post, name=f"{name}-p2p", daemon=True)
         self.worker.start()
         self.poster.start()
-        with self._lock:
-            self._start_completer()
 
-    def _start_completer(self) -> None:
-        """Under the lock: one more completer thread."""
-        self._started += 1
+    def _start_completer(self) -> str | None:
+        """Under the lock: one more completer thread; or why none starts (MAX_COMPLETERS are
+        running, or the system would start no thread)."""
+        if len(self._completers) >= MAX_COMPLETERS:
+            return f"the group has {MAX_COMPLETERS}, its most (MAX_COMPLETERS)"
         thread = threading.Thread(target=self._complete, daemon=True,
-                                  name=f"{self._name}-completer-{self._started}")
-        self._completers.add(thread)
-        thread.start()
+                                  name=f"{self._name}-completer-{self._started + 1}")
+        try:
+            thread.start()
+        except Exception as err:  # at the system's limit of threads: "can't start new thread"
+            return f"starting a thread failed ({type(err).__name__}: {err})"
+        self._started += 1
+        self._completers.add(thread)  # before it runs: it waits for the lock held here
+        return None
 
     def completing(self) -> bool:
         """Whether this thread is one of the group's completers (a callback runs on it)."""
@@ -327,7 +346,7 @@ class Calls:
         if self._order is not None:
             self._order.abort(str(work._error))
         work._ran = True
-        self._to_complete(work._complete)
+        self._to_complete(work._complete, work)
 
     def submit_transfer(self, what: str, post, result, staging: Staging | None = None,
                         landed=None) -> Work:
@@ -390,12 +409,18 @@ class Calls:
                           f"the call rank 0 ran next on the group (every rank makes the same "
                           f"calls; only those that callbacks make may come in another order)")
 
-    def _to_complete(self, step) -> None:
-        """Under the lock: `step` for the completers, with one more of them if none is idle (each
-        blocked in a callback, or busy)."""
+    def _to_complete(self, step, work: Work) -> None:
+        """Under the lock: `step`, which completes `work`'s future, for the completers, with one
+        more of them if none is idle (each blocked in a callback, or busy). If none can start,
+        `work` fails now, saying why (its future completes, with that error, once a completer is
+        free): waiting for one could wait for ever, on callbacks that wait for this call."""
         self._completions.append(step)
-        if self._idle < len(self._completions):
-            self._start_completer()
+        if self._idle < len(self._completions) and \
+                (why := self._start_completer()) is not None:
+            work._fail_now(OvercastError(
+                f"{work._what}: complete, but every completer thread of the group is busy in a "
+                f"callback, and {why}; its future completes, with this error, once one is "
+                f"free"))
         self._lock.notify_all()
 
     def _work(self) -> None:
@@ -404,7 +429,7 @@ class Calls:
             _run(fn, work, self._refuse)
             work._ran = True
             with self._lock:
-                self._to_complete(work._complete)
+                self._to_complete(work._complete, work)
         with self._lock:
             self._worker_done = True
             self._lock.notify_all()
@@ -433,7 +458,7 @@ class Calls:
         with self._lock:
             if posted is not None:
                 self._posted -= 1
-            self._to_complete(functools.partial(_land, work, posted, landed))
+            self._to_complete(functools.partial(_land, work, posted, landed), work)
 
     def _finished(self) -> bool:
         """Under the lock: every thread but the completers stopped, nothing left to complete."""
@@ -481,8 +506,8 @@ def _land(work: Work, posted, landed) -> None:
     """Complete a transfer's future: its error or its source, its output copied back (a
     non-contiguous tensor's, `landed`; a CUDA one's, queued), its staging released."""
     try:
-        if posted is not None:
-            work._source, work._error = posted.source, posted.exception()
+        if posted is not None:  # an error the call has already raised stays its error
+            work._source, work._error = posted.source, work._error or posted.exception()
         if work._error is None:
             if landed is not None:
                 landed()
