@@ -1,6 +1,6 @@
 """How the "overcast" backend runs a group's calls, against gloo in the same job: in the order
-they are made, a call made from a callback included, whether the callback ran on the caller's
-thread (its call complete when it was attached) or later; callbacks that wait for later calls;
+they are made, a call made from a callback included, whether the callback was attached before
+its call completed or after (on a completer either way); callbacks that wait for later calls;
 a future the caller completed itself; abort() while the group is closing, and with overlap()'s
 companion; the ranks' settings told apart; and what a group leaves in the store."""
 
@@ -27,8 +27,9 @@ from test_backend import LINK, start
 def late_callbacks(rank, backend):
     """Each scenario on a group of `backend`, its results as lists. Ranks other than 0 attach
     their callbacks before rank 0 has made its first call (so those run later, on whatever
-    thread completes the call); rank 0 attaches its own once its call is complete (so they run
-    at once, on its own thread). `sync` is a gloo group of its own for the ordering."""
+    thread completes the call); rank 0 attaches its own once its call is complete (gloo runs
+    them at once, on its own thread; overcast on a completer). `sync` is a gloo group of its own
+    for the ordering."""
     sync = dist.new_group(backend="gloo")
     group = dist.group.WORLD if backend == "overcast" else dist.new_group(backend="gloo")
 
@@ -95,7 +96,7 @@ def late_callbacks(rank, backend):
     said["halved"] = halved[0].item()
 
     # 5. a callback that blocks on a lock the program holds while it makes a call
-    lock = threading.RLock()  # rank 0 runs its callback on this thread, holding it
+    lock = threading.RLock()  # gloo's rank 0 runs its callback on this thread, holding it
     with lock:
         (blocked,), _ = made(lambda: [dist.all_reduce(tensor(1), group=group, async_op=True)],
                              lambda works: [works[0].get_future().then(
@@ -132,8 +133,7 @@ def test_calls_made_by_callbacks_take_their_place_and_may_wait_for_later_ones(wo
         assert said["overcast"]["halved"] == said["gloo"]["halved"] == ranks // 2
         assert said["overcast"]["under_lock"] == said["gloo"]["under_lock"] == ranks
         where = said["overcast"]["callback_thread"]
-        assert where == ["MainThread"] if rank == 0 else where[0].startswith(
-            f"overcast-pg-0-{world}-0-completer-"), where
+        assert where[0].startswith(f"overcast-pg-0-{world}-0-completer-"), where
     assert time.monotonic() - began < 60
 
 
@@ -575,3 +575,44 @@ def test_a_call_no_completer_can_take_fails_and_the_group_goes_on(limit):
             "can't start new thread") in second["later"], second
     assert second["parked"] == [1, 1, 1, "OvercastError"], second
     assert second["final"] == [3.0] * 4, second
+
+
+def late_callback_waits(rank):
+    """Rank 1 attaches, once its call is complete, a callback that makes a call and waits for
+    it, then makes its next call; rank 0 attaches the same callback before its call completes,
+    and makes its next call before the callback makes its own, so rank 0 runs the program's next
+    call first. The callback runs on a completer, not on rank 1's thread, which makes that next
+    call meanwhile."""
+    gloo = start(timeout=30)
+    group = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=10))
+    c, d = torch.full((4,), rank + 1.0), torch.full((4,), 10.0 * (rank + 1))
+    next_made = threading.Event()
+
+    def reduce_c(_):
+        if rank == 0:
+            next_made.wait()
+        dist.all_reduce(c, group=group)
+        return threading.current_thread().name
+
+    work = dist.all_reduce(torch.ones(2), group=group, async_op=True)
+    if rank == 1:
+        work.wait()
+    fut = work.get_future().then(reduce_c)
+    said = {}
+    try:
+        next_call = dist.all_reduce(d, group=group, async_op=True)
+        next_made.set()
+        next_call.wait()
+        said["thread"] = fut.wait()
+        said["values"] = [c[0].item(), d[0].item()]
+    except Exception as err:
+        said["error"] = type(err).__name__
+    dist.barrier(gloo)
+    dist.destroy_process_group()
+    return said
+
+
+def test_a_callback_attached_once_its_call_is_complete_runs_on_a_completer():
+    for said in run_ranks(late_callback_waits, loopback_placements(2), timeout=90):
+        assert said.get("values") == [3.0, 30.0], said
+        assert "-completer-" in said["thread"], said

@@ -6,16 +6,18 @@ calling thread) and keep it where gloo's two threads could not:
 - Every rank runs the group's collective calls in rank 0's order: each call has a key naming
   it alike on every rank (the program's n-th call on the group, or a callback's m-th, the
   callback named by its future's key, its code and its place among that future's callbacks of
-  that code), rank 0 tells
-  the others the keys in the order its calls are made, and they run theirs in that order. So a
-  call a callback makes (DDP's PowerSGD hook makes some while the backward makes the next
-  bucket's) runs at the same point everywhere, whether the callback ran at once on the attaching
-  thread (its call complete already) or later on a completer.
-- Callbacks never run on the worker, and a completer blocked in a callback (waiting for a later
-  call, its future, a future then() made of it, or a lock) has the next completion taken by
-  another completer, started when none is idle: a callback may wait for anything the program
-  does later. A group has at most MAX_COMPLETERS; when all are busy and no other may start, the
-  call whose future none is free for fails at once, saying so, and the threads go on.
+  that code), rank 0 tells the others the keys in the order its calls are made, and they run
+  theirs in that order. So a call a callback makes (DDP's PowerSGD hook makes some while the
+  backward makes the next bucket's) runs at the same point everywhere, whether the callback was
+  attached before its call completed or after.
+- Callbacks never run on the worker, nor on the thread that attaches them once their call is
+  complete (torch would run them there at once, but that thread may be the one to make a call
+  they wait for): they run on completers, and a completer blocked in a callback (waiting for a
+  later call, its future, a future then() made of it, or a lock) has the next completion taken
+  by another completer, started when none is idle: a callback may wait for anything the
+  program does later. A group has at most MAX_COMPLETERS; when all are busy and no other may
+  start, the call whose future none is free for fails at once, saying so, and the threads go
+  on.
 - An error anywhere in a call's bookkeeping (a CUDA error in its staging, a future the caller
   completed itself) fails that call alone; the threads go on. One raised before the call's
   collectives are made (bad arguments, a failed staging copy) is also told to the group's other
@@ -116,13 +118,19 @@ class _Future(torch.futures.Future):
     """A call's future: torch's, whose callbacks (then, add_done_callback) run under their keys,
     so that the calls they make have the same keys on every rank, whichever thread runs them
     and whenever they are attached (a key counts the callbacks of its code attached before it,
-    never the others). Futures then() makes are keyed alike (on CPU tensors; on
-    CUDA ones, torch's own then() makes them)."""
+    never the others). Futures then() makes are keyed alike (on CPU tensors; on CUDA ones,
+    torch's own then() makes them). A callback attached once the future is complete runs on one
+    of the group's completers too, not at once on the attaching thread as torch's would (on CPU
+    tensors): that thread may be the one to make a call the callback waits for."""
 
-    def __init__(self, key: tuple | None, devices=None):
+    def __init__(self, key: tuple | None, calls: "Calls", devices=None):
         super().__init__(devices=devices)
-        self._key, self._cuda = key, bool(devices)
+        self._key, self._calls, self._cuda = key, calls, bool(devices)
         self._attached: dict[tuple, itertools.count] = {}  # callbacks, counted by identity
+        # callbacks attached once it was complete, not yet run: one completer runs them in the
+        # order attached, as torch runs those attached before on the thread that completes it
+        self._late: collections.deque = collections.deque()
+        self._late_lock = threading.Condition()
 
     def _keyed(self, callback):
         if self._key is None:  # a transfer's: no counterpart on the other ranks
@@ -135,14 +143,46 @@ class _Future(torch.futures.Future):
                 return callback(fut)
         return run, key
 
+    def _when_done(self, callback) -> None:
+        """torch's add_done_callback, run on a completer even if the future is complete now (then
+        torch runs it there, as it would have here)."""
+        def hop(fut):
+            if self._calls.completing():
+                return callback(fut)
+            with self._late_lock:
+                self._late.append(callback)
+                if len(self._late) > 1:  # a completer is running the earlier ones
+                    return
+            self._calls.later(self._run_late)
+        torch.futures.Future.add_done_callback(self, hop)
+
+    def _run_late(self) -> None:
+        """On a completer: the callbacks attached once the future was complete, in order."""
+        with self._late_lock:
+            callback = self._late[0]
+        while callback is not None:
+            try:
+                torch.futures.Future.add_done_callback(self, callback)  # run here, at once
+            finally:
+                with self._late_lock:
+                    self._late.popleft()
+                    callback = self._late[0] if self._late else None
+                    self._late_lock.notify_all()
+
+    def _late_run(self, seconds: float | None) -> bool:
+        """Whether the callbacks attached once the future was complete have run, within
+        `seconds`."""
+        with self._late_lock:
+            return self._late_lock.wait_for(lambda: not self._late, seconds)
+
     def add_done_callback(self, callback) -> None:
-        torch.futures.Future.add_done_callback(self, self._keyed(callback)[0])
+        self._when_done(self._keyed(callback)[0])
 
     def then(self, callback):
         run, key = self._keyed(callback)
-        if self._cuda or key is None:
+        if self._cuda:
             return torch.futures.Future.then(self, run)
-        child = _Future(key)
+        child = _Future(key, self._calls)
 
         def chain(fut):
             try:
@@ -151,7 +191,7 @@ class _Future(torch.futures.Future):
                 child.set_exception(err)
             else:
                 child.set_result(value)
-        torch.futures.Future.add_done_callback(self, chain)
+        self._when_done(chain)
         return child
 
 
@@ -172,7 +212,7 @@ class Work(dist._Work):
         self._done = threading.Event()  # and its callbacks have run
         # on a GPU, the future records an event on the side stream when it completes, and a
         # value() or wait() of it makes the then-current stream wait for it
-        self._fut = _Future(key, [staging.device] if staging else None)
+        self._fut = _Future(key, calls, [staging.device] if staging else None)
         # the future's first callback, before any of the caller's: the call is complete the
         # moment its future is, not once every callback has run (one may wait for this Work)
         torch.futures.Future.add_done_callback(self._fut, lambda _: self._ran and
@@ -206,8 +246,13 @@ class Work(dist._Work):
         callback (on a completer), once the call is complete: its own callbacks, or a later
         call's that wait for it, may still be running."""
         seconds = _seconds(timeout)
-        done = self._marked if self._calls.completing() else self._done
-        if not done.wait(seconds):
+        if self._calls.completing():
+            done = self._marked.wait(seconds)
+        else:  # and the callbacks attached once it was complete
+            began = time.monotonic()
+            done = self._done.wait(seconds) and self._fut._late_run(
+                None if seconds is None else max(0.0, seconds - (time.monotonic() - began)))
+        if not done:
             raise CollectiveTimeoutError(f"{self._what} not complete after {seconds} s "
                                          f"(the timeout given to wait(); the call goes on)")
         if self._error is not None:
@@ -409,19 +454,29 @@ class Calls:
                           f"the call rank 0 ran next on the group (every rank makes the same "
                           f"calls; only those that callbacks make may come in another order)")
 
-    def _to_complete(self, step, work: Work) -> None:
-        """Under the lock: `step`, which completes `work`'s future, for the completers, with one
-        more of them if none is idle (each blocked in a callback, or busy). If none can start,
-        `work` fails now, saying why (its future completes, with that error, once a completer is
-        free): waiting for one could wait for ever, on callbacks that wait for this call."""
+    def _queued(self, step) -> str | None:
+        """Under the lock: `step` for the completers, with one more of them if none is idle
+        (each blocked in a callback, or busy); why none can take it now, if none can start."""
         self._completions.append(step)
-        if self._idle < len(self._completions) and \
-                (why := self._start_completer()) is not None:
+        self._lock.notify_all()
+        return self._start_completer() if self._idle < len(self._completions) else None
+
+    def later(self, step) -> None:
+        """`step` on a completer (a callback attached to a complete future): once one is free,
+        if none is and none can start."""
+        with self._lock:
+            self._queued(step)
+
+    def _to_complete(self, step, work: Work) -> None:
+        """Under the lock: `step`, which completes `work`'s future, for the completers. If none
+        can take it now, `work` fails now, saying why (its future completes, with that error,
+        once a completer is free): waiting for one could wait for ever, on callbacks that wait
+        for this call."""
+        if (why := self._queued(step)) is not None:
             work._fail_now(OvercastError(
                 f"{work._what}: complete, but every completer thread of the group is busy in a "
                 f"callback, and {why}; its future completes, with this error, once one is "
                 f"free"))
-        self._lock.notify_all()
 
     def _work(self) -> None:
         while (call := self._take_call()) is not None:
