@@ -616,3 +616,35 @@ def test_a_callback_attached_once_its_call_is_complete_runs_on_a_completer():
     for said in run_ranks(late_callback_waits, loopback_placements(2), timeout=90):
         assert said.get("values") == [3.0, 30.0], said
         assert "-completer-" in said["thread"], said
+
+
+def subgroup_errors(rank):
+    """On a group of global ranks 1 and 2 (its ranks 0 and 1), global rank 2 refuses a call
+    (bad arguments), then aborts the group: global rank 1's errors name global rank 2."""
+    gloo = start(timeout=30)
+    group = dist.new_group([1, 2], timeout=datetime.timedelta(seconds=20))
+    said = []
+
+    def call(fn):
+        try:
+            fn()
+            said.append("done")
+        except Exception as err:
+            said.append(str(err))
+    if rank:
+        call(lambda: dist.all_gather_into_tensor(torch.empty(4 if rank == 1 else 5),
+                                                 torch.ones(2), group=group))
+    dist.barrier(gloo)
+    if rank == 2:
+        group.abort()
+    dist.barrier(gloo)
+    if rank == 1:
+        call(lambda: dist.all_reduce(torch.ones(2), group=group))
+    dist.barrier(gloo)
+    dist.destroy_process_group()
+    return said
+
+
+def test_errors_on_a_subgroup_name_global_ranks():
+    said = run_ranks(subgroup_errors, loopback_placements(3), timeout=90)[1]
+    assert len(said) == 2 and all("rank 1 is global rank 2" in s for s in said), said

@@ -39,6 +39,7 @@ import contextlib
 import functools
 import hashlib
 import itertools
+import re
 import threading
 import time
 
@@ -226,6 +227,7 @@ class Work(dist._Work):
                 if self._error is None:
                     self._fut.set_result(self._result)
                 else:
+                    _named_globally(self._error, self._calls.ranks)
                     self._fut.set_exception(self._error)
         except BaseException as err:  # a CUDA error, or a future completed by someone else
             if self._error is None:
@@ -309,8 +311,11 @@ class Calls:
     tells the group's other ranks that this rank's call failed before its collectives were
     made."""
 
-    def __init__(self, name: str, refuse=None, order=None, timeout: float = 1800.0):
+    def __init__(self, name: str, refuse=None, order=None, timeout: float = 1800.0,
+                 ranks: list[int] | None = None):
         self._name, self._refuse, self._timeout = name, refuse, timeout
+        # the global rank of each of the group's ranks, which its errors name (None: the same)
+        self.ranks = ranks
         # the communicator rank 0 tells the others the order of calls on (tell_order,
         # hear_order); None for a group of one
         self._order = order
@@ -555,6 +560,22 @@ class Calls:
             if not others or time.monotonic() >= deadline:
                 return not others
             others[0].join(max(0.0, deadline - time.monotonic()))
+
+
+def _named_globally(error: BaseException, ranks: list[int] | None) -> None:
+    """An overcast error of a group whose ranks are not the job's: its message, which names the
+    group's ranks ("lost the connection to rank 1"), says the global rank of each it names.
+    Once: one error may fail several calls."""
+    if ranks is None or ranks == list(range(len(ranks))) or \
+            not isinstance(error, OvercastError) or getattr(error, "ranks_named", False) or \
+            not error.args or not isinstance(error.args[0], str):
+        return
+    named = sorted({int(r) for r in re.findall(r"\brank (\d+)", error.args[0])
+                    if int(r) < len(ranks)})
+    error.args = (f"{error.args[0]} [ranks of the group of global ranks {ranks}: " +
+                  ", ".join(f"rank {r} is global rank {ranks[r]}" for r in named) + "]",
+                  *error.args[1:])
+    error.ranks_named = True
 
 
 def _land(work: Work, posted, landed) -> None:
