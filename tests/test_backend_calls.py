@@ -620,7 +620,8 @@ def test_a_callback_attached_once_its_call_is_complete_runs_on_a_completer():
 
 def subgroup_errors(rank):
     """On a group of global ranks 1 and 2 (its ranks 0 and 1), global rank 2 refuses a call
-    (bad arguments), then aborts the group: global rank 1's errors name global rank 2."""
+    (bad arguments), then aborts the group: global rank 1's errors name global rank 2; global
+    rank 2's own error names no rank, and says nothing of them."""
     gloo = start(timeout=30)
     group = dist.new_group([1, 2], timeout=datetime.timedelta(seconds=20))
     said = []
@@ -646,5 +647,7 @@ def subgroup_errors(rank):
 
 
 def test_errors_on_a_subgroup_name_global_ranks():
-    said = run_ranks(subgroup_errors, loopback_placements(3), timeout=90)[1]
+    _, said, refused = run_ranks(subgroup_errors, loopback_placements(3), timeout=90)
     assert len(said) == 2 and all("rank 1 is global rank 2" in s for s in said), said
+    assert refused[0].startswith("all_gather: the output holds 5") and \
+        "global rank" not in refused[0], refused  # it names no rank

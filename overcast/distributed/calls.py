@@ -170,7 +170,7 @@ class _Future(torch.futures.Future):
                     callback = self._late[0] if self._late else None
                     self._late_lock.notify_all()
 
-    def _late_run(self, seconds: float | None) -> bool:
+    def _late_settled(self, seconds: float | None) -> bool:
         """Whether the callbacks attached once the future was complete have run, within
         `seconds`."""
         with self._late_lock:
@@ -252,7 +252,7 @@ class Work(dist._Work):
             done = self._marked.wait(seconds)
         else:  # and the callbacks attached once it was complete
             began = time.monotonic()
-            done = self._done.wait(seconds) and self._fut._late_run(
+            done = self._done.wait(seconds) and self._fut._late_settled(
                 None if seconds is None else max(0.0, seconds - (time.monotonic() - began)))
         if not done:
             raise CollectiveTimeoutError(f"{self._what} not complete after {seconds} s "
@@ -572,6 +572,8 @@ def _named_globally(error: BaseException, ranks: list[int] | None) -> None:
         return
     named = sorted({int(r) for r in re.findall(r"\brank (\d+)", error.args[0])
                     if int(r) < len(ranks)})
+    if not named:
+        return
     error.args = (f"{error.args[0]} [ranks of the group of global ranks {ranks}: " +
                   ", ".join(f"rank {r} is global rank {ranks[r]}" for r in named) + "]",
                   *error.args[1:])
