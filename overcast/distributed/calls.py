@@ -121,8 +121,9 @@ class _Future(torch.futures.Future):
     and whenever they are attached (a key counts the callbacks of its code attached before it,
     never the others). Futures then() makes are keyed alike (on CPU tensors; on CUDA ones,
     torch's own then() makes them). A callback attached once the future is complete runs on one
-    of the group's completers too, not at once on the attaching thread as torch's would (on CPU
-    tensors): that thread may be the one to make a call the callback waits for."""
+    of the group's completers too, not at once on the attaching thread as torch's would (but for
+    then() on CUDA tensors, and a transfer's): that thread may be the one to make a call the
+    callback waits for."""
 
     def __init__(self, key: tuple | None, calls: "Calls", devices=None):
         super().__init__(devices=devices)
@@ -146,7 +147,11 @@ class _Future(torch.futures.Future):
 
     def _when_done(self, callback) -> None:
         """torch's add_done_callback, run on a completer even if the future is complete now (then
-        torch runs it there, as it would have here)."""
+        torch runs it there, as it would have here). A transfer's callbacks run here then, as
+        torch's: the calls they make are numbered as the program's, where they are made."""
+        if self._key is None:
+            return torch.futures.Future.add_done_callback(self, callback)
+
         def hop(fut):
             if self._calls.completing():
                 return callback(fut)
@@ -181,7 +186,7 @@ class _Future(torch.futures.Future):
 
     def then(self, callback):
         run, key = self._keyed(callback)
-        if self._cuda:
+        if self._cuda or key is None:
             return torch.futures.Future.then(self, run)
         child = _Future(key, self._calls)
 
