@@ -2,7 +2,10 @@
 they are made, a call made from a callback included, whether the callback was attached before
 its call completed or after (on a completer either way); callbacks that wait for later calls;
 a future the caller completed itself; abort() while the group is closing, and with overlap()'s
-companion; the ranks' settings told apart; and what a group leaves in the store."""
+companion; the ranks' settings told apart; what a group leaves in the store; calls keyed apart
+across groups, and not shifted by callbacks one rank alone adds that make none; a key two
+calls share; calls whose futures no completer is free for; and errors of a subgroup naming
+global ranks."""
 
 import datetime
 import functools
