@@ -153,12 +153,14 @@ class _Future(torch.futures.Future):
             return torch.futures.Future.add_done_callback(self, callback)
 
         def hop(fut):
-            if self._calls.completing():
-                return callback(fut)
             with self._late_lock:
-                self._late.append(callback)
-                if len(self._late) > 1:  # a completer is running the earlier ones
-                    return
+                here = self._calls.completing() and not self._late  # after those attached late
+                if not here:
+                    self._late.append(callback)
+                    if len(self._late) > 1:  # a completer is running the earlier ones
+                        return
+            if here:
+                return callback(fut)
             self._calls.later(self._run_late)
         torch.futures.Future.add_done_callback(self, hop)
 
@@ -575,7 +577,7 @@ def _named_globally(error: BaseException, ranks: list[int] | None) -> None:
             not isinstance(error, OvercastError) or getattr(error, "ranks_named", False) or \
             not error.args or not isinstance(error.args[0], str):
         return
-    named = sorted({int(r) for r in re.findall(r"\brank (\d+)", error.args[0])
+    named = sorted({int(r) for r in re.findall(r"(?<!global )\brank (\d+)", error.args[0])
                     if int(r) < len(ranks)})
     if not named:
         return
