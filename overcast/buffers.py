@@ -100,12 +100,3 @@ def divide_into(out: np.ndarray, world: int) -> None:
             out += inexact & (out < 0)
         return
     np.divide(out, world, out=out, dtype=accumulator_dtype(out.dtype), casting="unsafe")
-
-
-def chunk_views(data: memoryview, start: int, stop: int, chunk_bytes: int) -> list[memoryview]:
-    """Bytes start .. stop - 1 of `data` as consecutive chunks of `chunk_bytes` (the last may be
-    shorter): one slice each, no copy, none of a protocol's numbering per chunk."""
-    views = [data[at:at + chunk_bytes] for at in range(start, stop, chunk_bytes)]
-    if views:
-        views[-1] = data[start + (len(views) - 1) * chunk_bytes:stop]
-    return views

@@ -12,11 +12,12 @@ from overcast.engine.engine import Engine, Work
 from overcast.engine.trace import Trace
 from overcast.errors import InvalidArgumentError, OvercastError
 from overcast.limits import bytes_from_env, check_count, check_frame_bytes, check_link_rate, \
-    check_positive, check_roots, require
+    check_positive, check_roots, require, seconds_from_env
 from overcast.native import _core
 from overcast.protocols.base import Descriptor
+from overcast.protocols.failover import FAILOVER_ENV, FAILOVER_SECONDS
 from overcast.protocols.multicast import MulticastGather
-from overcast.protocols.p2p import Transfer
+from overcast.protocols.p2p import ORDER_TAG, Transfer
 from overcast.protocols.pairwise import PairwiseAllToAll, sizes_error
 from overcast.protocols.ring import RingAllGather, RingBroadcast, RingReduceScatter
 from overcast.protocols.session import EARLY_STREAM_BYTES, EARLY_STREAM_ENV, Session
@@ -49,10 +50,7 @@ FULLDUPLEX_MIN_PIECE_BYTES = 64 << 10
 # (so that their calls complete at once); a send past it is sent from the caller's buffer.
 SEND_COPY_ENV = "OVERCAST_SEND_COPY_BYTES"
 DEFAULT_SEND_COPY_BYTES = 256 << 20
-# The highest tag is overcast's own: on the torch.distributed backend, rank 0 tells the others
-# the order of a group's calls with it (overcast/distributed/calls.py). Callers have the rest.
-ORDER_TAG = (1 << 32) - 1
-_TAGS = ORDER_TAG
+_TAGS = ORDER_TAG  # callers' tags are those below overcast's own
 
 
 
@@ -83,6 +81,12 @@ class Communicator:
     collectives it has not issued yet (default: OVERCAST_EARLY_STREAM_BYTES, else 256 MiB):
     a peer further ahead fails the communicator on every rank, with an error naming it.
 
+    An aggregator lost mid-job (its connection closed, or silent for `failover_seconds` while an
+    in-network reduction waits on it: default OVERCAST_FAILOVER_SECONDS, else 2 s, never longer
+    than `timeout`) fails nothing: the ranks agree which in-network ReduceScatters in flight the
+    ring redoes, from the unchanged inputs, and the ring runs those after; each rank warns once
+    (AggregatorLostWarning) naming the aggregator, and `in_network_fallback` says so.
+
     Making it proves multicast delivered (overcast.transport.probe): `multicast_unheard` is,
     alike on every rank, each rank's list of the ranks whose multicast it did not hear, and
     where it is not empty `multicast_undelivered` says so, naming them and their hosts, and the
@@ -104,7 +108,8 @@ class Communicator:
                  link_bits_per_s: float | None = None, roots: int | None = None,
                  pacing_share: float = DEFAULT_PACING_SHARE, loss: LossSpec | None = None,
                  switch: str | None = None, trace: bool = False,
-                 fail_peers_on_bad_input: bool = True, early_stream_bytes: int | None = None):
+                 fail_peers_on_bad_input: bool = True, early_stream_bytes: int | None = None,
+                 failover_seconds: float | None = None):
         self.rank = int(os.environ["RANK"]) if rank is None else rank
         self.world_size = int(os.environ["WORLD_SIZE"]) if world_size is None else world_size
         self.name, self.timeout, self.frame_bytes = name, timeout, frame_bytes
@@ -123,6 +128,10 @@ class Communicator:
             early_stream_bytes = bytes_from_env(EARLY_STREAM_ENV, EARLY_STREAM_BYTES)
         check_count("the bytes held for collectives not issued", early_stream_bytes, 0,
                     f"{EARLY_STREAM_ENV}, early_stream_bytes")
+        if failover_seconds is None:
+            failover_seconds = seconds_from_env(FAILOVER_ENV, FAILOVER_SECONDS)
+        check_positive("the aggregator's switch-over bound", failover_seconds,
+                       f"{FAILOVER_ENV}, failover_seconds", " seconds")
         require(0 < pacing_share <= 1, "the pacing share", "a fraction above 0, at most 1",
                 pacing_share, "pacing_share")
         self.link_bits_per_s = link_bits_per_s
@@ -153,7 +162,7 @@ class Communicator:
         plane = _core.Plane(self.rank, self.world_size, links.job, links.comm, links.key,
                             links.sealer.native)
         session = Session(self.rank, self.world_size, timeout, links.drops, plane,
-                          early_stream_bytes)
+                          early_stream_bytes, failover_seconds)
         self._engine = Engine(links, session, self.loss, Trace() if trace else None)
         self._lock = threading.Lock()
         self._seq = 0
@@ -371,8 +380,10 @@ class Communicator:
 
     def hear_order(self, buffer: np.ndarray) -> Work:
         """The next word of rank 0's tell_order, into `buffer` (its size)."""
-        return self._transfer(Transfer("recv", self.rank, 0, ORDER_TAG, buffer,
-                                       self.frame_bytes))
+        return self._transfer(Transfer(
+            "recv", self.rank, 0, ORDER_TAG, buffer, self.frame_bytes,
+            label="the wait for the place of this rank's next call in rank 0's order",
+            awaited="rank 0 to make that call, or any call this rank has not run yet"))
 
     @staticmethod
     def _transfer_buffer(buffer, what: str) -> np.ndarray:
@@ -420,7 +431,7 @@ class Communicator:
             return InNetworkReduceScatter(seq, rank, world, desc, out, inp,
                                           chunk_bytes=self.chunk_bytes - CONTRIB_PREFIX.size,
                                           slots=self._switch_slots, budget=self._uplink,
-                                          stripes=self._stripes)
+                                          stripes=self._stripes, frame_bytes=self.frame_bytes)
         n = desc.count * desc.dtype.itemsize
         if desc.collective == "all_gather":
             segments, roots, source = [(r, r * n, n) for r in range(world)], desc.param, inp
@@ -542,9 +553,19 @@ class Communicator:
         with `reason` (torch's abort of a process group); close() after it."""
         self._engine.abort(OvercastError(f"rank {self.rank}: {reason}"))
 
+    @property
+    def in_network_fallback(self) -> str | None:
+        """Why in-network ReduceScatters run on the ring now (an aggregator was lost: which,
+        how, and which collectives the ring redid), alike on every rank but for who noticed
+        first; None while they run on the aggregators."""
+        rounds = list(self._engine.session.rounds)  # one per loss the ranks agreed on
+        return "; then ".join(r.outcome for r in rounds) or None
+
     def counters(self) -> dict:
         """Dropped messages by reason, stale messages, bytes and datagrams, and the protocols'
-        own counts (chunks multicast, repaired, repair bytes...); probe_drops: the delivery
+        own counts (chunks multicast, repaired, repair bytes...; aggregators_lost, and the
+        in-network ReduceScatters in_network_redone_on_ring, in_network_complete_at_failover
+        and, posted after, in_network_on_ring, see in_network_fallback); probe_drops: the delivery
         probes this rank dropped when the communicator was made, by why (malformed, foreign,
         bad_mac, replayed, unexpected)."""
         return self._engine.counters()

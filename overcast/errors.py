@@ -71,6 +71,12 @@ class MulticastNotDeliveredWarning(UserWarning):
     and broadcast on the ring; the message names the ranks and their hosts."""
 
 
+class AggregatorLostWarning(UserWarning):
+    """An aggregator was lost mid-job (its connection closed, or it fell silent while a reduction
+    waited on it): the communicator goes on, its in-network ReduceScatters on the ring; the
+    message names the aggregator (host:port) and which collectives the ring redid."""
+
+
 def error_class(abort_code: int) -> type[OvercastError]:
     """The class an ABORT's code names (OvercastError for a code this version does not know)."""
     for cls in (CollectiveMismatchError, ProtocolError, PeerFailureError, CollectiveTimeoutError,

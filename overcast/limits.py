@@ -83,7 +83,7 @@ def check_frame_bytes(frame_bytes: int) -> None:
 
 def check_roots(roots: int | None, hosts: int) -> None:
     """None means every rank."""
-    require(roots is None or _whole(roots) and 1 <= roots <= hosts, "the multicast roots",
+    require(roots is None or (_whole(roots) and 1 <= roots <= hosts), "the multicast roots",
             f"'all' or between 1 and the number of ranks ({hosts})", roots, "--roots, roots")
 
 
@@ -119,15 +119,26 @@ def check_algorithms(collectives, algorithms, table: dict) -> None:
                                    f"{', '.join(collectives)} (available: {known})")
 
 
-def bytes_from_env(name: str, default: int) -> int:
-    """A number of bytes the environment variable `name` gives (0 or more), or `default`."""
+def _from_env(name: str, default, parse, fits, what: str):
+    """The value the environment variable `name` gives, parsed and checked, or `default`."""
     text = os.environ.get(name)
     if text is None:
         return default
     try:
-        value = int(text)
+        value = parse(text)
     except ValueError:
-        value = -1
-    if value < 0:
-        raise InvalidArgumentError(f"{name}={text!r} is not a number of bytes")
+        value = None
+    if value is None or not fits(value):
+        raise InvalidArgumentError(f"{name}={text!r} is not {what}")
     return value
+
+
+def seconds_from_env(name: str, default: float) -> float:
+    """A number of seconds the environment variable `name` gives (above 0), or `default`."""
+    return _from_env(name, default, float, lambda v: math.isfinite(v) and v > 0,
+                     "a number of seconds above 0")
+
+
+def bytes_from_env(name: str, default: int) -> int:
+    """A number of bytes the environment variable `name` gives (0 or more), or `default`."""
+    return _from_env(name, default, int, lambda v: v >= 0, "a number of bytes")

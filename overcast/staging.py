@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -60,7 +61,7 @@ def device_of(tensors, what: str) -> torch.device | None:
 @dataclass(eq=False)  # identity: list.remove must not compare the tensors
 class _Buffer:
     memory: torch.Tensor                 # pinned uint8
-    ready: "torch.cuda.Event | None"     # the last copy from or into it, queued before release
+    ready: torch.cuda.Event | None       # the last copy from or into it, queued before release
 
 
 class PinnedPool:
@@ -167,7 +168,8 @@ class Staging:
         self._views: list[torch.Tensor] = []
         self._outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(twin): (t, twin)
         self.copied_in = torch.cuda.Event(enable_timing=True)
-        self.copying_out = self.finished = None
+        self.copying_out: torch.cuda.Event | None = None  # both recorded by copy_out
+        self.finished: torch.cuda.Event | None = None
         caller = torch.cuda.current_stream(device)
         if stream != caller:
             stream.wait_stream(caller)
@@ -201,7 +203,7 @@ class Staging:
         """Block until the copies in are done (the host may read the twins)."""
         self.copied_in.synchronize()
 
-    def copy_out(self, extra: list[tuple[torch.Tensor, torch.Tensor]] = (),
+    def copy_out(self, extra: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
                  release: bool = True) -> None:
         """Queue the copies of the written twins (and of `extra` (host, device) pairs) back to
         the GPU, record `finished` after them, and give the buffers back to the pool (unless
@@ -292,7 +294,7 @@ class StreamGates:
             self._lock.notify_all()
 
 
-_gates: dict[int, "StreamGates | None"] = {}
+_gates: dict[int, StreamGates | None] = {}
 
 
 def stream_gates() -> StreamGates | None:

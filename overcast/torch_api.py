@@ -19,7 +19,8 @@ from overcast.errors import TorchFeatureError
 
 RedOpType = dist.ReduceOp.RedOpType
 # FSDP2's custom-collective interfaces, and whether autograd is running a backward pass now
-AllGather, ReduceScatter = _fsdp_api.AllGather, _fsdp_api.ReduceScatter
+AllGather = _fsdp_api.AllGather
+ReduceScatter = _fsdp_api.ReduceScatter
 is_bw = _fsdp_common.is_bw
 
 
@@ -38,19 +39,19 @@ def live_process_groups():
 def premul_sum(factor: float) -> dist.ReduceOp:
     """ReduceOp.PREMUL_SUM scaling by `factor`: `ReduceOp.PREMUL_SUM(factor)` where the enum
     value is callable (torch 2.13 on), `_make_nccl_premul_sum(factor)` before."""
-    if callable(RedOpType.PREMUL_SUM):
-        return RedOpType.PREMUL_SUM(factor)
+    if callable(dist.ReduceOp.PREMUL_SUM):
+        return dist.ReduceOp.PREMUL_SUM(factor)
     return dist._make_nccl_premul_sum(factor)
 
 
 def premul_factor(op):
     """The factor a ReduceOp.PREMUL_SUM scales by (a number or a tensor); None for another op.
     torch 2.11 keeps it out of the op's attributes, but its pickled state has it."""
-    if getattr(op, "op", op) != RedOpType.PREMUL_SUM:
+    if getattr(op, "op", op) != dist.ReduceOp.PREMUL_SUM:
         return None
     if hasattr(op, "factor"):
         return op.factor
-    state = op.__getstate__() if hasattr(op, "__getstate__") else ()
+    state: tuple = op.__getstate__() if hasattr(op, "__getstate__") else ()
     if len(state) != 2 or state[1] is None:
         raise TorchFeatureError("this torch does not say which factor a ReduceOp.PREMUL_SUM "
                                 "scales by; overcast needs torch 2.11 or newer")
@@ -136,11 +137,11 @@ def _casts_after_reduction(group, output: torch.Tensor) -> bool:
 def output_unread(groups: list, output: torch.Tensor, op) -> bool:
     """Whether FSDP2's foreach_reduce (torch 2.11 to 2.15 alike, but for the cast) leaves a
     ReduceScatter's output unread until the backward pass ends: it only makes the sharded
-    gradients views of it. It reads it at once to divide after the reduction (its op is then SUM, not AVG or
-    PREMUL_SUM), to cast to the parameters' dtype, to all-reduce it (HSDP, an all-reduce hook),
-    to add it to gradients already there (accumulating), or for a post-accumulate-grad hook or
-    CPU offload."""
-    if getattr(op, "op", op) == RedOpType.SUM:
+    gradients views of it. It reads it at once to divide after the reduction (its op is then SUM,
+    not AVG or PREMUL_SUM), to cast to the parameters' dtype, to all-reduce it (HSDP, an
+    all-reduce hook), to add it to gradients already there (accumulating), or for a
+    post-accumulate-grad hook or CPU offload."""
+    if getattr(op, "op", op) == dist.ReduceOp.SUM:
         return False
     for group in groups:
         if isinstance(group.mesh_info, _fsdp_common.DDPMeshInfo) or \

@@ -70,6 +70,8 @@ class Fabric:
             others = [item for item in agg.outbox if item[0] != self.key]
             agg.outbox.clear()
             agg.outbox.extend(others)
+            if src in self.silent:  # dead, or cut off: what it sends goes nowhere
+                continue
             for _, dst, msg in mine:
                 payload = bytes(msg.payload)
                 hdr = Header(msg.kind, 0, 0, msg.seq, src, dst, msg.chunk, len(payload), 0)
@@ -143,11 +145,18 @@ class Fabric:
             if timer is not None and self.now >= timer:
                 machine.handle_timer(self.now)
 
-    def run_timed(self, until: float = 60.0) -> None:
+    def run_timed(self, until: float = 60.0, messages: int | None = None) -> None:
         """Deliver, and whenever the network is quiet jump to the next timer, until no timer is
-        left before `until` (simulated seconds)."""
+        left before `until` (simulated seconds), or `messages` are delivered."""
+        left = messages
         while True:
-            self.run()
+            if left is None:
+                self.run()
+            else:
+                while left and self.step():
+                    left -= 1
+                if not left:
+                    return
             if self.done():
                 return
             timers = [t for m in self._machines() if (t := m.get_timer()) is not None]

@@ -6,6 +6,7 @@ import os
 import re
 import signal
 import socket
+import subprocess
 import threading
 import time
 
@@ -431,3 +432,50 @@ def test_a_rendezvous_that_fails_is_an_overcast_error(monkeypatch):
     monkeypatch.setenv("MASTER_PORT", str(port))
     with pytest.raises(overcast.OvercastError, match="rendezvous|store"):
         overcast.Communicator(1, 2, timeout=0.5)
+
+
+def pair_through_a_cut(rank, switch_ns, cut_seconds, count):
+    """The overlapped pair (multicast AllGather, in-network ReduceScatter) while rank 0 cuts
+    host 1's cable at the switch for `cut_seconds` (the fault's length, not a wait for anyone)."""
+    from overcast.bench.worker import expected_sum, pattern, shard
+    with overcast.Communicator(name="cut", timeout=5.0) as comm:
+        world = comm.world_size
+        gathered, grads = np.empty(world * count, np.float32), pattern(rank, count, world)
+        reduced = np.empty(count, np.float32)
+
+        def pair():
+            works = [comm.all_gather(gathered, shard(rank, count), algorithm="multicast",
+                                     async_op=True),
+                     comm.reduce_scatter(reduced, grads, algorithm="innetwork", async_op=True)]
+            if rank == 0:
+                link = ["ip", "-n", switch_ns, "link", "set", "h1"]
+                subprocess.run(link + ["down"], check=True)
+                time.sleep(cut_seconds)
+                subprocess.run(link + ["up"], check=True)
+            for work in works:
+                work.wait()
+        said = outcome(pair)
+        exact = said[0] == "ok" and np.array_equal(reduced, expected_sum(rank, count, world)) \
+            and np.array_equal(gathered, np.concatenate([shard(r, count) for r in range(world)]))
+        return said, exact, comm.in_network_fallback
+
+
+@root_only
+@pytest.mark.parametrize("cut_seconds", [1.0, 8.0])
+def test_a_cable_cut_shorter_than_the_timeout_delays_longer_fails_every_rank_alike(cut_seconds):
+    """A host's cable cut for 1 s (under the 2 s an aggregator may stay silent and the 5 s
+    timeout) delays the pair and nothing else: exact on every rank, nothing taken for lost.
+    Cut for 8 s, every rank raises CollectiveTimeoutError."""
+    from overcast.cluster.netns import Cluster
+    with Cluster(4, 400_000_000) as cluster:
+        switch = cluster.start_switch()
+        try:
+            results = cluster.run(pair_through_a_cut, args=(cluster.switch_ns, cut_seconds,
+                                                            1 << 18), timeout=120)
+        finally:
+            cluster.stop_switch(switch)
+    for (name, message, _), exact, fallback in results:
+        if cut_seconds < 5.0:
+            assert (name, exact, fallback) == ("ok", True, None), message
+        else:
+            assert name == "CollectiveTimeoutError", message

@@ -155,7 +155,9 @@ def test_a_flag_out_of_range_is_one_line_on_the_command_line_and_in_the_api(case
     (dict(pacing_share=1.5), "the pacing share must be a fraction above 0, at most 1, not 1.5 "
                              "(pacing_share)"),
     (dict(early_stream_bytes=-1), "the bytes held for collectives not issued must be 0 or more, "
-                                  "not -1 (OVERCAST_EARLY_STREAM_BYTES, early_stream_bytes)")])
+                                  "not -1 (OVERCAST_EARLY_STREAM_BYTES, early_stream_bytes)"),
+    (dict(failover_seconds=0.0), "the aggregator's switch-over bound must be above 0 seconds, "
+                                 "not 0 (OVERCAST_FAILOVER_SECONDS, failover_seconds)")])
 def test_communicator_settings_are_checked_before_rendezvous(kwargs, line):
     """The store given is not one: were rendezvous reached, it would fail otherwise."""
     with pytest.raises(InvalidArgumentError) as err:
@@ -185,6 +187,9 @@ TYPED = {
                                         "exist"),
     "soak --size two sizes": (["soak", "--size", "1KiB,2KiB"],
                               "--size takes one size, not '1KiB,2KiB'"),
+    "soak --kill-aggregator-every -1": (["soak", "--kill-aggregator-every", "-1"],
+                                        "pairs between aggregator kills must be 0 or more, not "
+                                        "-1 (--kill-aggregator-every, kill_every)"),
     "cluster run without a command": (["cluster", "run"],
                                       "cluster run: give the command to run on every host "
                                       "after --, as in overcast cluster run --hosts 4 -- "

@@ -176,7 +176,8 @@ def test_an_endpoint_seals_as_its_stripe_and_takes_only_its_own_chunks():
     """Registered as the job's endpoint 2 of 3, the engine takes contributions addressed to
     it with its stripe in their prefix (numbered in its own chunks), seals the results as
     that endpoint, its counter going on from where it was registered, and drops what is meant
-    for another endpoint."""
+    for another endpoint; where the ranks stripe over fewer endpoints (an aggregator lost), it
+    takes the place their prefix gives it."""
     engine = Engine(8)
     engine.register(JOB, COMM, 2, 8, KEY, 1 << 40, stripe=2)
     sealer = Sealer(KEY, JOB, COMM, 1)
@@ -194,6 +195,13 @@ def test_an_endpoint_seals_as_its_stripe_and_takes_only_its_own_chunks():
     assert payload == row.tobytes()
     # addressed to another endpoint; another stripe's prefix for a reduction it holds
     assert engine.counters()[0] == {"misdirected": 1, "inconsistent": 1}
+    # the only endpoint left (the others' aggregators lost): place 0 of 1, all chunks its own
+    alone = sealer.seal(Kind.CONTRIB, 1, endpoint(2), 0, (
+        pack_contribution_prefix(dtype_code(np.dtype(np.int32)), 1, 2, 12, 0, 1), row))
+    engine.feed(alone, len(alone), 0.0)
+    [(hdr, payload)] = [m for m in opened(engine.flush()) if m[0].kind == Kind.RESULT]
+    assert (hdr.seq, hdr.src, hdr.dst, hdr.chunk) == (1, endpoint(2), 0, 0)
+    assert payload == row.tobytes()
 
 
 

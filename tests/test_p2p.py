@@ -9,7 +9,7 @@ from fabric import Fabric
 from overcast.errors import (CollectiveTimeoutError, InvalidArgumentError, OvercastError,
                              PeerFailureError, ProtocolError, Rejected)
 from overcast.protocols.base import STREAM, Descriptor
-from overcast.protocols.p2p import OFFERS_HELD, Transfer
+from overcast.protocols.p2p import OFFERS_HELD, ORDER_TAG, Transfer
 from overcast.protocols.ring import RingAllGather
 from overcast.wire.header import Header, Kind
 
@@ -135,6 +135,48 @@ def test_a_recv_no_one_sends_to_times_out_naming_what_it_waits_for():
     assert "recv of 10 B from rank 1 (tag 6)" in str(op.error)
     assert "rank 1 to send with tag 6" in str(op.error)
     assert fabric.sessions[1].error is not None  # every rank is told
+
+
+def test_a_copied_send_waits_for_its_receiver_without_a_timeout():
+    """A copied send has told its caller it is done: no recv for it within the timeout fails
+    nothing (the receiver's recv has the timeout); a recv posted long after takes it whole."""
+    fabric = Fabric(2, timeout=5.0)
+    data = payload(3000, 4)
+    op = Transfer("send", 0, 1, 3, np.frombuffer(data, np.uint8).copy(), FRAME, copied=True)
+    fabric.sessions[0].transfer(op, fabric.now)
+    fabric.run()
+    fabric.advance(60.0)
+    fabric.run()
+    assert op.error is None and not op.done
+    assert all(session.error is None for session in fabric.sessions)
+    late = recv(fabric, 1, 0, 3000, tag=3)
+    fabric.run()
+    assert op.done and late.done and bytes(late.buffer) == data
+
+
+def test_a_transfer_with_a_label_is_named_by_it_when_it_times_out():
+    fabric = Fabric(2, timeout=5.0)
+    op = Transfer("recv", 0, 1, ORDER_TAG, np.zeros(8, np.uint8), FRAME,
+                  label="rank 0's wait for its next call", awaited="rank 1 to make it")
+    fabric.sessions[0].transfer(op, fabric.now)
+    fabric.advance(5.0)
+    fabric.run()
+    assert str(op.error) == ("rank 0's wait for its next call on rank 0 made no progress for "
+                             "5.0 s; waiting for rank 1 to make it")
+
+
+def test_order_words_past_offers_held_say_how_many_calls_the_rank_is_behind():
+    """Rank 0's order of calls (ORDER_TAG, copied) far ahead of rank 1: the communicator fails
+    naming the calls, not sends the user never made."""
+    fabric = Fabric(2)
+    for _ in range(OFFERS_HELD + 1):
+        op = Transfer("send", 0, 1, ORDER_TAG, np.zeros(8, np.uint8), FRAME, copied=True)
+        fabric.sessions[0].transfer(op, fabric.now)
+    fabric.run()
+    assert str(fabric.sessions[1].error) == (
+        f"rank 0 has made {OFFERS_HELD + 1:,} calls in the group that rank 1 has not made yet: "
+        f"past {OFFERS_HELD:,}, the group fails (a rank may not fall that far behind; wait on "
+        f"the calls' Works sooner)")
 
 
 def inject(fabric, src, dst, kind, seq, chunk, body):

@@ -302,6 +302,22 @@ def test_past_the_limit_held_every_rank_fails_naming_the_peer_ahead_and_the_sett
     assert held_stream_bytes(fabric, 1) == (0, 0, 0)
 
 
+def test_the_next_collective_is_held_whole_past_the_limit_as_its_describe_allows():
+    """Rank 0 issues a ring AllGather whose block (8,000 B) is past rank 1's limit (3,000 B):
+    rank 1, about to issue the same call, holds it whole (its DESCRIBE says that much will
+    come), and completes exact once it does. A second call's frames count again."""
+    fabric = Fabric(2, early_stream_bytes=3000)
+    first = ring_gathers(fabric, 0, [0], count=2000, frame_bytes=1024)
+    fabric.run()
+    assert fabric.sessions[1].error is None and held_stream_bytes(fabric, 1)[0] > 8000
+    second = ring_gathers(fabric, 1, [0], count=2000, frame_bytes=1024)
+    fabric.run()
+    check_gathers(first + second, count=2000)
+    ring_gathers(fabric, 0, [1, 2], count=2000, frame_bytes=1024)
+    fabric.run()
+    assert "rank 0 is 2 collectives ahead of rank 1" in str(fabric.sessions[1].error)
+
+
 def test_an_abort_behind_what_a_peer_far_ahead_sent_is_read_at_once():
     """Rank 0 runs 20 MiB ahead of rank 1 (five ring AllGathers of 4 MiB per rank, not issued
     on rank 1), then aborts: rank 1 reads on to the ABORT and fails with rank 0's reason as soon

@@ -14,6 +14,26 @@ pytestmark = root_only
 PAIRS, MARK = 60, 20
 
 
+def exact_flat_and_nothing_left(doc: dict) -> None:
+    """Every pair bit-exact; what the communicator holds the same from a mark to the end; no
+    socket, thread, aggregator slot or registration left once it closed."""
+    summary = doc["summary"]
+    assert summary["pairs_exact"] == PAIRS
+    for rank in doc["ranks"]:
+        early, late = rank["marks"][str(MARK)], rank["marks"][str(PAIRS)]
+        assert early["memory"]["collectives_in_flight"] == 0
+        for key in ("collectives_in_flight", "collective_state_bytes"):
+            assert early["memory"][key] == late["memory"][key], key
+        assert late["fds"] <= early["fds"] and early["threads"] == late["threads"]
+        # rank 0 may hold fewer after than before: the rendezvous store it serves closes the
+        # warm-up's connections on their own time
+        assert rank["after"]["threads"] <= rank["before"]["threads"]
+        assert rank["after"]["fds"] <= rank["before"]["fds"]
+    assert not any(v for left in summary["left_behind"].values() for v in left.values())
+    assert summary["switch_pool_bytes_after"] == 0
+    assert summary["switch_communicators_after"] == 0
+
+
 @pytest.mark.parametrize("aggregators", [Aggregators(), Aggregators(2, 2)],
                          ids=["one aggregator", "two aggregators of two shards"])
 def test_a_short_soak_is_exact_and_flat_and_leaves_nothing_behind(aggregators, tmp_path):
@@ -25,23 +45,28 @@ def test_a_short_soak_is_exact_and_flat_and_leaves_nothing_behind(aggregators, t
     for report in doc["switches"]:
         assert report["shards"] == aggregators.shard_count()
         assert all(c > 0 for c in report["shard_contributions"])
-    assert summary["pairs_exact"] == PAIRS
     assert summary["injected_losses"] > 0
     assert summary["repaired_chunks"] + summary["contributions_resent"] > 0
+    exact_flat_and_nothing_left(doc)
     for rank in doc["ranks"]:
         early, late = rank["marks"][str(MARK)], rank["marks"][str(PAIRS)]
-        assert early["memory"]["collectives_in_flight"] == 0
-        for key in ("collectives_in_flight", "collective_state_bytes", "aggregator_slot_bytes"):
-            assert early["memory"][key] == late["memory"][key], key
-        assert late["fds"] <= early["fds"] and early["threads"] == late["threads"]
-        # rank 0 may hold fewer after than before: the rendezvous store it serves closes the
-        # warm-up's connections on their own time
-        assert rank["after"]["threads"] <= rank["before"]["threads"]
-        assert rank["after"]["fds"] <= rank["before"]["fds"]
-    assert not any(v for left in summary["left_behind"].values() for v in left.values())
-    assert summary["switch_pool_bytes_after"] == 0
-    assert summary["switch_communicators_after"] == 0
+        assert early["memory"]["aggregator_slot_bytes"] == late["memory"]["aggregator_slot_bytes"]
     # what `overcast soak` shows of it: the table and the picture
     assert summary_table(doc).row_count > 8
     plot(doc, tmp_path / "soak.png")
     assert (tmp_path / "soak.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_aggregators_killed_while_pairs_run_the_soak_stays_exact_and_flat(tmp_path):
+    """Two aggregators, one killed (and started again) every 20 pairs: the first loss leaves
+    the other to take the pairs after, the second the ring (a restarted one is not taken
+    back); every pair bit-exact, memory flat, nothing left behind on the ranks or the
+    aggregators."""
+    doc = run_soak(4, 400_000_000, PAIRS, 64 * 1024, 0.01, 4.0, [MARK],
+                   aggregators=Aggregators(2, 2), kill_every=20)
+    summary = doc["summary"]
+    assert [k["pair"] >= p for k, p in zip(doc["kills"], (20, 40))] == [True, True]
+    assert summary["aggregator_kills"] == summary["aggregators_lost"] == 2
+    exact_flat_and_nothing_left(doc)
+    assert "aggregators killed (every 20 pairs)" in str(
+        [c._cells for c in summary_table(doc).columns])

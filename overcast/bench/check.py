@@ -28,6 +28,7 @@ import os
 import socket
 import statistics
 import time
+from typing import Any
 
 import numpy as np
 
@@ -94,7 +95,7 @@ def check_rank(rank: int, world: int, link_bits: float | None, seconds: float) -
                         aggregator=comm.network_unavailable("innetwork"),
                         endpoints=comm.aggregator_endpoints,
                         aggregator_started=made.job_switch is not None, switch=made.switch)
-        every = [None] * world
+        every: list[Any] = [None] * world  # all_gather_object fills every slot
         dist.all_gather_object(every, mine)
         if made is None:
             return every
@@ -125,8 +126,8 @@ def _receive_buffer() -> int:
 def _blocked(algorithm: str, every: list[dict]) -> str | None:
     """The finding that keeps `algorithm` from running on some rank, or None."""
     for need in NEEDS.get(algorithm, ()):
-        if need == "link rate" and not every[0]["link_bits_per_s"] or \
-                need != "link rate" and any(r[need] for r in every):
+        if (need == "link rate" and not every[0]["link_bits_per_s"]) or \
+                (need != "link rate" and any(r[need] for r in every)):
             return need
     return None
 
@@ -168,7 +169,7 @@ def _runs(comm, every: list[dict], seconds: float) -> list[dict]:
     link_bits = every[0]["link_bits_per_s"]
     n = _sized(comm)
     count = n // DTYPE().itemsize
-    out = []
+    out: list[dict] = []
     for collective, algorithm in COLLECTIVES:
         why = _blocked(algorithm, every)
         if why is not None:  # the checks' table says why
@@ -322,7 +323,7 @@ def _measured(rows: list[dict], every: list[dict]) -> list[tuple[str, str, str]]
     if first["aggregator_started"]:
         causes.append("the aggregator rank 0 started beside itself (no OVERCAST_SWITCH) takes "
                       "every rank's contributions through rank 0's link")
-    elif innetwork is not None:
+    elif innetwork is not None and ring_rs is not None:
         # against the ring's ReduceScatter of the same bytes where the links are slower than
         # the rate given, and less what ranks sharing a NIC send through it
         behind = innetwork["ratio"] / max(1.0, ring_rs["ratio"]) / sharing

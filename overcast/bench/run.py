@@ -15,6 +15,7 @@ import os
 import platform
 import statistics
 import tempfile
+from collections.abc import Sequence
 
 from overcast.bench.worker import DTYPE, run_point, uneven_splits
 from overcast.cluster.netns import MAX_AGGREGATORS, Cluster
@@ -89,8 +90,8 @@ class Aggregators:
         return default_shards() if self.shards is None else self.shards
 
 
-def check_flags(hosts: int, link_rates: list[float], sizes: list[int], reps: int, warmup: int,
-                mtu: int, roots: list[int | None], loss: float, loss_burst: float,
+def check_flags(hosts: int, link_rates: Sequence[float], sizes: list[int], reps: int,
+                warmup: int, mtu: int, roots: list[int | None], loss: float, loss_burst: float,
                 slots: int, within: float = 1.15,
                 aggregators: Aggregators = Aggregators()) -> None:
     """Raise InvalidArgumentError naming the first value that cannot run and what is allowed,
@@ -184,7 +185,7 @@ def machine() -> dict:
 
 def run_bench(hosts: int, link_bits: int | list[int], sizes: list[int], collectives: list[str],
               algorithms: list[str], reps: int = 5, warmup: int = 1, mtu: int = 9000,
-              roots: list[int | None] = (None,), loss: float = 0.0, loss_burst: float = 1.0,
+              roots: Sequence[int | None] = (None,), loss: float = 0.0, loss_burst: float = 1.0,
               timeline: str | None = None, switch_slots: int = 256, within: float = 1.15,
               progress=None, write_timeline=None,
               aggregators: Aggregators = Aggregators()) -> dict:
@@ -210,16 +211,18 @@ def run_bench(hosts: int, link_bits: int | list[int], sizes: list[int], collecti
               for r in (roots if a in ("multicast", "overcast") else (None,)) for s in sizes]
     import torch  # imported once here so that forked hosts start fast
 
-    date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    date = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     slots = switch_slots if any((c, a) in NEEDS_SWITCH for c, a, _, _ in points) else None
-    results, timelines, switches = [], [], []
+    results: list[dict] = []
+    timelines: list[str] = []
+    switches: list[dict] = []
     for i, bits in enumerate(rates):
         def step(done, total, what, i=i, bits=bits):
             if progress:
                 progress(i * total + done, len(rates) * total,
                          f"{bits / 1e6:g} Mbit/s: {what}" if len(rates) > 1 else what)
         switch = _run_points(hosts, bits, points, sizes, reps, warmup, mtu, loss, loss_burst,
-                             timeline and (timeline, write_timeline), slots, aggregators,
+                             (timeline, write_timeline) if timeline else None, slots, aggregators,
                              f"-{bits / 1e6:g}mbit" if len(rates) > 1 else "", step, results,
                              timelines)
         if switch is not None:
@@ -257,8 +260,9 @@ def _run_points(hosts: int, link_bits: int, points: list[tuple], sizes: list[int
         for i, (collective, algorithm, nbytes, k) in enumerate(points):
             label = f" roots={k or hosts}" if algorithm in ("multicast", "overcast") else ""
             progress(i, len(points), f"{collective} {algorithm}{label} {nbytes} B")
-            trace = bool(timeline) and collective == "overlap" and algorithm != "gloo" \
-                and nbytes == max(sizes)
+            traced = timeline if collective == "overlap" and algorithm != "gloo" \
+                and nbytes == max(sizes) else None
+            trace = bool(traced)
             before = aggregators_cpu(switches)
             per_rank = cluster.run(run_point, timeout=600, env=env,
                                    args=(collective, algorithm, nbytes, reps, warmup, k, trace))
@@ -266,8 +270,8 @@ def _run_points(hosts: int, link_bits: int, points: list[tuple], sizes: list[int
                 if switches and (collective, algorithm) in NEEDS_SWITCH else None
             results.append(summarize(collective, algorithm, hosts, nbytes, link_bits, per_rank,
                                      k, loss, switch_cpu))
-            if trace:
-                prefix, write_timeline = timeline
+            if traced:
+                prefix, write_timeline = traced
                 path = f"{prefix}-{algorithm}{suffix}"
                 write_timeline([r["trace"] for r in per_rank], path, link_bits,
                                f"{collective} {algorithm}, {hosts} hosts, "
@@ -276,9 +280,9 @@ def _run_points(hosts: int, link_bits: int, points: list[tuple], sizes: list[int
         progress(len(points), len(points), "done")
         if not switches:
             return None
-        carried = [cluster.counters(None, a).rx_bytes - before.rx_bytes
-                   for a, before in enumerate(carried)]
-        return switch_summary(cluster.stop_switches(switches, tmp), carried, link_bits)
+        carried_in = [cluster.counters(None, a).rx_bytes - before.rx_bytes
+                      for a, before in enumerate(carried)]
+        return switch_summary(cluster.stop_switches(switches, tmp), carried_in, link_bits)
 
 
 def aggregators_cpu(switches) -> float:
@@ -293,7 +297,7 @@ def switch_summary(reports: list[dict], carried: list[int], link_bits: int) -> d
     bytes its link carried in (`carried`)."""
     contributions = sum(r["stats"].get("contributions", 0) for r in reports)
     data_path = sum(r["data_path_cpu_seconds"] for r in reports)
-    drops = collections.Counter()
+    drops: collections.Counter[str] = collections.Counter()
     for r in reports:
         drops.update(r["drops"])
     return {"link_bits_per_s": link_bits, "contributions": contributions,

@@ -1,13 +1,15 @@
 """`overcast soak`: many overlapped pairs (multicast AllGather with in-network ReduceScatter) on
 the emulated cluster under bursty loss, to show what a long training run needs: every result
 bit-exact, memory flat on every rank and at the aggregator, per-pair time without drift, and no
-socket, thread or aggregator slot left behind when the communicator closes."""
+socket, thread or aggregator slot left behind when the communicator closes; with aggregators
+killed and restarted while the pairs run, the same (protocols.failover)."""
 
 from __future__ import annotations
 
 import datetime
 import gc
 import os
+import signal
 import statistics
 import tempfile
 import threading
@@ -46,10 +48,24 @@ def _held() -> dict:
     return {"fds": len(os.listdir("/proc/self/fd")), "threads": threading.active_count()}
 
 
-def soak_rank(rank: int, pairs: int, nbytes: int, marks: list[int], switch_pids: list[int],
-              progress_path: str) -> dict:
+def _switch_rss(pids_path: str) -> int:
+    """The aggregators' RSS now: those running, as the soak's file lists them."""
+    with open(pids_path) as f:
+        pids = [int(p) for p in f.read().split()]
+    total = 0
+    for pid in pids:
+        try:
+            total += status_bytes(pid, "VmRSS")
+        except (FileNotFoundError, KeyError):  # killed a moment ago (gone, or a zombie with
+            pass                                # no memory): its successor is listed soon
+    return total
+
+
+def soak_rank(rank: int, pairs: int, nbytes: int, marks: list[int], pids_path: str,
+              progress_path: str, progress_every: int = 10) -> dict:
     """Run `pairs` overlapped pairs; report per-pair seconds, memory at each mark, and what is
-    held before the communicator opens and after it closes."""
+    held before the communicator opens and after it closes. Rank 0 writes how many pairs are
+    done to `progress_path` every `progress_every` pairs."""
     import overcast
 
     # Rank 0 serves the rendezvous store for the rest of the process (as torchrun's agent
@@ -79,9 +95,8 @@ def soak_rank(rank: int, pairs: int, nbytes: int, marks: list[int], switch_pids:
                 at_marks[i] = {"rss_bytes": status_bytes("self", "VmRSS"),
                                "peak_rss_bytes": status_bytes("self", "VmHWM"),
                                "memory": comm.memory(), **_held()}
-                at_marks[i]["switch_rss_bytes"] = sum(status_bytes(pid, "VmRSS")
-                                                      for pid in switch_pids)
-            if rank == 0 and i % 10 == 0:
+                at_marks[i]["switch_rss_bytes"] = _switch_rss(pids_path)
+            if rank == 0 and i % progress_every == 0:
                 with open(progress_path, "w") as f:
                     f.write(str(i))
         counters = comm.counters()
@@ -91,13 +106,17 @@ def soak_rank(rank: int, pairs: int, nbytes: int, marks: list[int], switch_pids:
 
 def run_soak(hosts: int, link_bits: int, pairs: int, nbytes: int, loss: float,
              loss_burst: float, marks: list[int], progress=None,
-             aggregators: Aggregators = Aggregators()) -> dict:
-    """Soak on a fresh cluster, in-network reduction on `aggregators`; {"meta": ...,
-    "summary": ..., "ranks": [...], "switches": [each aggregator's own report]}."""
+             aggregators: Aggregators = Aggregators(), kill_every: int = 0) -> dict:
+    """Soak on a fresh cluster, in-network reduction on `aggregators`, one of them killed
+    (SIGKILL) and restarted at its address every `kill_every` pairs (0: never), each in turn;
+    {"meta": ..., "summary": ..., "ranks": [...], "switches": [each aggregator's own report],
+    "kills": [the pair done when each was killed, and which]}."""
     check_hosts(hosts)
     aggregators.check()
     check_link_rate(link_bits)
     check_count("pairs", pairs, 1, "--pairs, pairs")
+    check_count("pairs between aggregator kills", kill_every, 0,
+                "--kill-aggregator-every, kill_every")
     check_size(nbytes)
     check_loss(loss, loss_burst)
     marks = sorted({m for m in marks if 1 <= m <= pairs} | {pairs})
@@ -106,28 +125,74 @@ def run_soak(hosts: int, link_bits: int, pairs: int, nbytes: int, loss: float,
             Cluster(hosts, link_bits, aggregators=aggregators.count,
                     aggregator_bits_per_s=aggregators.link_bits) as cluster:
         switches = cluster.start_switches(stats_dir=tmp, shards=aggregators.shards)
-        progress_path = os.path.join(tmp, "progress")
+        progress_path, pids_path = os.path.join(tmp, "progress"), os.path.join(tmp, "pids")
+        _write(pids_path, " ".join(str(s.pid) for s in switches))
         stop = threading.Event()
+        kills: list[dict] = []
         if progress:
             threading.Thread(target=_report_progress, daemon=True,
                              args=(progress_path, pairs, progress, stop)).start()
+        killer = threading.Thread(target=_kill_aggregators, daemon=True,
+                                  args=(cluster, switches, kill_every, pairs, tmp, kills,
+                                        aggregators.shards, stop)) if kill_every else None
+        if killer:
+            killer.start()
         try:
             ranks = cluster.run(soak_rank, timeout=24 * 3600,
                                 env={"OVERCAST_LOSS": str(loss),
                                      "OVERCAST_LOSS_BURST": str(loss_burst)},
-                                args=(pairs, nbytes, marks, [s.pid for s in switches],
-                                      progress_path))
+                                args=(pairs, nbytes, marks, pids_path, progress_path,
+                                      1 if kill_every else 10))
         finally:
             stop.set()
+            if killer:
+                killer.join()
         reports = cluster.stop_switches(switches, tmp)
-    meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    meta = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "hosts": hosts, "link_bits_per_s": link_bits, "pairs": pairs,
             "bytes_per_rank": nbytes, "loss": loss, "loss_burst": loss_burst, "marks": marks,
             "aggregators": {"count": aggregators.count, "shards": aggregators.shard_count(),
                             "link_bits_per_s": aggregators.link_bits},
-            "cpu_steal_seconds": cpu_steal_seconds() - steal, "machine": machine()}
-    return {"meta": meta, "summary": summarize(ranks, reports, marks), "ranks": ranks,
-            "switches": reports}
+            "cpu_steal_seconds": cpu_steal_seconds() - steal, "machine": machine(),
+            "kill_aggregator_every": kill_every}
+    summary = summarize(ranks, reports, marks)
+    summary["aggregator_kills"] = len(kills)
+    return {"meta": meta, "summary": summary, "ranks": ranks, "switches": reports,
+            "kills": kills}
+
+
+def _write(path: str, text: str) -> None:
+    """Write `text` whole: a reader sees the old file or the new one, never half of it."""
+    with open(path + ".new", "w") as f:
+        f.write(text)
+    os.replace(path + ".new", path)
+
+
+def _kill_aggregators(cluster, switches: list, every: int, pairs: int, tmp: str,
+                      kills: list[dict], shards: int | None, stop: threading.Event) -> None:
+    """Each time rank 0 has done another `every` pairs, kill the next aggregator in turn
+    (SIGKILL: its connections close, its state is gone) and start it again at its address,
+    writing its stats where the first wrote; `switches` and the pids file follow. Polls the
+    progress file: a soak's clock, not a test's."""
+    due = every
+    while due < pairs and not stop.wait(0.005):
+        try:
+            with open(os.path.join(tmp, "progress")) as f:
+                done = int(f.read() or 0)
+        except (OSError, ValueError):
+            continue
+        if done < due:
+            continue
+        a = len(kills) % len(switches)
+        address = cluster.switch.split(",")[a]
+        switches[a].send_signal(signal.SIGKILL)
+        switches[a].wait()
+        cluster.stop_switch(switches[a])  # its lifeline and pipes
+        kills.append({"pair": done, "aggregator": address})
+        switches[a] = cluster.start_switch(stats_path=os.path.join(tmp, f"switch-{a}.json"),
+                                           aggregator=a, shards=shards)
+        _write(os.path.join(tmp, "pids"), " ".join(str(s.pid) for s in switches))
+        due += every
 
 
 def _report_progress(path: str, pairs: int, progress, stop: threading.Event) -> None:
@@ -173,6 +238,9 @@ def summarize(ranks: list[dict], switches: list[dict], marks: list[int]) -> dict
         "left_behind": {f"rank {i}": {k: max(0, r["after"][k] - r["before"][k])
                                       for k in r["before"]} for i, r in enumerate(ranks)},
         "injected_losses": sum(r["counters"]["injected_losses"] for r in ranks),
+        "aggregators_lost": max(r["counters"].get("aggregators_lost", 0) for r in ranks),
+        "in_network_redone_on_ring": max(r["counters"].get("in_network_redone_on_ring", 0)
+                                         for r in ranks),
         "repaired_chunks": sum(r["counters"].get("repaired_chunks", 0) for r in ranks),
         "contributions_resent": sum(r["counters"].get("contributions_resent", 0)
                                     for r in ranks),

@@ -17,7 +17,7 @@ PROTOCOL_COUNTERS = ("injected_losses", "multicast_chunks", "duplicate_chunks", 
                      "repair_bytes", "repair_requests", "results", "duplicate_results",
                      "contributions_resent", "credit_probes", "datagrams_in", "datagrams_out",
                      "datagram_reads", "datagram_sends", "wakeups", "python_cpu_seconds",
-                     "data_path_cpu_seconds")
+                     "data_path_cpu_seconds", "aggregators_lost", "in_network_redone_on_ring")
 # torch.distributed groups meet at MASTER_PORT plus these (the bench's Communicator at MASTER_PORT)
 PORT_OFFSETS = {"gloo": 1, "overcast": 2}
 
@@ -151,9 +151,9 @@ def workload(comm, group, collective: str, algorithm: str, rank: int, count: int
         run = (lambda: group.all_reduce(buffer)) if group else \
             (lambda: comm.all_reduce(buffer, algorithm=algorithm))
 
-        def reset():
+        def restore():
             buffer[:] = source
-        return run, reset, lambda: np.array_equal(buffer, expect)
+        return run, restore, lambda: np.array_equal(buffer, expect)
     if collective == "allgather":
         buffers, run = [(ag_out, ag_expect)], lambda: ag(ag_out, ag_in)
     elif collective == "reduce_scatter":

@@ -12,7 +12,8 @@ import shlex
 import sys
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn,
+                           TimeElapsedColumn)
 
 from overcast.report.bench import WIDTH
 from overcast.units import parse_size
@@ -108,7 +109,7 @@ def read_json_files(paths: list[str], flag: str) -> list[dict]:
             with open(path) as f:
                 docs.append(json.load(f))
         except OSError as err:
-            raise ValueError(f"{flag} {path}: {err.strerror.lower()}") from None
+            raise ValueError(f"{flag} {path}: {(err.strerror or str(err)).lower()}") from None
         except ValueError:
             raise ValueError(f"{flag} {path}: not a JSON file") from None
     return docs
@@ -153,9 +154,9 @@ class _Progress:
     def __init__(self, console: Console):
         self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                             TimeElapsedColumn(), console=console, transient=True)
-        self.task = None
+        self.task: TaskID | None = None
 
-    def __enter__(self) -> "_Progress":
+    def __enter__(self) -> _Progress:
         return self
 
     def __exit__(self, *exc) -> None:

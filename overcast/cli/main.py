@@ -96,7 +96,8 @@ def _soak(args) -> int:
     bar, progress = progress_bar(console)
     with bar:  # run_soak checks every setting before it builds anything
         doc = run_soak(args.hosts, int(bits), args.pairs, nbytes, args.loss, args.loss_burst,
-                       marks, progress=progress, aggregators=aggregators_from(args))
+                       marks, progress=progress, aggregators=aggregators_from(args),
+                       kill_every=args.kill_aggregator_every)
     console.print(summary_table(doc))
     save_results(doc, console, args.json, png_of(args), plot)
     return 0 if doc["summary"]["pairs_exact"] == args.pairs else 1
@@ -370,6 +371,9 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--marks", default="100",
                    help="pairs after which memory is read, comma-separated (the last pair "
                         "always is)")
+    s.add_argument("--kill-aggregator-every", type=int, default=0, metavar="N",
+                   help="kill an aggregator (SIGKILL, each in turn) every N pairs and start it "
+                        "again at its address; the ranks go on without it (0: never)")
     aggregator_flags(s)
     file_flags(s, "write the results here (JSON)", "per-pair time")
     s.set_defaults(func=_soak)

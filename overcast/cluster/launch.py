@@ -19,6 +19,7 @@ import sys
 import time
 import traceback
 from dataclasses import dataclass
+from typing import Any
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _CLONE_NEWNET = 0x40000000
@@ -167,7 +168,7 @@ def _collect(procs, outputs, timeout: float) -> list:
                 else:
                     sel.unregister(key.fd)
                     del open_fds[key.fd]
-    results = []
+    results: list[Any] = []  # each rank's return value, None where it failed
     for rank in sorted(procs):
         if rank in failures:
             results.append(None)

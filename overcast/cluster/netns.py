@@ -27,13 +27,16 @@ import signal
 import subprocess
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from types import FrameType
+from typing import Any
 
 from overcast.cluster.launch import Placement, compute_threads, run_ranks
 from overcast.errors import OvercastError
 from overcast.limits import (check_aggregators, check_hosts, check_link_rate, check_mtu,
                              require)
-from overcast.switch.launch import SwitchStartError, start_switch, stop_switch
+from overcast.switch.launch import SwitchProcess, SwitchStartError, start_switch, stop_switch
 from overcast.transport.datagram import reduction_batch
 from overcast.wire.registration import DEFAULT_SWITCH_PORT
 
@@ -146,7 +149,7 @@ class NicCounters:
     tx_packets: int
     rx_packets: int
 
-    def __sub__(self, other: "NicCounters") -> "NicCounters":
+    def __sub__(self, other: NicCounters) -> NicCounters:
         return NicCounters(self.tx_bytes - other.tx_bytes, self.rx_bytes - other.rx_bytes,
                            self.tx_packets - other.tx_packets, self.rx_packets - other.rx_packets)
 
@@ -168,7 +171,7 @@ class Cluster:
     def __init__(self, hosts: int, link_bits_per_s: int, *, mtu: int = 9000,
                  switch_queue_bytes: int = 512 * 1024, aggregators: int = 1,
                  aggregator_bits_per_s: int | None = None, service: bool = True,
-                 drop_multicast: list[int] = ()):
+                 drop_multicast: Sequence[int] = ()):
         check_hosts(hosts, least=1)
         for i in drop_multicast:
             require(isinstance(i, int) and 0 <= i < hosts, "a host whose multicast is dropped",
@@ -194,10 +197,10 @@ class Cluster:
         self._created: list[str] = []
         self._switches: dict[int, str] = {}  # aggregator attachment -> its "host:port"
         self._procs: list[subprocess.Popen] = []
-        self._old_sigterm = None
+        self._old_sigterm: Callable[[int, FrameType | None], Any] | int | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
-    def __enter__(self) -> "Cluster":
+    def __enter__(self) -> Cluster:
         if threading.current_thread() is threading.main_thread():
             self._old_sigterm = signal.signal(signal.SIGTERM, _sigterm_to_exit)
         try:
@@ -238,9 +241,9 @@ class Cluster:
         for i, ns in enumerate(self.host_ns):
             self._attach(ns, f"h{i}", host_address(i), rate, rate)
         if self.service:
-            rate = self.aggregator_bits_per_s
+            shaped = self.aggregator_bits_per_s
             for a, ns in enumerate(self.aggregator_ns):
-                self._attach(ns, f"svc{a or ''}", aggregator_address(a), rate, rate)
+                self._attach(ns, f"svc{a or ''}", aggregator_address(a), shaped, shaped)
         for i in self.drop_multicast:
             self._drop_multicast(i)
         time.sleep(max(0.0, snooping_from - time.monotonic()))
@@ -353,7 +356,7 @@ class Cluster:
 
     def start_switch(self, slots: int = 256, stats_path: str | None = None,
                      port: int = DEFAULT_SWITCH_PORT, secrets: list[str] | None = None,
-                     aggregator: int = 0, shards: int | None = None) -> subprocess.Popen:
+                     aggregator: int = 0, shards: int | None = None) -> SwitchProcess:
         """Start an aggregator (overcast switch, `shards` data-path threads, None: the cores it
         may use) on attachment `aggregator`; from then on the hosts' environment points at it
         (with the others). It serves this cluster's job, or the jobs whose secrets (hex) are
@@ -372,7 +375,7 @@ class Cluster:
         return proc
 
     def start_switches(self, slots: int = 256, stats_dir: str | None = None,
-                       shards: int | None = None) -> list[subprocess.Popen]:
+                       shards: int | None = None) -> list[SwitchProcess]:
         """An aggregator on every attachment (`aggregators`), each writing its stats to
         stats_dir/switch-<a>.json."""
         return [self.start_switch(slots, stats_dir and os.path.join(stats_dir,
@@ -380,12 +383,12 @@ class Cluster:
                                   aggregator=a, shards=shards)
                 for a in range(self.aggregators)]
 
-    def stop_switch(self, proc: subprocess.Popen) -> None:
+    def stop_switch(self, proc: SwitchProcess) -> None:
         """Stop an aggregator gracefully (it writes its stats file on the way out)."""
         stop_switch(proc)
         self._switches.pop(proc.aggregator, None)
 
-    def stop_switches(self, procs: list[subprocess.Popen], stats_dir: str) -> list[dict]:
+    def stop_switches(self, procs: list[SwitchProcess], stats_dir: str) -> list[dict]:
         """Stop the aggregators start_switches started; their reports, in order."""
         reports = []
         for a, proc in enumerate(procs):

@@ -271,7 +271,7 @@ class ProcessGroupOvercast(dist.ProcessGroup):
                                          fail_peers_on_bad_input=False)
         self.communicator = self._group.comm
         try:
-            self.fallbacks: dict[str, str] = {}  # why "auto" runs the ring, by collective
+            self._fallbacks: dict[str, str] = {}  # why "auto" runs the ring, by collective
             self.algorithms = self._agree(chosen)
         except BaseException:
             self._group.close(wait_for_peers=False)
@@ -284,6 +284,18 @@ class ProcessGroupOvercast(dist.ProcessGroup):
                             ranks=global_ranks)
         self._lifetime = _Lifetime(self._calls, self._group, timeout)
         self._finalizer = weakref.finalize(self, self._lifetime.close)
+
+    @property
+    def fallbacks(self) -> dict[str, str]:
+        """Why a collective runs on the ring where the algorithm chosen (or "auto") would not:
+        the network could not carry it when the group was made, or an aggregator was lost
+        since (the in-network ReduceScatter and all_reduce then run on the ring)."""
+        reasons = dict(self._fallbacks)
+        lost = self.communicator.in_network_fallback
+        for collective, algorithm in self.algorithms.items():
+            if lost and algorithm in ("innetwork", "fullduplex") and collective not in reasons:
+                reasons[collective] = lost
+        return reasons
 
     def _agree(self, chosen: dict[str, str]) -> dict[str, str]:
         """The algorithms, alike on every rank: each rank's choices must be rank 0's; "auto"
@@ -319,7 +331,7 @@ class ProcessGroupOvercast(dist.ProcessGroup):
             reasons["reduce_scatter"] = (f"{comm.multicast_undelivered}: an in-network "
                                          f"ReduceScatter beside a ring AllGather adds to the "
                                          f"send direction the ring loads already")
-        self.fallbacks = reasons
+        self._fallbacks = reasons
         # Multicast proven undelivered when the communicator was made (alike on every rank):
         # said once, naming the ranks that did not hear and the collectives that take the ring.
         undelivered = [c for c in chosen if comm.multicast_undelivered and

@@ -19,9 +19,11 @@ import selectors
 import socket
 import threading
 import time
+import warnings
 
 from overcast.engine.trace import Trace
-from overcast.errors import CollectiveTimeoutError, CommunicatorClosedError, OvercastError
+from overcast.errors import AggregatorLostWarning, CollectiveTimeoutError, \
+    CommunicatorClosedError, OvercastError
 from overcast.native import _core
 from overcast.protocols.base import DATAGRAM, MULTICAST, STREAM, Collective
 from overcast.protocols.p2p import P2P_KINDS, Transfer
@@ -144,6 +146,8 @@ class Engine:
             self.plane.set_stripes(len(links.endpoints))
         for stripe, (address, port) in enumerate(links.endpoints):
             self.plane.set_address(_core.ROUTE_AGGREGATOR, stripe, address, port)
+        if links.switches:
+            session.watch_aggregators(links.switch_names, len(links.endpoints))
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
@@ -218,9 +222,10 @@ class Engine:
         back_by = time.monotonic()  # when the loop should be back here
         while True:
             now = time.monotonic()
-            if now - back_by > session.timeout:
-                # The engine stood still past the timeout (its process was stopped, or starved
-                # of CPU): what came meanwhile is read before the timers judge anyone by it.
+            if now - back_by > min(session.timeout, session.failover_seconds):
+                # The engine stood still past the timeout or the bound an aggregator may stay
+                # silent (its process was stopped, or starved of CPU): what came meanwhile is
+                # read before the timers judge anyone by it.
                 self._python_events()
                 self._serve(now)
                 now = time.monotonic()
@@ -395,6 +400,8 @@ class Engine:
 
     def _report(self) -> None:
         now = time.monotonic()
+        while self.session.notices:  # once per rank and aggregator lost
+            warnings.warn(self.session.notices.pop(0), AggregatorLostWarning, stacklevel=1)
         verified = self.session.verified
         while verified:
             work = self._works.get(verified.pop())

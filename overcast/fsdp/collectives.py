@@ -45,7 +45,7 @@ class TimedWork(dist.Work):
     FSDP2 waits on it), its wait timed into `CommTime`."""
 
     def __init__(self, work, times: CommTime, in_flight: InFlight,
-                 staged: "_Staged | None" = None):
+                 staged: _Staged | None = None):
         super().__init__()
         self._work, self._times, self._in_flight = work, times, in_flight
         self._staged = staged
@@ -132,11 +132,17 @@ class _Posted:
             raise TimeoutError(f"{self.description} not posted after {timeout} s")
         if self.error is not None:
             raise self.error
+        assert self.work is not None  # posted without an error
         return self.work.wait(None if deadline is None else
                               max(0.0, deadline - time.monotonic()))
 
     def is_completed(self) -> bool:
-        return self._posted.is_set() and (self.error is not None or self.work.is_completed())
+        if not self._posted.is_set():
+            return False
+        if self.error is not None:
+            return True
+        assert self.work is not None  # posted without an error
+        return self.work.is_completed()
 
 
 class Poster:
@@ -196,11 +202,12 @@ class _Hook:
         self.comm, self.algorithm, self.label, self.times = comm, algorithm, label, times
         self.poster = poster
 
-    def _posts_through_poster(self, tensor: torch.Tensor) -> bool:
-        """Whether this call goes through the poster: overcast's collectives on a GPU whose
+    def _poster_for(self, tensor: torch.Tensor) -> Poster | None:
+        """The poster, if this call goes through it: overcast's collectives on a GPU whose
         driver offers stream gates (every call of a model alike, so their order holds)."""
-        return self.poster is not None and tensor.device.type == "cuda" and \
-            stream_gates() is not None
+        if self.poster is None or tensor.device.type != "cuda" or stream_gates() is None:
+            return None
+        return self.poster
 
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         if torch.device(device).type not in ("cpu", "cuda"):
@@ -255,16 +262,17 @@ class TimedAllGather(_Hook, AllGather):
             issue = lambda: all_gather_single(output_tensor, input_tensor,  # noqa: E731
                                               group=group, async_op=True)
         else:
-            posted = self._posts_through_poster(output_tensor)
+            poster = self._poster_for(output_tensor)
             staging = stage_on_host(output_tensor, input_tensor, self.times, "AllGather",
-                                    host_waits=not posted)
+                                    host_waits=poster is None)
             out, inp = (staging.output, staging.input) if staging else (output_tensor,
                                                                         input_tensor)
             issue = lambda: self.comm.all_gather(out, inp, async_op=True,  # noqa: E731
                                                  algorithm=algorithm)
-            if posted:
+            if poster is not None:
+                assert staging is not None  # the poster's tensors are on a GPU
                 post = issue
-                issue = lambda: self.poster.submit(  # noqa: E731
+                issue = lambda: poster.submit(  # noqa: E731
                     output_tensor.device, staging.ready, post, f"AG {self.label}")
         work = self._post("AG", issue, algorithm, staging)
         if async_op:
@@ -285,16 +293,16 @@ def premultiplied(op, tensor: torch.Tensor, group: dist.ProcessGroup | None):
         raise InvalidArgumentError("ReduceOp.PREMUL_SUM with a tensor factor is not supported; "
                                    "give set_gradient_divide_factor a number")
     tensor.mul_(factor)
-    return RedOpType.SUM
+    return dist.ReduceOp.SUM
 
 
 def reduce_op(op) -> str:
     """FSDP2's ReduceOp (after `premultiplied`) as overcast's op name, or a named
     InvalidArgumentError for an op overcast does not reduce with."""
     kind = op if isinstance(op, RedOpType) else getattr(op, "op", None)
-    if kind == RedOpType.SUM:
+    if kind == dist.ReduceOp.SUM:
         return "sum"
-    if kind == RedOpType.AVG:
+    if kind == dist.ReduceOp.AVG:
         return "avg"
     name = getattr(kind, "name", str(op))
     raise InvalidArgumentError(f"overcast cannot reduce gradients with ReduceOp.{name}; it "
@@ -358,16 +366,17 @@ class TimedReduceScatter(_Hook, ReduceScatter):
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                  group: dist.ProcessGroup, op, async_op: bool = False):
         groups = param_groups(self.module) if self.deferred is not None else None
-        posted = self.comm is not None and self._posts_through_poster(output_tensor)
+        poster = self._poster_for(output_tensor) if self.comm is not None else None
         # on a GPU behind a gate, FSDP2 reads the output on its stream only once it is back
-        deferrable = not async_op and groups is not None and \
-            (posted or (output_tensor.device.type == "cpu" and
-                        output_unread(groups, output_tensor, op)))
-        if deferrable:
-            self.deferred.make_room(reduce_scatter_input_buffers(groups[0]))
+        deferred = self.deferred if not async_op and groups is not None and \
+            (poster is not None or (output_tensor.device.type == "cpu" and
+                                    output_unread(groups, output_tensor, op))) else None
+        if deferred is not None:
+            assert groups is not None  # read where a deferral is possible
+            deferred.make_room(reduce_scatter_input_buffers(groups[0]))
         staging = None
-        if posted:
-            issue = self._gated(output_tensor, input_tensor, op)
+        if poster is not None:
+            issue = self._gated(poster, output_tensor, input_tensor, op)
         elif self.comm is None:
             group = self.group or group
             op = premultiplied(op, input_tensor, group)
@@ -383,11 +392,11 @@ class TimedReduceScatter(_Hook, ReduceScatter):
         work = self._post("RS", issue, self.algorithm, staging)
         if async_op:
             return work
-        if not (deferrable and self.deferred.add(work)):
+        if not (deferred is not None and deferred.add(work)):
             work.wait()
         return None
 
-    def _gated(self, output_tensor, input_tensor, op):
+    def _gated(self, poster: Poster, output_tensor, input_tensor, op):
         """Through the poster on a GPU: the input's copy to the host, a gate, and the output's
         copy back are queued on FSDP2's stream, so its event after this call follows the
         result; the gate opens when the collective is done. Returns what posts it: the
@@ -395,8 +404,10 @@ class TimedReduceScatter(_Hook, ReduceScatter):
         name = reduce_op(premultiplied(op, input_tensor, None))
         staging = stage_on_host(output_tensor, input_tensor, self.times, "ReduceScatter",
                                 host_waits=False)
+        gates = stream_gates()
+        assert staging is not None and gates is not None  # the poster's tensors are on a GPU
         try:
-            open_gate = stream_gates().close_on(staging.staging.stream)
+            open_gate = gates.close_on(staging.staging.stream)
         except RuntimeError:
             staging.staging.release()
             raise
@@ -409,5 +420,5 @@ class TimedReduceScatter(_Hook, ReduceScatter):
         def post():
             return self.comm.reduce_scatter(staging.output, staging.input, op=name,
                                             async_op=True, algorithm=self.algorithm)
-        return lambda: self.poster.submit(output_tensor.device, staging.ready, post,
-                                          f"RS {self.label}", done)
+        return lambda: poster.submit(output_tensor.device, staging.ready, post,
+                                     f"RS {self.label}", done)

@@ -56,6 +56,7 @@ def _fsdp_modules(model) -> list[tuple[str, FSDPModule]]:
             if inner else
             f"overlap() needs a model that fully_shard() has been applied to (an FSDPModule); "
             f"got {type(model).__name__}. Call fully_shard on each block, then on the root")
+    assert isinstance(model, nn.Module)  # fully_shard gave its class FSDPModule as a base
     return [(name or "root", m) for name, m in model.named_modules()
             if isinstance(m, FSDPModule)]
 
@@ -175,8 +176,13 @@ class Overlap:
 
     def stats(self) -> dict:
         """Seconds the training thread spent posting and waiting on collectives, its CPU time
-        in them, and the number of each, since overlap()."""
-        return self.times.as_dict()
+        in them, and the number of each, since overlap(); with `in_network_fallback` once an
+        aggregator was lost (Communicator.in_network_fallback: the ReduceScatters then run on
+        the ring, beside the multicast AllGathers)."""
+        stats = self.times.as_dict()
+        if self.comm is not None and self.comm.in_network_fallback:
+            stats["in_network_fallback"] = self.comm.in_network_fallback
+        return stats
 
     def profile(self, steps: int, seconds: float, path: str | None = None) -> dict:
         """The step of the `steps` steps that took `seconds` since overlap() or timed() (open
@@ -244,7 +250,7 @@ class Overlap:
                 steps.callback(restore_schedule, self._schedule)
             steps.callback(_give_back, self._saved)
 
-    def __enter__(self) -> "Overlap":
+    def __enter__(self) -> Overlap:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -317,7 +323,9 @@ def job_communicator(group: dist.ProcessGroup | None = None, *, reduce_scatter: 
     through the job's store, as overlap() makes one: with reduce_scatter="innetwork" and no
     OVERCAST_SWITCH, rank 0 starts an aggregator beside itself. Use it in a `with` on every
     rank; leaving closes the communicator and, once every rank has closed, the aggregator."""
-    made = _communicator(group or dist.group.WORLD, reduce_scatter, trace)
+    # the default group raises, as the store would, where none is initialised
+    made = _communicator(group or dist.distributed_c10d._get_default_group(), reduce_scatter,
+                         trace)
     try:
         yield made.comm
     finally:
@@ -364,7 +372,10 @@ def overlap(model, *, comm: Communicator | None = None, backend: str = "overcast
         if comm is not None:
             raise InvalidArgumentError("comm= is for backend='overcast'; backend='torch' uses "
                                        "the process group's own collectives")
-        allgather = reduce_scatter = unpaired_allgather = None  # the process group's own
+        # the process group's own collectives
+        gather: str | None = None
+        scatter: str | None = None
+        unpaired: str | None = None
         lacking = any(own_reduce_scatter_group(pg) is None
                       for _, module in modules for pg in param_groups(module))
         handle = Overlap(model, None, times, reduce_scatter_group=
@@ -383,31 +394,30 @@ def overlap(model, *, comm: Communicator | None = None, backend: str = "overcast
         made = _communicator(group, reduce_scatter, trace) if comm is None else None
         handle = Overlap(model, made.comm if made else comm, times, made)
         comm = handle.comm
+        gather, scatter, unpaired = allgather, reduce_scatter, unpaired_allgather
     try:
-        if comm is not None and comm.multicast_undelivered and "multicast" in (
-                allgather, unpaired_allgather):
+        if comm is not None and comm.multicast_undelivered and "multicast" in (gather, unpaired):
             # Proven when the communicator was made, alike on every rank: every collective takes
             # the ring, the ReduceScatter too (beside a ring AllGather, which loads both
             # directions, an in-network one adds to the send direction: it was slower than both
             # rings, docs/results.md).
-            allgather = reduce_scatter = "ring"
-            unpaired_allgather = unpaired_allgather and "ring"
+            gather = scatter = "ring"
+            unpaired = unpaired and "ring"
             warnings.warn(f"{comm.multicast_undelivered}; overlap() runs its AllGathers and "
                           f"ReduceScatters on overcast's rings", MulticastNotDeliveredWarning,
                           stacklevel=2)
-        handle.algorithms = {"allgather": allgather, "unpaired_allgather":
-                             unpaired_allgather or allgather, "reduce_scatter": reduce_scatter}
+        handle.algorithms = {"allgather": gather, "unpaired_allgather": unpaired or gather,
+                             "reduce_scatter": scatter}
         if comm is not None:  # raised here alone: every rank finds the same
-            for collective, algorithm in [("all_gather", allgather),
-                                          ("all_gather", unpaired_allgather),
-                                          ("reduce_scatter", reduce_scatter)]:
+            for collective, algorithm in [("all_gather", gather),
+                                          ("all_gather", unpaired),
+                                          ("reduce_scatter", scatter)]:
                 reason = algorithm and comm.unavailable(collective, algorithm)
                 if reason:
                     raise InvalidArgumentError(reason)
-        handle._saved = _install(modules, comm, allgather, reduce_scatter, times,
-                                 handle._deferred if defer_reduce_scatter else None,
-                                 unpaired_allgather, handle.reduce_scatter_group,
-                                 handle._poster)
+        handle._saved = _install(modules, comm, gather, scatter, times,
+                                 handle._deferred if defer_reduce_scatter else None, unpaired,
+                                 handle.reduce_scatter_group, handle._poster)
         handle._schedule = schedule(modules)
         set_unshard_async_op(model, True)
         _set_prefetch(blocks, model, prefetch)

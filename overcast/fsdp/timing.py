@@ -101,7 +101,7 @@ class InFlight:
 
     def __init__(self, times: CommTime, kind: str, label: str, name: str):
         self.times, self.kind, self.label = times, kind, label
-        self.range = record_function(name)
+        self.range: record_function | None = record_function(name)  # None once ended
         self.range.__enter__()
         self.posted = time.perf_counter()
 

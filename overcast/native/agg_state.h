@@ -44,8 +44,11 @@ typedef struct {
     double touched;               /* when a contribution or acknowledgement last came */
     uint32_t seq, world, total, k, window, released, announced, results_sent;
     uint32_t whole, stripes;      /* the chunks of every stripe, and how many stripes */
-    uint32_t lane;                /* the chunks of the whole that are its comm's stripe's
-                                   * (numbering.h): derived from the two, kept for the hot path */
+    uint32_t place;               /* this endpoint's place among the stripes, as the ranks'
+                                   * contributions say: its registered stripe, or its place
+                                   * among the endpoints left when others were lost */
+    uint32_t lane;                /* the chunks of the whole that are its place's
+                                   * (numbering.h): derived, kept for the hot path */
     uint8_t code, group;
     uint8_t folds;                /* sums in its own type: folded into the owner's row in rank
                                    * order as contributions come (16-bit floats, which

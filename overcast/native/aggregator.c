@@ -94,14 +94,16 @@ static int finished_index(const comm_t *c, uint32_t seq) {
 }
 
 static reduction_t *new_reduction(oc_agg *a, comm_t *c, uint32_t seq, uint8_t code,
-                                  uint8_t group, uint32_t whole, uint32_t stripes) {
+                                  uint8_t group, uint32_t whole, uint32_t place,
+                                  uint32_t stripes) {
     reduction_t *r = calloc(1, sizeof *r);
     if (r == NULL) return NULL;
     r->seq = seq;
     r->world = c->world;
     r->whole = whole;
     r->stripes = stripes;
-    r->lane = oc_stripe_lane(c->stripe, seq, stripes);
+    r->place = place;
+    r->lane = oc_stripe_lane(place, seq, stripes);
     r->total = (uint32_t)oc_stripe_count(whole, group, stripes, r->lane);
     r->k = whole / c->world;
     r->window = c->slots;
@@ -305,12 +307,9 @@ static void on_contributions(oc_agg *a, int h, comm_t *c, const oc_header *hdr,
             return;
         }
         if (world != c->world || whole == 0 || whole % world || !group ||
-            nbytes % oc_dtype_size(code) || stripes == 0 || stripes > OC_MAX_STRIPES) {
+            nbytes % oc_dtype_size(code) || stripes == 0 || stripes > OC_MAX_STRIPES ||
+            stripe >= stripes) {
             a->drops[OC_DROP_inconsistent] += count;
-            return;
-        }
-        if (stripe != c->stripe) { /* meant for another endpoint */
-            a->drops[OC_DROP_misdirected] += count;
             return;
         }
         /* a reduction is made only for a chunk it could take: in range, in the first window */
@@ -325,7 +324,7 @@ static void on_contributions(oc_agg *a, int h, comm_t *c, const oc_header *hdr,
             a->stats[OC_STAT_refused] += count;
             return;
         }
-        if ((r = new_reduction(a, c, hdr->seq, code, group, whole, stripes)) == NULL) {
+        if ((r = new_reduction(a, c, hdr->seq, code, group, whole, stripe, stripes)) == NULL) {
             out_of_memory(a, count);
             return;
         }
@@ -333,7 +332,7 @@ static void on_contributions(oc_agg *a, int h, comm_t *c, const oc_header *hdr,
         c->reductions[c->nreductions++] = r;
     }
     if (world != r->world || whole != r->whole || code != r->code || group != r->group ||
-        stripe != c->stripe || stripes != r->stripes || nbytes % r->itemsize) {
+        stripe != r->place || stripes != r->stripes || nbytes % r->itemsize) {
         a->drops[OC_DROP_inconsistent] += count;
         return;
     }

@@ -160,6 +160,27 @@ static PyObject *Plane_set_stripes(Plane *self, PyObject *arg) {
     Py_RETURN_NONE;
 }
 
+/* set_lanes([endpoint, ...]): the endpoints reductions posted from now on are striped over */
+static PyObject *Plane_set_lanes(Plane *self, PyObject *arg) {
+    uint16_t lanes[OC_MAX_STRIPES];
+    if (!plane_usable(self)) return NULL;
+    PyObject *seq = PySequence_Fast(arg, "set_lanes takes a sequence of endpoints");
+    if (seq == NULL) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    int ok = n >= 1 && n <= (Py_ssize_t)OC_MAX_STRIPES;
+    for (Py_ssize_t i = 0; ok && i < n; i++) {
+        uint32_t e;
+        ok = oc_arg_u32(PySequence_Fast_GET_ITEM(seq, i), &e) && e < OC_MAX_STRIPES;
+        if (ok) lanes[i] = (uint16_t)e;
+    }
+    Py_DECREF(seq);
+    if (PyErr_Occurred()) return NULL;
+    if (!ok || oc_plane_set_lanes(self->plane, lanes, (uint32_t)n))
+        return PyErr_Format(PyExc_ValueError, "cannot stripe over those %zd endpoints (each "
+                            "one of the stripes set, none twice)", n);
+    Py_RETURN_NONE;
+}
+
 /* set_address(route, rank, "a.b.c.d", port); for ROUTE_AGGREGATOR, rank is the endpoint */
 static PyObject *Plane_set_address(Plane *self, PyObject *args) {
     uint8_t route;
@@ -399,6 +420,16 @@ static PyObject *Plane_release(Plane *self, PyObject *arg) {
     Py_RETURN_NONE;
 }
 
+/* heard(endpoint) -> when its last authentic datagram came, or None: never */
+static PyObject *Plane_heard(Plane *self, PyObject *arg) {
+    uint32_t endpoint;
+    if (!oc_arg_u32(arg, &endpoint)) return NULL;
+    if (!plane_usable(self)) return NULL;
+    double at = oc_plane_heard(self->plane, endpoint);
+    if (at < 0) Py_RETURN_NONE;
+    return PyFloat_FromDouble(at);
+}
+
 /* reducer(seq) -> dict of its state, or None */
 static PyObject *Plane_reducer(Plane *self, PyObject *arg) {
     uint32_t seq;
@@ -606,6 +637,8 @@ static PyMethodDef Plane_methods[] = {
     {"set_loss", (PyCFunction)Plane_set_loss, METH_VARARGS, "set_loss(rate, burst, seed)"},
     {"set_stripes", (PyCFunction)Plane_set_stripes, METH_O,
      "set_stripes(n): the aggregator endpoints its reductions are striped over"},
+    {"set_lanes", (PyCFunction)Plane_set_lanes, METH_O,
+     "set_lanes(endpoints): the endpoints reductions posted from now on are striped over"},
     {"set_address", (PyCFunction)Plane_set_address, METH_VARARGS,
      "set_address(route, rank, ipv4, port)"},
     {"attach", (PyCFunction)Plane_attach, METH_VARARGS,
@@ -625,6 +658,8 @@ static PyMethodDef Plane_methods[] = {
      "collectives with news since last asked (a reduction drained; a gather's requests, own "
      "multicast sent, or every chunk in place)"},
     {"release", (PyCFunction)Plane_release, METH_O, "release(seq): let a collective go"},
+    {"heard", (PyCFunction)Plane_heard, METH_O,
+     "heard(endpoint) -> when an authentic datagram from it last came, or None"},
     {"gather", (PyCFunction)Plane_gather, METH_VARARGS,
      "gather(seq, buffer, [(root, offset)], segment_bytes, chunk_bytes, mine, concurrent, "
      "budget)"},

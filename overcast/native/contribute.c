@@ -14,7 +14,7 @@ static size_t words(uint64_t n) { return (size_t)((n + 63) / 64); }
 int oc_reducer_init(oc_reducer *r, uint32_t seq, uint32_t rank, uint32_t world, unsigned dtype,
                     int avg, uint64_t count, const uint8_t *input, uint8_t *output,
                     size_t chunk_bytes, uint32_t slots, uint32_t group, uint32_t stripes,
-                    oc_budget *budget) {
+                    const uint16_t *endpoints, oc_budget *budget) {
     memset(r, 0, sizeof *r);
     size_t itemsize = oc_dtype_size(dtype);
     if (!itemsize || world == 0 || world > OC_MAX_WORLD || rank >= world ||
@@ -49,12 +49,14 @@ int oc_reducer_init(oc_reducer *r, uint32_t seq, uint32_t rank, uint32_t world, 
     r->have = calloc(words(r->k) + 1, sizeof(uint64_t));
     r->credit = calloc(2 * (size_t)stripes, sizeof(uint32_t));
     r->prefixes = malloc((size_t)stripes * OC_CONTRIB_PREFIX_BYTES);
-    if (!r->resend || !r->pending || !r->have || !r->credit || !r->prefixes) {
+    r->endpoint = malloc((size_t)stripes * sizeof(uint16_t));
+    if (!r->resend || !r->pending || !r->have || !r->credit || !r->prefixes || !r->endpoint) {
         oc_reducer_free(r);
         return -1;
     }
     r->stripe_total = r->credit + stripes;
     for (uint32_t e = 0; e < stripes; e++) {
+        r->endpoint[e] = endpoints ? endpoints[e] : (uint16_t)e;
         uint8_t *prefix = r->prefixes + (size_t)e * OC_CONTRIB_PREFIX_BYTES;
         const uint32_t fields[] = {dtype, group, world, world >> 8, r->total, r->total >> 8,
                                    r->total >> 16, r->total >> 24, e, e >> 8, stripes,
@@ -71,14 +73,27 @@ void oc_reducer_free(oc_reducer *r) {
     free(r->have);
     free(r->credit);
     free(r->prefixes);
+    free(r->endpoint);
     r->resend = r->credit = r->stripe_total = NULL;
     r->pending = r->have = NULL;
     r->prefixes = NULL;
+    r->endpoint = NULL;
+}
+
+int oc_reducer_place(const oc_reducer *r, uint32_t endpoint) {
+    for (uint32_t e = 0; e < r->stripes; e++)
+        if (r->endpoint[e] == endpoint) return (int)e;
+    return -1;
+}
+
+/* Where stripe e's datagrams go. */
+static uint16_t dst_of(const oc_reducer *r, uint32_t e) {
+    return (uint16_t)(OC_AGGREGATOR - r->endpoint[e]);
 }
 
 size_t oc_reducer_bytes(const oc_reducer *r) {
     return sizeof *r + ((size_t)r->total + 1) * 4 + (words(r->total) + words(r->k) + 2) * 8 +
-           (size_t)r->stripes * (8 + OC_CONTRIB_PREFIX_BYTES);
+           (size_t)r->stripes * (10 + OC_CONTRIB_PREFIX_BYTES);
 }
 
 /* The endpoint chunk g goes to. */
@@ -129,7 +144,7 @@ static void flush_acks(oc_reducer *r, oc_outbox *o) {
         if (told[i]) continue;
         uint32_t e = endpoint[i], n = 0;
         for (size_t j = i; j < r->nacks; j++) n += !told[j] && endpoint[j] == e;
-        uint8_t *p = oc_outbox_add_copy(o, OC_ROUTE_AGGREGATOR, (uint16_t)(OC_AGGREGATOR - e),
+        uint8_t *p = oc_outbox_add_copy(o, OC_ROUTE_AGGREGATOR, dst_of(r, e),
                                         OC_RESULT_ACK, r->seq, n, 4 * (size_t)n);
         for (size_t j = i, m = 0; j < r->nacks; j++)
             if (!told[j] && endpoint[j] == e) {
@@ -187,7 +202,7 @@ static void pump(oc_reducer *r, oc_outbox *o, double now) {
         }
         for (size_t i = 0; i < n; i++) {
             uint32_t e = stripe_of(r, chunks[i]);
-            oc_outbox_add(o, OC_ROUTE_AGGREGATOR, (uint16_t)(OC_AGGREGATOR - e), OC_CONTRIB,
+            oc_outbox_add(o, OC_ROUTE_AGGREGATOR, dst_of(r, e), OC_CONTRIB,
                           r->seq, local_of(r, chunks[i]),
                           r->prefixes + (size_t)e * OC_CONTRIB_PREFIX_BYTES,
                           OC_CONTRIB_PREFIX_BYTES, r->input + starts[i] * r->itemsize,
@@ -336,7 +351,7 @@ void oc_reducer_handle_timer(oc_reducer *r, oc_outbox *o, double now) {
         /* the credit has stalled: ask every endpoint for it, saying how far this rank has sent
          * there (the answer carries any resend requests too) */
         for (uint32_t e = 0; e < r->stripes; e++) {
-            uint8_t *p = oc_outbox_add_copy(o, OC_ROUTE_AGGREGATOR, (uint16_t)(OC_AGGREGATOR - e),
+            uint8_t *p = oc_outbox_add_copy(o, OC_ROUTE_AGGREGATOR, dst_of(r, e),
                                             OC_CREDIT, r->seq, 0, 4);
             if (p) put32(p, (uint32_t)oc_endpoint_count(r->cursor, r->group, r->stripes, e,
                                                         r->seq));

@@ -15,7 +15,9 @@
  *
  * Striped over `stripes` aggregator endpoints (numbering.h), it sends each chunk to its
  * endpoint in that endpoint's numbering, keeps each endpoint's credit, and is drained when
- * every endpoint has released all of its chunks; with one endpoint that is the whole. */
+ * every endpoint has released all of its chunks; with one endpoint that is the whole. The
+ * stripes are places: place e goes to registered endpoint endpoints[e] (e itself while every
+ * aggregator serves; the endpoints left when one was lost), and its contributions say e. */
 #ifndef OVERCAST_NATIVE_CONTRIBUTE_H
 #define OVERCAST_NATIVE_CONTRIBUTE_H
 
@@ -45,6 +47,7 @@ typedef struct {
     uint8_t *output;
     oc_budget *budget;         /* borrowed: this host's uplink */
     uint8_t *prefixes;         /* per stripe, OC_CONTRIB_PREFIX_BYTES each */
+    uint16_t *endpoint;        /* per stripe (place): the registered endpoint it goes to */
     int phase, counted;
     int reported;              /* the plane has told its owner it drained */
     uint32_t *credit;          /* per stripe: the chunks it released, in its numbering */
@@ -62,11 +65,14 @@ typedef struct {
     uint64_t results_in, duplicate_results, contributions_resent, credit_probes;
 } oc_reducer;
 
-/* 0, or -1 (nothing to free) for an impossible shape or no memory. */
+/* 0, or -1 (nothing to free) for an impossible shape or no memory. `endpoints` (`stripes` of
+ * them, each below OC_MAX_STRIPES; copied) or NULL: stripe e to endpoint e. */
 int oc_reducer_init(oc_reducer *r, uint32_t seq, uint32_t rank, uint32_t world, unsigned dtype,
                     int avg, uint64_t count, const uint8_t *input, uint8_t *output,
                     size_t chunk_bytes, uint32_t slots, uint32_t group, uint32_t stripes,
-                    oc_budget *budget);
+                    const uint16_t *endpoints, oc_budget *budget);
+/* The stripe (place) of registered endpoint `endpoint` in this reduction, or -1: none. */
+int oc_reducer_place(const oc_reducer *r, uint32_t endpoint);
 void oc_reducer_free(oc_reducer *r);
 void oc_reducer_start(oc_reducer *r, oc_outbox *o, double now);
 /* A run of results from endpoint `stripe`: `count` payloads of `length` bytes at data + offset

@@ -23,6 +23,9 @@ struct oc_plane {
     oc_sealer *sealer;
     oc_replay *windows;          /* world + stripes: the ranks', then the aggregator endpoints' */
     uint32_t stripes;            /* aggregator endpoints its reductions are striped over */
+    double heard[OC_MAX_STRIPES]; /* when each endpoint was last heard; -1: never */
+    uint16_t lanes[OC_MAX_STRIPES]; /* the endpoints new reductions are striped over */
+    uint32_t nlanes;
     loss_t loss;
     struct sockaddr_in group, *ranks, *aggregators;
     oc_reducer **reducers;
@@ -49,6 +52,7 @@ oc_plane *oc_plane_new(uint16_t rank, uint32_t world, uint32_t job, uint32_t com
     p->job = job;
     p->comm = comm;
     p->sealer = sealer;
+    for (uint32_t e = 0; e < OC_MAX_STRIPES; e++) p->heard[e] = -1;
     p->windows = calloc(world + OC_MAX_STRIPES, sizeof(oc_replay));
     p->ranks = calloc(world, sizeof(struct sockaddr_in));
     p->aggregators = calloc(OC_MAX_STRIPES, sizeof(struct sockaddr_in));
@@ -130,6 +134,20 @@ int oc_plane_set_stripes(oc_plane *p, uint32_t stripes) {
             oc_replay_init(&p->windows[p->world + e], OC_PLANE_REPLAY_WIDTH))
             return -1;
     p->stripes = stripes;
+    for (uint32_t e = 0; e < stripes; e++) p->lanes[e] = (uint16_t)e;
+    p->nlanes = stripes;
+    return 0;
+}
+
+int oc_plane_set_lanes(oc_plane *p, const uint16_t *endpoints, uint32_t n) {
+    uint8_t seen[OC_MAX_STRIPES] = {0};
+    if (n == 0 || n > p->stripes) return -1;
+    for (uint32_t i = 0; i < n; i++) {
+        if (endpoints[i] >= p->stripes || seen[endpoints[i]]) return -1;
+        seen[endpoints[i]] = 1;
+    }
+    memcpy(p->lanes, endpoints, n * sizeof(uint16_t));
+    p->nlanes = n;
     return 0;
 }
 
@@ -201,7 +219,7 @@ int oc_plane_reduce(oc_plane *p, uint32_t seq, unsigned dtype, int avg, uint64_t
     oc_reducer *r = malloc(sizeof *r);
     if (r == NULL) return -1;
     if (oc_reducer_init(r, seq, p->rank, p->world, dtype, avg, count, input, output, chunk_bytes,
-                        slots, group, p->stripes, budget)) {
+                        slots, group, p->nlanes, p->lanes, budget)) {
         free(r);
         return -1;
     }
@@ -264,6 +282,10 @@ void oc_plane_release(oc_plane *p, uint32_t seq) {
     p->reducers[i] = p->reducers[--p->nreducers];
 }
 
+double oc_plane_heard(const oc_plane *p, uint32_t endpoint) {
+    return endpoint < OC_MAX_STRIPES ? p->heard[endpoint] : -1;
+}
+
 /* -- receiving ------------------------------------------------------------------------------ */
 
 static void misfit(oc_plane *p, int why) {
@@ -276,6 +298,8 @@ static void misfit(oc_plane *p, int why) {
 int oc_plane_receive_run(oc_plane *p, const oc_header *first, const uint32_t *chunks,
                          size_t count, const uint8_t *data, size_t offset, size_t stride,
                          double now) {
+    int from = oc_endpoint_of(first->src, p->stripes);
+    if (from >= 0 && now > p->heard[from]) p->heard[from] = now;
     if (first->kind == OC_MCAST_DATA) {
         oc_gather *g = find_gather(p, first->seq, NULL);
         if (g == NULL) return 0;
@@ -289,7 +313,7 @@ int oc_plane_receive_run(oc_plane *p, const oc_header *first, const uint32_t *ch
     if (first->kind != OC_RESULT && first->kind != OC_CREDIT) return 0;
     oc_reducer *r = find(p, first->seq, NULL);
     if (r == NULL) return 0;
-    int stripe = oc_endpoint_of(first->src, p->stripes);
+    int stripe = from < 0 ? -1 : oc_reducer_place(r, (uint32_t)from);
     if (stripe < 0) {
         p->drops[OC_PLANE_DROP_wrong_sender]++;
         return 1;

@@ -64,6 +64,10 @@ void oc_plane_set_loss(oc_plane *p, double rate, double burst, uint64_t seed);
  * OC_MAX_STRIPES (1 at first); endpoint e is addressed as and sends as OC_AGGREGATOR - e.
  * 0, or -1 for a count outside that, with a reduction posted, or if memory ran out. */
 int oc_plane_set_stripes(oc_plane *p, uint32_t stripes);
+/* The endpoints reductions posted from now on are striped over, in order (`n` of them, each
+ * below the stripes set, none twice): those left when an aggregator was lost. Every endpoint
+ * until set, and again after oc_plane_set_stripes. 0, or -1 for a list that does not fit. */
+int oc_plane_set_lanes(oc_plane *p, const uint16_t *endpoints, uint32_t n);
 /* Where a route's datagrams go (network byte order; rank for OC_ROUTE_RANK, the endpoint for
  * OC_ROUTE_AGGREGATOR). */
 int oc_plane_set_address(oc_plane *p, uint8_t route, uint32_t rank, uint32_t ip, uint16_t port);
@@ -100,8 +104,14 @@ oc_gather *oc_plane_gatherer(oc_plane *p, uint32_t seq);
 size_t oc_plane_news(oc_plane *p, uint32_t *seqs, size_t max);
 /* Whether oc_plane_news has anything to tell. */
 int oc_plane_has_news(const oc_plane *p);
-/* Let the collective go (done or failed): its messages still queued are dropped. */
+/* Let the collective go (done or failed): its messages still queued are dropped. A reduction
+ * let go takes nothing more (results and credit for it are Python's to drop) and acknowledges
+ * nothing more: a rank freezes a reduction this way when an aggregator is lost. */
 void oc_plane_release(oc_plane *p, uint32_t seq);
+/* When the last authentic datagram from aggregator endpoint `endpoint` came (the `now` of the
+ * feed or run that brought it), or -1: never, or an endpoint past OC_MAX_STRIPES. A rank judges
+ * an aggregator silent by it. */
+double oc_plane_heard(const oc_plane *p, uint32_t endpoint);
 
 double oc_plane_timer(const oc_plane *p);
 void oc_plane_handle_timer(oc_plane *p, double now);

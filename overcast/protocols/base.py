@@ -63,6 +63,11 @@ class Descriptor:
         except (struct.error, IndexError, ValueError) as err:
             raise ProtocolError(f"undecodable collective descriptor: {err}") from None
 
+    def stream_bytes_bound(self, world: int) -> int:
+        """The most payload a peer sends one rank on its stream for this call, with what came
+        before it posted: every rank's block (a broadcast's buffer, a row each) once."""
+        return world * self.count * self.dtype.itemsize
+
     def cut(self, chunk_bytes: int, whole: int) -> "Descriptor":
         """This call as a datagram protocol cuts `whole` bytes (a segment, a block) into chunks
         of `chunk_bytes`: what every rank's cut must match. Data within one chunk is cut alike

@@ -32,6 +32,7 @@ from overcast.protocols.base import DATAGRAM, Accept, Collective, Descriptor, Ou
     Phase
 from overcast.protocols.budget import LinkBudget
 from overcast.schedules.chains import chunk_count
+from overcast.schedules.ring import DEFAULT_FRAME_BYTES
 from overcast.wire.header import Kind, endpoints
 
 
@@ -44,7 +45,7 @@ class InNetworkReduceScatter(Collective):
 
     def __init__(self, seq: int, rank: int, world: int, desc: Descriptor, output: np.ndarray,
                  input: np.ndarray, *, chunk_bytes: int, slots: int, budget: LinkBudget,
-                 stripes: int = 1):
+                 stripes: int = 1, frame_bytes: int = DEFAULT_FRAME_BYTES):
         itemsize = desc.dtype.itemsize
         super().__init__(seq, rank, world,
                          desc.cut(chunk_bytes // itemsize * itemsize, desc.count * itemsize))
@@ -53,14 +54,17 @@ class InNetworkReduceScatter(Collective):
         self.chunk_bytes, self.slots, self.budget = chunk_bytes, slots, budget
         self.k = chunk_count(desc.count, chunk_bytes // desc.dtype.itemsize)
         self.total = world * self.k
+        self.frame_bytes = frame_bytes  # the ring's, should an aggregator be lost (failover)
         self.posted = False
+        self.posted_at: float | None = None
+        self.frozen = False
 
     def start(self, now: float) -> None:
         self.plane.reduce(self.seq, dtype_code(self.desc.dtype), self.desc.op == "avg",
                           self.desc.count, self.input.view(np.uint8),
                           self.output.view(np.uint8), self.chunk_bytes, self.slots,
                           self.budget.reduction_batch, self.budget.native, now)
-        self.posted = True
+        self.posted, self.posted_at = True, now
         self.enter(Phase.SENDING)
         if self.plane.reducer(self.seq)["phase"] == "drained":  # one rank, or nothing to send
             self.native_news(now)
@@ -70,6 +74,9 @@ class InNetworkReduceScatter(Collective):
         return state["progress_at"] if state and state["progress_at"] >= 0 else None
 
     def _to_plane(self, run, now: float) -> None:
+        if self.frozen:
+            self.reject("aggregator_lost", "the aggregator's datagrams for a reduction frozen "
+                                           "when an aggregator was lost")
         self.plane.receive_run(run.hdr.kind, run.hdr.seq, run.hdr.src, run.hdr.dst, run.length,
                                run.chunks, run.data, run.offset, run.stride, now)
 
@@ -87,6 +94,28 @@ class InNetworkReduceScatter(Collective):
             self.enter(Phase.DRAINING)
         self._check_done()
 
+    def waits_on_aggregators(self) -> bool:
+        """Posted to the plane and not drained: it waits on every endpoint it is striped over
+        (each is asked for credit once the reduction stalls, and answers)."""
+        return self.posted and not self.received_all  # drained: news moved it on
+
+    def freeze(self) -> bool:
+        """An aggregator was lost (protocols.failover): let the plane's reduction go, so that
+        it takes no result or credit and acknowledges nothing more. Whether this rank's whole
+        block was in place."""
+        state = self.plane.reducer(self.seq) if self.posted else None
+        holds = state is not None and state["results"] == state["k"]
+        self.finished()
+        self.frozen = True
+        return holds
+
+    def complete_frozen(self) -> None:
+        """Every rank holds its block (protocols.failover): done without the last credit."""
+        for phase in (Phase.RECEIVING, Phase.DRAINING):
+            if self.phase is not phase:
+                self.enter(phase)
+        self._check_done()
+
     def withdrawal(self) -> list[tuple[tuple[int, int], Outgoing]]:
         """The aggregator endpoints give the reduction up at once: a peer that refused the call
         never contributes, and the reduction would hold a pool and one of the communicator's
@@ -101,6 +130,8 @@ class InNetworkReduceScatter(Collective):
 
     def waiting_for(self) -> str:
         state = self.plane.reducer(self.seq) if self.posted else None
+        if self.frozen:
+            return "every rank's report of the aggregator's loss"
         if state is None:
             return "its start"
         return (f"the aggregator: {state['results']} of {state['k']} results, credit "

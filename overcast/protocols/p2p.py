@@ -38,19 +38,27 @@ _NUMBERS = 1 << 32
 # Offers a peer may have waiting for a recv here: past them the communicator aborts (the
 # session), so that a peer that sends without end cannot fill this memory.
 OFFERS_HELD = 1 << 16
+# The highest tag is overcast's own: on the torch.distributed backend, rank 0 tells the others
+# the order of a group's calls with it (overcast/distributed/calls.py). Callers have the rest.
+ORDER_TAG = (1 << 32) - 1
 
 
 class Transfer:
     """One send or recv: `peer` the rank it goes to or comes from (None: a recv from any
     rank), `tag`, and `buffer` (flat uint8) the bytes sent or received into. `source` is the
-    sender, once a recv is matched. `copied`: the buffer is the transfer's own, no caller's."""
+    sender, once a recv is matched. `copied`: the buffer is the transfer's own, no caller's:
+    its caller has been told it is done, so it waits for its receiver without a timeout (the
+    receiver's recv has one), and only a closed or failed peer or communicator ends it. `label`
+    and `awaited`, if given, are what errors call it and what it waits for."""
 
     _serials = itertools.count()
 
     def __init__(self, kind: str, rank: int, peer: int | None, tag: int, buffer: np.ndarray,
-                 frame_bytes: int, copied: bool = False):
+                 frame_bytes: int, copied: bool = False, label: str | None = None,
+                 awaited: str | None = None):
         self.kind, self.rank, self.peer, self.tag = kind, rank, peer, tag
         self.buffer, self.frame_bytes, self.copied = buffer, frame_bytes, copied
+        self.label, self.awaited = label, awaited
         self.nbytes = buffer.nbytes
         # the engine's name for what holds this transfer's buffers (a stream's frames, its Work):
         # below 0, apart from collectives' sequence numbers
@@ -68,12 +76,16 @@ class Transfer:
         return self.state == "done"
 
     def __str__(self) -> str:
+        if self.label is not None:
+            return self.label
         if self.kind == "send":
             return f"send of {self.nbytes} B to rank {self.peer} (tag {self.tag})"
         peer = "any rank" if self.peer is None else f"rank {self.peer}"
         return f"recv of {self.nbytes} B from {peer} (tag {self.tag})"
 
     def waiting_for(self) -> str:
+        if self.awaited is not None:
+            return self.awaited
         if self.state == "posted":
             return (f"rank {self.peer} to post a recv that matches" if self.kind == "send" else
                     f"{'a rank' if self.peer is None else f'rank {self.peer}'} to send with "
@@ -304,12 +316,27 @@ class PointToPoint:
         """How many of `peer`'s offers wait here for a recv."""
         return self._held[peer]
 
+    def too_many_offers(self, peer: int) -> str:
+        """Why the offers held from `peer` passed OFFERS_HELD: the calls rank 0 made that this
+        rank has not (ORDER_TAG: the backend's order of calls), or sends no recv took."""
+        orders = sum(1 for o in self._offers if o.src == peer and o.tag == ORDER_TAG)
+        if orders * 2 > OFFERS_HELD:
+            return (f"rank {peer} has made {orders:,} calls in the group that rank "
+                    f"{self.rank} has not made yet: past {OFFERS_HELD:,}, the group fails (a "
+                    f"rank may not fall that far behind; wait on the calls' Works sooner)")
+        return (f"rank {peer} sent rank {self.rank} more than {OFFERS_HELD} messages that no "
+                f"recv on rank {self.rank} has taken: past that many held, the communicator "
+                f"fails (rank {self.rank} must post recvs for them sooner)")
+
     def timer(self, timeout: float) -> float | None:
-        return min((op.progress_at + timeout for op in self.pending()), default=None)
+        return min((op.progress_at + timeout for op in self.pending() if not op.copied),
+                   default=None)
 
     def stalled(self, now: float, timeout: float) -> Transfer | None:
-        """A transfer that made no progress for `timeout`, if any."""
-        return next((op for op in self.pending() if now >= op.progress_at + timeout), None)
+        """A transfer that made no progress for `timeout`, if any (a copied send has no
+        timeout: see Transfer)."""
+        return next((op for op in self.pending()
+                     if not op.copied and now >= op.progress_at + timeout), None)
 
 
 def _reject(reason: str, message: str):

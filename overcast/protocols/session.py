@@ -14,13 +14,17 @@ from overcast.errors import (CollectiveMismatchError, CollectiveTimeoutError,
 from overcast.native import _core
 from overcast.protocols.base import DATAGRAM, MULTICAST, STREAM, Collective, Descriptor, \
     Outgoing
+from overcast.protocols.failover import FAILOVER_SECONDS, Failover, RingInstead, pack_report, \
+    unpack_report
+from overcast.protocols.innetwork import InNetworkReduceScatter
 from overcast.protocols.p2p import OFFERS_HELD, P2P_KINDS, PointToPoint, Transfer
 from overcast.units import human_bytes
-from overcast.wire.header import ANY, HEADER_BYTES, Kind, MalformedError, is_aggregator
+from overcast.wire.header import AGGREGATOR, ANY, HEADER_BYTES, Kind, MalformedError, \
+    is_aggregator
 from overcast.wire.messages import pack_abort, pack_goodbye, unpack_abort, unpack_goodbye
 from overcast.wire.runs import Run
 
-_CONTROL = (Kind.DESCRIBE, Kind.ABORT, Kind.GOODBYE, Kind.REFUSE)
+_CONTROL = (Kind.DESCRIBE, Kind.ABORT, Kind.GOODBYE, Kind.REFUSE, Kind.FAILOVER)
 # Stream messages that open with their sender's descriptor: a multicast AllGather's are the
 # first it sends a peer, in place of a DESCRIBE (Collective.described_by_end_notices).
 _DESCRIBED = (Kind.MCAST_END, Kind.REPAIR_REQUEST)
@@ -58,7 +62,8 @@ class Session:
 
     def __init__(self, rank: int, world: int, timeout: float,
                  drops: collections.Counter | None = None, plane=None,
-                 early_stream_bytes: int = EARLY_STREAM_BYTES):
+                 early_stream_bytes: int = EARLY_STREAM_BYTES,
+                 failover_seconds: float = FAILOVER_SECONDS):
         self.rank, self.world, self.timeout = rank, world, timeout
         self.plane = _core.Plane(rank, world) if plane is None else plane
         self._plane_drops: dict[str, int] = {}  # the plane's drops already in `drops`
@@ -88,10 +93,35 @@ class Session:
         self.early_stream_limit = early_stream_bytes
         self.early_stream_bytes: collections.Counter = collections.Counter()  # by sender
         self._early_stream_total = 0
+        # the payload bytes held for each collective not posted, by sender, and what each
+        # sender's DESCRIBE of it allows: the next collective's, up to that, are not counted
+        # against the limit (a late rank holds one collective it is about to issue, whatever
+        # its size, and no more than the limit of those after it)
+        self._held_by: dict[int, collections.Counter] = collections.defaultdict(
+            collections.Counter)
+        self._allowed: dict[int, dict[int, int]] = collections.defaultdict(dict)
         self.stats: collections.Counter = collections.Counter()
         # collectives that verify every peer: seq -> peers whose DESCRIBE has not matched yet
         self.unverified: dict[int, set[int]] = {}
         self._rr = 0
+        # The aggregators in-network reductions are striped over, by the endpoint id of each
+        # one's first stripe: (host:port, its stripes); none, and a lost aggregator fails the
+        # communicator, until watch_aggregators.
+        self.aggregators: dict[int, tuple[str, range]] = {}
+        self.failover_seconds = failover_seconds
+        # Aggregators lost (protocols.failover): the round of reports open, or the last decided;
+        # the rounds decided; the aggregators they agreed lost, and the endpoints left that
+        # in-network reductions are striped over; the first collective number not on the ring;
+        # the aggregators this rank found lost that no round has agreed on yet, and how; reports
+        # of peers a round ahead.
+        self.failover: Failover | None = None
+        self.rounds: list[Failover] = []
+        self.lost: dict[int, str] = {}
+        self.lanes: list[int] = []
+        self.ring_below = 0
+        self.found_lost: dict[int, str] = {}
+        self._reports_ahead: list[tuple[int, int, int, int, frozenset[int]]] = []
+        self.notices: list[str] = []  # what the engine warns of: an aggregator lost, and why
 
     # -- posting and finishing -----------------------------------------------------------
     def post(self, coll: Collective, now: float) -> None:
@@ -120,6 +150,17 @@ class Session:
             self._remember(coll.seq, coll.desc)
             self.finished.append(coll)
             return
+        deferred = False
+        if self.failover is not None and isinstance(coll, InNetworkReduceScatter):
+            if not self.failover.decided:  # waits for the decision
+                self.failover.frozen[coll.seq] = coll
+                coll.frozen = deferred = True
+            elif coll.seq < self.ring_below or not self.lanes:
+                coll = RingInstead(coll)
+                self.stats["in_network_on_ring"] += 1
+            else:
+                coll.aggregator = self._lane_endpoints()
+                self.stats["in_network_on_fewer_endpoints"] += 1
         self.active[coll.seq] = coll
         self.last_progress[coll.seq] = now
         coll.plane = self.plane
@@ -132,7 +173,8 @@ class Session:
                 for peer in sorted(peers):
                     self._send_control(Kind.DESCRIBE, coll.seq, peer, coll.described)
         try:
-            self._guard(coll, coll.start, now)
+            if not deferred:
+                self._guard(coll, coll.start, now)
         except ValueError as err:  # the native plane refuses to run it: the settings given
             self.abort(InvalidArgumentError(f"{coll.desc} #{coll.seq} cannot run on rank "
                                             f"{self.rank}: {err}"))
@@ -172,6 +214,8 @@ class Session:
         """What peers sent for collective `seq` before it was posted, taken off the counts of
         what is held (a message's channel was checked on arrival: its kind says which)."""
         held = self.early.pop(seq, [])
+        self._held_by.pop(seq, None)
+        self._allowed.pop(seq, None)
         for hdr, payload in held:
             if hdr.kind in DATAGRAM_KINDS:
                 self._early_datagram_bytes -= len(payload)
@@ -247,15 +291,16 @@ class Session:
                 self._misfit(datagram, err.reason, err.__str__)
                 return
             if kind == Kind.P2P_OFFER and self.p2p.offers_held(hdr.src) > OFFERS_HELD:
-                self.abort(OvercastError(
-                    f"rank {hdr.src} sent rank {self.rank} more than {OFFERS_HELD} messages "
-                    f"that no recv on rank {self.rank} has taken: past that many held, the "
-                    f"communicator fails (rank {self.rank} must post recvs for them sooner)"))
+                self.abort(OvercastError(self.p2p.too_many_offers(hdr.src)))
             return
         coll = self.active.get(hdr.seq)
         if coll is None:
             for hdr, payload in run.messages():
                 self._hold(hdr, payload, datagram)
+            return
+        if not datagram and self.failover is not None and coll.seq in self.failover.frozen:
+            # a peer that decided first runs the ring: kept until this rank has decided
+            self.failover.held.extend((hdr, bytes(p)) for hdr, p in run.messages())
             return
         if kind in _DESCRIBED:  # checked before all else, as a DESCRIBE is
             for one, payload in run.messages():
@@ -302,9 +347,18 @@ class Session:
     def _hold_stream(self, hdr, payload) -> None:
         self.early_stream_bytes[hdr.src] += HEADER_BYTES + len(payload)
         self._early_stream_total += HEADER_BYTES + len(payload)
+        self._held_by[hdr.seq][hdr.src] += len(payload)
         self.early[hdr.seq].append((hdr, bytes(payload)))
-        if self._early_stream_total > self.early_stream_limit:
+        if self._counted_stream_bytes() > self.early_stream_limit:
             self.abort(OvercastError(self._too_far_ahead()))
+
+    def _counted_stream_bytes(self) -> int:
+        """What is held of the streams, less the next collective's payloads up to what each
+        sender's DESCRIBE of it allows."""
+        allowed = self._allowed.get(self.next_seq, {})
+        spared = sum(min(held, allowed.get(src, 0))
+                     for src, held in self._held_by.get(self.next_seq, {}).items())
+        return self._early_stream_total - spared
 
     def _too_far_ahead(self) -> str:
         """Why the stream messages held here passed the limit: the peer most is held from, how
@@ -317,7 +371,7 @@ class Session:
         return (f"rank {peer} is {max(seqs) - self.next_seq + 1} collectives ahead of rank "
                 f"{self.rank}: rank {self.rank} holds {human_bytes(held)} from it{others} for "
                 f"collectives #{min(seqs)} to #{max(seqs)}, which it has not issued yet: "
-                f"{self._early_stream_total:,} B in all, past its limit of "
+                f"{self._counted_stream_bytes():,} B in all, past its limit of "
                 f"{self.early_stream_limit:,} B; raise early_stream_bytes (the "
                 f"Communicator's, or {EARLY_STREAM_ENV}) to let a rank fall further behind")
 
@@ -339,6 +393,8 @@ class Session:
             coll = self.active.get(hdr.seq)
             mine = coll.desc if coll is not None else self.history.get(hdr.seq)
             if mine is None:  # not posted yet, refused here, or long finished
+                if hdr.seq >= self.next_seq and self.error is None:
+                    self._allowed[hdr.seq][hdr.src] = theirs.stream_bytes_bound(self.world)
                 self._hold(hdr, payload, False)
                 return
             if self._verify(mine, theirs, hdr, coll, now) and coll is not None:
@@ -358,6 +414,22 @@ class Session:
             except MalformedError:
                 code, reason = OvercastError.abort_code, "an abort without a reason"
             self.fail(error_class(code)(f"{reason} (reported by rank {hdr.src})"))
+        elif hdr.kind == Kind.FAILOVER:
+            try:
+                lost, posted, lacking = unpack_report(payload)
+                if self._aggregator_of(lost) is None:
+                    raise ProtocolError(f"a FAILOVER report names endpoint {AGGREGATOR - lost}, "
+                                        f"no aggregator's")
+            except ProtocolError as err:
+                self.abort(Rejected(f"rank {hdr.src}: {err}", "malformed"))
+                return
+            if hdr.seq < len(self.rounds):
+                self.abort(Rejected(f"rank {hdr.src} reported round {hdr.seq} of aggregator "
+                                    f"losses again", "duplicate"))
+            elif hdr.seq > len(self.rounds):  # it decided the round open here: kept till then
+                self._reports_ahead.append((hdr.seq, hdr.src, lost, posted, lacking))
+            else:
+                self._count_report(hdr.src, lost, posted, lacking, now)
         elif hdr.kind == Kind.GOODBYE:
             try:
                 count = unpack_goodbye(payload)
@@ -413,6 +485,8 @@ class Session:
         self._early_datagram_bytes = 0
         self.early_stream_bytes.clear()
         self._early_stream_total = 0
+        self._held_by.clear()
+        self._allowed.clear()
 
     def abort(self, error: OvercastError) -> None:
         """Fail locally and tell every peer why, so the error surfaces on every rank."""
@@ -430,6 +504,10 @@ class Session:
         self.control = collections.deque((r, m) for r, m in self.control if r[1] != peer)
         if peer in self.closed_peers:
             return
+        if is_aggregator(peer) and peer in self.aggregators:
+            self.aggregator_lost(peer, "closed its connection (it exited or was killed)",
+                                 self.clock)
+            return
         if is_aggregator(peer):
             at = f" at {where}" if where else ""
             self.fail(PeerFailureError(f"lost the connection to the aggregator{at} (overcast "
@@ -437,6 +515,147 @@ class Session:
         else:
             self.fail(PeerFailureError(
                 f"lost the connection to rank {peer} (its process exited or was killed)"))
+
+    # -- an aggregator lost (protocols.failover) --------------------------------------------
+    def watch_aggregators(self, names: dict[int, str], stripes: int) -> None:
+        """The aggregators (host:port by the endpoint id of each one's first stripe, of
+        `stripes` endpoints in all) whose loss the ring survives: one that closes its
+        connection, or is silent `failover_seconds` (at most the timeout) while an in-network
+        reduction waits on it."""
+        firsts = sorted(AGGREGATOR - peer for peer in names)
+        bounds = firsts[1:] + [stripes]
+        self.aggregators = {AGGREGATOR - first: (names[AGGREGATOR - first], range(first, end))
+                            for first, end in zip(firsts, bounds)}
+        self.lanes = list(range(stripes))
+
+    def _aggregator_of(self, peer: int) -> int | None:
+        """The aggregator (its first endpoint's id) endpoint id `peer` belongs to."""
+        return next((first for first, (_, stripes) in self.aggregators.items()
+                     if AGGREGATOR - peer in stripes), None)
+
+    def _lane_endpoints(self) -> frozenset[int]:
+        return frozenset(AGGREGATOR - e for e in self.lanes)
+
+    def aggregator_lost(self, peer: int, why: str, now: float) -> None:
+        """This rank found aggregator `peer` (its first endpoint's id) lost: `why`. The ranks
+        agree on it in a round of reports, this one's first if none is open."""
+        if peer in self.lost or peer in self.found_lost or self.closing:
+            return  # closing: nothing of its own left to save (a peer's report is answered)
+        self.found_lost[peer] = why
+        if self.failover is None or self.failover.decided:
+            self._open_round(peer, now)
+
+    def _open_round(self, peer: int, now: float, told_by: int | None = None) -> None:
+        """Freeze every in-network reduction in flight and tell every peer what this rank holds,
+        naming aggregator `peer`, which this rank found lost, or rank `told_by` reported."""
+        failover = self.failover = Failover(len(self.rounds), self.rank, self.world)
+        failover.why = f"reported by rank {told_by}" if told_by is not None else \
+            f"rank {self.rank} found that it {self.found_lost[peer]}"
+        lacking = failover.freeze(list(self.active.values()))
+        report = pack_report(peer, self.next_seq, lacking)
+        for other in range(self.world):
+            if other != self.rank:
+                self._send_control(Kind.FAILOVER, failover.number, other, report)
+        self._count_report(self.rank, peer, self.next_seq, frozenset(lacking), now)
+
+    def _count_report(self, rank: int, lost: int, posted: int, lacking: frozenset[int],
+                      now: float) -> None:
+        """A report for the round this rank is at: the first opens it here (naming an
+        aggregator this rank found lost, if any, else the one reported); the last decides."""
+        lost = self._aggregator_of(lost)
+        if self.failover is None or self.failover.decided:
+            mine = next((p for p in self.found_lost if p not in self.lost), None)
+            if mine is None:
+                self._open_round(lost, now, told_by=rank)
+            else:
+                self._open_round(mine, now)
+        failover = self.failover
+        try:
+            failover.report(rank, lost, posted, lacking)
+        except ProtocolError as err:
+            self.abort(Rejected(str(err), "duplicate"))
+            return
+        for seq in failover.frozen:
+            if seq in self.last_progress:
+                self.last_progress[seq] = now
+        if failover.ready:
+            self._decide(now)
+
+    def _decide(self, now: float) -> None:
+        """Every rank's report is in: decide, alike on every rank."""
+        failover = self.failover
+        failover.decide(lambda peer: self.aggregators[peer][0])
+        self.lost.update(failover.lost)
+        self.stats["aggregators_lost"] += len(failover.lost)
+        self.lanes = [e for e in self.lanes if self._aggregator_of(AGGREGATOR - e)
+                      not in self.lost]
+        if self.lanes:
+            self.plane.set_lanes(self.lanes)
+        self.ring_below = failover.posted
+        resumed = 0
+        for seq, coll in sorted(failover.frozen.items()):
+            if self.active.get(seq) is not coll:
+                continue  # failed meanwhile (a refusal)
+            if coll.posted_at is not None:  # started at the aggregators: free their pools
+                self.control.extend(coll.withdrawal())
+            if not failover.redo(seq):
+                failover.complete.append(seq)
+                coll.complete_frozen()
+                self._settle(coll)
+            elif seq < failover.posted or not self.lanes:
+                failover.redone.append(seq)
+                ring = self.active[seq] = RingInstead(coll)
+                ring.plane = self.plane
+                self._guard(ring, ring.start, now)
+                self._settle(ring)
+            else:  # posted here after this rank reported, and nowhere before: never started
+                coll.frozen, coll.aggregator = False, self._lane_endpoints()
+                resumed += 1
+                self._guard(coll, coll.start, now)
+                self._settle(coll)
+        self.stats["in_network_redone_on_ring"] += len(failover.redone)
+        self.stats["in_network_complete_at_failover"] += len(failover.complete)
+        self.stats["in_network_on_fewer_endpoints"] += resumed
+        failover.frozen.clear()
+        self.rounds.append(failover)
+        left = "the ring" if not self.lanes else \
+            f"the {len(self.lanes)} endpoints left (" + ", ".join(
+                name for first, (name, _) in sorted(self.aggregators.items())
+                if first not in self.lost) + ")"
+        failover.outcome = failover.summary(left)
+        self.notices.append(f"rank {self.rank} {failover.outcome}")
+        held, failover.held = failover.held, []
+        for hdr, payload in held:
+            self.receive(hdr, payload, now, False)
+        # the next round: a peer's report for it, or an aggregator this rank found lost since
+        ahead = [r for r in self._reports_ahead if r[0] == len(self.rounds)]
+        self._reports_ahead = [r for r in self._reports_ahead if r[0] != len(self.rounds)]
+        for _, rank, lost, posted, lacking in ahead:
+            self._count_report(rank, lost, posted, lacking, now)
+        unagreed = [p for p in self.found_lost if p not in self.lost]
+        if unagreed and self.failover.decided:
+            self._open_round(unagreed[0], now)
+
+    def _silent_aggregator(self) -> tuple[int, float] | None:
+        """The aggregator silent longest while an in-network reduction waits on it, and when
+        it will have been silent past the bound (None: none waits on any)."""
+        if not self.aggregators or (self.failover is not None and not self.failover.decided):
+            return None
+        waiting = [c.posted_at for c in self.active.values()
+                   if isinstance(c, InNetworkReduceScatter) and c.waits_on_aggregators()]
+        if not waiting:
+            return None
+        bound = min(self.failover_seconds, self.timeout)
+        due = []
+        for peer, (_, stripes) in self.aggregators.items():
+            if peer in self.lost or peer in self.found_lost:
+                continue
+            heard = [t for e in stripes if (t := self.plane.heard(e)) is not None]
+            due.append((max(heard + [min(waiting)]) + bound, peer))
+        if not due:
+            return None
+        at, peer = min(due)
+        return peer, at
 
     def close(self) -> None:
         """Say goodbye to every peer; collectives still pending fail, here and, told by an
@@ -466,6 +685,8 @@ class Session:
     # -- timers ----------------------------------------------------------------------------
     def get_timer(self) -> float | None:
         times = [t + self.timeout for t in self.last_progress.values()]
+        if (silent := self._silent_aggregator()) is not None:
+            times.append(silent[1])
         if (t := self.p2p.timer(self.timeout)) is not None:
             times.append(t)
         if not self.plane.attached and (t := self.plane.timer()) is not None:
@@ -481,6 +702,11 @@ class Session:
         if not self.plane.attached and (t := self.plane.timer()) is not None and now >= t:
             self.plane.handle_timer(now)
             self._take_plane(now)
+        silent = self._silent_aggregator()
+        if silent is not None and now >= silent[1]:
+            bound = min(self.failover_seconds, self.timeout)
+            self.aggregator_lost(silent[0], f"was silent for {bound:.1f} s while an in-network "
+                                            f"reduction waited on it", now)
         stalled = self.p2p.stalled(now, self.timeout)
         if stalled is not None:
             self.abort(CollectiveTimeoutError(
@@ -506,6 +732,9 @@ class Session:
                 self._settle(coll)
 
     def _waiting_for(self, coll: Collective) -> str:
+        if self.failover is not None and coll.seq in self.failover.frozen:
+            return "the reports of an aggregator's loss from " + ", ".join(
+                f"rank {r}" for r in self.failover.unreported())
         if not coll.received_all:
             return coll.waiting_for()
         if coll.done:

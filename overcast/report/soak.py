@@ -37,6 +37,11 @@ def summary_table(doc: dict):
               f"{human_bytes(s['switch_pool_bytes_after'])}, {s['switch_communicators_after']}")
     left = {k: v for rank in s["left_behind"].values() for k, v in rank.items() if v}
     t.add_row("fds, threads left behind on any rank", str(left or "none"))
+    if meta.get("kill_aggregator_every"):
+        t.add_row(f"aggregators killed (every {meta['kill_aggregator_every']} pairs) / lost "
+                  f"by the ranks / in-network collectives redone on the ring",
+                  f"{s['aggregator_kills']} / {s['aggregators_lost']} / "
+                  f"{s['in_network_redone_on_ring']}")
     t.add_row("losses injected / chunks repaired / contributions resent",
               f"{s['injected_losses']} / {s['repaired_chunks']} / "
               f"{s['contributions_resent']}")

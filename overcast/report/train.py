@@ -132,8 +132,8 @@ def matrix_table(doc: dict, wide: bool = False) -> Table:
             ("compute vs peer", lambda run: against_peer(run, "compute_seconds"), True),
             ("own-host compute vs peer",
              lambda run: against_peer(run, "own_host_compute_seconds"), True),
-            ("loss diff", lambda run: f"{max(r['max_loss_difference'] for r in run['results']):.1e}",
-             False)]
+            ("loss diff",
+             lambda run: f"{max(r['max_loss_difference'] for r in run['results']):.1e}", False)]
     return table_of(f"Shapes on {meta['hosts']} hosts, {meta['link_bits_per_s'] / 1e6:g} Mbit/s"
                     f"{_aggregator(meta, [r for run in doc['shapes'] for r in run['results']])}: "
                     f"step seconds, median of steps {meta['warmup'] + 1}-{meta['steps']}; vs "

@@ -54,7 +54,7 @@ class Engine:
             return self.us_per_datagram * 1e-6 / self.chunk_bytes
         return self.stream_s_per_gib / GIB
 
-    def with_cores(self, cores: float) -> "Engine":
+    def with_cores(self, cores: float) -> Engine:
         return replace(self, cores=cores)
 
 

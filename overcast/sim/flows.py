@@ -9,6 +9,7 @@ occupies every link of its path or tree once, at one rate; the switches replicat
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -57,7 +58,7 @@ class Outcome:
 
 
 def run_flows(link_rate: np.ndarray, flows: list[Flow],
-              constraints: list[Constraint] = ()) -> Outcome:
+              constraints: Sequence[Constraint] = ()) -> Outcome:
     """Simulate `flows` on directed links of `link_rate` bytes/s, and `constraints`."""
     count, links = len(flows), len(link_rate)
     used = np.unique(np.concatenate([f.links for f in flows])) if flows else np.zeros(0, int)
@@ -71,7 +72,7 @@ def run_flows(link_rate: np.ndarray, flows: list[Flow],
     capacity = np.concatenate([link_rate[used], [c.capacity for c in constraints]])
     caps = np.array([f.cap for f in flows], dtype=np.float64)
     payload = np.array([f.payload for f in flows], dtype=np.float64)
-    waiting = {}
+    waiting: dict[int, list[int]] = {}  # flow -> the flows that start when it ends
     for i, f in enumerate(flows):
         if f.after is not None:
             waiting.setdefault(f.after, []).append(i)
@@ -94,10 +95,10 @@ def run_flows(link_rate: np.ndarray, flows: list[Flow],
             raise RuntimeError("flows wait for one another and none can run")
         left = np.where(running, np.maximum(left - rate * dt, 0.0), left)
         t += dt
-        for i in np.flatnonzero(running & (finish <= dt * (1 + 1e-12))):
-            end[i] = t
-            left[i] = 0.0
-            for j in waiting.get(i, ()):
+        for done in np.flatnonzero(running & (finish <= dt * (1 + 1e-12))).tolist():
+            end[done] = t
+            left[done] = 0.0
+            for j in waiting.get(done, ()):
                 start[j] = t + flows[j].delay
     link_bytes = np.zeros(links)
     for f in flows:

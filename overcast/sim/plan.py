@@ -55,7 +55,7 @@ WORTH_SAVING = 0.05
 SIZING_STEPS = 8
 DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}
 # Clusters by name: (topology, radix, nodes, link Gbit/s).
-PRESETS = {
+PRESETS: dict[str, tuple[str, int | None, list[int], list[float]]] = {
     "emulated": ("star", None, [4], [0.1]),
     "ethernet-fat-tree": ("fat-tree", 32, [8, 64, 188, 1024], [100, 400, 1600]),
     "rail-400g": ("fat-tree", 64, [64, 256, 1024, 2048], [400]),
@@ -91,7 +91,7 @@ class Model:
     micro_steps: int = 1
 
     @classmethod
-    def uniform(cls, params: float, layers: int, **kw) -> "Model":
+    def uniform(cls, params: float, layers: int, **kw) -> Model:
         check_positive("the parameter count", params, "--params, params")
         check_count("the layer count", layers, 1, "--layers, layers")
         each = math.ceil(params / layers)
@@ -180,7 +180,7 @@ def compute_from_profile(path: str, model: Model) -> tuple[tuple[float, float], 
         with open(path) as f:
             profile = json.load(f)
     except OSError as err:
-        raise refused(err.strerror.lower()) from None
+        raise refused((err.strerror or str(err)).lower()) from None
     except ValueError as err:
         raise refused(f"not JSON ({err})") from None
     if not isinstance(profile, dict) or not isinstance(profile.get("what"), str) or \
@@ -190,13 +190,13 @@ def compute_from_profile(path: str, model: Model) -> tuple[tuple[float, float], 
 
     def seconds(key: str) -> float:
         value = profile.get(key)
-        number = isinstance(value, (int, float)) and not isinstance(value, bool)
-        if not (number and math.isfinite(value) and value >= 0):
-            why = " (its exposed communication outlasts its step)" if \
-                number and key == "compute_seconds" and value < 0 else ""
-            raise refused(f"{key} must be a number of seconds, finite and 0 or more, not "
-                          f"{value!r}{why}")
-        return float(value)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and \
+                math.isfinite(value) and value >= 0:
+            return float(value)
+        why = " (its exposed communication outlasts its step)" if key == "compute_seconds" and \
+            isinstance(value, (int, float)) and value < 0 else ""
+        raise refused(f"{key} must be a number of seconds, finite and 0 or more, not "
+                      f"{value!r}{why}")
 
     step, exposed, compute = (seconds(k) for k in ("step_seconds", "exposed_seconds",
                                                    "compute_seconds"))
@@ -241,6 +241,7 @@ def aggregator_pool(job: Job, sizing: AggregatorSizing, model: Model, topo: Topo
         sized = size_aggregators(model, topo, sizing, job.ranks_per_node, chunk)
         return AggregatorPool(sized["count"], sized["shards"], nic), {
             **sized, "placement": "hosts", "short": f"{sized['count']:,} x {sized['shards']}"}
+    assert isinstance(job.aggregators, int)  # Job takes a count where it is not a choice
     pool = AggregatorPool(job.aggregators, sizing.cores, nic)
     return pool, {**pool.describe(), "placement": "hosts",
                   "short": f"{pool.count:,} x {pool.shards}"}
@@ -250,14 +251,15 @@ def assumes(job: Job, sizing: AggregatorSizing) -> list[str]:
     """The hardware beyond the nodes and the ring's network that overcast's figures assume."""
     nic = "the nodes' link rate" if sizing.nic_bits is None else \
         f"{sizing.nic_bits / 1e9:g} Gbit/s"
-    aggregators = {
+    placed: dict[str | int, str] = {
         "switch": "a switch that sums at line rate on every port (SHARP-like)",
         "beside-rank-0": f"one aggregator of {sizing.cores} cores beside rank 0, on node 0's "
                          f"link (what overlap() starts without OVERCAST_SWITCH; node 0's own "
                          f"traffic on that link is not counted)",
         "sized": f"aggregator hosts of up to {sizing.cores} cores behind links of {nic}, as many "
                  f"as the aggregators column says (hosts x cores), sized for the pair within "
-                 f"{sizing.within:g}x its floor"}.get(
+                 f"{sizing.within:g}x its floor"}
+    aggregators = placed.get(
         job.aggregators, f"{job.aggregators} aggregator host{'s' * (job.aggregators != 1)} "
                          f"of {sizing.cores} cores behind links of {nic}")
     return [f"IP multicast between the nodes at layer 2 (IGMP snooping and a querier), MTU "
@@ -297,7 +299,7 @@ def step_schedule(layers: int, micro_steps: int, forward: float, backward: float
     of one): ("compute", s), ("post", name, kind, layer), ("wait", name); kind "forward" for
     an AllGather no ReduceScatter meets, "allgather" and "reduce_scatter" in a backward that
     reduces."""
-    out = []
+    out: list[tuple] = []
     for m in range(micro_steps):
         sync = m == micro_steps - 1
         out.append(("post", f"AG 0 {m}", "forward", 0))
@@ -462,5 +464,5 @@ def plan(model: Model, kind: str, nodes: list[int], link_bits: list[float], *,
                     "ReduceScatter of the layer after it",
             "overcast_assumes": assumes(job, sizing),
             "ways": WAY_TEXT,
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}
     return {"meta": meta, "results": points}

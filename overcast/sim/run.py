@@ -165,7 +165,7 @@ def sweep(nodes: list[int], kind: str, link_bits: list[float], sizes: list[int],
             "placement": place, "link_latency_s": latency,
             "engine": {k: v if v != math.inf else None for k, v in asdict(engine).items()},
             "aggregators": aggregators.describe() if aggregators else None,
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}
     return {"meta": meta, "results": rows}
 
 

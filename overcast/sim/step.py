@@ -44,7 +44,7 @@ def run_step(schedule: list[tuple], link_bytes_per_s: float, demand) -> float:
                              [flights[n].received for n in moving]])
             rates = max_min_rates(need, np.full(2, link_bytes_per_s),
                                   np.full(len(moving), np.inf), np.ones(len(moving), bool)) \
-                if moving else []
+                if moving else np.zeros(0)
             step = min([flights[n].left / r for n, r in zip(moving, rates)] +
                        [f.tail for f in flights.values() if f.left <= 0] + [until - now])
             now += step
@@ -67,7 +67,7 @@ def run_step(schedule: list[tuple], link_bytes_per_s: float, demand) -> float:
             posted.add(name)
             sent, received, *tail = demand(kind, n)
             busier = max(sent, received)
-            if busier > 0 or tail and tail[0] > 0:
+            if busier > 0 or (tail and tail[0] > 0):
                 flights[name] = _Flight(busier, sent / busier if busier else 0.0,
                                         received / busier if busier else 0.0,
                                         tail[0] if tail else 0.0)

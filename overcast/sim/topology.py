@@ -18,6 +18,8 @@ fat tree of Al-Fares et al.).
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 
 from overcast.errors import InvalidArgumentError
@@ -67,7 +69,7 @@ class Topology:
 
     def links_of(self, path: list) -> list[int]:
         """Directed link indices along a path of nodes."""
-        return [self._index[(a, b)] for a, b in zip(path, path[1:])]
+        return [self._index[(a, b)] for a, b in itertools.pairwise(path)]
 
     def route(self, src: int, dst: int, key: int | None = None) -> list[int]:
         """The directed links from host src to host dst; `key` picks the uplinks (default dst)."""
@@ -199,7 +201,9 @@ def build(kind: str, hosts: int, link_bits_per_s: float, *, radix: int | None = 
     if kind == "star":
         return star(hosts, link_bits_per_s, latency)
     if kind == "fat-tree":
-        require(radix is not None, "a fat tree's radix", "given", "none", "--radix, radix")
+        if radix is None:
+            raise InvalidArgumentError("a fat tree's radix must be given, not none "
+                                       "(--radix, radix)")
         return fat_tree(hosts, link_bits_per_s, radix, oversubscription, levels, latency)
     raise InvalidArgumentError(f"unknown topology {kind!r}; available: {', '.join(TOPOLOGIES)}")
 

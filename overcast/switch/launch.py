@@ -30,12 +30,14 @@ class SwitchProcess(subprocess.Popen):
     (stop_switch, or this process ending) makes the aggregator exit."""
 
     lifeline: int = -1
+    aggregator: int = 0  # on the emulated cluster, the attachment it runs on
 
 
 def _first_line(proc: subprocess.Popen, seconds: float) -> str:
     """The child's first line of output, or what it wrote before it exited or `seconds` passed."""
     deadline = time.monotonic() + seconds
     data = b""
+    assert proc.stdout is not None  # start_switch's pipe
     fd = proc.stdout.fileno()
     with selectors.DefaultSelector() as sel:
         sel.register(fd, selectors.EVENT_READ)

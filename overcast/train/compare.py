@@ -11,6 +11,7 @@ import contextlib
 import datetime
 import os
 import statistics
+from collections.abc import Sequence
 
 from overcast.bench.run import machine, process_cpu_seconds
 from overcast.cluster.netns import Cluster
@@ -163,7 +164,8 @@ def run_training(hosts: int, link_bits: int, ways: list[str], steps: int, warmup
                  shapes: list[tuple[str, GPTConfig]], lr: float = 1e-3,
                  out_dir: str | None = None, progress=None, prefetch: int = 1,
                  sched_trace: bool = True, device: str = "cpu", write_timeline=None,
-                 aggregator_bits: int | None = None, drop_multicast: list[int] = ()) -> dict:
+                 aggregator_bits: int | None = None,
+                 drop_multicast: Sequence[int] = ()) -> dict:
     """Train every shape every way on one cluster; return {"meta": ..., "shapes": [...]} and,
     with `out_dir` and `write_timeline(traces, path, link_bits, title)` (overcast.report.
     timeline's), write the backward-step timelines of the overcast ways there.
@@ -177,20 +179,24 @@ def run_training(hosts: int, link_bits: int, ways: list[str], steps: int, warmup
         check_request(ways, hosts, steps, warmup, link_bits, cfg, lr, prefetch, device)
     import torch  # imported once here so that forked hosts start fast
 
-    runs, total = [], len(shapes) * len(ways)
+    runs: list[dict] = []
+    total = len(shapes) * len(ways)
     why_untraced = mount_tracefs() if sched_trace else "--no-sched-trace"
     with Cluster(hosts, link_bits, aggregator_bits_per_s=aggregator_bits,
                  drop_multicast=drop_multicast) as cluster, \
             kernel_run_delays() as delays_kept:
         switch = cluster.start_switch() if "overcast" in ways else None
         for name, cfg in shapes:
-            results, timelines = [], []
+            results: list[dict] = []
+            timelines: list[str] = []
             for way in ways:
                 if progress:
                     progress(len(runs) * len(ways) + len(results), total,
                              f"{name}: training {way}, {steps} steps on {hosts} hosts")
                 cpu0 = process_cpu_seconds(switch.pid) if switch and way == "overcast" else None
-                trace = bool(out_dir) and write_timeline is not None and way in OVERCAST_WAYS
+                trace_dir = out_dir if write_timeline is not None and way in OVERCAST_WAYS \
+                    else None
+                trace = bool(trace_dir)
                 with SchedTrace() as sched:
                     traced = why_untraced is None and sched.start()
                     per_rank = cluster.run(train_rank, timeout=1800,
@@ -198,12 +204,13 @@ def run_training(hosts: int, link_bits: int, ways: list[str], steps: int, warmup
                                                  prefetch, device))
                     if traced:
                         attribute_waits(sched.stop(), per_rank, switch.pid if switch else None)
-                switch_cpu = process_cpu_seconds(switch.pid) - cpu0 if cpu0 is not None else None
+                switch_cpu = process_cpu_seconds(switch.pid) - cpu0 \
+                    if switch and cpu0 is not None else None
                 results.append(summarize(way, per_rank, warmup, switch_cpu))
                 results[-1]["trace_overrun_events"] = sched.overrun if traced else None
                 why_untraced = why_untraced or sched.unavailable
-                if trace:
-                    path = os.path.join(out_dir, f"timeline-{name}-{way}")
+                if trace_dir:
+                    path = os.path.join(trace_dir, f"timeline-{name}-{way}")
                     write_timeline([r["trace"] for r in per_rank], path, link_bits,
                                    f"backward, {name}, {way}, {hosts} hosts, "
                                    f"{link_bits / 1e6:g} Mbit/s")
@@ -217,7 +224,7 @@ def run_training(hosts: int, link_bits: int, ways: list[str], steps: int, warmup
             cluster.stop_switch(switch)
         if progress:
             progress(total, total, "done")
-    meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    meta = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "hosts": hosts, "link_bits_per_s": link_bits, "steps": steps, "warmup": warmup,
             "aggregator_link_bits_per_s": aggregator_bits,
             "multicast_dropped_to": list(drop_multicast),

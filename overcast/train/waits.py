@@ -220,7 +220,7 @@ class SchedTrace:
             pass
         os.rmdir(self.path)  # tracefs removes an instance's files with its folder
 
-    def __enter__(self) -> "SchedTrace":
+    def __enter__(self) -> SchedTrace:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -50,6 +50,7 @@ def train_rank(rank: int, way: str, config: dict, steps: int, lr: float, trace: 
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule
 
     import overcast
     from overcast.cluster.netns import read_nic_counters
@@ -66,6 +67,7 @@ def train_rank(rank: int, way: str, config: dict, steps: int, lr: float, trace: 
         torch.cuda.set_device(0)
     try:
         model = shard(build(cfg), init_device_mesh(device, (world,)))
+        assert isinstance(model, FSDPModule)  # fully_shard gave its class FSDPModule as a base
         with warnings.catch_warnings(record=True) as said:
             warnings.simplefilter("always", overcast.MulticastNotDeliveredWarning)
             handle = configure(model, way, trace, prefetch)
@@ -134,6 +136,7 @@ def train_rank(rank: int, way: str, config: dict, steps: int, lr: float, trace: 
                     "trace": _window(timeline, *backward) if timeline else None,
                     "algorithms": handle.algorithms,
                     "warnings": [str(w.message) for w in said
-                                 if w.category is overcast.MulticastNotDeliveredWarning]}
+                                 if w.category in (overcast.MulticastNotDeliveredWarning,
+                                                   overcast.AggregatorLostWarning)]}
     finally:
         dist.destroy_process_group()

@@ -24,7 +24,7 @@ class LossSpec:
         check_loss(self.rate, self.burst)
 
     @classmethod
-    def from_env(cls) -> "LossSpec":
+    def from_env(cls) -> LossSpec:
         """OVERCAST_LOSS (fraction), OVERCAST_LOSS_BURST (datagrams), OVERCAST_LOSS_SEED."""
         return cls(float(os.environ.get("OVERCAST_LOSS", 0)),
                    float(os.environ.get("OVERCAST_LOSS_BURST", 1)),

@@ -177,8 +177,8 @@ def prove_delivery(links, deadline: float) -> dict[int, list[int]]:
         while mine is None or len(reports) < len(streams):
             now = time.monotonic()
             if now >= deadline:
-                raise socket.timeout(f"rank {rank} waited for the multicast reports of "
-                                     f"ranks {sorted(others - set(reports))}")
+                raise TimeoutError(f"rank {rank} waited for the multicast reports of "
+                                   f"ranks {sorted(others - set(reports))}")
             if now >= next_probe:
                 send_probe()
                 next_probe = now + PROBE_INTERVAL_SECONDS
@@ -197,6 +197,7 @@ def prove_delivery(links, deadline: float) -> dict[int, list[int]]:
                     wake = min(wake, end, listen_until)
             for key_, _ in selector.select(max(0.0, wake - time.monotonic())):
                 if key_.data is None:
+                    assert listening is not None  # its socket alone is registered without a peer
                     if mine is None:
                         listening.hear(min(next_probe, deadline))
                     else:  # nothing more to learn from it

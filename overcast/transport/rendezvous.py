@@ -23,6 +23,7 @@ import socket
 import time
 import dataclasses
 from dataclasses import dataclass
+from typing import cast
 
 from overcast.errors import OvercastError
 from overcast.transport.datagram import (chunk_bytes, multicast_group, open_multicast,
@@ -150,10 +151,10 @@ def _connect_handshake(sock: socket.socket, opener: Opener, sealer: Sealer, peer
                        deadline: float) -> None:
     """The connecting side: answer `peer`'s challenge with it and a nonce of ours; accept only a
     reply that carries ours back."""
-    challenge = _open_hello(_read_frame(sock, deadline), opener, peer, CHALLENGE.size)
-    if challenge is None:
+    opened = _open_hello(_read_frame(sock, deadline), opener, peer, CHALLENGE.size)
+    if opened is None:
         raise ConnectionError(f"rank {peer}'s challenge did not authenticate")
-    counter, challenge = challenge
+    counter, challenge = opened
     mine = secrets.token_bytes(NONCE_BYTES)
     sock.sendall(sealer.seal(Kind.HELLO, 0, peer, 0, ANSWER.pack(bytes(challenge), mine)))
     reply = _open_hello(_read_frame(sock, deadline), opener, peer, NONCE_BYTES, after=counter)
@@ -244,7 +245,7 @@ def _accept_peers(listener: socket.socket, rank: int, world: int, opener: Opener
                         pending[challenged[0]] = challenged[1]
                         selector.register(challenged[0], selectors.EVENT_READ)
                     continue
-                sock = key.fileobj
+                sock = cast(socket.socket, key.fileobj)  # an accepted connection
                 try:
                     answered = _answer(sock, pending[sock], opener)
                 except ConnectionError:

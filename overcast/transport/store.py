@@ -90,8 +90,10 @@ class StoreServer:
                     elif op == _GET:
                         wait = struct.unpack("<d", value)[0] if vlen == 8 else 0.0
                         with self._cond:
+                            # wait_for calls the predicate before the loop moves `key` on
                             found = self._cond.wait_for(
-                                lambda: key in self._data or self._closed, timeout=wait)
+                                lambda: key in self._data or self._closed,  # noqa: B023
+                                timeout=wait)
                             found = found and key in self._data
                             reply = self._data[key] if found else b""
                         conn.sendall(_REPLY.pack(_OK if found else _TIMEOUT, len(reply)) + reply)
@@ -151,7 +153,9 @@ def forget(store, keys: list[str]) -> None:
     meet, once all have read it, so that a job making many communicators does not grow its
     store. Stores that cannot delete (this module's own, FileStore's) keep them."""
     delete = getattr(store, "delete_key", None)
-    for key in keys if delete is not None else ():
+    if delete is None:
+        return
+    for key in keys:
         try:
             delete(key)
         except (RuntimeError, NotImplementedError):  # its host gone; or it deletes nothing

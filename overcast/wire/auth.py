@@ -2,8 +2,9 @@
 
 Every message carries a 16-byte AES-GMAC tag over its header and payload (AES-GCM with an empty
 plaintext), computed by the native core (overcast/native/wire.h, OpenSSL's EVP with each key set
-once), so a message sealed here opens in the native data path and the other way round. GMAC runs at several GB/s here, six times faster than HMAC-SHA256, which matters at one
-tag per 9 KB datagram. GMAC needs a nonce that never repeats under one key: it is the sender's rank
+once), so a message sealed here opens in the native data path and the other way round. GMAC runs
+at several GB/s here, six times faster than HMAC-SHA256, which matters at one tag per 9 KB
+datagram. GMAC needs a nonce that never repeats under one key: it is the sender's rank
 and its 64-bit message counter, and the key is derived per communicator from the job secret and a
 random salt chosen at rendezvous, so two communicators (or two runs) never share a key.
 
@@ -118,12 +119,12 @@ class Opener:
         among them), the next frame lacks `need` more, and `fault` names a header that ends
         the stream ("malformed", "wrong_sender"; counted) or is None. Authentic frames carry
         counters of at least `next_counter`, and the one to pass next comes back."""
-        frames, used, need, fault, next_counter, skipped = self._tags.open_stream(
+        frames, used, need, misfit, next_counter, skipped = self._tags.open_stream(
             buf, end, self.job, self.comm, peer, next_counter)
         for why, count in zip(_SKIPPED, skipped):
             if count:
                 self.drops[why] += count
-        fault = MISFITS.get(fault)  # malformed or wrong_sender: the stream ends
+        fault = MISFITS.get(misfit)  # malformed or wrong_sender: the stream ends
         if fault is not None:
             self.drops[fault] += 1
         make = Header._make

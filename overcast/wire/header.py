@@ -65,6 +65,7 @@ class Kind(enum.IntEnum):
     ABORT = 3
     GOODBYE = 4
     REFUSE = 5
+    FAILOVER = 6
     RING_DATA = 10
     A2A_DATA = 11
     A2A_PULL = 12

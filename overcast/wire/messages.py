@@ -58,10 +58,6 @@ def unpack_credit(payload) -> tuple[int, list[int]]:
     return _U32.unpack_from(payload)[0], _u32_list(payload[_U32.size:], "credit")
 
 
-def pack_credit_probe(next_unsent: int) -> bytes:
-    return _U32.pack(next_unsent)
-
-
 def pack_acks(chunks: list[int]) -> bytes:
     return struct.pack(f"<{len(chunks)}I", *chunks)
 

@@ -27,7 +27,7 @@ class Run:
         self.length = hdr.length
 
     @classmethod
-    def one(cls, hdr: Header, payload) -> "Run":
+    def one(cls, hdr: Header, payload) -> Run:
         return cls(hdr, [hdr.chunk], memoryview(payload).cast("B"), 0, hdr.length)
 
     def __len__(self) -> int:

@@ -973,29 +973,47 @@ static void to_ranks(void *ctx, int handle, uint16_t dst, const uint8_t *data, s
         if (dst == OC_ANY || dst == r) oc_plane_feed(b->planes[r], data, len, segment, b->now);
 }
 
-/* Three ranks' planes and the aggregator exchange sealed datagrams in memory, with loss
- * injected at every rank: the sums are exact and every reduction drains. */
-static void test_rank_planes_with_the_aggregator(double loss) {
-    bench_t b = {0};
-    oc_sealer sealers[RW];
-    oc_budget budgets[RW];
-    int32_t in[RW][RW * RCOUNT], out[RW][RCOUNT];
+/* The aggregator, registered as endpoint `endpoint` (the only one left of endpoint + 1 when
+ * above 0: the planes stripe over it alone), and RW planes, each with reduction 4 of random
+ * inputs posted. */
+static void bench_reduce(bench_t *b, oc_sealer *sealers, oc_budget *budgets,
+                         int32_t in[RW][RW * RCOUNT], int32_t out[RW][RCOUNT], double loss,
+                         uint16_t endpoint) {
     uint32_t granted;
-    b.agg = oc_agg_new(16);
-    b.handle = oc_agg_register(b.agg, 9, 8, RW, 0, 0, OC_MAX_DATAGRAM, KEY, 0, &granted);
+    b->agg = oc_agg_new(16);
+    b->handle = oc_agg_register(b->agg, 9, 8, RW, endpoint, 0, OC_MAX_DATAGRAM, KEY, 0,
+                                &granted);
     for (uint32_t r = 0; r < RW; r++) {
         sealers[r] = (oc_sealer){.job = 9, .comm = 8, .src = (uint16_t)r};
         oc_gmac_init(&sealers[r].gmac, KEY, 1);
         oc_budget_init(&budgets[r], 1e6, 0.005, 4, RCHUNK + 100, 4);
-        b.planes[r] = oc_plane_new((uint16_t)r, RW, 9, 8, KEY, &sealers[r]);
-        oc_plane_set_loss(b.planes[r], loss, 2, 7);
+        b->planes[r] = oc_plane_new((uint16_t)r, RW, 9, 8, KEY, &sealers[r]);
+        oc_plane_set_loss(b->planes[r], loss, 2, 7);
+        if (endpoint)
+            CHECK(oc_plane_set_stripes(b->planes[r], endpoint + 1u) == 0 &&
+                  oc_plane_set_lanes(b->planes[r], (uint16_t[]){endpoint}, 0) != 0 &&
+                  oc_plane_set_lanes(b->planes[r], (uint16_t[]){endpoint + 1u}, 1) != 0 &&
+                  oc_plane_set_lanes(b->planes[r], (uint16_t[]){endpoint, endpoint}, 2) != 0 &&
+                  oc_plane_set_lanes(b->planes[r], (uint16_t[]){endpoint}, 1) == 0,
+                  "lanes: one of the stripes set, none twice");
         for (int i = 0; i < RW * RCOUNT; i++) in[r][i] = (int32_t)(next() % 2001) - 1000;
         memset(out[r], 0xAB, sizeof out[r]);
-        CHECK(oc_plane_reduce(b.planes[r], 4, OC_INT32, 0, RCOUNT, (uint8_t *)in[r],
+        CHECK(oc_plane_reduce(b->planes[r], 4, OC_INT32, 0, RCOUNT, (uint8_t *)in[r],
                               (uint8_t *)out[r], RCHUNK, 16, 4, &budgets[r], 0.0) == 0,
               "posted");
         CHECK(budgets[r].reductions_in_flight == 1, "counted in flight");
     }
+}
+
+/* Three ranks' planes and the aggregator exchange sealed datagrams in memory, with loss
+ * injected at every rank: the sums are exact and every reduction drains; also where the
+ * aggregator is endpoint 1, the only one left of two (its contributions say place 0 of 1). */
+static void test_rank_planes_with_the_aggregator(double loss, uint16_t endpoint) {
+    bench_t b = {0};
+    oc_sealer sealers[RW];
+    oc_budget budgets[RW];
+    int32_t in[RW][RW * RCOUNT], out[RW][RCOUNT];
+    bench_reduce(&b, sealers, budgets, in, out, loss, endpoint);
     CHECK(oc_plane_reduce(b.planes[0], 4, OC_INT32, 0, RCOUNT, (uint8_t *)in[0],
                           (uint8_t *)out[0], RCHUNK, 16, 4, &budgets[0], 0.0) != 0,
           "a sequence number is posted once");
@@ -1022,8 +1040,8 @@ static void test_rank_planes_with_the_aggregator(double loss) {
             for (uint32_t q = 0; q < RW; q++) sum += (uint32_t)in[q][r * RCOUNT + i];
             exact &= out[r][i] == (int32_t)sum;
         }
-    CHECK(all && exact, "loss %.2f: every rank drained once (%d %d %d), sums exact %d", loss,
-          drained[0], drained[1], drained[2], exact);
+    CHECK(all && exact, "loss %.2f, endpoint %u: every rank drained once (%d %d %d), sums "
+          "exact %d", loss, endpoint, drained[0], drained[1], drained[2], exact);
     uint64_t lost = 0;
     for (uint32_t r = 0; r < RW; r++) {
         lost += oc_plane_stats(b.planes[r])[OC_PLANE_STAT_injected_losses];
@@ -1037,6 +1055,58 @@ static void test_rank_planes_with_the_aggregator(double loss) {
         oc_gmac_free(&sealers[r].gmac);
     }
     CHECK((loss > 0) == (lost > 0), "loss injected: %llu", (unsigned long long)lost);
+    oc_agg_free(b.agg);
+}
+
+/* An aggregator lost mid-reduction: rank 0 freezes its reduction (oc_plane_release) once some
+ * of its results are in. From then on its output does not change, it sends nothing more for
+ * the reduction (no acknowledgement: the other ranks cannot drain), and the endpoint, which
+ * goes on sending its results again, is still heard. */
+static void test_a_frozen_reduction_takes_and_acknowledges_nothing(void) {
+    bench_t b = {0};
+    oc_sealer sealers[RW];
+    oc_budget budgets[RW];
+    int32_t in[RW][RW * RCOUNT], out[RW][RCOUNT], frozen[RCOUNT];
+    bench_reduce(&b, sealers, budgets, in, out, 0.0, 0);
+    CHECK(oc_plane_heard(b.planes[0], 0) < 0 && oc_plane_heard(b.planes[0], OC_MAX_STRIPES) < 0,
+          "nothing heard yet, nor past the endpoints");
+    int released = 0, drained = 0;
+    double froze_at = -1;
+    for (int step = 0; step < 20000; step++) {
+        for (uint32_t r = 0; r < RW; r++) {
+            if (r == 0 && released) {
+                CHECK(oc_plane_outbox(b.planes[0])->n == 0, "nothing queued once frozen");
+            } else {
+                oc_plane_handle_timer(b.planes[r], b.now);
+            }
+            oc_outbox_seal(oc_plane_outbox(b.planes[r]), &sealers[r], to_aggregator, &b);
+        }
+        oc_agg_handle_timer(b.agg, b.now);
+        oc_agg_flush(b.agg, to_ranks, &b);
+        const oc_reducer *r0 = oc_plane_reducer(b.planes[0], 4);
+        if (!released && r0 && r0->results > 0 && r0->results < r0->k) {
+            oc_plane_release(b.planes[0], 4);
+            memcpy(frozen, out[0], sizeof frozen);
+            froze_at = b.now;
+            released = 1;
+        }
+        for (uint32_t r = 1; r < RW; r++) {
+            uint32_t seq;
+            drained += (int)oc_plane_news(b.planes[r], &seq, 1);
+        }
+        b.now += 0.0005;
+    }
+    CHECK(released && memcmp(frozen, out[0], sizeof frozen) == 0,
+          "the frozen output took nothing more");
+    CHECK(drained == 0, "no rank drained: rank 0 acknowledged nothing once frozen");
+    CHECK(oc_plane_heard(b.planes[0], 0) > froze_at, "the endpoint is still heard: %f after %f",
+          oc_plane_heard(b.planes[0], 0), froze_at);
+    for (uint32_t r = 0; r < RW; r++) {
+        oc_plane_release(b.planes[r], 4);
+        CHECK(budgets[r].reductions_in_flight == 0, "released");
+        oc_plane_free(b.planes[r]);
+        oc_gmac_free(&sealers[r].gmac);
+    }
     oc_agg_free(b.agg);
 }
 
@@ -1361,7 +1431,7 @@ static void test_trace(void) {
 
 /* Tests that share nothing but the process (OpenSSL, the allocator, the kernel's sockets), each
  * on a thread of its own, all at once: what ThreadSanitizer checks (tests/test_native.py). */
-static void *rank_planes(void *unused) { (void)unused; test_rank_planes_with_the_aggregator(0.05); return NULL; }
+static void *rank_planes(void *unused) { (void)unused; test_rank_planes_with_the_aggregator(0.05, 0); return NULL; }
 static void *gathers(void *unused) { (void)unused; test_gathers(0.1); return NULL; }
 static void *aggregator(void *unused) { (void)unused; test_aggregator(); return NULL; }
 static void *port(void *unused) { (void)unused; test_port(); return NULL; }
@@ -1400,8 +1470,10 @@ int main(int argc, char **argv) {
     test_shards(0);
     test_shards(1);
     test_budget();
-    test_rank_planes_with_the_aggregator(0.0);
-    test_rank_planes_with_the_aggregator(0.05);
+    test_rank_planes_with_the_aggregator(0.0, 0);
+    test_rank_planes_with_the_aggregator(0.05, 0);
+    test_rank_planes_with_the_aggregator(0.05, 1);
+    test_a_frozen_reduction_takes_and_acknowledges_nothing();
     test_plane_drops();
     test_gathers_share_the_link();
     test_gathers(0.0);
