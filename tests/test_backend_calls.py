@@ -1,10 +1,14 @@
 """How the "overcast" backend runs a group's calls, against gloo in the same job: in the order
-they are made, a call made from a callback included, whether the callback ran on the caller's
-thread (its call complete when it was attached) or later; callbacks that wait for later calls;
+they are made, a call made from a callback included, whether the callback was attached before
+its call completed or after (on a completer either way); callbacks that wait for later calls;
 a future the caller completed itself; abort() while the group is closing, and with overlap()'s
-companion; the ranks' settings told apart; and what a group leaves in the store."""
+companion; the ranks' settings told apart; what a group leaves in the store; calls keyed apart
+across groups, and not shifted by callbacks one rank alone adds that make none; a key two
+calls share; calls whose futures no completer is free for; and errors of a subgroup naming
+global ranks."""
 
 import datetime
+import functools
 import os
 import threading
 import time
@@ -17,6 +21,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
 import overcast.distributed  # noqa: F401  (registers the backend)
 from overcast.cluster.launch import loopback_placements, run_ranks
+from overcast.distributed import calls
+from overcast.distributed.calls import _calling_from as calling_from
 from overcast.job import agreed_name
 from test_backend import LINK, start
 
@@ -24,8 +30,9 @@ from test_backend import LINK, start
 def late_callbacks(rank, backend):
     """Each scenario on a group of `backend`, its results as lists. Ranks other than 0 attach
     their callbacks before rank 0 has made its first call (so those run later, on whatever
-    thread completes the call); rank 0 attaches its own once its call is complete (so they run
-    at once, on its own thread). `sync` is a gloo group of its own for the ordering."""
+    thread completes the call); rank 0 attaches its own once its call is complete (gloo runs
+    them at once, on its own thread; overcast on a completer). `sync` is a gloo group of its own
+    for the ordering."""
     sync = dist.new_group(backend="gloo")
     group = dist.group.WORLD if backend == "overcast" else dist.new_group(backend="gloo")
 
@@ -92,7 +99,7 @@ def late_callbacks(rank, backend):
     said["halved"] = halved[0].item()
 
     # 5. a callback that blocks on a lock the program holds while it makes a call
-    lock = threading.RLock()  # rank 0 runs its callback on this thread, holding it
+    lock = threading.RLock()  # gloo's rank 0 runs its callback on this thread, holding it
     with lock:
         (blocked,), _ = made(lambda: [dist.all_reduce(tensor(1), group=group, async_op=True)],
                              lambda works: [works[0].get_future().then(
@@ -129,8 +136,7 @@ def test_calls_made_by_callbacks_take_their_place_and_may_wait_for_later_ones(wo
         assert said["overcast"]["halved"] == said["gloo"]["halved"] == ranks // 2
         assert said["overcast"]["under_lock"] == said["gloo"]["under_lock"] == ranks
         where = said["overcast"]["callback_thread"]
-        assert where == ["MainThread"] if rank == 0 else where[0].startswith(
-            f"overcast-pg-0-{world}-0-completer-"), where
+        assert where[0].startswith(f"overcast-pg-0-{world}-0-completer-"), where
     assert time.monotonic() - began < 60
 
 
@@ -376,3 +382,275 @@ def test_ranks_agree_on_names_in_a_store_reused_by_worlds_of_other_sizes():
     assert {agreed_name(store, "pg-0", 3) for _ in range(3)} == {"pg-0-3-0"}
     assert {agreed_name(store, "pg-0", 2) for _ in range(2)} == {"pg-0-2-0"}
     assert {agreed_name(store, "pg-0", 3) for _ in range(3)} == {"pg-0-3-1"}
+
+
+def callbacks_of_two_groups(rank):
+    """A callback of WORLD's first call and one of B's first call (B over the same ranks) each
+    make a call on B, both pending at once on every rank: rank 0's B is held by a call rank 1
+    makes only once both ranks' callbacks have made theirs. Each key names its future's group,
+    so the two never clash."""
+    gloo = start(timeout=30)
+    group = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=20))
+    x, y, gate = torch.ones(2), torch.ones(2), torch.ones(1)
+    p, q = torch.full((3,), rank + 1.0), torch.full((3,), 10.0 * (rank + 1))
+    wa = dist.all_reduce(x, async_op=True)
+    wb = dist.all_reduce(y, group=group, async_op=True)
+    if rank == 0:
+        gated = dist.all_reduce(gate, group=group, async_op=True)
+    fa = wa.get_future().then(lambda _: dist.all_reduce(p, group=group, async_op=True))
+    fb = wb.get_future().then(lambda _: dist.all_reduce(q, group=group, async_op=True))
+    inner = [fa.wait(), fb.wait()]
+    dist.barrier(gloo)
+    if rank == 1:
+        gated = dist.all_reduce(gate, group=group, async_op=True)
+    said = []
+    for work in [gated, *inner]:
+        try:
+            work.wait(timeout=datetime.timedelta(seconds=30))
+            said.append("done")
+        except Exception as err:
+            said.append(type(err).__name__)
+    said += [p.tolist(), q.tolist()]
+    dist.destroy_process_group()
+    return said
+
+
+def test_callbacks_of_two_groups_make_calls_keyed_apart():
+    for said in run_ranks(callbacks_of_two_groups, loopback_placements(2), timeout=90):
+        assert said == ["done"] * 3 + [[3.0] * 3, [30.0] * 3], said
+
+
+def keys_alike(rank):
+    """Two calls made under one key (as from one callback run twice) while the first is pending:
+    rank 0's is held by a call rank 1 makes only once rank 0 has made both. The second fails
+    naming its key, and the group aborts on every rank."""
+    gloo = start(timeout=30)
+    group = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=20))
+    works = []
+    if rank == 1:
+        dist.barrier(gloo)
+    works.append(dist.all_reduce(torch.ones(1), group=group, async_op=True))
+    for _ in range(2):
+        with calling_from(("one callback",)):
+            works.append(dist.all_reduce(torch.ones(4), group=group, async_op=True))
+    if rank == 0:
+        dist.barrier(gloo)
+    said = []
+    for work in works:
+        try:
+            work.wait(timeout=datetime.timedelta(seconds=30))
+            said.append("done")
+        except Exception as err:
+            said.append(str(err))
+    dist.destroy_process_group()
+    return said
+
+
+def test_a_call_keyed_as_a_pending_one_fails_and_aborts_the_group():
+    for said in run_ranks(keys_alike, loopback_placements(2), timeout=90):
+        assert len(said) == 3 and "done" not in said, said
+        assert all("('one callback',), 0)" in s and "cannot tell the two apart" in s
+                   for s in said), said
+
+
+def note(said, what, fut):
+    said.append(what)
+
+
+class Noted:
+    """A callback object that makes no call: it notes that it ran."""
+
+    def __init__(self, said):
+        self.said = said
+
+    def __call__(self, fut):
+        note(self.said, "object", fut)
+
+
+def reduced(t, group, fut):
+    dist.all_reduce(t, group=group)
+    return t[0].item()
+
+
+def callbacks_that_make_no_call(rank):
+    """Rank 0 alone attaches callbacks that make no call (a function, a partial, a callable
+    object) before those that every rank attaches, which do: two of one function through
+    partials, then a lambda. Rank 1 attaches them before the call completes, rank 0 after (so
+    they run at once, on its thread). Only the callbacks that make calls key them."""
+    gloo = start(timeout=30)
+    group = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=10))
+    said = []
+    c, d, e = (torch.full((4,), 10.0 ** k * (rank + 1)) for k in range(3))
+    if rank == 0:
+        dist.barrier(gloo)
+    work = dist.all_reduce(torch.ones(2), group=group, async_op=True)
+    fut = work.get_future()
+    if rank == 0:
+        work.wait()
+        fut.then(lambda _: said.append("logged"))
+        fut.then(functools.partial(note, said, "partial"))
+        fut.add_done_callback(Noted(said))
+    futures = [fut.then(functools.partial(reduced, c, group)),
+               fut.then(functools.partial(reduced, d, group)),
+               fut.then(lambda _: dist.all_reduce(e, group=group))]
+    if rank == 1:
+        dist.barrier(gloo)
+    try:
+        values = [f.wait() for f in futures[:2]]
+        futures[2].wait()
+        said += [values, e[0].item()]
+    except Exception as err:
+        said.append(type(err).__name__)
+    dist.destroy_process_group()
+    return said
+
+
+def test_callbacks_that_make_no_call_on_one_rank_shift_no_keys():
+    first, second = run_ranks(callbacks_that_make_no_call, loopback_placements(2), timeout=90)
+    assert first == ["logged", "partial", "object", [3.0, 30.0], 300.0], first
+    assert second == [[3.0, 30.0], 300.0], second
+
+
+def no_thread_to_complete(rank, limit):
+    """Rank 1 parks four callbacks that block until it lets them go, on calls that complete
+    once it has attached them, and may have three completer threads (by MAX_COMPLETERS, or by
+    the system: a thread start that fails past them stands in for its limit): three callbacks
+    block the three completers, and the fourth call, and a later one, fail at once, naming why.
+    Let go, the parked futures complete and the group goes on."""
+    gloo = start(timeout=30)
+    group = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=20))
+    real_start = threading.Thread.start
+    started = []
+
+    def start_thread(thread):
+        if "-completer-" in thread.name:
+            started.append(thread.name)
+            if len(started) > 2 and limit == "system":
+                raise RuntimeError("can't start new thread")
+        real_start(thread)
+
+    said = {}
+    let_go = threading.Event()
+    if rank == 0:
+        dist.barrier(gloo)
+    else:
+        threading.Thread.start = start_thread
+        if limit == "completers":
+            calls.MAX_COMPLETERS = 3
+    try:
+        parked = [dist.all_reduce(torch.ones(4), group=group, async_op=True) for _ in range(4)]
+        if rank == 1:
+            futures = [w.get_future().then(lambda f: let_go.wait() and len(f.value()))
+                       for w in parked]
+            dist.barrier(gloo)
+        later = torch.ones(4)
+        try:
+            dist.all_reduce(later, group=group, async_op=True).wait(
+                timeout=datetime.timedelta(seconds=30))
+            said["later"] = later.tolist()
+        except Exception as err:
+            said["later"] = str(err)
+        let_go.set()
+        if rank == 1:
+            said["parked"] = []
+            for fut in futures:
+                try:
+                    said["parked"].append(fut.wait())
+                except Exception as err:
+                    said["parked"].append(type(err).__name__)
+        final = torch.full((4,), rank + 1.0)
+        dist.all_reduce(final, group=group, async_op=True).wait(
+            timeout=datetime.timedelta(seconds=30))
+        said["final"] = final.tolist()
+    finally:
+        threading.Thread.start = real_start
+    dist.destroy_process_group()
+    return said
+
+
+@pytest.mark.parametrize("limit", ["completers", "system"])
+def test_a_call_no_completer_can_take_fails_and_the_group_goes_on(limit):
+    first, second = run_ranks(no_thread_to_complete, loopback_placements(2), args=(limit,),
+                              timeout=120)
+    assert first == {"later": [2.0] * 4, "final": [3.0] * 4}, first
+    assert "every completer thread of the group is busy" in second["later"], second
+    assert ("has 3, its most (MAX_COMPLETERS)" if limit == "completers" else
+            "can't start new thread") in second["later"], second
+    assert second["parked"] == [1, 1, 1, "OvercastError"], second
+    assert second["final"] == [3.0] * 4, second
+
+
+def late_callback_waits(rank):
+    """Rank 1 attaches, once its call is complete, a callback that makes a call and waits for
+    it, then makes its next call; rank 0 attaches the same callback before its call completes,
+    and makes its next call before the callback makes its own, so rank 0 runs the program's next
+    call first. The callback runs on a completer, not on rank 1's thread, which makes that next
+    call meanwhile."""
+    gloo = start(timeout=30)
+    group = dist.new_group([0, 1], timeout=datetime.timedelta(seconds=10))
+    c, d = torch.full((4,), rank + 1.0), torch.full((4,), 10.0 * (rank + 1))
+    next_made = threading.Event()
+
+    def reduce_c(_):
+        if rank == 0:
+            next_made.wait()
+        dist.all_reduce(c, group=group)
+        return threading.current_thread().name
+
+    work = dist.all_reduce(torch.ones(2), group=group, async_op=True)
+    if rank == 1:
+        work.wait()
+    fut = work.get_future().then(reduce_c)
+    said = {}
+    try:
+        next_call = dist.all_reduce(d, group=group, async_op=True)
+        next_made.set()
+        next_call.wait()
+        said["thread"] = fut.wait()
+        said["values"] = [c[0].item(), d[0].item()]
+    except Exception as err:
+        said["error"] = type(err).__name__
+    dist.barrier(gloo)
+    dist.destroy_process_group()
+    return said
+
+
+def test_a_callback_attached_once_its_call_is_complete_runs_on_a_completer():
+    for said in run_ranks(late_callback_waits, loopback_placements(2), timeout=90):
+        assert said.get("values") == [3.0, 30.0], said
+        assert "-completer-" in said["thread"], said
+
+
+def subgroup_errors(rank):
+    """On a group of global ranks 1 and 2 (its ranks 0 and 1), global rank 2 refuses a call
+    (bad arguments), then aborts the group: global rank 1's errors name global rank 2; global
+    rank 2's own error names no rank, and says nothing of them."""
+    gloo = start(timeout=30)
+    group = dist.new_group([1, 2], timeout=datetime.timedelta(seconds=20))
+    said = []
+
+    def call(fn):
+        try:
+            fn()
+            said.append("done")
+        except Exception as err:
+            said.append(str(err))
+    if rank:
+        call(lambda: dist.all_gather_into_tensor(torch.empty(4 if rank == 1 else 5),
+                                                 torch.ones(2), group=group))
+    dist.barrier(gloo)
+    if rank == 2:
+        group.abort()
+    dist.barrier(gloo)
+    if rank == 1:
+        call(lambda: dist.all_reduce(torch.ones(2), group=group))
+    dist.barrier(gloo)
+    dist.destroy_process_group()
+    return said
+
+
+def test_errors_on_a_subgroup_name_global_ranks():
+    _, said, refused = run_ranks(subgroup_errors, loopback_placements(3), timeout=90)
+    assert len(said) == 2 and all("rank 1 is global rank 2" in s for s in said), said
+    assert refused[0].startswith("all_gather: the output holds 5") and \
+        "global rank" not in refused[0], refused  # it names no rank

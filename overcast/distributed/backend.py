@@ -245,9 +245,11 @@ def _gathered_json(comm, value) -> list:
 class ProcessGroupOvercast(dist.ProcessGroup):
     """A torch.distributed process group over one overcast Communicator (see the module's doc
     and docs/backend.md). `communicator` is that Communicator; `algorithms` the algorithm each
-    collective runs."""
+    collective runs; `global_ranks` the job's rank of each of the group's, which its calls'
+    errors name beside the group's."""
 
-    def __init__(self, store, rank: int, world: int, timeout: float, group_id: str):
+    def __init__(self, store, rank: int, world: int, timeout: float, group_id: str,
+                 global_ranks: list[int] | None = None):
         super().__init__(rank, world)
         self._group_name, self._group_desc = group_id, ""
         self._store, self._timeout = store, timeout
@@ -278,7 +280,8 @@ class ProcessGroupOvercast(dist.ProcessGroup):
         self._side_streams: dict[torch.device, object] = {}
         self._calls = Calls(f"overcast-{self.communicator.name}",
                             refuse=self.communicator.refuse,
-                            order=self.communicator if world > 1 else None, timeout=timeout)
+                            order=self.communicator if world > 1 else None, timeout=timeout,
+                            ranks=global_ranks)
         self._lifetime = _Lifetime(self._calls, self._group, timeout)
         self._finalizer = weakref.finalize(self, self._lifetime.close)
 
@@ -667,7 +670,8 @@ def create(backend_opts, options=None) -> ProcessGroupOvercast:
     subgroups too), with the group's store, rank, size, timeout and name."""
     return ProcessGroupOvercast(backend_opts.store, backend_opts.group_rank,
                                 backend_opts.group_size, backend_opts.timeout.total_seconds(),
-                                backend_opts.group_id)
+                                backend_opts.group_id,
+                                list(backend_opts.global_ranks_in_group) or None)
 
 
 def register() -> None:

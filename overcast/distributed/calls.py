@@ -4,16 +4,20 @@ worker. They follow gloo's contract (a call takes its place in the order when it
 calling thread) and keep it where gloo's two threads could not:
 
 - Every rank runs the group's collective calls in rank 0's order: each call has a key naming
-  it alike on every rank (the program's n-th call, or a callback's m-th, the callback named by
-  its future's key and its place among that future's callbacks), rank 0 tells the others the
-  keys in the order its calls are made, and they run theirs in that order. So a call a callback
-  makes (DDP's PowerSGD hook makes some while the backward makes the next bucket's) runs at the
-  same point everywhere, whether the callback ran at once on the attaching thread (its call
-  complete already) or later on a completer.
-- Callbacks never run on the worker, and a completer blocked in a callback (waiting for a later
-  call, its future, a future then() made of it, or a lock) has the next completion taken by
-  another completer, started when none is idle: a callback may wait for anything the program
-  does later.
+  it alike on every rank (the program's n-th call on the group, or a callback's m-th, the
+  callback named by its future's key, its code and its place among that future's callbacks of
+  that code), rank 0 tells the others the keys in the order its calls are made, and they run
+  theirs in that order. So a call a callback makes (DDP's PowerSGD hook makes some while the
+  backward makes the next bucket's) runs at the same point everywhere, whether the callback was
+  attached before its call completed or after.
+- Callbacks never run on the worker, nor on the thread that attaches them once their call is
+  complete (torch would run them there at once, but that thread may be the one to make a call
+  they wait for): they run on completers, and a completer blocked in a callback (waiting for a
+  later call, its future, a future then() made of it, or a lock) has the next completion taken
+  by another completer, started when none is idle: a callback may wait for anything the
+  program does later. A group has at most MAX_COMPLETERS; when all are busy and no other may
+  start, the call whose future none is free for fails at once, saying so, and the threads go
+  on.
 - An error anywhere in a call's bookkeeping (a CUDA error in its staging, a future the caller
   completed itself) fails that call alone; the threads go on. One raised before the call's
   collectives are made (bad arguments, a failed staging copy) is also told to the group's other
@@ -35,6 +39,7 @@ import contextlib
 import functools
 import hashlib
 import itertools
+import re
 import threading
 import time
 
@@ -61,9 +66,13 @@ def _tensors(result) -> list[torch.Tensor]:
     return [t for item in result for t in (item if isinstance(item, (list, tuple)) else [item])]
 
 
-# Every collective call has a key, the same on every rank that makes it: ("call", n) for the n-th
-# call the program makes outside a callback, and (the callback's key, m) for the m-th one a
-# callback makes; a callback's key is (its future's key, j) for the j-th callback attached to it.
+# Every collective call has a key, the same on every rank that makes it: (the group's name, n)
+# for the n-th call the program makes on the group outside a callback, and (the callback's key,
+# m) for the m-th one a callback makes; a callback's key is (its future's key, its code's
+# identity, j) for the j-th callback of that code attached to the future. So a key names the
+# group its outermost call was made on (calls that callbacks of two groups' futures make on one
+# group are keyed apart), and a callback one rank alone attaches (one that logs) shifts the key
+# of no other.
 _calling = threading.local()  # the key and count of the callback running on this thread
 
 
@@ -72,6 +81,20 @@ class _Callback:
 
     def __init__(self, key: tuple):
         self.key, self.made = key, 0
+
+
+def _identity(callback) -> tuple:
+    """A callback's code, named alike by every rank running the program wherever it is
+    installed: a function's module, qualified name and first line (a partial's function's, a
+    bound method's); a callable object's type's module and qualified name."""
+    while isinstance(callback, functools.partial):
+        callback = callback.func
+    callback = getattr(callback, "__func__", callback)
+    code = getattr(callback, "__code__", None)
+    if code is not None:
+        return callback.__module__, callback.__qualname__, code.co_firstlineno
+    named = callback if hasattr(callback, "__qualname__") else type(callback)
+    return getattr(named, "__module__", None), named.__qualname__
 
 
 @contextlib.contextmanager
@@ -95,31 +118,79 @@ _WORD_BYTES = 8
 class _Future(torch.futures.Future):
     """A call's future: torch's, whose callbacks (then, add_done_callback) run under their keys,
     so that the calls they make have the same keys on every rank, whichever thread runs them
-    and whenever they are attached. Futures then() makes are keyed alike (on CPU tensors; on
-    CUDA ones, torch's own then() makes them)."""
+    and whenever they are attached (a key counts the callbacks of its code attached before it,
+    never the others). Futures then() makes are keyed alike (on CPU tensors; on CUDA ones,
+    torch's own then() makes them). A callback attached once the future is complete runs on one
+    of the group's completers too, not at once on the attaching thread as torch's would (but for
+    then() on CUDA tensors, and a transfer's): that thread may be the one to make a call the
+    callback waits for."""
 
-    def __init__(self, key: tuple | None, devices=None):
+    def __init__(self, key: tuple | None, calls: "Calls", devices=None):
         super().__init__(devices=devices)
-        self._key, self._cuda, self._attached = key, bool(devices), itertools.count()
+        self._key, self._calls, self._cuda = key, calls, bool(devices)
+        self._attached: dict[tuple, itertools.count] = {}  # callbacks, counted by identity
+        # callbacks attached once it was complete, not yet run: one completer runs them in the
+        # order attached, as torch runs those attached before on the thread that completes it
+        self._late: collections.deque = collections.deque()
+        self._late_lock = threading.Condition()
 
     def _keyed(self, callback):
         if self._key is None:  # a transfer's: no counterpart on the other ranks
             return callback, None
-        key = (self._key, next(self._attached))
+        identity = _identity(callback)
+        key = (self._key, identity, next(self._attached.setdefault(identity, itertools.count())))
 
         def run(fut):
             with _calling_from(key):
                 return callback(fut)
         return run, key
 
+    def _when_done(self, callback) -> None:
+        """torch's add_done_callback, run on a completer even if the future is complete now (then
+        torch runs it there, as it would have here). A transfer's callbacks run here then, as
+        torch's: the calls they make are numbered as the program's, where they are made."""
+        if self._key is None:
+            return torch.futures.Future.add_done_callback(self, callback)
+
+        def hop(fut):
+            with self._late_lock:
+                here = self._calls.completing() and not self._late  # after those attached late
+                if not here:
+                    self._late.append(callback)
+                    if len(self._late) > 1:  # a completer is running the earlier ones
+                        return
+            if here:
+                return callback(fut)
+            self._calls.later(self._run_late)
+        torch.futures.Future.add_done_callback(self, hop)
+
+    def _run_late(self) -> None:
+        """On a completer: the callbacks attached once the future was complete, in order."""
+        with self._late_lock:
+            callback = self._late[0]
+        while callback is not None:
+            try:
+                torch.futures.Future.add_done_callback(self, callback)  # run here, at once
+            finally:
+                with self._late_lock:
+                    self._late.popleft()
+                    callback = self._late[0] if self._late else None
+                    self._late_lock.notify_all()
+
+    def _late_settled(self, seconds: float | None) -> bool:
+        """Whether the callbacks attached once the future was complete have run, within
+        `seconds`."""
+        with self._late_lock:
+            return self._late_lock.wait_for(lambda: not self._late, seconds)
+
     def add_done_callback(self, callback) -> None:
-        torch.futures.Future.add_done_callback(self, self._keyed(callback)[0])
+        self._when_done(self._keyed(callback)[0])
 
     def then(self, callback):
         run, key = self._keyed(callback)
         if self._cuda or key is None:
             return torch.futures.Future.then(self, run)
-        child = _Future(key)
+        child = _Future(key, self._calls)
 
         def chain(fut):
             try:
@@ -128,7 +199,7 @@ class _Future(torch.futures.Future):
                 child.set_exception(err)
             else:
                 child.set_result(value)
-        torch.futures.Future.add_done_callback(self, chain)
+        self._when_done(chain)
         return child
 
 
@@ -149,7 +220,7 @@ class Work(dist._Work):
         self._done = threading.Event()  # and its callbacks have run
         # on a GPU, the future records an event on the side stream when it completes, and a
         # value() or wait() of it makes the then-current stream wait for it
-        self._fut = _Future(key, [staging.device] if staging else None)
+        self._fut = _Future(key, calls, [staging.device] if staging else None)
         # the future's first callback, before any of the caller's: the call is complete the
         # moment its future is, not once every callback has run (one may wait for this Work)
         torch.futures.Future.add_done_callback(self._fut, lambda _: self._ran and
@@ -163,6 +234,7 @@ class Work(dist._Work):
                 if self._error is None:
                     self._fut.set_result(self._result)
                 else:
+                    _named_globally(self._error, self._calls.ranks)
                     self._fut.set_exception(self._error)
         except BaseException as err:  # a CUDA error, or a future completed by someone else
             if self._error is None:
@@ -171,13 +243,25 @@ class Work(dist._Work):
             self._marked.set()
             self._done.set()
 
+    def _fail_now(self, error: BaseException) -> None:
+        """Fail the call before its future completes: wait() raises `error` (or the call's own)
+        from now on; the future completes with it later."""
+        self._error = self._error or error
+        self._marked.set()
+        self._done.set()
+
     def wait(self, timeout=None) -> bool:
         """Once the call is complete and its future's callbacks have run, as gloo's; from a
         callback (on a completer), once the call is complete: its own callbacks, or a later
         call's that wait for it, may still be running."""
         seconds = _seconds(timeout)
-        done = self._marked if self._calls.completing() else self._done
-        if not done.wait(seconds):
+        if self._calls.completing():
+            done = self._marked.wait(seconds)
+        else:  # and the callbacks attached once it was complete
+            began = time.monotonic()
+            done = self._done.wait(seconds) and self._fut._late_settled(
+                None if seconds is None else max(0.0, seconds - (time.monotonic() - began)))
+        if not done:
             raise CollectiveTimeoutError(f"{self._what} not complete after {seconds} s "
                                          f"(the timeout given to wait(); the call goes on)")
         if self._error is not None:
@@ -224,6 +308,9 @@ class Work(dist._Work):
 
 # A completer idle this long ends, unless it is the last one.
 _IDLE_SECONDS = 5.0
+# At most this many completers per group: a program that parks more callbacks than this at once
+# (each blocked until something later) fails the calls whose futures no completer is free for.
+MAX_COMPLETERS = 256
 
 
 class Calls:
@@ -231,15 +318,18 @@ class Calls:
     tells the group's other ranks that this rank's call failed before its collectives were
     made."""
 
-    def __init__(self, name: str, refuse=None, order=None, timeout: float = 1800.0):
+    def __init__(self, name: str, refuse=None, order=None, timeout: float = 1800.0,
+                 ranks: list[int] | None = None):
         self._name, self._refuse, self._timeout = name, refuse, timeout
+        # the global rank of each of the group's ranks, which its errors name (None: the same)
+        self.ranks = ranks
         # the communicator rank 0 tells the others the order of calls on (tell_order,
         # hear_order); None for a group of one
         self._order = order
         self._lock = threading.Condition()
         # collective calls made, not yet run, by their words (_word), in the order made
         self._calls: collections.OrderedDict = collections.OrderedDict()
-        self._top = 0  # calls the program made outside callbacks
+        self._top = 0  # calls the program made on the group outside callbacks
         self._heard: collections.deque = collections.deque()  # words of rank 0's order
         self._transfers: collections.deque = collections.deque()  # made, not yet posted
         # what the completers do next, in order: complete the future of a call run, or of a
@@ -251,20 +341,28 @@ class Calls:
         self._completers: set[threading.Thread] = set()
         self._idle = 0  # completers waiting for a completion
         self._started = 0
+        with self._lock:
+            if (why := self._start_completer()) is not None:
+                raise OvercastError(f"{name}'s first completer thread: {why}")
         self.worker = threading.Thread(target=self._work, name=name, daemon=True)
         self.poster = threading.Thread(target=self._post, name=f"{name}-p2p", daemon=True)
         self.worker.start()
         self.poster.start()
-        with self._lock:
-            self._start_completer()
 
-    def _start_completer(self) -> None:
-        """Under the lock: one more completer thread."""
-        self._started += 1
+    def _start_completer(self) -> str | None:
+        """Under the lock: one more completer thread; or why none starts (MAX_COMPLETERS are
+        running, or the system would start no thread)."""
+        if len(self._completers) >= MAX_COMPLETERS:
+            return f"the group has {MAX_COMPLETERS}, its most (MAX_COMPLETERS)"
         thread = threading.Thread(target=self._complete, daemon=True,
-                                  name=f"{self._name}-completer-{self._started}")
-        self._completers.add(thread)
-        thread.start()
+                                  name=f"{self._name}-completer-{self._started + 1}")
+        try:
+            thread.start()
+        except Exception as err:  # at the system's limit of threads: "can't start new thread"
+            return f"starting a thread failed ({type(err).__name__}: {err})"
+        self._started += 1
+        self._completers.add(thread)  # before it runs: it waits for the lock held here
+        return None
 
     def completing(self) -> bool:
         """Whether this thread is one of the group's completers (a callback runs on it)."""
@@ -281,16 +379,31 @@ class Calls:
             self._open(what)
             callback = getattr(_calling, "callback", None)
             if callback is None:
-                key, self._top = ("call", self._top), self._top + 1
+                key, self._top = (self._name, self._top), self._top + 1
             else:
                 key, callback.made = (callback.key, callback.made), callback.made + 1
             word = _word(key)
+            work = Work(what, result, staging, self, key)
+            if word in self._calls:
+                self._clash(work)
+                return work
             if self._order is not None and self._order.rank == 0:
                 self._order.tell_order(word)  # under the lock: told in the order made
-            work = Work(what, result, staging, self, key)
             self._calls[word] = (fn, work)
             self._lock.notify_all()
         return work
+
+    def _clash(self, work: Work) -> None:
+        """Under the lock: `work`'s key is that of a call made and not yet run. No order of the
+        two is sound (a rank may have begun the first already), so the call fails and the group
+        aborts on every rank, naming the key."""
+        work._error = OvercastError(
+            f"{work._what}: another call on the group not yet run has its key {work.key!r}, so "
+            f"the ranks cannot tell the two apart; the group is aborted")
+        if self._order is not None:
+            self._order.abort(str(work._error))
+        work._ran = True
+        self._to_complete(work._complete, work)
 
     def submit_transfer(self, what: str, post, result, staging: Staging | None = None,
                         landed=None) -> Work:
@@ -353,13 +466,29 @@ class Calls:
                           f"the call rank 0 ran next on the group (every rank makes the same "
                           f"calls; only those that callbacks make may come in another order)")
 
-    def _to_complete(self, step) -> None:
-        """Under the lock: `step` for the completers, with one more of them if none is idle (each
-        blocked in a callback, or busy)."""
+    def _queued(self, step) -> str | None:
+        """Under the lock: `step` for the completers, with one more of them if none is idle
+        (each blocked in a callback, or busy); why none can take it now, if none can start."""
         self._completions.append(step)
-        if self._idle < len(self._completions):
-            self._start_completer()
         self._lock.notify_all()
+        return self._start_completer() if self._idle < len(self._completions) else None
+
+    def later(self, step) -> None:
+        """`step` on a completer (a callback attached to a complete future): once one is free,
+        if none is and none can start."""
+        with self._lock:
+            self._queued(step)
+
+    def _to_complete(self, step, work: Work) -> None:
+        """Under the lock: `step`, which completes `work`'s future, for the completers. If none
+        can take it now, `work` fails now, saying why (its future completes, with that error,
+        once a completer is free): waiting for one could wait for ever, on callbacks that wait
+        for this call."""
+        if (why := self._queued(step)) is not None:
+            work._fail_now(OvercastError(
+                f"{work._what}: complete, but every completer thread of the group is busy in a "
+                f"callback, and {why}; its future completes, with this error, once one is "
+                f"free"))
 
     def _work(self) -> None:
         while (call := self._take_call()) is not None:
@@ -367,7 +496,7 @@ class Calls:
             _run(fn, work, self._refuse)
             work._ran = True
             with self._lock:
-                self._to_complete(work._complete)
+                self._to_complete(work._complete, work)
         with self._lock:
             self._worker_done = True
             self._lock.notify_all()
@@ -396,7 +525,7 @@ class Calls:
         with self._lock:
             if posted is not None:
                 self._posted -= 1
-            self._to_complete(functools.partial(_land, work, posted, landed))
+            self._to_complete(functools.partial(_land, work, posted, landed), work)
 
     def _finished(self) -> bool:
         """Under the lock: every thread but the completers stopped, nothing left to complete."""
@@ -440,12 +569,30 @@ class Calls:
             others[0].join(max(0.0, deadline - time.monotonic()))
 
 
+def _named_globally(error: BaseException, ranks: list[int] | None) -> None:
+    """An overcast error of a group whose ranks are not the job's: its message, which names the
+    group's ranks ("lost the connection to rank 1"), says the global rank of each it names.
+    Once: one error may fail several calls."""
+    if ranks is None or ranks == list(range(len(ranks))) or \
+            not isinstance(error, OvercastError) or getattr(error, "ranks_named", False) or \
+            not error.args or not isinstance(error.args[0], str):
+        return
+    named = sorted({int(r) for r in re.findall(r"(?<!global )\brank (\d+)", error.args[0])
+                    if int(r) < len(ranks)})
+    if not named:
+        return
+    error.args = (f"{error.args[0]} [ranks of the group of global ranks {ranks}: " +
+                  ", ".join(f"rank {r} is global rank {ranks[r]}" for r in named) + "]",
+                  *error.args[1:])
+    error.ranks_named = True
+
+
 def _land(work: Work, posted, landed) -> None:
     """Complete a transfer's future: its error or its source, its output copied back (a
     non-contiguous tensor's, `landed`; a CUDA one's, queued), its staging released."""
     try:
-        if posted is not None:
-            work._source, work._error = posted.source, posted.exception()
+        if posted is not None:  # an error the call has already raised stays its error
+            work._source, work._error = posted.source, work._error or posted.exception()
         if work._error is None:
             if landed is not None:
                 landed()
