@@ -14,6 +14,7 @@ import collections
 import enum
 import struct
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, NoReturn
 
 import numpy as np
 
@@ -21,6 +22,9 @@ from overcast.buffers import REDUCE_OPS, dtype_code, dtype_from_code
 from overcast.errors import ProtocolError, Rejected
 from overcast.wire.header import Kind, is_aggregator
 from overcast.wire.runs import Run
+
+if TYPE_CHECKING:
+    from overcast.native import _core
 
 # Routes: where a message goes. (channel, peer); peer is a rank, or -1 for the multicast group
 # or the aggregator.
@@ -167,6 +171,19 @@ class Collective:
         self.progress = 0
         self.error: BaseException | None = None
         self.stats: collections.Counter = collections.Counter()
+        self._plane: _core.Plane | None = None
+
+    @property
+    def plane(self) -> _core.Plane:
+        """The rank's native datagram plane, which the session gives every collective it posts
+        (Session.post); the protocols that run there reach it only once posted."""
+        if self._plane is None:
+            raise RuntimeError(f"{self} on rank {self.rank} is not posted: it has no plane")
+        return self._plane
+
+    @plane.setter
+    def plane(self, plane: _core.Plane) -> None:
+        self._plane = plane
 
     @property
     def holder(self) -> int:
@@ -191,7 +208,7 @@ class Collective:
                                f"{self.phase.name} -> {phase.name} is not a transition")
         self.phase = phase
 
-    def reject(self, reason: str, message: str):
+    def reject(self, reason: str, message: str) -> NoReturn:
         raise Rejected(f"{self.desc} #{self.seq} on rank {self.rank}: {message}", reason)
 
     # -- the sans-I/O contract -------------------------------------------------------------

@@ -22,6 +22,7 @@ from __future__ import annotations
 import collections
 import itertools
 import struct
+from typing import NoReturn
 
 import numpy as np
 
@@ -339,5 +340,5 @@ class PointToPoint:
                      if not op.copied and now >= op.progress_at + timeout), None)
 
 
-def _reject(reason: str, message: str):
+def _reject(reason: str, message: str) -> NoReturn:
     raise Rejected(message, reason)
