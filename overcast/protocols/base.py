@@ -32,7 +32,7 @@ STREAM, DATAGRAM, MULTICAST = 0, 1, 2
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "broadcast", "all_to_all")
 ALGORITHMS = ("ring", "multicast", "innetwork", "pairwise")
-OPS = ("none",) + REDUCE_OPS
+OPS = ("none", *REDUCE_OPS)
 
 _DESCRIPTOR = struct.Struct("<BBBBQII")
 
@@ -59,7 +59,7 @@ class Descriptor:
                                 OPS.index(self.op), self.count, self.param, self.chunk_bytes)
 
     @classmethod
-    def unpack(cls, payload) -> "Descriptor":
+    def unpack(cls, payload) -> Descriptor:
         try:
             c, a, d, o, count, param, chunk_bytes = _DESCRIPTOR.unpack(payload)
             return cls(COLLECTIVES[c], ALGORITHMS[a], dtype_from_code(d), count, OPS[o], param,
@@ -72,7 +72,7 @@ class Descriptor:
         before it posted: every rank's block (a broadcast's buffer, a row each) once."""
         return world * self.count * self.dtype.itemsize
 
-    def cut(self, chunk_bytes: int, whole: int) -> "Descriptor":
+    def cut(self, chunk_bytes: int, whole: int) -> Descriptor:
         """This call as a datagram protocol cuts `whole` bytes (a segment, a block) into chunks
         of `chunk_bytes`: what every rank's cut must match. Data within one chunk is cut alike
         whatever the chunk size, so the chunk counts for at most `whole`."""
