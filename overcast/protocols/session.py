@@ -618,12 +618,12 @@ class Session:
         self.stats["in_network_complete_at_failover"] += len(failover.complete)
         self.stats["in_network_on_fewer_endpoints"] += resumed
         failover.frozen.clear()
-        self.rounds.append(failover)
         left = "the ring" if not self.lanes else \
             f"the {len(self.lanes)} endpoints left (" + ", ".join(
                 name for first, (name, _) in sorted(self.aggregators.items())
                 if first not in self.lost) + ")"
         failover.outcome = failover.summary(left)
+        self.rounds.append(failover)  # with its outcome: another thread reads them (Communicator)
         self.notices.append(f"rank {self.rank} {failover.outcome}")
         held, failover.held = failover.held, []
         for hdr, payload in held:
