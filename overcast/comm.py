@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 
@@ -10,7 +11,7 @@ import numpy as np
 from overcast.buffers import SUMMING_OPS, as_array, check_dtype, check_reduce
 from overcast.engine.engine import Engine, Work
 from overcast.engine.trace import Trace
-from overcast.errors import InvalidArgumentError, OvercastError
+from overcast.errors import InvalidArgumentError, OvercastError, mark_peers_told
 from overcast.limits import bytes_from_env, check_count, check_frame_bytes, check_link_rate, \
     check_positive, check_roots, require, seconds_from_env
 from overcast.native import _core
@@ -51,14 +52,9 @@ FULLDUPLEX_MIN_PIECE_BYTES = 64 << 10
 SEND_COPY_ENV = "OVERCAST_SEND_COPY_BYTES"
 DEFAULT_SEND_COPY_BYTES = 256 << 20
 _TAGS = ORDER_TAG  # callers' tags are those below overcast's own
-
-
-
-
-def _told(error: BaseException) -> BaseException:
-    """`error`, raised alike on every rank: no peer needs telling (Communicator.refuse)."""
-    error.peers_told = True
-    return error
+# An all_to_all's split sizes (None: they do not fit its buffers), what they are in words, and
+# the bytes of its rows: what PairwiseAllToAll takes besides the buffers.
+SplitSizes = tuple[list[int] | None, str, int]
 
 
 class Communicator:
@@ -237,7 +233,7 @@ class Communicator:
         # piece's ReduceScatter is posted before this piece's AllGather (the same order on
         # every rank), so the two run at once.
         bounds = [shard * k // pieces for k in range(pieces + 1)]
-        spans = list(zip(bounds, bounds[1:]))
+        spans = list(itertools.pairwise(bounds))
         reductions, gathers = [], []
         for k in range(pieces + 1):
             if k < pieces:
@@ -298,7 +294,7 @@ class Communicator:
         if world == 1:  # every rank's sizes are this one's: checked here
             why = sizes_error([sizes], 0, here)
             if why:
-                raise _told(InvalidArgumentError(why))
+                raise mark_peers_told(InvalidArgumentError(why))
         self._issue(Descriptor("all_to_all", "pairwise", inp.dtype, row), out, inp, False,
                     (sizes, here, row * inp.dtype.itemsize))
 
@@ -368,6 +364,7 @@ class Communicator:
         """irecv, then wait; returns the sender's rank."""
         work = self.irecv(buffer, src, tag)
         work.wait()
+        assert work.source is not None  # a recv done knows its sender
         return work.source
 
     def tell_order(self, word: bytes) -> None:
@@ -418,9 +415,10 @@ class Communicator:
 
     # -- protocol choice -------------------------------------------------------------------
     def _protocol(self, seq: int, desc: Descriptor, out: np.ndarray, inp: np.ndarray,
-                  layout: tuple | None):
+                  layout: SplitSizes | None):
         rank, world = self.rank, self.world_size
         if desc.algorithm == "pairwise":
+            assert layout is not None  # all_to_all, the one pairwise collective, gives it
             return PairwiseAllToAll(seq, rank, world, desc, out, inp, *layout, self.frame_bytes)
         if desc.algorithm == "ring":
             if desc.collective == "broadcast":
@@ -499,7 +497,7 @@ class Communicator:
             self._engine.abort(OvercastError(f"bad input on rank {self.rank}: {message}"))
         else:
             self.refuse(InvalidArgumentError(message))
-            _told(error)
+            mark_peers_told(error)
         raise error
 
     def refuse(self, error: BaseException) -> None:
@@ -508,7 +506,7 @@ class Communicator:
         every peer's collective at that number fails with `error`'s class (OvercastError for
         another) and message, naming this rank, as soon as the refusal reaches it. The
         communicator goes on, its numbers alike on every rank. `error` is marked `peers_told`."""
-        _told(error)
+        mark_peers_told(error)
         if self.world_size == 1:
             return
         told = error if isinstance(error, OvercastError) else \
@@ -521,7 +519,7 @@ class Communicator:
             self._engine.refuse(seq, told)
 
     def _issue(self, desc: Descriptor, out, inp, async_op: bool,
-               layout: tuple | None = None) -> Work | None:
+               layout: SplitSizes | None = None) -> Work | None:
         self.check_algorithm(desc.collective, desc.algorithm)
         with self._lock:
             if self._closed:
@@ -573,9 +571,9 @@ class Communicator:
     def memory(self) -> dict:
         """Bytes this communicator holds now, by kind: kernel socket buffers, its read and send
         buffers, the bookkeeping of collectives in flight, and what the aggregator may hold
-        for it (each endpoint's slots of one chunk per rank). Collectives read and write the caller's
-        buffers in place: of all this, only the bookkeeping grows with a collective's size,
-        by a byte or so per chunk."""
+        for it (each endpoint's slots of one chunk per rank). Collectives read and write the
+        caller's buffers in place: of all this, only the bookkeeping grows with a collective's
+        size, by a byte or so per chunk."""
         held = self._engine.memory()
         if self._switch_error is None:
             held["aggregator_slot_bytes"] = self._stripes * self._switch_slots * \
@@ -594,7 +592,7 @@ class Communicator:
             self._closed = True
         self._engine.close()
 
-    def __enter__(self) -> "Communicator":
+    def __enter__(self) -> Communicator:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -84,3 +84,10 @@ def error_class(abort_code: int) -> type[OvercastError]:
         if cls.abort_code == abort_code:
             return cls
     return OvercastError
+
+
+def mark_peers_told(error: BaseException) -> BaseException:
+    """`error`, marked `peers_told`: raised alike on every rank, so that no peer needs telling of
+    it (Communicator.refuse). Any exception may be marked; it is read with getattr."""
+    error.peers_told = True  # type: ignore[attr-defined]  # a mark, not an attribute of a class
+    return error

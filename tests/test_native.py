@@ -552,17 +552,46 @@ def test_the_registration_fuzz_target_finds_nothing():
     assert stats["welcomed"] > 0 and stats["registration_drops"]["refused_world"] > 0
 
 
+def dicts_the_binding_returns() -> dict[str, dict]:
+    """One of each dict the binding returns by key, from a plane with a reduction and a gather
+    posted and from shards on a socket, by the name of its TypedDict in the stubs."""
+    budget = _core.Budget(1e6)
+    plane = _core.Plane(0, 2, JOB, COMM, KEY)
+    plane.reduce(0, dtype_code(np.dtype(np.float32)), False, 8, np.zeros(16, np.float32),
+                 np.zeros(8, np.float32), 64, 4, 1, budget, 0.0)
+    plane.gather(1, np.zeros(128, np.uint8), [(0, 0), (1, 64)], 64, 32, 0, 1, budget)
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        shards = _core.Shards(8, 300.0, [sock.fileno()])
+        try:
+            _, _, shards_memory, shards_io = shards.counters()
+        finally:
+            shards.close()
+    return {"ReducerState": plane.reducer(0), "GatherState": plane.gather_state(1),
+            "PlaneIO": plane.counters()[2], "ShardsMemory": shards_memory,
+            "ShardsIO": shards_io}
+
+
 def test_the_stubs_name_what_the_binding_offers():
     """overcast/native/_core.pyi lists every type, method, attribute and constant of _core, and
-    nothing it lacks."""
+    nothing it lacks; and each dict it types by key (a TypedDict) with the keys the binding
+    returns, no more, no fewer."""
     import ast
     tree = ast.parse((NATIVE / "_core.pyi").read_text())
-    stubbed = {node.name: {n.name if isinstance(n, ast.FunctionDef) else n.target.id
-                           for n in node.body if isinstance(n, (ast.FunctionDef, ast.AnnAssign))}
-               - {"__init__"} for node in tree.body if isinstance(node, ast.ClassDef)}
+
+    def members(node: ast.ClassDef) -> set[str]:
+        return {n.name if isinstance(n, ast.FunctionDef) else n.target.id
+                for n in node.body if isinstance(n, (ast.FunctionDef, ast.AnnAssign))}
+
+    classes = [node for node in tree.body if isinstance(node, ast.ClassDef)]
+    keyed = {node.name: members(node) for node in classes
+             if any(isinstance(b, ast.Name) and b.id == "TypedDict" for b in node.bases)}
+    stubbed = {node.name: members(node) - {"__init__"} for node in classes
+               if node.name not in keyed}
     constants = {n.target.id for n in tree.body if isinstance(n, ast.AnnAssign)}
     offered = {name: {m for m in vars(obj) if not m.startswith("__")}
                for name, obj in vars(_core).items() if isinstance(obj, type)}
     assert stubbed == offered
     assert constants == {name for name, v in vars(_core).items()
                          if isinstance(v, (int, float)) and not name.startswith("__")}
+    assert keyed == {name: set(d) for name, d in dicts_the_binding_returns().items()}

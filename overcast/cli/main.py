@@ -26,7 +26,7 @@ from overcast.cli import scale
 from overcast.cli.common import (HelpFormatter, aggregator_flags, aggregators_from,
                                  check_writable, console_for, csv_items, drop_flag,
                                  dropped_hosts, file_flags, hosts_flag, link_flags, link_rates,
-                                 parse_ints, parse_sizes, png_of, progress_bar, save_results)
+                                 parse_sizes, png_of, progress_bar, save_results)
 from overcast.units import parse_size
 
 # Older names each flag still answers to, and the one it has now.
@@ -130,7 +130,7 @@ def _train(args) -> int:
     try:
         os.makedirs(args.out, exist_ok=True)
     except OSError as err:
-        raise ValueError(f"--out {args.out}: {err.strerror.lower()}") from None
+        raise ValueError(f"--out {args.out}: {(err.strerror or str(err)).lower()}") from None
     if not os.access(args.out, os.W_OK):
         raise ValueError(f"--out {args.out}: the folder is not writable")
     # torch loads with these: only once every flag has been checked

@@ -20,10 +20,11 @@ import socket
 import threading
 import time
 import warnings
+from typing import cast
 
 from overcast.engine.trace import Trace
 from overcast.errors import AggregatorLostWarning, CollectiveTimeoutError, \
-    CommunicatorClosedError, OvercastError
+    CommunicatorClosedError, OvercastError, mark_peers_told
 from overcast.native import _core
 from overcast.protocols.base import DATAGRAM, MULTICAST, STREAM, Collective
 from overcast.protocols.p2p import P2P_KINDS, Transfer
@@ -90,9 +91,7 @@ class Work:
             name = self.description if self.seq < 0 else f"{self.description} #{self.seq}"
             raise TimeoutError(f"{name} not complete after {timeout} s")
         if self._error is not None:
-            error = type(self._error)(str(self._error))
-            error.peers_told = True
-            raise error
+            raise mark_peers_told(type(self._error)(str(self._error)))
         return True
 
     def wait_verified(self) -> None:
@@ -111,7 +110,8 @@ class Engine:
         self.sealer = links.sealer
         self.streams = {peer: Stream(sock, peer, links.opener)
                         for peer, sock in links.streams.items()}
-        for peer, sock in links.switches.items():  # kept open: an aggregator's death is seen at once
+        # kept open: an aggregator's death is seen at once
+        for peer, sock in links.switches.items():
             self.streams[peer] = Stream(sock, peer, links.opener)
         self._selector = selectors.DefaultSelector()
         self._masks: dict[int, int] = {}  # what each stream is watched for
@@ -237,8 +237,9 @@ class Engine:
             self._fill_and_flush()
             self._report()
             if self._close_deadline is not None:
-                if not any(s.queued_bytes for s in self.streams.values()) \
-                        and not session.pending_routes() or now >= self._close_deadline:
+                drained = not any(s.queued_bytes for s in self.streams.values()) \
+                    and not session.pending_routes()
+                if drained or now >= self._close_deadline:
                     return
             wait = _MAX_WAIT if timer is None else min(_MAX_WAIT, max(0.0, timer - now))
             if self._close_deadline is not None:
@@ -264,8 +265,10 @@ class Engine:
 
     def _deliver_runs(self) -> None:
         """Hand the session the messages of the plane's last read that are Python's."""
-        data, runs = self.plane.runs()
-        data = memoryview(data)
+        copy, runs = self.plane.runs()
+        if copy is None:  # nothing of the plane's last read is Python's
+            return
+        data = memoryview(copy)
         deliver = self._deliverer(time.monotonic(), datagram=True)
         for kind, job, comm, seq, src, dst, length, counter, chunks, offset, stride in runs:
             deliver(Run(Header(kind, job, comm, seq, src, dst, chunks[0], length, counter),
@@ -291,7 +294,8 @@ class Engine:
             if action == "abort":
                 self.session.abort(*args)
             elif action == "refuse":
-                self.session.refuse(*args, now)
+                seq, error = args
+                self.session.refuse(seq, error, now)
             elif action == "transfer":
                 op, work = args
                 self._works[op.holder] = work
@@ -475,7 +479,7 @@ class Engine:
             while waiting.get_map() and (left := deadline - time.monotonic()) > 0:
                 for key, _ in waiting.select(left):
                     try:
-                        data = key.fileobj.recv(1 << 16)
+                        data = cast(socket.socket, key.fileobj).recv(1 << 16)
                     except BlockingIOError:
                         continue
                     except OSError:

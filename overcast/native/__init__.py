@@ -9,12 +9,13 @@ for in-network reductions, gather.h for multicast gathers, outbox.h for what wai
 trace.h for the timeline) and port.h (the plane on its sockets); for the aggregator,
 aggregator.h (the sans-I/O reduction engine: aggregator.c and agg_registry.c, sharing
 agg_state.h), service.h (its socket loop) and shards.h (those loops on threads, one engine and
-socket each). parts.txt lists
-these parts once for every builder (setup.py, the tests, tools/fuzz, tools/bench_core).
+socket each). parts.txt lists these parts once for every builder (setup.py, the tests,
+tools/fuzz, tools/bench_core).
 
 The Python binding is module.c (the module, its constants) and a file per type: bind_wire.c
 (Sealer, TagCheck), bind_budget.c (Budget), bind_plane.c and bind_gather.c (Plane),
-bind_aggregator.c (Aggregator), bind_shards.c (Shards); binding.h holds what they share, _core.pyi their stubs.
+bind_aggregator.c (Aggregator), bind_shards.c (Shards); binding.h holds what they share,
+_core.pyi their stubs.
 """
 
 try:

@@ -2,7 +2,7 @@
 Buffers are any object with the buffer protocol; times are time.monotonic() seconds."""
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal, TypedDict
 
 Buffer = Any  # bytes, bytearray, memoryview, numpy array: anything with the buffer protocol
 
@@ -23,6 +23,72 @@ PORT_ERROR: int
 ROUTE_AGGREGATOR: int
 ROUTE_GROUP: int
 ROUTE_RANK: int
+
+
+# What the binding returns as dicts, by key (tests/test_native.py checks the keys against it).
+class ReducerState(TypedDict):
+    """Plane.reducer(seq): an in-network reduction's state in the plane (bind_plane.c)."""
+    phase: Literal["sending", "receiving", "drained"]
+    progress: int  # steps toward the result
+    progress_at: float  # when it last stepped; below 0 before its first
+    results: int  # its own block's chunks in place
+    k: int  # chunks per block
+    credit: int  # chunks released, over every endpoint
+    total: int  # chunks of every block
+    cursor: int  # the next chunk to contribute
+    stripes: int
+    bytes: int  # bookkeeping it owns
+    duplicate_results: int
+    contributions_resent: int
+    credit_probes: int
+    results_in: int
+
+
+class GatherState(TypedDict):
+    """Plane.gather_state(seq): a multicast gather's state in the plane (bind_gather.c)."""
+    missing: list[int]  # chunks missing, by segment
+    sent_all: int  # this rank's multicast all sent
+    complete: int  # every segment in place
+    progress: int
+    progress_at: float
+    multicast_chunks: int
+    duplicate_chunks: int
+    repaired_chunks: int
+    bytes: int
+
+
+class PlaneIO(TypedDict):
+    """Plane.counters()'s third: what the plane read and wrote (bind_plane.c)."""
+    datagram_reads: int
+    datagrams_in: int
+    datagrams_out: int
+    datagram_bytes_in: int
+    truncated_reads: int
+    data_path_cpu_seconds: float
+    wakeups: int
+    gro: int  # whether the socket coalesces datagrams
+    gso: int  # whether it segments them
+
+
+class ShardsMemory(TypedDict):
+    """Shards.counters()'s third: the pools of every shard (bind_shards.c)."""
+    pool_bytes: int
+    peak_pool_bytes: int
+    kept_pool_bytes: int
+    engine_communicators: int
+
+
+class ShardsIO(TypedDict):
+    """Shards.counters()'s fourth: what the shards read and wrote, and each one's share."""
+    reads: int
+    sends: int
+    datagrams_in: int
+    datagrams_out: int
+    wakeups: int
+    gro: int
+    gso: int
+    serve_cpu_seconds: list[float]  # by shard
+    serve_contributions: list[int]  # by shard
 
 
 class Sealer:
@@ -53,8 +119,8 @@ class Budget:
     tokens: float
     reductions_in_flight: int
     gathers_in_flight: int
-    def __init__(self, rate: float, burst_seconds: float, batch: int, datagram_bytes: int,
-                 reduction_batch: int) -> None: ...
+    def __init__(self, rate: float = 0.0, burst_seconds: float = 0.005, batch: int = 1,
+                 datagram_bytes: int = 0, reduction_batch: int = 0) -> None: ...
     def take(self, nbytes: float, now: float) -> None: ...
     def try_take(self, nbytes: float, now: float) -> bool: ...
     def ready_at(self, nbytes: float, now: float) -> float: ...
@@ -73,7 +139,7 @@ class Plane:
     def attach(self, udp_fd: int, multicast_fd: int, selector_fd: int) -> None: ...
     def detach(self) -> None: ...
     def serve(self, until: float) -> int: ...
-    def runs(self) -> tuple[Buffer | None, list[tuple]]: ...
+    def runs(self) -> tuple[bytes | None, list[tuple]]: ...
     def feed(self, datagrams: Buffer, segment: int, now: float) -> None: ...
     def receive_run(self, kind: int, seq: int, src: int, dst: int, length: int,
                     chunks: Sequence[int], data: Buffer, offset: int, stride: int,
@@ -84,17 +150,18 @@ class Plane:
     def release(self, seq: int) -> None: ...
     def set_lanes(self, endpoints: Sequence[int]) -> None: ...
     def heard(self, endpoint: int) -> float | None: ...
-    def reducer(self, seq: int) -> dict | None: ...
+    def reducer(self, seq: int) -> ReducerState | None: ...
     def gather(self, seq: int, buffer: Buffer, segments: Sequence[tuple[int, int]],
                segment_bytes: int, chunk_bytes: int, mine: int, concurrent: int,
                budget: Budget) -> None: ...
     def gather_activate(self, seq: int, now: float) -> None: ...
     def gather_streams_ended(self, seq: int) -> bool: ...
-    def gather_store(self, seq: int, first: int, payload: Buffer, now: float) -> tuple[int, int]: ...
+    def gather_store(self, seq: int, first: int, payload: Buffer,
+                     now: float) -> tuple[int, int]: ...
     def gather_have(self, seq: int, first: int, count: int) -> int: ...
     def gather_request(self, seq: int, segment: int, lo: int, hi: int) -> bool: ...
     def gather_requests(self, seq: int) -> list[tuple[int, int]]: ...
-    def gather_state(self, seq: int) -> dict | None: ...
+    def gather_state(self, seq: int) -> GatherState | None: ...
     def timer(self) -> float | None: ...
     def handle_timer(self, now: float) -> None: ...
     def take_outbox(self) -> list[tuple]: ...
@@ -102,7 +169,7 @@ class Plane:
     def set_trace(self, bin_seconds: float) -> None: ...
     def trace_bins(self) -> list[tuple[str, int, int, int]]: ...
     def drops(self) -> dict[str, int]: ...
-    def counters(self) -> tuple[dict[str, int], dict[str, int], dict[str, Any]]: ...
+    def counters(self) -> tuple[dict[str, int], dict[str, int], PlaneIO]: ...
     def memory(self) -> tuple[int, int]: ...
 
 
@@ -140,6 +207,5 @@ class Shards:
     def set_address(self, handle: int, rank: int, ipv4: str | bytes, port: int,
                     hears_group: bool) -> None: ...
     def set_group(self, handle: int, ipv4: str | bytes, port: int) -> None: ...
-    def counters(self) -> tuple[dict[str, int], dict[str, int], dict[str, int],
-                                dict[str, Any]]: ...
+    def counters(self) -> tuple[dict[str, int], dict[str, int], ShardsMemory, ShardsIO]: ...
     def close(self) -> None: ...

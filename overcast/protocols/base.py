@@ -14,6 +14,7 @@ import collections
 import enum
 import struct
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, NoReturn
 
 import numpy as np
 
@@ -22,13 +23,16 @@ from overcast.errors import ProtocolError, Rejected
 from overcast.wire.header import Kind, is_aggregator
 from overcast.wire.runs import Run
 
+if TYPE_CHECKING:
+    from overcast.native import _core
+
 # Routes: where a message goes. (channel, peer); peer is a rank, or -1 for the multicast group
 # or the aggregator.
 STREAM, DATAGRAM, MULTICAST = 0, 1, 2
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "broadcast", "all_to_all")
 ALGORITHMS = ("ring", "multicast", "innetwork", "pairwise")
-OPS = ("none",) + REDUCE_OPS
+OPS = ("none", *REDUCE_OPS)
 
 _DESCRIPTOR = struct.Struct("<BBBBQII")
 
@@ -55,7 +59,7 @@ class Descriptor:
                                 OPS.index(self.op), self.count, self.param, self.chunk_bytes)
 
     @classmethod
-    def unpack(cls, payload) -> "Descriptor":
+    def unpack(cls, payload) -> Descriptor:
         try:
             c, a, d, o, count, param, chunk_bytes = _DESCRIPTOR.unpack(payload)
             return cls(COLLECTIVES[c], ALGORITHMS[a], dtype_from_code(d), count, OPS[o], param,
@@ -68,7 +72,7 @@ class Descriptor:
         before it posted: every rank's block (a broadcast's buffer, a row each) once."""
         return world * self.count * self.dtype.itemsize
 
-    def cut(self, chunk_bytes: int, whole: int) -> "Descriptor":
+    def cut(self, chunk_bytes: int, whole: int) -> Descriptor:
         """This call as a datagram protocol cuts `whole` bytes (a segment, a block) into chunks
         of `chunk_bytes`: what every rank's cut must match. Data within one chunk is cut alike
         whatever the chunk size, so the chunk counts for at most `whole`."""
@@ -167,6 +171,19 @@ class Collective:
         self.progress = 0
         self.error: BaseException | None = None
         self.stats: collections.Counter = collections.Counter()
+        self._plane: _core.Plane | None = None
+
+    @property
+    def plane(self) -> _core.Plane:
+        """The rank's native datagram plane, which the session gives every collective it posts
+        (Session.post); the protocols that run there reach it only once posted."""
+        if self._plane is None:
+            raise RuntimeError(f"{self} on rank {self.rank} is not posted: it has no plane")
+        return self._plane
+
+    @plane.setter
+    def plane(self, plane: _core.Plane) -> None:
+        self._plane = plane
 
     @property
     def holder(self) -> int:
@@ -191,7 +208,7 @@ class Collective:
                                f"{self.phase.name} -> {phase.name} is not a transition")
         self.phase = phase
 
-    def reject(self, reason: str, message: str):
+    def reject(self, reason: str, message: str) -> NoReturn:
         raise Rejected(f"{self.desc} #{self.seq} on rank {self.rank}: {message}", reason)
 
     # -- the sans-I/O contract -------------------------------------------------------------

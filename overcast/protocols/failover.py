@@ -106,7 +106,7 @@ class Failover:
         self.posted = 0
         self.redone: list[int] = []
         self.complete: list[int] = []
-        self.outcome: str | None = None  # once decided: what was lost, and what took over
+        self.outcome = ""  # once decided: what was lost, and what took over
 
     def freeze(self, colls) -> list[int]:
         """Freeze this rank's in-network collectives in flight; the ones that lack this rank's

@@ -25,6 +25,8 @@ fabric), and finishes when the plane says the reduction has drained.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from overcast.buffers import dtype_code
@@ -34,6 +36,9 @@ from overcast.protocols.budget import LinkBudget
 from overcast.schedules.chains import chunk_count
 from overcast.schedules.ring import DEFAULT_FRAME_BYTES
 from overcast.wire.header import Kind, endpoints
+
+if TYPE_CHECKING:
+    from overcast.native._core import ReducerState
 
 
 class InNetworkReduceScatter(Collective):
@@ -66,11 +71,21 @@ class InNetworkReduceScatter(Collective):
                           self.budget.reduction_batch, self.budget.native, now)
         self.posted, self.posted_at = True, now
         self.enter(Phase.SENDING)
-        if self.plane.reducer(self.seq)["phase"] == "drained":  # one rank, or nothing to send
+        if self._posted_state()["phase"] == "drained":  # one rank, or nothing to send
             self.native_news(now)
 
+    def _state(self) -> ReducerState | None:
+        """The plane's state of the reduction, while it is posted there."""
+        return self.plane.reducer(self.seq) if self.posted else None
+
+    def _posted_state(self) -> ReducerState:
+        state = self._state()
+        if state is None:
+            raise RuntimeError(f"{self} on rank {self.rank} is not posted to the plane")
+        return state
+
     def stepped_at(self) -> float | None:
-        state = self.plane.reducer(self.seq) if self.posted else None
+        state = self._state()
         return state["progress_at"] if state and state["progress_at"] >= 0 else None
 
     def _to_plane(self, run, now: float) -> None:
@@ -83,7 +98,7 @@ class InNetworkReduceScatter(Collective):
     def native_news(self, now: float) -> None:
         """The plane has every result in place and every chunk released, and nothing of this
         reduction left to send."""
-        state = self.plane.reducer(self.seq)
+        state = self._posted_state()
         self.stats.update(results=state["results_in"],
                           duplicate_results=state["duplicate_results"],
                           contributions_resent=state["contributions_resent"],
@@ -103,7 +118,7 @@ class InNetworkReduceScatter(Collective):
         """An aggregator was lost (protocols.failover): let the plane's reduction go, so that
         it takes no result or credit and acknowledges nothing more. Whether this rank's whole
         block was in place."""
-        state = self.plane.reducer(self.seq) if self.posted else None
+        state = self._state()
         holds = state is not None and state["results"] == state["k"]
         self.finished()
         self.frozen = True
@@ -129,7 +144,7 @@ class InNetworkReduceScatter(Collective):
             self.posted = False
 
     def waiting_for(self) -> str:
-        state = self.plane.reducer(self.seq) if self.posted else None
+        state = self._state()
         if self.frozen:
             return "every rank's report of the aggregator's loss"
         if state is None:
@@ -138,5 +153,5 @@ class InNetworkReduceScatter(Collective):
                 f"{state['credit']} of {state['total']} chunks")
 
     def state_bytes(self) -> int:
-        state = self.plane.reducer(self.seq) if self.posted else None
+        state = self._state()
         return state["bytes"] if state else 0

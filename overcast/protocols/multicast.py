@@ -22,6 +22,8 @@ every chunk in place.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from overcast.protocols.base import STREAM, Accept, Collective, Descriptor, Outgoing, Phase
@@ -29,6 +31,9 @@ from overcast.protocols.budget import LinkBudget
 from overcast.schedules.chains import chain_position, chunk_count, concurrent_senders
 from overcast.wire.header import MISFITS, Kind, MalformedError
 from overcast.wire.messages import pack_ranges, unpack_ranges
+
+if TYPE_CHECKING:
+    from overcast.native._core import GatherState
 
 # After a root's end-of-multicast notice, datagrams still in flight get this long to land.
 TAIL_GRACE_SECONDS = 0.002
@@ -63,7 +68,7 @@ class MulticastGather(Collective):
                  roots: int, chunk_bytes: int, budget: LinkBudget):
         super().__init__(seq, rank, world, desc.cut(chunk_bytes, segments[0][2]))
         self.buffer = buffer.view(np.uint8)
-        self.bytes = memoryview(self.buffer)  # repairs are served through this
+        self.bytes = self.buffer.data  # repairs are served through this
         self.source = None if source is None else source.view(np.uint8)
         self.segments = segments
         self.segment_bytes = segments[0][2]
@@ -102,7 +107,7 @@ class MulticastGather(Collective):
         end = min((k + count) * self.chunk_bytes, self.segment_bytes)
         return offset + start, offset + end
 
-    def _state(self) -> dict | None:
+    def _state(self) -> GatherState | None:
         return self.plane.gather_state(self.seq) if self.posted else None
 
     # -- the contract ----------------------------------------------------------------------
@@ -155,7 +160,8 @@ class MulticastGather(Collective):
         if not self.posted:
             return
         self._send_requests()
-        if self.phase is Phase.SENDING and self._state()["sent_all"]:
+        state = self._state() if self.phase is Phase.SENDING else None
+        if state is not None and state["sent_all"]:
             for peer in range(self.world):
                 if peer != self.rank:
                     self.queue((STREAM, peer), Outgoing(Kind.MCAST_END, self.seq, 0,

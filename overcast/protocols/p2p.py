@@ -22,6 +22,7 @@ from __future__ import annotations
 import collections
 import itertools
 import struct
+from typing import NoReturn
 
 import numpy as np
 
@@ -127,7 +128,7 @@ class PointToPoint:
         self._next_number = [0] * world  # the next offer to each peer
         self._expected = [0] * world  # the next offer from each peer
         self._offers: list[_Offer] = []  # unmatched, in the order they came
-        self._held = collections.Counter()  # unmatched offers by sender
+        self._held: collections.Counter[int] = collections.Counter()  # unmatched offers by sender
         self._recvs: list[Transfer] = []  # unmatched, in the order posted
         self._offered: dict[tuple[int, int], Transfer] = {}  # (peer, number): awaiting an answer
         self._sending: list[Transfer] = []  # accepted, frames queued
@@ -140,11 +141,13 @@ class PointToPoint:
             if op.peer == self.rank:
                 self._offer_arrived(_Offer(self.rank, None, op.tag, op.nbytes, own=op), now)
                 return
-            op.number = self._next_number[op.peer]
-            self._next_number[op.peer] = (op.number + 1) % _NUMBERS
-            self._offered[(op.peer, op.number)] = op
-            self._queue(op.peer, Outgoing(Kind.P2P_OFFER, op.number, 0,
-                                          _OFFER.pack(op.tag, op.nbytes), op.peer))
+            peer = op.peer
+            assert peer is not None  # a send goes to one rank
+            number = op.number = self._next_number[peer]
+            self._next_number[peer] = (number + 1) % _NUMBERS
+            self._offered[(peer, number)] = op
+            self._queue(peer, Outgoing(Kind.P2P_OFFER, number, 0, _OFFER.pack(op.tag, op.nbytes),
+                                       peer))
             return
         offer = next((o for o in self._offers if o.tag == op.tag and
                       (op.peer is None or o.src == op.peer)), None)
@@ -207,6 +210,7 @@ class PointToPoint:
             if offer.own is not None:
                 self.end(offer.own, error)
             else:
+                assert offer.number is not None  # a peer's offer
                 self._queue(offer.src, Outgoing(Kind.P2P_REFUSE, offer.number, 0,
                                                 pack_abort(error.abort_code, str(error)),
                                                 offer.src))
@@ -216,23 +220,27 @@ class PointToPoint:
             self.end(offer.own)
             self.end(op)
             return
-        self._queue(offer.src, Outgoing(Kind.P2P_ACCEPT, offer.number, 0, b"", offer.src))
+        number = offer.number
+        assert number is not None  # a peer's offer
+        self._queue(offer.src, Outgoing(Kind.P2P_ACCEPT, number, 0, b"", offer.src))
         if op.nbytes == 0:
             self.end(op)
         else:
             op.state = "receiving"
-            self._incoming[(offer.src, offer.number)] = op
+            self._incoming[(offer.src, number)] = op
 
     def _send_data(self, op: Transfer) -> None:
         op.state = "sending"
         if op.nbytes == 0:
             self.end(op)
             return
+        peer, number = op.peer, op.number
+        assert peer is not None and number is not None  # an offered send
         layout = frames(op.nbytes, op.frame_bytes, 1)
         op.unsent = len(layout)
         self._sending.append(op)
-        box = self._frames.setdefault((STREAM, op.peer), collections.deque())
-        box.extend((Outgoing(Kind.P2P_DATA, op.number, j, op.buffer[off:off + length], op.peer,
+        box = self._frames.setdefault((STREAM, peer), collections.deque())
+        box.extend((Outgoing(Kind.P2P_DATA, number, j, op.buffer[off:off + length], peer,
                              op.holder), op) for j, (off, length) in enumerate(layout))
 
     def _data(self, hdr, payload: memoryview, now: float) -> None:
@@ -299,7 +307,7 @@ class PointToPoint:
                 self.end(op, error)
         self._recvs = [r for r in self._recvs if not hit(r)]
         self._offers = [o for o in self._offers
-                        if not (o.own is not None and hit(o.own) or peer in (None, o.src))]
+                        if not ((o.own is not None and hit(o.own)) or peer in (None, o.src))]
         self._held = collections.Counter(o.src for o in self._offers)
         self._offered = {k: o for k, o in self._offered.items() if not hit(o)}
         self._sending = [o for o in self._sending if not hit(o)]
@@ -339,5 +347,5 @@ class PointToPoint:
                      if not op.copied and now >= op.progress_at + timeout), None)
 
 
-def _reject(reason: str, message: str):
+def _reject(reason: str, message: str) -> NoReturn:
     raise Rejected(message, reason)

@@ -23,6 +23,7 @@ as they come.
 from __future__ import annotations
 
 import itertools
+from typing import cast
 
 import numpy as np
 
@@ -50,9 +51,10 @@ def sizes_error(sizes: list[list[int] | None], rank: int, here: str) -> str | No
         if vector is None:
             return (f"all_to_all: rank {src}'s split sizes do not divide its input and output "
                     f"rows among {world} ranks" + (f" (here: {here})" if src == rank else ""))
+    vectors = cast(list[list[int]], sizes)  # none is None past the check above
     for src in range(world):
         for dst in range(world):
-            sent, expected = sizes[src][dst], sizes[dst][world + src]
+            sent, expected = vectors[src][dst], vectors[dst][world + src]
             if sent != expected:
                 return (f"all_to_all: rank {src} sends {sent} rows to rank {dst}, whose output "
                         f"split sizes expect {expected}")

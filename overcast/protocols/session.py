@@ -523,7 +523,7 @@ class Session:
         connection, or is silent `failover_seconds` (at most the timeout) while an in-network
         reduction waits on it."""
         firsts = sorted(AGGREGATOR - peer for peer in names)
-        bounds = firsts[1:] + [stripes]
+        bounds = [*firsts[1:], stripes]
         self.aggregators = {AGGREGATOR - first: (names[AGGREGATOR - first], range(first, end))
                             for first, end in zip(firsts, bounds)}
         self.lanes = list(range(stripes))
@@ -562,16 +562,18 @@ class Session:
                       now: float) -> None:
         """A report for the round this rank is at: the first opens it here (naming an
         aggregator this rank found lost, if any, else the one reported); the last decides."""
-        lost = self._aggregator_of(lost)
+        aggregator = self._aggregator_of(lost)
+        assert aggregator is not None  # a peer's report is checked for one as it arrives
         if self.failover is None or self.failover.decided:
             mine = next((p for p in self.found_lost if p not in self.lost), None)
             if mine is None:
-                self._open_round(lost, now, told_by=rank)
+                self._open_round(aggregator, now, told_by=rank)
             else:
                 self._open_round(mine, now)
         failover = self.failover
+        assert failover is not None  # open, or opened above
         try:
-            failover.report(rank, lost, posted, lacking)
+            failover.report(rank, aggregator, posted, lacking)
         except ProtocolError as err:
             self.abort(Rejected(str(err), "duplicate"))
             return
@@ -579,11 +581,10 @@ class Session:
             if seq in self.last_progress:
                 self.last_progress[seq] = now
         if failover.ready:
-            self._decide(now)
+            self._decide(failover, now)
 
-    def _decide(self, now: float) -> None:
-        """Every rank's report is in: decide, alike on every rank."""
-        failover = self.failover
+    def _decide(self, failover: Failover, now: float) -> None:
+        """Every rank's report is in for `failover`, the round open: decide, alike on every rank."""
         failover.decide(lambda peer: self.aggregators[peer][0])
         self.lost.update(failover.lost)
         self.stats["aggregators_lost"] += len(failover.lost)
@@ -617,12 +618,12 @@ class Session:
         self.stats["in_network_complete_at_failover"] += len(failover.complete)
         self.stats["in_network_on_fewer_endpoints"] += resumed
         failover.frozen.clear()
-        self.rounds.append(failover)
         left = "the ring" if not self.lanes else \
             f"the {len(self.lanes)} endpoints left (" + ", ".join(
                 name for first, (name, _) in sorted(self.aggregators.items())
                 if first not in self.lost) + ")"
         failover.outcome = failover.summary(left)
+        self.rounds.append(failover)  # with its outcome: another thread reads them (Communicator)
         self.notices.append(f"rank {self.rank} {failover.outcome}")
         held, failover.held = failover.held, []
         for hdr, payload in held:
@@ -633,7 +634,7 @@ class Session:
         for _, rank, lost, posted, lacking in ahead:
             self._count_report(rank, lost, posted, lacking, now)
         unagreed = [p for p in self.found_lost if p not in self.lost]
-        if unagreed and self.failover.decided:
+        if unagreed and (self.failover is None or self.failover.decided):
             self._open_round(unagreed[0], now)
 
     def _silent_aggregator(self) -> tuple[int, float] | None:
@@ -642,7 +643,8 @@ class Session:
         if not self.aggregators or (self.failover is not None and not self.failover.decided):
             return None
         waiting = [c.posted_at for c in self.active.values()
-                   if isinstance(c, InNetworkReduceScatter) and c.waits_on_aggregators()]
+                   if isinstance(c, InNetworkReduceScatter) and c.waits_on_aggregators()
+                   and c.posted_at is not None]
         if not waiting:
             return None
         bound = min(self.failover_seconds, self.timeout)
@@ -651,7 +653,7 @@ class Session:
             if peer in self.lost or peer in self.found_lost:
                 continue
             heard = [t for e in stripes if (t := self.plane.heard(e)) is not None]
-            due.append((max(heard + [min(waiting)]) + bound, peer))
+            due.append((max([*heard, min(waiting)]) + bound, peer))
         if not due:
             return None
         at, peer = min(due)
@@ -780,11 +782,12 @@ class Session:
     def pop(self, route: tuple[int, int]) -> Outgoing | None:
         """The next message for the route: control first, then collectives and transfers in
         turn."""
-        for i, (r, msg) in enumerate(self.control):
+        for i, (r, control) in enumerate(self.control):
             if r == route:
                 del self.control[i]
-                return msg
-        sources = [c for c in self.active.values() if route in c.outbox]
+                return control
+        sources: list[Collective | PointToPoint] = [c for c in self.active.values()
+                                                    if route in c.outbox]
         if route in self.p2p.routes():
             sources.append(self.p2p)
         if not sources:
@@ -792,6 +795,6 @@ class Session:
         self._rr += 1
         source = sources[self._rr % len(sources)]
         msg = source.pop(route)
-        if source is not self.p2p:
+        if isinstance(source, Collective):
             self._settle(source)
         return msg

@@ -275,7 +275,8 @@ class SwitchService:
         except (BlockingIOError, InterruptedError):
             return False
         except OSError as err:  # counted, never raised: the port stays open to everyone
-            self.drops[f"accept_{errno.errorcode.get(err.errno, err.errno)}".lower()] += 1
+            name = errno.errorcode.get(err.errno, err.errno) if err.errno is not None else None
+            self.drops[f"accept_{name}".lower()] += 1
             if err.errno not in SCARCE:
                 return True  # that connection's own (ECONNABORTED, EPROTO, EPERM)
             # Nobody is shed for it: Linux says EMFILE at the limit whether or not a connection
@@ -501,7 +502,9 @@ class SwitchService:
         del self.connections[reg.sock]
         self._selector.unregister(reg.sock)
         reg.sock.close()
-        comm = self.comms.get(reg.comm_key) if reg.comm_key else None
+        if reg.comm_key is None:  # it never registered
+            return
+        comm = self.comms.get(reg.comm_key)
         if comm is not None:
             del comm.conns[reg.rank]
             if not comm.conns:  # every rank has gone: forget the communicator

@@ -5,6 +5,7 @@ torch loads."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import TypedDict
 
 from overcast.limits import check_hosts, check_link_rate
 
@@ -16,8 +17,19 @@ RESHARD = {
 }
 
 
+class ShapeChanges(TypedDict, total=False):
+    """What a named shape changes of GPTConfig's defaults."""
+
+    vocab: int
+    dim: int
+    blocks: int
+    seq: int
+    batch_per_rank: int
+    reshard: str
+
+
 # `overcast train --shapes`: each shape's changes to the defaults, small to communication-heavy
-SHAPES = {
+SHAPES: dict[str, ShapeChanges] = {
     "small": {"vocab": 256, "dim": 128, "blocks": 2},       # little to move: latency shows
     "default": {},
     "long": {"seq": 256, "batch_per_rank": 8},              # the default's weights, 8x the compute
