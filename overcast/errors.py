@@ -10,6 +10,7 @@ class OvercastError(RuntimeError):
     """Base of every error a collective or communicator raises."""
 
     abort_code = 0
+    ranks_named = False  # the backend has said which global rank each rank it names is
 
 
 class InvalidArgumentError(OvercastError, ValueError):

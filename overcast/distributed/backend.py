@@ -31,10 +31,12 @@ import os
 import threading
 import warnings
 import weakref
+from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import GroupName
 
 from overcast.buffers import DTYPES, SUMMING_OPS, as_array
 from overcast.comm import ALGORITHMS
@@ -59,7 +61,7 @@ REDUCE_OPS = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.AVG: "avg", dist.ReduceOp.
               dist.ReduceOp.PREMUL_SUM: "sum"}
 
 
-def _reduce_op(op) -> tuple[str, object]:
+def _reduce_op(op) -> tuple[str, Any]:
     """(overcast op, premultiplying factor or None) for a torch ReduceOp."""
     kind = getattr(op, "op", op)
     for torch_op, name in REDUCE_OPS.items():
@@ -69,7 +71,7 @@ def _reduce_op(op) -> tuple[str, object]:
                                f"AVG, PREMUL_SUM, MAX, MIN, PRODUCT")
 
 
-def _op_of(opts) -> dist.ReduceOp:
+def _op_of(opts) -> object:
     """The reduce op a call's options name (torch's default, SUM, when called without)."""
     return dist.ReduceOp.SUM if opts is None else opts.reduceOp
 
@@ -228,7 +230,7 @@ class _Lifetime:
             self._closed.set()
 
 
-def _gathered_json(comm, value) -> list:
+def _gathered_json(comm, value) -> list[Any]:
     """Every rank's `value` (JSON), in rank order: two ring all_gathers over `comm`."""
     data = np.frombuffer(json.dumps(value).encode(), np.uint8)
     sizes = np.empty(comm.world_size, np.int64)
@@ -250,8 +252,10 @@ class ProcessGroupOvercast(dist.ProcessGroup):
 
     def __init__(self, store, rank: int, world: int, timeout: float, group_id: str,
                  global_ranks: list[int] | None = None):
-        super().__init__(rank, world)
-        self._group_name, self._group_desc = group_id, ""
+        # torch's stub names only the (store, rank, size) form; (rank, size) is the one for
+        # a backend that keeps its own store
+        super().__init__(rank, world)  # type: ignore[call-arg]
+        self._group_name, self._group_desc = GroupName(group_id), ""
         self._store, self._timeout = store, timeout
         link = os.environ.get("OVERCAST_LINK_BITS_PER_S")
         chosen = {c: os.environ.get(env, "auto") for c, env in ALGORITHM_ENV.items()}
@@ -306,8 +310,9 @@ class ProcessGroupOvercast(dist.ProcessGroup):
         The ranks tell each other over the communicator itself, so nothing is left in the
         store."""
         comm = self.communicator
-        mine = {"chosen": chosen, "cannot": {c: comm.unavailable(c, FASTEST[c])
-                                             for c, a in chosen.items() if a == "auto"}}
+        mine: dict[str, dict[str, Any]] = {
+            "chosen": chosen, "cannot": {c: comm.unavailable(c, FASTEST[c])
+                                         for c, a in chosen.items() if a == "auto"}}
         said = _gathered_json(comm, mine) if comm.world_size > 1 else [mine]
         for r, theirs in enumerate(said):
             differ = [c for c in chosen if theirs["chosen"][c] != said[0]["chosen"][c]]
@@ -368,7 +373,7 @@ class ProcessGroupOvercast(dist.ProcessGroup):
         return self._group_name
 
     def setGroupName(self, name: str) -> None:
-        self._group_name = name
+        self._group_name = GroupName(name)
 
     def getGroupDesc(self) -> str:
         return self._group_desc
@@ -377,7 +382,7 @@ class ProcessGroupOvercast(dist.ProcessGroup):
         self._group_desc = desc
 
     @property
-    def group_name(self) -> str:
+    def group_name(self) -> GroupName:
         return self._group_name
 
     @property
@@ -439,7 +444,7 @@ class ProcessGroupOvercast(dist.ProcessGroup):
             raise InvalidArgumentError(
                 f"all_gather: needs world_size ({self.size()}) outputs of the input's "
                 f"{inp.numel()} elements; got {[o.numel() for o in outs]}")
-        gathered = torch.empty((self.size(),) + tuple(inp.shape), dtype=inp.dtype)
+        gathered = torch.empty((self.size(), *inp.shape), dtype=inp.dtype)
         self._all_gather_into(gathered, inp)
         if keep:
             for o, piece in zip(outs, gathered):
@@ -584,7 +589,7 @@ class ProcessGroupOvercast(dist.ProcessGroup):
             for i, out in enumerate(outputs):
                 whole = (torch.stack([x.reshape(out.shape) for x in input_lists[i]])
                          if self.rank() == _root_of(opts) else
-                         torch.empty((self.size(),) + tuple(out.shape), dtype=out.dtype))
+                         torch.empty((self.size(), *out.shape), dtype=out.dtype))
                 self._broadcast(whole, _root_of(opts))
                 out.copy_(whole[self.rank()])
         return self._submit("scatter", run, outputs)
@@ -632,7 +637,7 @@ class ProcessGroupOvercast(dist.ProcessGroup):
 
     # -- point to point ----------------------------------------------------------------------
     @_staged("in")
-    def send(self, tensors, dstRank: int, tag: int) -> dist.Work:  # noqa: N803 (torch's names)
+    def send(self, tensors, dstRank: int, tag: int) -> dist.Work:
         """Sent over the communicator's stream to the peer (Communicator.isend): complete once
         the data is copied, or taken by the peer's recv."""
         tensor = _one_tensor(tensors, "send")
@@ -641,7 +646,7 @@ class ProcessGroupOvercast(dist.ProcessGroup):
             tensors, getattr(self._calling, "staging", None))
 
     @_staged("out")
-    def recv(self, tensors, srcRank: int, tag: int) -> dist.Work:  # noqa: N803
+    def recv(self, tensors, srcRank: int, tag: int) -> dist.Work:
         return self._recv(tensors, srcRank, tag)
 
     @_staged("out")

@@ -125,7 +125,7 @@ class _Future(torch.futures.Future):
     then() on CUDA tensors, and a transfer's): that thread may be the one to make a call the
     callback waits for."""
 
-    def __init__(self, key: tuple | None, calls: "Calls", devices=None):
+    def __init__(self, key: tuple | None, calls: Calls, devices=None):
         super().__init__(devices=devices)
         self._key, self._calls, self._cuda = key, calls, bool(devices)
         self._attached: dict[tuple, itertools.count] = {}  # callbacks, counted by identity
@@ -208,7 +208,7 @@ class Work(dist._Work):
     a Future alone returns True whatever happened), and honours its timeout; the future's value
     is the call's outputs, so DDP's comm hooks chain on it."""
 
-    def __init__(self, what: str, result, staging: Staging | None, calls: "Calls",
+    def __init__(self, what: str, result, staging: Staging | None, calls: Calls,
                  key: tuple | None = None):
         super().__init__()
         self._what, self._result, self._staging, self._calls = what, result, staging, calls
@@ -223,8 +223,11 @@ class Work(dist._Work):
         self._fut = _Future(key, calls, [staging.device] if staging else None)
         # the future's first callback, before any of the caller's: the call is complete the
         # moment its future is, not once every callback has run (one may wait for this Work)
-        torch.futures.Future.add_done_callback(self._fut, lambda _: self._ran and
-                                               self._marked.set())
+        torch.futures.Future.add_done_callback(self._fut, self._mark)
+
+    def _mark(self, _fut) -> None:
+        if self._ran:
+            self._marked.set()
 
     def _complete(self) -> None:
         """Complete the future (its callbacks run here, on a completer)."""
