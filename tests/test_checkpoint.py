@@ -1,0 +1,123 @@
+"""torch.distributed.checkpoint (DCP) on the "overcast" backend: an FSDP2 model and its AdamW
+state saved by one job and loaded by another, at the same world size and at another, with and
+without overlap(); what is loaded is what was saved, bit for bit, and the steps that follow give
+gloo's losses."""
+
+import datetime
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_optimizer_state_dict, get_state_dict,
+                                                     set_state_dict)
+
+import overcast.distributed  # noqa: F401  (registers the "overcast" backend)
+import overcast.fsdp
+from overcast.cluster.launch import loopback_placements, run_ranks
+
+LINK = {"OVERCAST_LINK_BITS_PER_S": "1e9"}  # loopback has no rate; multicast paces to this
+ROWS = 12  # global batch, split evenly over 2 or 4 ranks
+FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+def small_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(7, 37), nn.Tanh(), nn.Linear(37, 37), nn.Tanh(),
+                         nn.Linear(37, 5))
+
+
+def sharded(backend: str, with_overlap: bool):
+    """The model under fully_shard on every rank of a new job, its optimizer, and overlap()'s
+    handle (or None)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    torch.set_num_threads(1)
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=60))
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    model = small_model()
+    for layer in (model[0], model[2], model[4]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    handle = overcast.fsdp.overlap(model) if with_overlap else None
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2), handle
+
+
+def step(model, opt, rank: int, n: int) -> str:
+    """Step n of training on this rank's rows of the step's global batch; the loss averaged over
+    the ranks, as float.hex (every bit)."""
+    world = dist.get_world_size()
+    g = torch.Generator().manual_seed(n)
+    x, y = torch.randn(ROWS, 7, generator=g), torch.randn(ROWS, 5, generator=g)
+    rows = slice(rank * ROWS // world, (rank + 1) * ROWS // world)
+    loss = nn.functional.mse_loss(model(x[rows]), y[rows])
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    total = loss.detach().clone()
+    dist.all_reduce(total)  # a SUM: gloo has no AVG
+    return (total.item() / world).hex()
+
+
+def save_or_load(rank, backend, with_overlap, checkpoint, full_copy, saving):
+    """Saving: two steps, then DCP's save of the sharded model and optimizer state. Loading: DCP's
+    load into a fresh model, then two more steps; their losses. Either way rank 0 writes the
+    whole (unsharded) model and optimizer state to `full_copy` (before the steps, loading)."""
+    model, opt, handle = sharded(backend, with_overlap)
+    try:
+        if saving:
+            for n in range(2):
+                step(model, opt, rank, n)
+        model_state, opt_state = get_state_dict(model, opt)
+        state = {"model": model_state, "optim": opt_state}
+        if saving:
+            dcp.save(state, checkpoint_id=checkpoint)
+        else:
+            dcp.load(state, checkpoint_id=checkpoint)
+            set_state_dict(model, opt, model_state_dict=state["model"],
+                           optim_state_dict=state["optim"])
+        whole = {"model": get_model_state_dict(model, options=FULL),
+                 "optim": get_optimizer_state_dict(model, opt, options=FULL)}
+        if rank == 0:
+            torch.save(whole, full_copy)
+        return [] if saving else [step(model, opt, rank, n) for n in (2, 3)]
+    finally:
+        if handle is not None:
+            handle.close()
+        dist.destroy_process_group()
+
+
+def differences(a, b, where="") -> list[str]:
+    """Where two state dicts differ: keys, types, or a tensor's dtype, shape or any bit."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        if a.keys() != b.keys():
+            return [f"{where}: keys {sorted(a, key=str)} against {sorted(b, key=str)}"]
+        return [d for k in a for d in differences(a[k], b[k], f"{where}/{k}")]
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) and len(a) == len(b):
+        return [d for i, (x, y) in enumerate(zip(a, b)) for d in differences(x, y, f"{where}/{i}")]
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        same = (a.dtype == b.dtype and a.shape == b.shape and
+                torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)))
+        return [] if same else [f"{where}: {a.dtype} {tuple(a.shape)} against {b.dtype} "
+                                f"{tuple(b.shape)} or their bits"]
+    return [] if a == b else [f"{where}: {a!r} against {b!r}"]
+
+
+@pytest.mark.parametrize("saved_at,loaded_at,with_overlap", [(2, 2, False), (4, 2, True),
+                                                             (2, 4, False)])
+def test_a_checkpoint_loads_bit_exact_and_trains_on_as_gloo(saved_at, loaded_at, with_overlap,
+                                                            tmp_path):
+    checkpoint = tmp_path / "checkpoint"
+    saved, loaded = tmp_path / "saved.pt", tmp_path / "loaded.pt"
+    run_ranks(save_or_load, loopback_placements(saved_at, LINK),
+              args=("overcast", with_overlap, str(checkpoint), str(saved), True), timeout=120)
+    losses = run_ranks(save_or_load, loopback_placements(loaded_at, LINK),
+                       args=("overcast", with_overlap, str(checkpoint), str(loaded), False),
+                       timeout=120)
+    assert differences(torch.load(saved), torch.load(loaded)) == []
+    gloo = run_ranks(save_or_load, loopback_placements(loaded_at),
+                     args=("gloo", False, str(checkpoint), str(tmp_path / "gloo.pt"), False),
+                     timeout=120)
+    assert losses == gloo and len(set(map(tuple, losses))) == 1, (losses, gloo)
