@@ -1,9 +1,17 @@
 """torch.distributed.checkpoint (DCP) on the "overcast" backend: an FSDP2 model and its AdamW
 state saved by one job and loaded by another, at the same world size and at another, with and
 without overlap(); what is loaded is what was saved, bit for bit, and the steps that follow give
-gloo's losses."""
+gloo's losses; examples/restart.py, killed mid-step under torchrun, comes back to
+an uninterrupted run's losses."""
 
 import datetime
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import tempfile
+import uuid
 
 import pytest
 import torch
@@ -18,6 +26,7 @@ import overcast.distributed  # noqa: F401  (registers the "overcast" backend)
 import overcast.fsdp
 from overcast.cluster.launch import loopback_placements, run_ranks
 
+ROOT = pathlib.Path(__file__).resolve().parent.parent
 LINK = {"OVERCAST_LINK_BITS_PER_S": "1e9"}  # loopback has no rate; multicast paces to this
 ROWS = 12  # global batch, split evenly over 2 or 4 ranks
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -121,3 +130,53 @@ def test_a_checkpoint_loads_bit_exact_and_trains_on_as_gloo(saved_at, loaded_at,
                      args=("gloo", False, str(checkpoint), str(tmp_path / "gloo.pt"), False),
                      timeout=120)
     assert losses == gloo and len(set(map(tuple, losses))) == 1, (losses, gloo)
+
+
+def processes_marked(mark: str) -> list[int]:
+    """The processes whose environment holds `mark` (what a command started with it in its
+    environment made: torchrun, its ranks, an aggregator a rank started)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if mark.encode() in f.read().split(b"\0"):
+                    found.append(int(entry))
+        except (ValueError, OSError):
+            continue  # not a process, or one that has ended
+    return found
+
+
+def restart_example(checkpoints: str, *extra: str) -> tuple[list[str], list[int]]:
+    """examples/restart.py under torchrun, 2 ranks, one restart allowed: rank 0's output lines,
+    and the processes of the run still there once torchrun has returned (killed then)."""
+    mark = f"OVERCAST_TEST_RUN={uuid.uuid4().hex}"
+    env = {**os.environ, "OVERCAST_LINK_BITS_PER_S": "1e9", "OMP_NUM_THREADS": "1",
+           mark.split("=")[0]: mark.split("=")[1]}
+    try:
+        run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                              "--nproc-per-node", "2", "--max-restarts", "1",
+                              str(ROOT / "examples" / "restart.py"), "--checkpoints", checkpoints,
+                              *extra], capture_output=True, text=True, timeout=120, env=env)
+    finally:
+        left = processes_marked(mark)
+        for pid in left:
+            os.kill(pid, signal.SIGKILL)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run.stdout.splitlines(), left
+
+
+def test_the_restart_example_comes_back_from_a_killed_rank_with_the_uninterrupted_loss():
+    """Rank 1 killed in step 6 of 12 (once): torchrun starts both ranks again, they load the
+    checkpoint of step 4, and steps 4 to 11 give the uninterrupted run's losses, the last one
+    bit for bit. Nothing of either run is left running; the checkpoints go with the folder."""
+    with tempfile.TemporaryDirectory() as folder:
+        whole, left = restart_example(os.path.join(folder, "whole"))
+        assert left == []
+        broken, left = restart_example(os.path.join(folder, "broken"), "--kill-rank", "1",
+                                       "--kill-step", "6")
+        assert left == []
+    steps = [line for line in whole if line.startswith("step")]
+    assert len(steps) == 12 and whole[-1].startswith("final loss"), whole
+    # the first attempt's steps 0 to 5, then the second's from the checkpoint of step 4
+    assert broken == steps[:6] + ["resumed from the checkpoint of step 4"] + steps[4:] + \
+        [whole[-1]], (broken, whole)
