@@ -7,11 +7,8 @@ an uninterrupted run's losses."""
 import datetime
 import os
 import pathlib
-import signal
-import subprocess
 import sys
 import tempfile
-import uuid
 
 import pytest
 import torch
@@ -24,6 +21,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 
 import overcast.distributed  # noqa: F401  (registers the "overcast" backend)
 import overcast.fsdp
+from conftest import run_marked
 from overcast.cluster.launch import loopback_placements, run_ranks
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -132,35 +130,13 @@ def test_a_checkpoint_loads_bit_exact_and_trains_on_as_gloo(saved_at, loaded_at,
     assert losses == gloo and len(set(map(tuple, losses))) == 1, (losses, gloo)
 
 
-def processes_marked(mark: str) -> list[int]:
-    """The processes whose environment holds `mark` (what a command started with it in its
-    environment made: torchrun, its ranks, an aggregator a rank started)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                if mark.encode() in f.read().split(b"\0"):
-                    found.append(int(entry))
-        except (ValueError, OSError):
-            continue  # not a process, or one that has ended
-    return found
-
-
 def restart_example(checkpoints: str, *extra: str) -> tuple[list[str], list[int]]:
     """examples/restart.py under torchrun, 2 ranks, one restart allowed: rank 0's output lines,
     and the processes of the run still there once torchrun has returned (killed then)."""
-    mark = f"OVERCAST_TEST_RUN={uuid.uuid4().hex}"
-    env = {**os.environ, "OVERCAST_LINK_BITS_PER_S": "1e9", "OMP_NUM_THREADS": "1",
-           mark.split("=")[0]: mark.split("=")[1]}
-    try:
-        run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                              "--nproc-per-node", "2", "--max-restarts", "1",
-                              str(ROOT / "examples" / "restart.py"), "--checkpoints", checkpoints,
-                              *extra], capture_output=True, text=True, timeout=120, env=env)
-    finally:
-        left = processes_marked(mark)
-        for pid in left:
-            os.kill(pid, signal.SIGKILL)
+    run, left = run_marked([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                            "--nproc-per-node", "2", "--max-restarts", "1",
+                            str(ROOT / "examples" / "restart.py"), "--checkpoints", checkpoints,
+                            *extra], {"OVERCAST_LINK_BITS_PER_S": "1e9"}, timeout=120)
     assert run.returncode == 0, run.stderr[-3000:]
     return run.stdout.splitlines(), left
 
