@@ -113,8 +113,7 @@ def differences(a, b, where="") -> list[str]:
     return [] if a == b else [f"{where}: {a!r} against {b!r}"]
 
 
-@pytest.mark.parametrize("saved_at,loaded_at,with_overlap", [(2, 2, False), (4, 2, True),
-                                                             (2, 4, False)])
+@pytest.mark.parametrize("saved_at,loaded_at,with_overlap", [(4, 2, True), (2, 4, False)])
 def test_a_checkpoint_loads_bit_exact_and_trains_on_as_gloo(saved_at, loaded_at, with_overlap,
                                                             tmp_path):
     checkpoint = tmp_path / "checkpoint"
