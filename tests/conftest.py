@@ -1,5 +1,9 @@
+import contextlib
 import os
+import signal
 import subprocess
+import time
+import uuid
 
 # The ranks are forked from this process: asked whether there is a GPU, torch must not
 # initialize CUDA here (a forked child could not use it then), so it asks NVML instead.
@@ -37,6 +41,39 @@ def nothing_left_behind():
                               capture_output=True, text=True).stdout.split("\n")
     alive = [c for c in children if c.strip() and " Z" not in c and "ps -o" not in c]
     assert not alive, f"child processes left behind: {alive}"
+
+
+def processes_marked(mark: str) -> list[int]:
+    """The processes whose environment holds `mark` (what a command started with it in its
+    environment made: torchrun, its ranks, an aggregator a rank started)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if mark.encode() in f.read().split(b"\0"):
+                    found.append(int(entry))
+        except (ValueError, OSError):
+            continue  # not a process, or one that has ended
+    return found
+
+
+def run_marked(argv: list[str], env: dict[str, str], timeout: float, cwd=None):
+    """Run a command that starts processes of its own (torchrun, a framework's launcher) with
+    `env` added to this one's and one compute thread each; its completed run, and the processes
+    still running 5 s after it returned (found by a mark in their environment, then killed):
+    one that ends on its parent's death, as an aggregator does, may take a moment to go."""
+    name, mark = "OVERCAST_TEST_RUN", uuid.uuid4().hex
+    try:
+        run = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=cwd,
+                             env={**os.environ, "OMP_NUM_THREADS": "1", **env, name: mark})
+    finally:
+        deadline = time.monotonic() + 5
+        while (left := processes_marked(f"{name}={mark}")) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for pid in left:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    return run, left
 
 
 def _integer_parameter_refusal(rank):

@@ -48,6 +48,7 @@ from overcast.staging import Staging, device_of, process_pool
 from overcast.torch_api import premul_factor
 
 BACKEND_NAME = "overcast"
+DEVICES = ("cpu", "cuda")  # the devices the backend is registered for
 # Which algorithm each collective runs, by environment variable; "auto" (the default) picks the
 # fastest the communicator can run: the multicast and in-network ones when the link rate is
 # known (OVERCAST_LINK_BITS_PER_S) and multicast works here, the rings otherwise.
@@ -389,6 +390,28 @@ class ProcessGroupOvercast(dist.ProcessGroup):
     def group_desc(self) -> str:
         return self._group_desc
 
+    # -- the group as its own backend on each device -------------------------------------
+    # torch registers no backend per device for a process group a plugin returns (the group is
+    # its own backend), so torch's own _device_types is empty and _get_backend raises: DCP's
+    # async_save refused and a state dict's broadcast_from_rank0 took the first of no devices.
+    # torch's Python code finds the group here; its C++ callers still see no backend ("What goes
+    # to gloo" in docs/backend.md).
+    @property
+    def _device_types(self) -> list[torch.device]:
+        return [torch.device(d) for d in DEVICES]
+
+    def _get_backend(self, device) -> "ProcessGroupOvercast":
+        if torch.device(device).type not in DEVICES:
+            raise RuntimeError(f"No backend type associated with device type "
+                               f"{torch.device(device).type}")
+        return self
+
+    # what torch asks a device's backend before using a C++ backend's extras: none here
+    supports_splitting = supports_shrinking = supports_time_estimate = False
+
+    def supports_tensor_alloc(self, device) -> bool:
+        return False
+
     def shutdown(self) -> None:
         """Run the calls made (for half the group's timeout at most), then close the
         communicator: destroy_process_group, or by hand. Later calls raise."""
@@ -683,4 +706,4 @@ def register() -> None:
     """Register "overcast" with torch.distributed (once; importing overcast.distributed does)."""
     if BACKEND_NAME.upper() not in dist.Backend._plugins:
         dist.Backend.register_backend(BACKEND_NAME, create, extended_api=True,
-                                       devices=["cpu", "cuda"])
+                                       devices=list(DEVICES))
