@@ -27,7 +27,7 @@ def test_the_readme_is_short_and_licensed():
 
 def test_results_is_a_bounded_reference_that_opens_with_its_summary():
     text = (ROOT / "docs" / "results.md").read_text()
-    assert len(text.splitlines()) <= 505
+    assert len(text.splitlines()) <= 520
     assert re.findall(r"^## (.*)$", text, re.M)[0] == "Summary"
 
 
