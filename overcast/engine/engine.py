@@ -405,7 +405,9 @@ class Engine:
     def _report(self) -> None:
         now = time.monotonic()
         while self.session.notices:  # once per rank and aggregator lost
-            warnings.warn(self.session.notices.pop(0), AggregatorLostWarning, stacklevel=1)
+            # from this thread no frame is the user's: named as overcast's, without a source line
+            warnings.warn_explicit(self.session.notices.pop(0), AggregatorLostWarning,
+                                   "overcast", 0)
         verified = self.session.verified
         while verified:
             work = self._works.get(verified.pop())
