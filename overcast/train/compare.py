@@ -165,7 +165,8 @@ def run_training(hosts: int, link_bits: int, ways: list[str], steps: int, warmup
                  out_dir: str | None = None, progress=None, prefetch: int = 1,
                  sched_trace: bool = True, device: str = "cpu", write_timeline=None,
                  aggregator_bits: int | None = None,
-                 drop_multicast: Sequence[int] = ()) -> dict:
+                 drop_multicast: Sequence[int] = (),
+                 kill_aggregator_at_step: int | None = None) -> dict:
     """Train every shape every way on one cluster; return {"meta": ..., "shapes": [...]} and,
     with `out_dir` and `write_timeline(traces, path, link_bits, title)` (overcast.report.
     timeline's), write the backward-step timelines of the overcast ways there.
@@ -174,7 +175,8 @@ def run_training(hosts: int, link_bits: int, ways: list[str], steps: int, warmup
     short (docs/results.md), so step times meant for comparison are best taken without it.
     The aggregator's link is unshaped (a switch that sums at line rate), or `aggregator_bits`
     each way (an aggregator host's NIC); the switch drops the multicast it would send to the
-    hosts `drop_multicast` names (a network without multicast)."""
+    hosts `drop_multicast` names (a network without multicast). With `kill_aggregator_at_step`,
+    rank 0 of the "overcast" way kills the aggregator (SIGKILL) as that step begins."""
     for _, cfg in shapes:
         check_request(ways, hosts, steps, warmup, link_bits, cfg, lr, prefetch, device)
     import torch  # imported once here so that forked hosts start fast
@@ -199,9 +201,11 @@ def run_training(hosts: int, link_bits: int, ways: list[str], steps: int, warmup
                 trace = bool(trace_dir)
                 with SchedTrace() as sched:
                     traced = why_untraced is None and sched.start()
+                    kill = (switch.pid, kill_aggregator_at_step) if switch and way == \
+                        "overcast" and kill_aggregator_at_step is not None else None
                     per_rank = cluster.run(train_rank, timeout=1800,
                                            args=(way, cfg.as_dict(), steps, lr, trace,
-                                                 prefetch, device))
+                                                 prefetch, device, kill))
                     if traced:
                         attribute_waits(sched.stop(), per_rank, switch.pid if switch else None)
                 switch_cpu = process_cpu_seconds(switch.pid) - cpu0 \

@@ -4,6 +4,7 @@ timed per step, its communication time and NIC bytes counted, its losses recorde
 from __future__ import annotations
 
 import os
+import signal
 import threading
 import time
 import warnings
@@ -42,11 +43,13 @@ def engine_python_cpu(handle) -> float:
 
 
 def train_rank(rank: int, way: str, config: dict, steps: int, lr: float, trace: bool,
-               prefetch: int, device: str = "cpu") -> dict:
+               prefetch: int, device: str = "cpu",
+               kill_at_step: tuple[int, int] | None = None) -> dict:
     """Train `steps` steps on `device` ("cpu", or "cuda": every rank on this host's first GPU);
     return per-step loss, time, communication seconds, CPU, and the NIC bytes of the whole
     run; with `trace`, the last step's backward timeline (overcast ways); on a GPU, the GPU
-    memory each step ends with and the pinned host memory staging held at its peak."""
+    memory each step ends with and the pinned host memory staging held at its peak. With
+    `kill_at_step` (pid, step), rank 0 kills that process (the aggregator) as the step begins."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -83,6 +86,8 @@ def train_rank(rank: int, way: str, config: dict, steps: int, lr: float, trace: 
             nic0 = read_nic_counters()
             micro = cfg.micro_steps
             for step in range(steps):
+                if kill_at_step is not None and rank == 0 and step == kill_at_step[1]:
+                    os.kill(kill_at_step[0], signal.SIGKILL)
                 t0, cpu0, (thread0, delay0) = time.monotonic(), time.process_time(), \
                     thread_clock()
                 comm_start, engine0 = times.as_dict(), engine_python_cpu(handle)
