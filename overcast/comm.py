@@ -16,7 +16,7 @@ from overcast.limits import bytes_from_env, check_count, check_frame_bytes, chec
     check_positive, check_roots, require, seconds_from_env
 from overcast.native import _core
 from overcast.protocols.base import Descriptor
-from overcast.protocols.failover import FAILOVER_ENV, FAILOVER_SECONDS
+from overcast.protocols.failover import FAILOVER_ENV, FAILOVER_LEAST_SECONDS, FAILOVER_SECONDS
 from overcast.protocols.multicast import MulticastGather
 from overcast.protocols.p2p import ORDER_TAG, Transfer
 from overcast.protocols.pairwise import PairwiseAllToAll, sizes_error
@@ -126,8 +126,9 @@ class Communicator:
                     f"{EARLY_STREAM_ENV}, early_stream_bytes")
         if failover_seconds is None:
             failover_seconds = seconds_from_env(FAILOVER_ENV, FAILOVER_SECONDS)
-        check_positive("the aggregator's switch-over bound", failover_seconds,
-                       f"{FAILOVER_ENV}, failover_seconds", " seconds")
+        require(failover_seconds >= FAILOVER_LEAST_SECONDS, "the aggregator's switch-over bound",
+                f"at least {FAILOVER_LEAST_SECONDS} seconds (a healthy aggregator answers "
+                f"within 50 ms)", failover_seconds, f"{FAILOVER_ENV}, failover_seconds")
         require(0 < pacing_share <= 1, "the pacing share", "a fraction above 0, at most 1",
                 pacing_share, "pacing_share")
         self.link_bits_per_s = link_bits_per_s

@@ -156,8 +156,9 @@ def test_a_flag_out_of_range_is_one_line_on_the_command_line_and_in_the_api(case
                              "(pacing_share)"),
     (dict(early_stream_bytes=-1), "the bytes held for collectives not issued must be 0 or more, "
                                   "not -1 (OVERCAST_EARLY_STREAM_BYTES, early_stream_bytes)"),
-    (dict(failover_seconds=0.0), "the aggregator's switch-over bound must be above 0 seconds, "
-                                 "not 0 (OVERCAST_FAILOVER_SECONDS, failover_seconds)")])
+    (dict(failover_seconds=0.01), "the aggregator's switch-over bound must be at least 0.25 "
+                                  "seconds (a healthy aggregator answers within 50 ms), not 0.01 "
+                                  "(OVERCAST_FAILOVER_SECONDS, failover_seconds)")])
 def test_communicator_settings_are_checked_before_rendezvous(kwargs, line):
     """The store given is not one: were rendezvous reached, it would fail otherwise."""
     with pytest.raises(InvalidArgumentError) as err:

@@ -36,6 +36,13 @@ from overcast.wire.header import Kind
 # trip), and the environment variable that sets it; never longer than the collective timeout.
 FAILOVER_SECONDS = 2.0
 FAILOVER_ENV = "OVERCAST_FAILOVER_SECONDS"
+# The least bound allowed: a few of the aggregator's 50 ms answers, so that a healthy one is never
+# taken for lost.
+FAILOVER_LEAST_SECONDS = 0.25
+# The counters of the losses, there from the start (zero until a loss).
+FAILOVER_COUNTERS = ("aggregators_lost", "in_network_redone_on_ring",
+                     "in_network_complete_at_failover", "in_network_on_ring",
+                     "in_network_on_fewer_endpoints")
 
 _REPORT = struct.Struct("<HHII")  # the lost endpoint, 0, the first seq not posted, how many lack
 _SEQ = struct.Struct("<I")

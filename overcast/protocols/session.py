@@ -14,8 +14,8 @@ from overcast.errors import (CollectiveMismatchError, CollectiveTimeoutError,
 from overcast.native import _core
 from overcast.protocols.base import DATAGRAM, MULTICAST, STREAM, Collective, Descriptor, \
     Outgoing
-from overcast.protocols.failover import FAILOVER_SECONDS, Failover, RingInstead, pack_report, \
-    unpack_report
+from overcast.protocols.failover import FAILOVER_COUNTERS, FAILOVER_SECONDS, Failover, \
+    RingInstead, pack_report, unpack_report
 from overcast.protocols.innetwork import InNetworkReduceScatter
 from overcast.protocols.p2p import OFFERS_HELD, P2P_KINDS, PointToPoint, Transfer
 from overcast.units import human_bytes
@@ -100,7 +100,7 @@ class Session:
         self._held_by: dict[int, collections.Counter] = collections.defaultdict(
             collections.Counter)
         self._allowed: dict[int, dict[int, int]] = collections.defaultdict(dict)
-        self.stats: collections.Counter = collections.Counter()
+        self.stats: collections.Counter = collections.Counter(dict.fromkeys(FAILOVER_COUNTERS, 0))
         # collectives that verify every peer: seq -> peers whose DESCRIBE has not matched yet
         self.unverified: dict[int, set[int]] = {}
         self._rr = 0
@@ -707,7 +707,7 @@ class Session:
         silent = self._silent_aggregator()
         if silent is not None and now >= silent[1]:
             bound = min(self.failover_seconds, self.timeout)
-            self.aggregator_lost(silent[0], f"was silent for {bound:.1f} s while an in-network "
+            self.aggregator_lost(silent[0], f"was silent for {bound:g} s while an in-network "
                                             f"reduction waited on it", now)
         stalled = self.p2p.stalled(now, self.timeout)
         if stalled is not None:
