@@ -51,7 +51,6 @@ FULLDUPLEX_MIN_PIECE_BYTES = 64 << 10
 # (so that their calls complete at once); a send past it is sent from the caller's buffer.
 SEND_COPY_ENV = "OVERCAST_SEND_COPY_BYTES"
 DEFAULT_SEND_COPY_BYTES = 256 << 20
-_TAGS = ORDER_TAG  # callers' tags are those below overcast's own
 # An all_to_all's split sizes (None: they do not fit its buffers), what they are in words, and
 # the bytes of its rows: what PairwiseAllToAll takes besides the buffers.
 SplitSizes = tuple[list[int] | None, str, int]
@@ -389,9 +388,9 @@ class Communicator:
 
     @staticmethod
     def _tag(tag) -> int:
-        if not (isinstance(tag, int) and 0 <= tag < _TAGS):
+        if not (isinstance(tag, int) and 0 <= tag < ORDER_TAG):  # ORDER_TAG and up: overcast's
             raise InvalidArgumentError(f"tag {tag!r} is not a whole number from 0 to "
-                                       f"{_TAGS - 1}")
+                                       f"{ORDER_TAG - 1}")
         return tag
 
     def _transfer(self, op: Transfer) -> Work:

@@ -207,6 +207,19 @@ def test_a_future_completed_by_the_caller_fails_that_call_alone():
         assert said["later"] == [3.0] * 10
 
 
+def abort_mid_shutdown(group, said: dict) -> tuple[threading.Thread, float]:
+    """Shut `group` down on a thread and, once the shutdown has begun, abort it: the thread,
+    and when the abort began; how long the abort took in said["abort_seconds"]."""
+    closing = threading.Thread(target=group.shutdown)
+    closing.start()
+    while group._lifetime._state == "open":  # until the shutdown has begun
+        time.sleep(0.01)
+    began = time.monotonic()
+    group.abort()
+    said["abort_seconds"] = time.monotonic() - began
+    return closing, began
+
+
 def abort_while_closing(rank):
     """Rank 0's call waits for rank 1, which never makes it; rank 0's group is shut down on a
     thread (it waits for that call, half the group's timeout) and aborted meanwhile: abort()
@@ -220,13 +233,7 @@ def abort_while_closing(rank):
         work = dist.all_reduce(torch.ones(100), group=group, async_op=True)
         on_companion = companion.comm.all_gather(torch.empty(2).numpy(),
                                                  torch.ones(1).numpy(), async_op=True)
-        closing = threading.Thread(target=group.shutdown)
-        closing.start()
-        while group._lifetime._state == "open":  # until the shutdown has begun
-            time.sleep(0.01)
-        began = time.monotonic()
-        group.abort()
-        said["abort_seconds"] = time.monotonic() - began
+        closing, began = abort_mid_shutdown(group, said)
         closing.join(10)
         said["shutdown_ended"] = not closing.is_alive()
         for what, pending in [("call", work), ("companion", on_companion)]:
@@ -268,13 +275,7 @@ def abort_while_waiting_for_peers(rank):
     dist.all_reduce(torch.ones(1000), group=group)
     said = {}
     if rank == 0:
-        closing = threading.Thread(target=group.shutdown)
-        closing.start()
-        while group._lifetime._state == "open":  # until the shutdown has begun
-            time.sleep(0.01)
-        began = time.monotonic()
-        group.abort()
-        said["abort_seconds"] = time.monotonic() - began
+        closing, _ = abort_mid_shutdown(group, said)
         said["aggregator_stopped"] = group._group.job_switch.proc.poll() is not None
         closing.join()
     dist.barrier(gloo)
