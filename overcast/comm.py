@@ -553,11 +553,14 @@ class Communicator:
 
     @property
     def in_network_fallback(self) -> str | None:
-        """Why in-network ReduceScatters run on the ring now (an aggregator was lost: which,
-        how, and which collectives the ring redid), alike on every rank but for who noticed
-        first; None while they run on the aggregators."""
-        rounds = list(self._engine.session.rounds)  # one per loss the ranks agreed on
-        return "; then ".join(r.outcome for r in rounds) or None
+        """Why in-network ReduceScatters run on the ring or on fewer aggregators now (one was
+        lost: which, how, and which collectives the ring redid; and any taken back since),
+        alike on every rank but for who noticed first; None while they run on every
+        aggregator (none was lost, or every one lost was taken back)."""
+        rounds = list(self._engine.session.rounds)  # one per loss or take-back agreed on
+        if not rounds or not rounds[-1].still_lost:
+            return None
+        return "; then ".join(r.outcome for r in rounds)
 
     def counters(self) -> dict:
         """Dropped messages by reason, stale messages, bytes and datagrams, and the protocols'

@@ -96,7 +96,7 @@ class Target:
         nonce = reg.nonce if rng.random() < 0.95 else os.urandom(NONCE_BYTES)
         stripe = 0 if rng.random() < 0.8 else rng.randrange(1 << 16)
         body = HELLO.pack(salt, world, rng.randrange(1 << 16), rng.randrange(256), row, stripe,
-                          nonce, os.urandom(NONCE_BYTES))
+                          rng.randrange(1 << 16), nonce, os.urandom(NONCE_BYTES))
         if rng.random() < 0.03:  # a length that disagrees
             body = body[:rng.randrange(len(body))] + os.urandom(rng.randrange(8))
         return bytes(self._sealer(salt, src & 0xFFFF, self.hostile).seal(
@@ -155,8 +155,8 @@ class Target:
             for rank, reg in enumerate(regs):
                 ranks[rank].bind(("127.0.0.1", 0))
                 ranks[rank].settimeout(10)
-                body = HELLO.pack(salt, 2, ranks[rank].getsockname()[1], 0, 1408, 0, reg.nonce,
-                                  os.urandom(NONCE_BYTES))
+                body = HELLO.pack(salt, 2, ranks[rank].getsockname()[1], 0, 1408, 0, 0,
+                                  reg.nonce, os.urandom(NONCE_BYTES))
                 frame = bytes(sealers[rank].seal(Kind.HELLO, 0, endpoint(0), 0, body))
                 assert service._register(reg, memoryview(frame), unpack_header(frame)), \
                     "a good registration was refused"

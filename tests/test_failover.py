@@ -14,7 +14,8 @@ from fabric import Fabric
 from overcast.errors import CollectiveTimeoutError, PeerFailureError, ProtocolError
 from overcast.protocols.base import Descriptor
 from overcast.protocols.budget import LinkBudget
-from overcast.protocols.failover import RingInstead, pack_report, unpack_report
+from overcast.protocols.failover import NO_LOSS, RingInstead, pack_rejoin, pack_report, \
+    unpack_report
 from overcast.protocols.innetwork import InNetworkReduceScatter
 from overcast.protocols.ring import RingReduceScatter
 from overcast.switch.aggregator import Aggregator
@@ -390,26 +391,178 @@ def test_a_rank_that_never_reports_times_out_naming_it():
         assert "reports of an aggregator's loss from rank 1" in str(error)
 
 
+# -- an aggregator restarted: taken back ----------------------------------------------------
+
+def restart(fabric: Fabric, stripes=(0,)) -> None:
+    """The aggregator of endpoints `stripes` comes back at its address: a new instance, none of
+    the old one's state."""
+    for stripe in stripes:
+        fabric.aggregators[stripe] = Aggregator(slots=8)
+        fabric.aggregators[stripe].register(fabric.key, fabric.world, stripe=stripe)
+        fabric.silent.discard(endpoint(stripe))
+
+
+def register_anew(fabric: Fabric, ranks, stripes=(0,)) -> None:
+    for r in ranks:
+        assert fabric.sessions[r].aggregator_registered(endpoint(stripes[0]), fabric.now)
+
+
+def kinds(fabric: Fabric) -> dict[int, str]:
+    """How each collective ran ("ring" or "innetwork"), the same on every rank."""
+    return {seq: "ring" if ring else "innetwork" for seq, ring in on_ring(fabric).items()}
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_restarted_aggregator_is_taken_back_where_every_rank_agrees(seed):
+    """Lost, then restarted and registered with anew by the ranks one by one while they post
+    at their own pace: taken back once the last has, at one collective every rank agrees on;
+    what was in flight then is the ring's, what follows the new instance's, bit for bit the
+    sums an aggregator never lost gives."""
+    world = 4
+    inputs = [inputs_for(world, np.int32, 10 * seed + seq) for seq in range(6)]
+    fabric = fabric_with(world, seed=seed)
+    outs = [post(fabric, 0, inputs[0])]
+    steps(fabric, 60)
+    lose(fabric, [seed % world])
+    fabric.run_timed()
+    outs.append(post(fabric, 1, inputs[1]))
+    restart(fabric)
+    register_anew(fabric, [0, 1, 2])
+    fabric.run()
+    assert all(len(s.rounds) == 1 for s in fabric.sessions)  # not every rank yet: no round
+    outs.append(post(fabric, 2, inputs[2], ranks=[0, 1]))
+    register_anew(fabric, [3])
+    for _ in range(20 * seed):  # the clock stands still: no rank times out the late ones
+        fabric.step()
+    outs[2][2:] = post(fabric, 2, inputs[2], ranks=[2, 3])[2:]  # late here, maybe reported
+    fabric.run_timed()
+    outs += [post(fabric, seq, inputs[seq]) for seq in (3, 4)]
+    fabric.run_timed()
+    ran = kinds(fabric)
+    assert ran[0] == ran[1] == "ring" and ran[3] == ran[4] == "innetwork"
+    (boundary,) = {s.rounds[1].posted for s in fabric.sessions}
+    assert all(ran[seq] == ("innetwork" if seq >= boundary else "ring") for seq in ran)
+    for seq, out in enumerate(outs):
+        assert b"".join(o.tobytes() for o in out) == in_network(world, inputs[seq])
+    for s in fabric.sessions:
+        assert s.stats["aggregators_lost"] == s.stats["aggregators_taken_back"] == 1
+        assert not s.lost and s.lanes == [0] and not s.registered_anew
+        assert "took back the aggregator at 198.18.0.1:7000" in s.rounds[1].outcome
+        assert "the 1 endpoints (198.18.0.1:7000)" in s.rounds[1].outcome
+        assert not s.rounds[1].still_lost and s.rounds[0].still_lost
+    assert fabric.aggregators[0].stats["results"] > 0
+    assert fabric.aggregators[0].pool_bytes == 0
+
+
+def test_a_round_that_does_not_take_it_back_ends_every_registration_and_the_next_does():
+    """Of two aggregators, A lost and restarted, two ranks registered with it anew when B is
+    lost: that round takes nothing back and ends both registrations on every rank alike; once
+    all four register again, A is taken back, and it alone runs what follows."""
+    world = 4
+    inputs = [inputs_for(world, np.int32, seq) for seq in range(3)]
+    fabric = fabric_with(world, aggregators=2, seed=5)
+    lose(fabric, [0], stripes=(0,))
+    fabric.run_timed()
+    restart(fabric, stripes=(0,))
+    register_anew(fabric, [1, 2])
+    lose(fabric, [3], stripes=(1,))
+    fabric.run_timed()
+    for s in fabric.sessions:
+        assert len(s.rounds) == 2 and not s.rounds[1].back and not s.registered_anew
+        assert set(s.lost) == {endpoint(0), endpoint(1)} and not s.lanes
+    outs = [post(fabric, 0, inputs[0])]
+    fabric.run_timed()
+    register_anew(fabric, range(world))
+    fabric.run_timed()
+    outs += [post(fabric, seq, inputs[seq]) for seq in (1, 2)]
+    fabric.run_timed()
+    assert kinds(fabric) == {0: "ring", 1: "innetwork", 2: "innetwork"}
+    for seq, out in enumerate(outs):
+        assert b"".join(o.tobytes() for o in out) == in_network(world, inputs[seq])
+    for s in fabric.sessions:
+        assert len(s.rounds) == 3 and s.lanes == [0] and set(s.lost) == {endpoint(1)}
+        assert s.stats["aggregators_taken_back"] == 1 and s.rounds[2].still_lost
+    assert fabric.aggregators[0].stats["results"] > 0
+
+
+def test_a_registration_anew_that_closes_before_the_round_is_not_taken_back():
+    """A rank's new registration closes (the new instance died too) after every rank said it
+    had registered: its report names nothing back, so nothing is, alike on every rank; the rank
+    registers again, and then it is."""
+    world = 3
+    fabric = fabric_with(world)
+    lose(fabric, [0])
+    fabric.run_timed()
+    restart(fabric)
+    register_anew(fabric, [1, 2])
+    fabric.run_timed()
+    fabric.sessions[1].peer_lost(endpoint(0))  # before rank 0 registers and opens the round
+    register_anew(fabric, [0])
+    fabric.run_timed()
+    for s in fabric.sessions:
+        assert len(s.rounds) == 2 and not s.rounds[1].back and endpoint(0) in s.lost
+        assert "took back no aggregator" in s.rounds[1].outcome
+    register_anew(fabric, range(world))
+    fabric.run_timed()
+    for s in fabric.sessions:
+        assert len(s.rounds) == 3 and s.rounds[2].back and not s.lost
+
+
+def test_taken_back_then_lost_again_the_ring_takes_over_again():
+    """Lost, taken back, lost again: each time every rank agrees, and the counters say so."""
+    world = 4
+    inputs = [inputs_for(world, np.int32, 40 + seq) for seq in range(4)]
+    fabric = fabric_with(world, seed=3)
+    outs = []
+    for seq in range(2):
+        outs.append(post(fabric, 2 * seq, inputs[2 * seq]))
+        steps(fabric, 50)
+        lose(fabric, [seq])
+        fabric.run_timed()
+        restart(fabric)
+        register_anew(fabric, range(world))
+        fabric.run_timed()
+        outs.append(post(fabric, 2 * seq + 1, inputs[2 * seq + 1]))
+        fabric.run_timed()
+    assert kinds(fabric) == {0: "ring", 1: "innetwork", 2: "ring", 3: "innetwork"}
+    for seq, out in enumerate(outs):
+        assert b"".join(o.tobytes() for o in out) == in_network(world, inputs[seq])
+    for s in fabric.sessions:
+        assert s.stats["aggregators_lost"] == s.stats["aggregators_taken_back"] == 2
+        assert s.epoch == 4 and not s.lost
+
+
+def test_a_registration_with_an_aggregator_not_lost_is_not_wanted():
+    fabric = fabric_with(2)
+    assert not fabric.sessions[0].aggregator_registered(endpoint(0), 0.0)
+    assert not fabric.sessions[0].registered_anew
+
+
 def test_a_report_that_does_not_parse_or_comes_twice_aborts():
-    assert unpack_report(pack_report(endpoint(1), 9, [3, 7])) == (endpoint(1), 9,
-                                                                  frozenset((3, 7)))
-    for bad in (b"", pack_report(endpoint(0), 9, [3])[:-1], pack_report(endpoint(0), 3, [3])):
+    assert unpack_report(pack_report(endpoint(1), [endpoint(2)], 9, [3, 7])) == \
+        (endpoint(1), frozenset([endpoint(2)]), 9, frozenset((3, 7)))
+    for bad in (b"", pack_report(endpoint(0), [], 9, [3])[:-1],
+                pack_report(endpoint(0), [], 3, [3]),
+                pack_report(NO_LOSS, [endpoint(0)], 3, [])[:-2],
+                pack_report(NO_LOSS, [endpoint(0), endpoint(0)], 3, [])):
         with pytest.raises(ProtocolError):
             unpack_report(bad)
     for world, again in ((3, "twice"), (2, "again")):  # the round open, or decided
         fabric = fabric_with(world)
-        report = pack_report(endpoint(0), 0, [])
+        report = pack_report(endpoint(0), [], 0, [])
         session = fabric.sessions[0]
         hdr = Header(Kind.FAILOVER, 0, 0, 0, 1, 0, 0, len(report), 0)
         session.receive(hdr, memoryview(report), 0.0, False)
         assert session.failover is not None and session.error is None
         session.receive(hdr, memoryview(report), 0.0, False)
         assert isinstance(session.error, ProtocolError) and again in str(session.error)
-    session = fabric_with(2).sessions[0]
-    report = pack_report(endpoint(1), 0, [])  # one aggregator of one endpoint: no endpoint 1
-    session.receive(Header(Kind.FAILOVER, 0, 0, 0, 1, 0, 0, len(report), 0),
-                    memoryview(report), 0.0, False)
-    assert isinstance(session.error, ProtocolError) and "no aggregator's" in str(session.error)
+    # one aggregator of one endpoint: no endpoint 1, lost or taken back, and no REJOIN for it
+    for kind, bad in ((Kind.FAILOVER, pack_report(endpoint(1), [], 0, [])),
+                      (Kind.FAILOVER, pack_report(NO_LOSS, [endpoint(1)], 0, [])),
+                      (Kind.REJOIN, pack_rejoin(endpoint(1))), (Kind.REJOIN, b"\0")):
+        session = fabric_with(2).sessions[0]
+        session.receive(Header(kind, 0, 0, 0, 1, 0, 0, len(bad), 0), memoryview(bad), 0.0, False)
+        assert isinstance(session.error, ProtocolError), (kind, bad)
 
 
 # -- on the emulated cluster: real ranks, a real aggregator killed --------------------------
@@ -486,3 +639,81 @@ def test_an_aggregator_killed_or_stopped_mid_job_the_ranks_go_on_exact(tmp_path,
         with open(tmp_path / f"switch-{a}.json") as f:
             survivor = json.load(f)
         assert survivor["pool_bytes"] == 0, survivor
+
+
+def reduce_through_a_restart(rank: int, count: int, kill_path: str):
+    """An in-network ReduceScatter on the aggregator; then, once rank 0 has asked for it to be
+    killed and restarted, more of them (on the ring while it is lost) until every rank has
+    taken it back, the ranks agreeing when by an all_reduce; then one more, on it again."""
+    import warnings
+
+    import overcast
+    from overcast.bench.worker import expected_sum, pattern
+    with warnings.catch_warnings(), overcast.Communicator(name="restart", timeout=30) as comm:
+        warnings.simplefilter("ignore", overcast.AggregatorLostWarning)
+        world = comm.world_size
+        grads, want = pattern(rank, count, world), expected_sum(rank, count, world)
+        out = np.zeros(count, np.float32)
+        exact = []
+        for calls in range(600):
+            comm.reduce_scatter(out, grads, algorithm="innetwork")
+            exact.append(np.array_equal(out, want))
+            if rank == 0 and calls == 0:
+                with open(kill_path, "w") as f:
+                    f.write("kill")
+            back = np.array([comm.counters()["aggregators_taken_back"]], np.float32)
+            comm.all_reduce(back, op="min")
+            if back[0] >= 1:
+                break
+        before = comm.counters()
+        comm.reduce_scatter(out, grads, algorithm="innetwork")
+        exact.append(np.array_equal(out, want))
+        after = comm.counters()
+        return {"exact": exact, "fallback": comm.in_network_fallback,
+                "rounds": [r.outcome for r in comm._engine.session.rounds],
+                "boundaries": [r.posted for r in comm._engine.session.rounds],
+                "on_ring": after["in_network_on_ring"] - before["in_network_on_ring"],
+                "counters": {k: after[k] for k in ("aggregators_lost", "aggregators_taken_back",
+                                                   "in_network_redone_on_ring")}}
+
+
+@root_only
+def test_an_aggregator_killed_and_restarted_is_taken_back_exact(tmp_path):
+    """The only aggregator killed after the first collective and started again at its address:
+    the ranks go on on the ring, register with the new instance, and take it back at one
+    collective every rank agrees on; every result is exact, the last runs on the new instance."""
+    import threading
+
+    from overcast.cluster.netns import Cluster
+    kill_path = tmp_path / "kill"
+    with Cluster(4, 400_000_000) as cluster:
+        switches = cluster.start_switches(stats_dir=str(tmp_path))
+        restarted = threading.Event()
+
+        def kill_and_restart():
+            while not kill_path.exists():  # rank 0 asks, once its first collective is done
+                if restarted.wait(0.01):
+                    return
+            switches[0].kill()
+            switches[0].wait()
+            cluster.stop_switch(switches[0])
+            switches[0] = cluster.start_switch(stats_path=str(tmp_path / "switch-0.json"))
+            restarted.set()
+        killer = threading.Thread(target=kill_and_restart, daemon=True)
+        killer.start()
+        try:
+            results = cluster.run(reduce_through_a_restart, timeout=300,
+                                  args=(1 << 18, str(kill_path)))
+        finally:
+            restarted.set()
+            killer.join()
+            cluster.stop_switch(switches[0])
+    with open(tmp_path / "switch-0.json") as f:
+        second = json.load(f)
+    assert len({len(r["exact"]) for r in results}) == 1
+    for r in results:
+        assert all(r["exact"]) and r["fallback"] is None and r["on_ring"] == 0, r
+        assert r["counters"]["aggregators_lost"] == r["counters"]["aggregators_taken_back"] == 1
+        assert len(r["rounds"]) == 2 and "took back the aggregator" in r["rounds"][1], r
+    assert len({tuple(r["boundaries"]) for r in results}) == 1  # alike on every rank
+    assert second["stats"]["contributions"] > 0 and second["pool_bytes"] == 0, second

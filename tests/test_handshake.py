@@ -116,7 +116,7 @@ def test_the_aggregator_takes_no_replayed_registration_and_drops_a_silent_one(mo
         replay = socket.create_connection(("127.0.0.1", service.port))
         replay.settimeout(TIMEOUT)
         assert len(replay.recv(SWITCH_CHALLENGE.size)) == SWITCH_CHALLENGE.size
-        hello = HELLO.pack(salt, WORLD, links.udp.getsockname()[1], True, 1408, 0,
+        hello = HELLO.pack(salt, WORLD, links.udp.getsockname()[1], True, 1408, 0, 0,
                            os.urandom(NONCE_BYTES), os.urandom(NONCE_BYTES))
         replay.sendall(captured_hello(secret, salt, 1, AGGREGATOR, hello))
         assert replay.recv(4096) == b""  # closed, no WELCOME

@@ -33,12 +33,12 @@ from overcast.switch.launch import start_switch, stop_switch
 from overcast.switch.service import (ACCEPT_BACKOFF_SECONDS, ADDRESS_SHARE, MAX_UNREGISTERED,
                                      Limits, SwitchService)
 from overcast.transport.datagram import chunk_bytes
-from overcast.transport.rendezvous import register_with_aggregators
+from overcast.transport.rendezvous import register_with_aggregator, register_with_aggregators
 from overcast.wire.auth import Drops, Opener, Sealer, derive_key, job_id_of
 from overcast.wire.header import (AGGREGATOR, HEADER, MAGIC, MAX_PAYLOAD, VERSION, Kind,
                                   endpoint, unpack_header)
 from overcast.wire.messages import CONTRIB_PREFIX, pack_contribution_prefix
-from overcast.wire.registration import HELLO, SWITCH_CHALLENGE
+from overcast.wire.registration import EPOCH_SHIFT, HELLO, SWITCH_CHALLENGE
 
 HOSTILE, GOOD = os.urandom(32), os.urandom(32)
 LIMITS = Limits(max_world=4096, max_communicators=40, pool_bytes=64 << 20)
@@ -61,7 +61,7 @@ class Lagging:
 
 def member(address: str, world: int, *, salt: bytes | None = None, src: int = 0,
            mtu: int = 1500, keep_udp: bool = False, hello_lag: float = 0.0,
-           secret: bytes = HOSTILE) -> types.SimpleNamespace:
+           secret: bytes = HOSTILE, epoch: int = 0) -> types.SimpleNamespace:
     """Register as rank `src` of a communicator of `world` ranks of the hostile job (or the
     job of `secret`), as a rank does (rendezvous.register_with_aggregators), its HELLO sent
     `hello_lag` seconds after the challenge came; the links it filled (switches: the
@@ -77,7 +77,13 @@ def member(address: str, world: int, *, salt: bytes | None = None, src: int = 0,
                                   opener=Opener(key, job, comm, Drops()), switches={},
                                   switch_names={}, endpoints=[], switch_slots=0,
                                   switch_error="unregistered", salt=salt)
-    register_with_aggregators(links, address, secret, salt, 5.0)
+    if epoch:  # as a rank registers anew with an aggregator restarted mid-job
+        host, port = address.rsplit(":", 1)
+        got = register_with_aggregator(links, host, int(port), 0, epoch, secret, salt, 5.0)
+        assert not isinstance(got, str), got
+        links.switches[endpoint(0)] = got.sock
+    else:
+        register_with_aggregators(links, address, secret, salt, 5.0)
     if not keep_udp:
         udp.close()
     return links
@@ -127,6 +133,33 @@ def good_job(rank):
                 bool((buf == world * (world + 1) / 2).all()), comm._switch_error]
     finally:
         comm.close()
+
+
+@pytest.mark.parametrize("epoch", [0, 5])
+def test_an_aggregators_counter_starts_in_the_range_of_the_epoch_it_was_registered_at(epoch):
+    """A communicator registered at `epoch` (a rank registering anew with an aggregator
+    restarted mid-job names how many rounds of losses and take-backs it has decided): the
+    aggregator's counter under the communicator key starts in that epoch's range, so no
+    instance's nonce meets an earlier one's, and the ranks' replay windows take it."""
+    proc, address = start_switch("127.0.0.1", 0, secrets=[HOSTILE.hex()], slots=8, shards=1)
+    sender = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    host, port = address.rsplit(":", 1)
+    links = member(address, 2, keep_udp=True, epoch=epoch)
+    try:
+        assert links.switches, links.switch_error
+        for datagram in contributions(links, 0, 0, bytes(8)):
+            sender.sendto(datagram, (host, int(port)))
+        links.udp.settimeout(10)
+        while (hdr := unpack_header(links.udp.recv(1 << 16))).kind != Kind.RESULT:
+            pass
+    finally:
+        sender.close()
+        links.udp.close()
+        for sock in links.switches.values():
+            sock.close()
+        stop_switch(proc)
+    assert hdr.src == endpoint(0) and hdr.counter >> EPOCH_SHIFT == epoch
+    assert hdr.counter - (epoch << EPOCH_SHIFT) < 1 << 41
 
 
 def test_hostile_registrations_are_refused_and_the_aggregator_serves_on(tmp_path):

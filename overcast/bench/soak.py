@@ -239,6 +239,8 @@ def summarize(ranks: list[dict], switches: list[dict], marks: list[int]) -> dict
                                       for k in r["before"]} for i, r in enumerate(ranks)},
         "injected_losses": sum(r["counters"]["injected_losses"] for r in ranks),
         "aggregators_lost": max(r["counters"].get("aggregators_lost", 0) for r in ranks),
+        "aggregators_taken_back": max(r["counters"].get("aggregators_taken_back", 0)
+                                      for r in ranks),
         "in_network_redone_on_ring": max(r["counters"].get("in_network_redone_on_ring", 0)
                                          for r in ranks),
         "repaired_chunks": sum(r["counters"].get("repaired_chunks", 0) for r in ranks),

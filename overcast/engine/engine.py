@@ -15,6 +15,7 @@ wait), or a Python timer.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import selectors
 import socket
 import threading
@@ -22,6 +23,7 @@ import time
 import warnings
 from typing import cast
 
+from overcast.engine.rejoin import Rejoiner
 from overcast.engine.trace import Trace
 from overcast.errors import AggregatorLostWarning, CollectiveTimeoutError, \
     CommunicatorClosedError, OvercastError, mark_peers_told
@@ -31,9 +33,10 @@ from overcast.protocols.p2p import P2P_KINDS, Transfer
 from overcast.protocols.session import Session
 from overcast.transport.datagram import enlarge_receive_buffer
 from overcast.transport.loss import LossSpec
-from overcast.transport.rendezvous import Links
+from overcast.transport.rendezvous import Links, Registration
 from overcast.transport.stream import Stream, StreamClosed
-from overcast.wire.header import Header, datagram_link_bytes, endpoint
+from overcast.wire.header import Header, Kind, datagram_link_bytes, endpoint
+from overcast.wire.registration import MAX_EPOCH
 from overcast.wire.runs import Run
 
 # Bytes sealed ahead into a stream's queue: enough to keep the socket busy, small enough that
@@ -148,6 +151,11 @@ class Engine:
             self.plane.set_address(_core.ROUTE_AGGREGATOR, stripe, address, port)
         if links.switches:
             session.watch_aggregators(links.switch_names, len(links.endpoints))
+        # Aggregators lost: a thread that registers with them anew (made at the first loss),
+        # the new registrations not taken back yet, and the rounds of losses acted on.
+        self._rejoiner: Rejoiner | None = None
+        self._renewed: dict[int, Stream] = {}
+        self._rounds_seen = 0
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
@@ -179,6 +187,15 @@ class Engine:
             self._submitted.append((action, item, work))
         self._wake()
 
+    def _hand(self, action: str, *args) -> bool:
+        """Hand the engine's thread something from another (False: it is closing)."""
+        with self._lock:
+            if self._close_requested:
+                return False
+            self._submitted.append((action, *args))
+        self._wake()
+        return True
+
     def refuse(self, seq: int, error: OvercastError) -> None:
         """Give collective number `seq` to a call this rank refused (Session.refuse)."""
         with self._lock:
@@ -198,6 +215,8 @@ class Engine:
             self._close_requested = True
         self._wake()
         self._thread.join()
+        if self._rejoiner is not None:  # stopped by the engine's thread on its way out
+            self._rejoiner.join()
 
     def _wake(self) -> None:
         try:
@@ -236,6 +255,8 @@ class Engine:
                 timer = session.get_timer()
             self._fill_and_flush()
             self._report()
+            if session.lost or self._renewed or len(session.rounds) != self._rounds_seen:
+                self._rejoin()
             if self._close_deadline is not None:
                 drained = not any(s.queued_bytes for s in self.streams.values()) \
                     and not session.pending_routes()
@@ -300,6 +321,13 @@ class Engine:
                 op, work = args
                 self._works[op.holder] = work
                 self.session.transfer(op, now)
+            elif action == "seal":  # a registration's HELLO: the sealer's counter is this thread's
+                payload, dst, future = args
+                if future.set_running_or_notify_cancel():
+                    future.set_result(bytes(self.sealer.seal(Kind.HELLO, 0, dst, 0, payload)))
+            elif action == "registered":
+                peer, registration = args
+                self._take_registration(peer, registration, now)
             else:
                 coll, work = args
                 self._works[coll.seq] = work
@@ -402,6 +430,74 @@ class Engine:
             self._masks.pop(stream.peer)
             stream.close()
 
+    # -- aggregators lost and restarted (protocols.failover) ---------------------------------
+    def _rejoin(self) -> None:
+        """Close the registrations of aggregators a round agreed lost (so one still running
+        forgets the communicator once every rank's has closed) and the new ones a round ended
+        without taking back, and ask the rejoiner for a new registration with each one lost."""
+        session = self.session
+        for failover in session.rounds[self._rounds_seen:]:
+            for peer in failover.lost:
+                stream = self.streams.get(peer)
+                if stream is not None and self._renewed.get(peer) is not stream:
+                    self._drop_stream(stream)
+        self._rounds_seen = len(session.rounds)
+        for peer, stream in list(self._renewed.items()):
+            if peer not in session.lost:  # taken back: its connection watches it now
+                del self._renewed[peer]
+            elif session.rank not in session.registered_anew.get(peer, {}):
+                del self._renewed[peer]  # closed, or a round ended it: to register again
+                self._drop_stream(stream)
+        if self.links.reregister is None:
+            return
+        wanted = [peer for peer in session.lost if peer not in self._renewed] \
+            if session.epoch <= MAX_EPOCH else []  # past what a HELLO can say: kept lost
+        if self._rejoiner is None and wanted:
+            self._rejoiner = Rejoiner(
+                str(self.links.rank), self.links.reregister, self._seal_hello,
+                lambda peer, registration: self._hand("registered", peer, registration))
+        if self._rejoiner is not None:
+            self._rejoiner.want(wanted, session.epoch)
+
+    def _seal_hello(self, payload: bytes, dst: int) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        if not self._hand("seal", payload, dst, future):
+            future.cancel()
+        return future
+
+    def _take_registration(self, peer: int, registration: Registration, now: float) -> None:
+        """A new registration with lost aggregator `peer`: watched as its first was, and the
+        session told, if it is still wanted and the aggregator offers what it did."""
+        session = self.session
+        stripes = session.aggregators[peer][1]
+        why = None
+        if peer not in session.lost or peer in self._renewed:
+            why = "not wanted any more"
+        elif len(registration.ports) != len(stripes):
+            why = (f"it offers {len(registration.ports)} endpoints, not the {len(stripes)} it "
+                   f"had: the communicator stripes over those")
+        elif registration.slots < self.links.switch_slots:
+            why = (f"it grants {registration.slots} slots a reduction, fewer than the "
+                   f"{self.links.switch_slots} the communicator uses")
+        if why is not None:
+            registration.sock.close()
+            if self._rejoiner is not None:
+                self._rejoiner.last_error[peer] = why
+            return
+        for stripe, port in zip(stripes, registration.ports, strict=True):
+            host = self.links.endpoints[stripe][0]
+            self.links.endpoints[stripe] = (host, port)
+            self.plane.set_address(_core.ROUTE_AGGREGATOR, stripe, host, port)
+        if (old := self.streams.get(peer)) is not None:
+            self._drop_stream(old)
+        stream = self._renewed[peer] = self.streams[peer] = Stream(
+            registration.sock, peer, self.links.opener)
+        self._selector.register(stream, selectors.EVENT_READ, stream)
+        self._masks[peer] = selectors.EVENT_READ
+        if not session.aggregator_registered(peer, now):
+            del self._renewed[peer]
+            self._drop_stream(stream)
+
     def _report(self) -> None:
         now = time.monotonic()
         while self.session.notices:  # once per communicator and aggregator lost
@@ -458,9 +554,15 @@ class Engine:
             self._close_requested = True
             leftover = list(self._submitted)
             self._submitted.clear()
+        if self._rejoiner is not None:
+            self._rejoiner.stop()
         for action, *args in leftover:
             if action in ("post", "transfer"):
                 args[1]._finish(CommunicatorClosedError("the communicator is closed"))
+            elif action == "seal":
+                args[2].cancel()
+            elif action == "registered":
+                args[1].sock.close()
         self._linger()
         for stream in list(self.streams.values()):
             self._drop_stream(stream)

@@ -24,7 +24,7 @@ static void put64(uint8_t *p, uint64_t v) { put32(p, (uint32_t)v); put32(p + 4, 
 int oc_kind_known(unsigned kind) {
     switch (kind) {
     case OC_HELLO: case OC_DESCRIBE: case OC_ABORT: case OC_GOODBYE: case OC_REFUSE:
-    case OC_FAILOVER: case OC_RING_DATA: case OC_A2A_DATA: case OC_A2A_PULL: case OC_MCAST_DATA:
+    case OC_FAILOVER: case OC_REJOIN: case OC_RING_DATA: case OC_A2A_DATA: case OC_A2A_PULL: case OC_MCAST_DATA:
     case OC_REPAIR_REQUEST: case OC_REPAIR_DATA: case OC_ACTIVATE: case OC_FIN:
     case OC_MCAST_END: case OC_CONTRIB: case OC_RESULT: case OC_RESULT_ACK: case OC_CREDIT:
     case OC_WITHDRAW: case OC_P2P_OFFER: case OC_P2P_ACCEPT: case OC_P2P_REFUSE:

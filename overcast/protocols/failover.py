@@ -19,6 +19,16 @@ no rank had posted on run in-network again, striped over the endpoints of the ag
 left. A result is one algorithm's: the ring's overwrites every element the aggregator's may have
 written. Each loss the ranks agree on in a round of its own: a second aggregator lost after the
 first round has decided starts the next.
+
+An aggregator restarted at its address is taken back the same way. Once a round has agreed it
+lost, each rank tries to register with it anew (at the communicator's epoch: how many rounds it
+has decided, so the new instance's counters never meet the old one's), and tells every peer when
+it has (REJOIN). A rank that has registered and heard every peer has opens a round; every report
+names the lost aggregators its rank holds a new registration with, and those every report names
+are taken back: in-network ReduceScatters from the round's first collective no rank had posted
+on are striped over its endpoints again, with the others left. In flight, the round freezes
+what it finds as a loss's does (those not complete run on the ring): a take-back costs at most
+the collectives in flight, once.
 """
 
 from __future__ import annotations
@@ -40,30 +50,53 @@ FAILOVER_ENV = "OVERCAST_FAILOVER_SECONDS"
 # taken for lost.
 FAILOVER_LEAST_SECONDS = 0.25
 # The counters of the losses, there from the start (zero until a loss).
-FAILOVER_COUNTERS = ("aggregators_lost", "in_network_redone_on_ring",
+FAILOVER_COUNTERS = ("aggregators_lost", "aggregators_taken_back", "in_network_redone_on_ring",
                      "in_network_complete_at_failover", "in_network_on_ring",
                      "in_network_on_fewer_endpoints")
+# How often a rank tries to register anew with an aggregator lost (restarted at its address).
+REJOIN_SECONDS = 1.0
 
-_REPORT = struct.Struct("<HHII")  # the lost endpoint, 0, the first seq not posted, how many lack
+# The lost endpoint (0: none), how many taken back, the first seq not posted, how many lack
+_REPORT = struct.Struct("<HHII")
+_ENDPOINT = struct.Struct("<H")
 _SEQ = struct.Struct("<I")
+NO_LOSS = 0  # never an aggregator's endpoint id (those are AGGREGATOR - stripe)
 
 
-def pack_report(lost: int, posted: int, lacking: list[int]) -> bytes:
-    return _REPORT.pack(lost, 0, posted, len(lacking)) + b"".join(map(_SEQ.pack, lacking))
+def pack_report(lost: int, back, posted: int, lacking: list[int]) -> bytes:
+    back = sorted(back)
+    return (_REPORT.pack(lost, len(back), posted, len(lacking))
+            + b"".join(map(_ENDPOINT.pack, back)) + b"".join(map(_SEQ.pack, lacking)))
 
 
-def unpack_report(payload) -> tuple[int, int, frozenset[int]]:
-    """(the lost endpoint, the first collective not posted, those posted that lack a block)."""
+def unpack_report(payload) -> tuple[int, frozenset[int], int, frozenset[int]]:
+    """(the lost endpoint or NO_LOSS, the aggregators registered with anew, the first collective
+    not posted, those posted that lack a block)."""
     if len(payload) < _REPORT.size:
         raise ProtocolError(f"a FAILOVER report of {len(payload)} bytes")
-    lost, zero, posted, n = _REPORT.unpack_from(payload)
-    if zero or len(payload) != _REPORT.size + n * _SEQ.size:
-        raise ProtocolError(f"a FAILOVER report of {len(payload)} bytes says {n} collectives")
-    lacking = frozenset(_SEQ.unpack_from(payload, _REPORT.size + i * _SEQ.size)[0]
-                        for i in range(n))
-    if any(seq >= posted for seq in lacking):
-        raise ProtocolError("a FAILOVER report lacks a collective it says it has not posted")
-    return lost, posted, lacking
+    lost, nback, posted, n = _REPORT.unpack_from(payload)
+    if len(payload) != _REPORT.size + nback * _ENDPOINT.size + n * _SEQ.size:
+        raise ProtocolError(f"a FAILOVER report of {len(payload)} bytes says {nback} "
+                            f"aggregators and {n} collectives")
+    at = _REPORT.size
+    back = frozenset(_ENDPOINT.unpack_from(payload, at + i * _ENDPOINT.size)[0]
+                     for i in range(nback))
+    at += nback * _ENDPOINT.size
+    lacking = frozenset(_SEQ.unpack_from(payload, at + i * _SEQ.size)[0] for i in range(n))
+    if len(back) != nback or any(seq >= posted for seq in lacking):
+        raise ProtocolError("a FAILOVER report names an aggregator twice, or lacks a "
+                            "collective it says it has not posted")
+    return lost, back, posted, lacking
+
+
+def pack_rejoin(peer: int) -> bytes:
+    return _ENDPOINT.pack(peer)
+
+
+def unpack_rejoin(payload) -> int:
+    if len(payload) != _ENDPOINT.size:
+        raise ProtocolError(f"a REJOIN of {len(payload)} bytes")
+    return _ENDPOINT.unpack_from(payload)[0]
 
 
 class RingInstead(RingReduceScatter):
@@ -91,29 +124,32 @@ class RingInstead(RingReduceScatter):
 
 
 class Failover:
-    """One round of reports after an aggregator was lost: round n is every rank's n-th report
-    (the header's seq carries n), so rounds for aggregators lost one after another stay apart.
+    """One round of reports on the aggregators, after one was lost or to take one back: round n
+    is every rank's n-th report (the header's seq carries n), so rounds stay apart.
 
     `frozen` are the in-network collectives in flight here when it froze, or posted before the
     decision (those never start on an aggregator); `held` the stream messages peers sent for them
     meanwhile (a peer that decided first runs its ring), replayed once this rank has decided.
-    Decided, `lost` is every aggregator the round's reports name (endpoint id -> host:port, the
-    same on every rank), and `posted` the first collective no rank had posted when it reported:
-    in-network collectives below it that are not complete run on the ring, those from it on on
-    the endpoints left (or the ring, none being left)."""
+    Decided, `lost` is every aggregator the round's reports name lost and `back` every lost one
+    that every report names registered with anew (endpoint id -> host:port, the same on every
+    rank), and `posted` the first collective no rank had posted when it reported: in-network
+    collectives below it that are not complete run on the ring, those from it on on the
+    endpoints left (or the ring, none being left)."""
 
     def __init__(self, number: int, rank: int, world: int):
         self.number, self.rank, self.world = number, rank, world
         self.why = ""  # how this rank found it lost, or who told it
-        self.reports: dict[int, tuple[int, int, frozenset[int]]] = {}
+        self.reports: dict[int, tuple[int, frozenset[int], int, frozenset[int]]] = {}
         self.frozen: dict[int, InNetworkReduceScatter] = {}
         self.held: list = []
         self.decided = False
         self.lost: dict[int, str] = {}
+        self.back: dict[int, str] = {}
         self.posted = 0
         self.redone: list[int] = []
         self.complete: list[int] = []
-        self.outcome = ""  # once decided: what was lost, and what took over
+        self.outcome = ""  # once decided: what was lost or taken back, and what runs now
+        self.still_lost = False  # once decided: whether any aggregator is lost after it
 
     def freeze(self, colls) -> list[int]:
         """Freeze this rank's in-network collectives in flight; the ones that lack this rank's
@@ -127,37 +163,51 @@ class Failover:
             self.frozen[coll.seq] = coll
         return sorted(lacking)
 
-    def report(self, rank: int, lost: int, posted: int, lacking: frozenset[int]) -> None:
+    def report(self, rank: int, lost: int, back: frozenset[int], posted: int,
+               lacking: frozenset[int]) -> None:
         if rank in self.reports:
             raise ProtocolError(f"rank {rank} reported round {self.number} of aggregator "
                                 f"losses twice")
-        self.reports[rank] = (lost, posted, lacking)
+        self.reports[rank] = (lost, back, posted, lacking)
 
     @property
     def ready(self) -> bool:
         return not self.decided and len(self.reports) == self.world
 
     def decide(self, names) -> None:
-        """From every rank's report: what was lost (`names(endpoint)` its host:port) and where
-        collectives posted after run."""
+        """From every rank's report: what was lost and taken back (`names(endpoint)` its
+        host:port) and where collectives posted after run."""
         self.decided = True
-        self.lost = {lost: names(lost) for lost, _, _ in self.reports.values()}
-        self.posted = max(posted for _, posted, _ in self.reports.values())
+        reports = self.reports.values()
+        self.lost = {lost: names(lost) for lost, _, _, _ in reports if lost != NO_LOSS}
+        back = frozenset.intersection(*(back for _, back, _, _ in reports))
+        self.back = {peer: names(peer) for peer in sorted(back) if peer not in self.lost}
+        self.posted = max(posted for _, _, posted, _ in reports)
 
     def redo(self, seq: int) -> bool:
         """Whether in-network collective `seq`, frozen, is not complete: some rank lacks its
         block of it or had not posted it. The same on every rank: it reads the reports alone."""
         return any(seq >= posted or seq in lacking
-                   for _, posted, lacking in self.reports.values())
+                   for _, _, posted, lacking in self.reports.values())
 
     def unreported(self) -> list[int]:
         return [r for r in range(self.world) if r not in self.reports]
 
     def summary(self, left: str) -> str:
-        """What was lost and what took over (`left`: what runs in-network collectives now), for
-        the warning and in_network_fallback."""
-        lost = ", ".join(sorted(self.lost.values()))
-        parts = [f"lost the aggregator{'s' * (len(self.lost) > 1)} at {lost} ({self.why})"]
+        """What was lost or taken back and what took over (`left`: what runs in-network
+        collectives now), for the warning and in_network_fallback."""
+        parts = []
+        if self.lost:
+            lost = ", ".join(sorted(self.lost.values()))
+            parts.append(f"lost the aggregator{'s' * (len(self.lost) > 1)} at {lost} "
+                         f"({self.why})")
+        if self.back:
+            back = ", ".join(sorted(self.back.values()))
+            parts.append(f"took back the aggregator{'s' * (len(self.back) > 1)} at {back} "
+                         f"(restarted: every rank registered with it anew)")
+        if not parts:
+            parts.append(f"took back no aggregator ({self.why}: not every rank had "
+                         f"registered with it anew)")
         if self.redone:
             parts.append("in-network ReduceScatter " + ", ".join(f"#{s}" for s in self.redone)
                          + " redone on the ring")

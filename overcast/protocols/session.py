@@ -14,17 +14,17 @@ from overcast.errors import (CollectiveMismatchError, CollectiveTimeoutError,
 from overcast.native import _core
 from overcast.protocols.base import DATAGRAM, MULTICAST, STREAM, Collective, Descriptor, \
     Outgoing
-from overcast.protocols.failover import FAILOVER_COUNTERS, FAILOVER_SECONDS, Failover, \
-    RingInstead, pack_report, unpack_report
+from overcast.protocols.failover import FAILOVER_COUNTERS, FAILOVER_SECONDS, RingInstead
 from overcast.protocols.innetwork import InNetworkReduceScatter
 from overcast.protocols.p2p import OFFERS_HELD, P2P_KINDS, PointToPoint, Transfer
+from overcast.protocols.rounds import AggregatorRounds
 from overcast.units import human_bytes
-from overcast.wire.header import AGGREGATOR, ANY, HEADER_BYTES, Kind, MalformedError, \
+from overcast.wire.header import ANY, HEADER_BYTES, Kind, MalformedError, \
     is_aggregator
 from overcast.wire.messages import pack_abort, pack_goodbye, unpack_abort, unpack_goodbye
 from overcast.wire.runs import Run
 
-_CONTROL = (Kind.DESCRIBE, Kind.ABORT, Kind.GOODBYE, Kind.REFUSE, Kind.FAILOVER)
+_CONTROL = (Kind.DESCRIBE, Kind.ABORT, Kind.GOODBYE, Kind.REFUSE, Kind.FAILOVER, Kind.REJOIN)
 # Stream messages that open with their sender's descriptor: a multicast AllGather's are the
 # first it sends a peer, in place of a DESCRIBE (Collective.described_by_end_notices).
 _DESCRIBED = (Kind.MCAST_END, Kind.REPAIR_REQUEST)
@@ -43,7 +43,7 @@ EARLY_STREAM_ENV = "OVERCAST_EARLY_STREAM_BYTES"
 _HISTORY = 1024
 
 
-class Session:
+class Session(AggregatorRounds):
     """The collectives of one rank in one communicator.
 
     `post` adds a collective (sequence numbers must come in order), `refuse` takes the next
@@ -104,24 +104,7 @@ class Session:
         # collectives that verify every peer: seq -> peers whose DESCRIBE has not matched yet
         self.unverified: dict[int, set[int]] = {}
         self._rr = 0
-        # The aggregators in-network reductions are striped over, by the endpoint id of each
-        # one's first stripe: (host:port, its stripes); none, and a lost aggregator fails the
-        # communicator, until watch_aggregators.
-        self.aggregators: dict[int, tuple[str, range]] = {}
-        self.failover_seconds = failover_seconds
-        # Aggregators lost (protocols.failover): the round of reports open, or the last decided;
-        # the rounds decided; the aggregators they agreed lost, and the endpoints left that
-        # in-network reductions are striped over; the first collective number not on the ring;
-        # the aggregators this rank found lost that no round has agreed on yet, and how; reports
-        # of peers a round ahead.
-        self.failover: Failover | None = None
-        self.rounds: list[Failover] = []
-        self.lost: dict[int, str] = {}
-        self.lanes: list[int] = []
-        self.ring_below = 0
-        self.found_lost: dict[int, str] = {}
-        self._reports_ahead: list[tuple[int, int, int, int, frozenset[int]]] = []
-        self.notices: list[str] = []  # what the engine warns of: an aggregator lost, and why
+        self._init_rounds(failover_seconds)
 
     # -- posting and finishing -----------------------------------------------------------
     def post(self, coll: Collective, now: float) -> None:
@@ -160,7 +143,8 @@ class Session:
                 self.stats["in_network_on_ring"] += 1
             else:
                 coll.aggregator = self._lane_endpoints()
-                self.stats["in_network_on_fewer_endpoints"] += 1
+                if len(self.lanes) < self.stripes:
+                    self.stats["in_network_on_fewer_endpoints"] += 1
         self.active[coll.seq] = coll
         self.last_progress[coll.seq] = now
         coll.plane = self.plane
@@ -414,22 +398,8 @@ class Session:
             except MalformedError:
                 code, reason = OvercastError.abort_code, "an abort without a reason"
             self.fail(error_class(code)(f"{reason} (reported by rank {hdr.src})"))
-        elif hdr.kind == Kind.FAILOVER:
-            try:
-                lost, posted, lacking = unpack_report(payload)
-                if self._aggregator_of(lost) is None:
-                    raise ProtocolError(f"a FAILOVER report names endpoint {AGGREGATOR - lost}, "
-                                        f"no aggregator's")
-            except ProtocolError as err:
-                self.abort(Rejected(f"rank {hdr.src}: {err}", "malformed"))
-                return
-            if hdr.seq < len(self.rounds):
-                self.abort(Rejected(f"rank {hdr.src} reported round {hdr.seq} of aggregator "
-                                    f"losses again", "duplicate"))
-            elif hdr.seq > len(self.rounds):  # it decided the round open here: kept till then
-                self._reports_ahead.append((hdr.seq, hdr.src, lost, posted, lacking))
-            else:
-                self._count_report(hdr.src, lost, posted, lacking, now)
+        elif hdr.kind in (Kind.FAILOVER, Kind.REJOIN):
+            self._receive_round(hdr, payload, now)
         elif hdr.kind == Kind.GOODBYE:
             try:
                 count = unpack_goodbye(payload)
@@ -504,6 +474,9 @@ class Session:
         self.control = collections.deque((r, m) for r, m in self.control if r[1] != peer)
         if peer in self.closed_peers:
             return
+        if peer in self.lost:  # a new registration with it closed before it was taken back
+            self.registered_anew.get(peer, {}).pop(self.rank, None)
+            return
         if is_aggregator(peer) and peer in self.aggregators:
             self.aggregator_lost(peer, "closed its connection (it exited or was killed)",
                                  self.clock)
@@ -515,149 +488,6 @@ class Session:
         else:
             self.fail(PeerFailureError(
                 f"lost the connection to rank {peer} (its process exited or was killed)"))
-
-    # -- an aggregator lost (protocols.failover) --------------------------------------------
-    def watch_aggregators(self, names: dict[int, str], stripes: int) -> None:
-        """The aggregators (host:port by the endpoint id of each one's first stripe, of
-        `stripes` endpoints in all) whose loss the ring survives: one that closes its
-        connection, or is silent `failover_seconds` (at most the timeout) while an in-network
-        reduction waits on it."""
-        firsts = sorted(AGGREGATOR - peer for peer in names)
-        bounds = [*firsts[1:], stripes]
-        self.aggregators = {AGGREGATOR - first: (names[AGGREGATOR - first], range(first, end))
-                            for first, end in zip(firsts, bounds)}
-        self.lanes = list(range(stripes))
-
-    def _aggregator_of(self, peer: int) -> int | None:
-        """The aggregator (its first endpoint's id) endpoint id `peer` belongs to."""
-        return next((first for first, (_, stripes) in self.aggregators.items()
-                     if AGGREGATOR - peer in stripes), None)
-
-    def _lane_endpoints(self) -> frozenset[int]:
-        return frozenset(AGGREGATOR - e for e in self.lanes)
-
-    def aggregator_lost(self, peer: int, why: str, now: float) -> None:
-        """This rank found aggregator `peer` (its first endpoint's id) lost: `why`. The ranks
-        agree on it in a round of reports, this one's first if none is open."""
-        if peer in self.lost or peer in self.found_lost or self.closing:
-            return  # closing: nothing of its own left to save (a peer's report is answered)
-        self.found_lost[peer] = why
-        if self.failover is None or self.failover.decided:
-            self._open_round(peer, now)
-
-    def _open_round(self, peer: int, now: float, told_by: int | None = None) -> None:
-        """Freeze every in-network reduction in flight and tell every peer what this rank holds,
-        naming aggregator `peer`, which this rank found lost, or rank `told_by` reported."""
-        failover = self.failover = Failover(len(self.rounds), self.rank, self.world)
-        failover.why = f"reported by rank {told_by}" if told_by is not None else \
-            f"rank {self.rank} found that it {self.found_lost[peer]}"
-        lacking = failover.freeze(list(self.active.values()))
-        report = pack_report(peer, self.next_seq, lacking)
-        for other in range(self.world):
-            if other != self.rank:
-                self._send_control(Kind.FAILOVER, failover.number, other, report)
-        self._count_report(self.rank, peer, self.next_seq, frozenset(lacking), now)
-
-    def _count_report(self, rank: int, lost: int, posted: int, lacking: frozenset[int],
-                      now: float) -> None:
-        """A report for the round this rank is at: the first opens it here (naming an
-        aggregator this rank found lost, if any, else the one reported); the last decides."""
-        aggregator = self._aggregator_of(lost)
-        assert aggregator is not None  # a peer's report is checked for one as it arrives
-        if self.failover is None or self.failover.decided:
-            mine = next((p for p in self.found_lost if p not in self.lost), None)
-            if mine is None:
-                self._open_round(aggregator, now, told_by=rank)
-            else:
-                self._open_round(mine, now)
-        failover = self.failover
-        assert failover is not None  # open, or opened above
-        try:
-            failover.report(rank, aggregator, posted, lacking)
-        except ProtocolError as err:
-            self.abort(Rejected(str(err), "duplicate"))
-            return
-        for seq in failover.frozen:
-            if seq in self.last_progress:
-                self.last_progress[seq] = now
-        if failover.ready:
-            self._decide(failover, now)
-
-    def _decide(self, failover: Failover, now: float) -> None:
-        """Every rank's report is in for `failover`, the round open: decide, alike on every rank."""
-        failover.decide(lambda peer: self.aggregators[peer][0])
-        self.lost.update(failover.lost)
-        self.stats["aggregators_lost"] += len(failover.lost)
-        self.lanes = [e for e in self.lanes if self._aggregator_of(AGGREGATOR - e)
-                      not in self.lost]
-        if self.lanes:
-            self.plane.set_lanes(self.lanes)
-        self.ring_below = failover.posted
-        resumed = 0
-        for seq, coll in sorted(failover.frozen.items()):
-            if self.active.get(seq) is not coll:
-                continue  # failed meanwhile (a refusal)
-            if coll.posted_at is not None:  # started at the aggregators: free their pools
-                self.control.extend(coll.withdrawal())
-            if not failover.redo(seq):
-                failover.complete.append(seq)
-                coll.complete_frozen()
-                self._settle(coll)
-            elif seq < failover.posted or not self.lanes:
-                failover.redone.append(seq)
-                ring = self.active[seq] = RingInstead(coll)
-                ring.plane = self.plane
-                self._guard(ring, ring.start, now)
-                self._settle(ring)
-            else:  # posted here after this rank reported, and nowhere before: never started
-                coll.frozen, coll.aggregator = False, self._lane_endpoints()
-                resumed += 1
-                self._guard(coll, coll.start, now)
-                self._settle(coll)
-        self.stats["in_network_redone_on_ring"] += len(failover.redone)
-        self.stats["in_network_complete_at_failover"] += len(failover.complete)
-        self.stats["in_network_on_fewer_endpoints"] += resumed
-        failover.frozen.clear()
-        left = "the ring" if not self.lanes else \
-            f"the {len(self.lanes)} endpoints left (" + ", ".join(
-                name for first, (name, _) in sorted(self.aggregators.items())
-                if first not in self.lost) + ")"
-        failover.outcome = failover.summary(left)
-        self.rounds.append(failover)  # with its outcome: another thread reads them (Communicator)
-        self.notices.append(f"rank {self.rank} {failover.outcome}")
-        held, failover.held = failover.held, []
-        for hdr, payload in held:
-            self.receive(hdr, payload, now, False)
-        # the next round: a peer's report for it, or an aggregator this rank found lost since
-        ahead = [r for r in self._reports_ahead if r[0] == len(self.rounds)]
-        self._reports_ahead = [r for r in self._reports_ahead if r[0] != len(self.rounds)]
-        for _, rank, lost, posted, lacking in ahead:
-            self._count_report(rank, lost, posted, lacking, now)
-        unagreed = [p for p in self.found_lost if p not in self.lost]
-        if unagreed and (self.failover is None or self.failover.decided):
-            self._open_round(unagreed[0], now)
-
-    def _silent_aggregator(self) -> tuple[int, float] | None:
-        """The aggregator silent longest while an in-network reduction waits on it, and when
-        it will have been silent past the bound (None: none waits on any)."""
-        if not self.aggregators or (self.failover is not None and not self.failover.decided):
-            return None
-        waiting = [c.posted_at for c in self.active.values()
-                   if isinstance(c, InNetworkReduceScatter) and c.waits_on_aggregators()
-                   and c.posted_at is not None]
-        if not waiting:
-            return None
-        bound = min(self.failover_seconds, self.timeout)
-        due = []
-        for peer, (_, stripes) in self.aggregators.items():
-            if peer in self.lost or peer in self.found_lost:
-                continue
-            heard = [t for e in stripes if (t := self.plane.heard(e)) is not None]
-            due.append((max([*heard, min(waiting)]) + bound, peer))
-        if not due:
-            return None
-        at, peer = min(due)
-        return peer, at
 
     def close(self) -> None:
         """Say goodbye to every peer; collectives still pending fail, here and, told by an

@@ -39,9 +39,9 @@ def summary_table(doc: dict):
     t.add_row("fds, threads left behind on any rank", str(left or "none"))
     if meta.get("kill_aggregator_every"):
         t.add_row(f"aggregators killed (every {meta['kill_aggregator_every']} pairs) / lost "
-                  f"by the ranks / in-network collectives redone on the ring",
+                  f"by the ranks / taken back / in-network collectives redone on the ring",
                   f"{s['aggregator_kills']} / {s['aggregators_lost']} / "
-                  f"{s['in_network_redone_on_ring']}")
+                  f"{s.get('aggregators_taken_back', 0)} / {s['in_network_redone_on_ring']}")
     t.add_row("losses injected / chunks repaired / contributions resent",
               f"{s['injected_losses']} / {s['repaired_chunks']} / "
               f"{s['contributions_resent']}")

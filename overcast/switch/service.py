@@ -61,9 +61,9 @@ from overcast.transport.datagram import (DATAGRAM_TRUESIZE, MAX_DATAGRAM, enlarg
 from overcast.wire.auth import Drops, Opener, derive_key, job_id_of
 from overcast.wire.header import (HEADER_BYTES, MAX_STRIPES, TAG_BYTES, Kind, MalformedError,
                                   unpack_header)
-from overcast.wire.registration import (HELLO, NONCE_BYTES, REFUSAL_LABEL, SWITCH_CHALLENGE,
-                                        SWITCH_MAGIC, WELCOME_LABEL, Refused, pack_refusal,
-                                        pack_welcome)
+from overcast.wire.registration import (EPOCH_SHIFT, HELLO, NONCE_BYTES, REFUSAL_LABEL,
+                                        SWITCH_CHALLENGE, SWITCH_MAGIC, WELCOME_LABEL, Refused,
+                                        pack_refusal, pack_welcome)
 
 REGISTRATION_SECONDS = 10.0
 HELLO_FRAME_BYTES = HEADER_BYTES + HELLO.size + TAG_BYTES  # all a connection may send
@@ -366,8 +366,8 @@ class SwitchService:
         if not self._hello_header(hdr):
             return False
         secret = self.secrets[hdr.job]
-        salt, world, udp_port, hears_group, max_row, stripe, nonce, theirs = HELLO.unpack_from(
-            frame, HEADER_BYTES)
+        salt, world, udp_port, hears_group, max_row, stripe, epoch, nonce, theirs = \
+            HELLO.unpack_from(frame, HEADER_BYTES)
         if hdr.comm != int.from_bytes(salt[:4], "little"):
             self.drops["foreign"] += 1
             return False
@@ -383,7 +383,7 @@ class SwitchService:
         except OSError:  # gone already: admit nothing no connection holds
             return False
         try:
-            comm = self._admit(hdr.job, salt, hdr.src, world, max_row, stripe, key)
+            comm = self._admit(hdr.job, salt, hdr.src, world, max_row, stripe, epoch, key)
         except Refusal as refusal:
             self.drops[f"refused_{refusal.reason.name.lower()}"] += 1
             self._say(reg, pack_refusal(derive_key(secret, salt, REFUSAL_LABEL), theirs,
@@ -403,7 +403,7 @@ class SwitchService:
                                            comm.slots, self.ports))
 
     def _admit(self, job: int, salt: bytes, src: int, world: int, max_row: int, stripe: int,
-               key: bytes) -> _Comm:
+               epoch: int, key: bytes) -> _Comm:
         """The registered communicator of this salt, or a new one within the limits."""
         if not src < world:
             raise Refusal(Refused.WORLD, f"rank {src} of a world of {world}")
@@ -468,9 +468,11 @@ class SwitchService:
             raise Refusal(Refused.POOL, f"it needs {fixed} bytes and {per_slot} per slot; "
                                         f"{max(left, 0)} of the job's {share} are left "
                                         f"(--pool-bytes, shared among the jobs served)")
-        # A fresh random start for the aggregator's counter under this key: never the clock,
-        # which can step back, and never a start an earlier run of this service may have used.
-        counter = secrets.randbits(62)
+        # The counter's start under this key: in the range of the epoch the first HELLO names
+        # (wire.registration), which an instance that served this communicator before (this
+        # service, or one that ran at this address earlier) never reached; at a random place in
+        # it, never the clock, which can step back.
+        counter = (epoch << EPOCH_SHIFT) | secrets.randbits(40)
         try:
             handle, granted = self.shards.register(job, wire_id, world, stripe, slots, key,
                                                    counter, max_row)

@@ -22,6 +22,7 @@ import selectors
 import socket
 import time
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import cast
 
@@ -32,7 +33,7 @@ from overcast.transport.probe import prove_delivery
 from overcast.transport.store import (StoreClient, StoreError, StoreServer, connect_until, forget,
                                       read_exact)
 from overcast.wire.auth import Drops, Opener, Sealer, derive_key, frame_length, job_id_of
-from overcast.wire.header import (ANY, HEADER_BYTES, MAX_STRIPES, TAG_BYTES, Kind,
+from overcast.wire.header import (AGGREGATOR, ANY, HEADER_BYTES, MAX_STRIPES, TAG_BYTES, Kind,
                                   MalformedError, endpoint, unpack_header)
 from overcast.wire.messages import CONTRIB_PREFIX
 from overcast.wire.registration import (ANSWER, CHALLENGE, DEFAULT_SWITCH_PORT, HELLO,
@@ -77,6 +78,11 @@ class Links:
     endpoints: list[tuple[str, int]] = dataclasses.field(default_factory=list)
     switch_slots: int = 0
     switch_error: str | None = "no aggregator configured (set OVERCAST_SWITCH=host:port)"
+    # Registers this rank anew with the aggregator of `peer` (the id of its first endpoint) at
+    # `epoch`, its HELLO sealed by `seal`, restarted after it was lost: its Registration, or why
+    # not (register_with_aggregator)
+    reregister: Callable[[int, int, Callable[[bytes, int], bytes]], Registration | str] | None \
+        = None
     # the ranks whose multicast each rank did not hear, alike on every rank (transport.probe):
     # empty where every rank heard every other; and the probes this rank dropped, by why
     multicast_unheard: dict[int, list[int]] = dataclasses.field(default_factory=dict)
@@ -398,26 +404,49 @@ def register_with_aggregators(links: Links, spec: str, secret: bytes, salt: byte
     """Register this rank with every aggregator `spec` names (parse_switches), in order: each
     one's endpoints take the stripes after the ones before it. On any failure, or a refusal
     (its reason), say why in links.switch_error (only in-network collectives need it) and
-    keep none of them."""
+    keep none of them. links.reregister registers anew with one of them later (restarted)."""
     try:
         aggregators = parse_switches(spec)
     except ValueError as err:
         links.switch_error = str(err)
         return
+    where: dict[int, tuple[str, int]] = {}
     for host, port in aggregators:
-        error = _register(links, host, port, secret, salt, timeout)
-        if error is not None:
+        first = len(links.endpoints)
+        got = register_with_aggregator(links, host, port, first, 0, secret, salt, timeout)
+        if isinstance(got, str):
             for sock in links.switches.values():
                 sock.close()
             links.switches, links.switch_names, links.endpoints, links.switch_slots = {}, {}, [], 0
-            links.switch_error = error
+            links.switch_error = got
             return
+        where[endpoint(first)] = (host, port)
+        links.switches[endpoint(first)] = got.sock
+        links.switch_names[endpoint(first)] = f"{host}:{port}"
+        links.endpoints += [(host, p) for p in got.ports]
+        links.switch_slots = min(links.switch_slots or got.slots, got.slots)
     links.switch_error = None
+    links.reregister = lambda peer, epoch, seal: register_with_aggregator(
+        links, *where[peer], AGGREGATOR - peer, epoch, secret, salt, timeout, seal)
 
 
-def _register(links: Links, host: str, port: int, secret: bytes, salt: bytes,
-              timeout: float) -> str | None:
-    """Register with one aggregator, adding its endpoints to links; None, or why it failed."""
+@dataclass
+class Registration:
+    """This rank registered with an aggregator: the connection that stays open while it serves
+    the communicator, its endpoints' datagram ports, and the slots it grants a reduction."""
+
+    sock: socket.socket
+    ports: list[int]
+    slots: int
+
+
+def register_with_aggregator(links: Links, host: str, port: int, first: int, epoch: int,
+                             secret: bytes, salt: bytes, timeout: float,
+                             seal: Callable[[bytes, int], bytes] | None = None
+                             ) -> Registration | str:
+    """Register with the aggregator at host:port as the stripes from `first` on, at `epoch`
+    (wire.registration): its Registration, or why it failed. `seal(hello, dst)` seals the
+    HELLO (default: links.sealer, which only the thread that owns it may use)."""
     try:
         sock = socket.create_connection((host, port), timeout=timeout)
     except (OSError, UnicodeError) as err:  # UnicodeError: a name IDNA cannot encode
@@ -430,10 +459,12 @@ def _register(links: Links, host: str, port: int, secret: bytes, salt: bytes,
             raise ConnectionError("it did not greet as an overcast aggregator")
         mine = secrets.token_bytes(NONCE_BYTES)
         widest = chunk_bytes(links.mtu) - CONTRIB_PREFIX.size
-        first = len(links.endpoints)
         hello = HELLO.pack(salt, links.world, links.udp.getsockname()[1],
-                           links.multicast is not None, widest, first, challenge, mine)
-        sock.sendall(links.sealer.seal(Kind.HELLO, 0, endpoint(first), 0, hello))
+                           links.multicast is not None, widest, first, epoch, challenge, mine)
+        if seal is None:
+            sock.sendall(links.sealer.seal(Kind.HELLO, 0, endpoint(first), 0, hello))
+        else:
+            sock.sendall(seal(hello, endpoint(first)))
         start = read_exact(sock, len(REFUSAL_MAGIC), deadline)
         if start == REFUSAL_MAGIC:
             refusal = open_refusal(derive_key(secret, salt, REFUSAL_LABEL), mine,
@@ -456,8 +487,4 @@ def _register(links: Links, host: str, port: int, secret: bytes, salt: bytes,
     except (OSError, ConnectionError, MalformedError, ValueError) as err:
         sock.close()
         return f"registration with the aggregator at {host}:{port} failed: {err}"
-    links.switches[endpoint(first)] = sock
-    links.switch_names[endpoint(first)] = f"{host}:{port}"
-    links.endpoints += [(host, p) for p in ports]
-    links.switch_slots = min(links.switch_slots or slots, slots)
-    return None
+    return Registration(sock, list(ports), slots)

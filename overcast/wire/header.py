@@ -66,6 +66,7 @@ class Kind(enum.IntEnum):
     GOODBYE = 4
     REFUSE = 5
     FAILOVER = 6
+    REJOIN = 7
     RING_DATA = 10
     A2A_DATA = 11
     A2A_PULL = 12

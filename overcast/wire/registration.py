@@ -26,10 +26,19 @@ SWITCH_MAGIC = b"OCCH"
 # receives the communicator's multicast group, the widest contribution it sends (bytes after
 # the contribution's prefix), the stripe of this aggregator's first endpoint (its shards are
 # that stripe and the ones after it: the job's aggregators in the order OVERCAST_SWITCH names
-# them), the aggregator's nonce, and the rank's own. Sealed under the communicator key, which
-# the aggregator derives from the job secret and this salt. Results go to the address the
-# registration's connection came from.
-HELLO = struct.Struct(f"<16sHHBIH{NONCE_BYTES}s{NONCE_BYTES}s")
+# them), the rank's epoch (how many rounds of aggregator losses and take-backs its communicator
+# has decided: an aggregator restarted mid-job is registered with at a later epoch than the
+# instance it replaces), the aggregator's nonce, and the rank's own. Sealed under the
+# communicator key, which the aggregator derives from the job secret and this salt. Results go
+# to the address the registration's connection came from.
+HELLO = struct.Struct(f"<16sHHBIHH{NONCE_BYTES}s{NONCE_BYTES}s")
+# An aggregator's counter under a communicator key starts in its epoch's range, at a random
+# place in the range's first 2^40: each instance that serves a communicator has counters of its
+# own (a nonce never repeats under the key), 2^48 - 2^40 of them, above every earlier
+# instance's (so the ranks' replay windows take the new one's as they come, and never again an
+# old one's).
+EPOCH_SHIFT = 48
+MAX_EPOCH = (1 << 16) - 1
 # The aggregator's WELCOME: the magic, the rank's nonce, slots per reduction, how many
 # endpoints (shards) it has, then each one's datagram port, and an HMAC-SHA256 of all that
 # under a key derived from the job secret and the salt for welcomes alone. Like a refusal, it
