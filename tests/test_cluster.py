@@ -13,7 +13,7 @@ import pytest
 
 import overcast
 from conftest import root_only
-from overcast.cluster.netns import Cluster, list_namespaces, read_nic_counters
+from overcast.cluster.netns import Cluster, interface_gro, list_namespaces, read_nic_counters
 from overcast.transport.datagram import reduction_batch
 
 pytestmark = root_only
@@ -94,6 +94,19 @@ def blast(rank, nbytes, both):
     conn.close()
     delta = read_nic_counters() - before
     return [elapsed, delta.tx_bytes, delta.rx_bytes]
+
+
+def test_the_nics_have_gro_on_and_the_switch_ports_do_not():
+    """GRO on every host's and aggregator's eth0, as on a NIC (a veth's is off by default); the
+    switch's ports left as they are; and turned off and on again as asked."""
+    with Cluster(2, 100_000_000, aggregators=2) as cluster:
+        for ns in [*cluster.host_ns, *cluster.aggregator_ns]:
+            assert interface_gro(ns, "eth0")
+        assert not any(interface_gro(cluster.switch_ns, port) for port in ("h0", "h1", "svc"))
+        assert not interface_gro(cluster.host_ns[0], "eth0", False)
+        assert interface_gro(cluster.host_ns[0], "eth0", True)
+    with Cluster(1, 100_000_000, gro=False, service=False) as cluster:
+        assert not interface_gro(cluster.host_ns[0], "eth0")
 
 
 @pytest.mark.parametrize("both", [False, True])

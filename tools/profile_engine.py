@@ -240,10 +240,12 @@ def main() -> int:
     p.add_argument("--mode", choices=("profile", "parts", "time", "perf"), default="profile")
     p.add_argument("--top", type=int, default=0, help="profile: also list the N functions that "
                    "took the most time of their own")
+    p.add_argument("--gro", choices=("on", "off"), default="on",
+                   help="GRO on the hosts' and the aggregator's NICs (the cluster's default: on)")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         path, stats = f"{tmp}/engine.prof", f"{tmp}/switch.json"
-        with Cluster(args.hosts, int(args.link_mbit * 1e6)) as cluster:
+        with Cluster(args.hosts, int(args.link_mbit * 1e6), gro=args.gro == "on") as cluster:
             switch = cluster.start_switch(stats_path=stats)
             sampler = sample_machine(f"{tmp}/perf.data") if args.mode == "perf" else None
             try:
