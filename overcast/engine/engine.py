@@ -255,7 +255,7 @@ class Engine:
                 timer = session.get_timer()
             self._fill_and_flush()
             self._report()
-            if session.lost or self._renewed or len(session.rounds) != self._rounds_seen:
+            if len(session.rounds) != self._rounds_seen:  # a loss or take-back agreed on
                 self._rejoin()
             if self._close_deadline is not None:
                 drained = not any(s.queued_bytes for s in self.streams.values()) \
@@ -421,6 +421,8 @@ class Engine:
         the host:port its registration named)."""
         self._drop_stream(stream)
         self.session.peer_lost(stream.peer, self.links.switch_names.get(stream.peer))
+        if stream.peer in self._renewed:  # a new registration closed: to register again
+            self._rejoin()
 
     def _drop_stream(self, stream: Stream) -> None:
         if self.streams.pop(stream.peer, None) is not None:
@@ -434,7 +436,8 @@ class Engine:
     def _rejoin(self) -> None:
         """Close the registrations of aggregators a round agreed lost (so one still running
         forgets the communicator once every rank's has closed) and the new ones a round ended
-        without taking back, and ask the rejoiner for a new registration with each one lost."""
+        without taking back, and ask the rejoiner for a new registration with each one lost.
+        Run when a round was decided or a new registration came or went."""
         session = self.session
         for failover in session.rounds[self._rounds_seen:]:
             for peer in failover.lost:
@@ -497,6 +500,7 @@ class Engine:
         if not session.aggregator_registered(peer, now):
             del self._renewed[peer]
             self._drop_stream(stream)
+        self._rejoin()
 
     def _report(self) -> None:
         now = time.monotonic()
