@@ -557,10 +557,17 @@ class Communicator:
         lost: which, how, and which collectives the ring redid; and any taken back since),
         alike on every rank but for who noticed first; None while they run on every
         aggregator (none was lost, or every one lost was taken back)."""
-        rounds = list(self._engine.session.rounds)  # one per loss or take-back agreed on
+        session = self._engine.session
+        rounds = list(session.rounds)  # the latest, one per loss or take-back agreed on
         if not rounds or not rounds[-1].still_lost:
             return None
-        return "; then ".join(r.outcome for r in rounds)
+        clear = [i for i, r in enumerate(rounds) if not r.still_lost]
+        since = rounds[clear[-1] + 1:] if clear else rounds  # since the last time none was lost
+        said = "; then ".join(r.outcome for r in since)
+        for peer, why in list(session.not_taken_back.items()):
+            said += f"; the aggregator at {session.aggregators[peer][0]} answers again but " \
+                    f"cannot be taken back: {why}"
+        return said
 
     def counters(self) -> dict:
         """Dropped messages by reason, stale messages, bytes and datagrams, and the protocols'

@@ -508,6 +508,48 @@ def test_a_registration_anew_that_closes_before_the_round_is_not_taken_back():
         assert len(s.rounds) == 3 and s.rounds[2].back and not s.lost
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_a_take_back_agreed_as_the_new_instance_dies_is_found_lost_at_once(seed):
+    """Every rank reported its new registration, then the new instance dies (each rank's new
+    connection closes) before the round decides: the round takes it back, and each rank finds it
+    lost again as it decides, without waiting for its silence; the next collective runs on the
+    ring at once, exact."""
+    world = 3
+    fabric = fabric_with(world, seed=seed)
+    lose(fabric, [0])
+    fabric.run_timed()
+    restart(fabric)
+    register_anew(fabric, range(world))
+    while not all(s.failover is not None and s.failover.number == 1 and s.rank in
+                  s.failover.reports for s in fabric.sessions):
+        assert fabric.step()
+    fabric.silent.add(endpoint(0))
+    for s in fabric.sessions:
+        s.peer_lost(endpoint(0))
+    fabric.run()  # the clock stands still: nothing waits out a bound
+    for s in fabric.sessions:
+        assert s.epoch == 3 and s.rounds[1].back and s.rounds[2].lost and endpoint(0) in s.lost
+    inputs = inputs_for(world, np.int32, seed)
+    outs = post(fabric, 0, inputs)
+    start = fabric.now
+    fabric.run_timed()
+    assert fabric.now == start and kinds(fabric) == {0: "ring"}
+    assert b"".join(o.tobytes() for o in outs) == in_network(world, inputs)
+
+
+def test_an_aggregator_back_that_cannot_be_taken_back_is_said_once_per_reason():
+    fabric = fabric_with(2)
+    lose(fabric, [0, 1])
+    fabric.run_timed()
+    session = fabric.sessions[0]
+    session.notices.clear()
+    for why in ("it offers 2 endpoints", "it offers 2 endpoints", "it grants 4 slots"):
+        session.cannot_take_back(endpoint(0), why)
+    assert session.notices == [f"rank 0: the aggregator at 198.18.0.1:7000 answers again but "
+                               f"cannot be taken back: {why}" for why in
+                               ("it offers 2 endpoints", "it grants 4 slots")]
+
+
 def test_taken_back_then_lost_again_the_ring_takes_over_again():
     """Lost, taken back, lost again: each time every rank agrees, and the counters say so."""
     world = 4

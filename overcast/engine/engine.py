@@ -152,10 +152,10 @@ class Engine:
         if links.switches:
             session.watch_aggregators(links.switch_names, len(links.endpoints))
         # Aggregators lost: a thread that registers with them anew (made at the first loss),
-        # the new registrations not taken back yet, and the rounds of losses acted on.
+        # the new registrations not taken back yet, and the rounds acted on.
         self._rejoiner: Rejoiner | None = None
         self._renewed: dict[int, Stream] = {}
-        self._rounds_seen = 0
+        self._epoch_seen = 0
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
@@ -255,7 +255,7 @@ class Engine:
                 timer = session.get_timer()
             self._fill_and_flush()
             self._report()
-            if len(session.rounds) != self._rounds_seen:  # a loss or take-back agreed on
+            if session.epoch != self._epoch_seen:  # a loss or take-back agreed on
                 self._rejoin()
             if self._close_deadline is not None:
                 drained = not any(s.queued_bytes for s in self.streams.values()) \
@@ -439,12 +439,11 @@ class Engine:
         without taking back, and ask the rejoiner for a new registration with each one lost.
         Run when a round was decided or a new registration came or went."""
         session = self.session
-        for failover in session.rounds[self._rounds_seen:]:
-            for peer in failover.lost:
-                stream = self.streams.get(peer)
-                if stream is not None and self._renewed.get(peer) is not stream:
-                    self._drop_stream(stream)
-        self._rounds_seen = len(session.rounds)
+        self._epoch_seen = session.epoch
+        for peer in session.lost:
+            stream = self.streams.get(peer)
+            if stream is not None and self._renewed.get(peer) is not stream:
+                self._drop_stream(stream)
         for peer, stream in list(self._renewed.items()):
             if peer not in session.lost:  # taken back: its connection watches it now
                 del self._renewed[peer]
@@ -484,8 +483,10 @@ class Engine:
                    f"{self.links.switch_slots} the communicator uses")
         if why is not None:
             registration.sock.close()
-            if self._rejoiner is not None:
-                self._rejoiner.last_error[peer] = why
+            if peer in session.lost and peer not in self._renewed:
+                session.cannot_take_back(peer, why)
+                if self._rejoiner is not None:
+                    self._rejoiner.refused(peer)
             return
         for stripe, port in zip(stripes, registration.ports, strict=True):
             host = self.links.endpoints[stripe][0]

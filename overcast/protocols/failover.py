@@ -53,8 +53,13 @@ FAILOVER_LEAST_SECONDS = 0.25
 FAILOVER_COUNTERS = ("aggregators_lost", "aggregators_taken_back", "in_network_redone_on_ring",
                      "in_network_complete_at_failover", "in_network_on_ring",
                      "in_network_on_fewer_endpoints")
-# How often a rank tries to register anew with an aggregator lost (restarted at its address).
+# How often a rank tries to register anew with an aggregator lost (restarted at its address),
+# each try bounded by as long; and how long it waits after an aggregator that answers but cannot
+# be taken back (other endpoints, fewer slots).
 REJOIN_SECONDS = 1.0
+REJOIN_REFUSED_SECONDS = 15.0
+# The rounds a session keeps, the latest (in_network_fallback tells them).
+ROUNDS_KEPT = 16
 
 # The lost endpoint (0: none), how many taken back, the first seq not posted, how many lack
 _REPORT = struct.Struct("<HHII")
@@ -204,7 +209,7 @@ class Failover:
         if self.back:
             back = ", ".join(sorted(self.back.values()))
             parts.append(f"took back the aggregator{'s' * (len(self.back) > 1)} at {back} "
-                         f"(restarted: every rank registered with it anew)")
+                         f"(every rank registered with it anew)")
         if not parts:
             parts.append(f"took back no aggregator ({self.why}: not every rank had "
                          f"registered with it anew)")

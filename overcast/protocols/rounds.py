@@ -7,17 +7,16 @@ the session.
 
 from __future__ import annotations
 
+import collections
 from typing import TYPE_CHECKING
 
 from overcast.errors import ProtocolError, Rejected
-from overcast.protocols.failover import FAILOVER_SECONDS, NO_LOSS, Failover, RingInstead, \
-    pack_rejoin, pack_report, unpack_rejoin, unpack_report
+from overcast.protocols.failover import FAILOVER_SECONDS, NO_LOSS, ROUNDS_KEPT, Failover, \
+    RingInstead, pack_rejoin, pack_report, unpack_rejoin, unpack_report
 from overcast.protocols.innetwork import InNetworkReduceScatter
 from overcast.wire.header import AGGREGATOR, Kind
 
 if TYPE_CHECKING:
-    import collections
-
     from overcast.errors import OvercastError
     from overcast.native import _core
     from overcast.protocols.base import Collective, Outgoing
@@ -60,7 +59,8 @@ class AggregatorRounds:
         # at: a round numbered that or later that does not take it back ends the registration
         # (the rank registers again), alike on every rank.
         self.failover: Failover | None = None
-        self.rounds: list[Failover] = []
+        self.epoch = 0  # the rounds decided (a registration anew names it: wire.registration)
+        self.rounds: collections.deque[Failover] = collections.deque(maxlen=ROUNDS_KEPT)
         self.lost: dict[int, str] = {}
         self.lanes: list[int] = []
         self.stripes = 0
@@ -68,6 +68,9 @@ class AggregatorRounds:
         self.found_lost: dict[int, str] = {}
         self._reports_ahead: list[tuple[int, int, int, frozenset[int], int, frozenset[int]]] = []
         self.registered_anew: dict[int, dict[int, int]] = {}
+        self._closed_anew: set[int] = set()  # new registrations closed since the last round
+        # the aggregators answering again that cannot be taken back, and why (said once each)
+        self.not_taken_back: dict[int, str] = {}
         self.notices: list[str] = []  # what the engine warns of: an aggregator lost, and why
 
     def _receive_round(self, hdr, payload, now: float) -> None:
@@ -89,10 +92,10 @@ class AggregatorRounds:
             # kept whether or not this rank has agreed on its loss yet (a report may be late)
             self.registered_anew.setdefault(named[0], {})[hdr.src] = hdr.seq
             self._take_back(now)
-        elif hdr.seq < len(self.rounds):
+        elif hdr.seq < self.epoch:
             self.abort(Rejected(f"rank {hdr.src} reported round {hdr.seq} of aggregator "
                                 f"losses again", "duplicate"))
-        elif hdr.seq > len(self.rounds):  # it decided the round open here: kept till then
+        elif hdr.seq > self.epoch:  # it decided the round open here: kept till then
             self._reports_ahead.append((hdr.seq, hdr.src, lost, back, posted, lacking))
         else:
             self._count_report(hdr.src, lost, back, posted, lacking, now)
@@ -126,10 +129,20 @@ class AggregatorRounds:
         if self.failover is None or self.failover.decided:
             self._open_round(peer, now)
 
-    @property
-    def epoch(self) -> int:
-        """The rounds decided (wire.registration: a registration anew names it)."""
-        return len(self.rounds)
+    def registration_closed(self, peer: int) -> None:
+        """This rank's new registration with lost aggregator `peer` closed (the new instance
+        died too): not named in its reports from now on; if a round takes it back all the same
+        (this rank had reported), it is found lost again at once."""
+        self.registered_anew.get(peer, {}).pop(self.rank, None)
+        self._closed_anew.add(peer)
+
+    def cannot_take_back(self, peer: int, why: str) -> None:
+        """Lost aggregator `peer` answers again, but not as the communicator needs (`why`):
+        said once per reason, and in in_network_fallback."""
+        if self.not_taken_back.get(peer) != why:
+            self.not_taken_back[peer] = why
+            self.notices.append(f"rank {self.rank}: the aggregator at {self.aggregators[peer][0]} "
+                                f"answers again but cannot be taken back: {why}")
 
     def aggregator_registered(self, peer: int, now: float) -> bool:
         """This rank registered anew with aggregator `peer` (its first endpoint's id), lost and
@@ -162,7 +175,7 @@ class AggregatorRounds:
         """Freeze every in-network reduction in flight and tell every peer what this rank holds,
         naming aggregator `lost`, which this rank found lost or rank `told_by` reported (or
         NO_LOSS), and the lost ones it holds a new registration with."""
-        failover = self.failover = Failover(len(self.rounds), self.rank, self.world)
+        failover = self.failover = Failover(self.epoch, self.rank, self.world)
         if told_by is not None:
             failover.why = f"reported by rank {told_by}"
         elif lost != NO_LOSS:
@@ -207,6 +220,7 @@ class AggregatorRounds:
         for peer in failover.back:
             del self.lost[peer]
             self.found_lost.pop(peer, None)
+            self.not_taken_back.pop(peer, None)
             self.lost_peers.discard(peer)
         for peer, ranks in list(self.registered_anew.items()):  # taken back, or to register again
             kept = {r: e for r, e in ranks.items() if e > failover.number}
@@ -252,6 +266,7 @@ class AggregatorRounds:
                 if first not in self.lost) + ")"
         failover.outcome = failover.summary(left)
         failover.still_lost = bool(self.lost)
+        self.epoch += 1
         self.rounds.append(failover)  # with its outcome: another thread reads them (Communicator)
         if failover.lost:  # a take-back alone is told by the counters and in_network_fallback
             self.notices.append(f"rank {self.rank} {failover.outcome}")
@@ -259,10 +274,13 @@ class AggregatorRounds:
         for hdr, payload in held:
             self.receive(hdr, payload, now, False)
         # the next round: a peer's report for it, or an aggregator this rank found lost since
-        ahead = [r for r in self._reports_ahead if r[0] == len(self.rounds)]
-        self._reports_ahead = [r for r in self._reports_ahead if r[0] != len(self.rounds)]
+        ahead = [r for r in self._reports_ahead if r[0] == self.epoch]
+        self._reports_ahead = [r for r in self._reports_ahead if r[0] != self.epoch]
         for _, rank, lost, back, posted, lacking in ahead:
             self._count_report(rank, lost, back, posted, lacking, now)
+        closed, self._closed_anew = self._closed_anew, set()
+        for peer in sorted(closed & set(failover.back)):  # taken back, its connection gone here
+            self.aggregator_lost(peer, "closed its connection (it exited or was killed)", now)
         unagreed = [p for p in self.found_lost if p not in self.lost]
         if unagreed and (self.failover is None or self.failover.decided):
             self._open_round(unagreed[0], now)

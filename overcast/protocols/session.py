@@ -475,7 +475,7 @@ class Session(AggregatorRounds):
         if peer in self.closed_peers:
             return
         if peer in self.lost:  # a new registration with it closed before it was taken back
-            self.registered_anew.get(peer, {}).pop(self.rank, None)
+            self.registration_closed(peer)
             return
         if is_aggregator(peer) and peer in self.aggregators:
             self.aggregator_lost(peer, "closed its connection (it exited or was killed)",

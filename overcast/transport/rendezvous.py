@@ -79,10 +79,10 @@ class Links:
     switch_slots: int = 0
     switch_error: str | None = "no aggregator configured (set OVERCAST_SWITCH=host:port)"
     # Registers this rank anew with the aggregator of `peer` (the id of its first endpoint) at
-    # `epoch`, its HELLO sealed by `seal`, restarted after it was lost: its Registration, or why
-    # not (register_with_aggregator)
-    reregister: Callable[[int, int, Callable[[bytes, int], bytes]], Registration | str] | None \
-        = None
+    # `epoch`, its HELLO sealed by `seal`, within `timeout` seconds, restarted after it was
+    # lost: its Registration, or why not (register_with_aggregator)
+    reregister: Callable[[int, int, Callable[[bytes, int], bytes], float],
+                         Registration | str] | None = None
     # the ranks whose multicast each rank did not hear, alike on every rank (transport.probe):
     # empty where every rank heard every other; and the probes this rank dropped, by why
     multicast_unheard: dict[int, list[int]] = dataclasses.field(default_factory=dict)
@@ -426,7 +426,7 @@ def register_with_aggregators(links: Links, spec: str, secret: bytes, salt: byte
         links.endpoints += [(host, p) for p in got.ports]
         links.switch_slots = min(links.switch_slots or got.slots, got.slots)
     links.switch_error = None
-    links.reregister = lambda peer, epoch, seal: register_with_aggregator(
+    links.reregister = lambda peer, epoch, seal, timeout: register_with_aggregator(
         links, *where[peer], AGGREGATOR - peer, epoch, secret, salt, timeout, seal)
 
 
