@@ -258,15 +258,8 @@ def _switch(args) -> int:
     return 0
 
 
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="overcast", description=__doc__.split("\n\n")[0],
-                                formatter_class=HelpFormatter)
-    p.add_argument("--version", action="version", version=f"overcast {_version()}")
-    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
-
-    def command(name: str, help: str) -> argparse.ArgumentParser:
-        return sub.add_parser(name, help=help, description=help, formatter_class=HelpFormatter)
-
+def _add_bench(command) -> None:
+    """`overcast bench`, made by `command(name, help)` as every command is."""
     b = command("bench", "benchmark collectives on the emulated cluster, beside gloo")
     hosts_flag(b, 8)
     link_flags(b, "400", "--link-mbit", several=True)
@@ -307,6 +300,9 @@ def parser() -> argparse.ArgumentParser:
                         "has them all")
     b.set_defaults(func=_bench)
 
+
+def _add_train(command) -> None:
+    """`overcast train`."""
     t = command("train", "train a small GPT with FSDP2 four ways on the emulated cluster and "
                          "compare them (the main job)")
     hosts_flag(t, 4)
@@ -356,6 +352,9 @@ def parser() -> argparse.ArgumentParser:
                         "all")
     t.set_defaults(func=_train)
 
+
+def _add_soak(command) -> None:
+    """`overcast soak`."""
     s = command("soak", "many overlapped pairs under bursty loss: exact results, flat memory, "
                         "no drift, nothing left behind")
     hosts_flag(s, 8)
@@ -378,8 +377,9 @@ def parser() -> argparse.ArgumentParser:
     file_flags(s, "write the results here (JSON)", "per-pair time")
     s.set_defaults(func=_soak)
 
-    scale.add_commands(command)
 
+def _add_check(command) -> None:
+    """`overcast check`."""
     k = command("check", "is this job's network ready for overcast? Run on every rank under "
                          "torchrun (--no-python overcast check) or overcast cluster run: "
                          "multicast delivered between every pair of ranks, the path MTU, "
@@ -398,6 +398,9 @@ def parser() -> argparse.ArgumentParser:
     k.add_argument("--json", help="rank 0 writes the findings and the verdict here (JSON)")
     k.set_defaults(func=_check)
 
+
+def _add_cluster(command) -> None:
+    """`overcast cluster` and its actions: up, run, clean."""
     c = command("cluster", "the emulated cluster of network namespaces: up, run, clean")
     actions = c.add_subparsers(dest="action", required=True, metavar="ACTION")
 
@@ -423,6 +426,9 @@ def parser() -> argparse.ArgumentParser:
     action("clean", "remove what killed runs left behind").add_argument(
         "--force", action="store_true", help="also remove live runs' namespaces")
 
+
+def _add_switch(command) -> None:
+    """`overcast switch`."""
     from overcast.native import EXPIRY_SECONDS
     from overcast.switch.service import Limits
 
@@ -455,6 +461,20 @@ def parser() -> argparse.ArgumentParser:
                    help="exit when this inherited pipe closes (how a process that starts the "
                         "aggregator ties its life to its own)")
     w.set_defaults(func=_switch)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="overcast", description=__doc__.split("\n\n")[0],
+                                formatter_class=HelpFormatter)
+    p.add_argument("--version", action="version", version=f"overcast {_version()}")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+
+    def command(name: str, help: str) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=help, description=help, formatter_class=HelpFormatter)
+
+    for add in (_add_bench, _add_train, _add_soak, scale.add_commands, _add_check,
+                _add_cluster, _add_switch):
+        add(command)
     return p
 
 
