@@ -215,6 +215,14 @@ def test_every_help_shows_the_defaults(command):
     assert "--link-mbit" in text or command in (["switch"],)
 
 
+def test_the_top_level_help_lists_every_command():
+    out = subprocess.run(CLI + ["--help"], capture_output=True, text=True, timeout=60,
+                         check=True).stdout
+    listed = {line.split()[0] for line in out.splitlines() if line.startswith("    ")}
+    assert {"bench", "train", "soak", "simulate", "plan", "check", "cluster"} <= listed
+    assert "5% of the rings'" in " ".join(out.split())  # a % in a help is taken as it stands
+
+
 def test_version():
     out = subprocess.run(CLI + ["--version"], capture_output=True, text=True, timeout=60,
                          check=True).stdout

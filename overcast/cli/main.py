@@ -470,7 +470,9 @@ def parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
 
     def command(name: str, help: str) -> argparse.ArgumentParser:
-        return sub.add_parser(name, help=help, description=help, formatter_class=HelpFormatter)
+        # argparse expands % in the list's help (not in a description): "5%" would break it
+        return sub.add_parser(name, help=help.replace("%", "%%"), description=help,
+                              formatter_class=HelpFormatter)
 
     for add in (_add_bench, _add_train, _add_soak, scale.add_commands, _add_check,
                 _add_cluster, _add_switch):
