@@ -17,7 +17,7 @@ from overcast.protocols.budget import LinkBudget
 from overcast.protocols.failover import RingInstead, pack_report, unpack_report
 from overcast.protocols.innetwork import InNetworkReduceScatter
 from overcast.protocols.ring import RingReduceScatter
-from overcast.switch.aggregator import Aggregator
+from overcast.aggregator.reduction import Aggregator
 from overcast.wire.header import Header, Kind, endpoint
 
 CHUNK, FRAME, COUNT = 64, 256, 300
@@ -459,17 +459,17 @@ def test_an_aggregator_killed_or_stopped_mid_job_the_ranks_go_on_exact(tmp_path,
     pool is free."""
     from overcast.cluster.netns import Cluster
     with Cluster(4, 400_000_000, aggregators=aggregators) as cluster:
-        switches = cluster.start_switches(stats_dir=str(tmp_path))
-        lost = cluster.switch.split(",")[0]
+        procs = cluster.start_aggregators(stats_dir=str(tmp_path))
+        lost = cluster.aggregator_addresses.split(",")[0]
         try:
             results = cluster.run(reduce_through_a_loss, timeout=300,
-                                  args=(6, 1 << 20, switches[0].pid, signum))
+                                  args=(6, 1 << 20, procs[0].pid, signum))
         finally:
             if signum == signal.SIGSTOP:
-                os.kill(switches[0].pid, signal.SIGCONT)
-            switches[0].kill()
-            for proc in switches:
-                cluster.stop_switch(proc)
+                os.kill(procs[0].pid, signal.SIGCONT)
+            procs[0].kill()
+            for proc in procs:
+                cluster.stop_aggregator(proc)
     for rank, r in enumerate(results):
         assert all(r["exact"]), r
         assert lost in r["fallback"], r["fallback"]
@@ -483,6 +483,6 @@ def test_an_aggregator_killed_or_stopped_mid_job_the_ranks_go_on_exact(tmp_path,
     if signum == signal.SIGSTOP:
         assert any("silent for 2 s" in r["fallback"] for r in results)
     for a in range(1, aggregators):
-        with open(tmp_path / f"switch-{a}.json") as f:
+        with open(tmp_path / f"aggregator-{a}.json") as f:
             survivor = json.load(f)
         assert survivor["pool_bytes"] == 0, survivor

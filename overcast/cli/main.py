@@ -1,6 +1,6 @@
 """The `overcast` command: train (the main job), bench, soak, simulate and plan (at scale,
 without a network), check (a job's network), the emulated cluster (up, run, clean) and the
-aggregator (switch).
+aggregator.
 
 Every command names one thing one way (--hosts, --link-mbit or --link-gbit, --sizes, --png,
 --host-cores; the older names stay as aliases), shows its defaults in --help, and checks every
@@ -31,7 +31,8 @@ from overcast.units import parse_size
 
 # Older names each flag still answers to, and the one it has now.
 ALIASES = {"--nodes": "--hosts", "--size": "--sizes", "--bytes-per-rank": "--sizes",
-           "--plot": "--png", "--cores": "--host-cores", "--width": "--dim"}
+           "--plot": "--png", "--cores": "--host-cores", "--width": "--dim",
+           "--no-switch": "--no-aggregators"}
 
 
 def _version() -> str:
@@ -68,7 +69,7 @@ def _bench(args) -> int:
                         csv_items(args.collectives), csv_items(args.algorithms), reps=args.reps,
                         warmup=args.warmup, mtu=args.mtu, roots=roots, loss=args.loss,
                         loss_burst=args.loss_burst, timeline=args.timeline,
-                        switch_slots=args.slots, within=args.within,
+                        aggregator_slots=args.slots, within=args.within,
                         write_timeline=write_timeline, progress=progress,
                         aggregators=aggregators)
     print_table(doc, console, wide=args.wide)
@@ -219,8 +220,8 @@ def _cluster(args) -> int:
                   f"{cluster.switch_ns}, aggregators {' '.join(cluster.aggregator_ns)}")
             print("enter a host with: ip netns exec <host> <command>; Ctrl-C tears it down")
             threading.Event().wait()
-        if args.switch:  # in-network reduction needs them; OVERCAST_SWITCH says where
-            cluster.start_switches(shards=aggregators.shards)
+        if args.aggregators_run:  # in-network reduction needs them (OVERCAST_AGGREGATORS)
+            cluster.start_aggregators(shards=aggregators.shards)
         procs = [cluster.start(args.command, host=i, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT) for i in range(args.hosts)]
         relays = [threading.Thread(target=_relay, args=(p.stdout, f"[rank {i}] ".encode()),
@@ -233,9 +234,9 @@ def _cluster(args) -> int:
         return max(codes, key=abs)
 
 
-def _switch(args) -> int:
+def _aggregator(args) -> int:
     from overcast.limits import check_count, check_port, check_positive, check_shards, check_slots
-    from overcast.switch.service import Limits, default_shards, run
+    from overcast.aggregator.service import Limits, default_shards, run
 
     check_port(args.port)
     check_slots(args.slots)
@@ -249,7 +250,7 @@ def _switch(args) -> int:
     given = os.environ.get("OVERCAST_SECRETS", "") or os.environ.get("OVERCAST_SECRET", "")
     secrets = [bytes.fromhex(x) for x in csv_items(given)]
     if not secrets:
-        print("overcast switch: set OVERCAST_SECRET (hex) to the job's secret, or "
+        print("overcast aggregator: set OVERCAST_SECRET (hex) to the job's secret, or "
               "OVERCAST_SECRETS to several, comma-separated", file=sys.stderr)
         return 2
     run(args.host, args.port, secrets, args.slots, args.stats,
@@ -420,22 +421,36 @@ def _add_cluster(command) -> None:
         aggregator_flags(a)
         drop_flag(a)
         if name == "run":
-            a.add_argument("--no-switch", dest="switch", action="store_false",
-                           help="do not start the aggregators (overcast switch) on their "
+            a.add_argument("--no-aggregators", "--no-switch", dest="aggregators_run",
+                           action="store_false",
+                           help="do not start the aggregators (overcast aggregator) on their "
                                 "attachments")
     action("clean", "remove what killed runs left behind").add_argument(
         "--force", action="store_true", help="also remove live runs' namespaces")
 
 
-def _add_switch(command) -> None:
-    """`overcast switch`."""
-    from overcast.native import EXPIRY_SECONDS
-    from overcast.switch.service import Limits
+def _switch(args) -> int:
+    print("overcast: `overcast switch` is the old name of `overcast aggregator`; running that",
+          file=sys.stderr)
+    return _aggregator(args)
 
-    w = command("switch", "the aggregator for in-network reduction, standing in for the "
-                          "switch; it serves the jobs whose secrets it holds: set "
-                          "OVERCAST_SECRET (64 hex digits, the job's), or OVERCAST_SECRETS to "
-                          "several, comma-separated")
+
+def _add_aggregator(command) -> None:
+    """`overcast aggregator`, and `overcast switch`, its old name, with the same flags."""
+    for name, func, help in (
+            ("aggregator", _aggregator,
+             "the aggregator for in-network reduction, standing in for a switch that sums; it "
+             "serves the jobs whose secrets it holds: set OVERCAST_SECRET (64 hex digits, the "
+             "job's), or OVERCAST_SECRETS to several, comma-separated"),
+            ("switch", _switch, "the old name of `overcast aggregator`, kept as an alias: the "
+                                "same flags, the same service")):
+        _aggregator_flags(command(name, help)).set_defaults(func=func)
+
+
+def _aggregator_flags(w: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    from overcast.aggregator.service import Limits
+    from overcast.native import EXPIRY_SECONDS
+
     w.add_argument("--host", default="0.0.0.0", help="address to listen on")
     w.add_argument("--port", type=int, default=18515,
                    help="TCP port, and the first shard's UDP port (the others' are any free)")
@@ -460,7 +475,7 @@ def _add_switch(command) -> None:
     w.add_argument("--lifeline", type=int, metavar="FD",
                    help="exit when this inherited pipe closes (how a process that starts the "
                         "aggregator ties its life to its own)")
-    w.set_defaults(func=_switch)
+    return w
 
 
 def parser() -> argparse.ArgumentParser:
@@ -475,7 +490,7 @@ def parser() -> argparse.ArgumentParser:
                               formatter_class=HelpFormatter)
 
     for add in (_add_bench, _add_train, _add_soak, scale.add_commands, _add_check,
-                _add_cluster, _add_switch):
+                _add_cluster, _add_aggregator):
         add(command)
     return p
 
