@@ -422,7 +422,7 @@ def reduce_through_a_loss(rank: int, collectives: int, count: int, pid: int, sig
     import warnings
 
     import overcast
-    from overcast.bench.worker import expected_sum, pattern
+    from overcast.bench.rank import expected_sum, pattern
     with warnings.catch_warnings(record=True) as said, \
             overcast.Communicator(name="failover", timeout=30) as comm:
         warnings.simplefilter("error" if rank % 2 else "always", overcast.AggregatorLostWarning)

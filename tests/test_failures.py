@@ -437,7 +437,7 @@ def test_a_rendezvous_that_fails_is_an_overcast_error(monkeypatch):
 def pair_through_a_cut(rank, switch_ns, cut_seconds, count):
     """The overlapped pair (multicast AllGather, in-network ReduceScatter) while rank 0 cuts
     host 1's cable at the switch for `cut_seconds` (the fault's length, not a wait for anyone)."""
-    from overcast.bench.worker import expected_sum, pattern, shard
+    from overcast.bench.rank import expected_sum, pattern, shard
     with overcast.Communicator(name="cut", timeout=5.0) as comm:
         world = comm.world_size
         gathered, grads = np.empty(world * count, np.float32), pattern(rank, count, world)

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from overcast.bench.worker import DTYPE, workload
+from overcast.bench.rank import DTYPE, workload
 from overcast.limits import aggregators_from_env
 from overcast.schedules import cost
 from overcast.sim.plan import WORTH_SAVING

@@ -17,7 +17,7 @@ import statistics
 import tempfile
 from collections.abc import Sequence
 
-from overcast.bench.worker import DTYPE, run_point, uneven_splits
+from overcast.bench.rank import DTYPE, run_point, uneven_splits
 from overcast.cluster.netns import MAX_AGGREGATORS, Cluster
 from overcast.limits import (check_aggregators, check_algorithms, check_count, check_hosts,
                              check_link_rate, check_loss, check_mtu, check_roots, check_shards,
@@ -28,7 +28,7 @@ from overcast.wire.header import OVERHEAD_BYTES
 
 COLLECTIVES = ("allgather", "reduce_scatter", "overlap", "all_reduce", "all_to_all",
                "all_to_all_uneven", "send_recv")
-# all_to_all (split evenly, or unevenly: worker.uneven_splits) and send_recv (each even rank
+# all_to_all (split evenly, or unevenly: rank.uneven_splits) and send_recv (each even rank
 # sends to the odd one after it) run on torch.distributed groups: the "overcast" backend's
 # pairwise exchange and point-to-point stream, or gloo's.
 ALGORITHMS = {"allgather": ("ring", "multicast", "gloo"),
@@ -119,7 +119,7 @@ def check_flags(hosts: int, link_rates: Sequence[float], sizes: list[int], reps:
 def summarize(collective: str, algorithm: str, hosts: int, nbytes: int, link_bits: int,
               per_rank: list[dict], roots: int | None = None, loss: float = 0.0,
               aggregator_cpu: float | None = None) -> dict:
-    """One result row from every rank's report (see worker.run_point)."""
+    """One result row from every rank's report (see rank.run_point)."""
     reps = len(per_rank[0]["runs"])
     count = max(1, nbytes // DTYPE().itemsize)
     n = count * DTYPE().itemsize

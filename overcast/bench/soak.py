@@ -18,7 +18,7 @@ import time
 import numpy as np
 
 from overcast.bench.run import Aggregators, machine
-from overcast.bench.worker import expected_sum, pattern, shard
+from overcast.bench.rank import expected_sum, pattern, shard
 from overcast.cluster.netns import Cluster
 from overcast.limits import check_count, check_hosts, check_link_rate, check_loss, check_size
 

@@ -19,7 +19,7 @@ from overcast.train.config import OVERCAST_WAYS, WAYS, GPTConfig, check_request
 from overcast.train.predict import predict
 from overcast.train.waits import (CATEGORIES, TRAINING, SchedTrace, attribute, mount_tracefs,
                                    parse)
-from overcast.train.worker import train_rank
+from overcast.train.rank import train_rank
 
 # The fair peer: gloo with the same prefetch and asynchronous unshard, ReduceScatter on its own
 # group. Speed-ups are against it, and losses are compared with the first way run.
