@@ -12,8 +12,8 @@ from overcast.buffers import SUMMING_OPS, as_array, check_dtype, check_reduce
 from overcast.engine.engine import Engine, Work
 from overcast.engine.trace import Trace
 from overcast.errors import InvalidArgumentError, OvercastError, mark_peers_told
-from overcast.limits import bytes_from_env, check_count, check_frame_bytes, check_link_rate, \
-    check_positive, check_roots, require, seconds_from_env
+from overcast.limits import aggregators_from_env, bytes_from_env, check_count, \
+    check_frame_bytes, check_link_rate, check_positive, check_roots, require, seconds_from_env
 from overcast.native import _core
 from overcast.protocols.base import Descriptor
 from overcast.protocols.failover import FAILOVER_ENV, FAILOVER_LEAST_SECONDS, FAILOVER_SECONDS
@@ -69,9 +69,10 @@ class Communicator:
     (default: OVERCAST_LINK_BITS_PER_S, which the emulated cluster sets). `roots` is how many
     ranks of a multicast AllGather send at once (default: all of them, each paced at 1/(P-1) of
     the link; see docs/results.md for why). `loss` injects loss of received datagrams
-    (default: OVERCAST_LOSS, OVERCAST_LOSS_BURST, OVERCAST_LOSS_SEED). `switch` is the
-    aggregator for in-network reduction, "host:port" (default: OVERCAST_SWITCH). With `trace`,
-    the engine records each collective's span and bytes over time (see `trace()`).
+    (default: OVERCAST_LOSS, OVERCAST_LOSS_BURST, OVERCAST_LOSS_SEED). `switch` names the
+    aggregators for in-network reduction, "host[:port],..." in order (default:
+    OVERCAST_AGGREGATORS, or OVERCAST_SWITCH, its old name). With `trace`, the engine records
+    each collective's span and bytes over time (see `trace()`).
     `early_stream_bytes` is the most this rank holds of what peers sent on their streams for
     collectives it has not issued yet (default: OVERCAST_EARLY_STREAM_BYTES, else 256 MiB):
     a peer further ahead fails the communicator on every rank, with an error naming it.
@@ -130,6 +131,8 @@ class Communicator:
                 f"within 50 ms)", failover_seconds, f"{FAILOVER_ENV}, failover_seconds")
         require(0 < pacing_share <= 1, "the pacing share", "a fraction above 0, at most 1",
                 pacing_share, "pacing_share")
+        if switch is None:  # here, so that a contradiction is refused before any work
+            switch = aggregators_from_env()
         self.link_bits_per_s = link_bits_per_s
         self.roots = self.world_size if roots is None else roots
         self.pacing_share = pacing_share
@@ -145,7 +148,7 @@ class Communicator:
         # means multicast is not delivered, naming them and their hosts
         self.multicast_unheard = links.multicast_unheard
         self.multicast_undelivered = undelivered(links.multicast_unheard, links.addresses)
-        self._switch_error, self._switch_slots = links.switch_error, links.switch_slots
+        self._aggregator_error, self._aggregator_slots = links.switch_error, links.switch_slots
         # the aggregator endpoints (every shard of every aggregator) in-network reductions are
         # striped over: 0 without an aggregator
         self.aggregator_endpoints = len(links.endpoints)
@@ -428,7 +431,7 @@ class Communicator:
         if desc.algorithm == "innetwork":
             return InNetworkReduceScatter(seq, rank, world, desc, out, inp,
                                           chunk_bytes=self.chunk_bytes - CONTRIB_PREFIX.size,
-                                          slots=self._switch_slots, budget=self._uplink,
+                                          slots=self._aggregator_slots, budget=self._uplink,
                                           stripes=self._stripes, frame_bytes=self.frame_bytes)
         n = desc.count * desc.dtype.itemsize
         if desc.collective == "all_gather":
@@ -463,8 +466,8 @@ class Communicator:
             return f"multicast is unavailable here: {self._multicast_error}"
         if algorithm == "multicast" and self.multicast_undelivered:
             return self.multicast_undelivered
-        if algorithm == "innetwork" and self._switch_error:
-            return f"in-network reduction is unavailable: {self._switch_error}"
+        if algorithm == "innetwork" and self._aggregator_error:
+            return f"in-network reduction is unavailable: {self._aggregator_error}"
         return None
 
     def check_algorithm(self, collective: str, algorithm: str) -> None:
@@ -585,8 +588,8 @@ class Communicator:
         caller's buffers in place: of all this, only the bookkeeping grows with a collective's
         size, by a byte or so per chunk."""
         held = self._engine.memory()
-        if self._switch_error is None:
-            held["aggregator_slot_bytes"] = self._stripes * self._switch_slots * \
+        if self._aggregator_error is None:
+            held["aggregator_slot_bytes"] = self._stripes * self._aggregator_slots * \
                 self.world_size * self.chunk_bytes
         return held
 

@@ -1,5 +1,5 @@
 """A Communicator for a torch.distributed job's group: the ranks meet through the group's store,
-and when in-network reduction is wanted and no aggregator is configured (OVERCAST_SWITCH), the
+and when in-network reduction is wanted and no aggregator is configured (OVERCAST_AGGREGATORS), the
 group's rank 0 starts one beside itself and tells the others where it is. The FSDP adapter and
 the "overcast" torch.distributed backend both make their communicators here."""
 
@@ -12,9 +12,10 @@ import secrets as secrets_module
 import threading
 import time
 
+from overcast.aggregator.launch import AggregatorStartError, start_aggregator, stop_aggregator
 from overcast.comm import Communicator
 from overcast.errors import OvercastError
-from overcast.switch.launch import SwitchStartError, start_switch, stop_switch
+from overcast.limits import aggregators_from_env
 from overcast.transport.rendezvous import local_address, meeting_host
 from overcast.transport.store import forget
 
@@ -24,7 +25,7 @@ CLOSE_WAIT_SECONDS = 10.0
 _WAIT_SLICE = 0.2
 
 
-class JobSwitch:
+class JobAggregator:
     """An aggregator rank 0 started for one communicator: the others learn its address (or why
     it did not start) through the store, and tell rank 0 when they closed, so that it is not
     stopped while a peer still waits for a result."""
@@ -55,19 +56,19 @@ class JobSwitch:
             if wait_for_peers:
                 self.wait_for_others("closed")
         finally:
-            stop_switch(self.proc)
+            stop_aggregator(self.proc)
 
 
 @dataclasses.dataclass
 class GroupCommunicator:
     """What group_communicator made: the communicator; the aggregator rank 0 started for it
     (close it after the communicator), or None; and what another communicator of the same ranks
-    needs to share that aggregator: the job secret (hex) and the aggregator's "host:port"."""
+    needs to share that aggregator: the job secret (hex) and the aggregators' "host:port,..."."""
 
     comm: Communicator
-    job_switch: JobSwitch | None
+    job_aggregator: JobAggregator | None
     secret_hex: str
-    switch: str | None
+    aggregators: str | None
 
     def close(self, wait_for_peers: bool = True) -> None:
         """Close the communicator, then the aggregator rank 0 started: once every other rank
@@ -76,8 +77,8 @@ class GroupCommunicator:
         try:
             self.comm.close()
         finally:
-            if self.job_switch is not None:
-                self.job_switch.close(self.comm.rank, wait_for_peers)
+            if self.job_aggregator is not None:
+                self.job_aggregator.close(self.comm.rank, wait_for_peers)
 
 
 def agreed_name(store, base: str, world: int) -> str:
@@ -90,47 +91,49 @@ def agreed_name(store, base: str, world: int) -> str:
 
 
 def group_communicator(store, rank: int, world: int, base: str, *, in_network: bool,
-                       secret_hex: str | None = None, switch: str | None = None,
+                       secret_hex: str | None = None, aggregators: str | None = None,
                        **settings) -> GroupCommunicator:
     """An overcast Communicator named after `base` over `world` ranks meeting through `store`,
-    a torch.distributed Store. The aggregator is `switch`, else OVERCAST_SWITCH; with neither,
-    and `in_network`, rank 0 starts one. The secret is `secret_hex`, else OVERCAST_SECRET, else
-    one rank 0 draws. `settings` go to the Communicator."""
+    a torch.distributed Store. The aggregators are `aggregators` ("host[:port],..."), else
+    OVERCAST_AGGREGATORS; with neither, and `in_network`, rank 0 starts one. The secret is
+    `secret_hex`, else OVERCAST_SECRET, else one rank 0 draws. `settings` go to the
+    Communicator."""
     name = agreed_name(store, base, world)
     key = f"overcast/{name}/"
     secret_hex = secret_hex or os.environ.get("OVERCAST_SECRET")
-    switch = switch or os.environ.get("OVERCAST_SWITCH")
-    job_switch = None
-    if not switch and in_network and world > 1:
-        job_switch = JobSwitch(store, key, world)
+    aggregators = aggregators or aggregators_from_env()
+    job_aggregator = None
+    if not aggregators and in_network and world > 1:
+        job_aggregator = JobAggregator(store, key, world)
     if rank == 0:
         if not secret_hex:
             secret_hex = secrets_module.token_hex(32)
             store.set(key + "secret", secret_hex)
-        if job_switch is not None:
+        if job_aggregator is not None:
             try:
                 host = local_address(meeting_host(store))
-                job_switch.proc, switch = start_switch(host, 0, secrets=[secret_hex])
-            except (SwitchStartError, OSError) as err:
-                store.set(key + "switch", f"error: rank 0 could not start an aggregator: {err}")
-                job_switch.wait_for_others("read")
-                forget(store, [key + "secret", key + "switch"])
+                job_aggregator.proc, aggregators = start_aggregator(host, 0, secrets=[secret_hex])
+            except (AggregatorStartError, OSError) as err:
+                store.set(key + "aggregators",
+                          f"error: rank 0 could not start an aggregator: {err}")
+                job_aggregator.wait_for_others("read")
+                forget(store, [key + "secret", key + "aggregators"])
                 raise
-        store.set(key + "switch", switch or "")
+        store.set(key + "aggregators", aggregators or "")
     else:
         if not secret_hex:
             secret_hex = bytes(store.get(key + "secret")).decode()
-        switch = bytes(store.get(key + "switch")).decode() or None
-        if switch and switch.startswith("error: "):
+        aggregators = bytes(store.get(key + "aggregators")).decode() or None
+        if aggregators and aggregators.startswith("error: "):
             store.set(f"{key}read/{rank}", b"1")  # rank 0 waits for this before it leaves
-            raise OvercastError(switch[len("error: "):])
+            raise OvercastError(aggregators[len("error: "):])
     try:
         comm = Communicator(rank, world, name=name, store=store,
-                            secret=bytes.fromhex(secret_hex), switch=switch or "", **settings)
+                            secret=bytes.fromhex(secret_hex), switch=aggregators or "", **settings)
     except BaseException:
-        if job_switch is not None and job_switch.proc is not None:
-            stop_switch(job_switch.proc)
+        if job_aggregator is not None and job_aggregator.proc is not None:
+            stop_aggregator(job_aggregator.proc)
         raise
     if rank == 0:  # every rank has met every other: each has read these
-        forget(store, [key + "secret", key + "switch"])
-    return GroupCommunicator(comm, job_switch, secret_hex, switch or None)
+        forget(store, [key + "secret", key + "aggregators"])
+    return GroupCommunicator(comm, job_aggregator, secret_hex, aggregators or None)

@@ -142,3 +142,15 @@ def seconds_from_env(name: str, default: float) -> float:
 def bytes_from_env(name: str, default: int) -> int:
     """A number of bytes the environment variable `name` gives (0 or more), or `default`."""
     return _from_env(name, default, int, lambda v: v >= 0, "a number of bytes")
+
+
+def aggregators_from_env() -> str | None:
+    """The job's aggregators, "host[:port],host[:port],..." in order, as OVERCAST_AGGREGATORS
+    names them, or OVERCAST_SWITCH (its old name, still read); None where neither does. Both
+    set to different lists is refused, naming both: which one was meant is not ours to guess."""
+    given, old = os.environ.get("OVERCAST_AGGREGATORS"), os.environ.get("OVERCAST_SWITCH")
+    if given and old and given != old:
+        raise InvalidArgumentError(f"OVERCAST_AGGREGATORS={given!r} and OVERCAST_SWITCH={old!r} "
+                                   f"(its old name) name different aggregators: set "
+                                   f"OVERCAST_AGGREGATORS alone")
+    return given or old or None

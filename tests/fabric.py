@@ -5,7 +5,7 @@ Stream routes stay in order per pair of ranks, as TCP keeps them. Datagram and m
 may lose, duplicate and reorder, from a seeded generator; multicast goes to every other rank.
 With `runs` above 1, datagrams that one sender queued back to back are delivered up to that
 many at once, as a run (overcast.wire.runs), as a GRO read hands them on.
-An aggregator (overcast.switch.aggregator), if given, is reached by datagram as peer AGGREGATOR;
+An aggregator (overcast.aggregator.reduction), if given, is reached by datagram as peer AGGREGATOR;
 several fabrics (communicators) may share one, each under its own key. A list of aggregators
 are the endpoints in-network reductions are striped over (native/numbering.h): endpoint e is
 peer endpoint(e), registered as that stripe.

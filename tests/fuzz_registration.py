@@ -1,7 +1,7 @@
 """Fuzz target: the aggregator's registrations, as keyed job members gone wrong would send them.
 
 Each input is one HELLO on one of a pool of real TCP connections to an in-process `overcast
-switch` service (SwitchService): sealed under the communicator key of a salt from a small pool
+switch` service (AggregatorService): sealed under the communicator key of a salt from a small pool
 (so that communicators are met again), with every field drawn from its edges and beyond (worlds
 0, 1, 2, the limit, 65534, 65535; a rank past its world; rows of 0 bytes to 2^32 - 1; the
 connection's nonce or another; a length that disagrees), or raw bytes. Registered connections
@@ -26,7 +26,7 @@ import time
 import numpy as np
 
 from overcast.buffers import dtype_code
-from overcast.switch.service import Limits, SwitchService
+from overcast.aggregator.service import Limits, AggregatorService
 from overcast.wire.auth import Drops, Opener, Sealer, derive_key, job_id_of
 from overcast.wire.header import AGGREGATOR, Kind, MalformedError, endpoint, unpack_header
 from overcast.wire.messages import pack_contribution_prefix
@@ -42,7 +42,7 @@ class Target:
     def __init__(self, seed: int):
         self.rng = random.Random(seed)
         self.hostile, self.good = os.urandom(32), os.urandom(32)
-        self.service = SwitchService("127.0.0.1", 0, [self.hostile, self.good], slots=64,
+        self.service = AggregatorService("127.0.0.1", 0, [self.hostile, self.good], slots=64,
                                      limits=LIMITS, shards=2)
         self.salts = [os.urandom(16) for _ in range(40)] + [b"same" + os.urandom(12)
                                                             for _ in range(4)]

@@ -276,7 +276,7 @@ def abort_while_waiting_for_peers(rank):
     said = {}
     if rank == 0:
         closing, _ = abort_mid_shutdown(group, said)
-        said["aggregator_stopped"] = group._group.job_switch.proc.poll() is not None
+        said["aggregator_stopped"] = group._group.job_aggregator.proc.poll() is not None
         closing.join()
     dist.barrier(gloo)
     group.shutdown()

@@ -20,7 +20,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import (default_hooks, powerSGD
 
 import overcast.distributed  # noqa: F401  (registers the backend)
 from overcast.cluster.launch import loopback_placements, run_ranks
-from overcast.switch.launch import SwitchStartError, start_switch, stop_switch
+from overcast.aggregator.launch import AggregatorStartError, start_aggregator, stop_aggregator
 from overcast.transport.rendezvous import meeting_host
 from test_backend import LINK, same, start, values
 
@@ -438,7 +438,7 @@ def test_the_aggregator_lives_as_long_as_its_group_whatever_thread_made_it():
 
 def started_and_left(rank):
     """Start an aggregator, then end without stopping it."""
-    proc, _ = start_switch("127.0.0.1", 0, secrets=["00" * 32])
+    proc, _ = start_aggregator("127.0.0.1", 0, secrets=["00" * 32])
     return proc.pid
 
 
@@ -454,8 +454,8 @@ def test_the_aggregator_exits_when_the_process_that_started_it_ends():
 
 def test_an_aggregator_that_never_says_where_it_listens_fails_in_time():
     began = time.monotonic()
-    with pytest.raises(SwitchStartError, match="within 1 s: no output"):
-        start_switch("127.0.0.1", 0, secrets=["00" * 32], start_seconds=1,
+    with pytest.raises(AggregatorStartError, match="within 1 s: no output"):
+        start_aggregator("127.0.0.1", 0, secrets=["00" * 32], start_seconds=1,
                      prefix=("python3", "-c", "import time; time.sleep(60)"))
     assert time.monotonic() - began < 10
 

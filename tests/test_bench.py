@@ -192,9 +192,9 @@ def test_bench_names_what_it_does_not_know():
         assert out.returncode == 2 and needle in out.stderr, out.stderr
 
 
-def test_switch_without_a_secret_says_what_to_set():
+def test_the_aggregator_without_a_secret_says_what_to_set():
     env = {k: v for k, v in os.environ.items()
            if k not in ("OVERCAST_SECRET", "OVERCAST_SECRETS")}
-    out = subprocess.run([sys.executable, "-m", "overcast.cli.main", "switch"], env=env,
+    out = subprocess.run([sys.executable, "-m", "overcast.cli.main", "aggregator"], env=env,
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "set OVERCAST_SECRET" in out.stderr

@@ -36,7 +36,7 @@ def runs(**changed) -> list[dict]:
 
 def finding(rank: int, **changed) -> dict:
     """A rank's findings on a network that is ready."""
-    return {"rank": rank, "host": f"h{rank}", "secret": True, "switch": "10.0.0.9:18515",
+    return {"rank": rank, "host": f"h{rank}", "secret": True, "aggregators": "10.0.0.9:18515",
             "link_bits_per_s": 1e8, "receive_buffer_bytes": 16 << 20,
             "address": f"10.0.0.{rank + 1}", "mtu": 9000, "chunk_bytes": 8920, "unheard": {},
             "multicast": None, "aggregator": None, "endpoints": 2, "aggregator_started": False,
@@ -91,10 +91,10 @@ SLOWER = "works, but slower than rings here: overcast's pair "
                                                   overlap_ring=0.4)) for r in range(2)],
      "the links carry more than OVERCAST_LINK_BITS_PER_S says, and multicast, paced to the "
      "rate given, leaves the rest unused"),
-    # no OVERCAST_SWITCH: the aggregator beside rank 0
+    # no OVERCAST_AGGREGATORS: the aggregator beside rank 0
     ([finding(r, aggregator_started=True, runs=runs(reduce_scatter_innetwork=1.61,
                                                     overlap_overcast=1.9)) for r in range(4)],
-     "the aggregator rank 0 started beside itself (no OVERCAST_SWITCH) takes every rank's "
+     "the aggregator rank 0 started beside itself (no OVERCAST_AGGREGATORS) takes every rank's "
      "contributions through rank 0's link"),
 ])
 def test_overcast_slower_than_its_rings_is_not_ready_and_says_why(every, cause):
@@ -158,7 +158,7 @@ def test_a_registration_that_fails_is_most_likely_the_secret():
         f"not ready: aggregator: rank 1: {failed}: most likely the secret: an aggregator "
         f"closes a registration from a job whose secret it does not hold, and OVERCAST_SECRET "
         f"is not set on ranks 0, 1; secret: OVERCAST_SECRET is not set on ranks 0, 1: rank 0 "
-        f"drew a secret of its own, which the aggregator at 10.0.0.9:18515 (OVERCAST_SWITCH) "
+        f"drew a secret of its own, which the aggregator at 10.0.0.9:18515 (OVERCAST_AGGREGATORS) "
         f"cannot hold; set OVERCAST_SECRET on every rank to the one it was started with")
     doc = verdict([finding(0), finding(1, aggregator=failed)])
     assert doc["verdict"].endswith("the aggregator must be started with the OVERCAST_SECRET "

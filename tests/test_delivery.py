@@ -143,7 +143,7 @@ def when_multicast_is_dropped(rank):
 @root_only
 def test_undelivered_multicast_is_named_and_the_ring_runs_instead():
     with Cluster(4, 100_000_000, drop_multicast=[2, 3]) as cluster:
-        cluster.start_switch()
+        cluster.start_aggregator()
         results = cluster.run(when_multicast_is_dropped, timeout=300)
         dropped = [cluster.multicast_dropped(h) for h in range(4)]
     named = ("multicast not delivered: ranks 2 (198.18.0.3), 3 (198.18.0.4) heard no other "

@@ -25,7 +25,7 @@ PLACEHOLDERS = {"FILE": "out.json", "PREFIX": "timeline", "RUNS": "run.json", "H
                 "P": "4", "B": "100", "R": "400", "$way": "overcast", "$SECRET": "ab" * 32,
                 "<hex>": "ab" * 32, "<the same 64 hex digits everywhere>": "ab" * 32}
 # The commands run as written: those that need no root, GPU or second machine, and end soon.
-RUN = ("overcast plan", "overcast switch", "overcast simulate --hosts 8,64,188,1024 --topology "
+RUN = ("overcast plan", "overcast aggregator", "overcast simulate --hosts 8,64,188,1024 --topology "
        "fat-tree --radix 32 --link-gbit 100 --sizes 64MiB --collectives overlap")
 
 def commands() -> list[tuple[str, str, tuple[str, ...]]]:
@@ -77,7 +77,7 @@ COMMANDS = commands()
 def test_the_documents_show_commands_of_every_kind():
     shown = {words[0] + (" " + words[1] if words[0] == "overcast" else "")
              for _, c, _ in COMMANDS for words in [split(filled(c))[1]]}
-    assert {"overcast plan", "overcast simulate", "overcast switch",
+    assert {"overcast plan", "overcast simulate", "overcast aggregator",
             "overcast bench", "overcast train", "overcast cluster", "torchrun", "srun"} <= shown
 
 
@@ -114,7 +114,7 @@ def _run(command: str, exports: tuple[str, ...], cwd: pathlib.Path):
     settings, words = split(filled(command))
     line = "exec " + ("env " if settings else "") + filled(command)
     script = "; ".join([*(filled(e) for e in exports), line])
-    if words[:2] == ["overcast", "switch"]:  # it serves until stopped: until it says where
+    if words[:2] == ["overcast", "aggregator"]:  # it serves until stopped: until it says where
         with subprocess.Popen(["bash", "-c", script], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, env=env, cwd=cwd) as proc:
             said = proc.stdout.readline()
@@ -151,9 +151,9 @@ def test_the_readme_inline_loopback_command_sets_what_it_needs():
 
 def test_the_aggregator_says_it_needs_the_secret():
     env = {k: v for k, v in os.environ.items() if not k.startswith("OVERCAST_")}
-    done = subprocess.run([sys.executable, "-m", "overcast.cli.main", "switch", "--help"],
+    done = subprocess.run([sys.executable, "-m", "overcast.cli.main", "aggregator", "--help"],
                           capture_output=True, text=True, env=env)
     assert "OVERCAST_SECRET" in done.stdout
-    done = subprocess.run([sys.executable, "-m", "overcast.cli.main", "switch"],
+    done = subprocess.run([sys.executable, "-m", "overcast.cli.main", "aggregator"],
                           capture_output=True, text=True, env=env, timeout=60)
     assert done.returncode == 2 and "set OVERCAST_SECRET" in done.stderr

@@ -18,7 +18,7 @@ from overcast.protocols.failover import NO_LOSS, RingInstead, pack_rejoin, pack_
     unpack_report
 from overcast.protocols.innetwork import InNetworkReduceScatter
 from overcast.protocols.ring import RingReduceScatter
-from overcast.switch.aggregator import Aggregator
+from overcast.aggregator.reduction import Aggregator
 from overcast.wire.header import Header, Kind, endpoint
 
 CHUNK, FRAME, COUNT = 64, 256, 300
@@ -617,7 +617,7 @@ def reduce_through_a_loss(rank: int, collectives: int, count: int, pid: int, sig
     import warnings
 
     import overcast
-    from overcast.bench.worker import expected_sum, pattern
+    from overcast.bench.rank import expected_sum, pattern
     with warnings.catch_warnings(record=True) as said, \
             overcast.Communicator(name="failover", timeout=30) as comm:
         warnings.simplefilter("error" if rank % 2 else "always", overcast.AggregatorLostWarning)
@@ -654,17 +654,17 @@ def test_an_aggregator_killed_or_stopped_mid_job_the_ranks_go_on_exact(tmp_path,
     pool is free."""
     from overcast.cluster.netns import Cluster
     with Cluster(4, 400_000_000, aggregators=aggregators) as cluster:
-        switches = cluster.start_switches(stats_dir=str(tmp_path))
-        lost = cluster.switch.split(",")[0]
+        procs = cluster.start_aggregators(stats_dir=str(tmp_path))
+        lost = cluster.aggregator_addresses.split(",")[0]
         try:
             results = cluster.run(reduce_through_a_loss, timeout=300,
-                                  args=(6, 1 << 20, switches[0].pid, signum))
+                                  args=(6, 1 << 20, procs[0].pid, signum))
         finally:
             if signum == signal.SIGSTOP:
-                os.kill(switches[0].pid, signal.SIGCONT)
-            switches[0].kill()
-            for proc in switches:
-                cluster.stop_switch(proc)
+                os.kill(procs[0].pid, signal.SIGCONT)
+            procs[0].kill()
+            for proc in procs:
+                cluster.stop_aggregator(proc)
     for rank, r in enumerate(results):
         assert all(r["exact"]), r
         assert lost in r["fallback"], r["fallback"]
@@ -678,7 +678,7 @@ def test_an_aggregator_killed_or_stopped_mid_job_the_ranks_go_on_exact(tmp_path,
     if signum == signal.SIGSTOP:
         assert any("silent for 2 s" in r["fallback"] for r in results)
     for a in range(1, aggregators):
-        with open(tmp_path / f"switch-{a}.json") as f:
+        with open(tmp_path / f"aggregator-{a}.json") as f:
             survivor = json.load(f)
         assert survivor["pool_bytes"] == 0, survivor
 
@@ -690,7 +690,7 @@ def reduce_through_a_restart(rank: int, count: int, kill_path: str):
     import warnings
 
     import overcast
-    from overcast.bench.worker import expected_sum, pattern
+    from overcast.bench.rank import expected_sum, pattern
     with warnings.catch_warnings(), overcast.Communicator(name="restart", timeout=30) as comm:
         warnings.simplefilter("ignore", overcast.AggregatorLostWarning)
         world = comm.world_size
@@ -729,17 +729,18 @@ def test_an_aggregator_killed_and_restarted_is_taken_back_exact(tmp_path):
     from overcast.cluster.netns import Cluster
     kill_path = tmp_path / "kill"
     with Cluster(4, 400_000_000) as cluster:
-        switches = cluster.start_switches(stats_dir=str(tmp_path))
+        aggregators = cluster.start_aggregators(stats_dir=str(tmp_path))
         restarted = threading.Event()
 
         def kill_and_restart():
             while not kill_path.exists():  # rank 0 asks, once its first collective is done
                 if restarted.wait(0.01):
                     return
-            switches[0].kill()
-            switches[0].wait()
-            cluster.stop_switch(switches[0])
-            switches[0] = cluster.start_switch(stats_path=str(tmp_path / "switch-0.json"))
+            aggregators[0].kill()
+            aggregators[0].wait()
+            cluster.stop_aggregator(aggregators[0])
+            aggregators[0] = cluster.start_aggregator(
+                stats_path=str(tmp_path / "aggregator-0.json"))
             restarted.set()
         killer = threading.Thread(target=kill_and_restart, daemon=True)
         killer.start()
@@ -749,8 +750,8 @@ def test_an_aggregator_killed_and_restarted_is_taken_back_exact(tmp_path):
         finally:
             restarted.set()
             killer.join()
-            cluster.stop_switch(switches[0])
-    with open(tmp_path / "switch-0.json") as f:
+            cluster.stop_aggregator(aggregators[0])
+    with open(tmp_path / "aggregator-0.json") as f:
         second = json.load(f)
     assert len({len(r["exact"]) for r in results}) == 1
     for r in results:

@@ -412,9 +412,9 @@ def mismatches(rank, trials):
 def test_mismatches_of_datagram_algorithms_are_named_on_every_rank_on_the_cluster():
     from overcast.cluster.netns import Cluster
     with Cluster(4, 400_000_000) as cluster:
-        switch = cluster.start_switch()
+        aggregator = cluster.start_aggregator()
         results = cluster.run(mismatches, args=(3,), timeout=600)
-        cluster.stop_switch(switch)
+        cluster.stop_aggregator(aggregator)
     for rank, outcomes in enumerate(results):
         assert len(outcomes) == 3 * len(MISMATCHES)
         for trial, (name, message) in outcomes.items():
@@ -437,7 +437,7 @@ def test_a_rendezvous_that_fails_is_an_overcast_error(monkeypatch):
 def pair_through_a_cut(rank, switch_ns, cut_seconds, count):
     """The overlapped pair (multicast AllGather, in-network ReduceScatter) while rank 0 cuts
     host 1's cable at the switch for `cut_seconds` (the fault's length, not a wait for anyone)."""
-    from overcast.bench.worker import expected_sum, pattern, shard
+    from overcast.bench.rank import expected_sum, pattern, shard
     with overcast.Communicator(name="cut", timeout=5.0) as comm:
         world = comm.world_size
         gathered, grads = np.empty(world * count, np.float32), pattern(rank, count, world)
@@ -468,12 +468,12 @@ def test_a_cable_cut_shorter_than_the_timeout_delays_longer_fails_every_rank_ali
     Cut for 8 s, every rank raises CollectiveTimeoutError."""
     from overcast.cluster.netns import Cluster
     with Cluster(4, 400_000_000) as cluster:
-        switch = cluster.start_switch()
+        aggregator = cluster.start_aggregator()
         try:
             results = cluster.run(pair_through_a_cut, args=(cluster.switch_ns, cut_seconds,
                                                             1 << 18), timeout=120)
         finally:
-            cluster.stop_switch(switch)
+            cluster.stop_aggregator(aggregator)
     for (name, message, _), exact, fallback in results:
         if cut_seconds < 5.0:
             assert (name, exact, fallback) == ("ok", True, None), message

@@ -9,11 +9,13 @@ import sys
 
 import pytest
 
+from overcast.aggregator.service import AggregatorService
 from overcast.bench.run import Aggregators, run_bench
+from overcast.cli.main import parser
 from overcast.cluster.netns import Cluster, list_namespaces
 from overcast.comm import Communicator
 from overcast.errors import InvalidArgumentError
-from overcast.switch.service import SwitchService
+from overcast.limits import aggregators_from_env
 from overcast.transport.loss import LossSpec
 
 CLI = [sys.executable, "-m", "overcast.cli.main"]
@@ -93,9 +95,9 @@ CASES = {
                         lambda: bench(hosts=8, roots=[2, 9]), ROOTS.format(8, 9)),
     "bench --roots 0": (["bench", "--hosts", "8", "--roots", "0"],
                         lambda: communicator(roots=0, world_size=8), ROOTS.format(8, 0)),
-    "bench --slots 0": (["bench", "--slots", "0"], lambda: bench(switch_slots=0),
+    "bench --slots 0": (["bench", "--slots", "0"], lambda: bench(aggregator_slots=0),
                         SLOTS.format(0)),
-    "bench --slots 70000": (["bench", "--slots", "70000"], lambda: bench(switch_slots=70000),
+    "bench --slots 70000": (["bench", "--slots", "70000"], lambda: bench(aggregator_slots=70000),
                             SLOTS.format(70000)),
     "bench --aggregators 0": (["bench", "--aggregators", "0"],
                               lambda: bench(aggregators=Aggregators(0)), AGGREGATORS.format(0)),
@@ -116,18 +118,22 @@ CASES = {
                               lambda: Cluster(2, 0), RATE.format(0)),
     "cluster --mtu 50": (["cluster", "up", "--mtu", "50"], lambda: Cluster(2, 10**8, mtu=50),
                          MTU.format(50)),
-    "switch --port 70000": (["switch", "--port", "70000"],
-                            lambda: SwitchService("127.0.0.1", 70000, [b"s"]),
-                            PORT.format(70000)),
-    "switch --port -1": (["switch", "--port", "-1"],
-                         lambda: SwitchService("127.0.0.1", -1, [b"s"]), PORT.format(-1)),
-    "switch --shards 0": (["switch", "--shards", "0"],
-                          lambda: SwitchService("127.0.0.1", 0, [b"s"], shards=0),
-                          SHARDS.format(256, 0)),
-    "switch --slots 0": (["switch", "--slots", "0"],
-                         lambda: SwitchService("127.0.0.1", 0, [b"s"], slots=0),
-                         SLOTS.format(0)),
+    "aggregator --port 70000": (["aggregator", "--port", "70000"],
+                                lambda: AggregatorService("127.0.0.1", 70000, [b"s"]),
+                                PORT.format(70000)),
+    "aggregator --port -1": (["aggregator", "--port", "-1"],
+                             lambda: AggregatorService("127.0.0.1", -1, [b"s"]),
+                             PORT.format(-1)),
+    "aggregator --shards 0": (["aggregator", "--shards", "0"],
+                              lambda: AggregatorService("127.0.0.1", 0, [b"s"], shards=0),
+                              SHARDS.format(256, 0)),
+    "aggregator --slots 0": (["aggregator", "--slots", "0"],
+                             lambda: AggregatorService("127.0.0.1", 0, [b"s"], slots=0),
+                             SLOTS.format(0)),
 }
+
+# what `overcast switch`, the aggregator's old name, says before it runs `overcast aggregator`
+SWITCH_NOTE = "overcast: `overcast switch` is the old name of `overcast aggregator`; running that\n"
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -206,13 +212,65 @@ def test_a_bad_value_is_named_as_typed_before_any_work(case):
 
 
 @pytest.mark.parametrize("command", [["bench"], ["train"], ["soak"], ["simulate"], ["plan"],
-                                     ["cluster", "up"], ["cluster", "run"], ["switch"]])
+                                     ["cluster", "up"], ["cluster", "run"], ["aggregator"]])
 def test_every_help_shows_the_defaults(command):
     out = subprocess.run(CLI + command + ["--help"], capture_output=True, text=True, timeout=60,
                          check=True).stdout
     text = " ".join(out.split())
-    assert "(default: " in text and "--hosts" in text or command == ["switch"]
-    assert "--link-mbit" in text or command in (["switch"],)
+    assert "(default: " in text and ("--hosts" in text or command == ["aggregator"])
+    assert "--link-mbit" in text or command == ["aggregator"]
+
+
+def test_the_old_name_of_the_aggregator_says_so_and_takes_the_same_flags():
+    def help_of(name: str) -> list[str]:
+        return subprocess.run(CLI + [name, "--help"], capture_output=True, text=True,
+                              timeout=60, check=True).stdout.split("\n\n")
+    usage, about, *flags = help_of("switch")
+    new_usage, _, *new_flags = help_of("aggregator")
+    assert " ".join(about.split()) == ("the old name of `overcast aggregator`, kept as an "
+                                       "alias: the same flags, the same service")
+    assert usage.split(maxsplit=3)[3] .split() == new_usage.split(maxsplit=3)[3].split()
+    assert flags == new_flags
+
+
+def test_the_old_name_of_the_aggregator_runs_it_after_a_note():
+    """`overcast switch` checks its flags as `overcast aggregator` does, after saying which it
+    runs; `cluster run --no-switch` is `--no-aggregators` under its old name."""
+    out = subprocess.run(CLI + ["switch", "--port", "70000"], capture_output=True, text=True,
+                         timeout=60)
+    assert (out.returncode, out.stdout) == (2, "")
+    assert out.stderr == SWITCH_NOTE + f"overcast: {PORT.format(70000)}\n"
+    runs = [parser().parse_args(["cluster", "run", *flag]).aggregators_run
+            for flag in ([], ["--no-aggregators"], ["--no-switch"])]
+    assert runs == [True, False, False]
+
+
+def test_the_aggregators_are_read_under_either_name_and_a_contradiction_is_refused(
+        monkeypatch):
+    for new, old, read in ((None, None, None), ("10.0.0.1", None, "10.0.0.1"),
+                           (None, "10.0.0.2:9", "10.0.0.2:9"),
+                           ("10.0.0.1", "10.0.0.1", "10.0.0.1")):
+        for name, value in (("OVERCAST_AGGREGATORS", new), ("OVERCAST_SWITCH", old)):
+            if value is None:
+                monkeypatch.delenv(name, raising=False)
+            else:
+                monkeypatch.setenv(name, value)
+        assert aggregators_from_env() == read
+    monkeypatch.setenv("OVERCAST_AGGREGATORS", "10.0.0.1,10.0.0.2")
+    monkeypatch.setenv("OVERCAST_SWITCH", "10.0.0.1")
+    said = ("OVERCAST_AGGREGATORS='10.0.0.1,10.0.0.2' and OVERCAST_SWITCH='10.0.0.1' (its old "
+            "name) name different aggregators: set OVERCAST_AGGREGATORS alone")
+    with pytest.raises(InvalidArgumentError) as err:
+        communicator()  # before it meets anyone: its store would raise
+    assert str(err.value) == said
+
+
+def test_the_top_level_help_lists_every_command():
+    out = subprocess.run(CLI + ["--help"], capture_output=True, text=True, timeout=60,
+                         check=True).stdout
+    listed = {line.split()[0] for line in out.splitlines() if line.startswith("    ")}
+    assert {"bench", "train", "soak", "simulate", "plan", "check", "cluster"} <= listed
+    assert "5% of the rings'" in " ".join(out.split())  # a % in a help is taken as it stands
 
 
 def test_version():

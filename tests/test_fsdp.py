@@ -482,7 +482,7 @@ def test_an_aggregator_that_cannot_start_is_named_on_every_rank():
 
 def reduce_scatter_through_job_communicator(rank):
     """gloo's reduce_scatter_tensor against overcast's in-network one on a Communicator made
-    by job_communicator() (rank 0 starts the aggregator: no OVERCAST_SWITCH here)."""
+    by job_communicator() (rank 0 starts the aggregator: no OVERCAST_AGGREGATORS here)."""
     start()
     try:
         world = dist.get_world_size()

@@ -24,7 +24,7 @@ from overcast.protocols.innetwork import InNetworkReduceScatter
 from overcast.protocols.multicast import MulticastGather
 from overcast.protocols.session import DATAGRAM_KINDS
 from overcast.schedules.chains import concurrent_senders
-from overcast.switch.aggregator import Aggregator
+from overcast.aggregator.reduction import Aggregator
 from overcast.transport.stream import Stream, StreamClosed
 from overcast.wire.auth import Drops, Opener, Sealer
 from overcast.wire.header import AGGREGATOR, ANY, HEADER_BYTES, Kind, MalformedError, \

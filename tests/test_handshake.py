@@ -7,9 +7,11 @@ import socket
 import threading
 import time
 
+import pytest
+
+from overcast.aggregator.service import AggregatorService
 from overcast.transport.rendezvous import HANDSHAKE_SECONDS, rendezvous
 from overcast.transport.store import StoreClient, StoreServer
-from overcast.switch.service import SwitchService
 from overcast.wire.auth import Sealer, derive_key, job_id_of
 from overcast.wire.header import AGGREGATOR, Kind
 from overcast.wire.registration import ANSWER, HELLO, NONCE_BYTES, SWITCH_CHALLENGE
@@ -99,7 +101,7 @@ def test_a_silent_connection_and_a_replayed_hello_neither_delay_nor_join_the_ren
 
 
 def test_the_aggregator_takes_no_replayed_registration_and_drops_a_silent_one(monkeypatch):
-    service = SwitchService("127.0.0.1", 0, [secret := os.urandom(32)])
+    service = AggregatorService("127.0.0.1", 0, [secret := os.urandom(32)])
     serving = threading.Thread(target=service.serve)
     serving.start()
     silent = replay = None
@@ -123,7 +125,7 @@ def test_the_aggregator_takes_no_replayed_registration_and_drops_a_silent_one(mo
         replay.close()
         # a short registration time for this connection only: the ranks and the replay had
         # the usual one, so a stall of this process could not have timed them out instead
-        monkeypatch.setattr("overcast.switch.service.REGISTRATION_SECONDS", 0.2)
+        monkeypatch.setattr("overcast.aggregator.service.REGISTRATION_SECONDS", 0.2)
         silent = socket.create_connection(("127.0.0.1", service.port))
         silent.settimeout(TIMEOUT)
         assert len(silent.recv(SWITCH_CHALLENGE.size)) == SWITCH_CHALLENGE.size
@@ -134,6 +136,33 @@ def test_the_aggregator_takes_no_replayed_registration_and_drops_a_silent_one(mo
             if conn is not None:
                 conn.close()
         ranks.join()
+        service.stop()
+        serving.join()
+        service.close()
+
+
+@pytest.mark.parametrize("name", ["OVERCAST_AGGREGATORS", "OVERCAST_SWITCH"])
+def test_the_ranks_register_with_the_aggregator_the_environment_names(name, monkeypatch):
+    """Either name of the setting (OVERCAST_SWITCH is the old one) is read when no aggregator
+    is given."""
+    service = AggregatorService("127.0.0.1", 0, [secret := os.urandom(32)])
+    serving = threading.Thread(target=service.serve)
+    serving.start()
+    monkeypatch.delenv("OVERCAST_AGGREGATORS", raising=False)
+    monkeypatch.delenv("OVERCAST_SWITCH", raising=False)
+    monkeypatch.setenv(name, f"127.0.0.1:{service.port}")
+    ranks = Ranks(secret)
+    try:
+        for rank in range(WORLD):
+            ranks.start(rank)
+        ranks.join()
+        assert not ranks.errors, ranks.errors
+        assert [(links.switch_error, list(links.switch_names.values()))
+                for links in ranks.links.values()] == [(None, [f"127.0.0.1:{service.port}"])] * 3
+    finally:
+        ranks.join()
+        for links in ranks.links.values():
+            close(links)
         service.stop()
         serving.join()
         service.close()

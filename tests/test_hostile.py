@@ -134,17 +134,17 @@ def host(rank: int, stop_path: str, switch_ns: str, own_ns: str, own_address: st
 
 
 def test_a_host_that_captures_and_replays_cannot_stop_the_job(tmp_path):
-    stop_path, stats_path = str(tmp_path / "stop"), str(tmp_path / "switch.json")
+    stop_path, stats_path = str(tmp_path / "stop"), str(tmp_path / "aggregator.json")
     with Cluster(WORLD + 1, 400_000_000) as cluster:
-        switch = cluster.start_switch(stats_path=stats_path)
+        aggregator = cluster.start_aggregator(stats_path=stats_path)
         placements = [Placement(cluster.host_ns[r], cluster.environment(
             r, {"WORLD_SIZE": str(WORLD)})) for r in range(WORLD)] + [Placement(None, {})]
         results = run_ranks(host, placements, timeout=300,
                             args=(stop_path, cluster.switch_ns, cluster.host_ns[WORLD],
                                   "198.18.0.5"))
-        cluster.stop_switch(switch)
+        cluster.stop_aggregator(aggregator)
     with open(stats_path) as f:
-        switch_drops = json.load(f)["drops"]
+        aggregator_drops = json.load(f)["drops"]
     thrown = results[WORLD]
     *ranks, _ = results
     assert sum(thrown.values()) >= 200 and set(thrown) >= {
@@ -160,4 +160,4 @@ def test_a_host_that_captures_and_replays_cannot_stop_the_job(tmp_path):
     for reason in ("replayed", "misdirected", "bad_mac", "foreign", "malformed"):
         assert drops[reason] > 0, (reason, drops)
     assert drops["wrong_channel"] > 0, drops  # stream frames lifted off the wire
-    assert sum(switch_drops.values()) > 0, switch_drops
+    assert sum(aggregator_drops.values()) > 0, aggregator_drops

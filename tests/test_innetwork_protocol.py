@@ -11,7 +11,7 @@ from overcast.errors import CollectiveTimeoutError
 from overcast.protocols.base import Descriptor
 from overcast.protocols.budget import LinkBudget
 from overcast.protocols.innetwork import InNetworkReduceScatter
-from overcast.switch.aggregator import MAX_RESEND_SECONDS, RESEND_SECONDS, Aggregator
+from overcast.aggregator.reduction import MAX_RESEND_SECONDS, RESEND_SECONDS, Aggregator
 from overcast.wire.header import AGGREGATOR, Header, Kind
 from overcast.wire.messages import pack_acks, pack_contribution_prefix
 
@@ -352,7 +352,7 @@ def test_more_reductions_at_once_than_the_aggregator_takes_all_finish():
     """The aggregator keeps MAX_REDUCTIONS of a communicator in flight and refuses the
     contributions of more; their ranks' credit stalls, their probes are answered with what to
     send again, and each is taken once there is room."""
-    from overcast.switch.aggregator import MAX_REDUCTIONS
+    from overcast.aggregator.reduction import MAX_REDUCTIONS
     world, count = 3, 50
     fabric = Fabric(world, timeout=5.0, aggregator=Aggregator(slots=4))
     runs = [reduce_scatter(fabric, count, np.int64, slots=4, seq=seq)

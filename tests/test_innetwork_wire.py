@@ -63,9 +63,9 @@ def sums(rank, sizes):
 def test_sums_under_loss(world):
     sizes = [1, 1000, 100_003] + ([1 << 20] if world <= 3 else [])
     with Cluster(world, 1_000_000_000) as cluster:
-        switch = cluster.start_switch()
+        aggregator = cluster.start_aggregator()
         results = cluster.run(sums, args=(sizes,), timeout=900)
-        cluster.stop_switch(switch)
+        cluster.stop_aggregator(aggregator)
     assert results == [[] for _ in range(world)]
 
 
@@ -85,9 +85,9 @@ def smallest_path(rank):
 
 def test_in_network_reduction_at_the_smallest_mtu():
     with Cluster(2, 1_000_000_000, mtu=LOWEST_MTU) as cluster:
-        switch = cluster.start_switch()
+        aggregator = cluster.start_aggregator()
         results = cluster.run(smallest_path, timeout=120)
-        cluster.stop_switch(switch)
+        cluster.stop_aggregator(aggregator)
     for chunk, right, send_errors in results:
         assert right == [True, True] and send_errors == 0, (chunk, right, send_errors)
 
@@ -120,11 +120,11 @@ def test_a_dead_aggregator_mid_reduction_is_survived_on_every_rank():
     """The aggregator killed mid-reduction: every rank completes it on the ring, exact, and
     names the aggregator (protocols.failover; tests/test_failover.py has the cases)."""
     with Cluster(3, 200_000_000) as cluster:
-        switch = cluster.start_switch()
-        results = cluster.run(kill_mid_reduction, args=(0, switch.pid), timeout=60)
+        aggregator = cluster.start_aggregator()
+        results = cluster.run(kill_mid_reduction, args=(0, aggregator.pid), timeout=60)
     for name, fallback, exact in results:
         assert name == "ok" and exact, fallback
-        assert f"lost the aggregator at {cluster.switch} " in fallback, fallback
+        assert f"lost the aggregator at {cluster.aggregator_addresses} " in fallback, fallback
 
 
 def innetwork_refusal(rank):
@@ -141,11 +141,12 @@ def innetwork_refusal(rank):
 
 def test_an_aggregator_of_two_that_cannot_be_reached_is_named_on_every_rank():
     with Cluster(3, 200_000_000, aggregators=2) as cluster:
-        switch = cluster.start_switch(aggregator=0)
+        aggregator = cluster.start_aggregator(aggregator=0)
         missing = f"{aggregator_address(1)}:{DEFAULT_SWITCH_PORT}"
         results = cluster.run(innetwork_refusal, timeout=60,
-                              env={"OVERCAST_SWITCH": f"{cluster.switch},{missing}"})
-        cluster.stop_switch(switch)
+                              env={"OVERCAST_AGGREGATORS":
+                                   f"{cluster.aggregator_addresses},{missing}"})
+        cluster.stop_aggregator(aggregator)
     for refused in results:
         assert f"unavailable: cannot reach the aggregator at {missing}" in refused, refused
 
@@ -153,16 +154,17 @@ def test_an_aggregator_of_two_that_cannot_be_reached_is_named_on_every_rank():
 def innetwork_refusal_reversed(rank, spec):
     """innetwork_refusal, rank 2 naming the aggregators in the other order."""
     if rank == 2:
-        os.environ["OVERCAST_SWITCH"] = ",".join(reversed(spec.split(",")))
+        os.environ["OVERCAST_AGGREGATORS"] = ",".join(reversed(spec.split(",")))
     return innetwork_refusal(rank)
 
 
 def test_ranks_that_name_the_aggregators_in_different_orders_are_refused_saying_so():
     with Cluster(3, 200_000_000, aggregators=2) as cluster:
-        switches = cluster.start_switches(shards=1)
-        results = cluster.run(innetwork_refusal_reversed, args=(cluster.switch,), timeout=60)
-        for switch in switches:
-            cluster.stop_switch(switch)
+        procs = cluster.start_aggregators(shards=1)
+        results = cluster.run(innetwork_refusal_reversed, args=(cluster.aggregator_addresses,),
+                              timeout=60)
+        for aggregator in procs:
+            cluster.stop_aggregator(aggregator)
     for refused in results:
         assert "refused this communicator" in refused and \
             "must name the same aggregators in the same order on every rank" in refused, refused
@@ -170,10 +172,10 @@ def test_ranks_that_name_the_aggregators_in_different_orders_are_refused_saying_
 
 def test_one_dead_aggregator_of_two_is_named_on_every_rank():
     with Cluster(3, 200_000_000, aggregators=2) as cluster:
-        switches = cluster.start_switches(shards=2)
-        first, second = cluster.switch.split(",")
-        results = cluster.run(kill_mid_reduction, args=(0, switches[1].pid), timeout=60)
-        cluster.stop_switch(switches[0])
+        procs = cluster.start_aggregators(shards=2)
+        first, second = cluster.aggregator_addresses.split(",")
+        results = cluster.run(kill_mid_reduction, args=(0, procs[1].pid), timeout=60)
+        cluster.stop_aggregator(procs[0])
     for name, fallback, exact in results:
         assert name == "ok" and exact, fallback
         assert f"lost the aggregator at {second} " in fallback, fallback
@@ -204,9 +206,9 @@ def two_at_once(rank):
 
 def test_two_communicators_share_the_aggregator():
     with Cluster(3, 400_000_000) as cluster:
-        switch = cluster.start_switch()
+        aggregator = cluster.start_aggregator()
         results = cluster.run(two_at_once, timeout=120)
-        cluster.stop_switch(switch)
+        cluster.stop_aggregator(aggregator)
     assert results == [[True, True]] * 3
 
 
@@ -244,9 +246,9 @@ def two_jobs(rank):
 
 def test_jobs_with_different_secrets_share_the_aggregator_and_strangers_are_refused():
     with Cluster(3, 400_000_000) as cluster:
-        switch = cluster.start_switch(secrets=[cluster.secret, OTHER_JOB])
+        aggregator = cluster.start_aggregator(secrets=[cluster.secret, OTHER_JOB])
         results = cluster.run(two_jobs, timeout=120)
-        cluster.stop_switch(switch)
+        cluster.stop_aggregator(aggregator)
     for avg_mine, avg_other, same_bits, refused in results:
         assert avg_mine and avg_other and same_bits
         assert "in-network reduction is unavailable" in refused
@@ -264,11 +266,11 @@ def big_reduction(rank, count):
 def test_the_aggregator_stays_within_its_pool(tmp_path):
     """One shard's pool (each shard of several holds one of its own: the budget counts them)."""
     slots, world, count = 16, 4, 4 << 20  # 64 MiB of input per rank: over 100 times the pool
-    stats = tmp_path / "switch.json"
+    stats = tmp_path / "aggregator.json"
     with Cluster(world, 1_000_000_000) as cluster:
-        switch = cluster.start_switch(slots=slots, stats_path=str(stats), shards=1)
+        aggregator = cluster.start_aggregator(slots=slots, stats_path=str(stats), shards=1)
         assert cluster.run(big_reduction, args=(count,), timeout=300) == [True] * world
-        cluster.stop_switch(switch)
+        cluster.stop_aggregator(aggregator)
     report = json.loads(stats.read_text())
     pool = slots * world * 8912  # slots x rows x the largest chunk, in its one shard
     assert report["peak_pool_bytes"] <= pool
@@ -280,12 +282,12 @@ def test_a_rank_killed_mid_reduction_leaves_nothing_in_the_aggregator(tmp_path):
     """The reduction's slots hold the dead rank's half-finished chunks; the others fail with the
     peer named, close, and with the communicator's last connection gone the aggregator frees
     its pool and forgets the communicator."""
-    stats = tmp_path / "switch.json"
+    stats = tmp_path / "aggregator.json"
     with Cluster(3, 200_000_000) as cluster:
-        switch = cluster.start_switch(stats_path=str(stats))
+        aggregator = cluster.start_aggregator(stats_path=str(stats))
         with pytest.raises(RankError) as info:
             cluster.run(kill_mid_reduction, args=(2,), timeout=60)
-        cluster.stop_switch(switch)
+        cluster.stop_aggregator(aggregator)
     assert list(info.value.failures) == [2]
     for name, message in info.value.results[:2]:
         assert name == "PeerFailureError" and "rank 2" in message, message
@@ -301,12 +303,12 @@ def test_sums_striped_over_two_aggregators_of_two_shards_each(tmp_path):
     aggregator, each of its shards, takes its share of the contributions and of the bytes."""
     world = 4
     with Cluster(world, 1_000_000_000, aggregators=2) as cluster:
-        switches = cluster.start_switches(stats_dir=str(tmp_path), shards=2)
-        assert cluster.switch.count(",") == 1
+        procs = cluster.start_aggregators(stats_dir=str(tmp_path), shards=2)
+        assert cluster.aggregator_addresses.count(",") == 1
         before = [cluster.counters(None, a).rx_bytes for a in range(2)]
         results = cluster.run(sums, args=([1000, 100_003],), timeout=900)
         carried = [cluster.counters(None, a).rx_bytes - before[a] for a in range(2)]
-        reports = cluster.stop_switches(switches, str(tmp_path))
+        reports = cluster.stop_aggregators(procs, str(tmp_path))
     assert results == [[] for _ in range(world)]
     taken = [r["stats"]["contributions"] for r in reports]
     assert min(taken) > 0.8 * max(taken), taken

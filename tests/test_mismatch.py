@@ -15,7 +15,7 @@ from overcast.protocols.innetwork import InNetworkReduceScatter
 from overcast.protocols.multicast import MulticastGather
 from overcast.protocols.ring import RingAllGather, RingBroadcast, RingReduceScatter
 from overcast.schedules.chains import concurrent_senders
-from overcast.switch.aggregator import Aggregator
+from overcast.aggregator.reduction import Aggregator
 
 WORLD, CHUNK, RATE = 4, 64, 1e6
 U8, F32 = np.dtype(np.uint8), np.dtype(np.float32)

@@ -29,9 +29,9 @@ from overcast.bench.soak import status_bytes
 from overcast.buffers import dtype_code
 from overcast.cluster.launch import loopback_placements, run_ranks
 from overcast.native import MAX_REDUCTIONS
-from overcast.switch.launch import start_switch, stop_switch
-from overcast.switch.service import (ACCEPT_BACKOFF_SECONDS, ADDRESS_SHARE, MAX_UNREGISTERED,
-                                     Limits, SwitchService)
+from overcast.aggregator.launch import start_aggregator, stop_aggregator
+from overcast.aggregator.service import (ACCEPT_BACKOFF_SECONDS, ADDRESS_SHARE, MAX_UNREGISTERED,
+                                     Limits, AggregatorService)
 from overcast.transport.datagram import chunk_bytes
 from overcast.transport.rendezvous import register_with_aggregator, register_with_aggregators
 from overcast.wire.auth import Drops, Opener, Sealer, derive_key, job_id_of
@@ -130,7 +130,7 @@ def good_job(rank):
         buf = np.full(30001, rank + 1, np.float32)
         comm.all_reduce(buf, algorithm="fullduplex")
         return [bool(np.array_equal(out, expected)),
-                bool((buf == world * (world + 1) / 2).all()), comm._switch_error]
+                bool((buf == world * (world + 1) / 2).all()), comm._aggregator_error]
     finally:
         comm.close()
 
@@ -141,7 +141,7 @@ def test_an_aggregators_counter_starts_in_the_range_of_the_epoch_it_was_register
     restarted mid-job names how many rounds of losses and take-backs it has decided): the
     aggregator's counter under the communicator key starts in that epoch's range, so no
     instance's nonce meets an earlier one's, and the ranks' replay windows take it."""
-    proc, address = start_switch("127.0.0.1", 0, secrets=[HOSTILE.hex()], slots=8, shards=1)
+    proc, address = start_aggregator("127.0.0.1", 0, secrets=[HOSTILE.hex()], slots=8, shards=1)
     sender = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     host, port = address.rsplit(":", 1)
     links = member(address, 2, keep_udp=True, epoch=epoch)
@@ -157,14 +157,14 @@ def test_an_aggregators_counter_starts_in_the_range_of_the_epoch_it_was_register
         links.udp.close()
         for sock in links.switches.values():
             sock.close()
-        stop_switch(proc)
+        stop_aggregator(proc)
     assert hdr.src == endpoint(0) and hdr.counter >> EPOCH_SHIFT == epoch
     assert hdr.counter - (epoch << EPOCH_SHIFT) < 1 << 41
 
 
 def test_hostile_registrations_are_refused_and_the_aggregator_serves_on(tmp_path):
-    stats = tmp_path / "switch.json"
-    proc, address = start_switch("127.0.0.1", 0, secrets=[HOSTILE.hex(), GOOD.hex()],
+    stats = tmp_path / "aggregator.json"
+    proc, address = start_aggregator("127.0.0.1", 0, secrets=[HOSTILE.hex(), GOOD.hex()],
                                  stats_path=str(stats), limits=LIMITS, shards=1)
     held = []
     try:
@@ -204,14 +204,14 @@ def test_hostile_registrations_are_refused_and_the_aggregator_serves_on(tmp_path
         sender.close()
         # the other job's collectives, while all of that is held
         results = run_ranks(good_job, loopback_placements(2, {
-            "OVERCAST_SWITCH": address, "OVERCAST_SECRET": GOOD.hex(),
+            "OVERCAST_AGGREGATORS": address, "OVERCAST_SECRET": GOOD.hex(),
             "OVERCAST_LINK_BITS_PER_S": "1e9"}), timeout=120)
         alive = proc.poll() is None
     finally:
         for m in held:
             for sock in m.switches.values():
                 sock.close()
-        stop_switch(proc)
+        stop_aggregator(proc)
     for world in (0, 1, 65534, 65535):
         assert "refused this communicator" in said[world], (world, said[world])
         assert f"a world of {world}" in said[world], said[world]
@@ -242,7 +242,7 @@ def test_hostile_registrations_are_refused_and_the_aggregator_serves_on(tmp_path
 def test_a_fault_on_one_registration_costs_that_connection_alone():
     """A fault in the service's own code on one peer's input (injected into its admission)
     closes that connection and is counted; the loop serves the next registration."""
-    service = SwitchService("127.0.0.1", 0, [HOSTILE])
+    service = AggregatorService("127.0.0.1", 0, [HOSTILE])
     admit, faults = service._admit, []
 
     def faulty(*args):
@@ -291,8 +291,8 @@ def test_a_keyed_member_that_registers_and_contributes_stays_within_the_budget(t
     The aggregator's peak RSS grows by at most --pool-bytes and the fixed overhead
     docs/protocols.md states: 4 KiB a communicator, and a few MiB of its own."""
     budget = 32 << 20
-    stats = tmp_path / "switch.json"
-    proc, address = start_switch("127.0.0.1", 0, secrets=[HOSTILE.hex()], slots=8,
+    stats = tmp_path / "aggregator.json"
+    proc, address = start_aggregator("127.0.0.1", 0, secrets=[HOSTILE.hex()], slots=8,
                                  stats_path=str(stats), shards=1,
                                  limits=Limits(max_world=4096, max_communicators=256,
                                                pool_bytes=budget))
@@ -327,7 +327,7 @@ def test_a_keyed_member_that_registers_and_contributes_stays_within_the_budget(t
             links.udp.close()
             for sock in links.switches.values():
                 sock.close()
-        stop_switch(proc)
+        stop_aggregator(proc)
     report = json.loads(stats.read_text())
     admitted = [m for m in narrow if m.switches]
     assert peak - start <= most_rss_growth(budget, 1 + len(admitted)), (peak - start, report)
@@ -343,8 +343,8 @@ def test_a_jobs_connections_stay_within_its_share_of_the_descriptors(tmp_path):
     of the job's share of the descriptors (the reason its ranks report); that is at most half
     of what is left once 32 are kept for connections waiting, and the other job's ranks
     register at once."""
-    stats = tmp_path / "switch.json"
-    proc, address = start_switch("127.0.0.1", 0, secrets=[HOSTILE.hex(), GOOD.hex()],
+    stats = tmp_path / "aggregator.json"
+    proc, address = start_aggregator("127.0.0.1", 0, secrets=[HOSTILE.hex(), GOOD.hex()],
                                  shards=1, stats_path=str(stats),
                                  prefix=("sh", "-c", 'ulimit -n 128 && exec "$@"', "sh"))
     held = []
@@ -359,7 +359,7 @@ def test_a_jobs_connections_stay_within_its_share_of_the_descriptors(tmp_path):
         for links in held:
             for sock in links.switches.values():
                 sock.close()
-        stop_switch(proc)
+        stop_aggregator(proc)
     refused = held[-3].switch_error
     assert "ulimit -n, shared among the jobs served" in refused, refused
     share = int(re.search(r"of the job's (\d+) are left", refused)[1])
@@ -370,14 +370,31 @@ def test_a_jobs_connections_stay_within_its_share_of_the_descriptors(tmp_path):
 
 
 def test_too_few_descriptors_to_start_are_said_in_one_line():
-    """`overcast switch` of two shards under `ulimit -n 8`: a line that says how many it needs,
+    """`overcast aggregator` of two shards under `ulimit -n 8`: a line that says how many it needs,
     and exit status 2, not a traceback from the socket it could not open."""
     run = subprocess.run(["sh", "-c", 'ulimit -n 8 && exec "$@"', "sh", sys.executable, "-m",
-                          "overcast.cli.main", "switch", "--port", "0", "--shards", "2"],
+                          "overcast.cli.main", "aggregator", "--port", "0", "--shards", "2"],
                          env={**os.environ, "OVERCAST_SECRET": HOSTILE.hex()},
                          capture_output=True, text=True, timeout=60)
     assert run.returncode == 2 and run.stderr.count("\n") == 1, run.stderr
     assert run.stderr.startswith("overcast: 8 descriptors (ulimit -n) are too few"), run.stderr
+
+
+def test_the_aggregators_old_command_name_serves_after_saying_it_is_old():
+    """`overcast switch` is `overcast aggregator` under its old name: it serves (says where it
+    listens, and stops on SIGTERM as the aggregator does), after a line on stderr saying so."""
+    with subprocess.Popen([sys.executable, "-m", "overcast.cli.main", "switch", "--host",
+                           "127.0.0.1", "--port", "0", "--shards", "1"],
+                          env={**os.environ, "OVERCAST_SECRET": HOSTILE.hex()},
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+        try:
+            said = proc.stdout.readline()
+        finally:
+            proc.terminate()
+        _, err = proc.communicate(timeout=30)
+    assert said.startswith("overcast aggregator listening on 127.0.0.1:"), said
+    assert proc.returncode == 0 and err == ("overcast: `overcast switch` is the old name of "
+                                            "`overcast aggregator`; running that\n"), err
 
 
 def test_a_keyed_members_credit_probes_keep_the_aggregator_within_the_budget(tmp_path):
@@ -387,8 +404,8 @@ def test_a_keyed_members_credit_probes_keep_the_aggregator_within_the_budget(tmp
     more than the budget allows; it grew by 8 MiB and more when a shard queued every answer of
     64 reads before it sent any."""
     budget = 2 << 20
-    stats = tmp_path / "switch.json"
-    proc, address = start_switch("127.0.0.1", 0, secrets=[HOSTILE.hex()], slots=512,
+    stats = tmp_path / "aggregator.json"
+    proc, address = start_aggregator("127.0.0.1", 0, secrets=[HOSTILE.hex()], slots=512,
                                  stats_path=str(stats), shards=1, limits=Limits(pool_bytes=budget))
     sender = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     links = None
@@ -414,7 +431,7 @@ def test_a_keyed_members_credit_probes_keep_the_aggregator_within_the_budget(tmp
             links.udp.close()
             for sock in links.switches.values():
                 sock.close()
-        stop_switch(proc)
+        stop_aggregator(proc)
     report = json.loads(stats.read_text())
     assert links.switch_slots == 512 and report["stats"]["nacks"] > 0
     assert peak - start <= most_rss_growth(budget, 1), (peak - start, report)
@@ -482,8 +499,8 @@ def test_one_host_churning_connections_does_not_shed_another_hosts_slow_rank(tmp
     address). A rank whose HELLO leaves 0.1 s after the challenge (the churn sheds 64 waiting
     connections in far less) registers meanwhile, three times: the churn sheds its own
     connections alone."""
-    stats = tmp_path / "switch.json"
-    proc, address = start_switch("127.0.0.1", 0, secrets=[HOSTILE.hex()], shards=1,
+    stats = tmp_path / "aggregator.json"
+    proc, address = start_aggregator("127.0.0.1", 0, secrets=[HOSTILE.hex()], shards=1,
                                  stats_path=str(stats),
                                  prefix=("sh", "-c", 'ulimit -n 256 && exec "$@"', "sh"))
     churn = subprocess.Popen([sys.executable, "-c", CHURN, address.rsplit(":", 1)[1], "128"],
@@ -500,7 +517,7 @@ def test_one_host_churning_connections_does_not_shed_another_hosts_slow_rank(tmp
         churn.kill()
         churn.wait()
         churn.stdout.close()
-        stop_switch(proc)
+        stop_aggregator(proc)
     assert said == [None] * 3
     assert json.loads(stats.read_text())["drops"]["unregistered_shed"] >= 128
 
@@ -524,7 +541,7 @@ def test_junk_behind_the_largest_header_is_refused_as_the_header_parses():
 def test_a_header_but_a_hellos_of_its_size_closes_the_connection_at_once(kind, length):
     """The header alone, and nothing after it: the aggregator closes the connection without
     waiting for the frame it announces, and counts it."""
-    service = SwitchService("127.0.0.1", 0, [HOSTILE])
+    service = AggregatorService("127.0.0.1", 0, [HOSTILE])
     serving = threading.Thread(target=service.serve)
     serving.start()
     try:
@@ -546,7 +563,7 @@ def test_an_accept_out_of_descriptors_is_counted_and_rests_the_listener_shedding
     the limit whether or not a connection waits), is counted and rests the listener for
     ACCEPT_BACKOFF_SECONDS, and sheds nobody: the first keeps its connection, the second waits
     in the backlog and is taken once the listener listens again."""
-    service = SwitchService("127.0.0.1", 0, [HOSTILE])
+    service = AggregatorService("127.0.0.1", 0, [HOSTILE])
     first = socket.create_connection(("127.0.0.1", service.port), timeout=5)
     second = socket.create_connection(("127.0.0.1", service.port), timeout=5)
     try:
@@ -582,7 +599,7 @@ def test_an_accept_out_of_descriptors_is_counted_and_rests_the_listener_shedding
 def test_a_connection_reset_before_its_challenge_is_counted():
     """A connection reset while it waits in the backlog: accept() gives it, the challenge
     cannot be sent; counted and closed, and the accept loop goes on."""
-    service = SwitchService("127.0.0.1", 0, [HOSTILE])
+    service = AggregatorService("127.0.0.1", 0, [HOSTILE])
     try:
         reset = socket.create_connection(("127.0.0.1", service.port), timeout=5)
         reset.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
@@ -610,7 +627,7 @@ class RefusingToWatch:
 
 def test_a_connection_the_selector_cannot_watch_costs_that_connection_alone():
     """Counted and closed (its challenge sent already), and the accept loop goes on."""
-    service = SwitchService("127.0.0.1", 0, [HOSTILE])
+    service = AggregatorService("127.0.0.1", 0, [HOSTILE])
     service._selector = RefusingToWatch(service._selector)
     try:
         with socket.create_connection(("127.0.0.1", service.port), timeout=5) as sock:
@@ -625,7 +642,7 @@ def test_a_registered_connection_that_sends_anything_is_closed_and_counted():
     """Nothing is expected on a registered connection: a byte on it closes it (its
     communicator, its last connection gone, is forgotten), where the service read whatever
     came for as long as it came."""
-    service = SwitchService("127.0.0.1", 0, [HOSTILE])
+    service = AggregatorService("127.0.0.1", 0, [HOSTILE])
     serving = threading.Thread(target=service.serve)
     serving.start()
     try:
@@ -667,7 +684,7 @@ def test_a_fault_after_registering_a_communicator_gives_back_what_it_held(fails)
     costs that connection alone (counted), and the communicator is given back: no budget, id
     on the wire or place in the shards is held for it, and its next registration is welcomed
     into the shards' first place again."""
-    service = SwitchService("127.0.0.1", 0, [HOSTILE])
+    service = AggregatorService("127.0.0.1", 0, [HOSTILE])
     service.shards = FailingOnce(service.shards, fails)
     serving = threading.Thread(target=service.serve)
     serving.start()

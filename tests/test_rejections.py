@@ -16,7 +16,7 @@ from overcast.protocols.budget import LinkBudget
 from overcast.protocols.multicast import MulticastGather
 from overcast.protocols.ring import RingAllGather
 from overcast.protocols.session import DATAGRAM_KINDS
-from overcast.switch.aggregator import Aggregator
+from overcast.aggregator.reduction import Aggregator
 from overcast.wire.header import AGGREGATOR, ANY, Header, Kind
 from overcast.wire.runs import Run
 from overcast.wire.messages import (pack_abort, pack_acks, pack_contribution_prefix,

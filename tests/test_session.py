@@ -14,7 +14,7 @@ from overcast.protocols.base import Descriptor
 from overcast.protocols.budget import LinkBudget
 from overcast.protocols.innetwork import InNetworkReduceScatter
 from overcast.protocols.ring import RingAllGather, RingReduceScatter
-from overcast.switch.aggregator import Aggregator
+from overcast.aggregator.reduction import Aggregator
 from overcast.wire.header import HEADER_BYTES, Header, Kind
 
 

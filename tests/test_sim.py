@@ -231,7 +231,7 @@ def test_a_shared_machine_bounds_every_host_and_the_aggregator_together():
     """The emulated cluster's hosts and aggregator share one machine's cores: the in-network
     ReduceScatter then takes (all ranks' CPU + the aggregator's) / cores when that exceeds the
     link's time."""
-    e = Engine("shared", chunk_bytes=1000, us_per_datagram=10.0, switch_us_per_datagram=5.0)
+    e = Engine("shared", chunk_bytes=1000, us_per_datagram=10.0, aggregator_us_per_datagram=5.0)
     p, n = 4, MIB
     row = simulate("reduce_scatter", "innetwork", star(p, 100e9), n, engine=e, shared_cores=2)
     datagrams = n / 1000

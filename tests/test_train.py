@@ -23,8 +23,8 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--np
 CLI = [sys.executable, "-m", "overcast.cli.main"]
 
 
-def switches_running() -> int:
-    out = subprocess.run(["pgrep", "-f", "overcast.cli.main switch"], capture_output=True,
+def aggregators_running() -> int:
+    out = subprocess.run(["pgrep", "-f", "overcast.cli.main aggregator"], capture_output=True,
                          text=True).stdout
     return len(out.split())
 
@@ -40,15 +40,16 @@ def losses(stdout: str) -> list[float]:
 def test_example_under_torchrun(flags):
     """The same script, unchanged, on one machine's loopback: rank 0 starts the aggregator for
     in-network reduction; the torch backend's separate ReduceScatter group exits cleanly."""
-    before = switches_running()
+    before = aggregators_running()
     env = {**os.environ, "OVERCAST_LINK_BITS_PER_S": "1e9", "OMP_NUM_THREADS": "1"}
-    env.pop("OVERCAST_SWITCH", None)
+    for name in ("OVERCAST_AGGREGATORS", "OVERCAST_SWITCH"):  # its old name
+        env.pop(name, None)
     proc = subprocess.run(TORCHRUN + EXAMPLE[1:] + flags, capture_output=True, text=True,
                           env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "terminate called" not in proc.stderr
     assert len(losses(proc.stdout)) == 2
-    assert switches_running() == before
+    assert aggregators_running() == before
 
 
 def test_own_model_trains_as_under_gloo():
@@ -60,7 +61,8 @@ def test_own_model_trains_as_under_gloo():
               "--dim", "64", "--vocab", "512", "--seq", "32", "--micro-steps", "2",
               "--checkpoint"]
     env = {**os.environ, "OVERCAST_LINK_BITS_PER_S": "1e9", "OMP_NUM_THREADS": "1"}
-    env.pop("OVERCAST_SWITCH", None)
+    for name in ("OVERCAST_AGGREGATORS", "OVERCAST_SWITCH"):  # its old name
+        env.pop(name, None)
     runs = {}
     for way in ("overcast", "torch"):
         proc = subprocess.run(TORCHRUN + script + ["--way", way], capture_output=True,

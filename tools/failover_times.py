@@ -88,15 +88,15 @@ def main() -> int:
     for aggregators in [int(a) for a in args.aggregators.split(",")]:
         with Cluster(args.hosts, int(args.link_mbit * 1e6), aggregators=aggregators) as cluster:
             for t in range(args.trials):
-                switches = cluster.start_switches()
+                procs = cluster.start_aggregators()
                 try:
                     per_rank = cluster.run(trial, timeout=600, args=(
-                        count, switches[0].pid, SIGNALS[args.signal], args.repeats,
+                        count, procs[0].pid, SIGNALS[args.signal], args.repeats,
                         f"failover-{t}"))
                 finally:
-                    os.kill(switches[0].pid, signal.SIGCONT)  # a stopped one, to be stopped
-                    for proc in switches:
-                        cluster.stop_switch(proc)
+                    os.kill(procs[0].pid, signal.SIGCONT)  # a stopped one, to be stopped
+                    for proc in procs:
+                        cluster.stop_aggregator(proc)
                 usual = statistics.median(max(times) for times in
                                           zip(*(r["usual"] for r in per_rank)))
                 seconds = max(r["span"][1] for r in per_rank) - \

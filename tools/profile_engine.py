@@ -244,9 +244,9 @@ def main() -> int:
                    help="GRO on the hosts' and the aggregator's NICs (the cluster's default: on)")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        path, stats = f"{tmp}/engine.prof", f"{tmp}/switch.json"
+        path, stats = f"{tmp}/engine.prof", f"{tmp}/aggregator.json"
         with Cluster(args.hosts, int(args.link_mbit * 1e6), gro=args.gro == "on") as cluster:
-            switch = cluster.start_switch(stats_path=stats)
+            aggregator = cluster.start_aggregator(stats_path=stats)
             sampler = sample_machine(f"{tmp}/perf.data") if args.mode == "perf" else None
             try:
                 ranks = cluster.run(timed_calls, args=(parse_size(args.size), args.pairs, args.mode,
@@ -254,7 +254,7 @@ def main() -> int:
             finally:
                 if sampler is not None:
                     stop_sampling(sampler)
-            cluster.stop_switch(switch)
+            cluster.stop_aggregator(aggregator)
         with open(stats) as f:
             aggregator = json.load(f)["cpu_seconds"] / (args.pairs + 1)
         what = "all_reduces" if args.all_reduce else "pairs"
@@ -275,7 +275,8 @@ def main() -> int:
             for kind, seconds in sorted(busy.items(), key=lambda kv: -kv[1]):
                 print(f"  {kind:{width}s} {seconds / total:5.0%}  ({seconds:.3f} s profiled)")
         if args.mode == "perf":
-            machine_profile(f"{tmp}/perf.data", [r[4] for r in ranks], switch.pid, args.pairs + 1)
+            machine_profile(f"{tmp}/perf.data", [r[4] for r in ranks], aggregator.pid,
+                            args.pairs + 1)
     for name, (seconds, calls) in sorted(ranks[1][2].items(), key=lambda kv: -kv[1][0]):
         print(f"  {name:20s} {seconds * 1e3:7.1f} ms {calls:8.0f} calls "
               f"{seconds / max(calls, 1) * 1e6:7.1f} us each")

@@ -75,7 +75,7 @@ def main() -> int:
     results = []
     for hosts in [int(h) for h in args.hosts.split(",")]:
         with Cluster(hosts, int(args.link_mbit * 1e6)) as cluster:
-            cluster.start_switch()
+            cluster.start_aggregator()
             for name, env, collective in CASES:
                 per_rank = cluster.run(trials, args=(collective, args.trials), env=env,
                                        timeout=300)

@@ -1,4 +1,4 @@
-"""What anyone who can reach `overcast switch`'s registration port can try, no secret needed:
+"""What anyone who can reach `overcast aggregator`'s registration port can try, no secret needed:
 hold a crowd of connections open, and send headers that announce the largest frame, then junk.
 Meanwhile and afterwards a rank registers as a job's ranks do; the aggregator must stay up, serve
 both registrations and keep its memory.
@@ -28,7 +28,7 @@ import time
 import types
 
 from overcast.bench.soak import status_bytes
-from overcast.switch.launch import start_switch, stop_switch
+from overcast.aggregator.launch import start_aggregator, stop_aggregator
 from overcast.transport.rendezvous import register_with_aggregators
 from overcast.units import parse_size
 from overcast.wire.auth import Drops, Opener, Sealer, derive_key, job_id_of
@@ -126,7 +126,7 @@ def siege(connections: int, junk_connections: int, junk_bytes: int, nofile: int,
     limit = f"ulimit -{'' if hard else 'S'}n {nofile} && exec \"$@\""
     stats = tempfile.NamedTemporaryFile(suffix=".json", delete=False)
     stats.close()
-    proc, address = start_switch("127.0.0.1", 0, secrets=[secret.hex()], shards=1,
+    proc, address = start_aggregator("127.0.0.1", 0, secrets=[secret.hex()], shards=1,
                                  stats_path=stats.name, prefix=("sh", "-c", limit, "sh"))
     host, port = address.rsplit(":", 1)
     result = {"connections": connections, "junk_connections": junk_connections,
@@ -156,7 +156,7 @@ def siege(connections: int, junk_connections: int, junk_bytes: int, nofile: int,
     finally:
         for sock in held:
             sock.close()
-        stop_switch(proc)
+        stop_aggregator(proc)
         with open(stats.name) as f:
             text = f.read()
         os.unlink(stats.name)

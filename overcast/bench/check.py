@@ -8,7 +8,7 @@ process group, then an overcast communicator), and finds, on every rank:
   size when the communicator is made (overcast.transport.probe), and which rank missed whom;
 - the path MTU the ranks agreed on, and the datagram sockets' receive buffers the kernel grants;
 - the aggregator: reached, welcomed under the job's secret, how many endpoints; or, with no
-  OVERCAST_SWITCH, the one rank 0 starts beside itself;
+  OVERCAST_AGGREGATORS, the one rank 0 starts beside itself;
 - whether the job secret is set, and the link rate the multicast senders pace to;
 - a few seconds of each collective, ring and overcast's, each result checked, each call moving
   what a ring AllGather takes CALL_SECONDS to gather here, each time against its floor at that
@@ -32,7 +32,8 @@ from typing import Any
 
 import numpy as np
 
-from overcast.bench.worker import DTYPE, workload
+from overcast.bench.rank import DTYPE, workload
+from overcast.limits import aggregators_from_env
 from overcast.schedules import cost
 from overcast.sim.plan import WORTH_SAVING
 from overcast.transport.datagram import RECV_BUFFER_BYTES, enlarge_receive_buffer
@@ -74,7 +75,7 @@ def check_rank(rank: int, world: int, link_bits: float | None, seconds: float) -
 
     mine: dict = {"rank": rank, "host": socket.gethostname(),
                   "secret": bool(os.environ.get("OVERCAST_SECRET")),
-                  "switch": os.environ.get("OVERCAST_SWITCH"),
+                  "aggregators": aggregators_from_env(),
                   "link_bits_per_s": link_bits or _float(os.environ.get(
                       "OVERCAST_LINK_BITS_PER_S")),
                   "receive_buffer_bytes": _receive_buffer()}
@@ -94,7 +95,8 @@ def check_rank(rank: int, world: int, link_bits: float | None, seconds: float) -
                         multicast=comm.network_unavailable("multicast"),
                         aggregator=comm.network_unavailable("innetwork"),
                         endpoints=comm.aggregator_endpoints,
-                        aggregator_started=made.job_switch is not None, switch=made.switch)
+                        aggregator_started=made.job_aggregator is not None,
+                        aggregators=made.aggregators)
         every: list[Any] = [None] * world  # all_gather_object fills every slot
         dist.all_gather_object(every, mine)
         if made is None:
@@ -263,20 +265,20 @@ def _secret_and_aggregator(every: list[dict]) -> list[tuple[str, str, str]]:
         out.append(("aggregator", "fail", detail))
     elif not external:
         out.append(("aggregator", "note",
-                    f"no OVERCAST_SWITCH: rank 0 started one beside itself at "
-                    f"{first['switch']}, whose host's link then carries every rank's "
+                    f"no OVERCAST_AGGREGATORS: rank 0 started one beside itself at "
+                    f"{first['aggregators']}, whose host's link then carries every rank's "
                     f"contributions (docs/deploy.md)"))
     else:
-        out.append(("aggregator", "ok", f"{first['switch']}: every rank welcomed under the "
+        out.append(("aggregator", "ok", f"{first['aggregators']}: every rank welcomed under the "
                                         f"job's secret, {first['endpoints']} endpoint(s)"))
     if not unset:
         out.append(("secret", "ok", "OVERCAST_SECRET set on every rank"))
-    elif external and first["switch"]:
+    elif external and first["aggregators"]:
         out.append(("secret", "fail",
                     f"OVERCAST_SECRET is not set on {_ranks(unset)}: rank 0 drew a secret of "
-                    f"its own, which the aggregator at {first['switch']} (OVERCAST_SWITCH) "
-                    f"cannot hold; set OVERCAST_SECRET on every rank to the one it was started "
-                    f"with"))
+                    f"its own, which the aggregator at {first['aggregators']} "
+                    f"(OVERCAST_AGGREGATORS) cannot hold; set OVERCAST_SECRET on every rank to "
+                    f"the one it was started with"))
     else:
         out.append(("secret", "note",
                     f"no OVERCAST_SECRET on {_ranks(unset)}: rank 0 drew one and shared it "
@@ -321,14 +323,14 @@ def _measured(rows: list[dict], every: list[dict]) -> list[tuple[str, str, str]]
         causes.append(f"{sharing} ranks share a NIC, and each sends its whole gradient through "
                       f"it to the aggregator, {sharing}x what a ring sends")
     if first["aggregator_started"]:
-        causes.append("the aggregator rank 0 started beside itself (no OVERCAST_SWITCH) takes "
+        causes.append("the aggregator rank 0 started beside itself (no OVERCAST_AGGREGATORS) takes "
                       "every rank's contributions through rank 0's link")
     elif innetwork is not None and ring_rs is not None:
         # against the ring's ReduceScatter of the same bytes where the links are slower than
         # the rate given, and less what ranks sharing a NIC send through it
         behind = innetwork["ratio"] / max(1.0, ring_rs["ratio"]) / sharing
         if behind > DATAGRAM_SLACK:
-            causes.append(f"the aggregator at {first['switch']} takes the contributions at "
+            causes.append(f"the aggregator at {first['aggregators']} takes the contributions at "
                           f"about 1/{behind:.1f} of the hosts' rate: its link or cores are "
                           f"behind what {world} ranks send it")
     if multicast is not None and multicast["ratio"] > DATAGRAM_SLACK and not any(

@@ -17,18 +17,18 @@ import statistics
 import tempfile
 from collections.abc import Sequence
 
-from overcast.bench.worker import DTYPE, run_point, uneven_splits
+from overcast.bench.rank import DTYPE, run_point, uneven_splits
 from overcast.cluster.netns import MAX_AGGREGATORS, Cluster
 from overcast.limits import (check_aggregators, check_algorithms, check_count, check_hosts,
                              check_link_rate, check_loss, check_mtu, check_roots, check_shards,
                              check_size, check_slots, require)
 from overcast.schedules import cost
-from overcast.switch.service import default_shards
+from overcast.aggregator.service import default_shards
 from overcast.wire.header import OVERHEAD_BYTES
 
 COLLECTIVES = ("allgather", "reduce_scatter", "overlap", "all_reduce", "all_to_all",
                "all_to_all_uneven", "send_recv")
-# all_to_all (split evenly, or unevenly: worker.uneven_splits) and send_recv (each even rank
+# all_to_all (split evenly, or unevenly: rank.uneven_splits) and send_recv (each even rank
 # sends to the odd one after it) run on torch.distributed groups: the "overcast" backend's
 # pairwise exchange and point-to-point stream, or gloo's.
 ALGORITHMS = {"allgather": ("ring", "multicast", "gloo"),
@@ -37,8 +37,8 @@ ALGORITHMS = {"allgather": ("ring", "multicast", "gloo"),
               "all_reduce": ("ring", "fullduplex", "gloo"),
               "all_to_all": ("pairwise", "gloo"), "all_to_all_uneven": ("pairwise", "gloo"),
               "send_recv": ("stream", "gloo")}
-# Algorithms that need the aggregator (overcast switch) on the cluster.
-NEEDS_SWITCH = {("reduce_scatter", "innetwork"), ("overlap", "overcast"),
+# Algorithms that need the aggregator (overcast aggregator) on the cluster.
+NEEDS_AGGREGATOR = {("reduce_scatter", "innetwork"), ("overlap", "overcast"),
                 ("all_reduce", "fullduplex")}
 # Algorithms whose ranks move datagrams, and so feel injected loss.
 DATAGRAM_ALGORITHMS = {"multicast", "innetwork", "overcast", "fullduplex"}
@@ -118,8 +118,8 @@ def check_flags(hosts: int, link_rates: Sequence[float], sizes: list[int], reps:
 
 def summarize(collective: str, algorithm: str, hosts: int, nbytes: int, link_bits: int,
               per_rank: list[dict], roots: int | None = None, loss: float = 0.0,
-              switch_cpu: float | None = None) -> dict:
-    """One result row from every rank's report (see worker.run_point)."""
+              aggregator_cpu: float | None = None) -> dict:
+    """One result row from every rank's report (see rank.run_point)."""
     reps = len(per_rank[0]["runs"])
     count = max(1, nbytes // DTYPE().itemsize)
     n = count * DTYPE().itemsize
@@ -163,7 +163,7 @@ def summarize(collective: str, algorithm: str, hosts: int, nbytes: int, link_bit
         "repetitions": reps,
         "roots": (roots or hosts) if algorithm in ("multicast", "overcast") else None,
         "loss": loss if algorithm in DATAGRAM_ALGORITHMS else 0.0,
-        "switch_cpu_seconds_per_run": switch_cpu,
+        "switch_cpu_seconds_per_run": aggregator_cpu,
         "protocol_per_host": {key: statistics.fmean(r["protocol"][key] for r in per_rank)
                               for key in per_rank[0]["protocol"]},
         "chunk_bytes": per_rank[0]["chunk_bytes"], "mtu": per_rank[0]["mtu"],
@@ -186,7 +186,7 @@ def machine() -> dict:
 def run_bench(hosts: int, link_bits: int | list[int], sizes: list[int], collectives: list[str],
               algorithms: list[str], reps: int = 5, warmup: int = 1, mtu: int = 9000,
               roots: Sequence[int | None] = (None,), loss: float = 0.0, loss_burst: float = 1.0,
-              timeline: str | None = None, switch_slots: int = 256, within: float = 1.15,
+              timeline: str | None = None, aggregator_slots: int = 256, within: float = 1.15,
               progress=None, write_timeline=None,
               aggregators: Aggregators = Aggregators()) -> dict:
     """Run every requested point on a cluster of `link_bits` (bits/s per direction); return
@@ -206,32 +206,32 @@ def run_bench(hosts: int, link_bits: int | list[int], sizes: list[int], collecti
     rates = list(link_bits) if isinstance(link_bits, (list, tuple)) else [link_bits]
     check_request(collectives, algorithms)
     check_flags(hosts, rates, sizes, reps, warmup, mtu, list(roots), loss, loss_burst,
-                switch_slots, within, aggregators)
+                aggregator_slots, within, aggregators)
     points = [(c, a, s, r) for c in collectives for a in algorithms if a in ALGORITHMS[c]
               for r in (roots if a in ("multicast", "overcast") else (None,)) for s in sizes]
     import torch  # imported once here so that forked hosts start fast
 
     date = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
-    slots = switch_slots if any((c, a) in NEEDS_SWITCH for c, a, _, _ in points) else None
+    slots = aggregator_slots if any((c, a) in NEEDS_AGGREGATOR for c, a, _, _ in points) else None
     results: list[dict] = []
     timelines: list[str] = []
-    switches: list[dict] = []
+    summaries: list[dict] = []
     for i, bits in enumerate(rates):
         def step(done, total, what, i=i, bits=bits):
             if progress:
                 progress(i * total + done, len(rates) * total,
                          f"{bits / 1e6:g} Mbit/s: {what}" if len(rates) > 1 else what)
-        switch = _run_points(hosts, bits, points, sizes, reps, warmup, mtu, loss, loss_burst,
-                             (timeline, write_timeline) if timeline else None, slots, aggregators,
-                             f"-{bits / 1e6:g}mbit" if len(rates) > 1 else "", step, results,
-                             timelines)
-        if switch is not None:
-            switches.append(switch)
+        summary = _run_points(hosts, bits, points, sizes, reps, warmup, mtu, loss, loss_burst,
+                              (timeline, write_timeline) if timeline else None, slots,
+                              aggregators, f"-{bits / 1e6:g}mbit" if len(rates) > 1 else "",
+                              step, results, timelines)
+        if summary is not None:
+            summaries.append(summary)
     meta = {
         "date": date, "hosts": hosts, "link_bits_per_s": rates[0] if len(rates) == 1 else None,
         "mtu": mtu, "dtype": str(DTYPE().dtype), "repetitions": reps, "warmup": warmup,
         "header_overhead_bytes": OVERHEAD_BYTES, "loss": loss, "loss_burst": loss_burst,
-        "timelines": timelines, "switch_slots": slots, "switch": switches,
+        "timelines": timelines, "switch_slots": slots, "switch": summaries,
         "aggregators": {"count": aggregators.count, "shards": aggregators.shard_count(),
                         "link_bits_per_s": aggregators.link_bits} if slots else None,
         "machine": machine(), "torch": torch.__version__,
@@ -244,32 +244,32 @@ def run_bench(hosts: int, link_bits: int | list[int], sizes: list[int], collecti
 
 def _run_points(hosts: int, link_bits: int, points: list[tuple], sizes: list[int], reps: int,
                 warmup: int, mtu: int, loss: float, loss_burst: float, timeline: tuple | None,
-                switch_slots: int | None, aggregators: Aggregators, suffix: str, progress,
+                aggregator_slots: int | None, aggregators: Aggregators, suffix: str, progress,
                 results: list[dict], timelines: list[str]) -> dict | None:
-    """Every point on one cluster of `link_bits`, with the aggregators if `switch_slots` says
+    """Every point on one cluster of `link_bits`, with the aggregators if `aggregator_slots` says
     how many slots they have: its rows added to `results`, the timelines it writes (their names
     end in `suffix`) to `timelines`. Returns what the aggregators counted themselves over all
-    the points (switch_summary), if they ran."""
+    the points (aggregator_summary), if they ran."""
     env = {"OVERCAST_LOSS": str(loss), "OVERCAST_LOSS_BURST": str(loss_burst)}
     with Cluster(hosts, link_bits, mtu=mtu, aggregators=aggregators.count,
                  aggregator_bits_per_s=aggregators.link_bits) as cluster, \
             tempfile.TemporaryDirectory() as tmp:
-        switches = [] if switch_slots is None else \
-            cluster.start_switches(switch_slots, tmp, aggregators.shards)
-        carried = [cluster.counters(None, a) for a in range(len(switches))]
+        procs = [] if aggregator_slots is None else \
+            cluster.start_aggregators(aggregator_slots, tmp, aggregators.shards)
+        carried = [cluster.counters(None, a) for a in range(len(procs))]
         for i, (collective, algorithm, nbytes, k) in enumerate(points):
             label = f" roots={k or hosts}" if algorithm in ("multicast", "overcast") else ""
             progress(i, len(points), f"{collective} {algorithm}{label} {nbytes} B")
             traced = timeline if collective == "overlap" and algorithm != "gloo" \
                 and nbytes == max(sizes) else None
             trace = bool(traced)
-            before = aggregators_cpu(switches)
+            before = aggregators_cpu(procs)
             per_rank = cluster.run(run_point, timeout=600, env=env,
                                    args=(collective, algorithm, nbytes, reps, warmup, k, trace))
-            switch_cpu = (aggregators_cpu(switches) - before) / (reps + warmup) \
-                if switches and (collective, algorithm) in NEEDS_SWITCH else None
+            aggregator_cpu = (aggregators_cpu(procs) - before) / (reps + warmup) \
+                if procs and (collective, algorithm) in NEEDS_AGGREGATOR else None
             results.append(summarize(collective, algorithm, hosts, nbytes, link_bits, per_rank,
-                                     k, loss, switch_cpu))
+                                     k, loss, aggregator_cpu))
             if traced:
                 prefix, write_timeline = traced
                 path = f"{prefix}-{algorithm}{suffix}"
@@ -278,19 +278,19 @@ def _run_points(hosts: int, link_bits: int, points: list[tuple], sizes: list[int
                                f"{link_bits / 1e6:g} Mbit/s, {nbytes} B per rank")
                 timelines.append(path)
         progress(len(points), len(points), "done")
-        if not switches:
+        if not procs:
             return None
         carried_in = [cluster.counters(None, a).rx_bytes - before.rx_bytes
                       for a, before in enumerate(carried)]
-        return switch_summary(cluster.stop_switches(switches, tmp), carried_in, link_bits)
+        return aggregator_summary(cluster.stop_aggregators(procs, tmp), carried_in, link_bits)
 
 
-def aggregators_cpu(switches) -> float:
+def aggregators_cpu(procs) -> float:
     """The aggregators' processes' CPU seconds so far."""
-    return sum(process_cpu_seconds(s.pid) for s in switches)
+    return sum(process_cpu_seconds(s.pid) for s in procs)
 
 
-def switch_summary(reports: list[dict], carried: list[int], link_bits: int) -> dict:
+def aggregator_summary(reports: list[dict], carried: list[int], link_bits: int) -> dict:
     """What the aggregators counted themselves over a cluster's points: contributions taken
     and the CPU their native data paths spent on them (the shard threads' own clocks), their
     processes' CPU and memory, what they dropped; and per aggregator, its contributions and the

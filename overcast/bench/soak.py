@@ -18,7 +18,7 @@ import time
 import numpy as np
 
 from overcast.bench.run import Aggregators, machine
-from overcast.bench.worker import expected_sum, pattern, shard
+from overcast.bench.rank import expected_sum, pattern, shard
 from overcast.cluster.netns import Cluster
 from overcast.limits import check_count, check_hosts, check_link_rate, check_loss, check_size
 
@@ -48,7 +48,7 @@ def _held() -> dict:
     return {"fds": len(os.listdir("/proc/self/fd")), "threads": threading.active_count()}
 
 
-def _switch_rss(pids_path: str) -> int:
+def _aggregator_rss(pids_path: str) -> int:
     """The aggregators' RSS now: those running, as the soak's file lists them."""
     with open(pids_path) as f:
         pids = [int(p) for p in f.read().split()]
@@ -95,7 +95,7 @@ def soak_rank(rank: int, pairs: int, nbytes: int, marks: list[int], pids_path: s
                 at_marks[i] = {"rss_bytes": status_bytes("self", "VmRSS"),
                                "peak_rss_bytes": status_bytes("self", "VmHWM"),
                                "memory": comm.memory(), **_held()}
-                at_marks[i]["switch_rss_bytes"] = _switch_rss(pids_path)
+                at_marks[i]["switch_rss_bytes"] = _aggregator_rss(pids_path)
             if rank == 0 and i % progress_every == 0:
                 with open(progress_path, "w") as f:
                     f.write(str(i))
@@ -124,16 +124,16 @@ def run_soak(hosts: int, link_bits: int, pairs: int, nbytes: int, loss: float,
     with tempfile.TemporaryDirectory() as tmp, \
             Cluster(hosts, link_bits, aggregators=aggregators.count,
                     aggregator_bits_per_s=aggregators.link_bits) as cluster:
-        switches = cluster.start_switches(stats_dir=tmp, shards=aggregators.shards)
+        procs = cluster.start_aggregators(stats_dir=tmp, shards=aggregators.shards)
         progress_path, pids_path = os.path.join(tmp, "progress"), os.path.join(tmp, "pids")
-        _write(pids_path, " ".join(str(s.pid) for s in switches))
+        _write(pids_path, " ".join(str(s.pid) for s in procs))
         stop = threading.Event()
         kills: list[dict] = []
         if progress:
             threading.Thread(target=_report_progress, daemon=True,
                              args=(progress_path, pairs, progress, stop)).start()
         killer = threading.Thread(target=_kill_aggregators, daemon=True,
-                                  args=(cluster, switches, kill_every, pairs, tmp, kills,
+                                  args=(cluster, procs, kill_every, pairs, tmp, kills,
                                         aggregators.shards, stop)) if kill_every else None
         if killer:
             killer.start()
@@ -147,7 +147,7 @@ def run_soak(hosts: int, link_bits: int, pairs: int, nbytes: int, loss: float,
             stop.set()
             if killer:
                 killer.join()
-        reports = cluster.stop_switches(switches, tmp)
+        reports = cluster.stop_aggregators(procs, tmp)
     meta = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "hosts": hosts, "link_bits_per_s": link_bits, "pairs": pairs,
             "bytes_per_rank": nbytes, "loss": loss, "loss_burst": loss_burst, "marks": marks,
@@ -168,11 +168,11 @@ def _write(path: str, text: str) -> None:
     os.replace(path + ".new", path)
 
 
-def _kill_aggregators(cluster, switches: list, every: int, pairs: int, tmp: str,
+def _kill_aggregators(cluster, procs: list, every: int, pairs: int, tmp: str,
                       kills: list[dict], shards: int | None, stop: threading.Event) -> None:
     """Each time rank 0 has done another `every` pairs, kill the next aggregator in turn
     (SIGKILL: its connections close, its state is gone) and start it again at its address,
-    writing its stats where the first wrote; `switches` and the pids file follow. Polls the
+    writing its stats where the first wrote; `procs` and the pids file follow. Polls the
     progress file: a soak's clock, not a test's."""
     due = every
     while due < pairs and not stop.wait(0.005):
@@ -183,15 +183,15 @@ def _kill_aggregators(cluster, switches: list, every: int, pairs: int, tmp: str,
             continue
         if done < due:
             continue
-        a = len(kills) % len(switches)
-        address = cluster.switch.split(",")[a]
-        switches[a].send_signal(signal.SIGKILL)
-        switches[a].wait()
-        cluster.stop_switch(switches[a])  # its lifeline and pipes
+        a = len(kills) % len(procs)
+        address = cluster.aggregator_addresses.split(",")[a]
+        procs[a].send_signal(signal.SIGKILL)
+        procs[a].wait()
+        cluster.stop_aggregator(procs[a])  # its lifeline and pipes
         kills.append({"pair": done, "aggregator": address})
-        switches[a] = cluster.start_switch(stats_path=os.path.join(tmp, f"switch-{a}.json"),
-                                           aggregator=a, shards=shards)
-        _write(os.path.join(tmp, "pids"), " ".join(str(s.pid) for s in switches))
+        procs[a] = cluster.start_aggregator(stats_path=os.path.join(tmp, f"aggregator-{a}.json"),
+                                            aggregator=a, shards=shards)
+        _write(os.path.join(tmp, "pids"), " ".join(str(s.pid) for s in procs))
         due += every
 
 
@@ -210,7 +210,7 @@ def slowest_rank_seconds(ranks: list[dict]) -> list[float]:
     return [max(times) for times in zip(*(r["seconds"] for r in ranks))]
 
 
-def summarize(ranks: list[dict], switches: list[dict], marks: list[int]) -> dict:
+def summarize(ranks: list[dict], reports: list[dict], marks: list[int]) -> dict:
     """The soak's verdict: exact pairs, memory at each mark, drift, what was left behind (the
     aggregators' figures added up)."""
     pair_seconds = slowest_rank_seconds(ranks)
@@ -229,10 +229,10 @@ def summarize(ranks: list[dict], switches: list[dict], marks: list[int]) -> dict
         "rank_peak_rss_bytes_max": {str(m): max(r["marks"][str(m)]["peak_rss_bytes"] for r in ranks)
                                     for m in marks},
         "switch_rss_bytes": {str(m): ranks[0]["marks"][str(m)]["switch_rss_bytes"] for m in marks},
-        "switch_peak_rss_bytes": sum(s["max_rss_bytes"] for s in switches),
-        "switch_pool_bytes_after": sum(s["pool_bytes"] for s in switches),
-        "switch_peak_pool_bytes": sum(s["peak_pool_bytes"] for s in switches),
-        "switch_communicators_after": sum(s["communicators"] for s in switches),
+        "switch_peak_rss_bytes": sum(s["max_rss_bytes"] for s in reports),
+        "switch_pool_bytes_after": sum(s["pool_bytes"] for s in reports),
+        "switch_peak_pool_bytes": sum(s["peak_pool_bytes"] for s in reports),
+        "switch_communicators_after": sum(s["communicators"] for s in reports),
         # more fds or threads after the soak's communicator closed than before it opened (rank
         # 0 may have fewer: the store's connections from the warm-up close on their own time)
         "left_behind": {f"rank {i}": {k: max(0, r["after"][k] - r["before"][k])

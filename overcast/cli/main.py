@@ -1,6 +1,6 @@
 """The `overcast` command: train (the main job), bench, soak, simulate and plan (at scale,
 without a network), check (a job's network), the emulated cluster (up, run, clean) and the
-aggregator (switch).
+aggregator.
 
 Every command names one thing one way (--hosts, --link-mbit or --link-gbit, --sizes, --png,
 --host-cores; the older names stay as aliases), shows its defaults in --help, and checks every
@@ -31,7 +31,8 @@ from overcast.units import parse_size
 
 # Older names each flag still answers to, and the one it has now.
 ALIASES = {"--nodes": "--hosts", "--size": "--sizes", "--bytes-per-rank": "--sizes",
-           "--plot": "--png", "--cores": "--host-cores", "--width": "--dim"}
+           "--plot": "--png", "--cores": "--host-cores", "--width": "--dim",
+           "--no-switch": "--no-aggregators"}
 
 
 def _version() -> str:
@@ -68,7 +69,7 @@ def _bench(args) -> int:
                         csv_items(args.collectives), csv_items(args.algorithms), reps=args.reps,
                         warmup=args.warmup, mtu=args.mtu, roots=roots, loss=args.loss,
                         loss_burst=args.loss_burst, timeline=args.timeline,
-                        switch_slots=args.slots, within=args.within,
+                        aggregator_slots=args.slots, within=args.within,
                         write_timeline=write_timeline, progress=progress,
                         aggregators=aggregators)
     print_table(doc, console, wide=args.wide)
@@ -219,8 +220,8 @@ def _cluster(args) -> int:
                   f"{cluster.switch_ns}, aggregators {' '.join(cluster.aggregator_ns)}")
             print("enter a host with: ip netns exec <host> <command>; Ctrl-C tears it down")
             threading.Event().wait()
-        if args.switch:  # in-network reduction needs them; OVERCAST_SWITCH says where
-            cluster.start_switches(shards=aggregators.shards)
+        if args.aggregators_run:  # in-network reduction needs them (OVERCAST_AGGREGATORS)
+            cluster.start_aggregators(shards=aggregators.shards)
         procs = [cluster.start(args.command, host=i, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT) for i in range(args.hosts)]
         relays = [threading.Thread(target=_relay, args=(p.stdout, f"[rank {i}] ".encode()),
@@ -233,9 +234,9 @@ def _cluster(args) -> int:
         return max(codes, key=abs)
 
 
-def _switch(args) -> int:
+def _aggregator(args) -> int:
     from overcast.limits import check_count, check_port, check_positive, check_shards, check_slots
-    from overcast.switch.service import Limits, default_shards, run
+    from overcast.aggregator.service import Limits, default_shards, run
 
     check_port(args.port)
     check_slots(args.slots)
@@ -249,7 +250,7 @@ def _switch(args) -> int:
     given = os.environ.get("OVERCAST_SECRETS", "") or os.environ.get("OVERCAST_SECRET", "")
     secrets = [bytes.fromhex(x) for x in csv_items(given)]
     if not secrets:
-        print("overcast switch: set OVERCAST_SECRET (hex) to the job's secret, or "
+        print("overcast aggregator: set OVERCAST_SECRET (hex) to the job's secret, or "
               "OVERCAST_SECRETS to several, comma-separated", file=sys.stderr)
         return 2
     run(args.host, args.port, secrets, args.slots, args.stats,
@@ -258,15 +259,8 @@ def _switch(args) -> int:
     return 0
 
 
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="overcast", description=__doc__.split("\n\n")[0],
-                                formatter_class=HelpFormatter)
-    p.add_argument("--version", action="version", version=f"overcast {_version()}")
-    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
-
-    def command(name: str, help: str) -> argparse.ArgumentParser:
-        return sub.add_parser(name, help=help, description=help, formatter_class=HelpFormatter)
-
+def _add_bench(command) -> None:
+    """`overcast bench`, made by `command(name, help)` as every command is."""
     b = command("bench", "benchmark collectives on the emulated cluster, beside gloo")
     hosts_flag(b, 8)
     link_flags(b, "400", "--link-mbit", several=True)
@@ -307,6 +301,9 @@ def parser() -> argparse.ArgumentParser:
                         "has them all")
     b.set_defaults(func=_bench)
 
+
+def _add_train(command) -> None:
+    """`overcast train`."""
     t = command("train", "train a small GPT with FSDP2 four ways on the emulated cluster and "
                          "compare them (the main job)")
     hosts_flag(t, 4)
@@ -356,6 +353,9 @@ def parser() -> argparse.ArgumentParser:
                         "all")
     t.set_defaults(func=_train)
 
+
+def _add_soak(command) -> None:
+    """`overcast soak`."""
     s = command("soak", "many overlapped pairs under bursty loss: exact results, flat memory, "
                         "no drift, nothing left behind")
     hosts_flag(s, 8)
@@ -378,8 +378,9 @@ def parser() -> argparse.ArgumentParser:
     file_flags(s, "write the results here (JSON)", "per-pair time")
     s.set_defaults(func=_soak)
 
-    scale.add_commands(command)
 
+def _add_check(command) -> None:
+    """`overcast check`."""
     k = command("check", "is this job's network ready for overcast? Run on every rank under "
                          "torchrun (--no-python overcast check) or overcast cluster run: "
                          "multicast delivered between every pair of ranks, the path MTU, "
@@ -398,6 +399,9 @@ def parser() -> argparse.ArgumentParser:
     k.add_argument("--json", help="rank 0 writes the findings and the verdict here (JSON)")
     k.set_defaults(func=_check)
 
+
+def _add_cluster(command) -> None:
+    """`overcast cluster` and its actions: up, run, clean."""
     c = command("cluster", "the emulated cluster of network namespaces: up, run, clean")
     actions = c.add_subparsers(dest="action", required=True, metavar="ACTION")
 
@@ -417,19 +421,36 @@ def parser() -> argparse.ArgumentParser:
         aggregator_flags(a)
         drop_flag(a)
         if name == "run":
-            a.add_argument("--no-switch", dest="switch", action="store_false",
-                           help="do not start the aggregators (overcast switch) on their "
+            a.add_argument("--no-aggregators", "--no-switch", dest="aggregators_run",
+                           action="store_false",
+                           help="do not start the aggregators (overcast aggregator) on their "
                                 "attachments")
     action("clean", "remove what killed runs left behind").add_argument(
         "--force", action="store_true", help="also remove live runs' namespaces")
 
-    from overcast.native import EXPIRY_SECONDS
-    from overcast.switch.service import Limits
 
-    w = command("switch", "the aggregator for in-network reduction, standing in for the "
-                          "switch; it serves the jobs whose secrets it holds: set "
-                          "OVERCAST_SECRET (64 hex digits, the job's), or OVERCAST_SECRETS to "
-                          "several, comma-separated")
+def _switch(args) -> int:
+    print("overcast: `overcast switch` is the old name of `overcast aggregator`; running that",
+          file=sys.stderr)
+    return _aggregator(args)
+
+
+def _add_aggregator(command) -> None:
+    """`overcast aggregator`, and `overcast switch`, its old name, with the same flags."""
+    for name, func, help in (
+            ("aggregator", _aggregator,
+             "the aggregator for in-network reduction, standing in for a switch that sums; it "
+             "serves the jobs whose secrets it holds: set OVERCAST_SECRET (64 hex digits, the "
+             "job's), or OVERCAST_SECRETS to several, comma-separated"),
+            ("switch", _switch, "the old name of `overcast aggregator`, kept as an alias: the "
+                                "same flags, the same service")):
+        _aggregator_flags(command(name, help)).set_defaults(func=func)
+
+
+def _aggregator_flags(w: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    from overcast.aggregator.service import Limits
+    from overcast.native import EXPIRY_SECONDS
+
     w.add_argument("--host", default="0.0.0.0", help="address to listen on")
     w.add_argument("--port", type=int, default=18515,
                    help="TCP port, and the first shard's UDP port (the others' are any free)")
@@ -454,7 +475,23 @@ def parser() -> argparse.ArgumentParser:
     w.add_argument("--lifeline", type=int, metavar="FD",
                    help="exit when this inherited pipe closes (how a process that starts the "
                         "aggregator ties its life to its own)")
-    w.set_defaults(func=_switch)
+    return w
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="overcast", description=__doc__.split("\n\n")[0],
+                                formatter_class=HelpFormatter)
+    p.add_argument("--version", action="version", version=f"overcast {_version()}")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+
+    def command(name: str, help: str) -> argparse.ArgumentParser:
+        # argparse expands % in the list's help (not in a description): "5%" would break it
+        return sub.add_parser(name, help=help.replace("%", "%%"), description=help,
+                              formatter_class=HelpFormatter)
+
+    for add in (_add_bench, _add_train, _add_soak, scale.add_commands, _add_check,
+                _add_cluster, _add_aggregator):
+        add(command)
     return p
 
 

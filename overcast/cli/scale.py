@@ -185,7 +185,7 @@ def add_commands(command) -> None:
                    help="what sums the in-network reductions: sized (aggregator hosts sized "
                         "for --within), switch (a switch that sums at line rate), "
                         "beside-rank-0 (one on node 0, as overlap() starts without "
-                        "OVERCAST_SWITCH), or a number of aggregator hosts")
+                        "OVERCAST_AGGREGATORS), or a number of aggregator hosts")
     n.add_argument("--within", type=float, default=1.10,
                    help="size overcast's software aggregators for the pair to hold this "
                         "many times its floor")

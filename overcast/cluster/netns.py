@@ -40,11 +40,12 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import Any
 
+from overcast.aggregator.launch import (AggregatorProcess, AggregatorStartError,
+                                         start_aggregator, stop_aggregator)
 from overcast.cluster.launch import Placement, compute_threads, run_ranks
 from overcast.errors import OvercastError
 from overcast.limits import (check_aggregators, check_hosts, check_link_rate, check_mtu,
                              require)
-from overcast.switch.launch import SwitchProcess, SwitchStartError, start_switch, stop_switch
 from overcast.transport.datagram import reduction_batch
 from overcast.wire.registration import DEFAULT_SWITCH_PORT
 
@@ -239,7 +240,7 @@ class Cluster:
         self.aggregator_ns = [self.service_ns] + [f"{PREFIX}{self.run_id}-svc{a}"
                                                   for a in range(1, aggregators)]
         self._created: list[str] = []
-        self._switches: dict[int, str] = {}  # aggregator attachment -> its "host:port"
+        self._aggregator_addresses: dict[int, str] = {}  # attachment -> its "host:port"
         self._procs: list[subprocess.Popen] = []
         self._old_sigterm: Callable[[int, FrameType | None], Any] | int | None = None
 
@@ -376,7 +377,8 @@ class Cluster:
                 "OVERCAST_SECRET": self.secret,
                 "OVERCAST_LINK_BITS_PER_S": str(self.link_bits_per_s),
                 "GLOO_SOCKET_IFNAME": "eth0",
-                **({"OVERCAST_SWITCH": self.switch} if self.switch else {}), **(extra or {})}
+                **({"OVERCAST_AGGREGATORS": self.aggregator_addresses}
+                   if self.aggregator_addresses else {}), **(extra or {})}
 
     def placements(self, extra: dict[str, str] | None = None) -> list[Placement]:
         return [Placement(ns, self.environment(r, extra)) for r, ns in enumerate(self.host_ns)]
@@ -396,50 +398,51 @@ class Cluster:
         return proc
 
     @property
-    def switch(self) -> str | None:
-        """OVERCAST_SWITCH for the aggregators running: in the order of their attachments."""
-        return ",".join(self._switches[a] for a in sorted(self._switches)) or None
+    def aggregator_addresses(self) -> str | None:
+        """OVERCAST_AGGREGATORS for the aggregators running: in the order of their attachments."""
+        return ",".join(self._aggregator_addresses[a]
+                        for a in sorted(self._aggregator_addresses)) or None
 
-    def start_switch(self, slots: int = 256, stats_path: str | None = None,
-                     port: int = DEFAULT_SWITCH_PORT, secrets: list[str] | None = None,
-                     aggregator: int = 0, shards: int | None = None) -> SwitchProcess:
-        """Start an aggregator (overcast switch, `shards` data-path threads, None: the cores it
+    def start_aggregator(self, slots: int = 256, stats_path: str | None = None,
+                         port: int = DEFAULT_SWITCH_PORT, secrets: list[str] | None = None,
+                         aggregator: int = 0, shards: int | None = None) -> AggregatorProcess:
+        """Start an aggregator (overcast aggregator, `shards` data-path threads, None: the cores it
         may use) on attachment `aggregator`; from then on the hosts' environment points at it
         (with the others). It serves this cluster's job, or the jobs whose secrets (hex) are
         given. Returns once it listens."""
         try:
-            proc, address = start_switch(aggregator_address(aggregator), port,
-                                         secrets=secrets or [self.secret], slots=slots,
-                                         stats_path=stats_path, shards=shards,
-                                         prefix=("ip", "netns", "exec",
-                                                 self.aggregator_ns[aggregator]))
-        except SwitchStartError as err:
+            proc, address = start_aggregator(aggregator_address(aggregator), port,
+                                             secrets=secrets or [self.secret], slots=slots,
+                                             stats_path=stats_path, shards=shards,
+                                             prefix=("ip", "netns", "exec",
+                                                     self.aggregator_ns[aggregator]))
+        except AggregatorStartError as err:
             raise ClusterError(str(err)) from None
         self._procs.append(proc)
         proc.aggregator = aggregator
-        self._switches[aggregator] = address
+        self._aggregator_addresses[aggregator] = address
         return proc
 
-    def start_switches(self, slots: int = 256, stats_dir: str | None = None,
-                       shards: int | None = None) -> list[SwitchProcess]:
+    def start_aggregators(self, slots: int = 256, stats_dir: str | None = None,
+                          shards: int | None = None) -> list[AggregatorProcess]:
         """An aggregator on every attachment (`aggregators`), each writing its stats to
-        stats_dir/switch-<a>.json."""
-        return [self.start_switch(slots, stats_dir and os.path.join(stats_dir,
-                                                                    f"switch-{a}.json"),
-                                  aggregator=a, shards=shards)
+        stats_dir/aggregator-<a>.json."""
+        return [self.start_aggregator(slots, stats_dir and os.path.join(stats_dir,
+                                                                        f"aggregator-{a}.json"),
+                                      aggregator=a, shards=shards)
                 for a in range(self.aggregators)]
 
-    def stop_switch(self, proc: SwitchProcess) -> None:
+    def stop_aggregator(self, proc: AggregatorProcess) -> None:
         """Stop an aggregator gracefully (it writes its stats file on the way out)."""
-        stop_switch(proc)
-        self._switches.pop(proc.aggregator, None)
+        stop_aggregator(proc)
+        self._aggregator_addresses.pop(proc.aggregator, None)
 
-    def stop_switches(self, procs: list[SwitchProcess], stats_dir: str) -> list[dict]:
-        """Stop the aggregators start_switches started; their reports, in order."""
+    def stop_aggregators(self, procs: list[AggregatorProcess], stats_dir: str) -> list[dict]:
+        """Stop the aggregators start_aggregators started; their reports, in order."""
         reports = []
         for a, proc in enumerate(procs):
-            self.stop_switch(proc)
-            with open(os.path.join(stats_dir, f"switch-{a}.json")) as f:
+            self.stop_aggregator(proc)
+            with open(os.path.join(stats_dir, f"aggregator-{a}.json")) as f:
                 reports.append(json.load(f))
         return reports
 

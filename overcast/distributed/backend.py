@@ -208,8 +208,8 @@ class _Lifetime:
         if not closed:
             for comm in [self.group.comm, *self.companions]:
                 comm.abort(reason)
-            if self.group.job_switch is not None:  # a close may be waiting for the others
-                self.group.job_switch.aborted.set()
+            if self.group.job_aggregator is not None:  # a close may be waiting for the others
+                self.group.job_aggregator.aborted.set()
         if self._begin():
             threading.Thread(target=self._close, args=(True,), daemon=True,
                              name="overcast-abort").start()
@@ -358,7 +358,8 @@ class ProcessGroupOvercast(dist.ProcessGroup):
         made = group_communicator(self._store, self.rank(), self.size(),
                                   f"{self.communicator.name}-companion",
                                   in_network=in_network, secret_hex=self._group.secret_hex,
-                                  switch=self._group.switch, timeout=self._timeout, trace=trace)
+                                  aggregators=self._group.aggregators, timeout=self._timeout,
+                                  trace=trace)
         self._lifetime.companions.add(made.comm)
         return made
 

@@ -321,7 +321,7 @@ def job_communicator(group: dist.ProcessGroup | None = None, *, reduce_scatter: 
                      trace: bool = False):
     """An overcast Communicator over a process group's ranks (default: every rank), meeting
     through the job's store, as overlap() makes one: with reduce_scatter="innetwork" and no
-    OVERCAST_SWITCH, rank 0 starts an aggregator beside itself. Use it in a `with` on every
+    OVERCAST_AGGREGATORS, rank 0 starts an aggregator beside itself. Use it in a `with` on every
     rank; leaving closes the communicator and, once every rank has closed, the aggregator."""
     # the default group raises, as the store would, where none is initialised
     made = _communicator(group or dist.distributed_c10d._get_default_group(), reduce_scatter,

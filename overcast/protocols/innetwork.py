@@ -1,4 +1,4 @@
-"""In-network ReduceScatter, the rank's side (the switch's side is overcast.switch).
+"""In-network ReduceScatter, the rank's side (the aggregator's side is overcast.aggregator).
 
 The input's P blocks are cut into K chunks of one datagram each. Chunks are numbered across the
 blocks a group at a time (native/numbering.h), the group being the budget's reduction batch

@@ -109,11 +109,11 @@ def _maybe(value, spec: str) -> str:
 def print_table(doc: dict, console: Console | None = None, wide: bool = False) -> None:
     console = console or Console()
     console.print(table(doc, wide))
-    for line in sweep_lines(doc) + switch_lines(doc):
+    for line in sweep_lines(doc) + aggregator_lines(doc):
         console.print(line, highlight=False)
 
 
-def switch_lines(doc: dict) -> list[str]:
+def aggregator_lines(doc: dict) -> list[str]:
     """What the aggregators counted themselves, per link rate they ran at; with several, each
     one's share of the contributions and of the bytes in."""
     lines = []

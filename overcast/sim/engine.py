@@ -32,7 +32,7 @@ class Engine:
     chunk_bytes: int = 8920                 # payload per datagram
     us_per_datagram: float = 0.0            # CPU per datagram sent or received, per host
     stream_s_per_gib: float = 0.0           # CPU per GiB a ring stream sends or receives
-    switch_us_per_datagram: float = 0.0     # the aggregator's CPU per datagram (if software)
+    aggregator_us_per_datagram: float = 0.0     # the aggregator's CPU per datagram (if software)
     datagram_headers: int = 0               # wire bytes per datagram beyond its payload
     stream_headers_per_byte: float = 0.0    # wire bytes per stream payload byte, beyond it
     pacing_share: float = 1.0               # the share of a link datagram senders may fill
@@ -67,7 +67,7 @@ IDEAL = Engine("ideal", note="no CPU cost, no headers, senders may fill the whol
 # sent and received. Multicast senders fill the whole link.
 NATIVE = Engine(
     "native", chunk_bytes=8920, us_per_datagram=5.6, stream_s_per_gib=0.77,
-    switch_us_per_datagram=4.5,
+    aggregator_us_per_datagram=4.5,
     datagram_headers=OVERHEAD_BYTES + IP_UDP_BYTES + ETHERNET_BYTES,
     stream_headers_per_byte=TCP_SEGMENT_HEADERS / 8948, pacing_share=1.0, cores=1.0,
     note="overcast's engine on the host CPU (datagrams in its native core, rings' streams in "

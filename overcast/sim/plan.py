@@ -7,7 +7,7 @@ overcast's engine may use per node (by default what it uses: a thread per rank),
 layer (given, or the step less its exposed communication as `overcast.fsdp.timed(model)`
 measured it), and what sums the in-network reductions: a switch that sums at line rate, software
 aggregator hosts (sized for the pair, or a given count), or the one overlap() starts beside
-rank 0 when no OVERCAST_SWITCH is named, on node 0's link.
+rank 0 when no OVERCAST_AGGREGATORS is named, on node 0's link.
 
 The step is what `overcast.fsdp.overlap` makes of FSDP2 with reshard_after_forward=True and a
 prefetch of one layer: per micro-step the forward gathers every layer, the backward gathers each
@@ -254,7 +254,7 @@ def assumes(job: Job, sizing: AggregatorSizing) -> list[str]:
     placed: dict[str | int, str] = {
         "switch": "a switch that sums at line rate on every port (SHARP-like)",
         "beside-rank-0": f"one aggregator of {sizing.cores} cores beside rank 0, on node 0's "
-                         f"link (what overlap() starts without OVERCAST_SWITCH; node 0's own "
+                         f"link (what overlap() starts without OVERCAST_AGGREGATORS; node 0's own "
                          f"traffic on that link is not counted)",
         "sized": f"aggregator hosts of up to {sizing.cores} cores behind links of {nic}, as many "
                  f"as the aggregators column says (hosts x cores), sized for the pair within "

@@ -40,7 +40,7 @@ def engine_constraints(flows: list[Flow], topo: Topology, hosts: list[int], engi
     index[hosts] = np.arange(len(hosts))
     cpu = np.zeros((len(hosts), len(flows)))
     budget = np.zeros((len(hosts), len(flows)))
-    switch = np.zeros(len(flows))
+    aggregator_cpu = np.zeros(len(flows))
     into, out_of = np.zeros(len(flows)), np.zeros(len(flows))  # the aggregators' NIC bytes
     for f, flow in enumerate(flows):
         senders, per_byte = index[list(flow.senders)], engine.cpu_per_byte(flow.datagram)
@@ -49,24 +49,25 @@ def engine_constraints(flows: list[Flow], topo: Topology, hosts: list[int], engi
         if flow.datagram:
             budget[senders, f] = flow.wire
             if len(senders) > 1:  # a reduction: every contribution in, the sum out
-                switch[f] = (len(senders) * aggregators.us_per_contribution if aggregators
-                             else (len(senders) + 1) * engine.switch_us_per_datagram) * 1e-6 \
-                    / engine.chunk_bytes
+                aggregator_cpu[f] = (len(senders) * aggregators.us_per_contribution
+                                     if aggregators else
+                                     (len(senders) + 1) * engine.aggregator_us_per_datagram) \
+                    * 1e-6 / engine.chunk_bytes
                 into[f], out_of[f] = len(senders) * flow.wire, flow.wire
     out = []
     if engine.pacing_share < 1:
         rates = topo.rate[topo.uplink[hosts]] * engine.pacing_share
         out += [Constraint(f"budget h{h}", rates[i], budget[i])
                 for i, h in enumerate(hosts) if budget[i].any()]
-    if switch.any() and (aggregators or shared_cores is not None):
+    if aggregator_cpu.any() and (aggregators or shared_cores is not None):
         pool = aggregators or AggregatorPool()
-        out.append(Constraint("aggregator cpu", pool.count * pool.shards, switch))
+        out.append(Constraint("aggregator cpu", pool.count * pool.shards, aggregator_cpu))
         if pool.nic_bits_per_s:
             nics = pool.count * pool.nic_bits_per_s / 8
             out += [Constraint("aggregator links in", nics, into),
                     Constraint("aggregator links out", nics, out_of)]
     if shared_cores is not None:
-        out.append(Constraint("machine cpu", shared_cores, cpu.sum(axis=0) + switch))
+        out.append(Constraint("machine cpu", shared_cores, cpu.sum(axis=0) + aggregator_cpu))
     elif np.isfinite(engine.cores):
         out += [Constraint(f"cpu h{h}", engine.cores, cpu[i])
                 for i, h in enumerate(hosts) if cpu[i].any()]

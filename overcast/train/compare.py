@@ -19,7 +19,7 @@ from overcast.train.config import OVERCAST_WAYS, WAYS, GPTConfig, check_request
 from overcast.train.predict import predict
 from overcast.train.waits import (CATEGORIES, TRAINING, SchedTrace, attribute, mount_tracefs,
                                    parse)
-from overcast.train.worker import train_rank
+from overcast.train.rank import train_rank
 
 # The fair peer: gloo with the same prefetch and asynchronous unshard, ReduceScatter on its own
 # group. Speed-ups are against it, and losses are compared with the first way run.
@@ -63,7 +63,7 @@ def attribute_waits(trace_text: str, per_rank: list[dict], aggregator: int | Non
                                              dict.fromkeys(CATEGORIES, 0.0))
 
 
-def summarize(way: str, per_rank: list[dict], warmup: int, switch_cpu: float | None) -> dict:
+def summarize(way: str, per_rank: list[dict], warmup: int, aggregator_cpu: float | None) -> dict:
     per_rank = [{**r, "steps": [split_step(row) for row in r["steps"]]} for r in per_rank]
     steps = len(per_rank[0]["steps"])
 
@@ -116,7 +116,7 @@ def summarize(way: str, per_rank: list[dict], warmup: int, switch_cpu: float | N
         # the training thread's own CPU in the collective hooks: posting, and waiting
         "comm_thread_cpu_seconds_per_step": statistics.fmean(
             r["comm"]["thread_cpu_seconds"] for r in per_rank) / steps,
-        "aggregator_cpu_seconds_per_step": switch_cpu / steps if switch_cpu is not None
+        "aggregator_cpu_seconds_per_step": aggregator_cpu / steps if aggregator_cpu is not None
         else None,
         # on a GPU: the staging copies' GPU time, the pinned host memory and GPU memory held
         "staging_seconds": median_of_means("staging_seconds"),
@@ -187,7 +187,7 @@ def run_training(hosts: int, link_bits: int, ways: list[str], steps: int, warmup
     with Cluster(hosts, link_bits, aggregator_bits_per_s=aggregator_bits,
                  drop_multicast=drop_multicast) as cluster, \
             kernel_run_delays() as delays_kept:
-        switch = cluster.start_switch() if "overcast" in ways else None
+        aggregator = cluster.start_aggregator() if "overcast" in ways else None
         for name, cfg in shapes:
             results: list[dict] = []
             timelines: list[str] = []
@@ -195,22 +195,24 @@ def run_training(hosts: int, link_bits: int, ways: list[str], steps: int, warmup
                 if progress:
                     progress(len(runs) * len(ways) + len(results), total,
                              f"{name}: training {way}, {steps} steps on {hosts} hosts")
-                cpu0 = process_cpu_seconds(switch.pid) if switch and way == "overcast" else None
+                cpu0 = process_cpu_seconds(aggregator.pid) \
+                    if aggregator and way == "overcast" else None
                 trace_dir = out_dir if write_timeline is not None and way in OVERCAST_WAYS \
                     else None
                 trace = bool(trace_dir)
                 with SchedTrace() as sched:
                     traced = why_untraced is None and sched.start()
-                    kill = (switch.pid, kill_aggregator_at_step) if switch and way == \
+                    kill = (aggregator.pid, kill_aggregator_at_step) if aggregator and way == \
                         "overcast" and kill_aggregator_at_step is not None else None
                     per_rank = cluster.run(train_rank, timeout=1800,
                                            args=(way, cfg.as_dict(), steps, lr, trace,
                                                  prefetch, device, kill))
                     if traced:
-                        attribute_waits(sched.stop(), per_rank, switch.pid if switch else None)
-                switch_cpu = process_cpu_seconds(switch.pid) - cpu0 \
-                    if switch and cpu0 is not None else None
-                results.append(summarize(way, per_rank, warmup, switch_cpu))
+                        attribute_waits(sched.stop(), per_rank,
+                                        aggregator.pid if aggregator else None)
+                aggregator_cpu = process_cpu_seconds(aggregator.pid) - cpu0 \
+                    if aggregator and cpu0 is not None else None
+                results.append(summarize(way, per_rank, warmup, aggregator_cpu))
                 results[-1]["trace_overrun_events"] = sched.overrun if traced else None
                 why_untraced = why_untraced or sched.unavailable
                 if trace_dir:
@@ -224,8 +226,8 @@ def run_training(hosts: int, link_bits: int, ways: list[str], steps: int, warmup
                          "block_parameters": cfg.block_parameters(), "results": results,
                          "prediction": prediction(cfg, hosts, link_bits, results, prefetch),
                          "timelines": timelines})
-        if switch:
-            cluster.stop_switch(switch)
+        if aggregator:
+            cluster.stop_aggregator(aggregator)
         if progress:
             progress(total, total, "done")
     meta = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import cast
 
 from overcast.errors import OvercastError
+from overcast.limits import aggregators_from_env
 from overcast.transport.datagram import (chunk_bytes, multicast_group, open_multicast,
                                          path_mtu, prepare_sender)
 from overcast.transport.probe import prove_delivery
@@ -374,7 +375,7 @@ def rendezvous(rank: int, world: int, *, name: str = "default", store=None,
                 raise RendezvousError(f"rank {rank} could not prove multicast delivery with "
                                       f"its peers of communicator {name!r}: {err}") from None
             raise
-    switch = switch if switch is not None else os.environ.get("OVERCAST_SWITCH")
+    switch = switch if switch is not None else aggregators_from_env()
     if switch:
         register_with_aggregators(links, switch, secret, salt, min(timeout, 5.0))
     return links

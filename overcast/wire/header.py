@@ -8,7 +8,7 @@ Layout (little-endian, 36 bytes), followed by `length` payload bytes and a 16-by
     job     u32  job id, from the job secret: foreign jobs are told apart before the MAC
     comm    u32  communicator id, agreed at rendezvous
     seq     u32  collective sequence number within the communicator
-    src     u16  sending rank (AGGREGATOR for the switch service)
+    src     u16  sending rank (AGGREGATOR for the aggregator)
     dst     u16  destination rank, or ANY for multicast
     chunk   u32  chunk or frame index within the collective
     length  u32  payload bytes

@@ -1,5 +1,5 @@
 """The handshakes' payloads: ranks meeting each other, and ranks registering with an aggregator
-(overcast switch).
+(overcast aggregator).
 
 Every handshake is challenge-response: each side sends a fresh random nonce and accepts only a
 HELLO that carries it back under the communicator key's MAC, so a HELLO captured in one handshake
@@ -25,10 +25,10 @@ SWITCH_MAGIC = b"OCCH"
 # HELLO from a rank: the communicator's salt, world size, the rank's datagram port, whether it
 # receives the communicator's multicast group, the widest contribution it sends (bytes after
 # the contribution's prefix), the stripe of this aggregator's first endpoint (its shards are
-# that stripe and the ones after it: the job's aggregators in the order OVERCAST_SWITCH names
-# them), the rank's epoch (how many rounds of aggregator losses and take-backs its communicator
-# has decided: an aggregator restarted mid-job is registered with at a later epoch than the
-# instance it replaces), the aggregator's nonce, and the rank's own. Sealed under the
+# that stripe and the ones after it: the job's aggregators in the order OVERCAST_AGGREGATORS
+# names them), the rank's epoch (how many rounds of aggregator losses and take-backs its
+# communicator has decided: an aggregator restarted mid-job is registered with at a later epoch
+# than the instance it replaces), the aggregator's nonce, and the rank's own. Sealed under the
 # communicator key, which the aggregator derives from the job secret and this salt. Results go
 # to the address the registration's connection came from.
 HELLO = struct.Struct(f"<16sHHBIHH{NONCE_BYTES}s{NONCE_BYTES}s")

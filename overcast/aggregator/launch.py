@@ -1,4 +1,4 @@
-"""Start `overcast switch` (the aggregator) as a child process and learn where it listens.
+"""Start `overcast aggregator` as a child process and learn where it listens.
 
 One way to start it serves both the emulated cluster (inside the service namespace, through a
 command prefix such as `ip netns exec NS`) and a job that names no aggregator (rank 0 starts one
@@ -21,13 +21,13 @@ from overcast.errors import OvercastError
 START_SECONDS = 30.0  # how long the aggregator may take to say where it listens
 
 
-class SwitchStartError(OvercastError):
+class AggregatorStartError(OvercastError):
     """The aggregator process did not come up; the message has its first line of output."""
 
 
-class SwitchProcess(subprocess.Popen):
+class AggregatorProcess(subprocess.Popen):
     """The aggregator's process. `lifeline` is the write end of the pipe it watches; closing it
-    (stop_switch, or this process ending) makes the aggregator exit."""
+    (stop_aggregator, or this process ending) makes the aggregator exit."""
 
     lifeline: int = -1
     aggregator: int = 0  # on the emulated cluster, the attachment it runs on
@@ -37,7 +37,7 @@ def _first_line(proc: subprocess.Popen, seconds: float) -> str:
     """The child's first line of output, or what it wrote before it exited or `seconds` passed."""
     deadline = time.monotonic() + seconds
     data = b""
-    assert proc.stdout is not None  # start_switch's pipe
+    assert proc.stdout is not None  # start_aggregator's pipe
     fd = proc.stdout.fileno()
     with selectors.DefaultSelector() as sel:
         sel.register(fd, selectors.EVENT_READ)
@@ -52,16 +52,16 @@ def _first_line(proc: subprocess.Popen, seconds: float) -> str:
     return data.split(b"\n", 1)[0].decode(errors="replace")
 
 
-def start_switch(host: str, port: int = 0, *, secrets: list[str], slots: int = 256,
+def start_aggregator(host: str, port: int = 0, *, secrets: list[str], slots: int = 256,
                  stats_path: str | None = None, prefix: tuple[str, ...] = (),
                  start_seconds: float = START_SECONDS, limits=None,
-                 shards: int | None = None) -> tuple[SwitchProcess, str]:
+                 shards: int | None = None) -> tuple[AggregatorProcess, str]:
     """Start the aggregator for the jobs whose secrets (hex) are given, listening on
     `host`:`port` (0: any free port) with `shards` data-path threads (None: its default, the
-    cores it may use), within `limits` (overcast.switch.service.Limits; default its own);
+    cores it may use), within `limits` (overcast.aggregator.service.Limits; default its own);
     return the process and its "host:port" once it listens, within `start_seconds`."""
     watched, lifeline = os.pipe()
-    argv = [*prefix, sys.executable, "-m", "overcast.cli.main", "switch", "--host", host,
+    argv = [*prefix, sys.executable, "-m", "overcast.cli.main", "aggregator", "--host", host,
             "--port", str(port), "--slots", str(slots), "--lifeline", str(watched)]
     if shards is not None:
         argv += ["--shards", str(shards)]
@@ -72,7 +72,7 @@ def start_switch(host: str, port: int = 0, *, secrets: list[str], slots: int = 2
                  str(limits.max_communicators), "--pool-bytes", str(limits.pool_bytes)]
     full_env = {**os.environ, "OVERCAST_SECRETS": ",".join(secrets)}
     try:
-        proc = SwitchProcess(argv, env=full_env, stdout=subprocess.PIPE, pass_fds=(watched,))
+        proc = AggregatorProcess(argv, env=full_env, stdout=subprocess.PIPE, pass_fds=(watched,))
     except BaseException:
         os.close(lifeline)
         raise
@@ -81,14 +81,14 @@ def start_switch(host: str, port: int = 0, *, secrets: list[str], slots: int = 2
     proc.lifeline = lifeline
     line = _first_line(proc, start_seconds)
     if "listening on" not in line:
-        stop_switch(proc, timeout=0)
-        raise SwitchStartError(f"the aggregator did not start within {start_seconds:.0f} s: "
+        stop_aggregator(proc, timeout=0)
+        raise AggregatorStartError(f"the aggregator did not start within {start_seconds:.0f} s: "
                                f"{line.strip() or 'no output'}")
     address = line.split("listening on", 1)[1].split()[0]
     return proc, address
 
 
-def stop_switch(proc: SwitchProcess, timeout: float = 30.0) -> None:
+def stop_aggregator(proc: AggregatorProcess, timeout: float = 30.0) -> None:
     """Stop the aggregator gracefully (it writes its stats file on the way out); killed after
     `timeout` seconds."""
     if proc.poll() is None:

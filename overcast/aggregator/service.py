@@ -1,4 +1,4 @@
-"""`overcast switch`: the aggregator as a service on the network, standing in the switch.
+"""`overcast aggregator`: the aggregator as a service on the network, standing in the switch.
 
 One TCP port takes registrations: each rank of a communicator connects, gets a fresh nonce, sends
 a HELLO that carries it, sealed under its communicator key (the aggregator derives that key from
@@ -84,7 +84,7 @@ SPARE_DESCRIPTORS = 8
 
 @dataclasses.dataclass(frozen=True)
 class Limits:
-    """What one aggregator takes (overcast switch --max-world, --max-communicators,
+    """What one aggregator takes (overcast aggregator --max-world, --max-communicators,
     --pool-bytes): the largest world, communicators per job, and the bytes every registered
     communicator may make it hold together at their largest (pools, replay windows, ranks'
     state and connections), each job served an even share of them."""
@@ -195,7 +195,7 @@ def raise_descriptor_limit() -> None:
         pass
 
 
-class SwitchService:
+class AggregatorService:
     def __init__(self, host: str, port: int, job_secrets: list[bytes], slots: int = 256,
                  lifeline: int | None = None, limits: Limits = Limits(),
                  expiry: float | None = None, shards: int = 1):
@@ -413,8 +413,8 @@ class SwitchService:
                 raise Refusal(Refused.INCONSISTENT,
                               f"this communicator is registered with a world of {comm.world}, "
                               f"rows of {comm.max_row} bytes and stripe {comm.stripe}, not "
-                              f"{world}, {max_row} and {stripe} (OVERCAST_SWITCH must name the "
-                              f"same aggregators in the same order on every rank)")
+                              f"{world}, {max_row} and {stripe} (OVERCAST_AGGREGATORS must "
+                              f"name the same aggregators in the same order on every rank)")
             if src in comm.conns:  # so a communicator holds at most its world's connections
                 raise Refusal(Refused.RANK, f"rank {src} of this communicator is registered "
                                             f"already, on another connection")
@@ -591,10 +591,10 @@ def run(host: str, port: int, job_secrets: list[bytes], slots: int, stats_path: 
         ready=print, lifeline: int | None = None, limits: Limits = Limits(),
         expiry: float | None = None, shards: int = 1) -> None:
     raise_descriptor_limit()
-    service = SwitchService(host, port, job_secrets, slots, lifeline, limits, expiry, shards)
+    service = AggregatorService(host, port, job_secrets, slots, lifeline, limits, expiry, shards)
     signal.signal(signal.SIGTERM, service.stop)
     signal.signal(signal.SIGINT, service.stop)
-    ready(f"overcast switch listening on {host}:{service.port} (tcp and udp), "
+    ready(f"overcast aggregator listening on {host}:{service.port} (tcp and udp), "
           f"{shards} shard{'s' if shards > 1 else ''} (udp {','.join(map(str, service.ports))}), "
           f"{slots} slots per reduction")
     try:

@@ -5,7 +5,7 @@ The engine is native (overcast/native/aggregator.h says how it works, message by
 who owns which buffer); this is its Python face for the control plane and the sans-I/O tests:
 communicators named by any key, messages in as the fabric delivers them (authentic runs,
 overcast.wire.runs), the clock in; what it wants sent out, in `outbox`, as (key, destination
-rank, Outgoing). The service (overcast.switch.service) runs the same engine on each of its
+rank, Outgoing). The service (overcast.aggregator.service) runs the same engine on each of its
 shards' threads (native/shards.h), sealed datagrams in and out, without Python in the loop.
 
 Whatever does not fit is dropped and counted in `drops` by reason (one line each): any rank of a
