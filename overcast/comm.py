@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import os
 import threading
+import warnings
 
 import numpy as np
 
@@ -69,10 +70,10 @@ class Communicator:
     (default: OVERCAST_LINK_BITS_PER_S, which the emulated cluster sets). `roots` is how many
     ranks of a multicast AllGather send at once (default: all of them, each paced at 1/(P-1) of
     the link; see docs/results.md for why). `loss` injects loss of received datagrams
-    (default: OVERCAST_LOSS, OVERCAST_LOSS_BURST, OVERCAST_LOSS_SEED). `switch` names the
-    aggregators for in-network reduction, "host[:port],..." in order (default:
-    OVERCAST_AGGREGATORS, or OVERCAST_SWITCH, its old name). With `trace`, the engine records
-    each collective's span and bytes over time (see `trace()`).
+    (default: OVERCAST_LOSS, OVERCAST_LOSS_BURST, OVERCAST_LOSS_SEED). `aggregators` names
+    the aggregators for in-network reduction, "host[:port],..." in order (default:
+    OVERCAST_AGGREGATORS, or OVERCAST_SWITCH, its old name; `switch=` is its old name too).
+    With `trace`, the engine records each collective's span and bytes over time (see `trace()`).
     `early_stream_bytes` is the most this rank holds of what peers sent on their streams for
     collectives it has not issued yet (default: OVERCAST_EARLY_STREAM_BYTES, else 256 MiB):
     a peer further ahead fails the communicator on every rank, with an error naming it.
@@ -103,9 +104,9 @@ class Communicator:
                  timeout: float = 120.0, frame_bytes: int = DEFAULT_FRAME_BYTES,
                  link_bits_per_s: float | None = None, roots: int | None = None,
                  pacing_share: float = DEFAULT_PACING_SHARE, loss: LossSpec | None = None,
-                 switch: str | None = None, trace: bool = False,
+                 aggregators: str | None = None, trace: bool = False,
                  fail_peers_on_bad_input: bool = True, early_stream_bytes: int | None = None,
-                 failover_seconds: float | None = None):
+                 failover_seconds: float | None = None, switch: str | None = None):
         self.rank = int(os.environ["RANK"]) if rank is None else rank
         self.world_size = int(os.environ["WORLD_SIZE"]) if world_size is None else world_size
         self.name, self.timeout, self.frame_bytes = name, timeout, frame_bytes
@@ -131,14 +132,21 @@ class Communicator:
                 f"within 50 ms)", failover_seconds, f"{FAILOVER_ENV}, failover_seconds")
         require(0 < pacing_share <= 1, "the pacing share", "a fraction above 0, at most 1",
                 pacing_share, "pacing_share")
-        if switch is None:  # here, so that a contradiction is refused before any work
-            switch = aggregators_from_env()
+        if switch is not None:
+            warnings.warn("Communicator(switch=) is the old name of aggregators=",
+                          DeprecationWarning, stacklevel=2)
+            require(aggregators in (None, switch), "the aggregators",
+                    "named once, by aggregators= (switch= is its old name)", switch,
+                    "aggregators, switch")
+            aggregators = switch
+        if aggregators is None:  # here, so that a contradiction is refused before any work
+            aggregators = aggregators_from_env()
         self.link_bits_per_s = link_bits_per_s
         self.roots = self.world_size if roots is None else roots
         self.pacing_share = pacing_share
         self.loss = LossSpec.from_env() if loss is None else loss
         links = rendezvous(self.rank, self.world_size, name=name, store=store, secret=secret,
-                           timeout=timeout, switch=switch)
+                           timeout=timeout, aggregators=aggregators)
         self.address, self.mtu = links.address, links.mtu
         # One datagram per chunk, within every rank's path MTU (agreed at rendezvous).
         self.chunk_bytes = chunk_bytes(links.mtu)
@@ -148,7 +156,8 @@ class Communicator:
         # means multicast is not delivered, naming them and their hosts
         self.multicast_unheard = links.multicast_unheard
         self.multicast_undelivered = undelivered(links.multicast_unheard, links.addresses)
-        self._aggregator_error, self._aggregator_slots = links.switch_error, links.switch_slots
+        self._aggregator_error = links.aggregator_error
+        self._aggregator_slots = links.aggregator_slots
         # the aggregator endpoints (every shard of every aggregator) in-network reductions are
         # striped over: 0 without an aggregator
         self.aggregator_endpoints = len(links.endpoints)

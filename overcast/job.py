@@ -129,7 +129,8 @@ def group_communicator(store, rank: int, world: int, base: str, *, in_network: b
             raise OvercastError(aggregators[len("error: "):])
     try:
         comm = Communicator(rank, world, name=name, store=store,
-                            secret=bytes.fromhex(secret_hex), switch=aggregators or "", **settings)
+                            secret=bytes.fromhex(secret_hex), aggregators=aggregators or "",
+                            **settings)
     except BaseException:
         if job_aggregator is not None and job_aggregator.proc is not None:
             stop_aggregator(job_aggregator.proc)

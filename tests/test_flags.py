@@ -265,6 +265,13 @@ def test_the_aggregators_are_read_under_either_name_and_a_contradiction_is_refus
     assert str(err.value) == said
 
 
+def test_the_communicators_old_keyword_for_its_aggregators_says_so_and_never_contradicts():
+    with pytest.warns(DeprecationWarning, match=r"\(switch=\) is the old name of aggregators="), \
+            pytest.raises(InvalidArgumentError) as err:
+        communicator(switch="10.0.0.1", aggregators="10.0.0.2")
+    assert "named once, by aggregators= (switch= is its old name)" in str(err.value)
+
+
 def test_the_top_level_help_lists_every_command():
     out = subprocess.run(CLI + ["--help"], capture_output=True, text=True, timeout=60,
                          check=True).stdout

@@ -14,7 +14,7 @@ from overcast.transport.rendezvous import HANDSHAKE_SECONDS, rendezvous
 from overcast.transport.store import StoreClient, StoreServer
 from overcast.wire.auth import Sealer, derive_key, job_id_of
 from overcast.wire.header import AGGREGATOR, Kind
-from overcast.wire.registration import ANSWER, HELLO, NONCE_BYTES, SWITCH_CHALLENGE
+from overcast.wire.registration import ANSWER, HELLO, NONCE_BYTES, AGGREGATOR_CHALLENGE
 
 WORLD, TIMEOUT = 3, 30.0
 
@@ -28,7 +28,7 @@ def captured_hello(secret: bytes, salt: bytes, src: int, dst: int, payload: byte
 
 
 def close(links) -> None:
-    for sock in [*links.streams.values(), links.udp, links.multicast, *links.switches.values()]:
+    for sock in [*links.streams.values(), links.udp, links.multicast, *links.aggregator_sockets.values()]:
         if sock is not None:
             sock.close()
 
@@ -47,7 +47,7 @@ class Ranks:
         def run():
             try:
                 self.links[rank] = rendezvous(rank, WORLD, store=self.store(), secret=self.secret,
-                                              timeout=TIMEOUT, switch=self.switch)
+                                              timeout=TIMEOUT, aggregators=self.switch)
             except BaseException as err:  # reported by the test
                 self.errors[rank] = err
         thread = threading.Thread(target=run)
@@ -112,12 +112,12 @@ def test_the_aggregator_takes_no_replayed_registration_and_drops_a_silent_one(mo
         for thread in ranks.threads:
             thread.join()
         assert not ranks.errors, ranks.errors
-        assert all(links.switch_error is None for links in ranks.links.values())
+        assert all(links.aggregator_error is None for links in ranks.links.values())
         links = ranks.links[1]
         salt = bytes(ranks.store().get("overcast/default/salt"))
         replay = socket.create_connection(("127.0.0.1", service.port))
         replay.settimeout(TIMEOUT)
-        assert len(replay.recv(SWITCH_CHALLENGE.size)) == SWITCH_CHALLENGE.size
+        assert len(replay.recv(AGGREGATOR_CHALLENGE.size)) == AGGREGATOR_CHALLENGE.size
         hello = HELLO.pack(salt, WORLD, links.udp.getsockname()[1], True, 1408, 0, 0,
                            os.urandom(NONCE_BYTES), os.urandom(NONCE_BYTES))
         replay.sendall(captured_hello(secret, salt, 1, AGGREGATOR, hello))
@@ -128,7 +128,7 @@ def test_the_aggregator_takes_no_replayed_registration_and_drops_a_silent_one(mo
         monkeypatch.setattr("overcast.aggregator.service.REGISTRATION_SECONDS", 0.2)
         silent = socket.create_connection(("127.0.0.1", service.port))
         silent.settimeout(TIMEOUT)
-        assert len(silent.recv(SWITCH_CHALLENGE.size)) == SWITCH_CHALLENGE.size
+        assert len(silent.recv(AGGREGATOR_CHALLENGE.size)) == AGGREGATOR_CHALLENGE.size
         assert silent.recv(4096) == b""  # closed once its registration time was up
         assert service.drops["replayed"] == 1 and service.drops["registration_timeout"] == 1
     finally:
@@ -157,7 +157,7 @@ def test_the_ranks_register_with_the_aggregator_the_environment_names(name, monk
             ranks.start(rank)
         ranks.join()
         assert not ranks.errors, ranks.errors
-        assert [(links.switch_error, list(links.switch_names.values()))
+        assert [(links.aggregator_error, list(links.aggregator_names.values()))
                 for links in ranks.links.values()] == [(None, [f"127.0.0.1:{service.port}"])] * 3
     finally:
         ranks.join()

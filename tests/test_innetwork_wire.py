@@ -16,7 +16,7 @@ from overcast.cluster.launch import RankError
 from overcast.cluster.netns import Cluster, aggregator_address
 from overcast.limits import LOWEST_MTU
 from overcast.transport.loss import LossSpec
-from overcast.wire.registration import DEFAULT_SWITCH_PORT
+from overcast.wire.registration import DEFAULT_AGGREGATOR_PORT
 
 pytestmark = root_only
 LOSSES = [LossSpec(0.0), LossSpec(0.01, seed=1), LossSpec(0.10, seed=2),
@@ -142,7 +142,7 @@ def innetwork_refusal(rank):
 def test_an_aggregator_of_two_that_cannot_be_reached_is_named_on_every_rank():
     with Cluster(3, 200_000_000, aggregators=2) as cluster:
         aggregator = cluster.start_aggregator(aggregator=0)
-        missing = f"{aggregator_address(1)}:{DEFAULT_SWITCH_PORT}"
+        missing = f"{aggregator_address(1)}:{DEFAULT_AGGREGATOR_PORT}"
         results = cluster.run(innetwork_refusal, timeout=60,
                               env={"OVERCAST_AGGREGATORS":
                                    f"{cluster.aggregator_addresses},{missing}"})

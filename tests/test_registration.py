@@ -38,7 +38,7 @@ from overcast.wire.auth import Drops, Opener, Sealer, derive_key, job_id_of
 from overcast.wire.header import (AGGREGATOR, HEADER, MAGIC, MAX_PAYLOAD, VERSION, Kind,
                                   endpoint, unpack_header)
 from overcast.wire.messages import CONTRIB_PREFIX, pack_contribution_prefix
-from overcast.wire.registration import EPOCH_SHIFT, HELLO, SWITCH_CHALLENGE
+from overcast.wire.registration import EPOCH_SHIFT, HELLO, AGGREGATOR_CHALLENGE
 
 HOSTILE, GOOD = os.urandom(32), os.urandom(32)
 LIMITS = Limits(max_world=4096, max_communicators=40, pool_bytes=64 << 20)
@@ -64,8 +64,8 @@ def member(address: str, world: int, *, salt: bytes | None = None, src: int = 0,
            secret: bytes = HOSTILE, epoch: int = 0) -> types.SimpleNamespace:
     """Register as rank `src` of a communicator of `world` ranks of the hostile job (or the
     job of `secret`), as a rank does (rendezvous.register_with_aggregators), its HELLO sent
-    `hello_lag` seconds after the challenge came; the links it filled (switches: the
-    connection held open, or switch_error; salt; udp, the rank's datagram socket, left open if
+    `hello_lag` seconds after the challenge came; the links it filled (aggregator_sockets: the
+    connection held open, or aggregator_error; salt; udp, the rank's datagram socket, left open if
     keep_udp)."""
     salt = salt or os.urandom(16)
     key = derive_key(secret, salt, b"comm")
@@ -74,14 +74,14 @@ def member(address: str, world: int, *, salt: bytes | None = None, src: int = 0,
     udp.bind(("127.0.0.1", 0))
     links = types.SimpleNamespace(world=world, udp=udp, multicast=None, mtu=mtu,
                                   sealer=Lagging(Sealer(key, job, comm, src), hello_lag),
-                                  opener=Opener(key, job, comm, Drops()), switches={},
-                                  switch_names={}, endpoints=[], switch_slots=0,
-                                  switch_error="unregistered", salt=salt)
+                                  opener=Opener(key, job, comm, Drops()), aggregator_sockets={},
+                                  aggregator_names={}, endpoints=[], aggregator_slots=0,
+                                  aggregator_error="unregistered", salt=salt)
     if epoch:  # as a rank registers anew with an aggregator restarted mid-job
         host, port = address.rsplit(":", 1)
         got = register_with_aggregator(links, host, int(port), 0, epoch, secret, salt, 5.0)
         assert not isinstance(got, str), got
-        links.switches[endpoint(0)] = got.sock
+        links.aggregator_sockets[endpoint(0)] = got.sock
     else:
         register_with_aggregators(links, address, secret, salt, 5.0)
     if not keep_udp:
@@ -146,7 +146,7 @@ def test_an_aggregators_counter_starts_in_the_range_of_the_epoch_it_was_register
     host, port = address.rsplit(":", 1)
     links = member(address, 2, keep_udp=True, epoch=epoch)
     try:
-        assert links.switches, links.switch_error
+        assert links.aggregator_sockets, links.aggregator_error
         for datagram in contributions(links, 0, 0, bytes(8)):
             sender.sendto(datagram, (host, int(port)))
         links.udp.settimeout(10)
@@ -155,7 +155,7 @@ def test_an_aggregators_counter_starts_in_the_range_of_the_epoch_it_was_register
     finally:
         sender.close()
         links.udp.close()
-        for sock in links.switches.values():
+        for sock in links.aggregator_sockets.values():
             sock.close()
         stop_aggregator(proc)
     assert hdr.src == endpoint(0) and hdr.counter >> EPOCH_SHIFT == epoch
@@ -170,36 +170,36 @@ def test_hostile_registrations_are_refused_and_the_aggregator_serves_on(tmp_path
     try:
         said = {}
         for world in (0, 1, 65534, 65535):
-            said[world] = member(address, world).switch_error
-        said["rank past its world"] = member(address, 4, src=9).switch_error
+            said[world] = member(address, world).aggregator_error
+        said["rank past its world"] = member(address, 4, src=9).aggregator_error
         # a window larger than the receive buffer: 4096 ranks' datagrams do not fit 16 MiB
-        said["buffer"] = member(address, 4096).switch_error
+        said["buffer"] = member(address, 4096).aggregator_error
         # two communicators whose salts share their first 4 bytes: one id on the wire
         first = member(address, 2, salt=b"same" + os.urandom(12))
         held.append(first)
-        said["identity"] = member(address, 2, salt=b"same" + os.urandom(12)).switch_error
+        said["identity"] = member(address, 2, salt=b"same" + os.urandom(12)).aggregator_error
         # one salt, registered again with another world; its rank 0 on a second connection
         salt = os.urandom(16)
         held.append(member(address, 2, salt=salt))
-        said["inconsistent"] = member(address, 3, salt=salt, src=1).switch_error
-        said["rank"] = member(address, 2, salt=salt).switch_error
+        said["inconsistent"] = member(address, 3, salt=salt, src=1).aggregator_error
+        said["rank"] = member(address, 2, salt=salt).aggregator_error
         # a thousand communicators held open, where the job may hold 40
         opened = [member(address, 2, mtu=300) for _ in range(1000)]
-        said["communicators"] = opened[-1].switch_error
-        welcomed = sum(bool(m.switches) for m in opened)
+        said["communicators"] = opened[-1].aggregator_error
+        welcomed = sum(bool(m.aggregator_sockets) for m in opened)
         for m in opened:
-            for sock in m.switches.values():
+            for sock in m.aggregator_sockets.values():
                 sock.close()  # the aggregator forgets them
         # pools: loopback's 64 KiB rows, 16 ranks: 4 MiB a slot; the job's share is 32 MiB
         big = [member(address, 16, mtu=65536) for _ in range(3)]
         held += big
-        said["pool"] = big[-1].switch_error
+        said["pool"] = big[-1].aggregator_error
         # those welcomed make their pools whole: the widest row to a chunk of each of their
         # reductions (the aggregator's one shard reads them before the other job's datagrams)
         widest = chunk_bytes(65536) - CONTRIB_PREFIX.size
         sender = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         for links in big:
-            for seq in range(MAX_REDUCTIONS if links.switches else 0):
+            for seq in range(MAX_REDUCTIONS if links.aggregator_sockets else 0):
                 sender.sendto(contributions(links, seq, 0, bytes(widest))[0], links.endpoints[0])
         sender.close()
         # the other job's collectives, while all of that is held
@@ -209,7 +209,7 @@ def test_hostile_registrations_are_refused_and_the_aggregator_serves_on(tmp_path
         alive = proc.poll() is None
     finally:
         for m in held:
-            for sock in m.switches.values():
+            for sock in m.aggregator_sockets.values():
                 sock.close()
         stop_aggregator(proc)
     for world in (0, 1, 65534, 65535):
@@ -220,13 +220,13 @@ def test_hostile_registrations_are_refused_and_the_aggregator_serves_on(tmp_path
     assert "same id on the wire" in said["identity"], said["identity"]
     assert "registered with a world of 2" in said["inconsistent"], said["inconsistent"]
     assert "rank 0 of this communicator is registered already" in said["rank"], said["rank"]
-    assert first.switches and big[0].switches
+    assert first.aggregator_sockets and big[0].aggregator_sockets
     assert "--pool-bytes" in said["pool"], said["pool"]
     assert "--max-communicators" in said["communicators"], said["communicators"]
     assert welcomed == LIMITS.max_communicators - 2  # two held already: first and salt's
     assert alive
-    for exact_rs, exact_ar, switch_error in results:
-        assert exact_rs and exact_ar and switch_error is None
+    for exact_rs, exact_ar, aggregator_error in results:
+        assert exact_rs and exact_ar and aggregator_error is None
     report = json.loads(stats.read_text())
     assert report["drops"]["refused_world"] == 5 and report["drops"]["refused_pool"] >= 1
     assert report["drops"]["refused_communicators"] == 1000 - welcomed
@@ -234,7 +234,7 @@ def test_hostile_registrations_are_refused_and_the_aggregator_serves_on(tmp_path
     # the pools the hostile job's contributions made (4 reductions' windows of 16 rows each,
     # as many slots as each was granted) were made, and are within the job's share (half the
     # budget), the other job's beside them within the budget
-    made = sum(MAX_REDUCTIONS * links.switch_slots * 16 * widest for links in big)
+    made = sum(MAX_REDUCTIONS * links.aggregator_slots * 16 * widest for links in big)
     assert LIMITS.pool_bytes // 4 < made <= LIMITS.pool_bytes // 2
     assert made <= report["peak_pool_bytes"] <= LIMITS.pool_bytes
 
@@ -260,10 +260,10 @@ def test_a_fault_on_one_registration_costs_that_connection_alone():
         service.stop()
         serving.join()
         service.close()
-    assert not first.switches and "failed" in first.switch_error
-    assert second.switches and second.switch_error is None
+    assert not first.aggregator_sockets and "failed" in first.aggregator_error
+    assert second.aggregator_sockets and second.aggregator_error is None
     assert service.drops["registration_error"] == 1
-    for sock in second.switches.values():
+    for sock in second.aggregator_sockets.values():
         sock.close()
 
 
@@ -274,8 +274,8 @@ def test_a_fault_on_one_registration_costs_that_connection_alone():
 ])
 def test_an_aggregator_the_rank_cannot_use_is_its_reason(spec, reason):
     links = member(spec, 2)
-    assert links.switch_error.startswith(reason), links.switch_error
-    assert links.switches == {} and links.endpoints == []
+    assert links.aggregator_error.startswith(reason), links.aggregator_error
+    assert links.aggregator_sockets == {} and links.endpoints == []
 
 
 def most_rss_growth(budget: int, communicators: int) -> int:
@@ -308,33 +308,33 @@ def test_a_keyed_member_that_registers_and_contributes_stays_within_the_budget(t
             for chunk in chunks:
                 for datagram in contributions(links, seq, chunk, row):
                     sender.sendto(datagram, ("127.0.0.1", port))
-            assert not links.switches or came(links, Kind.RESULT, seq)
+            assert not links.aggregator_sockets or came(links, Kind.RESULT, seq)
     try:
         start = status_bytes(proc.pid, "VmRSS")
         wide = member(address, 8, mtu=65536, keep_udp=True)
         members = [wide] + [member(address, 1000, mtu=104, keep_udp=True) for _ in range(32)]
         narrow = members[1:]
-        for links in [m for m in narrow if not m.switches]:  # foreign to the aggregator
+        for links in [m for m in narrow if not m.aggregator_sockets]:  # foreign to the aggregator
             contribute(links, [0], [0], bytes(8))
         widest = chunk_bytes(65536) - CONTRIB_PREFIX.size
         contribute(wide, range(MAX_REDUCTIONS), [7, 6, 5, 4, 3, 2, 1, 0], bytes(widest))
-        for links in [m for m in narrow if m.switches]:
+        for links in [m for m in narrow if m.aggregator_sockets]:
             contribute(links, [0], [0], bytes(8))
         peak = status_bytes(proc.pid, "VmHWM")
     finally:
         sender.close()
         for links in members:
             links.udp.close()
-            for sock in links.switches.values():
+            for sock in links.aggregator_sockets.values():
                 sock.close()
         stop_aggregator(proc)
     report = json.loads(stats.read_text())
-    admitted = [m for m in narrow if m.switches]
+    admitted = [m for m in narrow if m.aggregator_sockets]
     assert peak - start <= most_rss_growth(budget, 1 + len(admitted)), (peak - start, report)
-    assert wide.switches and admitted and len(admitted) < len(narrow)
-    assert all("--pool-bytes" in m.switch_error for m in narrow if not m.switches)
+    assert wide.aggregator_sockets and admitted and len(admitted) < len(narrow)
+    assert all("--pool-bytes" in m.aggregator_error for m in narrow if not m.aggregator_sockets)
     assert report["stats"]["contributions"] == \
-        MAX_REDUCTIONS * wide.switch_slots * 7 + 999 * len(admitted)
+        MAX_REDUCTIONS * wide.aggregator_slots * 7 + 999 * len(admitted)
 
 
 def test_a_jobs_connections_stay_within_its_share_of_the_descriptors(tmp_path):
@@ -349,7 +349,7 @@ def test_a_jobs_connections_stay_within_its_share_of_the_descriptors(tmp_path):
                                  prefix=("sh", "-c", 'ulimit -n 128 && exec "$@"', "sh"))
     held = []
     try:
-        while len(held) < 128 and all(m.switches for m in held):  # 128: all it may open
+        while len(held) < 128 and all(m.aggregator_sockets for m in held):  # 128: all it may open
             salt = os.urandom(16)
             held += [member(address, 8, salt=salt, src=rank) for rank in range(8)]
         salt = os.urandom(16)
@@ -357,15 +357,15 @@ def test_a_jobs_connections_stay_within_its_share_of_the_descriptors(tmp_path):
         held += other
     finally:
         for links in held:
-            for sock in links.switches.values():
+            for sock in links.aggregator_sockets.values():
                 sock.close()
         stop_aggregator(proc)
-    refused = held[-3].switch_error
+    refused = held[-3].aggregator_error
     assert "ulimit -n, shared among the jobs served" in refused, refused
     share = int(re.search(r"of the job's (\d+) are left", refused)[1])
-    registered = sum(bool(m.switches) for m in held[:-2])
+    registered = sum(bool(m.aggregator_sockets) for m in held[:-2])
     assert registered == share // 8 * 8 and share <= (128 - 32) // 2
-    assert [m.switch_error for m in other] == [None, None]
+    assert [m.aggregator_error for m in other] == [None, None]
     assert json.loads(stats.read_text())["drops"]["refused_connections"] == 8
 
 
@@ -429,11 +429,11 @@ def test_a_keyed_members_credit_probes_keep_the_aggregator_within_the_budget(tmp
         sender.close()
         if links is not None:
             links.udp.close()
-            for sock in links.switches.values():
+            for sock in links.aggregator_sockets.values():
                 sock.close()
         stop_aggregator(proc)
     report = json.loads(stats.read_text())
-    assert links.switch_slots == 512 and report["stats"]["nacks"] > 0
+    assert links.aggregator_slots == 512 and report["stats"]["nacks"] > 0
     assert peak - start <= most_rss_growth(budget, 1), (peak - start, report)
 
 
@@ -510,8 +510,8 @@ def test_one_host_churning_connections_does_not_shed_another_hosts_slow_rank(tmp
         assert churn.stdout.readline() == "churning\n"
         for _ in range(3):
             links = member(address, 2, hello_lag=0.1)
-            said.append(links.switch_error)
-            for sock in links.switches.values():
+            said.append(links.aggregator_error)
+            for sock in links.aggregator_sockets.values():
                 sock.close()
     finally:
         churn.kill()
@@ -546,7 +546,7 @@ def test_a_header_but_a_hellos_of_its_size_closes_the_connection_at_once(kind, l
     serving.start()
     try:
         with socket.create_connection(("127.0.0.1", service.port), timeout=5) as sock:
-            assert len(sock.recv(SWITCH_CHALLENGE.size)) == SWITCH_CHALLENGE.size
+            assert len(sock.recv(AGGREGATOR_CHALLENGE.size)) == AGGREGATOR_CHALLENGE.size
             sock.sendall(HEADER.pack(MAGIC, VERSION, kind, job_id_of(HOSTILE), 0, 0, 0,
                                      AGGREGATOR, 0, length, 0))
             closed = sock.recv(1) == b""
@@ -577,7 +577,7 @@ def test_an_accept_out_of_descriptors_is_counted_and_rests_the_listener_shedding
             resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
         assert taken == [True, False] and service.drops["accept_emfile"] == 1
         assert "unregistered_shed" not in service.drops and len(service.connections) == 1
-        assert len(first.recv(64)) == SWITCH_CHALLENGE.size
+        assert len(first.recv(64)) == AGGREGATOR_CHALLENGE.size
         first.setblocking(False)
         with pytest.raises(BlockingIOError):  # open, waiting for its HELLO
             first.recv(1)
@@ -588,7 +588,7 @@ def test_an_accept_out_of_descriptors_is_counted_and_rests_the_listener_shedding
         assert service.listening_again == rested  # still resting
         service._listen_again(rested)
         assert service.listening_again is None and service._accept()
-        assert len(second.recv(64)) == SWITCH_CHALLENGE.size  # taken from the backlog
+        assert len(second.recv(64)) == AGGREGATOR_CHALLENGE.size  # taken from the backlog
         assert len(service.connections) == 2
     finally:
         first.close()
@@ -633,7 +633,7 @@ def test_a_connection_the_selector_cannot_watch_costs_that_connection_alone():
         with socket.create_connection(("127.0.0.1", service.port), timeout=5) as sock:
             assert service._accept()
             assert service.drops["unwatched"] == 1 and not service.connections
-            assert len(sock.recv(64)) == SWITCH_CHALLENGE.size and sock.recv(1) == b""
+            assert len(sock.recv(64)) == AGGREGATOR_CHALLENGE.size and sock.recv(1) == b""
     finally:
         service.close()
 
@@ -647,14 +647,14 @@ def test_a_registered_connection_that_sends_anything_is_closed_and_counted():
     serving.start()
     try:
         links = member(f"127.0.0.1:{service.port}", 2)
-        (sock,) = links.switches.values()
+        (sock,) = links.aggregator_sockets.values()
         sock.sendall(b"x")
         closed = sock.recv(1) == b""
     finally:
         service.stop()
         serving.join()
         service.close()
-        for sock in links.switches.values():
+        for sock in links.aggregator_sockets.values():
             sock.close()
     assert closed and service.drops["sent_after_registering"] == 1 and not service.comms
 
@@ -699,9 +699,9 @@ def test_a_fault_after_registering_a_communicator_gives_back_what_it_held(fails)
         service.stop()
         serving.join()
         service.close()
-        for sock in second.switches.values():
+        for sock in second.aggregator_sockets.values():
             sock.close()
-    assert not first.switches and "failed" in first.switch_error, first.switch_error
+    assert not first.aggregator_sockets and "failed" in first.aggregator_error, first.aggregator_error
     assert service.drops["registration_error"] == 1
     assert books == ({}, set(), 0, 0)
-    assert second.switches and second.switch_error is None and handles == [0]
+    assert second.aggregator_sockets and second.aggregator_error is None and handles == [0]

@@ -33,7 +33,7 @@ from overcast.transport.rendezvous import register_with_aggregators
 from overcast.units import parse_size
 from overcast.wire.auth import Drops, Opener, Sealer, derive_key, job_id_of
 from overcast.wire.header import AGGREGATOR, HEADER, MAGIC, MAX_PAYLOAD, VERSION, Kind
-from overcast.wire.registration import SWITCH_CHALLENGE
+from overcast.wire.registration import AGGREGATOR_CHALLENGE
 
 JUNK_WRITE = 1 << 20
 SETTLE_SECONDS = 30.0  # how long the aggregator may take to answer every connection
@@ -49,16 +49,16 @@ def register(address: str, secret: bytes) -> dict:
     udp.bind(("127.0.0.1", 0))
     links = types.SimpleNamespace(world=2, udp=udp, multicast=None, mtu=1500,
                                   sealer=Sealer(key, job, comm, 0),
-                                  opener=Opener(key, job, comm, Drops()), switches={},
-                                  switch_names={}, endpoints=[], switch_slots=0,
-                                  switch_error="unregistered")
+                                  opener=Opener(key, job, comm, Drops()), aggregator_sockets={},
+                                  aggregator_names={}, endpoints=[], aggregator_slots=0,
+                                  aggregator_error="unregistered")
     started = time.monotonic()
     register_with_aggregators(links, address, secret, salt, 10.0)
     took = time.monotonic() - started
-    for sock in links.switches.values():
+    for sock in links.aggregator_sockets.values():
         sock.close()
     udp.close()
-    return {"error": links.switch_error, "seconds": round(took, 3)}
+    return {"error": links.aggregator_error, "seconds": round(took, 3)}
 
 
 def crowd(host: str, port: int, n: int) -> tuple[list[socket.socket], dict]:
@@ -94,7 +94,7 @@ def crowd(host: str, port: int, n: int) -> tuple[list[socket.socket], dict]:
                 if not data:
                     counts["closed"] += 1
                     sel.unregister(sock)
-                elif len(got[sock]) >= SWITCH_CHALLENGE.size:
+                elif len(got[sock]) >= AGGREGATOR_CHALLENGE.size:
                     counts["greeted"] += 1
                     sel.unregister(sock)  # held from here on
         counts["unanswered"] = len(sel.get_map())

@@ -61,8 +61,8 @@ from overcast.transport.datagram import (DATAGRAM_TRUESIZE, MAX_DATAGRAM, enlarg
 from overcast.wire.auth import Drops, Opener, derive_key, job_id_of
 from overcast.wire.header import (HEADER_BYTES, MAX_STRIPES, TAG_BYTES, Kind, MalformedError,
                                   unpack_header)
-from overcast.wire.registration import (EPOCH_SHIFT, HELLO, NONCE_BYTES, REFUSAL_LABEL,
-                                        SWITCH_CHALLENGE, SWITCH_MAGIC, WELCOME_LABEL, Refused,
+from overcast.wire.registration import (AGGREGATOR_CHALLENGE, AGGREGATOR_MAGIC, EPOCH_SHIFT,
+                                        HELLO, NONCE_BYTES, REFUSAL_LABEL, WELCOME_LABEL, Refused,
                                         pack_refusal, pack_welcome)
 
 REGISTRATION_SECONDS = 10.0
@@ -287,7 +287,7 @@ class AggregatorService:
             return False
         reg = _Registration(sock, address, time.monotonic() + REGISTRATION_SECONDS)
         try:  # a few bytes into an empty socket buffer: never blocks
-            sock.sendall(SWITCH_CHALLENGE.pack(SWITCH_MAGIC, reg.nonce))
+            sock.sendall(AGGREGATOR_CHALLENGE.pack(AGGREGATOR_MAGIC, reg.nonce))
         except OSError:  # reset already
             self.drops["challenge_unsent"] += 1
             sock.close()

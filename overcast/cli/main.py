@@ -373,7 +373,8 @@ def _add_soak(command) -> None:
                         "always is)")
     s.add_argument("--kill-aggregator-every", type=int, default=0, metavar="N",
                    help="kill an aggregator (SIGKILL, each in turn) every N pairs and start it "
-                        "again at its address; the ranks go on without it (0: never)")
+                        "again at its address; the ranks go on without it, and take it back (0: "
+                        "never)")
     aggregator_flags(s)
     file_flags(s, "write the results here (JSON)", "per-pair time")
     s.set_defaults(func=_soak)

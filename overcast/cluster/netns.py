@@ -47,7 +47,7 @@ from overcast.errors import OvercastError
 from overcast.limits import (check_aggregators, check_hosts, check_link_rate, check_mtu,
                              require)
 from overcast.transport.datagram import reduction_batch
-from overcast.wire.registration import DEFAULT_SWITCH_PORT
+from overcast.wire.registration import DEFAULT_AGGREGATOR_PORT
 
 PREFIX = "oc-"
 RUN_DIR = "/run/overcast"
@@ -404,7 +404,7 @@ class Cluster:
                         for a in sorted(self._aggregator_addresses)) or None
 
     def start_aggregator(self, slots: int = 256, stats_path: str | None = None,
-                         port: int = DEFAULT_SWITCH_PORT, secrets: list[str] | None = None,
+                         port: int = DEFAULT_AGGREGATOR_PORT, secrets: list[str] | None = None,
                          aggregator: int = 0, shards: int | None = None) -> AggregatorProcess:
         """Start an aggregator (overcast aggregator, `shards` data-path threads, None: the cores it
         may use) on attachment `aggregator`; from then on the hosts' environment points at it

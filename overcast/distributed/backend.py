@@ -294,7 +294,8 @@ class ProcessGroupOvercast(dist.ProcessGroup):
     def fallbacks(self) -> dict[str, str]:
         """Why a collective runs on the ring where the algorithm chosen (or "auto") would not:
         the network could not carry it when the group was made, or an aggregator was lost
-        since (the in-network ReduceScatter and all_reduce then run on the ring)."""
+        since (the in-network ReduceScatter and all_reduce then run on the aggregators left, or
+        the ring, until it is taken back)."""
         reasons = dict(self._fallbacks)
         lost = self.communicator.in_network_fallback
         for collective, algorithm in self.algorithms.items():

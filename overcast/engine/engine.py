@@ -114,7 +114,7 @@ class Engine:
         self.streams = {peer: Stream(sock, peer, links.opener)
                         for peer, sock in links.streams.items()}
         # kept open: an aggregator's death is seen at once
-        for peer, sock in links.switches.items():
+        for peer, sock in links.aggregator_sockets.items():
             self.streams[peer] = Stream(sock, peer, links.opener)
         self._selector = selectors.DefaultSelector()
         self._masks: dict[int, int] = {}  # what each stream is watched for
@@ -149,8 +149,8 @@ class Engine:
             self.plane.set_stripes(len(links.endpoints))
         for stripe, (address, port) in enumerate(links.endpoints):
             self.plane.set_address(_core.ROUTE_AGGREGATOR, stripe, address, port)
-        if links.switches:
-            session.watch_aggregators(links.switch_names, len(links.endpoints))
+        if links.aggregator_sockets:
+            session.watch_aggregators(links.aggregator_names, len(links.endpoints))
         # Aggregators lost: a thread that registers with them anew (made at the first loss),
         # the new registrations not taken back yet, and the rounds acted on.
         self._rejoiner: Rejoiner | None = None
@@ -420,7 +420,7 @@ class Engine:
         """The connection to stream's peer went: drop it and tell the session (an aggregator by
         the host:port its registration named)."""
         self._drop_stream(stream)
-        self.session.peer_lost(stream.peer, self.links.switch_names.get(stream.peer))
+        self.session.peer_lost(stream.peer, self.links.aggregator_names.get(stream.peer))
         if stream.peer in self._renewed:  # a new registration closed: to register again
             self._rejoin()
 
@@ -478,9 +478,9 @@ class Engine:
         elif len(registration.ports) != len(stripes):
             why = (f"it offers {len(registration.ports)} endpoints, not the {len(stripes)} it "
                    f"had: the communicator stripes over those")
-        elif registration.slots < self.links.switch_slots:
+        elif registration.slots < self.links.aggregator_slots:
             why = (f"it grants {registration.slots} slots a reduction, fewer than the "
-                   f"{self.links.switch_slots} the communicator uses")
+                   f"{self.links.aggregator_slots} the communicator uses")
         if why is not None:
             registration.sock.close()
             if peer in session.lost and peer not in self._renewed:

@@ -484,7 +484,7 @@ class Session(AggregatorRounds):
         if is_aggregator(peer):
             at = f" at {where}" if where else ""
             self.fail(PeerFailureError(f"lost the connection to the aggregator{at} (overcast "
-                                       "switch): it exited or was killed"))
+                                       "aggregator): it exited or was killed"))
         else:
             self.fail(PeerFailureError(
                 f"lost the connection to rank {peer} (its process exited or was killed)"))

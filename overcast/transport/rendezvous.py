@@ -37,10 +37,11 @@ from overcast.wire.auth import Drops, Opener, Sealer, derive_key, frame_length, 
 from overcast.wire.header import (AGGREGATOR, ANY, HEADER_BYTES, MAX_STRIPES, TAG_BYTES, Kind,
                                   MalformedError, endpoint, unpack_header)
 from overcast.wire.messages import CONTRIB_PREFIX
-from overcast.wire.registration import (ANSWER, CHALLENGE, DEFAULT_SWITCH_PORT, HELLO,
-                                        NONCE_BYTES, REFUSAL_BYTES, REFUSAL_LABEL, REFUSAL_MAGIC,
-                                        SWITCH_CHALLENGE, SWITCH_MAGIC, WELCOME, WELCOME_LABEL,
-                                        WELCOME_MAGIC, open_refusal, open_welcome, welcome_bytes)
+from overcast.wire.registration import (AGGREGATOR_CHALLENGE, AGGREGATOR_MAGIC, ANSWER,
+                                        CHALLENGE, DEFAULT_AGGREGATOR_PORT, HELLO, NONCE_BYTES,
+                                        REFUSAL_BYTES, REFUSAL_LABEL, REFUSAL_MAGIC, WELCOME,
+                                        WELCOME_LABEL, WELCOME_MAGIC, open_refusal, open_welcome,
+                                        welcome_bytes)
 
 # How long an accepted connection has to answer the challenge.
 HANDSHAKE_SECONDS = 5.0
@@ -74,11 +75,11 @@ class Links:
     # The registration streams to the aggregators (kept open: their closing says one died) and
     # their host:port as OVERCAST_SWITCH names them, by the id of each one's first endpoint, and
     # the aggregator endpoints in-network reductions are striped over, by stripe.
-    switches: dict[int, socket.socket] = dataclasses.field(default_factory=dict)
-    switch_names: dict[int, str] = dataclasses.field(default_factory=dict)
+    aggregator_sockets: dict[int, socket.socket] = dataclasses.field(default_factory=dict)
+    aggregator_names: dict[int, str] = dataclasses.field(default_factory=dict)
     endpoints: list[tuple[str, int]] = dataclasses.field(default_factory=list)
-    switch_slots: int = 0
-    switch_error: str | None = "no aggregator configured (set OVERCAST_SWITCH=host:port)"
+    aggregator_slots: int = 0
+    aggregator_error: str | None = "no aggregator configured (set OVERCAST_SWITCH=host:port)"
     # Registers this rank anew with the aggregator of `peer` (the id of its first endpoint) at
     # `epoch`, its HELLO sealed by `seal`, within `timeout` seconds, restarted after it was
     # lost: its Registration, or why not (register_with_aggregator)
@@ -282,7 +283,7 @@ def _accept_peers(listener: socket.socket, rank: int, world: int, opener: Opener
 
 def rendezvous(rank: int, world: int, *, name: str = "default", store=None,
                secret: bytes | None = None, timeout: float = 60.0,
-               switch: str | None = None) -> Links:
+               aggregators: str | None = None) -> Links:
     if not 0 <= rank < world:
         raise RendezvousError(f"rank {rank} is outside world size {world}")
     deadline = time.monotonic() + timeout
@@ -375,58 +376,60 @@ def rendezvous(rank: int, world: int, *, name: str = "default", store=None,
                 raise RendezvousError(f"rank {rank} could not prove multicast delivery with "
                                       f"its peers of communicator {name!r}: {err}") from None
             raise
-    switch = switch if switch is not None else aggregators_from_env()
-    if switch:
-        register_with_aggregators(links, switch, secret, salt, min(timeout, 5.0))
+    if aggregators is None:
+        aggregators = aggregators_from_env()
+    if aggregators:
+        register_with_aggregators(links, aggregators, secret, salt, min(timeout, 5.0))
     return links
 
 
 def close_links(links: Links) -> None:
     """Close every socket of `links` (a rendezvous that failed after meeting)."""
     for sock in [*links.streams.values(), links.udp, links.multicast,
-                 *links.switches.values()]:
+                 *links.aggregator_sockets.values()]:
         if sock is not None:
             sock.close()
 
 
-def parse_switches(spec: str) -> list[tuple[str, int]]:
+def parse_aggregators(spec: str) -> list[tuple[str, int]]:
     """OVERCAST_SWITCH's aggregators, "host[:port],host[:port],...", in order."""
     out = []
     for part in spec.split(","):
         host, _, port = part.strip().partition(":")
         if not host or (port and not port.isdigit()) or not 0 < int(port or 1) < 65536:
             raise ValueError(f"an aggregator is host[:port], not {part.strip()!r} (in {spec!r})")
-        out.append((host, int(port) if port else DEFAULT_SWITCH_PORT))
+        out.append((host, int(port) if port else DEFAULT_AGGREGATOR_PORT))
     return out
 
 
 def register_with_aggregators(links: Links, spec: str, secret: bytes, salt: bytes,
                               timeout: float) -> None:
-    """Register this rank with every aggregator `spec` names (parse_switches), in order: each
+    """Register this rank with every aggregator `spec` names (parse_aggregators), in order: each
     one's endpoints take the stripes after the ones before it. On any failure, or a refusal
-    (its reason), say why in links.switch_error (only in-network collectives need it) and
+    (its reason), say why in links.aggregator_error (only in-network collectives need it) and
     keep none of them. links.reregister registers anew with one of them later (restarted)."""
     try:
-        aggregators = parse_switches(spec)
+        aggregators = parse_aggregators(spec)
     except ValueError as err:
-        links.switch_error = str(err)
+        links.aggregator_error = str(err)
         return
     where: dict[int, tuple[str, int]] = {}
     for host, port in aggregators:
         first = len(links.endpoints)
         got = register_with_aggregator(links, host, port, first, 0, secret, salt, timeout)
         if isinstance(got, str):
-            for sock in links.switches.values():
+            for sock in links.aggregator_sockets.values():
                 sock.close()
-            links.switches, links.switch_names, links.endpoints, links.switch_slots = {}, {}, [], 0
-            links.switch_error = got
+            links.aggregator_sockets, links.aggregator_names = {}, {}
+            links.endpoints, links.aggregator_slots = [], 0
+            links.aggregator_error = got
             return
         where[endpoint(first)] = (host, port)
-        links.switches[endpoint(first)] = got.sock
-        links.switch_names[endpoint(first)] = f"{host}:{port}"
+        links.aggregator_sockets[endpoint(first)] = got.sock
+        links.aggregator_names[endpoint(first)] = f"{host}:{port}"
         links.endpoints += [(host, p) for p in got.ports]
-        links.switch_slots = min(links.switch_slots or got.slots, got.slots)
-    links.switch_error = None
+        links.aggregator_slots = min(links.aggregator_slots or got.slots, got.slots)
+    links.aggregator_error = None
     links.reregister = lambda peer, epoch, seal, timeout: register_with_aggregator(
         links, *where[peer], AGGREGATOR - peer, epoch, secret, salt, timeout, seal)
 
@@ -454,9 +457,9 @@ def register_with_aggregator(links: Links, host: str, port: int, first: int, epo
         return f"cannot reach the aggregator at {host}:{port}: {err}"
     try:
         deadline = time.monotonic() + timeout
-        magic, challenge = SWITCH_CHALLENGE.unpack(read_exact(sock, SWITCH_CHALLENGE.size,
+        magic, challenge = AGGREGATOR_CHALLENGE.unpack(read_exact(sock, AGGREGATOR_CHALLENGE.size,
                                                                deadline))
-        if magic != SWITCH_MAGIC:
+        if magic != AGGREGATOR_MAGIC:
             raise ConnectionError("it did not greet as an overcast aggregator")
         mine = secrets.token_bytes(NONCE_BYTES)
         widest = chunk_bytes(links.mtu) - CONTRIB_PREFIX.size

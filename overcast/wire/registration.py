@@ -11,7 +11,7 @@ import hashlib
 import hmac
 import struct
 
-DEFAULT_SWITCH_PORT = 18515
+DEFAULT_AGGREGATOR_PORT = 18515
 NONCE_BYTES = 16
 # Between ranks (all sealed under the communicator key, kind HELLO): the accepting rank's
 # challenge (its nonce), the connecting rank's answer (that nonce, then its own), and the
@@ -20,8 +20,8 @@ CHALLENGE = struct.Struct(f"<{NONCE_BYTES}s")
 ANSWER = struct.Struct(f"<{NONCE_BYTES}s{NONCE_BYTES}s")
 # The aggregator's challenge, before it knows which job a connection is from (so unsealed): the
 # magic and a nonce.
-SWITCH_CHALLENGE = struct.Struct(f"<4s{NONCE_BYTES}s")
-SWITCH_MAGIC = b"OCCH"
+AGGREGATOR_CHALLENGE = struct.Struct(f"<4s{NONCE_BYTES}s")
+AGGREGATOR_MAGIC = b"OCCH"
 # HELLO from a rank: the communicator's salt, world size, the rank's datagram port, whether it
 # receives the communicator's multicast group, the widest contribution it sends (bytes after
 # the contribution's prefix), the stripe of this aggregator's first endpoint (its shards are
