@@ -496,7 +496,7 @@ def test_a_registration_anew_that_closes_before_the_round_is_not_taken_back():
     restart(fabric)
     register_anew(fabric, [1, 2])
     fabric.run_timed()
-    fabric.sessions[1].peer_lost(endpoint(0))  # before rank 0 registers and opens the round
+    fabric.sessions[1].registration_closed(endpoint(0))  # before rank 0 registers and reports
     register_anew(fabric, [0])
     fabric.run_timed()
     for s in fabric.sessions:
@@ -525,7 +525,7 @@ def test_a_take_back_agreed_as_the_new_instance_dies_is_found_lost_at_once(seed)
         assert fabric.step()
     fabric.silent.add(endpoint(0))
     for s in fabric.sessions:
-        s.peer_lost(endpoint(0))
+        s.registration_closed(endpoint(0))
     fabric.run()  # the clock stands still: nothing waits out a bound
     for s in fabric.sessions:
         assert s.epoch == 3 and s.rounds[1].back and s.rounds[2].lost and endpoint(0) in s.lost
@@ -535,6 +535,23 @@ def test_a_take_back_agreed_as_the_new_instance_dies_is_found_lost_at_once(seed)
     fabric.run_timed()
     assert fabric.now == start and kinds(fabric) == {0: "ring"}
     assert b"".join(o.tobytes() for o in outs) == in_network(world, inputs)
+
+
+def test_the_old_instances_connection_closing_late_is_not_a_new_registration_closing():
+    """The killed instance's connection closes on ranks 1 and 2 only after the round that agreed
+    it lost (rank 0 found it first): nothing more happens, and the take-back after is the last
+    round."""
+    fabric = fabric_with(3)
+    lose(fabric, [0])
+    fabric.run_timed()
+    for s in fabric.sessions[1:]:
+        s.peer_lost(endpoint(0), "198.18.0.1:7000")
+    restart(fabric)
+    register_anew(fabric, range(3))
+    fabric.run_timed()
+    for s in fabric.sessions:
+        assert s.epoch == 2 and not s.lost and s.error is None
+        assert s.stats["aggregators_lost"] == s.stats["aggregators_taken_back"] == 1
 
 
 def test_an_aggregator_back_that_cannot_be_taken_back_is_said_once_per_reason():

@@ -420,9 +420,11 @@ class Engine:
         """The connection to stream's peer went: drop it and tell the session (an aggregator by
         the host:port its registration named)."""
         self._drop_stream(stream)
-        self.session.peer_lost(stream.peer, self.links.aggregator_names.get(stream.peer))
-        if stream.peer in self._renewed:  # a new registration closed: to register again
+        if self._renewed.get(stream.peer) is stream:  # a new registration: to register again
+            self.session.registration_closed(stream.peer)
             self._rejoin()
+        else:
+            self.session.peer_lost(stream.peer, self.links.aggregator_names.get(stream.peer))
 
     def _drop_stream(self, stream: Stream) -> None:
         if self.streams.pop(stream.peer, None) is not None:

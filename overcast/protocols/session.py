@@ -474,8 +474,7 @@ class Session(AggregatorRounds):
         self.control = collections.deque((r, m) for r, m in self.control if r[1] != peer)
         if peer in self.closed_peers:
             return
-        if peer in self.lost:  # a new registration with it closed before it was taken back
-            self.registration_closed(peer)
+        if peer in self.lost:  # the connection of an instance agreed lost (Engine._rejoin)
             return
         if is_aggregator(peer) and peer in self.aggregators:
             self.aggregator_lost(peer, "closed its connection (it exited or was killed)",
