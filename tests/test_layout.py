@@ -65,7 +65,7 @@ def test_imports_point_down_the_layout_only():
 
 
 def test_no_library_file_is_longer_than_800_lines():
-    files = [*PACKAGE.rglob("*.py"), *(PACKAGE / "native").glob("*.[ch]")]
+    files = [*PACKAGE.rglob("*.py"), *(PACKAGE / "native").rglob("*.[ch]")]
     long = {str(p.relative_to(ROOT)): n for p in files
             if (n := len(p.read_text().splitlines())) > LONGEST}
     assert long == {}

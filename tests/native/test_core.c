@@ -16,19 +16,19 @@
 
 #include <openssl/err.h>
 
-#include "aggregator.h"
+#include "aggregator/aggregator.h"
 #include "evp_gmac.h"
-#include "budget.h"
-#include "ghash.h"
-#include "numbering.h"
-#include "plane.h"
-#include "port.h"
-#include "service.h"
-#include "shards.h"
-#include "stream.h"
-#include "sums.h"
-#include "udp.h"
-#include "wire.h"
+#include "rank/budget.h"
+#include "common/ghash.h"
+#include "common/numbering.h"
+#include "rank/plane.h"
+#include "rank/port.h"
+#include "aggregator/service.h"
+#include "aggregator/shards.h"
+#include "rank/stream.h"
+#include "common/sums.h"
+#include "common/udp.h"
+#include "common/wire.h"
 
 /* Checks may run on several threads at once (main's "threads"). */
 static _Atomic int passed, failed;

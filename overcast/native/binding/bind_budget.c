@@ -4,7 +4,7 @@
 #include <Python.h>
 
 #include "binding.h"
-#include "budget.h"
+#include "rank/budget.h"
 
 /* -- Budget ------------------------------------------------------------------------------- */
 

@@ -12,8 +12,8 @@
 #include <arpa/inet.h>
 #include <stdint.h>
 
-#include "budget.h"
-#include "wire.h"
+#include "rank/budget.h"
+#include "common/wire.h"
 
 static inline int oc_arg_unsigned(PyObject *o, unsigned long long max, unsigned long long *out) {
     PyObject *index = PyNumber_Index(o);

@@ -1,4 +1,4 @@
-#include "agg_state.h"
+#include "state.h"
 
 #define NAME(name) #name,
 const char *const oc_drop_names[OC_DROP_COUNT] = {OC_DROPS(NAME)};

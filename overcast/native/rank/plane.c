@@ -3,7 +3,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "grow.h"
+#include "common/grow.h"
 
 #define NAME(name) #name,
 const char *const oc_plane_drop_names[OC_PLANE_DROP_COUNT] = {OC_PLANE_DROPS(NAME)};

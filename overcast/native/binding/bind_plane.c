@@ -14,11 +14,11 @@
 
 #include "bind_plane.h"
 #include "binding.h"
-#include "budget.h"
-#include "plane.h"
-#include "port.h"
-#include "sums.h"
-#include "wire.h"
+#include "rank/budget.h"
+#include "rank/plane.h"
+#include "rank/port.h"
+#include "common/sums.h"
+#include "common/wire.h"
 
 /* A collective of `plane` paces with `budget`: 0, or -1 with an error if another plane's do. */
 int plane_hold_budget(Plane *plane, PyObject *budget) {

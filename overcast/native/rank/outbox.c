@@ -3,8 +3,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "grow.h"
-#include "udp.h"
+#include "common/grow.h"
+#include "common/udp.h"
 
 void oc_outbox_free(oc_outbox *o) {
     free(o->msgs);

@@ -12,7 +12,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "wire.h"
+#include "common/wire.h"
 
 /* Where a message goes: the aggregator, the communicator's multicast group, or one rank. */
 enum { OC_ROUTE_AGGREGATOR = 0, OC_ROUTE_GROUP = 1, OC_ROUTE_RANK = 2 };

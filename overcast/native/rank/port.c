@@ -8,7 +8,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "service.h"
+#include "aggregator/service.h"
 
 #define MAX_WAIT_SECONDS 0.5
 /* Reads per socket before the loop looks at the timers and the rest again. */

@@ -1,7 +1,7 @@
 #include "trace.h"
 
-#include "grow.h"
-#include "wire.h"
+#include "common/grow.h"
+#include "common/wire.h"
 
 #define MERGE_BACK 4
 

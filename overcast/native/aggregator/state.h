@@ -1,19 +1,19 @@
 /* The aggregator's state, shared by its two files: aggregator.c (the engine: reductions,
- * contributions, acknowledgements and credit, the clock, reading datagrams) and agg_registry.c
+ * contributions, acknowledgements and credit, the clock, reading datagrams) and registry.c
  * (registration, sealing what it sends, creating and freeing it). Internal: the public contract
  * is aggregator.h. */
 #ifndef OC_AGG_STATE_H
 #define OC_AGG_STATE_H
 
 #include "aggregator.h"
-#include "numbering.h"
+#include "common/numbering.h"
 
 #include <stdlib.h>
 #include <string.h>
 
-#include "grow.h"
-#include "sums.h"
-#include "udp.h"
+#include "common/grow.h"
+#include "common/sums.h"
+#include "common/udp.h"
 
 #define NACK_SECONDS 0.02
 #define MAX_BACKOFF 8

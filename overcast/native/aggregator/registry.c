@@ -1,6 +1,6 @@
 /* The aggregator's registration of communicators, the sealing of what it sends, and its
- * creation and freeing (the engine is aggregator.c; the state both share, agg_state.h). */
-#include "agg_state.h"
+ * creation and freeing (the engine is aggregator.c; the state both share, state.h). */
+#include "state.h"
 
 /* -- registration -------------------------------------------------------------------------- */
 

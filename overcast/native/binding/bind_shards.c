@@ -9,7 +9,7 @@
 #include <errno.h>
 
 #include "binding.h"
-#include "shards.h"
+#include "aggregator/shards.h"
 
 typedef struct {
     PyObject_HEAD

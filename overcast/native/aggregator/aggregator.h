@@ -49,7 +49,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "wire.h"
+#include "common/wire.h"
 
 /* Reductions of one communicator in flight at once; contributions for more wait for a retry. */
 #define OC_MAX_REDUCTIONS 4

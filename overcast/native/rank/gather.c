@@ -3,7 +3,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "grow.h"
+#include "common/grow.h"
 
 int oc_gather_init(oc_gather *g, uint32_t seq, uint32_t world, uint8_t *buffer, uint32_t nseg,
                    const uint32_t *roots, const uint64_t *offsets, uint64_t segment_bytes,

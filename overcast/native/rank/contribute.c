@@ -3,8 +3,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "numbering.h"
-#include "sums.h"
+#include "common/numbering.h"
+#include "common/sums.h"
 
 static int test_bit(const uint64_t *bits, uint64_t i) { return bits[i >> 6] >> (i & 63) & 1; }
 static void set_bit(uint64_t *bits, uint64_t i) { bits[i >> 6] |= (uint64_t)1 << (i & 63); }

@@ -27,7 +27,7 @@
 #include "gather.h"
 #include "outbox.h"
 #include "trace.h"
-#include "wire.h"
+#include "common/wire.h"
 
 #define OC_PLANE_REPLAY_WIDTH (1u << 14)
 

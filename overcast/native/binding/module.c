@@ -6,10 +6,10 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
-#include "aggregator.h"
+#include "aggregator/aggregator.h"
 #include "binding.h"
-#include "port.h"
-#include "service.h"
+#include "rank/port.h"
+#include "aggregator/service.h"
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "overcast.native._core",

@@ -7,8 +7,8 @@
 #include <Python.h>
 
 #include "binding.h"
-#include "plane.h"
-#include "port.h"
+#include "rank/plane.h"
+#include "rank/port.h"
 
 typedef struct {
     uint32_t seq;

@@ -5,8 +5,8 @@
 #include <Python.h>
 
 #include "binding.h"
-#include "stream.h"
-#include "wire.h"
+#include "rank/stream.h"
+#include "common/wire.h"
 
 /* -- Sealer ------------------------------------------------------------------------------- */
 

@@ -11,7 +11,7 @@
 #define OVERCAST_NATIVE_PORT_H
 
 #include "plane.h"
-#include "udp.h"
+#include "common/udp.h"
 
 /* The most sealed bytes kept for a full socket; past it, batches are dropped and counted. */
 #define OC_PORT_PENDING_BYTES ((size_t)64 << 20)

@@ -4,7 +4,7 @@
 #include <Python.h>
 
 #include "bind_plane.h"
-#include "gather.h"
+#include "rank/gather.h"
 
 static oc_gather *gather_of(Plane *self, uint32_t seq) {
     oc_gather *g = oc_plane_gatherer(self->plane, seq);

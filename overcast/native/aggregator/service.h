@@ -10,7 +10,7 @@
 #define OVERCAST_NATIVE_SERVICE_H
 
 #include "aggregator.h"
-#include "udp.h"
+#include "common/udp.h"
 
 enum { OC_SERVE_DEADLINE = -1, OC_SERVE_INTERRUPTED = -2, OC_SERVE_ERROR = -3 };
 

@@ -7,7 +7,7 @@
 
 #include <arpa/inet.h>
 
-#include "aggregator.h"
+#include "aggregator/aggregator.h"
 #include "binding.h"
 
 typedef struct {
