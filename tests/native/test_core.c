@@ -19,6 +19,7 @@
 #include "aggregator/aggregator.h"
 #include "evp_gmac.h"
 #include "rank/budget.h"
+#include "common/clock.h"
 #include "common/ghash.h"
 #include "common/numbering.h"
 #include "rank/plane.h"

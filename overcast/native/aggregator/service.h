@@ -29,7 +29,4 @@ int oc_serve_waiter(const oc_udp *u, const int *control, int ncontrol);
  * OC_SERVE_ERROR if epoll_wait fails otherwise (not a waiter made for u). */
 int oc_serve(oc_agg *a, oc_udp *u, int waiter, double until, oc_serve_stats *stats);
 
-/* The monotonic clock in seconds (Python's time.monotonic). */
-double oc_monotonic(void);
-
 #endif

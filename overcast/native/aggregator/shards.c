@@ -10,6 +10,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "common/clock.h"
+
 /* A shard's loop hands back now and then even when nothing wakes it (a pause wakes it sooner). */
 #define TURN_SECONDS 1.0
 

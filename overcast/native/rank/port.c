@@ -5,22 +5,15 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/epoll.h>
-#include <time.h>
 #include <unistd.h>
 
-#include "aggregator/service.h"
+#include "common/clock.h"
 
 #define MAX_WAIT_SECONDS 0.5
 /* Reads per socket before the loop looks at the timers and the rest again. */
 #define READS_PER_WAKEUP 64
 
 enum { TAG_UDP = 1, TAG_GROUP = 2, TAG_PYTHON = 3 };
-
-static double thread_cpu(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
-    return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
-}
 
 int oc_port_init(oc_port *port, oc_plane *plane, int udp_fd, int group_fd, int python_fd) {
     memset(port, 0, sizeof *port);
@@ -180,7 +173,7 @@ static int read_socket(oc_port *port, oc_udp *u) {
 
 int oc_port_serve(oc_port *port, double until) {
     oc_plane *p = port->plane;
-    double cpu0 = thread_cpu();
+    double cpu0 = oc_thread_cpu();
     int result = -1;
     oc_plane_clear_runs(p);
     for (int looked = 0; result < 0; looked = 1) {
@@ -229,6 +222,6 @@ int oc_port_serve(oc_port *port, double until) {
         if (python) result = OC_PORT_PYTHON;
     }
     oc_port_flush(port);
-    port->cpu_seconds += thread_cpu() - cpu0;
+    port->cpu_seconds += oc_thread_cpu() - cpu0;
     return result;
 }
