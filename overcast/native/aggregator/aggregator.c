@@ -50,8 +50,8 @@ static void credit(oc_agg *a, int h, uint16_t dst, uint32_t seq, uint32_t releas
         size_t part = n - done < most ? n - done : most;
         uint8_t *p = queue(a, h, dst, OC_CREDIT, seq, 0, 4 + 4 * part);
         if (p == NULL) return;
-        put32(p, released);
-        for (size_t i = 0; i < part; i++) put32(p + 4 + 4 * i, again[done + i]);
+        oc_put32(p, released);
+        for (size_t i = 0; i < part; i++) oc_put32(p + 4 + 4 * i, again[done + i]);
         done += part;
     } while (done < n);
 }
@@ -289,8 +289,8 @@ static void on_contributions(oc_agg *a, int h, comm_t *c, const oc_header *hdr,
             return;
         }
     uint8_t code = prefix[0], group = prefix[1];
-    uint32_t world = get16(prefix + 2), whole = get32(prefix + 4);
-    uint32_t stripe = get16(prefix + 8), stripes = get16(prefix + 10);
+    uint32_t world = oc_get16(prefix + 2), whole = oc_get32(prefix + 4);
+    uint32_t stripe = oc_get16(prefix + 8), stripes = oc_get16(prefix + 10);
     size_t nbytes = length - PREFIX_BYTES;
     if (nbytes > c->max_row) {
         a->drops[OC_DROP_wrong_length] += count;
@@ -498,7 +498,7 @@ static void on_acks(oc_agg *a, int h, comm_t *c, const oc_header *hdr, const uin
             a->drops[OC_DROP_stray_acks]++;
             continue;
         }
-        uint32_t sent = on_ack(a, h, c, r, hdr->src, get32(p + i), now, &gone);
+        uint32_t sent = on_ack(a, h, c, r, hdr->src, oc_get32(p + i), now, &gone);
         if (sent > newest) newest = sent;
     }
     if (newest && !gone) resend_overtaken(a, h, r, hdr->src, newest, now);
@@ -564,7 +564,7 @@ void oc_agg_receive_run(oc_agg *a, int h, const oc_header *hdr, const uint32_t *
                 else on_acks(a, h, c, hdr, p, hdr->length, now);
             } else {
                 if (hdr->length != 4) a->drops[OC_DROP_malformed]++;
-                else on_credit_probe(a, h, c, hdr, get32(p));
+                else on_credit_probe(a, h, c, hdr, oc_get32(p));
             }
             /* a CREDIT or acknowledgement may finish the communicator's last reduction, never
              * the communicator itself: c stays valid */

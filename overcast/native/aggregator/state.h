@@ -11,6 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/bytes.h"
 #include "common/grow.h"
 #include "common/sums.h"
 #include "common/udp.h"
@@ -140,15 +141,6 @@ static inline void trim(void **p, size_t *cap, size_t size, size_t keep) {
 
 /* An allocation failed: counted, and the caller drops what needed it. */
 static inline void out_of_memory(oc_agg *a, uint64_t what) { a->drops[OC_DROP_out_of_memory] += what; }
-
-static inline uint32_t get32(const uint8_t *p) {
-    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
-}
-static inline void put32(uint8_t *p, uint32_t v) {
-    for (int i = 0; i < 4; i++) p[i] = (uint8_t)(v >> (8 * i));
-}
-
-static inline uint32_t get16(const uint8_t *p) { return (uint32_t)p[0] | (uint32_t)p[1] << 8; }
 
 static inline comm_t *comm_of(const oc_agg *a, int h) {
     return h >= 0 && h < a->ncomms ? a->comms[h] : NULL;

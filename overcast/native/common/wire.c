@@ -8,18 +8,8 @@
 #include <openssl/err.h>
 #include <openssl/evp.h>
 
+#include "bytes.h"
 #include "ghash.h"
-
-static uint16_t get16(const uint8_t *p) { return (uint16_t)(p[0] | p[1] << 8); }
-static uint32_t get32(const uint8_t *p) {
-    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
-}
-static uint64_t get64(const uint8_t *p) { return get32(p) | (uint64_t)get32(p + 4) << 32; }
-static void put16(uint8_t *p, uint16_t v) { p[0] = (uint8_t)v; p[1] = (uint8_t)(v >> 8); }
-static void put32(uint8_t *p, uint32_t v) {
-    for (int i = 0; i < 4; i++) p[i] = (uint8_t)(v >> (8 * i));
-}
-static void put64(uint8_t *p, uint64_t v) { put32(p, (uint32_t)v); put32(p + 4, (uint32_t)(v >> 32)); }
 
 int oc_kind_known(unsigned kind) {
     switch (kind) {
@@ -39,17 +29,17 @@ int oc_header_parse(const uint8_t *b, size_t len, oc_header *h) {
     if (len < OC_HEADER_BYTES || b[0] != 'O' || b[1] != 'C' || b[2] != OC_VERSION ||
         !oc_kind_known(b[3]))
         return -1;
-    uint32_t length = get32(b + 24);
+    uint32_t length = oc_get32(b + 24);
     if (length > OC_MAX_PAYLOAD) return -1;
     h->kind = b[3];
-    h->job = get32(b + 4);
-    h->comm = get32(b + 8);
-    h->seq = get32(b + 12);
-    h->src = get16(b + 16);
-    h->dst = get16(b + 18);
-    h->chunk = get32(b + 20);
+    h->job = oc_get32(b + 4);
+    h->comm = oc_get32(b + 8);
+    h->seq = oc_get32(b + 12);
+    h->src = oc_get16(b + 16);
+    h->dst = oc_get16(b + 18);
+    h->chunk = oc_get32(b + 20);
     h->length = length;
-    h->counter = get64(b + 28);
+    h->counter = oc_get64(b + 28);
     return 0;
 }
 
@@ -58,14 +48,14 @@ void oc_header_write(uint8_t *b, const oc_header *h) {
     b[1] = 'C';
     b[2] = OC_VERSION;
     b[3] = h->kind;
-    put32(b + 4, h->job);
-    put32(b + 8, h->comm);
-    put32(b + 12, h->seq);
-    put16(b + 16, h->src);
-    put16(b + 18, h->dst);
-    put32(b + 20, h->chunk);
-    put32(b + 24, h->length);
-    put64(b + 28, h->counter);
+    oc_put32(b + 4, h->job);
+    oc_put32(b + 8, h->comm);
+    oc_put32(b + 12, h->seq);
+    oc_put16(b + 16, h->src);
+    oc_put16(b + 18, h->dst);
+    oc_put32(b + 20, h->chunk);
+    oc_put32(b + 24, h->length);
+    oc_put64(b + 28, h->counter);
 }
 
 /* Fetched once (implicit fetches by name on every init are OpenSSL 3's slow path); never freed:
@@ -122,9 +112,9 @@ void oc_gmac_free(oc_gmac *g) {
 }
 
 static void nonce(uint8_t iv[12], uint16_t src, uint64_t counter) {
-    put16(iv, src);
-    put16(iv + 2, 0);
-    put64(iv + 4, counter);
+    oc_put16(iv, src);
+    oc_put16(iv + 2, 0);
+    oc_put64(iv + 4, counter);
 }
 
 /* EVP takes int lengths: messages are at most OC_MAX_PAYLOAD + overhead, far below INT_MAX. The

@@ -3,6 +3,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/bytes.h"
 #include "common/numbering.h"
 #include "common/sums.h"
 
@@ -131,10 +132,6 @@ static uint32_t next_to_send(const oc_reducer *r, uint32_t g) {
     return g;
 }
 
-static void put32(uint8_t *p, uint32_t v) {
-    for (int j = 0; j < 4; j++) p[j] = (uint8_t)(v >> (8 * j));
-}
-
 /* One RESULT_ACK per endpoint, naming its chunks in its numbering. */
 static void flush_acks(oc_reducer *r, oc_outbox *o) {
     uint32_t endpoint[OC_ACK_BATCH];
@@ -149,7 +146,7 @@ static void flush_acks(oc_reducer *r, oc_outbox *o) {
         for (size_t j = i, m = 0; j < r->nacks; j++)
             if (!told[j] && endpoint[j] == e) {
                 told[j] = 1;
-                if (p) put32(p + 4 * m++, local_of(r, r->acks[j]));
+                if (p) oc_put32(p + 4 * m++, local_of(r, r->acks[j]));
             }
     }
     r->nacks = 0; /* lost with no memory: the aggregator sends the results again */
@@ -304,14 +301,10 @@ int oc_reducer_results(oc_reducer *r, oc_outbox *o, uint32_t stripe, const uint3
     return misfit;
 }
 
-static uint32_t get32(const uint8_t *p) {
-    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
-}
-
 int oc_reducer_credit(oc_reducer *r, oc_outbox *o, uint32_t stripe, const uint8_t *payload,
                       size_t len, double now) {
     if (len < 4 || len % 4) return OC_MISFIT_MALFORMED;
-    uint32_t released = get32(payload);
+    uint32_t released = oc_get32(payload);
     if (stripe >= r->stripes || released > r->stripe_total[stripe]) return OC_MISFIT_OUT_OF_RANGE;
     if (released > r->credit[stripe]) {
         r->credit[stripe] = released;
@@ -320,7 +313,7 @@ int oc_reducer_credit(oc_reducer *r, oc_outbox *o, uint32_t stripe, const uint8_
         r->probe_at = now + OC_RETRY_SECONDS;
     }
     for (size_t at = 4; at < len; at += 4) {
-        uint32_t h = get32(payload + at);
+        uint32_t h = oc_get32(payload + at);
         uint64_t c;
         if (h >= r->stripe_total[stripe]) continue;
         uint32_t g = global_of(r, stripe, h);
@@ -353,7 +346,7 @@ void oc_reducer_handle_timer(oc_reducer *r, oc_outbox *o, double now) {
         for (uint32_t e = 0; e < r->stripes; e++) {
             uint8_t *p = oc_outbox_add_copy(o, OC_ROUTE_AGGREGATOR, dst_of(r, e),
                                             OC_CREDIT, r->seq, 0, 4);
-            if (p) put32(p, (uint32_t)oc_endpoint_count(r->cursor, r->group, r->stripes, e,
+            if (p) oc_put32(p, (uint32_t)oc_endpoint_count(r->cursor, r->group, r->stripes, e,
                                                         r->seq));
         }
         r->credit_probes++;
