@@ -409,9 +409,10 @@ static void test_striping(void) {
         for (uint32_t seq = 0; seq < 3; seq++)
             for (uint64_t g = 0; g < total; g++) {
                 uint32_t e = oc_endpoint_of_chunk(g, group, (uint32_t)stripes, seq);
+                uint64_t h = oc_endpoint_count(g, group, (uint32_t)stripes, e, seq);
                 ok &= e == (oc_stripe_of_chunk(g, group, stripes) + seq) % stripes &&
-                      oc_endpoint_count(g, group, (uint32_t)stripes, e, seq) ==
-                          oc_stripe_local(g, group, stripes);
+                      h == oc_stripe_local(g, group, stripes) &&
+                      oc_endpoint_global(h, group, (uint32_t)stripes, e, seq) == g;
             }
         CHECK(ok, "striping %llu chunks in runs of %llu over %llu endpoints",
               (unsigned long long)total, (unsigned long long)group, (unsigned long long)stripes);

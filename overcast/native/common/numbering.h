@@ -70,8 +70,8 @@ static inline uint64_t oc_stripe_count(uint64_t g, uint64_t group, uint64_t stri
     return g / round * group + tail;
 }
 
-/* The same by endpoint, for collective seq: the endpoint chunk g goes to, and how many of the
- * chunks below g are the endpoint's. */
+/* The same by endpoint, for collective seq: the endpoint chunk g goes to, how many of the
+ * chunks below g are the endpoint's, and the endpoint's chunk h in the whole. */
 static inline uint32_t oc_endpoint_of_chunk(uint64_t g, uint64_t group, uint32_t stripes,
                                             uint32_t seq) {
     return (oc_stripe_of_chunk(g, group, stripes) + seq % stripes) % stripes;
@@ -80,6 +80,11 @@ static inline uint32_t oc_endpoint_of_chunk(uint64_t g, uint64_t group, uint32_t
 static inline uint64_t oc_endpoint_count(uint64_t g, uint64_t group, uint32_t stripes,
                                          uint32_t endpoint, uint32_t seq) {
     return oc_stripe_count(g, group, stripes, oc_stripe_lane(endpoint, seq, stripes));
+}
+
+static inline uint64_t oc_endpoint_global(uint64_t h, uint64_t group, uint32_t stripes,
+                                          uint32_t endpoint, uint32_t seq) {
+    return oc_stripe_global(h, group, stripes, oc_stripe_lane(endpoint, seq, stripes));
 }
 
 #endif

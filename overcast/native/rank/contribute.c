@@ -104,8 +104,7 @@ static uint32_t stripe_of(const oc_reducer *r, uint32_t g) {
 
 /* Endpoint e's chunk h in the whole. */
 static uint32_t global_of(const oc_reducer *r, uint32_t e, uint32_t h) {
-    return (uint32_t)oc_stripe_global(h, r->group, r->stripes,
-                                      oc_stripe_lane(e, r->seq, r->stripes));
+    return (uint32_t)oc_endpoint_global(h, r->group, r->stripes, e, r->seq);
 }
 
 static uint32_t local_of(const oc_reducer *r, uint32_t g) {
