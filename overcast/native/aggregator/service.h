@@ -5,7 +5,10 @@
  *
  * What it waits on is one epoll descriptor the caller makes once (oc_serve_waiter) and closes
  * when it is done serving: a loop that needed a descriptor per turn would stall whenever the
- * process ran out of them. */
+ * process ran out of them.
+ *
+ * Ownership: the engine, the socket (not closed here) and the waiter (the caller closes it) are
+ * the caller's, borrowed for the call; oc_serve adds to the caller's stats, never resets them. */
 #ifndef OVERCAST_NATIVE_SERVICE_H
 #define OVERCAST_NATIVE_SERVICE_H
 

@@ -1,7 +1,8 @@
 /* The aggregator's state, shared by its two files: aggregator.c (the engine: reductions,
  * contributions, acknowledgements and credit, the clock, reading datagrams) and registry.c
  * (registration, sealing what it sends, creating and freeing it). Internal: the public contract
- * is aggregator.h. */
+ * is aggregator.h, and so is the ownership: the engine owns everything here, freed in
+ * oc_agg_free. */
 #ifndef OC_AGG_STATE_H
 #define OC_AGG_STATE_H
 

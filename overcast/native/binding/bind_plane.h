@@ -1,6 +1,10 @@
 /* The Plane object, shared by bind_plane.c (its life, reductions, reads and sends) and
  * bind_gather.c (its multicast gathers): what a collective it runs holds, the counters a
- * serve leaves behind, and the helpers both use. */
+ * serve leaves behind, and the helpers both use.
+ *
+ * Ownership: a Plane owns its plane and port (freed in its dealloc, before anything they point
+ * to) and holds a reference to its Sealer, and to each collective's buffers and Budget (held_t)
+ * until the collective is released. */
 #ifndef OC_BIND_PLANE_H
 #define OC_BIND_PLANE_H
 

@@ -4,7 +4,10 @@
  *
  * Converters for PyArg_Parse's "O&": a whole number within a C type's range, or OverflowError.
  * The "I", "K" and "H" formats take any int modulo 2^n, so a negative or too large value would
- * silently become another, valid-looking one (a kind, a destination, a port). */
+ * silently become another, valid-looking one (a kind, a destination, a port).
+ *
+ * Ownership: each object owns its C state (a Sealer its oc_sealer, a Budget its oc_budget),
+ * freed with it; another type's object that uses it (a Plane) holds a reference meanwhile. */
 #ifndef OC_BINDING_H
 #define OC_BINDING_H
 

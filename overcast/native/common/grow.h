@@ -1,4 +1,5 @@
-/* Growing an array the core owns: doubling, so n appends cost O(n). */
+/* Growing an array the core owns: doubling, so n appends cost O(n). The array (*p: NULL or from
+ * malloc) stays its owner's, who frees it; a failed growth leaves it as it was. */
 #ifndef OVERCAST_NATIVE_GROW_H
 #define OVERCAST_NATIVE_GROW_H
 

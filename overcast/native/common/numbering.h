@@ -2,7 +2,7 @@
  * the P blocks is cut into k chunks, numbered `group` chunks of block 0, then as many of block 1, and
  * so on, round after round; where `group` does not divide k the last round holds the k mod
  * group chunks left of each block. The ranks and the aggregator both follow it. Callers keep
- * g < world * k, k >= 1 and group >= 1. */
+ * g < world * k, k >= 1 and group >= 1. Arithmetic only: nothing is kept. */
 #ifndef OVERCAST_NATIVE_NUMBERING_H
 #define OVERCAST_NATIVE_NUMBERING_H
 

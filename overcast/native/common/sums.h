@@ -1,8 +1,10 @@
-/* Sums by dtype: the aggregator's only arithmetic. Rows are summed in rank order, so the result
- * has the same bits whatever order the contributions came in. float32, float64 and the
- * integers are summed in their own type (integers wrap, as numpy's do); bfloat16 and float16 are
- * accumulated in float32 and rounded once, to nearest even. The loops are plain C the compiler
- * vectorizes, built once for AVX2 and once for the baseline, chosen at load time. */
+/* Sums by dtype: the aggregator's only arithmetic, and a rank's for adding its own chunk to a
+ * result and for averages. Rows are summed in rank order, so the result has the same bits
+ * whatever order the contributions came in. float32, float64 and the integers are summed in
+ * their own type (integers wrap, as numpy's do); bfloat16 and float16 are accumulated in float32
+ * and rounded once, to nearest even. The loops are plain C the compiler vectorizes, built once
+ * for AVX2 and once for the baseline, chosen at load time. Nothing is kept: the rows and `out`
+ * are the caller's, touched during the call only. */
 #ifndef OVERCAST_NATIVE_SUMS_H
 #define OVERCAST_NATIVE_SUMS_H
 
