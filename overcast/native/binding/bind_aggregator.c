@@ -304,4 +304,5 @@ static PyMethodDef Aggregator_methods[] = {
 };
 
 OC_PY_TYPE(Aggregator, (destructor)Aggregator_dealloc, NULL,
-           "The aggregator's reduction engine and data path (overcast/native/aggregator.h).");
+           "The aggregator's reduction engine and data path "
+           "(overcast/native/aggregator/aggregator.h).");

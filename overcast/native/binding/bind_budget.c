@@ -90,4 +90,4 @@ static PyGetSetDef Budget_getset[] = {
 };
 OC_PY_TYPE(Budget, NULL, Budget_getset,
            "Budget(rate, burst_seconds, batch, datagram_bytes, reduction_batch): a link "
-           "direction's token bucket (overcast/native/budget.h).");
+           "direction's token bucket (overcast/native/rank/budget.h).");

@@ -700,4 +700,4 @@ static PyGetSetDef Plane_getset[] = {
 };
 OC_PY_TYPE(Plane, (destructor)Plane_dealloc, Plane_getset,
            "Plane(rank, world, job=0, comm=0, key=None, sealer=None): a rank's datagram "
-           "plane (overcast/native/plane.h, port.h).");
+           "plane (overcast/native/rank/plane.h, port.h).");

@@ -269,4 +269,5 @@ static PyMethodDef Shards_methods[] = {
 };
 
 OC_PY_TYPE(Shards, (destructor)Shards_dealloc, NULL,
-           "The aggregator's data path over cores: shard threads (overcast/native/shards.h).");
+           "The aggregator's data path over cores: shard threads "
+           "(overcast/native/aggregator/shards.h).");
