@@ -11,11 +11,13 @@ import os
 
 from setuptools import Extension, setup
 
-# The core's parts, listed once (overcast/native/parts.txt, read by every builder), and the
-# Python binding: module.c and a bind_*.c per type.
+# The core's parts, listed once by folder (overcast/native/parts.txt: common, rank, aggregator;
+# read by every builder), and the Python binding (overcast/native/binding): module.c and a
+# bind_*.c per type. Includes name their folder from overcast/native ("common/wire.h").
 with open("overcast/native/parts.txt") as f:
     PARTS = [f"overcast/native/{name}.c" for name in f.read().split()]
-BINDING = ["overcast/native/module.c", *sorted(glob.glob("overcast/native/bind_*.c"))]
+BINDING = ["overcast/native/binding/module.c",
+           *sorted(glob.glob("overcast/native/binding/bind_*.c"))]
 flags = ["-std=c11", "-Wall", "-Wextra", "-Wshadow", "-fno-strict-aliasing",
          "-Werror=implicit-function-declaration", "-Werror=int-conversion"]
 link = []
@@ -28,6 +30,6 @@ if os.environ.get("OVERCAST_NATIVE_SANITIZE"):
     link += ["-fsanitize=address,undefined"]
 
 setup(ext_modules=[Extension("overcast.native._core",
-                             sources=PARTS + BINDING,
+                             sources=PARTS + BINDING, include_dirs=["overcast/native"],
                              libraries=["crypto"], extra_compile_args=flags,
                              extra_link_args=link)])

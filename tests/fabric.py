@@ -7,7 +7,7 @@ With `runs` above 1, datagrams that one sender queued back to back are delivered
 many at once, as a run (overcast.wire.runs), as a GRO read hands them on.
 An aggregator (overcast.aggregator.reduction), if given, is reached by datagram as peer AGGREGATOR;
 several fabrics (communicators) may share one, each under its own key. A list of aggregators
-are the endpoints in-network reductions are striped over (native/numbering.h): endpoint e is
+are the endpoints in-network reductions are striped over (native/common/numbering.h): endpoint e is
 peer endpoint(e), registered as that stripe.
 """
 

@@ -1,12 +1,13 @@
 """The aggregator's reduction engine: what a switch that sums does (SHARP's aggregation nodes,
 SwitchML's software stand-in), for many communicators at once.
 
-The engine is native (overcast/native/aggregator.h says how it works, message by message, and
-who owns which buffer); this is its Python face for the control plane and the sans-I/O tests:
-communicators named by any key, messages in as the fabric delivers them (authentic runs,
-overcast.wire.runs), the clock in; what it wants sent out, in `outbox`, as (key, destination
-rank, Outgoing). The service (overcast.aggregator.service) runs the same engine on each of its
-shards' threads (native/shards.h), sealed datagrams in and out, without Python in the loop.
+The engine is native (overcast/native/aggregator/aggregator.h says how it works, message by
+message, and who owns which buffer); this is its Python face for the control plane and the
+sans-I/O tests: communicators named by any key, messages in as the fabric delivers them
+(authentic runs, overcast.wire.runs), the clock in; what it wants sent out, in `outbox`, as
+(key, destination rank, Outgoing). The service (overcast.aggregator.service) runs the same engine on
+each of its shards' threads (native/aggregator/shards.h), sealed datagrams in and out, without
+Python in the loop.
 
 Whatever does not fit is dropped and counted in `drops` by reason (one line each): any rank of a
 communicator can be impersonated by a replay, so nothing here raises.
@@ -47,7 +48,7 @@ class Aggregator:
         """Take a communicator of `world` ranks under `key`; its reductions get at most `slots`
         slots (and never more than the aggregator's own) and contributions of at most
         `max_row` bytes, as the job's aggregator endpoint `stripe` (it takes that stripe's
-        chunks, native/numbering.h, and sends as wire.header.endpoint(stripe)). `ids` are its
+        chunks, native/common/numbering.h, and sends as wire.header.endpoint(stripe)). `ids` are its
         job and communicator ids on the wire, and `secret_key` its key, for an engine that
         opens and seals its datagrams (sealing counts on from `counter`). Returns the slots
         granted."""

@@ -5,7 +5,7 @@ a HELLO that carries it, sealed under its communicator key (the aggregator deriv
 the job secret it was given and the salt in the HELLO, so a HELLO it can verify comes from the
 job, and from this connection), and keeps the connection open, sending nothing more on it (a
 byte closes it): when the service dies, every rank sees it at once. The HELLO says which stripe
-this aggregator's first shard is among the job's endpoints (native/numbering.h); each shard
+this aggregator's first shard is among the job's endpoints (native/common/numbering.h); each shard
 seals under its own stripe's source id, and the WELCOME (an HMAC under a key for welcomes,
 binding the rank's nonce) gives the shards' datagram ports. A connection that has not
 registered within REGISTRATION_SECONDS is closed.
@@ -30,14 +30,14 @@ MAX_REDUCTIONS pools of slots x world x its widest row, the one a finished reduc
 the next among them: Shards.comm_bytes) is set aside from the budget when it registers, so the
 budget holds by construction; so is a connection a rank of its world from its job's share of
 the descriptors. Results go to the address the registration came from.
-The data path runs over `shards` cores (overcast/native/shards.h): each shard is a native
-thread with its own UDP port (the first one the same number as the TCP port), engine, pools,
-replay windows and timers, and is the job's aggregator endpoint first + i, so ranks stripe
-their chunks over the shards and every contribution to a chunk reaches one thread. The
+The data path runs over `shards` cores (overcast/native/aggregator/shards.h): each shard is a
+native thread with its own UDP port (the first one the same number as the TCP port), engine,
+pools, replay windows and timers, and is the job's aggregator endpoint first + i, so ranks
+stripe their chunks over the shards and every contribution to a chunk reaches one thread. The
 datagrams never reach Python: each shard reads them in GRO batches, opens, reduces and seals
-them, and sends in GSO batches (overcast/native/service.h, aggregator.h). This thread, the
-control thread, takes registrations and hands each communicator to every shard, pausing them
-for it.
+them, and sends in GSO batches (overcast/native/aggregator/service.h, aggregator.h). This
+thread, the control thread, takes registrations and hands each communicator to every shard,
+pausing them for it.
 """
 
 from __future__ import annotations

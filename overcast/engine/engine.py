@@ -5,7 +5,7 @@ arrives, feeds it to the session, seals and writes what the session wants sent a
 socket takes it, fires timers, and completes Work handles. Callers only post collectives and
 point-to-point transfers, and wait.
 
-The datagram sockets belong to the rank's native plane (overcast/native/port.h): the engine's
+The datagram sockets belong to the rank's native plane (overcast/native/rank/port.h): the engine's
 thread waits in it with the GIL released, and it reads, opens, sends and paces datagrams there,
 coming back to Python only for what Python must act on: messages of Python's protocols, a
 reduction drained, a stream or a submission ready (the selector's own descriptor is in its

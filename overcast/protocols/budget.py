@@ -18,7 +18,7 @@ class LinkBudget:
     call); `reduction_batch` (at least `batch`): what an in-network sender releases. The bucket
     holds `burst_seconds` at the rate, and at least two of the larger batches of datagrams of
     `datagram_bytes` on the link: a sender that waits for a whole batch must find one while the
-    multicast streams take their pace. The bucket itself is native (overcast/native/budget.h):
+    multicast streams take their pace. The bucket itself is native (overcast/native/rank/budget.h):
     the rank's datagram plane takes from it for in-network contributions without Python."""
 
     def __init__(self, bytes_per_s: float | None, burst_seconds: float = 0.005, batch: int = 1,

@@ -1,7 +1,7 @@
 """In-network ReduceScatter, the rank's side (the aggregator's side is overcast.aggregator).
 
 The input's P blocks are cut into K chunks of one datagram each. Chunks are numbered across the
-blocks a group at a time (native/numbering.h), the group being the budget's reduction batch
+blocks a group at a time (native/common/numbering.h), the group being the budget's reduction batch
 (transport.datagram.reduction_batch): a rank that streams its contributions in increasing g
 feeds every block in turn, so results reach every owner at the same steady rate, each taking
 1/P of its downlink, and a batch of contributions is one owner's, so the results it completes
@@ -17,7 +17,7 @@ rank whose credit stalls asks for it. A rank is done when it has its whole block
 says every chunk of every block is released, so nobody can need its contributions any more.
 
 All of that runs per datagram, so it runs in the rank's native datagram plane
-(overcast/native/contribute.h), on the engine's thread without the GIL; this class is the
+(overcast/native/rank/contribute.h), on the engine's thread without the GIL; this class is the
 collective's face in the session: it posts the reduction, hands the plane any result or credit
 that reached Python (held while the collective was not posted yet, or delivered by the in-memory
 fabric), and finishes when the plane says the reduction has drained.

@@ -13,7 +13,7 @@ rank-1 sends once it has every chunk and so will ask nothing more: one FIN round
 acknowledgements.
 
 What happens per datagram (the own segment paced out, chunks written in place, the per-chunk
-state, gaps noticed) runs in the rank's native datagram plane (overcast/native/gather.h), on
+state, gaps noticed) runs in the rank's native datagram plane (overcast/native/rank/gather.h), on
 the engine's thread without the GIL. This class keeps what goes on the streams: repair requests
 and repairs (written in place through the plane), activation, end-of-multicast notices and the
 FIN round; the plane tells it, in batches, of ranges to request, its own multicast sent, and

@@ -54,7 +54,7 @@ class Session(AggregatorRounds):
     the numbers of collectives no peer can refuse any more (every peer has described a matching
     call, or it finished) to `verified`.
 
-    `plane` is the rank's native datagram plane (overcast/native/plane.h), which runs the
+    `plane` is the rank's native datagram plane (overcast/native/rank/plane.h), which runs the
     per-datagram work of the collectives posted to it. Once attached to sockets, the engine runs
     it; until then (the in-memory fabric) the session does: its timers are the session's, its
     outbox is drained through `pop`, unsealed. Either way `poll_plane` finishes what it drained.

@@ -1,6 +1,6 @@
 """The unreliable channel: UDP datagrams, unicast and multicast, one sealed message each; the
 sockets, their addresses and the batch sizes. What moves on them is native: the rank's datagram
-plane (overcast/native/plane.h, port.h) and the aggregator's (service.h).
+plane (overcast/native/rank/plane.h, port.h) and the aggregator's (aggregator/service.h).
 
 Datagrams never exceed the path MTU (IP_PMTUDISC_DO makes an oversized send fail rather than
 fragment). Batches, where the kernel offers them: a sender lays several datagrams back to back

@@ -1,10 +1,10 @@
 """Per-job authentication of every message, and replay protection.
 
 Every message carries a 16-byte AES-GMAC tag over its header and payload (AES-GCM with an empty
-plaintext), computed by the native core (overcast/native/wire.h, OpenSSL's EVP with each key set
-once), so a message sealed here opens in the native data path and the other way round. GMAC runs
-at several GB/s here, six times faster than HMAC-SHA256, which matters at one tag per 9 KB
-datagram. GMAC needs a nonce that never repeats under one key: it is the sender's rank
+plaintext), computed by the native core (overcast/native/common/wire.h, OpenSSL's EVP with each
+key set once), so a message sealed here opens in the native data path and the other way round.
+GMAC runs at several GB/s here, six times faster than HMAC-SHA256, which matters at one tag per
+9 KB datagram. GMAC needs a nonce that never repeats under one key: it is the sender's rank
 and its 64-bit message counter, and the key is derived per communicator from the job secret and a
 random salt chosen at rendezvous, so two communicators (or two runs) never share a key.
 
@@ -97,7 +97,8 @@ def sealed_bytes(payload=b"") -> int:
 # Payloads up to this size are copied into their sealed message for a stream, not written from
 # where they lie: control messages, repair requests.
 STREAM_COPY_BYTES = 4096
-# What oc_stream_open (overcast/native/stream.h) skips and counts, as the drop counters call it.
+# What oc_stream_open (overcast/native/rank/stream.h) skips and counts, as the drop counters
+# call it.
 _SKIPPED = ("foreign", "bad_mac", "replayed")
 
 

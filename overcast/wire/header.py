@@ -39,8 +39,9 @@ def datagram_link_bytes(payload_bytes: int) -> int:
 AGGREGATOR = 0xFFFE
 ANY = 0xFFFF
 # In-network reductions may be striped over several aggregator endpoints (the shards of one or
-# more aggregators, native/numbering.h): endpoint e is addressed as and sends as AGGREGATOR - e,
-# so each has a nonce space of its own under the communicator key. Ranks are below them all.
+# more aggregators, native/common/numbering.h): endpoint e is addressed as and sends as
+# AGGREGATOR - e, so each has a nonce space of its own under the communicator key. Ranks are
+# below them all.
 MAX_STRIPES = 256
 MAX_WORLD = AGGREGATOR + 1 - MAX_STRIPES
 
@@ -89,7 +90,7 @@ class Kind(enum.IntEnum):
 
 KINDS = frozenset(int(k) for k in Kind)
 # Why an authentic message did not fit its receiver's state, as the native core reports it
-# (overcast/native/wire.h, OC_MISFIT_*), by the drop counters' names.
+# (overcast/native/common/wire.h, OC_MISFIT_*), by the drop counters' names.
 MISFITS = {1: "out_of_range", 2: "wrong_length", 3: "malformed", 4: "wrong_sender"}
 
 

@@ -2,7 +2,7 @@
 
 Each `unpack_*` checks lengths and raises MalformedError, so a receiver rejects a message that
 does not parse in one line, whoever sent it. The aggregator parses what ranks send it natively
-(overcast/native/aggregator.c), with the same checks.
+(overcast/native/aggregator/aggregator.c), with the same checks.
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import struct
 from overcast.wire.header import MalformedError
 
 # CONTRIB (rank -> aggregator): what the aggregator needs to sum it, so no other message has to
-# arrive first: dtype code, the group of its chunk numbering (native/numbering.h), world size,
-# chunks in the whole input, and the aggregator endpoint it is for among how many (the stripe:
-# its chunk number is that endpoint's, numbering.h); then data.
+# arrive first: dtype code, the group of its chunk numbering (native/common/numbering.h), world
+# size, chunks in the whole input, and the aggregator endpoint it is for among how many (the
+# stripe: its chunk number is that endpoint's, numbering.h); then data.
 CONTRIB_PREFIX = struct.Struct("<BBHIHH")
 # CREDIT (aggregator -> rank): chunks released (every chunk below is done), then chunks the rank
 # must send again, in the endpoint's numbering. CREDIT (rank -> aggregator endpoint, when its

@@ -13,8 +13,8 @@
 #include <string.h>
 #include <time.h>
 
-#include "aggregator.h"
-#include "numbering.h"
+#include "aggregator/aggregator.h"
+#include "common/numbering.h"
 
 /* an 8,980-byte datagram, as a 9,000-byte MTU carries: header, prefix, data, tag */
 enum { PREFIX = 12, CHUNK = 8980 - OC_OVERHEAD_BYTES - PREFIX, PER_READ = 7, SLOTS = 128 };

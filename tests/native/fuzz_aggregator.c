@@ -9,7 +9,7 @@
 #include <string.h>
 
 #include "script.h"
-#include "aggregator.h"
+#include "aggregator/aggregator.h"
 
 enum { WORLD = 4, SLOTS = 8 };
 static const uint8_t KEY[16] = {3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3};

@@ -8,9 +8,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "aggregator.h"
+#include "aggregator/aggregator.h"
 #include "evp_gmac.h"
-#include "ghash.h"
+#include "common/ghash.h"
 
 static const uint8_t KEY[16] = {9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 1, 2, 3, 4, 5, 6};
 

@@ -11,8 +11,8 @@
 #include <string.h>
 
 #include "script.h"
-#include "plane.h"
-#include "sums.h"
+#include "rank/plane.h"
+#include "common/sums.h"
 
 enum { WORLD = 4, RANK = 1, COUNT = 150, CHUNK = 64, GATHER_BYTES = 300 };
 static const uint8_t KEY[16] = {2, 7, 1, 8, 2, 8, 1, 8, 2, 8, 4, 5, 9, 0, 4, 5};

@@ -10,7 +10,7 @@
 #include <string.h>
 
 #include "script.h"
-#include "stream.h"
+#include "rank/stream.h"
 
 enum { PEER = 2, CAP = 8192, MAX_FRAMES = CAP / OC_OVERHEAD_BYTES + 1 };
 static const uint8_t KEY[16] = {1, 4, 1, 4, 2, 1, 3, 5, 6, 2, 3, 7, 3, 0, 9, 5};

@@ -16,19 +16,20 @@
 
 #include <openssl/err.h>
 
-#include "aggregator.h"
+#include "aggregator/aggregator.h"
 #include "evp_gmac.h"
-#include "budget.h"
-#include "ghash.h"
-#include "numbering.h"
-#include "plane.h"
-#include "port.h"
-#include "service.h"
-#include "shards.h"
-#include "stream.h"
-#include "sums.h"
-#include "udp.h"
-#include "wire.h"
+#include "rank/budget.h"
+#include "common/clock.h"
+#include "common/ghash.h"
+#include "common/numbering.h"
+#include "rank/plane.h"
+#include "rank/port.h"
+#include "aggregator/service.h"
+#include "aggregator/shards.h"
+#include "rank/stream.h"
+#include "common/sums.h"
+#include "common/udp.h"
+#include "common/wire.h"
 
 /* Checks may run on several threads at once (main's "threads"). */
 static _Atomic int passed, failed;
@@ -408,9 +409,10 @@ static void test_striping(void) {
         for (uint32_t seq = 0; seq < 3; seq++)
             for (uint64_t g = 0; g < total; g++) {
                 uint32_t e = oc_endpoint_of_chunk(g, group, (uint32_t)stripes, seq);
+                uint64_t h = oc_endpoint_count(g, group, (uint32_t)stripes, e, seq);
                 ok &= e == (oc_stripe_of_chunk(g, group, stripes) + seq) % stripes &&
-                      oc_endpoint_count(g, group, (uint32_t)stripes, e, seq) ==
-                          oc_stripe_local(g, group, stripes);
+                      h == oc_stripe_local(g, group, stripes) &&
+                      oc_endpoint_global(h, group, (uint32_t)stripes, e, seq) == g;
             }
         CHECK(ok, "striping %llu chunks in runs of %llu over %llu endpoints",
               (unsigned long long)total, (unsigned long long)group, (unsigned long long)stripes);

@@ -8,9 +8,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "aggregator.h"
-#include "gather.h"
-#include "sums.h"
+#include "aggregator/aggregator.h"
+#include "rank/gather.h"
+#include "common/sums.h"
 
 void *__real_malloc(size_t n);
 void *__real_calloc(size_t n, size_t size);
