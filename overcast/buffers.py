@@ -14,13 +14,19 @@ import numpy as np
 from overcast.errors import InvalidArgumentError
 
 BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
-DTYPES = {np.dtype(t) for t in ("float32", "float64", "float16", "int32", "int64", "uint8",
-                                "int8")} | {BFLOAT16}
+DTYPES = {
+    np.dtype(t) for t in ("float32", "float64", "float16", "int32", "int64", "uint8", "int8")
+} | {BFLOAT16}
 REDUCE_OPS = ("sum", "avg", "max", "min", "product")
 # What the aggregator computes: in-network reduction sums (and averages) only.
 SUMMING_OPS = ("sum", "avg")
-_UFUNCS = {"sum": np.add, "avg": np.add, "max": np.maximum, "min": np.minimum,
-           "product": np.multiply}
+_UFUNCS = {
+    "sum": np.add,
+    "avg": np.add,
+    "max": np.maximum,
+    "min": np.minimum,
+    "product": np.multiply,
+}
 
 
 def as_array(buf, what: str) -> np.ndarray:
@@ -28,13 +34,17 @@ def as_array(buf, what: str) -> np.ndarray:
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(buf, torch.Tensor):
         if buf.device.type != "cpu":
-            raise InvalidArgumentError(f"{what} is on {buf.device}; a Communicator moves host "
-                                       f"memory (the torch.distributed backend and overlap() "
-                                       f"stage CUDA tensors through it)")
+            raise InvalidArgumentError(
+                f"{what} is on {buf.device}; a Communicator moves host "
+                f"memory (the torch.distributed backend and overlap() "
+                f"stage CUDA tensors through it)"
+            )
         if not buf.is_contiguous():
-            raise InvalidArgumentError(f"{what} is not contiguous (shape {tuple(buf.shape)}, "
-                                       f"stride "
-                              f"{buf.stride()}); call .contiguous() first")
+            raise InvalidArgumentError(
+                f"{what} is not contiguous (shape {tuple(buf.shape)}, "
+                f"stride "
+                f"{buf.stride()}); call .contiguous() first"
+            )
         flat = buf.detach().reshape(-1)
         if flat.dtype == torch.bfloat16:
             return flat.view(torch.int16).numpy().view(BFLOAT16)
@@ -43,11 +53,14 @@ def as_array(buf, what: str) -> np.ndarray:
         except TypeError as err:
             raise InvalidArgumentError(f"{what} has unsupported dtype {buf.dtype}") from err
     if not isinstance(buf, np.ndarray):
-        raise InvalidArgumentError(f"{what} must be a numpy array or a CPU torch tensor, not "
-                          f"{type(buf).__name__}")
+        raise InvalidArgumentError(
+            f"{what} must be a numpy array or a CPU torch tensor, not {type(buf).__name__}"
+        )
     if not buf.flags.c_contiguous:
-        raise InvalidArgumentError(f"{what} is not C-contiguous (shape {buf.shape}, strides "
-                          f"{buf.strides}); use np.ascontiguousarray")
+        raise InvalidArgumentError(
+            f"{what} is not C-contiguous (shape {buf.shape}, strides "
+            f"{buf.strides}); use np.ascontiguousarray"
+        )
     return buf.reshape(-1)
 
 
@@ -79,8 +92,9 @@ def accumulator_dtype(dtype: np.dtype) -> np.dtype:
 
 def check_reduce(dtype: np.dtype, op: str) -> None:
     if op not in REDUCE_OPS:
-        raise InvalidArgumentError(f"unsupported reduce op {op!r}; supported: "
-                                   f"{', '.join(REDUCE_OPS)}")
+        raise InvalidArgumentError(
+            f"unsupported reduce op {op!r}; supported: {', '.join(REDUCE_OPS)}"
+        )
 
 
 def reduce_into(out: np.ndarray, a: np.ndarray, b: np.ndarray, op: str) -> None:

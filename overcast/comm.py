@@ -13,8 +13,17 @@ from overcast.buffers import SUMMING_OPS, as_array, check_dtype, check_reduce
 from overcast.engine.engine import Engine, Work
 from overcast.engine.trace import Trace
 from overcast.errors import InvalidArgumentError, OvercastError, mark_peers_told
-from overcast.limits import aggregators_from_env, bytes_from_env, check_count, \
-    check_frame_bytes, check_link_rate, check_positive, check_roots, require, seconds_from_env
+from overcast.limits import (
+    aggregators_from_env,
+    bytes_from_env,
+    check_count,
+    check_frame_bytes,
+    check_link_rate,
+    check_positive,
+    check_roots,
+    require,
+    seconds_from_env,
+)
 from overcast.native import _core
 from overcast.protocols.base import Descriptor
 from overcast.protocols.failover import FAILOVER_ENV, FAILOVER_LEAST_SECONDS, FAILOVER_SECONDS
@@ -38,9 +47,13 @@ from overcast.wire.messages import CONTRIB_PREFIX
 # whole link lost nothing on 8 emulated hosts at 400 Mbit/s, and under 1% bursty loss pairs took
 # no longer than at 0.95 (docs/results.md).
 DEFAULT_PACING_SHARE = 1.0
-ALGORITHMS = {"all_gather": ("ring", "multicast"), "reduce_scatter": ("ring", "innetwork"),
-              "broadcast": ("multicast", "ring"), "all_reduce": ("ring", "fullduplex"),
-              "all_to_all": ("pairwise",)}
+ALGORITHMS = {
+    "all_gather": ("ring", "multicast"),
+    "reduce_scatter": ("ring", "innetwork"),
+    "broadcast": ("multicast", "ring"),
+    "all_reduce": ("ring", "fullduplex"),
+    "all_to_all": ("pairwise",),
+}
 # What each all_reduce algorithm runs: (its ReduceScatter's algorithm, its AllGather's).
 ALL_REDUCE_PARTS = {"ring": ("ring", "ring"), "fullduplex": ("innetwork", "multicast")}
 # The full-duplex all_reduce's pieces: small enough that the first ReduceScatter and the last
@@ -99,14 +112,27 @@ class Communicator:
     copy.
     """
 
-    def __init__(self, rank: int | None = None, world_size: int | None = None, *,
-                 name: str = "default", store=None, secret: bytes | None = None,
-                 timeout: float = 120.0, frame_bytes: int = DEFAULT_FRAME_BYTES,
-                 link_bits_per_s: float | None = None, roots: int | None = None,
-                 pacing_share: float = DEFAULT_PACING_SHARE, loss: LossSpec | None = None,
-                 aggregators: str | None = None, trace: bool = False,
-                 fail_peers_on_bad_input: bool = True, early_stream_bytes: int | None = None,
-                 failover_seconds: float | None = None, switch: str | None = None):
+    def __init__(
+        self,
+        rank: int | None = None,
+        world_size: int | None = None,
+        *,
+        name: str = "default",
+        store=None,
+        secret: bytes | None = None,
+        timeout: float = 120.0,
+        frame_bytes: int = DEFAULT_FRAME_BYTES,
+        link_bits_per_s: float | None = None,
+        roots: int | None = None,
+        pacing_share: float = DEFAULT_PACING_SHARE,
+        loss: LossSpec | None = None,
+        aggregators: str | None = None,
+        trace: bool = False,
+        fail_peers_on_bad_input: bool = True,
+        early_stream_bytes: int | None = None,
+        failover_seconds: float | None = None,
+        switch: str | None = None,
+    ):
         self.rank = int(os.environ["RANK"]) if rank is None else rank
         self.world_size = int(os.environ["WORLD_SIZE"]) if world_size is None else world_size
         self.name, self.timeout, self.frame_bytes = name, timeout, frame_bytes
@@ -114,8 +140,13 @@ class Communicator:
         if link_bits_per_s is None and os.environ.get("OVERCAST_LINK_BITS_PER_S"):
             link_bits_per_s = float(os.environ["OVERCAST_LINK_BITS_PER_S"])
         check_count("world_size", self.world_size, 1, "WORLD_SIZE, world_size")
-        require(isinstance(self.rank, int) and 0 <= self.rank < self.world_size, "the rank",
-                f"between 0 and world_size - 1 ({self.world_size - 1})", self.rank, "RANK, rank")
+        require(
+            isinstance(self.rank, int) and 0 <= self.rank < self.world_size,
+            "the rank",
+            f"between 0 and world_size - 1 ({self.world_size - 1})",
+            self.rank,
+            "RANK, rank",
+        )
         check_positive("the timeout", timeout, "timeout", " seconds")
         check_frame_bytes(frame_bytes)
         if link_bits_per_s is not None:
@@ -123,21 +154,42 @@ class Communicator:
         check_roots(roots, self.world_size)
         if early_stream_bytes is None:
             early_stream_bytes = bytes_from_env(EARLY_STREAM_ENV, EARLY_STREAM_BYTES)
-        check_count("the bytes held for collectives not issued", early_stream_bytes, 0,
-                    f"{EARLY_STREAM_ENV}, early_stream_bytes")
+        check_count(
+            "the bytes held for collectives not issued",
+            early_stream_bytes,
+            0,
+            f"{EARLY_STREAM_ENV}, early_stream_bytes",
+        )
         if failover_seconds is None:
             failover_seconds = seconds_from_env(FAILOVER_ENV, FAILOVER_SECONDS)
-        require(failover_seconds >= FAILOVER_LEAST_SECONDS, "the aggregator's switch-over bound",
-                f"at least {FAILOVER_LEAST_SECONDS} seconds (a healthy aggregator answers "
-                f"within 50 ms)", failover_seconds, f"{FAILOVER_ENV}, failover_seconds")
-        require(0 < pacing_share <= 1, "the pacing share", "a fraction above 0, at most 1",
-                pacing_share, "pacing_share")
+        require(
+            failover_seconds >= FAILOVER_LEAST_SECONDS,
+            "the aggregator's switch-over bound",
+            f"at least {FAILOVER_LEAST_SECONDS} seconds (a healthy aggregator answers "
+            f"within 50 ms)",
+            failover_seconds,
+            f"{FAILOVER_ENV}, failover_seconds",
+        )
+        require(
+            0 < pacing_share <= 1,
+            "the pacing share",
+            "a fraction above 0, at most 1",
+            pacing_share,
+            "pacing_share",
+        )
         if switch is not None:
-            warnings.warn("Communicator(switch=) is the old name of aggregators=",
-                          DeprecationWarning, stacklevel=2)
-            require(aggregators in (None, switch), "the aggregators",
-                    "named once, by aggregators= (switch= is its old name)", switch,
-                    "aggregators, switch")
+            warnings.warn(
+                "Communicator(switch=) is the old name of aggregators=",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            require(
+                aggregators in (None, switch),
+                "the aggregators",
+                "named once, by aggregators= (switch= is its old name)",
+                switch,
+                "aggregators, switch",
+            )
             aggregators = switch
         if aggregators is None:  # here, so that a contradiction is refused before any work
             aggregators = aggregators_from_env()
@@ -145,8 +197,15 @@ class Communicator:
         self.roots = self.world_size if roots is None else roots
         self.pacing_share = pacing_share
         self.loss = LossSpec.from_env() if loss is None else loss
-        links = rendezvous(self.rank, self.world_size, name=name, store=store, secret=secret,
-                           timeout=timeout, aggregators=aggregators)
+        links = rendezvous(
+            self.rank,
+            self.world_size,
+            name=name,
+            store=store,
+            secret=secret,
+            timeout=timeout,
+            aggregators=aggregators,
+        )
         self.address, self.mtu = links.address, links.mtu
         # One datagram per chunk, within every rank's path MTU (agreed at rendezvous).
         self.chunk_bytes = chunk_bytes(links.mtu)
@@ -164,13 +223,24 @@ class Communicator:
         self._stripes = max(self.aggregator_endpoints, 1)
         uplink = link_bits_per_s / 8 * pacing_share if link_bits_per_s else None
         datagram = datagram_link_bytes(self.chunk_bytes)
-        self._uplink = LinkBudget(uplink, batch=pace_batch(uplink, datagram),
-                                  datagram_bytes=datagram,
-                                  reduction_batch=reduction_batch(uplink, datagram))
-        plane = _core.Plane(self.rank, self.world_size, links.job, links.comm, links.key,
-                            links.sealer.native)
-        session = Session(self.rank, self.world_size, timeout, links.drops, plane,
-                          early_stream_bytes, failover_seconds)
+        self._uplink = LinkBudget(
+            uplink,
+            batch=pace_batch(uplink, datagram),
+            datagram_bytes=datagram,
+            reduction_batch=reduction_batch(uplink, datagram),
+        )
+        plane = _core.Plane(
+            self.rank, self.world_size, links.job, links.comm, links.key, links.sealer.native
+        )
+        session = Session(
+            self.rank,
+            self.world_size,
+            timeout,
+            links.drops,
+            plane,
+            early_stream_bytes,
+            failover_seconds,
+        )
         self._engine = Engine(links, session, self.loss, Trace() if trace else None)
         self._lock = threading.Lock()
         self._seq = 0
@@ -179,27 +249,40 @@ class Communicator:
         self._copied = 0  # bytes of copied sends not yet taken
 
     # -- collectives -----------------------------------------------------------------------
-    def all_gather(self, output, input, async_op: bool = False, algorithm: str = "ring",
-                   roots: int | None = None):
+    def all_gather(
+        self,
+        output,
+        input,
+        async_op: bool = False,
+        algorithm: str = "ring",
+        roots: int | None = None,
+    ):
         """Gather every rank's `input` into `output` (world_size x input, rank order), as
         torch.distributed.all_gather_into_tensor. `roots` applies to algorithm "multicast"."""
         out, inp = self._arrays(output, input, "all_gather")
         if out.size != inp.size * self.world_size:
-            self._reject(f"all_gather output has {out.size} elements; it needs world_size "
-                         f"({self.world_size}) x input ({inp.size}) = "
-                         f"{inp.size * self.world_size}")
+            self._reject(
+                f"all_gather output has {out.size} elements; it needs world_size "
+                f"({self.world_size}) x input ({inp.size}) = "
+                f"{inp.size * self.world_size}"
+            )
         roots = self.roots if roots is None else roots
         if algorithm == "multicast" and not 1 <= roots <= self.world_size:
-            self._reject(f"roots must be between 1 and world_size ({self.world_size}), "
-                         f"not {roots}")
+            self._reject(f"roots must be between 1 and world_size ({self.world_size}), not {roots}")
         if np.shares_memory(out, inp):  # torch's in-place form: input is the output's slot
             inp = inp.copy()
-        desc = Descriptor("all_gather", algorithm, inp.dtype, inp.size,
-                          param=roots if algorithm == "multicast" else 0)
+        desc = Descriptor(
+            "all_gather",
+            algorithm,
+            inp.dtype,
+            inp.size,
+            param=roots if algorithm == "multicast" else 0,
+        )
         return self._issue(desc, out, inp, async_op)
 
-    def reduce_scatter(self, output, input, op: str = "sum", async_op: bool = False,
-                       algorithm: str = "ring"):
+    def reduce_scatter(
+        self, output, input, op: str = "sum", async_op: bool = False, algorithm: str = "ring"
+    ):
         """Reduce `input` across ranks (op "sum", "avg", "max", "min" or "product"; the
         in-network algorithm sums and averages only; an average of integers is their sum
         divided and truncated toward zero, as NCCL's) and leave block `rank` of the result in
@@ -207,13 +290,16 @@ class Communicator:
         out, inp = self._arrays(output, input, "reduce_scatter")
         self._check_reduce(inp.dtype, op, algorithm)
         if inp.size != out.size * self.world_size:
-            self._reject(f"reduce_scatter input has {inp.size} elements; it needs world_size "
-                         f"({self.world_size}) x output ({out.size}) = "
-                         f"{out.size * self.world_size}")
+            self._reject(
+                f"reduce_scatter input has {inp.size} elements; it needs world_size "
+                f"({self.world_size}) x output ({out.size}) = "
+                f"{out.size * self.world_size}"
+            )
         if np.shares_memory(out, inp):  # in place, as Megatron's: buf.chunk(P)[rank] from buf
             inp = inp.copy()
-        return self._issue(Descriptor("reduce_scatter", algorithm, inp.dtype, out.size, op), out,
-                           inp, async_op)
+        return self._issue(
+            Descriptor("reduce_scatter", algorithm, inp.dtype, out.size, op), out, inp, async_op
+        )
 
     def all_reduce(self, buffer, op: str = "sum", algorithm: str = "ring") -> None:
         """Reduce `buffer` across ranks in place, as torch.distributed.all_reduce; every rank
@@ -233,12 +319,11 @@ class Communicator:
         shard = -(-buf.size // world)
         padded = buf if buf.size == shard * world else np.zeros(shard * world, buf.dtype)
         if padded is not buf:
-            padded[:buf.size] = buf
+            padded[: buf.size] = buf
         results = np.empty(shard, buf.dtype)
         pieces = 1
         if algorithm == "fullduplex":
-            piece_bytes = max(FULLDUPLEX_MIN_PIECE_BYTES,
-                              -(-padded.nbytes // FULLDUPLEX_PIECES))
+            piece_bytes = max(FULLDUPLEX_MIN_PIECE_BYTES, -(-padded.nbytes // FULLDUPLEX_PIECES))
             pieces = max(1, min(shard, -(-padded.nbytes // piece_bytes)))
         # Piece k: elements world * bounds[k] .. world * bounds[k+1] of the buffer, reduced and
         # scattered into results[bounds[k]:bounds[k+1]], then gathered back in place. The next
@@ -250,8 +335,11 @@ class Communicator:
         for k in range(pieces + 1):
             if k < pieces:
                 a, b = spans[k]
-                reductions.append(self.reduce_scatter(results[a:b], padded[world * a:world * b],
-                                                      op, True, rs_algorithm))
+                reductions.append(
+                    self.reduce_scatter(
+                        results[a:b], padded[world * a : world * b], op, True, rs_algorithm
+                    )
+                )
                 if k == 0 and pieces > 1:
                     # A peer may refuse the call (refuse): then only its first collective
                     # fails. The rest are posted once no peer can refuse it any more, so
@@ -262,25 +350,27 @@ class Communicator:
             if k > 0:
                 a, b = spans[k - 1]
                 reductions[k - 1].wait()
-                gathers.append(self.all_gather(padded[world * a:world * b], results[a:b], True,
-                                               ag_algorithm))
+                gathers.append(
+                    self.all_gather(padded[world * a : world * b], results[a:b], True, ag_algorithm)
+                )
         for work in gathers:
             work.wait()
         if padded is not buf:
-            buf[:] = padded[:buf.size]
+            buf[:] = padded[: buf.size]
 
-    def broadcast(self, buffer, root: int, async_op: bool = False,
-                  algorithm: str = "multicast"):
+    def broadcast(self, buffer, root: int, async_op: bool = False, algorithm: str = "multicast"):
         """Copy `buffer` of rank `root` into `buffer` on every rank, as
         torch.distributed.broadcast: by reliable multicast, or passed along the ring."""
         buf, _ = self._arrays(buffer, buffer, "broadcast")
         if not 0 <= root < self.world_size:
             self._reject(f"broadcast root {root} is outside world_size {self.world_size}")
-        return self._issue(Descriptor("broadcast", algorithm, buf.dtype, buf.size, param=root),
-                           buf, buf, async_op)
+        return self._issue(
+            Descriptor("broadcast", algorithm, buf.dtype, buf.size, param=root), buf, buf, async_op
+        )
 
-    def all_to_all(self, output, input, output_splits=None, input_splits=None, *,
-                   row: int = 1) -> None:
+    def all_to_all(
+        self, output, input, output_splits=None, input_splits=None, *, row: int = 1
+    ) -> None:
         """Send block p of `input` to rank p and receive rank p's block for this rank into block
         p of `output`, as torch.distributed.all_to_all_single: the split sizes count rows of
         `row` elements, `input_splits[p]` of them going to rank p and `output_splits[p]` coming
@@ -290,25 +380,38 @@ class Communicator:
         sizes say: N(P-1)/P bytes each way for N bytes split evenly (docs/protocols.md).
         Returns when the output is in place."""
         out, inp = self._arrays(output, input, "all_to_all")
-        if not (isinstance(row, int) and row >= 1 and inp.size % row == 0 and
-                out.size % row == 0):
-            self._reject(f"all_to_all rows of {row!r} elements do not cut the input "
-                         f"({inp.size}) and the output ({out.size}) into whole rows")
+        if not (isinstance(row, int) and row >= 1 and inp.size % row == 0 and out.size % row == 0):
+            self._reject(
+                f"all_to_all rows of {row!r} elements do not cut the input "
+                f"({inp.size}) and the output ({out.size}) into whole rows"
+            )
         world = self.world_size
         rows, out_rows = inp.size // row, out.size // row
         ins = [rows // world] * world if input_splits is None else list(input_splits)
         outs = [out_rows // world] * world if output_splits is None else list(output_splits)
-        fits = (len(ins) == world and len(outs) == world and sum(ins) == rows and
-                sum(outs) == out_rows and min(ins + outs) >= 0)
-        here = (f"input split sizes {ins} for {rows} rows, output split sizes {outs} for "
-                f"{out_rows} rows")
+        fits = (
+            len(ins) == world
+            and len(outs) == world
+            and sum(ins) == rows
+            and sum(outs) == out_rows
+            and min(ins + outs) >= 0
+        )
+        here = (
+            f"input split sizes {ins} for {rows} rows, output split sizes {outs} for "
+            f"{out_rows} rows"
+        )
         sizes = ins + outs if fits else None
         if world == 1:  # every rank's sizes are this one's: checked here
             why = sizes_error([sizes], 0, here)
             if why:
                 raise mark_peers_told(InvalidArgumentError(why))
-        self._issue(Descriptor("all_to_all", "pairwise", inp.dtype, row), out, inp, False,
-                    (sizes, here, row * inp.dtype.itemsize))
+        self._issue(
+            Descriptor("all_to_all", "pairwise", inp.dtype, row),
+            out,
+            inp,
+            False,
+            (sizes, here, row * inp.dtype.itemsize),
+        )
 
     def barrier(self) -> None:
         """Return once every rank has entered the barrier (a one-element all_gather)."""
@@ -331,8 +434,10 @@ class Communicator:
         InvalidArgumentError here alone."""
         arr = self._transfer_buffer(buffer, "send buffer")
         if not (isinstance(dst, int) and 0 <= dst < self.world_size):
-            raise InvalidArgumentError(f"send destination {dst!r} is not a rank of the "
-                                       f"communicator (0 to {self.world_size - 1})")
+            raise InvalidArgumentError(
+                f"send destination {dst!r} is not a rank of the "
+                f"communicator (0 to {self.world_size - 1})"
+            )
         tag = self._tag(tag)
         with self._lock:
             copy = self._copied + arr.nbytes <= self._copy_limit
@@ -367,10 +472,13 @@ class Communicator:
         if not arr.flags.writeable:
             raise InvalidArgumentError("recv buffer is read-only")
         if src is not None and not (isinstance(src, int) and 0 <= src < self.world_size):
-            raise InvalidArgumentError(f"recv source {src!r} is not a rank of the "
-                                       f"communicator (0 to {self.world_size - 1}) or None")
-        return self._transfer(Transfer("recv", self.rank, src, self._tag(tag), arr,
-                                       self.frame_bytes))
+            raise InvalidArgumentError(
+                f"recv source {src!r} is not a rank of the "
+                f"communicator (0 to {self.world_size - 1}) or None"
+            )
+        return self._transfer(
+            Transfer("recv", self.rank, src, self._tag(tag), arr, self.frame_bytes)
+        )
 
     def recv(self, buffer, src: int | None = None, tag: int = 0) -> int:
         """irecv, then wait; returns the sender's rank."""
@@ -383,16 +491,32 @@ class Communicator:
         """Rank 0's word to every other rank, on the tag kept for it (ORDER_TAG), in order:
         the backend's order of calls. Copied; nothing waits for it to be taken."""
         for dst in range(1, self.world_size):
-            self._transfer(Transfer("send", self.rank, dst, ORDER_TAG,
-                                    np.frombuffer(word, np.uint8).copy(), self.frame_bytes,
-                                    copied=True))
+            self._transfer(
+                Transfer(
+                    "send",
+                    self.rank,
+                    dst,
+                    ORDER_TAG,
+                    np.frombuffer(word, np.uint8).copy(),
+                    self.frame_bytes,
+                    copied=True,
+                )
+            )
 
     def hear_order(self, buffer: np.ndarray) -> Work:
         """The next word of rank 0's tell_order, into `buffer` (its size)."""
-        return self._transfer(Transfer(
-            "recv", self.rank, 0, ORDER_TAG, buffer, self.frame_bytes,
-            label="the wait for the place of this rank's next call in rank 0's order",
-            awaited="rank 0 to make that call, or any call this rank has not run yet"))
+        return self._transfer(
+            Transfer(
+                "recv",
+                self.rank,
+                0,
+                ORDER_TAG,
+                buffer,
+                self.frame_bytes,
+                label="the wait for the place of this rank's next call in rank 0's order",
+                awaited="rank 0 to make that call, or any call this rank has not run yet",
+            )
+        )
 
     @staticmethod
     def _transfer_buffer(buffer, what: str) -> np.ndarray:
@@ -401,8 +525,9 @@ class Communicator:
     @staticmethod
     def _tag(tag) -> int:
         if not (isinstance(tag, int) and 0 <= tag < ORDER_TAG):  # ORDER_TAG and up: overcast's
-            raise InvalidArgumentError(f"tag {tag!r} is not a whole number from 0 to "
-                                       f"{ORDER_TAG - 1}")
+            raise InvalidArgumentError(
+                f"tag {tag!r} is not a whole number from 0 to {ORDER_TAG - 1}"
+            )
         return tag
 
     def _transfer(self, op: Transfer) -> Work:
@@ -426,8 +551,14 @@ class Communicator:
             self._reject(f"in-network reduction sums; op {op!r} needs algorithm 'ring'")
 
     # -- protocol choice -------------------------------------------------------------------
-    def _protocol(self, seq: int, desc: Descriptor, out: np.ndarray, inp: np.ndarray,
-                  layout: SplitSizes | None):
+    def _protocol(
+        self,
+        seq: int,
+        desc: Descriptor,
+        out: np.ndarray,
+        inp: np.ndarray,
+        layout: SplitSizes | None,
+    ):
         rank, world = self.rank, self.world_size
         if desc.algorithm == "pairwise":
             assert layout is not None  # all_to_all, the one pairwise collective, gives it
@@ -438,17 +569,36 @@ class Communicator:
             cls = RingAllGather if desc.collective == "all_gather" else RingReduceScatter
             return cls(seq, rank, world, desc, out, inp, self.frame_bytes)
         if desc.algorithm == "innetwork":
-            return InNetworkReduceScatter(seq, rank, world, desc, out, inp,
-                                          chunk_bytes=self.chunk_bytes - CONTRIB_PREFIX.size,
-                                          slots=self._aggregator_slots, budget=self._uplink,
-                                          stripes=self._stripes, frame_bytes=self.frame_bytes)
+            return InNetworkReduceScatter(
+                seq,
+                rank,
+                world,
+                desc,
+                out,
+                inp,
+                chunk_bytes=self.chunk_bytes - CONTRIB_PREFIX.size,
+                slots=self._aggregator_slots,
+                budget=self._uplink,
+                stripes=self._stripes,
+                frame_bytes=self.frame_bytes,
+            )
         n = desc.count * desc.dtype.itemsize
         if desc.collective == "all_gather":
             segments, roots, source = [(r, r * n, n) for r in range(world)], desc.param, inp
         else:
             segments, roots, source = [(desc.param, 0, n)], 1, None
-        return MulticastGather(seq, rank, world, desc, out, segments, source=source,
-                               roots=roots, chunk_bytes=self.chunk_bytes, budget=self._uplink)
+        return MulticastGather(
+            seq,
+            rank,
+            world,
+            desc,
+            out,
+            segments,
+            source=source,
+            roots=roots,
+            chunk_bytes=self.chunk_bytes,
+            budget=self._uplink,
+        )
 
     def unavailable(self, collective: str, algorithm: str) -> str | None:
         """Why this communicator cannot run `collective` with `algorithm`, or None if it can."""
@@ -457,14 +607,17 @@ class Communicator:
             return f"{collective} has no algorithm {algorithm!r}; available: {', '.join(known)}"
         if collective == "all_reduce":
             rs_algorithm, ag_algorithm = ALL_REDUCE_PARTS[algorithm]
-            return (self.unavailable("reduce_scatter", rs_algorithm) or
-                    self.unavailable("all_gather", ag_algorithm))
+            return self.unavailable("reduce_scatter", rs_algorithm) or self.unavailable(
+                "all_gather", ag_algorithm
+            )
         if algorithm in ("multicast", "innetwork") and self.world_size > 1:
             if self.network_unavailable(algorithm):
                 return self.network_unavailable(algorithm)
             if not self.link_bits_per_s:
-                return (f"{algorithm} paces its senders to the link rate: pass "
-                        "link_bits_per_s= or set OVERCAST_LINK_BITS_PER_S")
+                return (
+                    f"{algorithm} paces its senders to the link rate: pass "
+                    "link_bits_per_s= or set OVERCAST_LINK_BITS_PER_S"
+                )
         return None
 
     def network_unavailable(self, algorithm: str) -> str | None:
@@ -493,8 +646,7 @@ class Communicator:
             inp = out if input is output else as_array(input, f"{what} input")
             check_dtype(inp, f"{what} input")
             if out.dtype != inp.dtype:
-                raise InvalidArgumentError(f"{what} output is {out.dtype} but input is "
-                                           f"{inp.dtype}")
+                raise InvalidArgumentError(f"{what} output is {out.dtype} but input is {inp.dtype}")
             if not out.flags.writeable:
                 raise InvalidArgumentError(f"{what} output is read-only")
         except InvalidArgumentError as err:
@@ -521,8 +673,11 @@ class Communicator:
         mark_peers_told(error)
         if self.world_size == 1:
             return
-        told = error if isinstance(error, OvercastError) else \
-            OvercastError(f"{type(error).__name__}: {error}")
+        told = (
+            error
+            if isinstance(error, OvercastError)
+            else OvercastError(f"{type(error).__name__}: {error}")
+        )
         with self._lock:
             if self._closed:
                 return
@@ -530,8 +685,9 @@ class Communicator:
             self._seq += 1
             self._engine.refuse(seq, told)
 
-    def _issue(self, desc: Descriptor, out, inp, async_op: bool,
-               layout: SplitSizes | None = None) -> Work | None:
+    def _issue(
+        self, desc: Descriptor, out, inp, async_op: bool, layout: SplitSizes | None = None
+    ) -> Work | None:
         self.check_algorithm(desc.collective, desc.algorithm)
         with self._lock:
             if self._closed:
@@ -574,11 +730,13 @@ class Communicator:
         if not rounds or not rounds[-1].still_lost:
             return None
         clear = [i for i, r in enumerate(rounds) if not r.still_lost]
-        since = rounds[clear[-1] + 1:] if clear else rounds  # since the last time none was lost
+        since = rounds[clear[-1] + 1 :] if clear else rounds  # since the last time none was lost
         said = "; then ".join(r.outcome for r in since)
         for peer, why in list(session.not_taken_back.items()):
-            said += f"; the aggregator at {session.aggregators[peer][0]} answers again but " \
-                    f"cannot be taken back: {why}"
+            said += (
+                f"; the aggregator at {session.aggregators[peer][0]} answers again but "
+                f"cannot be taken back: {why}"
+            )
         return said
 
     def counters(self) -> dict:
@@ -598,8 +756,9 @@ class Communicator:
         size, by a byte or so per chunk."""
         held = self._engine.memory()
         if self._aggregator_error is None:
-            held["aggregator_slot_bytes"] = self._stripes * self._aggregator_slots * \
-                self.world_size * self.chunk_bytes
+            held["aggregator_slot_bytes"] = (
+                self._stripes * self._aggregator_slots * self.world_size * self.chunk_bytes
+            )
         return held
 
     def trace(self) -> dict | None:

@@ -80,8 +80,14 @@ class AggregatorLostWarning(UserWarning):
 
 def error_class(abort_code: int) -> type[OvercastError]:
     """The class an ABORT's code names (OvercastError for a code this version does not know)."""
-    for cls in (CollectiveMismatchError, ProtocolError, PeerFailureError, CollectiveTimeoutError,
-                CommunicatorClosedError, InvalidArgumentError):
+    for cls in (
+        CollectiveMismatchError,
+        ProtocolError,
+        PeerFailureError,
+        CollectiveTimeoutError,
+        CommunicatorClosedError,
+        InvalidArgumentError,
+    ):
         if cls.abort_code == abort_code:
             return cls
     return OvercastError

@@ -90,9 +90,17 @@ def agreed_name(store, base: str, world: int) -> str:
     return f"{base}-{world}-{(count - 1) // world}"
 
 
-def group_communicator(store, rank: int, world: int, base: str, *, in_network: bool,
-                       secret_hex: str | None = None, aggregators: str | None = None,
-                       **settings) -> GroupCommunicator:
+def group_communicator(
+    store,
+    rank: int,
+    world: int,
+    base: str,
+    *,
+    in_network: bool,
+    secret_hex: str | None = None,
+    aggregators: str | None = None,
+    **settings,
+) -> GroupCommunicator:
     """An overcast Communicator named after `base` over `world` ranks meeting through `store`,
     a torch.distributed Store. The aggregators are `aggregators` ("host[:port],..."), else
     OVERCAST_AGGREGATORS; with neither, and `in_network`, rank 0 starts one. The secret is
@@ -114,8 +122,9 @@ def group_communicator(store, rank: int, world: int, base: str, *, in_network: b
                 host = local_address(meeting_host(store))
                 job_aggregator.proc, aggregators = start_aggregator(host, 0, secrets=[secret_hex])
             except (AggregatorStartError, OSError) as err:
-                store.set(key + "aggregators",
-                          f"error: rank 0 could not start an aggregator: {err}")
+                store.set(
+                    key + "aggregators", f"error: rank 0 could not start an aggregator: {err}"
+                )
                 job_aggregator.wait_for_others("read")
                 forget(store, [key + "secret", key + "aggregators"])
                 raise
@@ -126,11 +135,17 @@ def group_communicator(store, rank: int, world: int, base: str, *, in_network: b
         aggregators = bytes(store.get(key + "aggregators")).decode() or None
         if aggregators and aggregators.startswith("error: "):
             store.set(f"{key}read/{rank}", b"1")  # rank 0 waits for this before it leaves
-            raise OvercastError(aggregators[len("error: "):])
+            raise OvercastError(aggregators[len("error: ") :])
     try:
-        comm = Communicator(rank, world, name=name, store=store,
-                            secret=bytes.fromhex(secret_hex), aggregators=aggregators or "",
-                            **settings)
+        comm = Communicator(
+            rank,
+            world,
+            name=name,
+            store=store,
+            secret=bytes.fromhex(secret_hex),
+            aggregators=aggregators or "",
+            **settings,
+        )
     except BaseException:
         if job_aggregator is not None and job_aggregator.proc is not None:
             stop_aggregator(job_aggregator.proc)

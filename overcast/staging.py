@@ -46,22 +46,26 @@ def device_of(tensors, what: str) -> torch.device | None:
             cpu = True
         elif kind == "cuda":
             if found is not None and t.device != found:
-                raise InvalidArgumentError(f"{what}: tensors on {found} and {t.device} in one "
-                                           f"call; overcast stages one GPU's tensors per call")
+                raise InvalidArgumentError(
+                    f"{what}: tensors on {found} and {t.device} in one "
+                    f"call; overcast stages one GPU's tensors per call"
+                )
             found = t.device
         else:
-            raise InvalidArgumentError(f"{what}: a tensor is on {t.device}; overcast moves CPU "
-                                       f"and CUDA tensors")
+            raise InvalidArgumentError(
+                f"{what}: a tensor is on {t.device}; overcast moves CPU and CUDA tensors"
+            )
     if found is not None and cpu:
-        raise InvalidArgumentError(f"{what}: CPU and CUDA ({found}) tensors in one call; give "
-                                   f"it tensors on one device")
+        raise InvalidArgumentError(
+            f"{what}: CPU and CUDA ({found}) tensors in one call; give it tensors on one device"
+        )
     return found
 
 
 @dataclass(eq=False)  # identity: list.remove must not compare the tensors
 class _Buffer:
-    memory: torch.Tensor                 # pinned uint8
-    ready: torch.cuda.Event | None       # the last copy from or into it, queued before release
+    memory: torch.Tensor  # pinned uint8
+    ready: torch.cuda.Event | None  # the last copy from or into it, queued before release
 
 
 class PinnedPool:
@@ -78,7 +82,7 @@ class PinnedPool:
         self.limit = pinned_limit() if limit is None else limit
         self._lock = threading.Lock()
         self._free: list[_Buffer] = []
-        self._held = 0            # bytes of buffers alive: free and taken
+        self._held = 0  # bytes of buffers alive: free and taken
         self._peak = 0
         self._allocations = 0
         self._overflows = 0
@@ -125,9 +129,13 @@ class PinnedPool:
     def stats(self) -> dict:
         """Bytes held now and at the peak, buffers allocated, and allocations over the limit."""
         with self._lock:
-            return {"held_bytes": self._held, "peak_bytes": self._peak,
-                    "allocations": self._allocations, "overflows": self._overflows,
-                    "limit_bytes": self.limit}
+            return {
+                "held_bytes": self._held,
+                "peak_bytes": self._peak,
+                "allocations": self._allocations,
+                "overflows": self._overflows,
+                "limit_bytes": self.limit,
+            }
 
 
 _pools: dict[int, PinnedPool] = {}
@@ -203,8 +211,9 @@ class Staging:
         """Block until the copies in are done (the host may read the twins)."""
         self.copied_in.synchronize()
 
-    def copy_out(self, extra: Sequence[tuple[torch.Tensor, torch.Tensor]] = (),
-                 release: bool = True) -> None:
+    def copy_out(
+        self, extra: Sequence[tuple[torch.Tensor, torch.Tensor]] = (), release: bool = True
+    ) -> None:
         """Queue the copies of the written twins (and of `extra` (host, device) pairs) back to
         the GPU, record `finished` after them, and give the buffers back to the pool (unless
         not `release`: queued behind a gate, they are copied once the collective is done, and
@@ -251,24 +260,26 @@ class StreamGates:
 
     def __init__(self):
         libcuda = ctypes.CDLL("libcuda.so.1")
-        self._wait = getattr(libcuda, "cuStreamWaitValue32_v2", None) or \
-            libcuda.cuStreamWaitValue32
+        self._wait = getattr(libcuda, "cuStreamWaitValue32_v2", None) or libcuda.cuStreamWaitValue32
         self._wait.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
         self._wait.restype = ctypes.c_int
         self._words = torch.zeros(self.SLOTS, dtype=torch.int32, pin_memory=True)
         self._host = self._words.numpy()
         device_pointer = ctypes.c_uint64()
         get = getattr(libcuda, "cuMemHostGetDevicePointer_v2", None)
-        if get is None or get(ctypes.byref(device_pointer),
-                              ctypes.c_void_p(self._words.data_ptr()), 0) != 0:
+        if (
+            get is None
+            or get(ctypes.byref(device_pointer), ctypes.c_void_p(self._words.data_ptr()), 0) != 0
+        ):
             device_pointer.value = self._words.data_ptr()  # unified addressing: the same
         self._base = device_pointer.value
         self._lock = threading.Condition()
         self._count = 0
         self._opened = [0] * self.SLOTS  # the value each slot was last opened with
         probe = torch.cuda.Stream()  # a gate already open: the driver must take it
-        code = self._wait(ctypes.c_void_p(probe.cuda_stream), ctypes.c_uint64(self._base), 0,
-                          self._WAIT_GEQ)
+        code = self._wait(
+            ctypes.c_void_p(probe.cuda_stream), ctypes.c_uint64(self._base), 0, self._WAIT_GEQ
+        )
         probe.synchronize()
         if code != 0:
             raise RuntimeError(f"cuStreamWaitValue32 failed with CUresult {code}")
@@ -279,9 +290,12 @@ class StreamGates:
             slot, value = self._count % self.SLOTS, self._count // self.SLOTS + 1
             self._lock.wait_for(lambda: self._opened[slot] == value - 1)
             self._count += 1
-        code = self._wait(ctypes.c_void_p(stream.cuda_stream),
-                          ctypes.c_uint64(self._base + 4 * slot), ctypes.c_uint32(value),
-                          self._WAIT_GEQ)
+        code = self._wait(
+            ctypes.c_void_p(stream.cuda_stream),
+            ctypes.c_uint64(self._base + 4 * slot),
+            ctypes.c_uint32(value),
+            self._WAIT_GEQ,
+        )
         if code != 0:
             self._open(slot, value)
             raise RuntimeError(f"cuStreamWaitValue32 failed with CUresult {code}")

@@ -53,8 +53,10 @@ def premul_factor(op):
         return op.factor
     state: tuple = op.__getstate__() if hasattr(op, "__getstate__") else ()
     if len(state) != 2 or state[1] is None:
-        raise TorchFeatureError("this torch does not say which factor a ReduceOp.PREMUL_SUM "
-                                "scales by; overcast needs torch 2.11 or newer")
+        raise TorchFeatureError(
+            "this torch does not say which factor a ReduceOp.PREMUL_SUM "
+            "scales by; overcast needs torch 2.11 or newer"
+        )
     return state[1]
 
 
@@ -116,12 +118,18 @@ def wire_dtypes(group) -> tuple[set, set]:
     gathered, reduced = set(), set()
     for p in group.fsdp_params:
         policy, param = p.mp_policy, p.sharded_param
-        dtype = policy.param_dtype if policy.param_dtype and param.dtype.is_floating_point \
+        dtype = (
+            policy.param_dtype
+            if policy.param_dtype and param.dtype.is_floating_point
             else param.dtype
+        )
         gathered.add(dtype)
         if param.requires_grad:
-            reduced |= {policy.reduce_dtype} if policy.reduce_dtype else \
-                {dtype, getattr(param, "grad_dtype", None) or param.dtype}
+            reduced |= (
+                {policy.reduce_dtype}
+                if policy.reduce_dtype
+                else {dtype, getattr(param, "grad_dtype", None) or param.dtype}
+            )
     return gathered, reduced
 
 
@@ -130,8 +138,10 @@ def _casts_after_reduction(group, output: torch.Tensor) -> bool:
     dtype up to torch 2.14, to each parameter's gradient dtype from 2.15."""
     if hasattr(group, "_orig_dtype"):
         return group._orig_dtype != output.dtype
-    return any(getattr(p, "sharded_grad_dtype", None) not in (None, output.dtype)
-               for p in group.fsdp_params)
+    return any(
+        getattr(p, "sharded_grad_dtype", None) not in (None, output.dtype)
+        for p in group.fsdp_params
+    )
 
 
 def output_unread(groups: list, output: torch.Tensor, op) -> bool:
@@ -144,13 +154,19 @@ def output_unread(groups: list, output: torch.Tensor, op) -> bool:
     if getattr(op, "op", op) == dist.ReduceOp.SUM:
         return False
     for group in groups:
-        if isinstance(group.mesh_info, _fsdp_common.DDPMeshInfo) or \
-                group._all_reduce_hook is not None or _casts_after_reduction(group, output):
+        if (
+            isinstance(group.mesh_info, _fsdp_common.DDPMeshInfo)
+            or group._all_reduce_hook is not None
+            or _casts_after_reduction(group, output)
+        ):
             return False
         for p in group.fsdp_params:
             param = p.sharded_param
-            if param.grad is not None or p.offload_to_cpu or \
-                    getattr(param, "_post_accumulate_grad_hooks", None):
+            if (
+                param.grad is not None
+                or p.offload_to_cpu
+                or getattr(param, "_post_accumulate_grad_hooks", None)
+            ):
                 return False
     return True
 
@@ -161,9 +177,11 @@ def schedule(modules) -> dict:
     saved = {}
     for _, module in modules:
         state = module._get_fsdp_state()
-        saved[module] = ([g.unshard_async_op for g in param_groups(module)],
-                         list(state._states_to_forward_prefetch),
-                         list(state._states_to_backward_prefetch))
+        saved[module] = (
+            [g.unshard_async_op for g in param_groups(module)],
+            list(state._states_to_forward_prefetch),
+            list(state._states_to_backward_prefetch),
+        )
     return saved
 
 

@@ -3,8 +3,19 @@
 
 from __future__ import annotations
 
-SIZE_UNITS = {"": 1, "B": 1, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "KB": 1000,
-              "MB": 10**6, "GB": 10**9, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+SIZE_UNITS = {
+    "": 1,
+    "B": 1,
+    "KIB": 1 << 10,
+    "MIB": 1 << 20,
+    "GIB": 1 << 30,
+    "KB": 1000,
+    "MB": 10**6,
+    "GB": 10**9,
+    "K": 1 << 10,
+    "M": 1 << 20,
+    "G": 1 << 30,
+}
 
 
 def parse_size(text: str) -> int:

@@ -52,24 +52,51 @@ def _first_line(proc: subprocess.Popen, seconds: float) -> str:
     return data.split(b"\n", 1)[0].decode(errors="replace")
 
 
-def start_aggregator(host: str, port: int = 0, *, secrets: list[str], slots: int = 256,
-                 stats_path: str | None = None, prefix: tuple[str, ...] = (),
-                 start_seconds: float = START_SECONDS, limits=None,
-                 shards: int | None = None) -> tuple[AggregatorProcess, str]:
+def start_aggregator(
+    host: str,
+    port: int = 0,
+    *,
+    secrets: list[str],
+    slots: int = 256,
+    stats_path: str | None = None,
+    prefix: tuple[str, ...] = (),
+    start_seconds: float = START_SECONDS,
+    limits=None,
+    shards: int | None = None,
+) -> tuple[AggregatorProcess, str]:
     """Start the aggregator for the jobs whose secrets (hex) are given, listening on
     `host`:`port` (0: any free port) with `shards` data-path threads (None: its default, the
     cores it may use), within `limits` (overcast.aggregator.service.Limits; default its own);
     return the process and its "host:port" once it listens, within `start_seconds`."""
     watched, lifeline = os.pipe()
-    argv = [*prefix, sys.executable, "-m", "overcast.cli.main", "aggregator", "--host", host,
-            "--port", str(port), "--slots", str(slots), "--lifeline", str(watched)]
+    argv = [
+        *prefix,
+        sys.executable,
+        "-m",
+        "overcast.cli.main",
+        "aggregator",
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--slots",
+        str(slots),
+        "--lifeline",
+        str(watched),
+    ]
     if shards is not None:
         argv += ["--shards", str(shards)]
     if stats_path:
         argv += ["--stats", stats_path]
     if limits is not None:
-        argv += ["--max-world", str(limits.max_world), "--max-communicators",
-                 str(limits.max_communicators), "--pool-bytes", str(limits.pool_bytes)]
+        argv += [
+            "--max-world",
+            str(limits.max_world),
+            "--max-communicators",
+            str(limits.max_communicators),
+            "--pool-bytes",
+            str(limits.pool_bytes),
+        ]
     full_env = {**os.environ, "OVERCAST_SECRETS": ",".join(secrets)}
     try:
         proc = AggregatorProcess(argv, env=full_env, stdout=subprocess.PIPE, pass_fds=(watched,))
@@ -82,8 +109,10 @@ def start_aggregator(host: str, port: int = 0, *, secrets: list[str], slots: int
     line = _first_line(proc, start_seconds)
     if "listening on" not in line:
         stop_aggregator(proc, timeout=0)
-        raise AggregatorStartError(f"the aggregator did not start within {start_seconds:.0f} s: "
-                               f"{line.strip() or 'no output'}")
+        raise AggregatorStartError(
+            f"the aggregator did not start within {start_seconds:.0f} s: "
+            f"{line.strip() or 'no output'}"
+        )
     address = line.split("listening on", 1)[1].split()[0]
     return proc, address
 

@@ -42,9 +42,18 @@ class Aggregator:
         self._unkeyed = itertools.count(1)  # wire ids for communicators registered without
 
     # -- registration ----------------------------------------------------------------------
-    def register(self, key, world: int, slots: int | None = None, *,
-                 ids: tuple[int, int] | None = None, secret_key: bytes | None = None,
-                 counter: int = 0, max_row: int = MAX_ROW, stripe: int = 0) -> int:
+    def register(
+        self,
+        key,
+        world: int,
+        slots: int | None = None,
+        *,
+        ids: tuple[int, int] | None = None,
+        secret_key: bytes | None = None,
+        counter: int = 0,
+        max_row: int = MAX_ROW,
+        stripe: int = 0,
+    ) -> int:
         """Take a communicator of `world` ranks under `key`; its reductions get at most `slots`
         slots (and never more than the aggregator's own) and contributions of at most
         `max_row` bytes, as the job's aggregator endpoint `stripe` (it takes that stripe's
@@ -55,8 +64,9 @@ class Aggregator:
         if ids is None:
             ids = self._ids.get(key) or (0, next(self._unkeyed))
         self._ids[key] = ids
-        handle, granted = self.engine.register(*ids, world, slots or 0, secret_key, counter,
-                                               max_row, stripe)
+        handle, granted = self.engine.register(
+            *ids, world, slots or 0, secret_key, counter, max_row, stripe
+        )
         self._handles[key], self._keys[handle] = handle, key
         return granted
 
@@ -79,9 +89,7 @@ class Aggregator:
     def receive_run(self, key, run: Run, now: float) -> None:
         """Take a run of authentic messages from one rank (wire.runs); a run that does not fit
         is dropped whole, each of its messages counted."""
-        hdr = run.hdr
-        self.engine.receive_run(self._handles.get(key, -1), hdr.kind, hdr.seq, hdr.src, hdr.dst,
-                                run.length, run.chunks, run.data, run.offset, run.stride, now)
+        self.engine.receive_run(self._handles.get(key, -1), *run.as_plane_args(), now)
         self._take()
 
     def get_timer(self) -> float | None:

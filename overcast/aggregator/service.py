@@ -56,14 +56,34 @@ import time
 
 from overcast.limits import check_port, check_shards, check_slots
 from overcast.native import EXPIRY_SECONDS, _core
-from overcast.transport.datagram import (DATAGRAM_TRUESIZE, MAX_DATAGRAM, enlarge_receive_buffer,
-                                         multicast_group, prepare_sender)
+from overcast.transport.datagram import (
+    DATAGRAM_TRUESIZE,
+    MAX_DATAGRAM,
+    enlarge_receive_buffer,
+    multicast_group,
+    prepare_sender,
+)
 from overcast.wire.auth import Drops, Opener, derive_key, job_id_of
-from overcast.wire.header import (HEADER_BYTES, MAX_STRIPES, TAG_BYTES, Kind, MalformedError,
-                                  unpack_header)
-from overcast.wire.registration import (AGGREGATOR_CHALLENGE, AGGREGATOR_MAGIC, EPOCH_SHIFT,
-                                        HELLO, NONCE_BYTES, REFUSAL_LABEL, WELCOME_LABEL, Refused,
-                                        pack_refusal, pack_welcome)
+from overcast.wire.header import (
+    HEADER_BYTES,
+    MAX_STRIPES,
+    TAG_BYTES,
+    Kind,
+    MalformedError,
+    unpack_header,
+)
+from overcast.wire.registration import (
+    AGGREGATOR_CHALLENGE,
+    AGGREGATOR_MAGIC,
+    EPOCH_SHIFT,
+    HELLO,
+    NONCE_BYTES,
+    REFUSAL_LABEL,
+    WELCOME_LABEL,
+    Refused,
+    pack_refusal,
+    pack_welcome,
+)
 
 REGISTRATION_SECONDS = 10.0
 HELLO_FRAME_BYTES = HEADER_BYTES + HELLO.size + TAG_BYTES  # all a connection may send
@@ -107,8 +127,17 @@ class _Comm:
     first stripe, the slots its reductions were granted, the bytes of the budget set aside for
     it, its ranks' connections by rank."""
 
-    def __init__(self, job: int, wire_id: int, handle: int, world: int, max_row: int,
-                 stripe: int, slots: int, reserved_bytes: int):
+    def __init__(
+        self,
+        job: int,
+        wire_id: int,
+        handle: int,
+        world: int,
+        max_row: int,
+        stripe: int,
+        slots: int,
+        reserved_bytes: int,
+    ):
         self.job, self.wire_id, self.handle = job, wire_id, handle
         self.world, self.max_row, self.stripe, self.slots = world, max_row, stripe, slots
         self.reserved_bytes = reserved_bytes
@@ -196,9 +225,17 @@ def raise_descriptor_limit() -> None:
 
 
 class AggregatorService:
-    def __init__(self, host: str, port: int, job_secrets: list[bytes], slots: int = 256,
-                 lifeline: int | None = None, limits: Limits = Limits(),
-                 expiry: float | None = None, shards: int = 1):
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        job_secrets: list[bytes],
+        slots: int = 256,
+        lifeline: int | None = None,
+        limits: Limits = Limits(),
+        expiry: float | None = None,
+        shards: int = 1,
+    ):
         check_port(port)
         check_slots(slots)
         check_shards(shards)
@@ -212,8 +249,11 @@ class AggregatorService:
         # them leaves the rest to registered ranks, and a 16th of those from one address, so
         # that one host's crowd leaves the rest to others
         soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-        self.max_unregistered = MAX_UNREGISTERED if soft == resource.RLIM_INFINITY else \
-            max(1, min(MAX_UNREGISTERED, soft // 4))
+        self.max_unregistered = (
+            MAX_UNREGISTERED
+            if soft == resource.RLIM_INFINITY
+            else max(1, min(MAX_UNREGISTERED, soft // 4))
+        )
         self.unregistered = _Waiting(max(1, self.max_unregistered // ADDRESS_SHARE))
         self.job_connections = self._connections_per_job(soft, shards)
         self.listener = socket.create_server((host, port), backlog=256)
@@ -228,8 +268,11 @@ class AggregatorService:
             if host != "0.0.0.0":
                 prepare_sender(sock, host, loop=False)
         self.ports = [sock.getsockname()[1] for sock in self.udp]
-        self.shards = _core.Shards(slots, EXPIRY_SECONDS if expiry is None else expiry,
-                                   [sock.fileno() for sock in self.udp])
+        self.shards = _core.Shards(
+            slots,
+            EXPIRY_SECONDS if expiry is None else expiry,
+            [sock.fileno() for sock in self.udp],
+        )
         self.connections: dict[socket.socket, _Registration] = {}
         # what the control thread waits on: the listener, the registrations, the lifeline (a
         # pipe whose closing, its writer gone, stops the service), and a pair stop() writes to
@@ -260,11 +303,13 @@ class AggregatorService:
         kept = open_below + 4 + 3 * shards + self.max_unregistered + SPARE_DESCRIPTORS
         share = (soft - kept) // len(self.secrets)
         if share < 2:
-            raise ValueError(f"{soft} descriptors (ulimit -n) are too few for the aggregator: "
-                             f"it keeps {kept} for itself, its {shards} shard(s) and "
-                             f"{self.max_unregistered} connection(s) waiting to register, and "
-                             f"needs 2 more for each job's ranks: {kept + 2 * len(self.secrets)} "
-                             f"or more")
+            raise ValueError(
+                f"{soft} descriptors (ulimit -n) are too few for the aggregator: "
+                f"it keeps {kept} for itself, its {shards} shard(s) and "
+                f"{self.max_unregistered} connection(s) waiting to register, and "
+                f"needs 2 more for each job's ranks: {kept + 2 * len(self.secrets)} "
+                f"or more"
+            )
         return share
 
     # -- registration ----------------------------------------------------------------------
@@ -348,8 +393,9 @@ class AggregatorService:
         if not self._hello_header(hdr):  # refused before a byte more is read
             self._disconnect(reg)
             return
-        if len(reg.buf) == HELLO_FRAME_BYTES and \
-                not self._register(reg, memoryview(bytes(reg.buf)), hdr):
+        if len(reg.buf) == HELLO_FRAME_BYTES and not self._register(
+            reg, memoryview(bytes(reg.buf)), hdr
+        ):
             self._disconnect(reg)
 
     def _hello_header(self, hdr) -> bool:
@@ -366,8 +412,9 @@ class AggregatorService:
         if not self._hello_header(hdr):
             return False
         secret = self.secrets[hdr.job]
-        salt, world, udp_port, hears_group, max_row, stripe, epoch, nonce, theirs = \
+        salt, world, udp_port, hears_group, max_row, stripe, epoch, nonce, theirs = (
             HELLO.unpack_from(frame, HEADER_BYTES)
+        )
         if hdr.comm != int.from_bytes(salt[:4], "little"):
             self.drops["foreign"] += 1
             return False
@@ -386,8 +433,12 @@ class AggregatorService:
             comm = self._admit(hdr.job, salt, hdr.src, world, max_row, stripe, epoch, key)
         except Refusal as refusal:
             self.drops[f"refused_{refusal.reason.name.lower()}"] += 1
-            self._say(reg, pack_refusal(derive_key(secret, salt, REFUSAL_LABEL), theirs,
-                                        refusal.reason, str(refusal)))
+            self._say(
+                reg,
+                pack_refusal(
+                    derive_key(secret, salt, REFUSAL_LABEL), theirs, refusal.reason, str(refusal)
+                ),
+            )
             return False
         try:
             self.shards.set_address(comm.handle, hdr.src, ip, udp_port, bool(hears_group))
@@ -399,60 +450,93 @@ class AggregatorService:
         reg.comm_key, reg.rank = (hdr.job, salt), hdr.src
         self.unregistered.remove(reg)
         reg.buf = bytearray()
-        return self._say(reg, pack_welcome(derive_key(secret, salt, WELCOME_LABEL), theirs,
-                                           comm.slots, self.ports))
+        return self._say(
+            reg,
+            pack_welcome(derive_key(secret, salt, WELCOME_LABEL), theirs, comm.slots, self.ports),
+        )
 
-    def _admit(self, job: int, salt: bytes, src: int, world: int, max_row: int, stripe: int,
-               epoch: int, key: bytes) -> _Comm:
+    def _admit(
+        self,
+        job: int,
+        salt: bytes,
+        src: int,
+        world: int,
+        max_row: int,
+        stripe: int,
+        epoch: int,
+        key: bytes,
+    ) -> _Comm:
         """The registered communicator of this salt, or a new one within the limits."""
         if not src < world:
             raise Refusal(Refused.WORLD, f"rank {src} of a world of {world}")
         comm = self.comms.get((job, salt))
         if comm is not None:
             if (comm.world, comm.max_row, comm.stripe) != (world, max_row, stripe):
-                raise Refusal(Refused.INCONSISTENT,
-                              f"this communicator is registered with a world of {comm.world}, "
-                              f"rows of {comm.max_row} bytes and stripe {comm.stripe}, not "
-                              f"{world}, {max_row} and {stripe} (OVERCAST_AGGREGATORS must "
-                              f"name the same aggregators in the same order on every rank)")
+                raise Refusal(
+                    Refused.INCONSISTENT,
+                    f"this communicator is registered with a world of {comm.world}, "
+                    f"rows of {comm.max_row} bytes and stripe {comm.stripe}, not "
+                    f"{world}, {max_row} and {stripe} (OVERCAST_AGGREGATORS must "
+                    f"name the same aggregators in the same order on every rank)",
+                )
             if src in comm.conns:  # so a communicator holds at most its world's connections
-                raise Refusal(Refused.RANK, f"rank {src} of this communicator is registered "
-                                            f"already, on another connection")
+                raise Refusal(
+                    Refused.RANK,
+                    f"rank {src} of this communicator is registered already, on another connection",
+                )
             return comm
         wire_id = int.from_bytes(salt[:4], "little")
         limits = self.limits
         if not 2 <= world <= limits.max_world:
-            raise Refusal(Refused.WORLD, f"a world of {world} ranks; this aggregator takes 2 "
-                                         f"to {limits.max_world} (--max-world)")
+            raise Refusal(
+                Refused.WORLD,
+                f"a world of {world} ranks; this aggregator takes 2 "
+                f"to {limits.max_world} (--max-world)",
+            )
         # Each job has an even share of the descriptors, set aside a connection per rank of
         # each of its communicators: one job's members cannot lock another's ranks out.
         held = sum(c.world for c in self.comms.values() if c.job == job)
         if self.job_connections is not None and held + world > self.job_connections:
-            raise Refusal(Refused.CONNECTIONS,
-                          f"a world of {world} needs as many connections here; "
-                          f"{self.job_connections - held} of the job's {self.job_connections} "
-                          f"are left (its share of the descriptors the aggregator may open: "
-                          f"ulimit -n, shared among the jobs served)")
+            raise Refusal(
+                Refused.CONNECTIONS,
+                f"a world of {world} needs as many connections here; "
+                f"{self.job_connections - held} of the job's {self.job_connections} "
+                f"are left (its share of the descriptors the aggregator may open: "
+                f"ulimit -n, shared among the jobs served)",
+            )
         if stripe + len(self.ports) > MAX_STRIPES:
-            raise Refusal(Refused.INCONSISTENT, f"this aggregator's {len(self.ports)} shards "
-                                                f"from stripe {stripe}; a job stripes over at "
-                                                f"most {MAX_STRIPES} aggregator endpoints")
+            raise Refusal(
+                Refused.INCONSISTENT,
+                f"this aggregator's {len(self.ports)} shards "
+                f"from stripe {stripe}; a job stripes over at "
+                f"most {MAX_STRIPES} aggregator endpoints",
+            )
         if not 0 < max_row <= MAX_DATAGRAM:
-            raise Refusal(Refused.INCONSISTENT, f"rows of {max_row} bytes; a datagram carries "
-                                                f"1 to {MAX_DATAGRAM}")
+            raise Refusal(
+                Refused.INCONSISTENT,
+                f"rows of {max_row} bytes; a datagram carries 1 to {MAX_DATAGRAM}",
+            )
         if (job, wire_id) in self.wire_ids:
-            raise Refusal(Refused.IDENTITY, "another communicator of this job has the same id "
-                                            "on the wire (its salt's first 4 bytes)")
+            raise Refusal(
+                Refused.IDENTITY,
+                "another communicator of this job has the same id "
+                "on the wire (its salt's first 4 bytes)",
+            )
         if sum(c.job == job for c in self.comms.values()) >= limits.max_communicators:
-            raise Refusal(Refused.COMMUNICATORS,
-                          f"the job holds {limits.max_communicators} communicators here "
-                          f"already (--max-communicators)")
+            raise Refusal(
+                Refused.COMMUNICATORS,
+                f"the job holds {limits.max_communicators} communicators here "
+                f"already (--max-communicators)",
+            )
         # A window no deeper than the receive buffer holds for all ranks at once: a slow
         # aggregator then slows the senders (they wait for credit) instead of losing datagrams.
         slots = min(self.slots, self.receive_buffer // (world * DATAGRAM_TRUESIZE))
         if slots < 1:
-            raise Refusal(Refused.BUFFER, f"the receive buffer ({self.receive_buffer} bytes) "
-                                          f"holds less than one datagram per rank of {world}")
+            raise Refusal(
+                Refused.BUFFER,
+                f"the receive buffer ({self.receive_buffer} bytes) "
+                f"holds less than one datagram per rank of {world}",
+            )
         # Each job has an even share of the budget: one job's members cannot take another's.
         # A communicator's cost is linear in its slots: what its ranks hold whatever the slots
         # (their connections here, their state and replay windows in every shard), then each
@@ -461,25 +545,32 @@ class AggregatorService:
         engines = self.shards.comm_bytes(world, 0, max_row)
         per_slot = self.shards.comm_bytes(world, 1, max_row) - engines
         fixed = engines + world * CONNECTION_BYTES
-        left = min(limits.pool_bytes - self.reserved_bytes,
-                   share - sum(c.reserved_bytes for c in self.comms.values() if c.job == job))
+        left = min(
+            limits.pool_bytes - self.reserved_bytes,
+            share - sum(c.reserved_bytes for c in self.comms.values() if c.job == job),
+        )
         slots = min(slots, (left - fixed) // per_slot)
         if slots < 1:
-            raise Refusal(Refused.POOL, f"it needs {fixed} bytes and {per_slot} per slot; "
-                                        f"{max(left, 0)} of the job's {share} are left "
-                                        f"(--pool-bytes, shared among the jobs served)")
+            raise Refusal(
+                Refused.POOL,
+                f"it needs {fixed} bytes and {per_slot} per slot; "
+                f"{max(left, 0)} of the job's {share} are left "
+                f"(--pool-bytes, shared among the jobs served)",
+            )
         # The counter's start under this key: in the range of the epoch the first HELLO names
         # (wire.registration), which an instance that served this communicator before (this
         # service, or one that ran at this address earlier) never reached; at a random place in
         # it, never the clock, which can step back.
         counter = (epoch << EPOCH_SHIFT) | secrets.randbits(40)
         try:
-            handle, granted = self.shards.register(job, wire_id, world, stripe, slots, key,
-                                                   counter, max_row)
+            handle, granted = self.shards.register(
+                job, wire_id, world, stripe, slots, key, counter, max_row
+            )
         except (ValueError, MemoryError) as err:
             raise Refusal(Refused.MEMORY, f"the aggregator could not take it: {err}") from None
-        comm = self.comms[(job, salt)] = _Comm(job, wire_id, handle, world, max_row, stripe,
-                                               granted, fixed + granted * per_slot)
+        comm = self.comms[(job, salt)] = _Comm(
+            job, wire_id, handle, world, max_row, stripe, granted, fixed + granted * per_slot
+        )
         self.wire_ids.add((job, wire_id))
         self.reserved_bytes += comm.reserved_bytes
         try:
@@ -570,33 +661,55 @@ class AggregatorService:
         drops, stats, memory, io = self.shards.counters()
         contributions = stats.get("contributions", 0)
         cpu = sum(io["serve_cpu_seconds"])
-        return {"drops": dict(self.drops + collections.Counter(drops)), "stats": stats,
-                "slots": self.slots, "shards": len(self.ports), "ports": self.ports,
-                "receive_buffer_bytes": self.receive_buffer, **memory,
-                "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-                "cpu_seconds": time.process_time(),
-                "data_path_cpu_seconds": cpu,
-                "shard_cpu_seconds": io["serve_cpu_seconds"],
-                "shard_contributions": io["serve_contributions"],
-                "cpu_us_per_contribution": cpu / contributions * 1e6 if contributions else None,
-                "datagrams_in": io["datagrams_in"], "datagrams_out": io["datagrams_out"],
-                "reads": io["reads"], "sends": io["sends"], "wakeups": io["wakeups"],
-                "gro": bool(io["gro"]), "gso": bool(io["gso"]),
-                "communicators": len(self.comms), "connections": len(self.connections),
-                "reserved_bytes": self.reserved_bytes,
-                "pool_budget_bytes": self.limits.pool_bytes}
+        return {
+            "drops": dict(self.drops + collections.Counter(drops)),
+            "stats": stats,
+            "slots": self.slots,
+            "shards": len(self.ports),
+            "ports": self.ports,
+            "receive_buffer_bytes": self.receive_buffer,
+            **memory,
+            "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "cpu_seconds": time.process_time(),
+            "data_path_cpu_seconds": cpu,
+            "shard_cpu_seconds": io["serve_cpu_seconds"],
+            "shard_contributions": io["serve_contributions"],
+            "cpu_us_per_contribution": cpu / contributions * 1e6 if contributions else None,
+            "datagrams_in": io["datagrams_in"],
+            "datagrams_out": io["datagrams_out"],
+            "reads": io["reads"],
+            "sends": io["sends"],
+            "wakeups": io["wakeups"],
+            "gro": bool(io["gro"]),
+            "gso": bool(io["gso"]),
+            "communicators": len(self.comms),
+            "connections": len(self.connections),
+            "reserved_bytes": self.reserved_bytes,
+            "pool_budget_bytes": self.limits.pool_bytes,
+        }
 
 
-def run(host: str, port: int, job_secrets: list[bytes], slots: int, stats_path: str | None,
-        ready=print, lifeline: int | None = None, limits: Limits = Limits(),
-        expiry: float | None = None, shards: int = 1) -> None:
+def run(
+    host: str,
+    port: int,
+    job_secrets: list[bytes],
+    slots: int,
+    stats_path: str | None,
+    ready=print,
+    lifeline: int | None = None,
+    limits: Limits = Limits(),
+    expiry: float | None = None,
+    shards: int = 1,
+) -> None:
     raise_descriptor_limit()
     service = AggregatorService(host, port, job_secrets, slots, lifeline, limits, expiry, shards)
     signal.signal(signal.SIGTERM, service.stop)
     signal.signal(signal.SIGINT, service.stop)
-    ready(f"overcast aggregator listening on {host}:{service.port} (tcp and udp), "
-          f"{shards} shard{'s' if shards > 1 else ''} (udp {','.join(map(str, service.ports))}), "
-          f"{slots} slots per reduction")
+    ready(
+        f"overcast aggregator listening on {host}:{service.port} (tcp and udp), "
+        f"{shards} shard{'s' if shards > 1 else ''} (udp {','.join(map(str, service.ports))}), "
+        f"{slots} slots per reduction"
+    )
     try:
         service.serve()
     finally:

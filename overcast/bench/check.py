@@ -40,10 +40,19 @@ from overcast.transport.datagram import RECV_BUFFER_BYTES, enlarge_receive_buffe
 
 # (collective, algorithm), as `overcast bench` names them; what each needs (a finding of that
 # name says why it cannot run)
-COLLECTIVES = [("allgather", "ring"), ("allgather", "multicast"), ("reduce_scatter", "ring"),
-               ("reduce_scatter", "innetwork"), ("overlap", "ring"), ("overlap", "overcast")]
-NEEDS = {"multicast": ("link rate", "multicast"), "innetwork": ("link rate", "aggregator"),
-         "overcast": ("link rate", "multicast", "aggregator")}
+COLLECTIVES = [
+    ("allgather", "ring"),
+    ("allgather", "multicast"),
+    ("reduce_scatter", "ring"),
+    ("reduce_scatter", "innetwork"),
+    ("overlap", "ring"),
+    ("overlap", "overcast"),
+]
+NEEDS = {
+    "multicast": ("link rate", "multicast"),
+    "innetwork": ("link rate", "aggregator"),
+    "overcast": ("link rate", "multicast", "aggregator"),
+}
 # What each call should take: a ring AllGather's bytes per rank are grown until it takes this
 # long here, whatever the links' rate, and every collective moves that many.
 CALL_SECONDS = 0.25
@@ -73,30 +82,42 @@ def check_rank(rank: int, world: int, link_bits: float | None, seconds: float) -
     from overcast.errors import OvercastError
     from overcast.job import group_communicator
 
-    mine: dict = {"rank": rank, "host": socket.gethostname(),
-                  "secret": bool(os.environ.get("OVERCAST_SECRET")),
-                  "aggregators": aggregators_from_env(),
-                  "link_bits_per_s": link_bits or _float(os.environ.get(
-                      "OVERCAST_LINK_BITS_PER_S")),
-                  "receive_buffer_bytes": _receive_buffer()}
+    mine: dict = {
+        "rank": rank,
+        "host": socket.gethostname(),
+        "secret": bool(os.environ.get("OVERCAST_SECRET")),
+        "aggregators": aggregators_from_env(),
+        "link_bits_per_s": link_bits or _float(os.environ.get("OVERCAST_LINK_BITS_PER_S")),
+        "receive_buffer_bytes": _receive_buffer(),
+    }
     dist.init_process_group("gloo")
     try:
         made = None
         try:
-            made = group_communicator(dist.distributed_c10d._get_default_store(), rank, world,
-                                      "check", in_network=True, timeout=60,
-                                      link_bits_per_s=mine["link_bits_per_s"])
+            made = group_communicator(
+                dist.distributed_c10d._get_default_store(),
+                rank,
+                world,
+                "check",
+                in_network=True,
+                timeout=60,
+                link_bits_per_s=mine["link_bits_per_s"],
+            )
         except OvercastError as err:
             mine["error"] = str(err)
         if made is not None:
             comm = made.comm
-            mine.update(address=comm.address, mtu=comm.mtu, chunk_bytes=comm.chunk_bytes,
-                        unheard=comm.multicast_unheard,
-                        multicast=comm.network_unavailable("multicast"),
-                        aggregator=comm.network_unavailable("innetwork"),
-                        endpoints=comm.aggregator_endpoints,
-                        aggregator_started=made.job_aggregator is not None,
-                        aggregators=made.aggregators)
+            mine.update(
+                address=comm.address,
+                mtu=comm.mtu,
+                chunk_bytes=comm.chunk_bytes,
+                unheard=comm.multicast_unheard,
+                multicast=comm.network_unavailable("multicast"),
+                aggregator=comm.network_unavailable("innetwork"),
+                endpoints=comm.aggregator_endpoints,
+                aggregator_started=made.job_aggregator is not None,
+                aggregators=made.aggregators,
+            )
         every: list[Any] = [None] * world  # all_gather_object fills every slot
         dist.all_gather_object(every, mine)
         if made is None:
@@ -128,8 +149,9 @@ def _receive_buffer() -> int:
 def _blocked(algorithm: str, every: list[dict]) -> str | None:
     """The finding that keeps `algorithm` from running on some rank, or None."""
     for need in NEEDS.get(algorithm, ()):
-        if (need == "link rate" and not every[0]["link_bits_per_s"]) or \
-                (need != "link rate" and any(r[need] for r in every)):
+        if (need == "link rate" and not every[0]["link_bits_per_s"]) or (
+            need != "link rate" and any(r[need] for r in every)
+        ):
             return need
     return None
 
@@ -155,8 +177,9 @@ def _sized(comm) -> int:
     (growing from LEAST_BYTES), not worked out from a rate that may be wrong or missing."""
     n = LEAST_BYTES
     while True:
-        run, reset, _ = workload(comm, None, "allgather", "ring", comm.rank,
-                                 n // DTYPE().itemsize, comm.world_size)
+        run, reset, _ = workload(
+            comm, None, "allgather", "ring", comm.rank, n // DTYPE().itemsize, comm.world_size
+        )
         took = _timed(comm, run, reset)
         if took >= CALL_SECONDS / 4 or n >= MOST_BYTES:
             return scaled_bytes(n, took)
@@ -183,10 +206,18 @@ def _runs(comm, every: list[dict], seconds: float) -> list[dict]:
         for _ in range(max(3, math.ceil(seconds / max(warm, 1e-6)))):
             times.append(_timed(comm, run, reset))
             correct = correct and check()
-        out.append({"collective": collective, "algorithm": algorithm, "bytes_per_rank": n,
-                    "seconds": times, "correct": correct,
-                    "floor_seconds": cost.floor_seconds(collective, n, world, link_bits / 8)
-                    if link_bits else None})
+        out.append(
+            {
+                "collective": collective,
+                "algorithm": algorithm,
+                "bytes_per_rank": n,
+                "seconds": times,
+                "correct": correct,
+                "floor_seconds": cost.floor_seconds(collective, n, world, link_bits / 8)
+                if link_bits
+                else None,
+            }
+        )
     return out
 
 
@@ -199,40 +230,73 @@ def verdict(every: list[dict]) -> dict:
     first, world = every[0], len(every)
     checks: list[tuple[str, str, str]] = []
     rate = first["link_bits_per_s"]
-    checks.append(("link rate", "ok", f"{rate / 1e6:g} Mbit/s per direction") if rate else
-                  ("link rate", "fail", "no link rate: set OVERCAST_LINK_BITS_PER_S to the "
-                                        "NIC's bits/s per direction (or --link-mbit): "
-                                        "multicast paces its senders to it, and the "
-                                        "collectives that need it were skipped"))
+    checks.append(
+        ("link rate", "ok", f"{rate / 1e6:g} Mbit/s per direction")
+        if rate
+        else (
+            "link rate",
+            "fail",
+            "no link rate: set OVERCAST_LINK_BITS_PER_S to the "
+            "NIC's bits/s per direction (or --link-mbit): "
+            "multicast paces its senders to it, and the "
+            "collectives that need it were skipped",
+        )
+    )
     failed = [r for r in every if "error" in r]
     if failed:
-        checks.append(("meeting", "fail", "; ".join(f"rank {r['rank']}: {r['error']}"
-                                                    for r in failed[:4])))
+        checks.append(
+            ("meeting", "fail", "; ".join(f"rank {r['rank']}: {r['error']}" for r in failed[:4]))
+        )
         return _summed(checks, [], world)
     unheard = first["unheard"]
-    joins = [f"rank {r['rank']} ({r['address']}): {r['multicast']}" for r in every
-             if r["multicast"] and r["multicast"].startswith("multicast is unavailable here")]
+    joins = [
+        f"rank {r['rank']} ({r['address']}): {r['multicast']}"
+        for r in every
+        if r["multicast"] and r["multicast"].startswith("multicast is unavailable here")
+    ]
     if joins:
         checks.append(("multicast", "fail", "; ".join(joins[:4])))
     elif unheard:
         checks.append(("multicast", "fail", first["multicast"]))
     else:
-        checks.append(("multicast", "ok",
-                       f"every rank heard every other's probe ({first['chunk_bytes']:,}-byte "
-                       f"payloads, TTL 1)"))
+        checks.append(
+            (
+                "multicast",
+                "ok",
+                f"every rank heard every other's probe ({first['chunk_bytes']:,}-byte "
+                f"payloads, TTL 1)",
+            )
+        )
     mtu = min(r["mtu"] for r in every)
-    checks.append(("path MTU", "ok" if mtu >= JUMBO_MTU else "note",
-                   f"{mtu} bytes, the smallest any rank measured to its peers" +
-                   ("" if mtu >= JUMBO_MTU else f": below {JUMBO_MTU}, every byte takes "
-                    f"{JUMBO_MTU // mtu}x the datagrams, and overcast's engine pays per "
-                    f"datagram (jumbo frames: docs/deploy.md)")))
+    checks.append(
+        (
+            "path MTU",
+            "ok" if mtu >= JUMBO_MTU else "note",
+            f"{mtu} bytes, the smallest any rank measured to its peers"
+            + (
+                ""
+                if mtu >= JUMBO_MTU
+                else f": below {JUMBO_MTU}, every byte takes "
+                f"{JUMBO_MTU // mtu}x the datagrams, and overcast's engine pays per "
+                f"datagram (jumbo frames: docs/deploy.md)"
+            ),
+        )
+    )
     least = min(r["receive_buffer_bytes"] for r in every)
-    checks.append(("socket buffers", "ok" if least >= RECV_BUFFER_BYTES else "note",
-                   f"{least / 2**20:.1f} MiB granted of {RECV_BUFFER_BYTES / 2**20:g} MiB asked" +
-                   ("" if least >= RECV_BUFFER_BYTES else
-                    ": net.core.rmem_max caps it and this user lacks CAP_NET_ADMIN; a burst "
-                    "that does not fit is lost and repaired (sysctl -w "
-                    f"net.core.rmem_max={RECV_BUFFER_BYTES})")))
+    checks.append(
+        (
+            "socket buffers",
+            "ok" if least >= RECV_BUFFER_BYTES else "note",
+            f"{least / 2**20:.1f} MiB granted of {RECV_BUFFER_BYTES / 2**20:g} MiB asked"
+            + (
+                ""
+                if least >= RECV_BUFFER_BYTES
+                else ": net.core.rmem_max caps it and this user lacks CAP_NET_ADMIN; a burst "
+                "that does not fit is lost and repaired (sysctl -w "
+                f"net.core.rmem_max={RECV_BUFFER_BYTES})"
+            ),
+        )
+    )
     checks += _secret_and_aggregator(every)
     rows = _rows(every)
     wrong = [f"{r['collective']} {r['algorithm']}" for r in rows if not r.get("correct", True)]
@@ -257,32 +321,57 @@ def _secret_and_aggregator(every: list[dict]) -> list[tuple[str, str, str]]:
             said.setdefault(r["aggregator"], []).append(r["rank"])
         detail = "; ".join(f"{_ranks(ranks)}: {why}" for why, ranks in list(said.items())[:4])
         if any("registration with the aggregator" in r["aggregator"] for r in refused):
-            detail += (": most likely the secret: an aggregator closes a registration from a job "
-                       "whose secret it does not hold, and " +
-                       (f"OVERCAST_SECRET is not set on {_ranks(unset)}" if unset else
-                        "the aggregator must be started with the OVERCAST_SECRET the ranks "
-                        "have"))
+            detail += (
+                ": most likely the secret: an aggregator closes a registration from a job "
+                "whose secret it does not hold, and "
+                + (
+                    f"OVERCAST_SECRET is not set on {_ranks(unset)}"
+                    if unset
+                    else "the aggregator must be started with the OVERCAST_SECRET the ranks have"
+                )
+            )
         out.append(("aggregator", "fail", detail))
     elif not external:
-        out.append(("aggregator", "note",
-                    f"no OVERCAST_AGGREGATORS: rank 0 started one beside itself at "
-                    f"{first['aggregators']}, whose host's link then carries every rank's "
-                    f"contributions (docs/deploy.md)"))
+        out.append(
+            (
+                "aggregator",
+                "note",
+                f"no OVERCAST_AGGREGATORS: rank 0 started one beside itself at "
+                f"{first['aggregators']}, whose host's link then carries every rank's "
+                f"contributions (docs/deploy.md)",
+            )
+        )
     else:
-        out.append(("aggregator", "ok", f"{first['aggregators']}: every rank welcomed under the "
-                                        f"job's secret, {first['endpoints']} endpoint(s)"))
+        out.append(
+            (
+                "aggregator",
+                "ok",
+                f"{first['aggregators']}: every rank welcomed under the "
+                f"job's secret, {first['endpoints']} endpoint(s)",
+            )
+        )
     if not unset:
         out.append(("secret", "ok", "OVERCAST_SECRET set on every rank"))
     elif external and first["aggregators"]:
-        out.append(("secret", "fail",
-                    f"OVERCAST_SECRET is not set on {_ranks(unset)}: rank 0 drew a secret of "
-                    f"its own, which the aggregator at {first['aggregators']} "
-                    f"(OVERCAST_AGGREGATORS) cannot hold; set OVERCAST_SECRET on every rank to "
-                    f"the one it was started with"))
+        out.append(
+            (
+                "secret",
+                "fail",
+                f"OVERCAST_SECRET is not set on {_ranks(unset)}: rank 0 drew a secret of "
+                f"its own, which the aggregator at {first['aggregators']} "
+                f"(OVERCAST_AGGREGATORS) cannot hold; set OVERCAST_SECRET on every rank to "
+                f"the one it was started with",
+            )
+        )
     else:
-        out.append(("secret", "note",
-                    f"no OVERCAST_SECRET on {_ranks(unset)}: rank 0 drew one and shared it "
-                    f"through the job's store, which must then be trusted as torchrun's is"))
+        out.append(
+            (
+                "secret",
+                "note",
+                f"no OVERCAST_SECRET on {_ranks(unset)}: rank 0 drew one and shared it "
+                f"through the job's store, which must then be trusted as torchrun's is",
+            )
+        )
     return out
 
 
@@ -293,70 +382,117 @@ def _measured(rows: list[dict], every: list[dict]) -> list[tuple[str, str, str]]
     first, world = every[0], len(every)
     rate = first["link_bits_per_s"]
     timed = {(r["collective"], r["algorithm"]): r for r in rows if "seconds" in r}
-    ring, multicast, ring_rs, innetwork = (timed.get(k) for k in (
-        ("allgather", "ring"), ("allgather", "multicast"), ("reduce_scatter", "ring"),
-        ("reduce_scatter", "innetwork")))
+    ring, multicast, ring_rs, innetwork = (
+        timed.get(k)
+        for k in (
+            ("allgather", "ring"),
+            ("allgather", "multicast"),
+            ("reduce_scatter", "ring"),
+            ("reduce_scatter", "innetwork"),
+        )
+    )
     out, causes = [], []
     if rate and ring is not None:
         moved, ratio = rate / ring["ratio"], ring["ratio"]
-        said = (f"a ring AllGather moved about {moved / 1e6:.3g} Mbit/s per link, "
-                f"{1 / ratio:.2f}x the {rate / 1e6:g} Mbit/s given")
+        said = (
+            f"a ring AllGather moved about {moved / 1e6:.3g} Mbit/s per link, "
+            f"{1 / ratio:.2f}x the {rate / 1e6:g} Mbit/s given"
+        )
         why = None
         if ratio < 1 / RATE_SLACK:
-            why = ("the links carry more than OVERCAST_LINK_BITS_PER_S says, and multicast, "
-                   "paced to the rate given, leaves the rest unused")
+            why = (
+                "the links carry more than OVERCAST_LINK_BITS_PER_S says, and multicast, "
+                "paced to the rate given, leaves the rest unused"
+            )
         elif ratio > RATE_SLACK and multicast is not None and multicast["ratio"] > RATE_SLACK:
-            why = ("the links (or the hosts) carry less than OVERCAST_LINK_BITS_PER_S says, "
-                   "and multicast, paced to the rate given, overruns them and resends")
+            why = (
+                "the links (or the hosts) carry less than OVERCAST_LINK_BITS_PER_S says, "
+                "and multicast, paced to the rate given, overruns them and resends"
+            )
         if why:
             causes.append(why)
         out.append(("rate", "note" if why else "ok", said + (f": {why}" if why else "")))
-    datagram = [(name, r) for name, r in (("multicast AllGather", multicast),
-                                          ("in-network ReduceScatter", innetwork)) if r]
+    datagram = [
+        (name, r)
+        for name, r in (("multicast AllGather", multicast), ("in-network ReduceScatter", innetwork))
+        if r
+    ]
     if datagram:
         slow = [name for name, r in datagram if r["ratio"] > DATAGRAM_SLACK]
-        out.append(("datagram collectives", "note" if slow else "ok",
-                    ", ".join(f"{name} {r['ratio']:.2f}x" for name, r in datagram) +
-                    f" its floor (within {DATAGRAM_SLACK:g}x expected)"))
+        out.append(
+            (
+                "datagram collectives",
+                "note" if slow else "ok",
+                ", ".join(f"{name} {r['ratio']:.2f}x" for name, r in datagram)
+                + f" its floor (within {DATAGRAM_SLACK:g}x expected)",
+            )
+        )
     sharing = max(collections.Counter(r["address"] for r in every).values())
     if sharing > 1:
-        causes.append(f"{sharing} ranks share a NIC, and each sends its whole gradient through "
-                      f"it to the aggregator, {sharing}x what a ring sends")
+        causes.append(
+            f"{sharing} ranks share a NIC, and each sends its whole gradient through "
+            f"it to the aggregator, {sharing}x what a ring sends"
+        )
     if first["aggregator_started"]:
-        causes.append("the aggregator rank 0 started beside itself (no OVERCAST_AGGREGATORS) takes "
-                      "every rank's contributions through rank 0's link")
+        causes.append(
+            "the aggregator rank 0 started beside itself (no OVERCAST_AGGREGATORS) takes "
+            "every rank's contributions through rank 0's link"
+        )
     elif innetwork is not None and ring_rs is not None:
         # against the ring's ReduceScatter of the same bytes where the links are slower than
         # the rate given, and less what ranks sharing a NIC send through it
         behind = innetwork["ratio"] / max(1.0, ring_rs["ratio"]) / sharing
         if behind > DATAGRAM_SLACK:
-            causes.append(f"the aggregator at {first['aggregators']} takes the contributions at "
-                          f"about 1/{behind:.1f} of the hosts' rate: its link or cores are "
-                          f"behind what {world} ranks send it")
-    if multicast is not None and multicast["ratio"] > DATAGRAM_SLACK and not any(
-            "OVERCAST_LINK_BITS_PER_S" in c for c in causes):
-        causes.append(f"a multicast AllGather took {multicast['ratio']:.2f}x its floor: "
-                      f"datagrams lost and resent, or the engines short of CPU")
+            causes.append(
+                f"the aggregator at {first['aggregators']} takes the contributions at "
+                f"about 1/{behind:.1f} of the hosts' rate: its link or cores are "
+                f"behind what {world} ranks send it"
+            )
+    if (
+        multicast is not None
+        and multicast["ratio"] > DATAGRAM_SLACK
+        and not any("OVERCAST_LINK_BITS_PER_S" in c for c in causes)
+    ):
+        causes.append(
+            f"a multicast AllGather took {multicast['ratio']:.2f}x its floor: "
+            f"datagrams lost and resent, or the engines short of CPU"
+        )
     pair, rings = timed.get(("overlap", "overcast")), timed.get(("overlap", "ring"))
     if pair is not None and rings is not None:
-        said = (f"overcast's pair {pair['seconds'] * 1e3:.0f} ms against its rings' "
-                f"{rings['seconds'] * 1e3:.0f} ms measured here")
+        said = (
+            f"overcast's pair {pair['seconds'] * 1e3:.0f} ms against its rings' "
+            f"{rings['seconds'] * 1e3:.0f} ms measured here"
+        )
         if pair["seconds"] <= (1 - WORTH_SAVING) * rings["seconds"]:
-            out.append(("overcast's pair", "ok", f"{said}, "
-                                                 f"{rings['seconds'] / pair['seconds']:.2f}x "
-                                                 f"faster"))
+            out.append(
+                (
+                    "overcast's pair",
+                    "ok",
+                    f"{said}, {rings['seconds'] / pair['seconds']:.2f}x faster",
+                )
+            )
         else:
-            out.append(("overcast's pair", "slower",
-                        f"{said} (ready takes at most {1 - WORTH_SAVING:.0%} of theirs); "
-                        f"likely: " + ("; ".join(causes) or "no cause found among the link "
-                                                            "rate, the aggregator and ranks "
-                                                            "sharing a NIC")))
+            out.append(
+                (
+                    "overcast's pair",
+                    "slower",
+                    f"{said} (ready takes at most {1 - WORTH_SAVING:.0%} of theirs); "
+                    f"likely: "
+                    + (
+                        "; ".join(causes)
+                        or "no cause found among the link "
+                        "rate, the aggregator and ranks "
+                        "sharing a NIC"
+                    ),
+                )
+            )
     return out
 
 
 def _ranks(ranks: list[int]) -> str:
-    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks[:16]))}" + \
-        (f" and {len(ranks) - 16} more" if len(ranks) > 16 else "")
+    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks[:16]))}" + (
+        f" and {len(ranks) - 16} more" if len(ranks) > 16 else ""
+    )
 
 
 def _rows(every: list[dict]) -> list[dict]:
@@ -368,21 +504,39 @@ def _rows(every: list[dict]) -> list[dict]:
             continue
         slowest = run["seconds"]  # every rank's: each call's slowest, agreed
         median = statistics.median(slowest)
-        rows.append({**row, "bytes_per_rank": run["bytes_per_rank"], "seconds": median,
-                     "range": [min(slowest), max(slowest)], "runs": len(slowest),
-                     "correct": all(r["runs"][k]["correct"] for r in every),
-                     **({"ratio": median / run["floor_seconds"]} if run["floor_seconds"]
-                        else {})})
+        rows.append(
+            {
+                **row,
+                "bytes_per_rank": run["bytes_per_rank"],
+                "seconds": median,
+                "range": [min(slowest), max(slowest)],
+                "runs": len(slowest),
+                "correct": all(r["runs"][k]["correct"] for r in every),
+                **({"ratio": median / run["floor_seconds"]} if run["floor_seconds"] else {}),
+            }
+        )
     return rows
 
 
 def _summed(checks: list[tuple[str, str, str]], rows: list[dict], world: int) -> dict:
     def said(state: str) -> list[str]:
-        return [detail if detail.startswith(name) else f"{name}: {detail}"
-                for name, state_, detail in checks if state_ == state]
+        return [
+            detail if detail.startswith(name) else f"{name}: {detail}"
+            for name, state_, detail in checks
+            if state_ == state
+        ]
+
     failures, slower = said("fail"), said("slower")
     code = NOT_READY if failures else SLOWER if slower else READY
-    return {"ranks": world, "checks": checks, "collectives": rows, "ready": code == READY,
-            "exit_code": code,
-            "verdict": {READY: "ready", NOT_READY: "not ready: " + "; ".join(failures),
-                        SLOWER: "works, but slower than rings here: " + "; ".join(slower)}[code]}
+    return {
+        "ranks": world,
+        "checks": checks,
+        "collectives": rows,
+        "ready": code == READY,
+        "exit_code": code,
+        "verdict": {
+            READY: "ready",
+            NOT_READY: "not ready: " + "; ".join(failures),
+            SLOWER: "works, but slower than rings here: " + "; ".join(slower),
+        }[code],
+    }

@@ -12,8 +12,14 @@ import shlex
 import sys
 
 from rich.console import Console
-from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn,
-                           TimeElapsedColumn)
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TaskID,
+    TextColumn,
+    TimeElapsedColumn,
+)
 
 from overcast.report.bench import WIDTH
 from overcast.units import parse_size
@@ -26,8 +32,13 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """--help shows each flag's default, where it has one."""
 
     def _get_help_string(self, action):
-        if action.default is None or action.default is argparse.SUPPRESS or \
-                not action.help or "%(default)" in action.help or action.nargs == 0:  # a switch
+        if (
+            action.default is None
+            or action.default is argparse.SUPPRESS
+            or not action.help
+            or "%(default)" in action.help
+            or action.nargs == 0
+        ):  # a switch
             return action.help
         return super()._get_help_string(action)
 
@@ -35,8 +46,9 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 def console_for(args) -> Console:
     """The terminal's width, or where output is not a terminal, 120 columns (or as wide as
     --wide's tables need)."""
-    return Console(width=None if sys.stdout.isatty() else
-                   (250 if getattr(args, "wide", False) else WIDTH))
+    return Console(
+        width=None if sys.stdout.isatty() else (250 if getattr(args, "wide", False) else WIDTH)
+    )
 
 
 def csv_items(text: str) -> list[str]:
@@ -56,20 +68,34 @@ def link_rates(args, several: bool) -> list[float]:
         raise ValueError(f"{flag} takes one link rate here, not {text!r}")
     for value in values:
         if not (math.isfinite(value) and value > 0):
-            raise ValueError(f"the link rate must be above 0 {unit}, not {value:g} ({flag}, "
-                             f"link_bits_per_s / {scale_text})")
+            raise ValueError(
+                f"the link rate must be above 0 {unit}, not {value:g} ({flag}, "
+                f"link_bits_per_s / {scale_text})"
+            )
     return [v * scale for v in values]
 
 
 def aggregator_flags(p) -> None:
-    p.add_argument("--aggregators", type=int, default=1,
-                   help="aggregators for in-network reduction, each on an attachment of its "
-                        "own; the ranks stripe their chunks over all their shards")
-    p.add_argument("--aggregator-link-mbit", type=float, default=None,
-                   help="each aggregator's link, Mbit/s per direction (default: unshaped, the "
-                        "switch's own compute)")
-    p.add_argument("--shards", type=int, default=None,
-                   help="each aggregator's data-path threads (default: the cores it may use)")
+    p.add_argument(
+        "--aggregators",
+        type=int,
+        default=1,
+        help="aggregators for in-network reduction, each on an attachment of its "
+        "own; the ranks stripe their chunks over all their shards",
+    )
+    p.add_argument(
+        "--aggregator-link-mbit",
+        type=float,
+        default=None,
+        help="each aggregator's link, Mbit/s per direction (default: unshaped, the "
+        "switch's own compute)",
+    )
+    p.add_argument(
+        "--shards",
+        type=int,
+        default=None,
+        help="each aggregator's data-path threads (default: the cores it may use)",
+    )
 
 
 def aggregators_from(args):
@@ -85,8 +111,9 @@ def aggregators_from(args):
 def parse_sizes(text: str, several: bool = True) -> list[int]:
     sizes = [parse_size(s) for s in csv_items(text)]
     if not sizes or (not several and len(sizes) > 1):
-        raise ValueError(f"--sizes takes {'sizes, comma-separated' if several else 'one size'}"
-                         f", not {text!r}")
+        raise ValueError(
+            f"--sizes takes {'sizes, comma-separated' if several else 'one size'}, not {text!r}"
+        )
     return sizes
 
 
@@ -134,8 +161,9 @@ def png_of(args) -> str | None:
     return args.png or (os.path.splitext(args.json)[0] + ".png" if args.json else None)
 
 
-def save_results(doc: dict, console: Console, json_path: str | None, png_path: str | None,
-                 plot) -> None:
+def save_results(
+    doc: dict, console: Console, json_path: str | None, png_path: str | None, plot
+) -> None:
     """Stamp the command line on the results; write them, and their plot, where asked."""
     doc["meta"]["command"] = "overcast " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     if json_path:
@@ -152,8 +180,14 @@ class _Progress:
     before any work leaves the terminal as it was."""
 
     def __init__(self, console: Console):
-        self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                            TimeElapsedColumn(), console=console, transient=True)
+        self.bar = Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=console,
+            transient=True,
+        )
         self.task: TaskID | None = None
 
     def __enter__(self) -> _Progress:
@@ -178,11 +212,22 @@ def progress_bar(console: Console):
 
 def hosts_flag(p, default, many: bool = False) -> None:
     if many:
-        p.add_argument("--hosts", "--nodes", dest="hosts", default=default,
-                       help="hosts (one rank each), comma-separated for several")
+        p.add_argument(
+            "--hosts",
+            "--nodes",
+            dest="hosts",
+            default=default,
+            help="hosts (one rank each), comma-separated for several",
+        )
     else:
-        p.add_argument("--hosts", "--nodes", dest="hosts", type=int, default=default,
-                       help="emulated hosts, one rank each")
+        p.add_argument(
+            "--hosts",
+            "--nodes",
+            dest="hosts",
+            type=int,
+            default=default,
+            help="emulated hosts, one rank each",
+        )
 
 
 def link_flags(p, default: str, unit: str, several: bool) -> None:
@@ -190,9 +235,11 @@ def link_flags(p, default: str, unit: str, several: bool) -> None:
     many = "; comma-separated for several" if several else ""
     group = p.add_mutually_exclusive_group()
     for flag, name in (("--link-mbit", "Mbit/s"), ("--link-gbit", "Gbit/s")):
-        group.add_argument(flag, help=f"link rate per direction in {name}{many}" +
-                           (f" (default: {default})" if flag == unit else
-                            f" (instead of {unit})"))
+        group.add_argument(
+            flag,
+            help=f"link rate per direction in {name}{many}"
+            + (f" (default: {default})" if flag == unit else f" (instead of {unit})"),
+        )
     p.set_defaults(link_default=(unit, default))
 
 
@@ -201,13 +248,18 @@ def file_flags(p, json_help: str, png_help: str) -> None:
     p.add_argument("--png", "--plot", dest="png", help=png_help + " (default: beside --json)")
 
 
-
 def drop_flag(p) -> None:
-    p.add_argument("--drop-multicast", default="",
-                   help="hosts, comma-separated, or all: the switch drops the multicast it would "
-                        "send them, as a network without multicast does")
+    p.add_argument(
+        "--drop-multicast",
+        default="",
+        help="hosts, comma-separated, or all: the switch drops the multicast it would "
+        "send them, as a network without multicast does",
+    )
 
 
 def dropped_hosts(args) -> list[int]:
-    return list(range(args.hosts)) if args.drop_multicast == "all" else \
-        parse_ints(args.drop_multicast, "--drop-multicast")
+    return (
+        list(range(args.hosts))
+        if args.drop_multicast == "all"
+        else parse_ints(args.drop_multicast, "--drop-multicast")
+    )

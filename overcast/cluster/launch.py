@@ -32,8 +32,10 @@ class RankError(RuntimeError):
     def __init__(self, failures: dict[int, str], results: list | None = None):
         self.failures = failures
         self.results = results or []  # what the other ranks returned (None where failed)
-        lines = [f"rank {r}: {msg.strip().splitlines()[-1] if msg.strip() else msg}"
-                 for r, msg in sorted(failures.items())]
+        lines = [
+            f"rank {r}: {msg.strip().splitlines()[-1] if msg.strip() else msg}"
+            for r, msg in sorted(failures.items())
+        ]
         super().__init__("; ".join(lines))
 
 
@@ -70,8 +72,11 @@ def compute_threads(ranks: int) -> dict[str, str]:
     threads = max(1, cores // max(1, ranks))
     if not _threads_said:
         _threads_said = True
-        print(f"overcast: OMP_NUM_THREADS={threads} for each of {ranks} ranks sharing {cores} "
-              f"cores (set OMP_NUM_THREADS to choose)", file=sys.stderr)
+        print(
+            f"overcast: OMP_NUM_THREADS={threads} for each of {ranks} ranks sharing {cores} "
+            f"cores (set OMP_NUM_THREADS to choose)",
+            file=sys.stderr,
+        )
     return {"OMP_NUM_THREADS": str(threads)}
 
 
@@ -84,9 +89,21 @@ def free_port(host: str = "127.0.0.1") -> int:
 def loopback_placements(world: int, extra_env: dict[str, str] | None = None) -> list[Placement]:
     """Every rank on this host's loopback, as a single-machine torchrun would place them."""
     port, threads = free_port(), compute_threads(world)
-    return [Placement(None, {"RANK": str(r), "WORLD_SIZE": str(world), "LOCAL_RANK": str(r),
-                             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                             **threads, **(extra_env or {})}) for r in range(world)]
+    return [
+        Placement(
+            None,
+            {
+                "RANK": str(r),
+                "WORLD_SIZE": str(world),
+                "LOCAL_RANK": str(r),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+                **threads,
+                **(extra_env or {}),
+            },
+        )
+        for r in range(world)
+    ]
 
 
 def _child(fn, rank: int, placement: Placement, args, write_fd: int) -> None:
@@ -108,12 +125,13 @@ def _child(fn, rank: int, placement: Placement, args, write_fd: int) -> None:
     try:
         data = json.dumps(reply).encode()
     except (TypeError, ValueError) as err:
-        data = json.dumps({"error": f"rank {rank} returned a value JSON cannot carry: "
-                                    f"{err}"}).encode()
+        data = json.dumps(
+            {"error": f"rank {rank} returned a value JSON cannot carry: {err}"}
+        ).encode()
         status = 1
     view = memoryview(data)
     while view:
-        view = view[os.write(write_fd, view):]
+        view = view[os.write(write_fd, view) :]
     os._exit(status)
 
 

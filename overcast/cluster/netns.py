@@ -40,12 +40,15 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import Any
 
-from overcast.aggregator.launch import (AggregatorProcess, AggregatorStartError,
-                                         start_aggregator, stop_aggregator)
+from overcast.aggregator.launch import (
+    AggregatorProcess,
+    AggregatorStartError,
+    start_aggregator,
+    stop_aggregator,
+)
 from overcast.cluster.launch import Placement, compute_threads, run_ranks
 from overcast.errors import OvercastError
-from overcast.limits import (check_aggregators, check_hosts, check_link_rate, check_mtu,
-                             require)
+from overcast.limits import check_aggregators, check_hosts, check_link_rate, check_mtu, require
 from overcast.transport.datagram import reduction_batch
 from overcast.wire.registration import DEFAULT_AGGREGATOR_PORT
 
@@ -110,6 +113,7 @@ def interface_gro(ns: str, ifname: str, on: bool | None = None) -> bool:
                 said["on"] = struct.unpack_from("=II", value.raw)[1] != 0
         except OSError as err:
             said["error"] = err
+
     thread = threading.Thread(target=in_namespace, name=f"overcast-gro-{ns}")
     thread.start()
     thread.join()
@@ -122,8 +126,9 @@ def check_privileges() -> None:
     """Raise ClusterError with a remedy unless this process may create network namespaces."""
     missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
     if missing:
-        raise ClusterError(f"{' and '.join(missing)} not found: install iproute2 "
-                           f"(apt-get install iproute2)")
+        raise ClusterError(
+            f"{' and '.join(missing)} not found: install iproute2 (apt-get install iproute2)"
+        )
     if os.geteuid() != 0:
         raise ClusterError(
             "the emulated cluster creates network namespaces, veth links and tc qdiscs, which "
@@ -131,7 +136,8 @@ def check_privileges() -> None:
             "PATH=$PATH overcast ...), or, where the kernel allows unprivileged user "
             "namespaces, inside one: unshare --user --map-root-user --net --mount sh -c "
             "'mount -t tmpfs none /run && python your_script.py' (the overcast command does "
-            "this by itself when it is not root)")
+            "this by itself when it is not root)"
+        )
 
 
 def _tbf(rate_bits: int, mtu: int, queue_bytes: int) -> list[str]:
@@ -174,7 +180,7 @@ def clean_leftovers(force: bool = False) -> list[str]:
     """Remove namespaces of runs whose owning process is gone (all overcast ones if force)."""
     removed = []
     for name in list_namespaces():
-        run_id = name[len(PREFIX):].split("-")[0]
+        run_id = name[len(PREFIX) :].split("-")[0]
         if force or not _owner_alive(run_id):
             _kill_namespace_processes(name)
             _ip("netns", "del", name, check=False)
@@ -194,8 +200,12 @@ class NicCounters:
     rx_packets: int
 
     def __sub__(self, other: NicCounters) -> NicCounters:
-        return NicCounters(self.tx_bytes - other.tx_bytes, self.rx_bytes - other.rx_bytes,
-                           self.tx_packets - other.tx_packets, self.rx_packets - other.rx_packets)
+        return NicCounters(
+            self.tx_bytes - other.tx_bytes,
+            self.rx_bytes - other.rx_bytes,
+            self.tx_packets - other.tx_packets,
+            self.rx_packets - other.rx_packets,
+        )
 
 
 def read_nic_counters(ifname: str = "eth0") -> NicCounters:
@@ -212,20 +222,35 @@ def read_nic_counters(ifname: str = "eth0") -> NicCounters:
 class Cluster:
     """P shaped hosts and a switch. Use as a context manager; `run` calls a function per host."""
 
-    def __init__(self, hosts: int, link_bits_per_s: int, *, mtu: int = 9000,
-                 switch_queue_bytes: int = 512 * 1024, aggregators: int = 1,
-                 aggregator_bits_per_s: int | None = None, service: bool = True,
-                 drop_multicast: Sequence[int] = (), gro: bool = True):
+    def __init__(
+        self,
+        hosts: int,
+        link_bits_per_s: int,
+        *,
+        mtu: int = 9000,
+        switch_queue_bytes: int = 512 * 1024,
+        aggregators: int = 1,
+        aggregator_bits_per_s: int | None = None,
+        service: bool = True,
+        drop_multicast: Sequence[int] = (),
+        gro: bool = True,
+    ):
         check_hosts(hosts, least=1)
         for i in drop_multicast:
-            require(isinstance(i, int) and 0 <= i < hosts, "a host whose multicast is dropped",
-                    f"a host number from 0 to {hosts - 1}", i, "--drop-multicast, drop_multicast")
+            require(
+                isinstance(i, int) and 0 <= i < hosts,
+                "a host whose multicast is dropped",
+                f"a host number from 0 to {hosts - 1}",
+                i,
+                "--drop-multicast, drop_multicast",
+            )
         check_link_rate(link_bits_per_s)
         check_mtu(mtu)
         check_aggregators(aggregators, MAX_AGGREGATORS)
         if aggregator_bits_per_s is not None:
-            check_link_rate(aggregator_bits_per_s,
-                            "--aggregator-link-mbit, aggregator_bits_per_s / 1e6")
+            check_link_rate(
+                aggregator_bits_per_s, "--aggregator-link-mbit, aggregator_bits_per_s / 1e6"
+            )
         self.hosts, self.link_bits_per_s, self.mtu = hosts, link_bits_per_s, mtu
         self.switch_queue_bytes = switch_queue_bytes
         self.aggregators, self.aggregator_bits_per_s = aggregators, aggregator_bits_per_s
@@ -237,8 +262,9 @@ class Cluster:
         self.switch_ns = f"{PREFIX}{self.run_id}-sw"
         self.host_ns = [f"{PREFIX}{self.run_id}-h{i}" for i in range(hosts)]
         self.service_ns = f"{PREFIX}{self.run_id}-svc"
-        self.aggregator_ns = [self.service_ns] + [f"{PREFIX}{self.run_id}-svc{a}"
-                                                  for a in range(1, aggregators)]
+        self.aggregator_ns = [self.service_ns] + [
+            f"{PREFIX}{self.run_id}-svc{a}" for a in range(1, aggregators)
+        ]
         self._created: list[str] = []
         self._aggregator_addresses: dict[int, str] = {}  # attachment -> its "host:port"
         self._procs: list[subprocess.Popen] = []
@@ -274,9 +300,24 @@ class Cluster:
         # shows no state for it), so the interval is short and up() waits it out at the end.
         # IGMPv3, so that no host holds back its report on hearing another's.
         centis = str(round(QUERY_RESPONSE_SECONDS * 100))
-        _ip(*sw, "link", "add", "br0", "mtu", str(self.mtu), "type", "bridge",
-            "mcast_snooping", "1", "mcast_igmp_version", "3",
-            "mcast_query_response_interval", centis, "mcast_startup_query_interval", centis)
+        _ip(
+            *sw,
+            "link",
+            "add",
+            "br0",
+            "mtu",
+            str(self.mtu),
+            "type",
+            "bridge",
+            "mcast_snooping",
+            "1",
+            "mcast_igmp_version",
+            "3",
+            "mcast_query_response_interval",
+            centis,
+            "mcast_startup_query_interval",
+            centis,
+        )
         _ip(*sw, "link", "set", "br0", "type", "bridge", "mcast_querier", "1")
         snooping_from = time.monotonic() + QUERY_RESPONSE_SECONDS
         _ip(*sw, "addr", "add", f"{QUERIER_ADDR}/16", "dev", "br0")
@@ -297,13 +338,30 @@ class Cluster:
         _ip("netns", "add", name)
         self._created.append(name)
 
-    def _attach(self, ns: str, port: str, address: str, send_bits: int | None,
-                recv_bits: int | None) -> None:
+    def _attach(
+        self, ns: str, port: str, address: str, send_bits: int | None, recv_bits: int | None
+    ) -> None:
         """A namespace with eth0 at `address`, cabled to switch port `port`."""
         self._netns(ns)
         mtu = str(self.mtu)
-        _ip("link", "add", "eth0", "netns", ns, "mtu", mtu, "type", "veth", "peer", "name", port,
-            "netns", self.switch_ns, "mtu", mtu)
+        _ip(
+            "link",
+            "add",
+            "eth0",
+            "netns",
+            ns,
+            "mtu",
+            mtu,
+            "type",
+            "veth",
+            "peer",
+            "name",
+            port,
+            "netns",
+            self.switch_ns,
+            "mtu",
+            mtu,
+        )
         _ip("-n", self.switch_ns, "link", "set", port, "master", "br0", "up")
         _ip("-n", ns, "addr", "add", f"{address}/16", "dev", "eth0")
         _ip("-n", ns, "link", "set", "eth0", "up")
@@ -312,16 +370,35 @@ class Cluster:
             raise ClusterError(f"GRO stays off on eth0 in {ns} (this kernel's veth has none?)")
         _ip("-n", ns, "route", "add", MULTICAST_NET, "dev", "eth0")
         # A collective follows a pause; TCP must not fall back to slow start after each one.
-        subprocess.run(["ip", "netns", "exec", ns, "sysctl", "-qw",
-                        "net.ipv4.tcp_slow_start_after_idle=0"], check=True, capture_output=True)
+        subprocess.run(
+            ["ip", "netns", "exec", ns, "sysctl", "-qw", "net.ipv4.tcp_slow_start_after_idle=0"],
+            check=True,
+            capture_output=True,
+        )
         # The sender's own queue is deep, so a sender blocks on its socket rather than losing
         # datagrams in its own NIC; the switch port's queue is a switch buffer.
         if send_bits:
-            _tc("-n", ns, "qdisc", "add", "dev", "eth0", "root",
-                *_tbf(send_bits, self.mtu, 8 * 1024 * 1024))
+            _tc(
+                "-n",
+                ns,
+                "qdisc",
+                "add",
+                "dev",
+                "eth0",
+                "root",
+                *_tbf(send_bits, self.mtu, 8 * 1024 * 1024),
+            )
         if recv_bits:
-            _tc("-n", self.switch_ns, "qdisc", "add", "dev", port, "root",
-                *_tbf(recv_bits, self.mtu, self.switch_queue_bytes))
+            _tc(
+                "-n",
+                self.switch_ns,
+                "qdisc",
+                "add",
+                "dev",
+                port,
+                "root",
+                *_tbf(recv_bits, self.mtu, self.switch_queue_bytes),
+            )
 
     def _drop_multicast(self, i: int) -> None:
         """The switch drops every multicast datagram (UDP to 239.0.0.0/8) it would send to host
@@ -332,20 +409,66 @@ class Cluster:
         _tc(*sw, "qdisc", "del", "dev", port, "root")
         _tc(*sw, "qdisc", "add", "dev", port, "root", "handle", "1:", "htb", "default", "1")
         for band in ("1:1", "1:2"):  # HTB's own rate far above the link's: it only sorts
-            _tc(*sw, "class", "add", "dev", port, "parent", "1:", "classid", band, "htb", "rate",
-                "100gbit")
-        _tc(*sw, "qdisc", "add", "dev", port, "parent", "1:1",
-            *_tbf(self.link_bits_per_s, self.mtu, self.switch_queue_bytes))
+            _tc(
+                *sw,
+                "class",
+                "add",
+                "dev",
+                port,
+                "parent",
+                "1:",
+                "classid",
+                band,
+                "htb",
+                "rate",
+                "100gbit",
+            )
+        _tc(
+            *sw,
+            "qdisc",
+            "add",
+            "dev",
+            port,
+            "parent",
+            "1:1",
+            *_tbf(self.link_bits_per_s, self.mtu, self.switch_queue_bytes),
+        )
         _tc(*sw, "qdisc", "add", "dev", port, "parent", "1:2", "pfifo", "limit", "0")
-        _tc(*sw, "filter", "add", "dev", port, "parent", "1:", "protocol", "ip", "prio", "1",
-            "u32", "match", "ip", "dst", MULTICAST_NET, "match", "ip", "protocol", "17", "0xff",
-            "flowid", "1:2")
+        _tc(
+            *sw,
+            "filter",
+            "add",
+            "dev",
+            port,
+            "parent",
+            "1:",
+            "protocol",
+            "ip",
+            "prio",
+            "1",
+            "u32",
+            "match",
+            "ip",
+            "dst",
+            MULTICAST_NET,
+            "match",
+            "ip",
+            "protocol",
+            "17",
+            "0xff",
+            "flowid",
+            "1:2",
+        )
 
     def multicast_dropped(self, host: int) -> int:
         """Multicast datagrams the switch has dropped on their way to `host` (one of
         `drop_multicast`)."""
-        out = subprocess.run(["tc", "-n", self.switch_ns, "-s", "-j", "qdisc", "show", "dev",
-                              f"h{host}"], check=True, capture_output=True, text=True).stdout
+        out = subprocess.run(
+            ["tc", "-n", self.switch_ns, "-s", "-j", "qdisc", "show", "dev", f"h{host}"],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout
         return sum(q.get("drops", 0) for q in json.loads(out) if q["kind"] == "pfifo")
 
     def down(self) -> None:
@@ -371,14 +494,23 @@ class Cluster:
     def environment(self, rank: int, extra: dict[str, str] | None = None) -> dict[str, str]:
         """torchrun-style variables for host `rank` (a share of the cores for its compute
         threads among them), plus the job secret and link rate."""
-        return {**compute_threads(self.hosts),
-                "RANK": str(rank), "WORLD_SIZE": str(self.hosts), "LOCAL_RANK": "0",
-                "MASTER_ADDR": self.master_addr, "MASTER_PORT": str(MASTER_PORT),
-                "OVERCAST_SECRET": self.secret,
-                "OVERCAST_LINK_BITS_PER_S": str(self.link_bits_per_s),
-                "GLOO_SOCKET_IFNAME": "eth0",
-                **({"OVERCAST_AGGREGATORS": self.aggregator_addresses}
-                   if self.aggregator_addresses else {}), **(extra or {})}
+        return {
+            **compute_threads(self.hosts),
+            "RANK": str(rank),
+            "WORLD_SIZE": str(self.hosts),
+            "LOCAL_RANK": "0",
+            "MASTER_ADDR": self.master_addr,
+            "MASTER_PORT": str(MASTER_PORT),
+            "OVERCAST_SECRET": self.secret,
+            "OVERCAST_LINK_BITS_PER_S": str(self.link_bits_per_s),
+            "GLOO_SOCKET_IFNAME": "eth0",
+            **(
+                {"OVERCAST_AGGREGATORS": self.aggregator_addresses}
+                if self.aggregator_addresses
+                else {}
+            ),
+            **(extra or {}),
+        }
 
     def placements(self, extra: dict[str, str] | None = None) -> list[Placement]:
         return [Placement(ns, self.environment(r, extra)) for r, ns in enumerate(self.host_ns)]
@@ -387,8 +519,9 @@ class Cluster:
         """fn(rank, *args) on every host at once; the results in rank order (see run_ranks)."""
         return run_ranks(fn, self.placements(env), args, timeout)
 
-    def start(self, argv: list[str], host: int | None = None,
-              env: dict[str, str] | None = None, **popen) -> subprocess.Popen:
+    def start(
+        self, argv: list[str], host: int | None = None, env: dict[str, str] | None = None, **popen
+    ) -> subprocess.Popen:
         """Start a command on host `host`, or on the service attachment if None; it is killed
         at teardown if still running."""
         ns = self.service_ns if host is None else self.host_ns[host]
@@ -400,22 +533,34 @@ class Cluster:
     @property
     def aggregator_addresses(self) -> str | None:
         """OVERCAST_AGGREGATORS for the aggregators running: in the order of their attachments."""
-        return ",".join(self._aggregator_addresses[a]
-                        for a in sorted(self._aggregator_addresses)) or None
+        return (
+            ",".join(self._aggregator_addresses[a] for a in sorted(self._aggregator_addresses))
+            or None
+        )
 
-    def start_aggregator(self, slots: int = 256, stats_path: str | None = None,
-                         port: int = DEFAULT_AGGREGATOR_PORT, secrets: list[str] | None = None,
-                         aggregator: int = 0, shards: int | None = None) -> AggregatorProcess:
+    def start_aggregator(
+        self,
+        slots: int = 256,
+        stats_path: str | None = None,
+        port: int = DEFAULT_AGGREGATOR_PORT,
+        secrets: list[str] | None = None,
+        aggregator: int = 0,
+        shards: int | None = None,
+    ) -> AggregatorProcess:
         """Start an aggregator (overcast aggregator, `shards` data-path threads, None: the cores it
         may use) on attachment `aggregator`; from then on the hosts' environment points at it
         (with the others). It serves this cluster's job, or the jobs whose secrets (hex) are
         given. Returns once it listens."""
         try:
-            proc, address = start_aggregator(aggregator_address(aggregator), port,
-                                             secrets=secrets or [self.secret], slots=slots,
-                                             stats_path=stats_path, shards=shards,
-                                             prefix=("ip", "netns", "exec",
-                                                     self.aggregator_ns[aggregator]))
+            proc, address = start_aggregator(
+                aggregator_address(aggregator),
+                port,
+                secrets=secrets or [self.secret],
+                slots=slots,
+                stats_path=stats_path,
+                shards=shards,
+                prefix=("ip", "netns", "exec", self.aggregator_ns[aggregator]),
+            )
         except AggregatorStartError as err:
             raise ClusterError(str(err)) from None
         self._procs.append(proc)
@@ -423,14 +568,20 @@ class Cluster:
         self._aggregator_addresses[aggregator] = address
         return proc
 
-    def start_aggregators(self, slots: int = 256, stats_dir: str | None = None,
-                          shards: int | None = None) -> list[AggregatorProcess]:
+    def start_aggregators(
+        self, slots: int = 256, stats_dir: str | None = None, shards: int | None = None
+    ) -> list[AggregatorProcess]:
         """An aggregator on every attachment (`aggregators`), each writing its stats to
         stats_dir/aggregator-<a>.json."""
-        return [self.start_aggregator(slots, stats_dir and os.path.join(stats_dir,
-                                                                        f"aggregator-{a}.json"),
-                                      aggregator=a, shards=shards)
-                for a in range(self.aggregators)]
+        return [
+            self.start_aggregator(
+                slots,
+                stats_dir and os.path.join(stats_dir, f"aggregator-{a}.json"),
+                aggregator=a,
+                shards=shards,
+            )
+            for a in range(self.aggregators)
+        ]
 
     def stop_aggregator(self, proc: AggregatorProcess) -> None:
         """Stop an aggregator gracefully (it writes its stats file on the way out)."""
@@ -452,8 +603,12 @@ class Cluster:
         ns = self.aggregator_ns[aggregator] if host is None else self.host_ns[host]
         out = _ip("-n", ns, "-s", "-j", "link", "show", "dev", "eth0").stdout
         stats = json.loads(out)[0]["stats64"]
-        return NicCounters(stats["tx"]["bytes"], stats["rx"]["bytes"], stats["tx"]["packets"],
-                           stats["rx"]["packets"])
+        return NicCounters(
+            stats["tx"]["bytes"],
+            stats["rx"]["bytes"],
+            stats["tx"]["packets"],
+            stats["rx"]["packets"],
+        )
 
 
 def _sigterm_to_exit(signum, frame):

@@ -19,8 +19,10 @@ MARKER = "OVERCAST_IN_USER_NAMESPACE"
 def available() -> bool:
     if shutil.which("unshare") is None:
         return False
-    for path, minimum in (("/proc/sys/kernel/unprivileged_userns_clone", 1),
-                          ("/proc/sys/user/max_user_namespaces", 1)):
+    for path, minimum in (
+        ("/proc/sys/kernel/unprivileged_userns_clone", 1),
+        ("/proc/sys/user/max_user_namespaces", 1),
+    ):
         try:
             with open(path) as f:
                 if int(f.read().strip()) < minimum:
@@ -34,8 +36,21 @@ def command(argv: list[str]) -> list[str]:
     """`argv` (arguments to this Python) run as root of a fresh user, network and mount
     namespace with a private /run."""
     script = 'mount -t tmpfs overcast /run && exec "$@"'
-    return ["unshare", "--user", "--map-root-user", "--net", "--mount", "--propagation",
-            "private", "sh", "-c", script, "sh", sys.executable, *argv]
+    return [
+        "unshare",
+        "--user",
+        "--map-root-user",
+        "--net",
+        "--mount",
+        "--propagation",
+        "private",
+        "sh",
+        "-c",
+        script,
+        "sh",
+        sys.executable,
+        *argv,
+    ]
 
 
 def reexec(argv: list[str]) -> None:

@@ -6,8 +6,7 @@
 Every collective of the group runs on an overcast Communicator made for it (docs/backend.md).
 """
 
-from overcast.distributed.backend import (ALGORITHM_ENV, BACKEND_NAME, ProcessGroupOvercast,
-                                          register)
+from overcast.distributed.backend import ALGORITHM_ENV, BACKEND_NAME, ProcessGroupOvercast, register
 
 register()
 

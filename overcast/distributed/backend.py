@@ -24,7 +24,6 @@ stream wait for them (the host waits for the collective only).
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import math
 import os
@@ -38,132 +37,43 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import GroupName
 
-from overcast.buffers import DTYPES, SUMMING_OPS, as_array
+from overcast.buffers import SUMMING_OPS
 from overcast.comm import ALGORITHMS
-from overcast.distributed.calls import Calls, mapped
-from overcast.errors import (CommunicatorClosedError, InvalidArgumentError,
-                             MulticastNotDeliveredWarning)
+from overcast.distributed.calls import Calls
+from overcast.distributed.tensors import (
+    as_bytes,
+    contiguous,
+    one_tensor,
+    op_of,
+    reduce_op,
+    reducible,
+    root_of,
+    staged,
+)
+from overcast.errors import (
+    CommunicatorClosedError,
+    InvalidArgumentError,
+    MulticastNotDeliveredWarning,
+)
 from overcast.job import GroupCommunicator, group_communicator
-from overcast.staging import Staging, device_of, process_pool
-from overcast.torch_api import premul_factor
 
 BACKEND_NAME = "overcast"
 DEVICES = ("cpu", "cuda")  # the devices the backend is registered for
 # Which algorithm each collective runs, by environment variable; "auto" (the default) picks the
 # fastest the communicator can run: the multicast and in-network ones when the link rate is
 # known (OVERCAST_LINK_BITS_PER_S) and multicast works here, the rings otherwise.
-ALGORITHM_ENV = {"all_gather": "OVERCAST_ALL_GATHER", "reduce_scatter": "OVERCAST_REDUCE_SCATTER",
-                 "all_reduce": "OVERCAST_ALL_REDUCE", "broadcast": "OVERCAST_BROADCAST"}
-FASTEST = {"all_gather": "multicast", "reduce_scatter": "innetwork", "all_reduce": "fullduplex",
-           "broadcast": "multicast"}
-# torch's reduce ops as overcast's; PREMUL_SUM is a sum of inputs scaled first.
-REDUCE_OPS = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.AVG: "avg", dist.ReduceOp.MAX: "max",
-              dist.ReduceOp.MIN: "min", dist.ReduceOp.PRODUCT: "product",
-              dist.ReduceOp.PREMUL_SUM: "sum"}
-
-
-def _reduce_op(op) -> tuple[str, Any]:
-    """(overcast op, premultiplying factor or None) for a torch ReduceOp."""
-    kind = getattr(op, "op", op)
-    for torch_op, name in REDUCE_OPS.items():
-        if kind == torch_op:
-            return name, premul_factor(op)
-    raise InvalidArgumentError(f"reduce op {kind} is not offered by overcast; supported: SUM, "
-                               f"AVG, PREMUL_SUM, MAX, MIN, PRODUCT")
-
-
-def _op_of(opts) -> object:
-    """The reduce op a call's options name (torch's default, SUM, when called without)."""
-    return dist.ReduceOp.SUM if opts is None else opts.reduceOp
-
-
-def _root_of(opts) -> int:
-    return 0 if opts is None else opts.rootRank
-
-
-def _bytes(t: torch.Tensor) -> np.ndarray:
-    """A contiguous tensor's bytes as a flat uint8 array, for collectives that only move data:
-    every dtype goes (bool, complex, int16...)."""
-    return t.reshape(-1).view(torch.uint8).numpy() if t.numel() else np.empty(0, np.uint8)
-
-
-def _reducible(t: torch.Tensor, op: str, what: str) -> np.ndarray:
-    """A contiguous tensor as the array overcast reduces: complex numbers as pairs of reals,
-    which sums and averages treat correctly and the other ops would not."""
-    if t.is_complex():
-        if op not in ("sum", "avg"):
-            raise InvalidArgumentError(f"{what}: op {op} is not defined on complex tensors")
-        t = torch.view_as_real(t)
-    arr = as_array(t, what)
-    if arr.dtype not in DTYPES:
-        raise InvalidArgumentError(f"{what}: overcast cannot reduce {t.dtype}; supported: "
-                                   f"float32, float64, float16, bfloat16, complex64, "
-                                   f"complex128, int8, int32, int64, uint8")
-    return arr
-
-
-@contextlib.contextmanager
-def _contiguous(t: torch.Tensor):
-    """`t` itself if it is contiguous; otherwise a contiguous copy, written back after."""
-    work = t if t.is_contiguous() else t.contiguous()
-    yield work
-    if work is not t:
-        t.copy_(work)
-
-
-def _leaves(value) -> list[torch.Tensor]:
-    """Every tensor in `value` (a tensor, or lists of them, or None)."""
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, (list, tuple)):
-        return [t for v in value for t in _leaves(v)]
-    return []
-
-
-# What a collective does with each of its tensor arguments, in order: "in" is read, "out"
-# written whole, "inout" read and written (or written on some ranks only: the copy in keeps
-# the others' values).
-_ROLES = {"in": {"read": True, "written": False}, "out": {"read": False, "written": True},
-          "inout": {"read": True, "written": True}}
-
-
-def _staged(*roles: str):
-    """A collective method that takes CUDA tensors: its first len(roles) arguments are checked
-    for their device and, on a GPU, replaced by staged host twins (see the module's doc). What
-    raises here, before the call is queued, raises from the call and is refused to the other
-    ranks in the call's place (ProcessGroupOvercast._refused)."""
-    def wrap(method):
-        @functools.wraps(method)
-        def call(self, *args, **kwargs):
-            given = args[:len(roles)]
-            try:
-                device = device_of(_leaves(given), method.__name__)
-            except Exception as err:
-                self._refused(method.__name__, err)
-                raise
-            if device is None:
-                return method(self, *args, **kwargs)
-            staging = Staging(device, self._side_stream(device), process_pool())
-            try:
-                try:
-                    host = [mapped(a, lambda t, role=role: staging.twin(t, **_ROLES[role]))
-                            for a, role in zip(given, roles)]
-                    staging.sealed()
-                except Exception as err:
-                    self._refused(method.__name__, err)
-                    raise
-                self._calling.staging = staging
-                try:
-                    return method(self, *host, *args[len(roles):], **kwargs)
-                finally:
-                    self._calling.staging = None
-            except BaseException:
-                staging.release()
-                raise
-        return call
-    return wrap
-
-
+ALGORITHM_ENV = {
+    "all_gather": "OVERCAST_ALL_GATHER",
+    "reduce_scatter": "OVERCAST_REDUCE_SCATTER",
+    "all_reduce": "OVERCAST_ALL_REDUCE",
+    "broadcast": "OVERCAST_BROADCAST",
+}
+FASTEST = {
+    "all_gather": "multicast",
+    "reduce_scatter": "innetwork",
+    "all_reduce": "fullduplex",
+    "broadcast": "multicast",
+}
 # How long abort() waits for the group to close: its calls failed, its communicators closed,
 # the aggregator rank 0 started stopped.
 ABORT_SECONDS = 15.0
@@ -211,10 +121,11 @@ class _Lifetime:
             if self.group.job_aggregator is not None:  # a close may be waiting for the others
                 self.group.job_aggregator.aborted.set()
         if self._begin():
-            threading.Thread(target=self._close, args=(True,), daemon=True,
-                             name="overcast-abort").start()
+            threading.Thread(
+                target=self._close, args=(True,), daemon=True, name="overcast-abort"
+            ).start()
         if threading.current_thread() not in self.calls.threads():  # a callback's abort would
-            self._closed.wait(ABORT_SECONDS)                        # wait for itself
+            self._closed.wait(ABORT_SECONDS)  # wait for itself
 
     def _close(self, aborted: bool) -> None:
         try:
@@ -238,11 +149,12 @@ def _gathered_json(comm, value) -> list[Any]:
     comm.all_gather(sizes, np.array([data.size], np.int64))
     width = int(sizes.max())
     padded = np.zeros(width, np.uint8)
-    padded[:data.size] = data
+    padded[: data.size] = data
     gathered = np.empty(comm.world_size * width, np.uint8)
     comm.all_gather(gathered, padded)
-    return [json.loads(gathered[r * width:r * width + int(n)].tobytes())
-            for r, n in enumerate(sizes)]
+    return [
+        json.loads(gathered[r * width : r * width + int(n)].tobytes()) for r, n in enumerate(sizes)
+    ]
 
 
 class ProcessGroupOvercast(dist.ProcessGroup):
@@ -251,8 +163,15 @@ class ProcessGroupOvercast(dist.ProcessGroup):
     collective runs; `global_ranks` the job's rank of each of the group's, which its calls'
     errors name beside the group's."""
 
-    def __init__(self, store, rank: int, world: int, timeout: float, group_id: str,
-                 global_ranks: list[int] | None = None):
+    def __init__(
+        self,
+        store,
+        rank: int,
+        world: int,
+        timeout: float,
+        group_id: str,
+        global_ranks: list[int] | None = None,
+    ):
         # torch's stub names only the (store, rank, size) form; (rank, size) is the one for
         # a backend that keeps its own store
         super().__init__(rank, world)  # type: ignore[call-arg]
@@ -265,15 +184,23 @@ class ProcessGroupOvercast(dist.ProcessGroup):
             if algorithm != "auto" and algorithm not in known:
                 raise InvalidArgumentError(
                     f"{ALGORITHM_ENV[collective]}={algorithm!r} is not one of auto, "
-                    f"{', '.join(known)}")
-        in_network = any(chosen[c] in ("innetwork", "fullduplex") or
-                         (chosen[c] == "auto" and link)
-                         for c in ("reduce_scatter", "all_reduce"))
+                    f"{', '.join(known)}"
+                )
+        in_network = any(
+            chosen[c] in ("innetwork", "fullduplex") or (chosen[c] == "auto" and link)
+            for c in ("reduce_scatter", "all_reduce")
+        )
         # torch names a group alike on every rank (its ranks' hash, or a count every rank
         # keeps); the store tells this group from an earlier one of the same name.
-        self._group = group_communicator(store, rank, world, f"pg-{group_id}",
-                                         in_network=in_network, timeout=timeout,
-                                         fail_peers_on_bad_input=False)
+        self._group = group_communicator(
+            store,
+            rank,
+            world,
+            f"pg-{group_id}",
+            in_network=in_network,
+            timeout=timeout,
+            fail_peers_on_bad_input=False,
+        )
         self.communicator = self._group.comm
         try:
             self._fallbacks: dict[str, str] = {}  # why "auto" runs the ring, by collective
@@ -283,10 +210,13 @@ class ProcessGroupOvercast(dist.ProcessGroup):
             raise
         self._calling = threading.local()  # the staging of the CUDA call being made, if any
         self._side_streams: dict[torch.device, object] = {}
-        self._calls = Calls(f"overcast-{self.communicator.name}",
-                            refuse=self.communicator.refuse,
-                            order=self.communicator if world > 1 else None, timeout=timeout,
-                            ranks=global_ranks)
+        self._calls = Calls(
+            f"overcast-{self.communicator.name}",
+            refuse=self.communicator.refuse,
+            order=self.communicator if world > 1 else None,
+            timeout=timeout,
+            ranks=global_ranks,
+        )
         self._lifetime = _Lifetime(self._calls, self._group, timeout)
         self._finalizer = weakref.finalize(self, self._lifetime.close)
 
@@ -313,54 +243,77 @@ class ProcessGroupOvercast(dist.ProcessGroup):
         store."""
         comm = self.communicator
         mine: dict[str, dict[str, Any]] = {
-            "chosen": chosen, "cannot": {c: comm.unavailable(c, FASTEST[c])
-                                         for c, a in chosen.items() if a == "auto"}}
+            "chosen": chosen,
+            "cannot": {
+                c: comm.unavailable(c, FASTEST[c]) for c, a in chosen.items() if a == "auto"
+            },
+        }
         said = _gathered_json(comm, mine) if comm.world_size > 1 else [mine]
         for r, theirs in enumerate(said):
             differ = [c for c in chosen if theirs["chosen"][c] != said[0]["chosen"][c]]
             if differ:
                 raise InvalidArgumentError(
-                    "the ranks choose different algorithms: rank 0 has " +
-                    ", ".join(f"{ALGORITHM_ENV[c]}={said[0]['chosen'][c]}" for c in differ) +
-                    f", rank {r} " + ", ".join(f"{ALGORITHM_ENV[c]}={theirs['chosen'][c]}"
-                                               for c in differ) +
-                    "; set them alike on every rank")
+                    "the ranks choose different algorithms: rank 0 has "
+                    + ", ".join(f"{ALGORITHM_ENV[c]}={said[0]['chosen'][c]}" for c in differ)
+                    + f", rank {r} "
+                    + ", ".join(f"{ALGORITHM_ENV[c]}={theirs['chosen'][c]}" for c in differ)
+                    + "; set them alike on every rank"
+                )
         reasons: dict[str, str] = {}
         for r, theirs in enumerate(said):
             for c, why in theirs["cannot"].items():
                 if why and why != comm.multicast_undelivered and c not in reasons:
                     reasons[c] = f"rank {r}: {why}" if comm.world_size > 1 else why
         for c, why in mine["cannot"].items():  # multicast proven undelivered, which every rank
-            if why and c not in reasons:      # says alike, and none explains more closely
+            if why and c not in reasons:  # says alike, and none explains more closely
                 reasons[c] = why
-        if comm.multicast_undelivered and "reduce_scatter" in mine["cannot"] and \
-                "reduce_scatter" not in reasons:  # as overlap() does
-            reasons["reduce_scatter"] = (f"{comm.multicast_undelivered}: an in-network "
-                                         f"ReduceScatter beside a ring AllGather adds to the "
-                                         f"send direction the ring loads already")
+        if (
+            comm.multicast_undelivered
+            and "reduce_scatter" in mine["cannot"]
+            and "reduce_scatter" not in reasons
+        ):  # as overlap() does
+            reasons["reduce_scatter"] = (
+                f"{comm.multicast_undelivered}: an in-network "
+                f"ReduceScatter beside a ring AllGather adds to the "
+                f"send direction the ring loads already"
+            )
         self._fallbacks = reasons
         # Multicast proven undelivered when the communicator was made (alike on every rank):
         # said once, naming the ranks that did not hear and the collectives that take the ring.
-        undelivered = [c for c in chosen if comm.multicast_undelivered and
-                       reasons.get(c, "").startswith(comm.multicast_undelivered)]
+        undelivered = [
+            c
+            for c in chosen
+            if comm.multicast_undelivered
+            and reasons.get(c, "").startswith(comm.multicast_undelivered)
+        ]
         if undelivered:
-            warnings.warn(f"{comm.multicast_undelivered}; group {self._group_name!r} runs "
-                          f"{', '.join(undelivered)} on the ring", MulticastNotDeliveredWarning,
-                          stacklevel=2)
-        return {c: ("ring" if c in reasons else FASTEST[c]) if a == "auto" else a
-                for c, a in chosen.items()}
+            warnings.warn(
+                f"{comm.multicast_undelivered}; group {self._group_name!r} runs "
+                f"{', '.join(undelivered)} on the ring",
+                MulticastNotDeliveredWarning,
+                stacklevel=2,
+            )
+        return {
+            c: ("ring" if c in reasons else FASTEST[c]) if a == "auto" else a
+            for c, a in chosen.items()
+        }
 
-    def companion_communicator(self, *, in_network: bool, trace: bool = False) -> \
-            GroupCommunicator:
+    def companion_communicator(self, *, in_network: bool, trace: bool = False) -> GroupCommunicator:
         """Another communicator over this group's ranks, meeting through its store and sharing
         its aggregator and secret: for a caller that posts collectives from its own thread
         (overlap()), so that each communicator has one issuing order on every rank. Call it on
         every rank of the group; close it before the group."""
-        made = group_communicator(self._store, self.rank(), self.size(),
-                                  f"{self.communicator.name}-companion",
-                                  in_network=in_network, secret_hex=self._group.secret_hex,
-                                  aggregators=self._group.aggregators, timeout=self._timeout,
-                                  trace=trace)
+        made = group_communicator(
+            self._store,
+            self.rank(),
+            self.size(),
+            f"{self.communicator.name}-companion",
+            in_network=in_network,
+            secret_hex=self._group.secret_hex,
+            aggregators=self._group.aggregators,
+            timeout=self._timeout,
+            trace=trace,
+        )
         self._lifetime.companions.add(made.comm)
         return made
 
@@ -405,8 +358,9 @@ class ProcessGroupOvercast(dist.ProcessGroup):
     # torch types it a Backend; its Python callers ask only what this group answers itself
     def _get_backend(self, device) -> ProcessGroupOvercast:  # type: ignore[override]
         if torch.device(device).type not in DEVICES:
-            raise RuntimeError(f"No backend type associated with device type "
-                               f"{torch.device(device).type}")
+            raise RuntimeError(
+                f"No backend type associated with device type {torch.device(device).type}"
+            )
         return self
 
     # what torch asks a device's backend before using a C++ backend's extras: none here
@@ -441,27 +395,32 @@ class ProcessGroupOvercast(dist.ProcessGroup):
         """A call that failed before it was queued (its tensors' devices, its staging): queued
         anyway, as a call that raises `error`, so that the worker refuses it to the other ranks
         in its place among the calls (Communicator.refuse), numbered as theirs."""
+
         def fail():
             raise error
+
         with contextlib.suppress(CommunicatorClosedError):
             self._calls.submit(what, fail, None)
 
     def _all_reduce(self, t: torch.Tensor, op) -> None:
-        name, factor = _reduce_op(op)
-        with _contiguous(t) as work:
+        name, factor = reduce_op(op)
+        with contiguous(t) as work:
             if factor is not None:
                 work.mul_(factor)
-            self.communicator.all_reduce(_reducible(work, name, "all_reduce"), name,
-                                         self._algorithm("all_reduce", name))
+            self.communicator.all_reduce(
+                reducible(work, name, "all_reduce"), name, self._algorithm("all_reduce", name)
+            )
 
     def _all_gather_into(self, out: torch.Tensor, inp: torch.Tensor) -> None:
         if out.numel() != inp.numel() * self.size() or out.dtype != inp.dtype:
             raise InvalidArgumentError(
                 f"all_gather: the output holds {out.numel()} x {out.dtype}, it needs "
-                f"world_size ({self.size()}) x the input's {inp.numel()} x {inp.dtype}")
-        with _contiguous(out) as dest:
-            self.communicator.all_gather(_bytes(dest), _bytes(inp.contiguous()),
-                                         algorithm=self.algorithms["all_gather"])
+                f"world_size ({self.size()}) x the input's {inp.numel()} x {inp.dtype}"
+            )
+        with contiguous(out) as dest:
+            self.communicator.all_gather(
+                as_bytes(dest), as_bytes(inp.contiguous()), algorithm=self.algorithms["all_gather"]
+            )
 
     def _all_gather_list(self, outs, inp: torch.Tensor, keep: bool = True) -> torch.Tensor:
         """All ranks' `inp` into the tensors `outs` (rank order), if `keep`; returns them as
@@ -469,7 +428,8 @@ class ProcessGroupOvercast(dist.ProcessGroup):
         if keep and (len(outs) != self.size() or any(o.numel() != inp.numel() for o in outs)):
             raise InvalidArgumentError(
                 f"all_gather: needs world_size ({self.size()}) outputs of the input's "
-                f"{inp.numel()} elements; got {[o.numel() for o in outs]}")
+                f"{inp.numel()} elements; got {[o.numel() for o in outs]}"
+            )
         gathered = torch.empty((self.size(), *inp.shape), dtype=inp.dtype)
         self._all_gather_into(gathered, inp)
         if keep:
@@ -478,45 +438,51 @@ class ProcessGroupOvercast(dist.ProcessGroup):
         return gathered
 
     def _reduce_scatter_into(self, out: torch.Tensor, inp: torch.Tensor, op) -> None:
-        name, factor = _reduce_op(op)
+        name, factor = reduce_op(op)
         if out.numel() * self.size() != inp.numel() or out.dtype != inp.dtype:
             raise InvalidArgumentError(
                 f"reduce_scatter: the input holds {inp.numel()} x {inp.dtype}, it needs "
-                f"world_size ({self.size()}) x the output's {out.numel()} x {out.dtype}")
+                f"world_size ({self.size()}) x the output's {out.numel()} x {out.dtype}"
+            )
         source = inp.contiguous()
         if factor is not None:
             source = source * factor
-        with _contiguous(out) as dest:
-            self.communicator.reduce_scatter(_reducible(dest, name, "reduce_scatter output"),
-                                             _reducible(source, name, "reduce_scatter input"),
-                                             name, algorithm=self._algorithm("reduce_scatter",
-                                                                             name))
+        with contiguous(out) as dest:
+            self.communicator.reduce_scatter(
+                reducible(dest, name, "reduce_scatter output"),
+                reducible(source, name, "reduce_scatter input"),
+                name,
+                algorithm=self._algorithm("reduce_scatter", name),
+            )
 
     def _broadcast(self, t: torch.Tensor, root: int) -> None:
-        with _contiguous(t) as work:
-            self.communicator.broadcast(_bytes(work), root,
-                                        algorithm=self.algorithms["broadcast"])
+        with contiguous(t) as work:
+            self.communicator.broadcast(
+                as_bytes(work), root, algorithm=self.algorithms["broadcast"]
+            )
 
     # -- collectives ------------------------------------------------------------------------
-    @_staged("inout")
+    @staged("inout")
     def allreduce(self, tensors, opts=None) -> dist.Work:
         def run():
             for t in tensors:
-                self._all_reduce(t, _op_of(opts))
+                self._all_reduce(t, op_of(opts))
+
         return self._submit("all_reduce", run, tensors)
 
-    @_staged("inout")
+    @staged("inout")
     def allreduce_coalesced(self, tensors, opts=None) -> dist.Work:
         def run():
             for dtype in dict.fromkeys(t.dtype for t in tensors):
                 same = [t for t in tensors if t.dtype == dtype]
                 flat = torch.cat([t.reshape(-1) for t in same])
-                self._all_reduce(flat, _op_of(opts))
+                self._all_reduce(flat, op_of(opts))
                 for t, piece in zip(same, flat.split([t.numel() for t in same])):
                     t.copy_(piece.view_as(t))
+
         return self._submit("all_reduce_coalesced", run, tensors)
 
-    @_staged("out", "in")
+    @staged("out", "in")
     def allgather(self, output_lists, inputs, opts=None) -> dist.Work:
         """The future's value is each input's gathered outputs as one tensor (world_size x the
         input's shape), as NCCL's: PyTorch's quantization comm hooks index it so."""
@@ -525,188 +491,225 @@ class ProcessGroupOvercast(dist.ProcessGroup):
         def run():
             for outs, inp in zip(output_lists, inputs):
                 gathered.append(self._all_gather_list(outs, inp))
+
         return self._submit("all_gather", run, gathered)
 
-    @_staged("out", "in")
+    @staged("out", "in")
     def allgather_coalesced(self, output_lists, inputs, opts=None) -> dist.Work:
         """output_lists[r][i] receives rank r's inputs[i]."""
+
         def run():
             for i, inp in enumerate(inputs):
                 self._all_gather_list([outs[i] for outs in output_lists], inp)
+
         return self._submit("all_gather_coalesced", run, output_lists)
 
-    @_staged("out", "in")
+    @staged("out", "in")
     def all_gather_single(self, output, input, opts=None) -> dist.Work:
-        return self._submit("all_gather_into_tensor",
-                            lambda: self._all_gather_into(output, input), [output])
+        return self._submit(
+            "all_gather_into_tensor", lambda: self._all_gather_into(output, input), [output]
+        )
 
     _allgather_base = all_gather_single
 
-    @_staged("out", "in")
+    @staged("out", "in")
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None) -> dist.Work:
         def run():
             for out, inp in zip(outputs, inputs):
                 self._all_gather_into(out, inp)
+
         return self._submit("all_gather_into_tensor_coalesced", run, outputs)
 
     all_gather_single_coalesced = allgather_into_tensor_coalesced
 
-    @_staged("out", "in")
+    @staged("out", "in")
     def reduce_scatter(self, outputs, input_lists, opts=None) -> dist.Work:
         def run():
             for out, ins in zip(outputs, input_lists):
                 if len(ins) != self.size() or any(i.numel() != out.numel() for i in ins):
                     raise InvalidArgumentError(
                         f"reduce_scatter: needs world_size ({self.size()}) inputs of the "
-                        f"output's {out.numel()} elements; got {[i.numel() for i in ins]}")
-                self._reduce_scatter_into(out, torch.cat([i.reshape(-1) for i in ins]),
-                                          _op_of(opts))
+                        f"output's {out.numel()} elements; got {[i.numel() for i in ins]}"
+                    )
+                self._reduce_scatter_into(out, torch.cat([i.reshape(-1) for i in ins]), op_of(opts))
+
         return self._submit("reduce_scatter", run, outputs)
 
-    @_staged("out", "in")
+    @staged("out", "in")
     def reduce_scatter_single(self, output, input, opts=None) -> dist.Work:
-        return self._submit("reduce_scatter_tensor",
-                            lambda: self._reduce_scatter_into(output, input, _op_of(opts)),
-                            [output])
+        return self._submit(
+            "reduce_scatter_tensor",
+            lambda: self._reduce_scatter_into(output, input, op_of(opts)),
+            [output],
+        )
 
     _reduce_scatter_base = reduce_scatter_single
 
-    @_staged("out", "in")
+    @staged("out", "in")
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None) -> dist.Work:
         def run():
             for out, inp in zip(outputs, inputs):
-                self._reduce_scatter_into(out, inp, _op_of(opts))
+                self._reduce_scatter_into(out, inp, op_of(opts))
+
         return self._submit("reduce_scatter_tensor_coalesced", run, outputs)
 
     reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
 
-    @_staged("inout")
+    @staged("inout")
     def broadcast(self, tensors, opts=None) -> dist.Work:
         def run():
             for t in tensors:
-                self._broadcast(t, _root_of(opts))
+                self._broadcast(t, root_of(opts))
+
         return self._submit("broadcast", run, tensors)
 
     def barrier(self, opts=None) -> dist.Work:
         return self._submit("barrier", self.communicator.barrier, [])
 
-    @_staged("inout")
+    @staged("inout")
     def reduce(self, tensors, opts=None) -> dist.Work:
         """An all_reduce whose result only the root keeps (the others reduce a copy)."""
+
         def run():
             for t in tensors:
-                self._all_reduce(t if self.rank() == _root_of(opts) else t.clone(),
-                                 _op_of(opts))
+                self._all_reduce(t if self.rank() == root_of(opts) else t.clone(), op_of(opts))
+
         return self._submit("reduce", run, tensors)
 
-    @_staged("inout", "in")
+    @staged("inout", "in")
     def gather(self, output_lists, inputs, opts=None) -> dist.Work:
         """An all_gather whose result only the root keeps."""
+
         def run():
             for i, inp in enumerate(inputs):
-                self._all_gather_list(output_lists[i] if output_lists else [], inp,
-                                      keep=self.rank() == _root_of(opts))
+                self._all_gather_list(
+                    output_lists[i] if output_lists else [], inp, keep=self.rank() == root_of(opts)
+                )
+
         return self._submit("gather", run, output_lists)
 
-    @_staged("out", "in")
+    @staged("out", "in")
     def scatter(self, outputs, input_lists, opts=None) -> dist.Work:
         """The root's inputs broadcast as one buffer, each rank keeping its own piece."""
+
         def run():
             for i, out in enumerate(outputs):
-                whole = (torch.stack([x.reshape(out.shape) for x in input_lists[i]])
-                         if self.rank() == _root_of(opts) else
-                         torch.empty((self.size(), *out.shape), dtype=out.dtype))
-                self._broadcast(whole, _root_of(opts))
+                whole = (
+                    torch.stack([x.reshape(out.shape) for x in input_lists[i]])
+                    if self.rank() == root_of(opts)
+                    else torch.empty((self.size(), *out.shape), dtype=out.dtype)
+                )
+                self._broadcast(whole, root_of(opts))
                 out.copy_(whole[self.rank()])
+
         return self._submit("scatter", run, outputs)
 
-    @_staged("out", "in")
-    def alltoall_base(self, output, input, output_split_sizes, input_split_sizes,
-                      opts=None) -> dist.Work:
+    @staged("out", "in")
+    def alltoall_base(
+        self, output, input, output_split_sizes, input_split_sizes, opts=None
+    ) -> dist.Work:
         """A pairwise exchange (Communicator.all_to_all), every rank's split sizes first."""
-        return self._submit("all_to_all_single",
-                            lambda: self._all_to_all(output, input, list(output_split_sizes),
-                                                     list(input_split_sizes)), [output])
+        return self._submit(
+            "all_to_all_single",
+            lambda: self._all_to_all(
+                output, input, list(output_split_sizes), list(input_split_sizes)
+            ),
+            [output],
+        )
 
     all_to_all_single = alltoall_base
 
-    @_staged("out", "in")
+    @staged("out", "in")
     def alltoall(self, outputs, inputs, opts=None) -> dist.Work:
         def run():
             flat_out = torch.empty(sum(o.numel() for o in outputs), dtype=outputs[0].dtype)
             flat_in = torch.cat([i.reshape(-1) for i in inputs])
-            self._all_to_all(flat_out, flat_in, [o.numel() for o in outputs],
-                             [i.numel() for i in inputs])
+            self._all_to_all(
+                flat_out, flat_in, [o.numel() for o in outputs], [i.numel() for i in inputs]
+            )
             for o, piece in zip(outputs, flat_out.split([o.numel() for o in outputs])):
                 o.copy_(piece.view_as(o))
+
         return self._submit("all_to_all", run, outputs)
 
     def _all_to_all(self, output, input, out_splits, in_splits) -> None:
         """Rows (the first dimension) of the tensors' bytes, split as torch splits them (empty
         split lists: evenly)."""
         row_shape = tuple(input.shape[1:]) if input.dim() else ()
-        if output.dtype != input.dtype or \
-                (tuple(output.shape[1:]) if output.dim() else ()) != row_shape:
+        if (
+            output.dtype != input.dtype
+            or (tuple(output.shape[1:]) if output.dim() else ()) != row_shape
+        ):
             raise InvalidArgumentError(
                 f"all_to_all: the output's rows are {tuple(output.shape[1:])} x {output.dtype}, "
-                f"the input's {row_shape} x {input.dtype}; they must be alike")
+                f"the input's {row_shape} x {input.dtype}; they must be alike"
+            )
         rows = input.shape[0] if input.dim() else 1
         out_rows = output.shape[0] if output.dim() else 1
         row = math.prod(row_shape) * input.element_size()
-        with _contiguous(output) as dest:
+        with contiguous(output) as dest:
             if row:
-                sent, received = _bytes(input.contiguous()), _bytes(dest)
+                sent, received = as_bytes(input.contiguous()), as_bytes(dest)
             else:  # rows of nothing: a byte a row stands in for each, so the sizes are checked
                 sent, received, row = np.zeros(rows, np.uint8), np.empty(out_rows, np.uint8), 1
-            self.communicator.all_to_all(received, sent, out_splits or None, in_splits or None,
-                                         row=row)
+            self.communicator.all_to_all(
+                received, sent, out_splits or None, in_splits or None, row=row
+            )
 
     # -- point to point ----------------------------------------------------------------------
-    @_staged("in")
+    @staged("in")
     def send(self, tensors, dstRank: int, tag: int) -> dist.Work:
         """Sent over the communicator's stream to the peer (Communicator.isend): complete once
         the data is copied, or taken by the peer's recv."""
-        tensor = _one_tensor(tensors, "send")
+        tensor = one_tensor(tensors, "send")
         return self._calls.submit_transfer(
-            "send", lambda: self.communicator.isend(_bytes(tensor.contiguous()), dstRank, tag),
-            tensors, getattr(self._calling, "staging", None))
+            "send",
+            lambda: self.communicator.isend(as_bytes(tensor.contiguous()), dstRank, tag),
+            tensors,
+            getattr(self._calling, "staging", None),
+        )
 
-    @_staged("out")
+    @staged("out")
     def recv(self, tensors, srcRank: int, tag: int) -> dist.Work:
         return self._recv(tensors, srcRank, tag)
 
-    @_staged("out")
+    @staged("out")
     def recv_anysource(self, tensors, tag: int) -> dist.Work:
         """The work's _source_rank() is the sender, as torch.distributed.recv asks."""
         return self._recv(tensors, None, tag)
 
     def _recv(self, tensors, src: int | None, tag: int) -> dist.Work:
-        tensor = _one_tensor(tensors, "recv")
-        target = tensor if tensor.is_contiguous() else torch.empty_like(
-            tensor, memory_format=torch.contiguous_format)
+        tensor = one_tensor(tensors, "recv")
+        target = (
+            tensor
+            if tensor.is_contiguous()
+            else torch.empty_like(tensor, memory_format=torch.contiguous_format)
+        )
         return self._calls.submit_transfer(
-            "recv", lambda: self.communicator.irecv(_bytes(target), src, tag), tensors,
+            "recv",
+            lambda: self.communicator.irecv(as_bytes(target), src, tag),
+            tensors,
             getattr(self._calling, "staging", None),
-            None if target is tensor else lambda: tensor.copy_(target))
-
-
-def _one_tensor(tensors, what: str) -> torch.Tensor:
-    if len(tensors) != 1:
-        raise InvalidArgumentError(f"{what} takes one tensor, not {len(tensors)}")
-    return tensors[0]
+            None if target is tensor else lambda: tensor.copy_(target),
+        )
 
 
 def create(backend_opts, options=None) -> ProcessGroupOvercast:
     """The backend's constructor torch calls once per group (new_group and DeviceMesh's
     subgroups too), with the group's store, rank, size, timeout and name."""
-    return ProcessGroupOvercast(backend_opts.store, backend_opts.group_rank,
-                                backend_opts.group_size, backend_opts.timeout.total_seconds(),
-                                backend_opts.group_id,
-                                list(backend_opts.global_ranks_in_group) or None)
+    return ProcessGroupOvercast(
+        backend_opts.store,
+        backend_opts.group_rank,
+        backend_opts.group_size,
+        backend_opts.timeout.total_seconds(),
+        backend_opts.group_id,
+        list(backend_opts.global_ranks_in_group) or None,
+    )
 
 
 def register() -> None:
     """Register "overcast" with torch.distributed (once; importing overcast.distributed does)."""
     if BACKEND_NAME.upper() not in dist.Backend._plugins:
-        dist.Backend.register_backend(BACKEND_NAME, create, extended_api=True,
-                                       devices=list(DEVICES))
+        dist.Backend.register_backend(
+            BACKEND_NAME, create, extended_api=True, devices=list(DEVICES)
+        )

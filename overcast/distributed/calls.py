@@ -143,6 +143,7 @@ class _Future(torch.futures.Future):
         def run(fut):
             with _calling_from(key):
                 return callback(fut)
+
         return run, key
 
     def _when_done(self, callback) -> None:
@@ -162,6 +163,7 @@ class _Future(torch.futures.Future):
             if here:
                 return callback(fut)
             self._calls.later(self._run_late)
+
         torch.futures.Future.add_done_callback(self, hop)
 
     def _run_late(self) -> None:
@@ -199,6 +201,7 @@ class _Future(torch.futures.Future):
                 child.set_exception(err)
             else:
                 child.set_result(value)
+
         self._when_done(chain)
         return child
 
@@ -208,8 +211,9 @@ class Work(dist._Work):
     a Future alone returns True whatever happened), and honours its timeout; the future's value
     is the call's outputs, so DDP's comm hooks chain on it."""
 
-    def __init__(self, what: str, result, staging: Staging | None, calls: Calls,
-                 key: tuple | None = None):
+    def __init__(
+        self, what: str, result, staging: Staging | None, calls: Calls, key: tuple | None = None
+    ):
         super().__init__()
         self._what, self._result, self._staging, self._calls = what, result, staging, calls
         self.key = key
@@ -232,8 +236,11 @@ class Work(dist._Work):
     def _complete(self) -> None:
         """Complete the future (its callbacks run here, on a completer)."""
         try:
-            with (torch.cuda.stream(self._staging.stream) if self._staging else
-                  contextlib.nullcontext()):
+            with (
+                torch.cuda.stream(self._staging.stream)
+                if self._staging
+                else contextlib.nullcontext()
+            ):
                 if self._error is None:
                     self._fut.set_result(self._result)
                 else:
@@ -263,10 +270,13 @@ class Work(dist._Work):
         else:  # and the callbacks attached once it was complete
             began = time.monotonic()
             done = self._done.wait(seconds) and self._fut._late_settled(
-                None if seconds is None else max(0.0, seconds - (time.monotonic() - began)))
+                None if seconds is None else max(0.0, seconds - (time.monotonic() - began))
+            )
         if not done:
-            raise CollectiveTimeoutError(f"{self._what} not complete after {seconds} s "
-                                         f"(the timeout given to wait(); the call goes on)")
+            raise CollectiveTimeoutError(
+                f"{self._what} not complete after {seconds} s "
+                f"(the timeout given to wait(); the call goes on)"
+            )
         if self._error is not None:
             raise self._error
         self.synchronize()
@@ -321,8 +331,14 @@ class Calls:
     tells the group's other ranks that this rank's call failed before its collectives were
     made."""
 
-    def __init__(self, name: str, refuse=None, order=None, timeout: float = 1800.0,
-                 ranks: list[int] | None = None):
+    def __init__(
+        self,
+        name: str,
+        refuse=None,
+        order=None,
+        timeout: float = 1800.0,
+        ranks: list[int] | None = None,
+    ):
         self._name, self._refuse, self._timeout = name, refuse, timeout
         # the global rank of each of the group's ranks, which its errors name (None: the same)
         self.ranks = ranks
@@ -357,8 +373,9 @@ class Calls:
         running, or the system would start no thread)."""
         if len(self._completers) >= MAX_COMPLETERS:
             return f"the group has {MAX_COMPLETERS}, its most (MAX_COMPLETERS)"
-        thread = threading.Thread(target=self._complete, daemon=True,
-                                  name=f"{self._name}-completer-{self._started + 1}")
+        thread = threading.Thread(
+            target=self._complete, daemon=True, name=f"{self._name}-completer-{self._started + 1}"
+        )
         try:
             thread.start()
         except Exception as err:  # at the system's limit of threads: "can't start new thread"
@@ -402,14 +419,16 @@ class Calls:
         aborts on every rank, naming the key."""
         work._error = OvercastError(
             f"{work._what}: another call on the group not yet run has its key {work.key!r}, so "
-            f"the ranks cannot tell the two apart; the group is aborted")
+            f"the ranks cannot tell the two apart; the group is aborted"
+        )
         if self._order is not None:
             self._order.abort(str(work._error))
         work._ran = True
         self._to_complete(work._complete, work)
 
-    def submit_transfer(self, what: str, post, result, staging: Staging | None = None,
-                        landed=None) -> Work:
+    def submit_transfer(
+        self, what: str, post, result, staging: Staging | None = None, landed=None
+    ) -> Work:
         """A point-to-point call: `post()` runs on the poster, after every transfer made before
         it, and returns the communicator's Work of it; the call completes when that does (then
         `landed()` runs, on a completer), whatever the collectives do meanwhile. Its callbacks
@@ -465,9 +484,11 @@ class Calls:
     def _out_of_order(self) -> None:
         """Under the lock: rank 0 ran a call this rank has not made within the group's timeout:
         the ranks' calls differ. The group aborts, naming it."""
-        self._order.abort(f"rank {self._order.rank} has not made, within {self._timeout:.0f} s, "
-                          f"the call rank 0 ran next on the group (every rank makes the same "
-                          f"calls; only those that callbacks make may come in another order)")
+        self._order.abort(
+            f"rank {self._order.rank} has not made, within {self._timeout:.0f} s, "
+            f"the call rank 0 ran next on the group (every rank makes the same "
+            f"calls; only those that callbacks make may come in another order)"
+        )
 
     def _queued(self, step) -> str | None:
         """Under the lock: `step` for the completers, with one more of them if none is idle
@@ -488,10 +509,13 @@ class Calls:
         once a completer is free): waiting for one could wait for ever, on callbacks that wait
         for this call."""
         if (why := self._queued(step)) is not None:
-            work._fail_now(OvercastError(
-                f"{work._what}: complete, but every completer thread of the group is busy in a "
-                f"callback, and {why}; its future completes, with this error, once one is "
-                f"free"))
+            work._fail_now(
+                OvercastError(
+                    f"{work._what}: complete, but every completer thread of the group is busy in a "
+                    f"callback, and {why}; its future completes, with this error, once one is "
+                    f"free"
+                )
+            )
 
     def _work(self) -> None:
         while (call := self._take_call()) is not None:
@@ -532,8 +556,9 @@ class Calls:
 
     def _finished(self) -> bool:
         """Under the lock: every thread but the completers stopped, nothing left to complete."""
-        return self._worker_done and self._poster_done and not self._posted and \
-            not self._completions
+        return (
+            self._worker_done and self._poster_done and not self._posted and not self._completions
+        )
 
     def _complete(self) -> None:
         me = threading.current_thread()
@@ -576,17 +601,30 @@ def _named_globally(error: BaseException, ranks: list[int] | None) -> None:
     """An overcast error of a group whose ranks are not the job's: its message, which names the
     group's ranks ("lost the connection to rank 1"), says the global rank of each it names.
     Once: one error may fail several calls."""
-    if ranks is None or ranks == list(range(len(ranks))) or \
-            not isinstance(error, OvercastError) or getattr(error, "ranks_named", False) or \
-            not error.args or not isinstance(error.args[0], str):
+    if (
+        ranks is None
+        or ranks == list(range(len(ranks)))
+        or not isinstance(error, OvercastError)
+        or getattr(error, "ranks_named", False)
+        or not error.args
+        or not isinstance(error.args[0], str)
+    ):
         return
-    named = sorted({int(r) for r in re.findall(r"(?<!global )\brank (\d+)", error.args[0])
-                    if int(r) < len(ranks)})
+    named = sorted(
+        {
+            int(r)
+            for r in re.findall(r"(?<!global )\brank (\d+)", error.args[0])
+            if int(r) < len(ranks)
+        }
+    )
     if not named:
         return
-    error.args = (f"{error.args[0]} [ranks of the group of global ranks {ranks}: " +
-                  ", ".join(f"rank {r} is global rank {ranks[r]}" for r in named) + "]",
-                  *error.args[1:])
+    error.args = (
+        f"{error.args[0]} [ranks of the group of global ranks {ranks}: "
+        + ", ".join(f"rank {r} is global rank {ranks[r]}" for r in named)
+        + "]",
+        *error.args[1:],
+    )
     error.ranks_named = True
 
 
@@ -657,6 +695,7 @@ def _copied_out(result, staging: Staging):
                 original = torch.empty(host.shape, dtype=host.dtype, device=staging.device)
             made.append((host, original))
         return original
+
     value = mapped(result, on_device)
     staging.copy_out(made)
     return value

@@ -25,8 +25,13 @@ from typing import cast
 
 from overcast.engine.rejoin import Rejoiner
 from overcast.engine.trace import Trace
-from overcast.errors import AggregatorLostWarning, CollectiveTimeoutError, \
-    CommunicatorClosedError, OvercastError, mark_peers_told
+from overcast.errors import (
+    AggregatorLostWarning,
+    CollectiveTimeoutError,
+    CommunicatorClosedError,
+    OvercastError,
+    mark_peers_told,
+)
 from overcast.native import _core
 from overcast.protocols.base import DATAGRAM, MULTICAST, STREAM, Collective
 from overcast.protocols.p2p import P2P_KINDS, Transfer
@@ -106,13 +111,19 @@ class Work:
 
 
 class Engine:
-    def __init__(self, links: Links, session: Session, loss: LossSpec | None = None,
-                 trace: Trace | None = None):
+    def __init__(
+        self,
+        links: Links,
+        session: Session,
+        loss: LossSpec | None = None,
+        trace: Trace | None = None,
+    ):
         self.links, self.session = links, session
         self.trace = trace
         self.sealer = links.sealer
-        self.streams = {peer: Stream(sock, peer, links.opener)
-                        for peer, sock in links.streams.items()}
+        self.streams = {
+            peer: Stream(sock, peer, links.opener) for peer, sock in links.streams.items()
+        }
         # kept open: an aggregator's death is seen at once
         for peer, sock in links.aggregator_sockets.items():
             self.streams[peer] = Stream(sock, peer, links.opener)
@@ -132,16 +143,22 @@ class Engine:
         for sock in self._datagram_sockets:
             sock.setblocking(False)
             enlarge_receive_buffer(sock)
-        self.plane.attach(links.udp.fileno(),
-                          -1 if links.multicast is None else links.multicast.fileno(),
-                          self._selector.fileno())
+        self.plane.attach(
+            links.udp.fileno(),
+            -1 if links.multicast is None else links.multicast.fileno(),
+            self._selector.fileno(),
+        )
         if loss is not None and loss.rate:
             self.plane.set_loss(loss.rate, loss.burst, loss.seed)
         if trace is not None:  # the plane counts the datagrams it sends and takes itself
             self.plane.set_trace(trace.bin_seconds)
-        self._routes = {(MULTICAST, -1): _core.ROUTE_GROUP,
-                        **{(DATAGRAM, endpoint(e)): _core.ROUTE_AGGREGATOR
-                           for e in range(max(len(links.endpoints), 1))}}
+        self._routes = {
+            (MULTICAST, -1): _core.ROUTE_GROUP,
+            **{
+                (DATAGRAM, endpoint(e)): _core.ROUTE_AGGREGATOR
+                for e in range(max(len(links.endpoints), 1))
+            },
+        }
         self.plane.set_address(_core.ROUTE_GROUP, 0, *links.group)
         for peer, (address, port) in enumerate(zip(links.addresses, links.udp_ports)):
             self.plane.set_address(_core.ROUTE_RANK, peer, address, port)
@@ -167,8 +184,9 @@ class Engine:
         self._finishing: list[tuple[Collective | Transfer, float]] = []
         self._close_requested = False
         self._close_deadline: float | None = None
-        self._thread = threading.Thread(target=self._run, name=f"overcast-engine-{links.rank}",
-                                        daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, name=f"overcast-engine-{links.rank}", daemon=True
+        )
         self._thread.start()
 
     # -- called from user threads ----------------------------------------------------------
@@ -258,8 +276,10 @@ class Engine:
             if session.epoch != self._epoch_seen:  # a loss or take-back agreed on
                 self._rejoin()
             if self._close_deadline is not None:
-                drained = not any(s.queued_bytes for s in self.streams.values()) \
+                drained = (
+                    not any(s.queued_bytes for s in self.streams.values())
                     and not session.pending_routes()
+                )
                 if drained or now >= self._close_deadline:
                     return
             wait = _MAX_WAIT if timer is None else min(_MAX_WAIT, max(0.0, timer - now))
@@ -292,8 +312,15 @@ class Engine:
         data = memoryview(copy)
         deliver = self._deliverer(time.monotonic(), datagram=True)
         for kind, job, comm, seq, src, dst, length, counter, chunks, offset, stride in runs:
-            deliver(Run(Header(kind, job, comm, seq, src, dst, chunks[0], length, counter),
-                        chunks, data, offset, stride))
+            deliver(
+                Run(
+                    Header(kind, job, comm, seq, src, dst, chunks[0], length, counter),
+                    chunks,
+                    data,
+                    offset,
+                    stride,
+                )
+            )
 
     def _python_events(self) -> None:
         for key, mask in self._selector.select(0):
@@ -356,6 +383,7 @@ class Engine:
             if run.hdr.kind not in P2P_KINDS:  # their numbers are no collective's
                 trace.count("rx", run.hdr.seq, len(run) * datagram_link_bytes(run.length), now)
             session.receive_run(run, now, datagram)
+
         return deliver
 
     def _read(self, stream: Stream) -> None:
@@ -402,8 +430,10 @@ class Engine:
                     msg = session.pop((channel, peer))
                     if msg is None:
                         break
-                    stream.enqueue(seal(msg.kind, msg.seq, msg.dst, msg.chunk, msg.payload),
-                                   msg.seq if msg.holder is None else msg.holder)
+                    stream.enqueue(
+                        seal(msg.kind, msg.seq, msg.dst, msg.chunk, msg.payload),
+                        msg.seq if msg.holder is None else msg.holder,
+                    )
                 if not stream.queued_bytes:
                     break
                 self._flush(stream)
@@ -454,12 +484,18 @@ class Engine:
                 self._drop_stream(stream)
         if self.links.reregister is None:
             return
-        wanted = [peer for peer in session.lost if peer not in self._renewed] \
-            if session.epoch <= MAX_EPOCH else []  # past what a HELLO can say: kept lost
+        wanted = (
+            [peer for peer in session.lost if peer not in self._renewed]
+            if session.epoch <= MAX_EPOCH
+            else []
+        )  # past what a HELLO can say: kept lost
         if self._rejoiner is None and wanted:
             self._rejoiner = Rejoiner(
-                str(self.links.rank), self.links.reregister, self._seal_hello,
-                lambda peer, registration: self._hand("registered", peer, registration))
+                str(self.links.rank),
+                self.links.reregister,
+                self._seal_hello,
+                lambda peer, registration: self._hand("registered", peer, registration),
+            )
         if self._rejoiner is not None:
             self._rejoiner.want(wanted, session.epoch)
 
@@ -478,11 +514,15 @@ class Engine:
         if peer not in session.lost or peer in self._renewed:
             why = "not wanted any more"
         elif len(registration.ports) != len(stripes):
-            why = (f"it offers {len(registration.ports)} endpoints, not the {len(stripes)} it "
-                   f"had: the communicator stripes over those")
+            why = (
+                f"it offers {len(registration.ports)} endpoints, not the {len(stripes)} it "
+                f"had: the communicator stripes over those"
+            )
         elif registration.slots < self.links.aggregator_slots:
-            why = (f"it grants {registration.slots} slots a reduction, fewer than the "
-                   f"{self.links.aggregator_slots} the communicator uses")
+            why = (
+                f"it grants {registration.slots} slots a reduction, fewer than the "
+                f"{self.links.aggregator_slots} the communicator uses"
+            )
         if why is not None:
             registration.sock.close()
             if peer in session.lost and peer not in self._renewed:
@@ -497,7 +537,8 @@ class Engine:
         if (old := self.streams.get(peer)) is not None:
             self._drop_stream(old)
         stream = self._renewed[peer] = self.streams[peer] = Stream(
-            registration.sock, peer, self.links.opener)
+            registration.sock, peer, self.links.opener
+        )
         self._selector.register(stream, selectors.EVENT_READ, stream)
         self._masks[peer] = selectors.EVENT_READ
         if not session.aggregator_registered(peer, now):
@@ -510,8 +551,9 @@ class Engine:
         while self.session.notices:  # once per communicator and aggregator lost
             # from this thread no frame is the user's: named as overcast's, without a source line
             try:
-                warnings.warn_explicit(self.session.notices.pop(0), AggregatorLostWarning,
-                                       "overcast", 0)
+                warnings.warn_explicit(
+                    self.session.notices.pop(0), AggregatorLostWarning, "overcast", 0
+                )
             except Warning:  # a filter made it an error: the loss is in in_network_fallback
                 pass  # and the counters; the engine's thread is no place to raise it
         verified = self.session.verified
@@ -523,8 +565,9 @@ class Engine:
             while finished:
                 self._finishing.append((finished.pop(), now + self.session.timeout))
         if self._finishing:
-            self._finishing = [(coll, due) for coll, due in self._finishing
-                               if not self._finish(coll, now >= due)]
+            self._finishing = [
+                (coll, due) for coll, due in self._finishing if not self._finish(coll, now >= due)
+            ]
 
     def _finish(self, item: Collective | Transfer, overdue: bool) -> bool:
         """Complete a collective's or transfer's Work, unless a stream has yet to write bytes it
@@ -540,7 +583,8 @@ class Engine:
             peers = ", ".join(f"rank {s.peer}" for s in holding)
             error = CollectiveTimeoutError(
                 f"{item} on rank {self.session.rank} was done, but {peers} did not take its "
-                f"last frames within {self.session.timeout:.1f} s")
+                f"last frames within {self.session.timeout:.1f} s"
+            )
             item.fail(error)
             self.session.abort(error)
             for stream in holding:
@@ -611,15 +655,18 @@ class Engine:
         kernel = 0
         for sock in sockets:
             if sock.fileno() >= 0:
-                kernel += sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) + \
-                    sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
+                kernel += sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) + sock.getsockopt(
+                    socket.SOL_SOCKET, socket.SO_SNDBUF
+                )
         active = list(self.session.active.copy().values())
         plane_bytes, unsent = self.plane.memory()
-        return {"socket_buffer_bytes": kernel,
-                "read_buffer_bytes": sum(s.buffer_bytes() for s in streams) + unsent,
-                "datagram_plane_bytes": plane_bytes,
-                "collectives_in_flight": len(active),
-                "collective_state_bytes": sum(c.state_bytes() for c in active)}
+        return {
+            "socket_buffer_bytes": kernel,
+            "read_buffer_bytes": sum(s.buffer_bytes() for s in streams) + unsent,
+            "datagram_plane_bytes": plane_bytes,
+            "collectives_in_flight": len(active),
+            "collective_state_bytes": sum(c.state_bytes() for c in active),
+        }
 
     def counters(self) -> dict:
         streams = list(self.streams.values())

@@ -27,9 +27,13 @@ Reregister = Callable[[int, int, Callable[[bytes, int], bytes], float], "Registr
 
 
 class Rejoiner:
-    def __init__(self, name: str, reregister: Reregister,
-                 seal: Callable[[bytes, int], concurrent.futures.Future],
-                 registered: Callable[[int, Registration], bool]):
+    def __init__(
+        self,
+        name: str,
+        reregister: Reregister,
+        seal: Callable[[bytes, int], concurrent.futures.Future],
+        registered: Callable[[int, Registration], bool],
+    ):
         """`seal(payload, dst)`: a future of the HELLO sealed on the engine's thread;
         `registered(peer, registration)`: hands one to the engine (False: it is closed)."""
         self._reregister, self._seal, self._registered = reregister, seal, registered
@@ -38,8 +42,9 @@ class Rejoiner:
         self._epoch = 0
         self._resting: dict[int, float] = {}  # aggregators refused, until when (monotonic)
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"overcast-rejoin-{name}",
-                                        daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, name=f"overcast-rejoin-{name}", daemon=True
+        )
         self._thread.start()
 
     def want(self, peers: list[int], epoch: int) -> None:

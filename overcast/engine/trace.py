@@ -33,8 +33,16 @@ class Trace:
     def to_dict(self) -> dict:
         """Plain data (JSON): times in seconds on the machine's monotonic clock, which every
         process on it shares."""
-        return {"bin_seconds": self.bin_seconds, "clock": "monotonic", "taken": time.monotonic(),
-                "spans": [{"seq": s, "name": n, "start": a, "end": b}
-                          for s, (n, a, b) in sorted(self.spans.items())],
-                "bins": [{"direction": d, "seq": s, "bin": b, "bytes": n}
-                         for (d, s, b), n in sorted(self.bins.items())]}
+        return {
+            "bin_seconds": self.bin_seconds,
+            "clock": "monotonic",
+            "taken": time.monotonic(),
+            "spans": [
+                {"seq": s, "name": n, "start": a, "end": b}
+                for s, (n, a, b) in sorted(self.spans.items())
+            ],
+            "bins": [
+                {"direction": d, "seq": s, "bin": b, "bytes": n}
+                for (d, s, b), n in sorted(self.bins.items())
+            ],
+        }

@@ -34,18 +34,26 @@ from overcast.engine.engine import Work
 from overcast.errors import InvalidArgumentError
 from overcast.fsdp.timing import CommTime, Clock, InFlight
 from overcast.staging import Staging, device_of, process_pool, stream_gates
-from overcast.torch_api import (AllGather, ReduceScatter, RedOpType, all_gather_single, is_bw,
-                                output_unread, param_groups, premul_factor,
-                                reduce_scatter_input_buffers, reduce_scatter_single,
-                                reduces_gradients)
+from overcast.torch_api import (
+    AllGather,
+    ReduceScatter,
+    RedOpType,
+    all_gather_single,
+    is_bw,
+    output_unread,
+    param_groups,
+    premul_factor,
+    reduce_scatter_input_buffers,
+    reduce_scatter_single,
+    reduces_gradients,
+)
 
 
 class TimedWork(dist.Work):
     """A collective in flight, overcast's or torch's, seen as a torch.distributed Work (so that
     FSDP2 waits on it), its wait timed into `CommTime`."""
 
-    def __init__(self, work, times: CommTime, in_flight: InFlight,
-                 staged: _Staged | None = None):
+    def __init__(self, work, times: CommTime, in_flight: InFlight, staged: _Staged | None = None):
         super().__init__()
         self._work, self._times, self._in_flight = work, times, in_flight
         self._staged = staged
@@ -81,8 +89,9 @@ class _Staged:
     """A collective's CUDA output and input through pinned host twins, staged on the stream
     current at the call (FSDP2's), the copies' GPU time kept in `times`."""
 
-    def __init__(self, output: torch.Tensor, input: torch.Tensor, times: CommTime,
-                 host_waits: bool):
+    def __init__(
+        self, output: torch.Tensor, input: torch.Tensor, times: CommTime, host_waits: bool
+    ):
         device = output.device
         self.times = times
         self.staging = Staging(device, torch.cuda.current_stream(device), process_pool())
@@ -106,8 +115,9 @@ class _Staged:
         self.staging.order_caller()
 
 
-def stage_on_host(output: torch.Tensor, input: torch.Tensor, times: CommTime, what: str,
-                  host_waits: bool = True) -> _Staged | None:
+def stage_on_host(
+    output: torch.Tensor, input: torch.Tensor, times: CommTime, what: str, host_waits: bool = True
+) -> _Staged | None:
     """Host twins of a collective's CUDA tensors (the training thread's time counted as
     posting; with `host_waits`, it waits for the input's copy), or None for CPU tensors."""
     if device_of([output, input], what) is None:
@@ -133,8 +143,7 @@ class _Posted:
         if self.error is not None:
             raise self.error
         assert self.work is not None  # posted without an error
-        return self.work.wait(None if deadline is None else
-                              max(0.0, deadline - time.monotonic()))
+        return self.work.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
 
     def is_completed(self) -> bool:
         if not self._posted.is_set():
@@ -159,8 +168,9 @@ class Poster:
         """Post `post()` once the CUDA event `ready` has happened; then call `done()` once the
         collective is done, failed or not (also if posting raised)."""
         if self._thread is None:
-            self._thread = threading.Thread(target=self._run, args=(device,), daemon=True,
-                                            name="overcast-poster")
+            self._thread = threading.Thread(
+                target=self._run, args=(device,), daemon=True, name="overcast-poster"
+            )
             self._thread.start()
         handle = _Posted(label)
         self._calls.put((ready, post, label, done, handle))
@@ -197,8 +207,9 @@ class _Hook:
     """One module's collective for FSDP2: posted asynchronously and timed; waited on here if
     FSDP asked for a synchronous call. `comm` None means the process group's own."""
 
-    def __init__(self, comm, algorithm: str | None, label: str, times: CommTime,
-                 poster: Poster | None = None):
+    def __init__(
+        self, comm, algorithm: str | None, label: str, times: CommTime, poster: Poster | None = None
+    ):
         self.comm, self.algorithm, self.label, self.times = comm, algorithm, label, times
         self.poster = poster
 
@@ -211,12 +222,14 @@ class _Hook:
 
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         if torch.device(device).type not in ("cpu", "cuda"):
-            raise InvalidArgumentError(f"overcast moves CPU and CUDA tensors; FSDP asked for a "
-                                       f"buffer on {device}")
+            raise InvalidArgumentError(
+                f"overcast moves CPU and CUDA tensors; FSDP asked for a buffer on {device}"
+            )
         return torch.empty(*size, dtype=dtype, device=device)
 
-    def _post(self, kind: str, issue, algorithm: str | None,
-              staging: _Staged | None = None) -> TimedWork:
+    def _post(
+        self, kind: str, issue, algorithm: str | None, staging: _Staged | None = None
+    ) -> TimedWork:
         name = f"overcast {_NAMES[kind]} {self.label} ({algorithm or 'process group'})"
         with Clock(self.times, "post"):
             in_flight = InFlight(self.times, kind, self.label, name)
@@ -243,8 +256,16 @@ class TimedAllGather(_Hook, AllGather):
     forward pass, and in the backward of a micro-step whose gradients are not synced (nothing
     beside it to fill the other direction of the link, so a multicast gains nothing there)."""
 
-    def __init__(self, comm, algorithm: str | None, label: str, times: CommTime, module=None,
-                 unpaired: str | None = None, poster: Poster | None = None):
+    def __init__(
+        self,
+        comm,
+        algorithm: str | None,
+        label: str,
+        times: CommTime,
+        module=None,
+        unpaired: str | None = None,
+        poster: Poster | None = None,
+    ):
         super().__init__(comm, algorithm, label, times, poster)
         self.module, self.unpaired = module, unpaired
 
@@ -254,26 +275,40 @@ class TimedAllGather(_Hook, AllGather):
         paired = is_bw() and reduces_gradients(param_groups(self.module))
         return self.algorithm if paired else self.unpaired
 
-    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
-                 group: dist.ProcessGroup, async_op: bool = False):
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        async_op: bool = False,
+    ):
         algorithm = None if self.comm is None else self._algorithm()
         staging = None
         if self.comm is None:
-            issue = lambda: all_gather_single(output_tensor, input_tensor,  # noqa: E731
-                                              group=group, async_op=True)
+            issue = lambda: all_gather_single(  # noqa: E731
+                output_tensor,
+                input_tensor,
+                group=group,
+                async_op=True,
+            )
         else:
             poster = self._poster_for(output_tensor)
-            staging = stage_on_host(output_tensor, input_tensor, self.times, "AllGather",
-                                    host_waits=poster is None)
-            out, inp = (staging.output, staging.input) if staging else (output_tensor,
-                                                                        input_tensor)
-            issue = lambda: self.comm.all_gather(out, inp, async_op=True,  # noqa: E731
-                                                 algorithm=algorithm)
+            staging = stage_on_host(
+                output_tensor, input_tensor, self.times, "AllGather", host_waits=poster is None
+            )
+            out, inp = (staging.output, staging.input) if staging else (output_tensor, input_tensor)
+            issue = lambda: self.comm.all_gather(  # noqa: E731
+                out,
+                inp,
+                async_op=True,
+                algorithm=algorithm,
+            )
             if poster is not None:
                 assert staging is not None  # the poster's tensors are on a GPU
                 post = issue
                 issue = lambda: poster.submit(  # noqa: E731
-                    output_tensor.device, staging.ready, post, f"AG {self.label}")
+                    output_tensor.device, staging.ready, post, f"AG {self.label}"
+                )
         work = self._post("AG", issue, algorithm, staging)
         if async_op:
             return work
@@ -290,8 +325,10 @@ def premultiplied(op, tensor: torch.Tensor, group: dist.ProcessGroup | None):
     if factor is None or (group is not None and dist.get_backend(group) == "nccl"):
         return op
     if not isinstance(factor, float):
-        raise InvalidArgumentError("ReduceOp.PREMUL_SUM with a tensor factor is not supported; "
-                                   "give set_gradient_divide_factor a number")
+        raise InvalidArgumentError(
+            "ReduceOp.PREMUL_SUM with a tensor factor is not supported; "
+            "give set_gradient_divide_factor a number"
+        )
     tensor.mul_(factor)
     return dist.ReduceOp.SUM
 
@@ -305,8 +342,10 @@ def reduce_op(op) -> str:
     if kind == dist.ReduceOp.AVG:
         return "avg"
     name = getattr(kind, "name", str(op))
-    raise InvalidArgumentError(f"overcast cannot reduce gradients with ReduceOp.{name}; it "
-                               f"reduces with SUM, AVG and PREMUL_SUM (what FSDP2 uses)")
+    raise InvalidArgumentError(
+        f"overcast cannot reduce gradients with ReduceOp.{name}; it "
+        f"reduces with SUM, AVG and PREMUL_SUM (what FSDP2 uses)"
+    )
 
 
 class DeferredReduceScatters:
@@ -330,7 +369,8 @@ class DeferredReduceScatters:
         FSDP2 may drop its own references meanwhile."""
         try:
             torch.autograd.Variable._execution_engine.queue_callback(
-                lambda: self._wait_through(work))
+                lambda: self._wait_through(work)
+            )
         except RuntimeError:
             return False
         self._works.append(work)
@@ -357,20 +397,41 @@ class TimedReduceScatter(_Hook, ReduceScatter):
     `group` (if given) is the process group it runs on instead of the one FSDP2 passes: a
     ReduceScatter group of its own, apart from the AllGathers'."""
 
-    def __init__(self, comm, algorithm: str | None, label: str, times: CommTime,
-                 module=None, deferred: DeferredReduceScatters | None = None,
-                 group: dist.ProcessGroup | None = None, poster: Poster | None = None):
+    def __init__(
+        self,
+        comm,
+        algorithm: str | None,
+        label: str,
+        times: CommTime,
+        module=None,
+        deferred: DeferredReduceScatters | None = None,
+        group: dist.ProcessGroup | None = None,
+        poster: Poster | None = None,
+    ):
         super().__init__(comm, algorithm, label, times, poster)
         self.module, self.deferred, self.group = module, deferred, group
 
-    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
-                 group: dist.ProcessGroup, op, async_op: bool = False):
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        op,
+        async_op: bool = False,
+    ):
         groups = param_groups(self.module) if self.deferred is not None else None
         poster = self._poster_for(output_tensor) if self.comm is not None else None
         # on a GPU behind a gate, FSDP2 reads the output on its stream only once it is back
-        deferred = self.deferred if not async_op and groups is not None and \
-            (poster is not None or (output_tensor.device.type == "cpu" and
-                                    output_unread(groups, output_tensor, op))) else None
+        deferred = (
+            self.deferred
+            if not async_op
+            and groups is not None
+            and (
+                poster is not None
+                or (output_tensor.device.type == "cpu" and output_unread(groups, output_tensor, op))
+            )
+            else None
+        )
         if deferred is not None:
             assert groups is not None  # read where a deferral is possible
             deferred.make_room(reduce_scatter_input_buffers(groups[0]))
@@ -380,15 +441,24 @@ class TimedReduceScatter(_Hook, ReduceScatter):
         elif self.comm is None:
             group = self.group or group
             op = premultiplied(op, input_tensor, group)
-            issue = lambda: reduce_scatter_single(output_tensor, input_tensor,  # noqa: E731
-                                                  group=group, op=op, async_op=True)
+            issue = lambda: reduce_scatter_single(  # noqa: E731
+                output_tensor,
+                input_tensor,
+                group=group,
+                op=op,
+                async_op=True,
+            )
         else:
             name = reduce_op(premultiplied(op, input_tensor, None))
             staging = stage_on_host(output_tensor, input_tensor, self.times, "ReduceScatter")
-            out, inp = (staging.output, staging.input) if staging else (output_tensor,
-                                                                        input_tensor)
-            issue = lambda: self.comm.reduce_scatter(out, inp, op=name,  # noqa: E731
-                                                     async_op=True, algorithm=self.algorithm)
+            out, inp = (staging.output, staging.input) if staging else (output_tensor, input_tensor)
+            issue = lambda: self.comm.reduce_scatter(  # noqa: E731
+                out,
+                inp,
+                op=name,
+                async_op=True,
+                algorithm=self.algorithm,
+            )
         work = self._post("RS", issue, self.algorithm, staging)
         if async_op:
             return work
@@ -402,8 +472,9 @@ class TimedReduceScatter(_Hook, ReduceScatter):
         result; the gate opens when the collective is done. Returns what posts it: the
         training thread goes on."""
         name = reduce_op(premultiplied(op, input_tensor, None))
-        staging = stage_on_host(output_tensor, input_tensor, self.times, "ReduceScatter",
-                                host_waits=False)
+        staging = stage_on_host(
+            output_tensor, input_tensor, self.times, "ReduceScatter", host_waits=False
+        )
         gates = stream_gates()
         assert staging is not None and gates is not None  # the poster's tensors are on a GPU
         try:
@@ -418,7 +489,10 @@ class TimedReduceScatter(_Hook, ReduceScatter):
             staging.staging.release()
 
         def post():
-            return self.comm.reduce_scatter(staging.output, staging.input, op=name,
-                                            async_op=True, algorithm=self.algorithm)
-        return lambda: poster.submit(output_tensor.device, staging.ready, post,
-                                     f"RS {self.label}", done)
+            return self.comm.reduce_scatter(
+                staging.output, staging.input, op=name, async_op=True, algorithm=self.algorithm
+            )
+
+        return lambda: poster.submit(
+            output_tensor.device, staging.ready, post, f"RS {self.label}", done
+        )

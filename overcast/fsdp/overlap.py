@@ -25,13 +25,26 @@ from torch.distributed.fsdp import FSDPModule
 from overcast.buffers import DTYPES, as_array
 from overcast.comm import ALGORITHMS, Communicator
 from overcast.errors import InvalidArgumentError, MulticastNotDeliveredWarning
-from overcast.fsdp.collectives import (DeferredReduceScatters, Poster, TimedAllGather,
-                                      TimedReduceScatter)
+from overcast.fsdp.collectives import (
+    DeferredReduceScatters,
+    Poster,
+    TimedAllGather,
+    TimedReduceScatter,
+)
 from overcast.fsdp.timing import CommTime
 from overcast.job import GroupCommunicator, group_communicator
-from overcast.torch_api import (collectives, live_process_groups, own_reduce_scatter_group,
-                                param_groups, reshards_to_a_subgroup, restore_schedule, schedule,
-                                set_unshard_async_op, shard_process_group, wire_dtypes)
+from overcast.torch_api import (
+    collectives,
+    live_process_groups,
+    own_reduce_scatter_group,
+    param_groups,
+    reshards_to_a_subgroup,
+    restore_schedule,
+    schedule,
+    set_unshard_async_op,
+    shard_process_group,
+    wire_dtypes,
+)
 
 BACKENDS = ("overcast", "torch")
 
@@ -46,19 +59,20 @@ def _torch_dtype_ok(dtype: torch.dtype) -> bool:
 def _fsdp_modules(model) -> list[tuple[str, FSDPModule]]:
     """Every FSDPModule in `model`, the model (the FSDP root) first."""
     if not isinstance(model, FSDPModule):
-        inner = isinstance(model, nn.Module) and any(isinstance(m, FSDPModule)
-                                                     for m in model.modules())
+        inner = isinstance(model, nn.Module) and any(
+            isinstance(m, FSDPModule) for m in model.modules()
+        )
         raise InvalidArgumentError(
             f"overlap() needs the model's root to be sharded too; {type(model).__name__} "
             f"holds fully_shard()-ed modules but is not one: each is then an FSDP root of "
             f"its own, FSDP2 does not prefetch across roots, and nothing would overlap. Call "
             f"fully_shard(model) on the root as well (it may hold no parameters of its own)"
-            if inner else
-            f"overlap() needs a model that fully_shard() has been applied to (an FSDPModule); "
-            f"got {type(model).__name__}. Call fully_shard on each block, then on the root")
+            if inner
+            else f"overlap() needs a model that fully_shard() has been applied to (an FSDPModule); "
+            f"got {type(model).__name__}. Call fully_shard on each block, then on the root"
+        )
     assert isinstance(model, nn.Module)  # fully_shard gave its class FSDPModule as a base
-    return [(name or "root", m) for name, m in model.named_modules()
-            if isinstance(m, FSDPModule)]
+    return [(name or "root", m) for name, m in model.named_modules() if isinstance(m, FSDPModule)]
 
 
 def _shard_group(modules, backend: str) -> dist.ProcessGroup:
@@ -72,14 +86,16 @@ def _shard_group(modules, backend: str) -> dist.ProcessGroup:
                     f"module {name!r} reshards to a smaller group after forward "
                     f"(reshard_after_forward=<int>), whose AllGathers run on a subgroup "
                     f"overcast has no communicator for; use reshard_after_forward=True or "
-                    f"False, or backend='torch'")
+                    f"False, or backend='torch'"
+                )
             these = dist.get_process_group_ranks(shard_process_group(pg))
             if ranks is None:
                 group, ranks = shard_process_group(pg), these
             elif these != ranks:
                 raise InvalidArgumentError(
                     f"module {name!r} is sharded over ranks {these}, others over {ranks}; "
-                    f"overlap() needs every module on the same mesh")
+                    f"overlap() needs every module on the same mesh"
+                )
     if group is None:
         raise InvalidArgumentError("no module of the model has parameters to shard")
     return group
@@ -98,13 +114,15 @@ def _check_dtypes(modules) -> None:
                     raise InvalidArgumentError(
                         f"module {name!r} has {what} dtype {dtype}, which overcast cannot "
                         f"carry; supported: float32, float64, float16, bfloat16, int8, int32, "
-                        f"int64, uint8")
+                        f"int64, uint8"
+                    )
 
 
 def _check_choice(what: str, value, allowed) -> None:
     if value not in allowed:
-        raise InvalidArgumentError(f"{what}={value!r} is not one of "
-                                   f"{', '.join(map(repr, allowed))}")
+        raise InvalidArgumentError(
+            f"{what}={value!r} is not one of {', '.join(map(repr, allowed))}"
+        )
 
 
 def _set_prefetch(blocks: list[FSDPModule], root: FSDPModule, prefetch: int) -> None:
@@ -113,15 +131,21 @@ def _set_prefetch(blocks: list[FSDPModule], root: FSDPModule, prefetch: int) -> 
     if blocks:
         root.set_modules_to_forward_prefetch(blocks[:prefetch])
     for i, block in enumerate(blocks):
-        block.set_modules_to_forward_prefetch(blocks[i + 1:i + 1 + prefetch])
-        block.set_modules_to_backward_prefetch(blocks[max(0, i - prefetch):i][::-1])
+        block.set_modules_to_forward_prefetch(blocks[i + 1 : i + 1 + prefetch])
+        block.set_modules_to_backward_prefetch(blocks[max(0, i - prefetch) : i][::-1])
 
 
-def _install(modules, comm, allgather: str | None, reduce_scatter: str | None,
-             times: CommTime, deferred: DeferredReduceScatters | None,
-             unpaired_allgather: str | None = None,
-             reduce_scatter_group: dist.ProcessGroup | None = None,
-             poster: Poster | None = None) -> dict:
+def _install(
+    modules,
+    comm,
+    allgather: str | None,
+    reduce_scatter: str | None,
+    times: CommTime,
+    deferred: DeferredReduceScatters | None,
+    unpaired_allgather: str | None = None,
+    reduce_scatter_group: dist.ProcessGroup | None = None,
+    poster: Poster | None = None,
+) -> dict:
     """Give each module timed collectives (overcast's through `comm`, or the process group's if
     None), their ReduceScatters left behind the backward pass in `deferred` where FSDP2 allows,
     their AllGathers with no ReduceScatter beside them on `unpaired_allgather` if given, the
@@ -137,11 +161,21 @@ def _install(modules, comm, allgather: str | None, reduce_scatter: str | None,
                 continue
             saved[module] = collectives(pg[0])
             own = any(own_reduce_scatter_group(g) is not None for g in pg)
-            module.set_custom_all_gather(TimedAllGather(comm, allgather, name, times, module,
-                                                        unpaired_allgather, poster))
-            module.set_custom_reduce_scatter(TimedReduceScatter(
-                comm, reduce_scatter, name, times, module, deferred,
-                None if own else reduce_scatter_group, poster))
+            module.set_custom_all_gather(
+                TimedAllGather(comm, allgather, name, times, module, unpaired_allgather, poster)
+            )
+            module.set_custom_reduce_scatter(
+                TimedReduceScatter(
+                    comm,
+                    reduce_scatter,
+                    name,
+                    times,
+                    module,
+                    deferred,
+                    None if own else reduce_scatter_group,
+                    poster,
+                )
+            )
     except BaseException:
         _give_back(saved)
         raise
@@ -159,8 +193,15 @@ class Overlap:
     """What `overlap()` set up: the communicator (backend "overcast"), the training thread's
     communication time, and `close()` to undo it (also as a context manager)."""
 
-    def __init__(self, model, comm, times: CommTime, made: GroupCommunicator | None = None,
-                 saved=None, reduce_scatter_group: dist.ProcessGroup | None = None):
+    def __init__(
+        self,
+        model,
+        comm,
+        times: CommTime,
+        made: GroupCommunicator | None = None,
+        saved=None,
+        reduce_scatter_group: dist.ProcessGroup | None = None,
+    ):
         self.model, self.comm, self.times = model, comm, times
         self._made, self._saved = made, saved or {}  # what overlap() opened; what it replaced
         self._schedule: dict | None = None  # FSDP2's schedule before overlap() set its own
@@ -190,14 +231,21 @@ class Overlap:
         thread posting and waiting), its compute (the rest), the collectives per step;
         written to `path` as JSON if given, for `overcast plan --timed`."""
         if not (isinstance(steps, int) and steps >= 1 and seconds > 0):
-            raise InvalidArgumentError(f"profile() needs 1 or more steps and their seconds "
-                                       f"above 0, not {steps!r} and {seconds!r}")
+            raise InvalidArgumentError(
+                f"profile() needs 1 or more steps and their seconds "
+                f"above 0, not {steps!r} and {seconds!r}"
+            )
         stats = self.stats()
         step, exposed = seconds / steps, (stats["post_seconds"] + stats["wait_seconds"]) / steps
-        out = {"what": "overcast.fsdp step profile", "steps": steps, "step_seconds": step,
-               "exposed_seconds": exposed, "compute_seconds": step - exposed,
-               "allgathers_per_step": stats["allgathers"] / steps,
-               "reduce_scatters_per_step": stats["reduce_scatters"] / steps}
+        out = {
+            "what": "overcast.fsdp step profile",
+            "steps": steps,
+            "step_seconds": step,
+            "exposed_seconds": exposed,
+            "compute_seconds": step - exposed,
+            "allgathers_per_step": stats["allgathers"] / steps,
+            "reduce_scatters_per_step": stats["reduce_scatters"] / steps,
+        }
         if path is not None:
             with open(path, "w") as f:
                 json.dump(out, f, indent=1)
@@ -281,8 +329,9 @@ def _kept_reduce_scatter_group(shard_group: dist.ProcessGroup) -> dist.ProcessGr
     ranks = tuple(dist.get_process_group_ranks(shard_group))
     group = _live_reduce_scatter_groups().get(ranks)
     if group is None:
-        group = dist.new_group(list(ranks), use_local_synchronization=True,
-                               group_desc="overcast_reduce_scatter")
+        group = dist.new_group(
+            list(ranks), use_local_synchronization=True, group_desc="overcast_reduce_scatter"
+        )
         _reduce_scatter_groups[ranks] = group
     return group
 
@@ -302,8 +351,7 @@ def _job_store():
     return dist.distributed_c10d._get_default_store()
 
 
-def _communicator(group: dist.ProcessGroup, reduce_scatter: str, trace: bool) -> \
-        GroupCommunicator:
+def _communicator(group: dist.ProcessGroup, reduce_scatter: str, trace: bool) -> GroupCommunicator:
     """An overcast Communicator over `group`'s ranks, meeting through the job's store (see
     overcast.job); an "overcast" group's companion, sharing its aggregator, if it is one. Never
     the group's own communicator: the training thread would post collectives on it beside the
@@ -312,30 +360,47 @@ def _communicator(group: dist.ProcessGroup, reduce_scatter: str, trace: bool) ->
     companion = getattr(group, "companion_communicator", None)
     if companion is not None:
         return companion(in_network=in_network, trace=trace)
-    return group_communicator(_job_store(), group.rank(), group.size(),
-                              f"fsdp-{group.group_name}", in_network=in_network, trace=trace)
+    return group_communicator(
+        _job_store(),
+        group.rank(),
+        group.size(),
+        f"fsdp-{group.group_name}",
+        in_network=in_network,
+        trace=trace,
+    )
 
 
 @contextlib.contextmanager
-def job_communicator(group: dist.ProcessGroup | None = None, *, reduce_scatter: str = "innetwork",
-                     trace: bool = False):
+def job_communicator(
+    group: dist.ProcessGroup | None = None,
+    *,
+    reduce_scatter: str = "innetwork",
+    trace: bool = False,
+):
     """An overcast Communicator over a process group's ranks (default: every rank), meeting
     through the job's store, as overlap() makes one: with reduce_scatter="innetwork" and no
     OVERCAST_AGGREGATORS, rank 0 starts an aggregator beside itself. Use it in a `with` on every
     rank; leaving closes the communicator and, once every rank has closed, the aggregator."""
     # the default group raises, as the store would, where none is initialised
-    made = _communicator(group or dist.distributed_c10d._get_default_group(), reduce_scatter,
-                         trace)
+    made = _communicator(group or dist.distributed_c10d._get_default_group(), reduce_scatter, trace)
     try:
         yield made.comm
     finally:
         made.close()
 
 
-def overlap(model, *, comm: Communicator | None = None, backend: str = "overcast",
-            allgather: str = "multicast", reduce_scatter: str = "innetwork",
-            unpaired_allgather: str | None = "ring", prefetch: int = 1,
-            defer_reduce_scatter: bool = True, trace: bool = False) -> Overlap:
+def overlap(
+    model,
+    *,
+    comm: Communicator | None = None,
+    backend: str = "overcast",
+    allgather: str = "multicast",
+    reduce_scatter: str = "innetwork",
+    unpaired_allgather: str | None = "ring",
+    prefetch: int = 1,
+    defer_reduce_scatter: bool = True,
+    trace: bool = False,
+) -> Overlap:
     """Configure every FSDPModule in `model` for AllGather overlapped with ReduceScatter in the
     backward pass, and return the handle (close it when done, or use it in a `with`).
 
@@ -360,26 +425,37 @@ def overlap(model, *, comm: Communicator | None = None, backend: str = "overcast
     modules = _fsdp_modules(model)
     _check_choice("backend", backend, BACKENDS)
     if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 0:
-        raise InvalidArgumentError(f"prefetch must be a whole number of blocks >= 0, not "
-                                   f"{prefetch!r}")
+        raise InvalidArgumentError(
+            f"prefetch must be a whole number of blocks >= 0, not {prefetch!r}"
+        )
     if not isinstance(defer_reduce_scatter, bool):
-        raise InvalidArgumentError(f"defer_reduce_scatter must be True or False, not "
-                                   f"{defer_reduce_scatter!r}")
+        raise InvalidArgumentError(
+            f"defer_reduce_scatter must be True or False, not {defer_reduce_scatter!r}"
+        )
     group = _shard_group(modules, backend)
     blocks = [m for _, m in modules if m is not model]
     times = CommTime(keep_labels=trace)
     if backend == "torch":
         if comm is not None:
-            raise InvalidArgumentError("comm= is for backend='overcast'; backend='torch' uses "
-                                       "the process group's own collectives")
+            raise InvalidArgumentError(
+                "comm= is for backend='overcast'; backend='torch' uses "
+                "the process group's own collectives"
+            )
         # the process group's own collectives
         gather: str | None = None
         scatter: str | None = None
         unpaired: str | None = None
-        lacking = any(own_reduce_scatter_group(pg) is None
-                      for _, module in modules for pg in param_groups(module))
-        handle = Overlap(model, None, times, reduce_scatter_group=
-                         _kept_reduce_scatter_group(group) if lacking else None)
+        lacking = any(
+            own_reduce_scatter_group(pg) is None
+            for _, module in modules
+            for pg in param_groups(module)
+        )
+        handle = Overlap(
+            model,
+            None,
+            times,
+            reduce_scatter_group=_kept_reduce_scatter_group(group) if lacking else None,
+        )
     else:
         _check_choice("allgather", allgather, ALGORITHMS["all_gather"])
         if unpaired_allgather is not None:
@@ -390,7 +466,8 @@ def overlap(model, *, comm: Communicator | None = None, backend: str = "overcast
             raise InvalidArgumentError(
                 f"the communicator is rank {comm.rank} of {comm.world_size}, but the FSDP mesh "
                 f"makes this process rank {group.rank()} of {group.size()}; create it over "
-                f"the mesh's ranks")
+                f"the mesh's ranks"
+            )
         made = _communicator(group, reduce_scatter, trace) if comm is None else None
         handle = Overlap(model, made.comm if made else comm, times, made)
         comm = handle.comm
@@ -403,21 +480,37 @@ def overlap(model, *, comm: Communicator | None = None, backend: str = "overcast
             # rings, docs/results.md).
             gather = scatter = "ring"
             unpaired = unpaired and "ring"
-            warnings.warn(f"{comm.multicast_undelivered}; overlap() runs its AllGathers and "
-                          f"ReduceScatters on overcast's rings", MulticastNotDeliveredWarning,
-                          stacklevel=2)
-        handle.algorithms = {"allgather": gather, "unpaired_allgather": unpaired or gather,
-                             "reduce_scatter": scatter}
+            warnings.warn(
+                f"{comm.multicast_undelivered}; overlap() runs its AllGathers and "
+                f"ReduceScatters on overcast's rings",
+                MulticastNotDeliveredWarning,
+                stacklevel=2,
+            )
+        handle.algorithms = {
+            "allgather": gather,
+            "unpaired_allgather": unpaired or gather,
+            "reduce_scatter": scatter,
+        }
         if comm is not None:  # raised here alone: every rank finds the same
-            for collective, algorithm in [("all_gather", gather),
-                                          ("all_gather", unpaired),
-                                          ("reduce_scatter", scatter)]:
+            for collective, algorithm in [
+                ("all_gather", gather),
+                ("all_gather", unpaired),
+                ("reduce_scatter", scatter),
+            ]:
                 reason = algorithm and comm.unavailable(collective, algorithm)
                 if reason:
                     raise InvalidArgumentError(reason)
-        handle._saved = _install(modules, comm, gather, scatter, times,
-                                 handle._deferred if defer_reduce_scatter else None, unpaired,
-                                 handle.reduce_scatter_group, handle._poster)
+        handle._saved = _install(
+            modules,
+            comm,
+            gather,
+            scatter,
+            times,
+            handle._deferred if defer_reduce_scatter else None,
+            unpaired,
+            handle.reduce_scatter_group,
+            handle._poster,
+        )
         handle._schedule = schedule(modules)
         set_unshard_async_op(model, True)
         _set_prefetch(blocks, model, prefetch)

@@ -35,13 +35,13 @@ def thread_clock() -> tuple[float, float]:
 class CommTime:
     """What the training thread spent on communication, and which collective was which."""
 
-    post_seconds: float = 0.0          # inside the hooks, handing collectives to the engine
-    wait_seconds: float = 0.0          # blocked until a collective finished
-    thread_cpu_seconds: float = 0.0    # CPU time of the training thread in both
-    run_delay_seconds: float = 0.0     # ... and the time it waited for a CPU in both
+    post_seconds: float = 0.0  # inside the hooks, handing collectives to the engine
+    wait_seconds: float = 0.0  # blocked until a collective finished
+    thread_cpu_seconds: float = 0.0  # CPU time of the training thread in both
+    run_delay_seconds: float = 0.0  # ... and the time it waited for a CPU in both
     allgathers: int = 0
     reduce_scatters: int = 0
-    keep_labels: bool = False          # only for timelines: one entry per collective
+    keep_labels: bool = False  # only for timelines: one entry per collective
     labels: dict[int, str] = field(default_factory=dict)  # collective seq -> "AG blocks.3"
     # with keep_labels: (kind "AG"/"RS", label, posted, waited) per collective, perf_counter
     # seconds; the time each was in flight as the training thread saw it, either backend
@@ -49,8 +49,8 @@ class CommTime:
     # on a GPU: each staged collective's Staging (overcast.staging), its copies queued, until
     # their events are read into the seconds below
     staged: list = field(default_factory=list)
-    staging_in_seconds: float = 0.0    # GPU time of the copies to the host
-    staging_out_seconds: float = 0.0   # ... and back
+    staging_in_seconds: float = 0.0  # GPU time of the copies to the host
+    staging_out_seconds: float = 0.0  # ... and back
 
     def read_staging(self) -> None:
         """Add up the staging copies' GPU time so far (waits for the copies still queued)."""
@@ -67,12 +67,16 @@ class CommTime:
 
     def as_dict(self) -> dict:
         self.read_staging()
-        return {"post_seconds": self.post_seconds, "wait_seconds": self.wait_seconds,
-                "staging_in_seconds": self.staging_in_seconds,
-                "staging_out_seconds": self.staging_out_seconds,
-                "thread_cpu_seconds": self.thread_cpu_seconds,
-                "run_delay_seconds": self.run_delay_seconds, "allgathers": self.allgathers,
-                "reduce_scatters": self.reduce_scatters}
+        return {
+            "post_seconds": self.post_seconds,
+            "wait_seconds": self.wait_seconds,
+            "staging_in_seconds": self.staging_in_seconds,
+            "staging_out_seconds": self.staging_out_seconds,
+            "thread_cpu_seconds": self.thread_cpu_seconds,
+            "run_delay_seconds": self.run_delay_seconds,
+            "allgathers": self.allgathers,
+            "reduce_scatters": self.reduce_scatters,
+        }
 
 
 class Clock:

@@ -21,8 +21,18 @@ share; _core.pyi, here beside the module they build, their stubs.
 """
 
 try:
-    from overcast.native._core import (EXPIRY_SECONDS, MAX_REDUCTIONS,  # noqa: F401
-                                       MAX_RESEND_SECONDS, RESEND_SECONDS, Aggregator)
+    from overcast.native._core import (
+        EXPIRY_SECONDS,
+        MAX_REDUCTIONS,
+        MAX_RESEND_SECONDS,
+        RESEND_SECONDS,
+        Aggregator,
+    )
 except ImportError as err:  # pragma: no cover - a build problem, said plainly
-    raise ImportError(f"overcast's native core is not built ({err}); run tools/setup, or "
-                      f"`pip install -e .` in the repository") from err
+    raise ImportError(
+        f"overcast's native core is not built ({err}); run tools/setup, or "
+        f"`pip install -e .` in the repository"
+    ) from err
+
+# what the rest of the library takes from here rather than from _core
+__all__ = ["EXPIRY_SECONDS", "MAX_REDUCTIONS", "MAX_RESEND_SECONDS", "RESEND_SECONDS", "Aggregator"]

@@ -54,16 +54,23 @@ class Descriptor:
     SIZE = _DESCRIPTOR.size
 
     def pack(self) -> bytes:
-        return _DESCRIPTOR.pack(COLLECTIVES.index(self.collective),
-                                ALGORITHMS.index(self.algorithm), dtype_code(self.dtype),
-                                OPS.index(self.op), self.count, self.param, self.chunk_bytes)
+        return _DESCRIPTOR.pack(
+            COLLECTIVES.index(self.collective),
+            ALGORITHMS.index(self.algorithm),
+            dtype_code(self.dtype),
+            OPS.index(self.op),
+            self.count,
+            self.param,
+            self.chunk_bytes,
+        )
 
     @classmethod
     def unpack(cls, payload) -> Descriptor:
         try:
             c, a, d, o, count, param, chunk_bytes = _DESCRIPTOR.unpack(payload)
-            return cls(COLLECTIVES[c], ALGORITHMS[a], dtype_from_code(d), count, OPS[o], param,
-                       chunk_bytes)
+            return cls(
+                COLLECTIVES[c], ALGORITHMS[a], dtype_from_code(d), count, OPS[o], param, chunk_bytes
+            )
         except (struct.error, IndexError, ValueError) as err:
             raise ProtocolError(f"undecodable collective descriptor: {err}") from None
 
@@ -82,8 +89,9 @@ class Descriptor:
         op = f", {self.op}" if self.op != "none" else ""
         param = f", param={self.param}" if self.param else ""
         chunks = f", {self.chunk_bytes} B chunks" if self.chunk_bytes else ""
-        return (f"{self.collective}({self.algorithm}, {self.count} x {self.dtype}{op}{param}"
-                f"{chunks})")
+        return (
+            f"{self.collective}({self.algorithm}, {self.count} x {self.dtype}{op}{param}{chunks})"
+        )
 
 
 @dataclass(slots=True)
@@ -204,8 +212,10 @@ class Collective:
     def enter(self, phase: Phase) -> None:
         """Move to `phase`; a move the lifecycle does not allow is a bug in the protocol."""
         if phase not in _NEXT[self.phase]:
-            raise RuntimeError(f"{type(self).__name__} #{self.seq} on rank {self.rank}: "
-                               f"{self.phase.name} -> {phase.name} is not a transition")
+            raise RuntimeError(
+                f"{type(self).__name__} #{self.seq} on rank {self.rank}: "
+                f"{self.phase.name} -> {phase.name} is not a transition"
+            )
         self.phase = phase
 
     def reject(self, reason: str, message: str) -> NoReturn:
@@ -221,15 +231,21 @@ class Collective:
         hdr = run.hdr
         rule = self.ACCEPTS.get(hdr.kind)
         if rule is None:
-            self.reject("unexpected_kind", f"{Kind(hdr.kind).name} from rank {hdr.src} is not "
-                                           f"part of this protocol")
+            self.reject(
+                "unexpected_kind",
+                f"{Kind(hdr.kind).name} from rank {hdr.src} is not part of this protocol",
+            )
         allowed = getattr(self, rule.sender)
         if not (hdr.src in allowed if isinstance(allowed, frozenset) else hdr.src == allowed):
-            self.reject("wrong_sender", f"{Kind(hdr.kind).name} from rank {hdr.src}; only "
-                                        f"{rule.sender} ({_ranks(allowed)}) sends it")
+            self.reject(
+                "wrong_sender",
+                f"{Kind(hdr.kind).name} from rank {hdr.src}; only "
+                f"{rule.sender} ({_ranks(allowed)}) sends it",
+            )
         if self.phase not in rule.phases:
-            self.reject("wrong_phase", f"{Kind(hdr.kind).name} from rank {hdr.src} while "
-                                       f"{self.phase.value}")
+            self.reject(
+                "wrong_phase", f"{Kind(hdr.kind).name} from rank {hdr.src} while {self.phase.value}"
+            )
         handler = getattr(self, rule.handler)
         if rule.runs:
             handler(run, now)
@@ -274,8 +290,9 @@ class Collective:
     def state_bytes(self) -> int:
         """Bytes of bookkeeping this collective owns (its own arrays, not the caller's buffers
         it reads and writes in place)."""
-        return sum(v.nbytes for v in vars(self).values()
-                   if isinstance(v, np.ndarray) and v.base is None)
+        return sum(
+            v.nbytes for v in vars(self).values() if isinstance(v, np.ndarray) and v.base is None
+        )
 
     # -- outbox ----------------------------------------------------------------------------
     def queue(self, route: tuple[int, int], msg: Outgoing) -> None:

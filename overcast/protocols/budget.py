@@ -21,10 +21,17 @@ class LinkBudget:
     multicast streams take their pace. The bucket itself is native (overcast/native/rank/budget.h):
     the rank's datagram plane takes from it for in-network contributions without Python."""
 
-    def __init__(self, bytes_per_s: float | None, burst_seconds: float = 0.005, batch: int = 1,
-                 datagram_bytes: int = 0, reduction_batch: int = 0):
-        self.native = _core.Budget(bytes_per_s or 0.0, burst_seconds, batch, datagram_bytes,
-                                   reduction_batch)
+    def __init__(
+        self,
+        bytes_per_s: float | None,
+        burst_seconds: float = 0.005,
+        batch: int = 1,
+        datagram_bytes: int = 0,
+        reduction_batch: int = 0,
+    ):
+        self.native = _core.Budget(
+            bytes_per_s or 0.0, burst_seconds, batch, datagram_bytes, reduction_batch
+        )
         self.rate = bytes_per_s or None
         self.batch, self.reduction_batch = self.native.batch, self.native.reduction_batch
         self.burst = self.native.burst

@@ -50,9 +50,14 @@ FAILOVER_ENV = "OVERCAST_FAILOVER_SECONDS"
 # taken for lost.
 FAILOVER_LEAST_SECONDS = 0.25
 # The counters of the losses, there from the start (zero until a loss).
-FAILOVER_COUNTERS = ("aggregators_lost", "aggregators_taken_back", "in_network_redone_on_ring",
-                     "in_network_complete_at_failover", "in_network_on_ring",
-                     "in_network_on_fewer_endpoints")
+FAILOVER_COUNTERS = (
+    "aggregators_lost",
+    "aggregators_taken_back",
+    "in_network_redone_on_ring",
+    "in_network_complete_at_failover",
+    "in_network_on_ring",
+    "in_network_on_fewer_endpoints",
+)
 # How often a rank tries to register anew with an aggregator lost (restarted at its address),
 # each try bounded by as long; and how long it waits after an aggregator that answers but cannot
 # be taken back (other endpoints, fewer slots).
@@ -70,8 +75,11 @@ NO_LOSS = 0  # never an aggregator's endpoint id (those are AGGREGATOR - stripe)
 
 def pack_report(lost: int, back, posted: int, lacking: list[int]) -> bytes:
     back = sorted(back)
-    return (_REPORT.pack(lost, len(back), posted, len(lacking))
-            + b"".join(map(_ENDPOINT.pack, back)) + b"".join(map(_SEQ.pack, lacking)))
+    return (
+        _REPORT.pack(lost, len(back), posted, len(lacking))
+        + b"".join(map(_ENDPOINT.pack, back))
+        + b"".join(map(_SEQ.pack, lacking))
+    )
 
 
 def unpack_report(payload) -> tuple[int, frozenset[int], int, frozenset[int]]:
@@ -81,16 +89,21 @@ def unpack_report(payload) -> tuple[int, frozenset[int], int, frozenset[int]]:
         raise ProtocolError(f"a FAILOVER report of {len(payload)} bytes")
     lost, nback, posted, n = _REPORT.unpack_from(payload)
     if len(payload) != _REPORT.size + nback * _ENDPOINT.size + n * _SEQ.size:
-        raise ProtocolError(f"a FAILOVER report of {len(payload)} bytes says {nback} "
-                            f"aggregators and {n} collectives")
+        raise ProtocolError(
+            f"a FAILOVER report of {len(payload)} bytes says {nback} "
+            f"aggregators and {n} collectives"
+        )
     at = _REPORT.size
-    back = frozenset(_ENDPOINT.unpack_from(payload, at + i * _ENDPOINT.size)[0]
-                     for i in range(nback))
+    back = frozenset(
+        _ENDPOINT.unpack_from(payload, at + i * _ENDPOINT.size)[0] for i in range(nback)
+    )
     at += nback * _ENDPOINT.size
     lacking = frozenset(_SEQ.unpack_from(payload, at + i * _SEQ.size)[0] for i in range(n))
     if len(back) != nback or any(seq >= posted for seq in lacking):
-        raise ProtocolError("a FAILOVER report names an aggregator twice, or lacks a "
-                            "collective it says it has not posted")
+        raise ProtocolError(
+            "a FAILOVER report names an aggregator twice, or lacks a "
+            "collective it says it has not posted"
+        )
     return lost, back, posted, lacking
 
 
@@ -111,18 +124,22 @@ class RingInstead(RingReduceScatter):
     credit still on their way for it are dropped and counted as `aggregator_lost`."""
 
     verify_every_peer = True
-    ACCEPTS = {**RingReduceScatter.ACCEPTS,
-               Kind.RESULT: Accept("_too_late", "aggregator", runs=True),
-               Kind.CREDIT: Accept("_too_late", "aggregator", runs=True)}
+    ACCEPTS = {
+        **RingReduceScatter.ACCEPTS,
+        Kind.RESULT: Accept("_too_late", "aggregator", runs=True),
+        Kind.CREDIT: Accept("_too_late", "aggregator", runs=True),
+    }
 
     def __init__(self, coll: InNetworkReduceScatter):
-        super().__init__(coll.seq, coll.rank, coll.world, coll.desc, coll.output, coll.input,
-                         coll.frame_bytes)
+        super().__init__(
+            coll.seq, coll.rank, coll.world, coll.desc, coll.output, coll.input, coll.frame_bytes
+        )
         self.aggregator = coll.aggregator
 
     def _too_late(self, run, now: float) -> None:
-        self.reject("aggregator_lost", "the aggregator's datagrams for a reduction the ring "
-                                       "took over")
+        self.reject(
+            "aggregator_lost", "the aggregator's datagrams for a reduction the ring took over"
+        )
 
     def __str__(self) -> str:
         return f"{self.desc} #{self.seq} (on the ring: an aggregator was lost)"
@@ -168,11 +185,13 @@ class Failover:
             self.frozen[coll.seq] = coll
         return sorted(lacking)
 
-    def report(self, rank: int, lost: int, back: frozenset[int], posted: int,
-               lacking: frozenset[int]) -> None:
+    def report(
+        self, rank: int, lost: int, back: frozenset[int], posted: int, lacking: frozenset[int]
+    ) -> None:
         if rank in self.reports:
-            raise ProtocolError(f"rank {rank} reported round {self.number} of aggregator "
-                                f"losses twice")
+            raise ProtocolError(
+                f"rank {rank} reported round {self.number} of aggregator losses twice"
+            )
         self.reports[rank] = (lost, back, posted, lacking)
 
     @property
@@ -192,8 +211,9 @@ class Failover:
     def redo(self, seq: int) -> bool:
         """Whether in-network collective `seq`, frozen, is not complete: some rank lacks its
         block of it or had not posted it. The same on every rank: it reads the reports alone."""
-        return any(seq >= posted or seq in lacking
-                   for _, _, posted, lacking in self.reports.values())
+        return any(
+            seq >= posted or seq in lacking for _, _, posted, lacking in self.reports.values()
+        )
 
     def unreported(self) -> list[int]:
         return [r for r in range(self.world) if r not in self.reports]
@@ -204,18 +224,23 @@ class Failover:
         parts = []
         if self.lost:
             lost = ", ".join(sorted(self.lost.values()))
-            parts.append(f"lost the aggregator{'s' * (len(self.lost) > 1)} at {lost} "
-                         f"({self.why})")
+            parts.append(f"lost the aggregator{'s' * (len(self.lost) > 1)} at {lost} ({self.why})")
         if self.back:
             back = ", ".join(sorted(self.back.values()))
-            parts.append(f"took back the aggregator{'s' * (len(self.back) > 1)} at {back} "
-                         f"(every rank registered with it anew)")
+            parts.append(
+                f"took back the aggregator{'s' * (len(self.back) > 1)} at {back} "
+                f"(every rank registered with it anew)"
+            )
         if not parts:
-            parts.append(f"took back no aggregator ({self.why}: not every rank had "
-                         f"registered with it anew)")
+            parts.append(
+                f"took back no aggregator ({self.why}: not every rank had registered with it anew)"
+            )
         if self.redone:
-            parts.append("in-network ReduceScatter " + ", ".join(f"#{s}" for s in self.redone)
-                         + " redone on the ring")
+            parts.append(
+                "in-network ReduceScatter "
+                + ", ".join(f"#{s}" for s in self.redone)
+                + " redone on the ring"
+            )
         if self.complete:
             parts.append(", ".join(f"#{s}" for s in self.complete) + " complete on every rank")
         parts.append(f"in-network ReduceScatters from #{self.posted} on run on {left}")

@@ -30,12 +30,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from overcast.buffers import dtype_code
-from overcast.protocols.base import DATAGRAM, Accept, Collective, Descriptor, Outgoing, \
-    Phase
+from overcast.protocols.base import DATAGRAM, Accept, Collective, Descriptor, Outgoing, Phase
 from overcast.protocols.budget import LinkBudget
 from overcast.schedules.chains import chunk_count
 from overcast.schedules.ring import DEFAULT_FRAME_BYTES
 from overcast.wire.header import Kind, endpoints
+from overcast.wire.runs import Run
 
 if TYPE_CHECKING:
     from overcast.native._core import ReducerState
@@ -45,15 +45,30 @@ class InNetworkReduceScatter(Collective):
     verify_every_peer = True
     # Results and credit may come until the last chunk is released; copies sent again by the
     # aggregator may still come after (they are acknowledged again).
-    ACCEPTS = {Kind.RESULT: Accept("_to_plane", "aggregator", runs=True),
-               Kind.CREDIT: Accept("_to_plane", "aggregator", runs=True)}
+    ACCEPTS = {
+        Kind.RESULT: Accept("_to_plane", "aggregator", runs=True),
+        Kind.CREDIT: Accept("_to_plane", "aggregator", runs=True),
+    }
 
-    def __init__(self, seq: int, rank: int, world: int, desc: Descriptor, output: np.ndarray,
-                 input: np.ndarray, *, chunk_bytes: int, slots: int, budget: LinkBudget,
-                 stripes: int = 1, frame_bytes: int = DEFAULT_FRAME_BYTES):
+    def __init__(
+        self,
+        seq: int,
+        rank: int,
+        world: int,
+        desc: Descriptor,
+        output: np.ndarray,
+        input: np.ndarray,
+        *,
+        chunk_bytes: int,
+        slots: int,
+        budget: LinkBudget,
+        stripes: int = 1,
+        frame_bytes: int = DEFAULT_FRAME_BYTES,
+    ):
         itemsize = desc.dtype.itemsize
-        super().__init__(seq, rank, world,
-                         desc.cut(chunk_bytes // itemsize * itemsize, desc.count * itemsize))
+        super().__init__(
+            seq, rank, world, desc.cut(chunk_bytes // itemsize * itemsize, desc.count * itemsize)
+        )
         self.aggregator = endpoints(stripes)  # the endpoints its chunks are striped over
         self.output, self.input = output, input
         self.chunk_bytes, self.slots, self.budget = chunk_bytes, slots, budget
@@ -65,10 +80,19 @@ class InNetworkReduceScatter(Collective):
         self.frozen = False
 
     def start(self, now: float) -> None:
-        self.plane.reduce(self.seq, dtype_code(self.desc.dtype), self.desc.op == "avg",
-                          self.desc.count, self.input.view(np.uint8),
-                          self.output.view(np.uint8), self.chunk_bytes, self.slots,
-                          self.budget.reduction_batch, self.budget.native, now)
+        self.plane.reduce(
+            self.seq,
+            dtype_code(self.desc.dtype),
+            self.desc.op == "avg",
+            self.desc.count,
+            self.input.view(np.uint8),
+            self.output.view(np.uint8),
+            self.chunk_bytes,
+            self.slots,
+            self.budget.reduction_batch,
+            self.budget.native,
+            now,
+        )
         self.posted, self.posted_at = True, now
         self.enter(Phase.SENDING)
         if self._posted_state()["phase"] == "drained":  # one rank, or nothing to send
@@ -88,21 +112,24 @@ class InNetworkReduceScatter(Collective):
         state = self._state()
         return state["progress_at"] if state and state["progress_at"] >= 0 else None
 
-    def _to_plane(self, run, now: float) -> None:
+    def _to_plane(self, run: Run, now: float) -> None:
         if self.frozen:
-            self.reject("aggregator_lost", "the aggregator's datagrams for a reduction frozen "
-                                           "when an aggregator was lost")
-        self.plane.receive_run(run.hdr.kind, run.hdr.seq, run.hdr.src, run.hdr.dst, run.length,
-                               run.chunks, run.data, run.offset, run.stride, now)
+            self.reject(
+                "aggregator_lost",
+                "the aggregator's datagrams for a reduction frozen when an aggregator was lost",
+            )
+        self.plane.receive_run(*run.as_plane_args(), now)
 
     def native_news(self, now: float) -> None:
         """The plane has every result in place and every chunk released, and nothing of this
         reduction left to send."""
         state = self._posted_state()
-        self.stats.update(results=state["results_in"],
-                          duplicate_results=state["duplicate_results"],
-                          contributions_resent=state["contributions_resent"],
-                          credit_probes=state["credit_probes"])
+        self.stats.update(
+            results=state["results_in"],
+            duplicate_results=state["duplicate_results"],
+            contributions_resent=state["contributions_resent"],
+            credit_probes=state["credit_probes"],
+        )
         if self.phase is Phase.SENDING:
             self.enter(Phase.RECEIVING)
         if self.phase is Phase.RECEIVING:
@@ -135,8 +162,10 @@ class InNetworkReduceScatter(Collective):
         """The aggregator endpoints give the reduction up at once: a peer that refused the call
         never contributes, and the reduction would hold a pool and one of the communicator's
         few places until it expired."""
-        return [((DATAGRAM, e), Outgoing(Kind.WITHDRAW, self.seq, 0, b"", e))
-                for e in sorted(self.aggregator)]
+        return [
+            ((DATAGRAM, e), Outgoing(Kind.WITHDRAW, self.seq, 0, b"", e))
+            for e in sorted(self.aggregator)
+        ]
 
     def finished(self) -> None:
         if self.posted:
@@ -149,8 +178,10 @@ class InNetworkReduceScatter(Collective):
             return "every rank's report of the aggregator's loss"
         if state is None:
             return "its start"
-        return (f"the aggregator: {state['results']} of {state['k']} results, credit "
-                f"{state['credit']} of {state['total']} chunks")
+        return (
+            f"the aggregator: {state['results']} of {state['k']} results, credit "
+            f"{state['credit']} of {state['total']} chunks"
+        )
 
     def state_bytes(self) -> int:
         state = self._state()

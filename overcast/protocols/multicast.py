@@ -31,6 +31,7 @@ from overcast.protocols.budget import LinkBudget
 from overcast.schedules.chains import chain_position, chunk_count, concurrent_senders
 from overcast.wire.header import MISFITS, Kind, MalformedError
 from overcast.wire.messages import pack_ranges, unpack_ranges
+from overcast.wire.runs import Run
 
 if TYPE_CHECKING:
     from overcast.native._core import GatherState
@@ -63,9 +64,20 @@ class MulticastGather(Collective):
         Kind.FIN: Accept("_on_fin", "predecessor", _BEFORE_DRAINING),
     }
 
-    def __init__(self, seq: int, rank: int, world: int, desc: Descriptor, buffer: np.ndarray,
-                 segments: list[tuple[int, int, int]], *, source: np.ndarray | None,
-                 roots: int, chunk_bytes: int, budget: LinkBudget):
+    def __init__(
+        self,
+        seq: int,
+        rank: int,
+        world: int,
+        desc: Descriptor,
+        buffer: np.ndarray,
+        segments: list[tuple[int, int, int]],
+        *,
+        source: np.ndarray | None,
+        roots: int,
+        chunk_bytes: int,
+        budget: LinkBudget,
+    ):
         super().__init__(seq, rank, world, desc.cut(chunk_bytes, segments[0][2]))
         self.buffer = buffer.view(np.uint8)
         self.bytes = self.buffer.data  # repairs are served through this
@@ -80,8 +92,11 @@ class MulticastGather(Collective):
         self.other_roots = self.roots - {rank}
         self.ended: set[int] = set()  # roots whose end-of-multicast notice came
         self.mine = self.segment_of_root.get(rank)
-        head, self.chain_next = chain_position(world, roots, rank) if self.mine is not None \
-            and len(segments) > 1 else (True, None)
+        head, self.chain_next = (
+            chain_position(world, roots, rank)
+            if self.mine is not None and len(segments) > 1
+            else (True, None)
+        )
         self.head = head
         self.chain_prev = rank - 1 if self.mine is not None and not head else None
         self.budget = budget
@@ -114,17 +129,23 @@ class MulticastGather(Collective):
     def start(self, now: float) -> None:
         if self.mine is not None and self.source is not None:
             off, n = self.segments[self.mine][1:]
-            self.buffer[off:off + n] = self.source
+            self.buffer[off : off + n] = self.source
         if self.k == 0:  # nothing to send, nothing anyone could ask for: no messages at all
             self.fin_from_predecessor = self.sent_fin = True
             self.ended = set(self.other_roots)
             self.enter(Phase.RECEIVING)
             self._progress(now)
             return
-        self.plane.gather(self.seq, self.buffer, [(root, off) for root, off, _ in self.segments],
-                          self.segment_bytes, self.chunk_bytes,
-                          -1 if self.mine is None else self.mine, self.concurrent,
-                          self.budget.native)
+        self.plane.gather(
+            self.seq,
+            self.buffer,
+            [(root, off) for root, off, _ in self.segments],
+            self.segment_bytes,
+            self.chunk_bytes,
+            -1 if self.mine is None else self.mine,
+            self.concurrent,
+            self.budget.native,
+        )
         self.posted = True
         if self.mine is None:
             self.enter(Phase.RECEIVING)
@@ -164,29 +185,34 @@ class MulticastGather(Collective):
         if state is not None and state["sent_all"]:
             for peer in range(self.world):
                 if peer != self.rank:
-                    self.queue((STREAM, peer), Outgoing(Kind.MCAST_END, self.seq, 0,
-                                                        self.described, peer))
+                    self.queue(
+                        (STREAM, peer), Outgoing(Kind.MCAST_END, self.seq, 0, self.described, peer)
+                    )
             if self.chain_next is not None:
-                self.queue((STREAM, self.chain_next),
-                           Outgoing(Kind.ACTIVATE, self.seq, 0, b"", self.chain_next))
+                self.queue(
+                    (STREAM, self.chain_next),
+                    Outgoing(Kind.ACTIVATE, self.seq, 0, b"", self.chain_next),
+                )
             self.enter(Phase.RECEIVING)
         self._progress(now)
 
-    def _to_plane(self, run, now: float) -> None:
-        self.plane.receive_run(run.hdr.kind, run.hdr.seq, run.hdr.src, run.hdr.dst, run.length,
-                               run.chunks, run.data, run.offset, run.stride, now)
+    def _to_plane(self, run: Run, now: float) -> None:
+        self.plane.receive_run(*run.as_plane_args(), now)
 
     def _on_repair_request(self, hdr, payload, now: float) -> None:
         try:
-            ranges = unpack_ranges(payload[Descriptor.SIZE:])  # the session checked the rest
+            ranges = unpack_ranges(payload[Descriptor.SIZE :])  # the session checked the rest
         except MalformedError as err:
             self.reject("malformed", str(err))
-        have = [self.plane.gather_have(self.seq, first, count) if self.posted else -1
-                for first, count in ranges]
+        have = [
+            self.plane.gather_have(self.seq, first, count) if self.posted else -1
+            for first, count in ranges
+        ]
         for (first, count), here in zip(ranges, have):
             if here < 0:
-                self.reject("out_of_range", f"chunk range {first}+{count} is not within one "
-                                            f"segment")
+                self.reject(
+                    "out_of_range", f"chunk range {first}+{count} is not within one segment"
+                )
         for (first, count), here in zip(ranges, have):
             if here:
                 self._serve(first, count)
@@ -219,8 +245,10 @@ class MulticastGather(Collective):
         gaps = {self.segments[s][0]: m for s, m in enumerate(missing) if m}
         parts = []
         if gaps:
-            parts.append("chunks from " + ", ".join(f"rank {r} ({m} of {self.k} missing)"
-                                                    for r, m in gaps.items()))
+            parts.append(
+                "chunks from "
+                + ", ".join(f"rank {r} ({m} of {self.k} missing)" for r, m in gaps.items())
+            )
         if self.phase is Phase.WAITING:
             parts.append(f"activation by rank {self.chain_prev}")
         elif self.phase is Phase.SENDING:
@@ -228,8 +256,9 @@ class MulticastGather(Collective):
         if not self.fin_from_predecessor:
             parts.append(f"the FIN of rank {self.predecessor}")
         if len(self.ended) < len(self.other_roots):
-            parts.append(f"{len(self.other_roots) - len(self.ended)} roots' end-of-multicast "
-                         f"notices")
+            parts.append(
+                f"{len(self.other_roots) - len(self.ended)} roots' end-of-multicast notices"
+            )
         return "; ".join(parts) or "its sends to drain"
 
     def state_bytes(self) -> int:
@@ -245,12 +274,16 @@ class MulticastGather(Collective):
     def _on_repair(self, hdr, payload, now: float) -> None:
         if not payload:
             self.reject("wrong_length", f"repair of chunk {hdr.chunk} carries nothing")
-        why, fresh = self.plane.gather_store(self.seq, hdr.chunk, payload, now) \
-            if self.posted else (1, 0)
+        why, fresh = (
+            self.plane.gather_store(self.seq, hdr.chunk, payload, now) if self.posted else (1, 0)
+        )
         if why:
-            self.reject(MISFITS[why], f"repair of chunks from {hdr.chunk} carrying "
-                                       f"{len(payload)} bytes does not fit chunks of "
-                                       f"{self.chunk_bytes} within one segment")
+            self.reject(
+                MISFITS[why],
+                f"repair of chunks from {hdr.chunk} carrying "
+                f"{len(payload)} bytes does not fit chunks of "
+                f"{self.chunk_bytes} within one segment",
+            )
         self.progress += fresh
         self.stats["repaired_chunks"] += fresh
         self.stats["repair_bytes"] += len(payload)
@@ -259,9 +292,11 @@ class MulticastGather(Collective):
         """Ask the successor for the ranges the plane has marked requested."""
         ranges = self.plane.gather_requests(self.seq)
         for i in range(0, len(ranges), _RANGES_PER_REQUEST):
-            body = self.described + pack_ranges(ranges[i:i + _RANGES_PER_REQUEST])
-            self.queue((STREAM, self.successor),
-                       Outgoing(Kind.REPAIR_REQUEST, self.seq, 0, body, self.successor))
+            body = self.described + pack_ranges(ranges[i : i + _RANGES_PER_REQUEST])
+            self.queue(
+                (STREAM, self.successor),
+                Outgoing(Kind.REPAIR_REQUEST, self.seq, 0, body, self.successor),
+            )
         self.stats["repair_requests"] += len(ranges)
 
     def _serve_deferred(self) -> None:
@@ -279,9 +314,10 @@ class MulticastGather(Collective):
         for gid in range(first, first + count, per_frame):
             n = min(per_frame, first + count - gid)
             start, end = self._span(gid, n)
-            self.queue((STREAM, self.predecessor),
-                       Outgoing(Kind.REPAIR_DATA, self.seq, gid, self.bytes[start:end],
-                                self.predecessor))
+            self.queue(
+                (STREAM, self.predecessor),
+                Outgoing(Kind.REPAIR_DATA, self.seq, gid, self.bytes[start:end], self.predecessor),
+            )
             self.stats["repair_bytes_served"] += end - start
 
     def _progress(self, now: float) -> None:
@@ -295,12 +331,19 @@ class MulticastGather(Collective):
         ended = self.phase not in (Phase.WAITING, Phase.SENDING)
         if complete and ended and not self.sent_fin and self.world > 1:
             self.sent_fin = True
-            self.queue((STREAM, self.successor), Outgoing(Kind.FIN, self.seq, 0, b"",
-                                                          self.successor))
-        if complete and self.fin_from_predecessor and self.phase is Phase.RECEIVING \
-                and len(self.ended) == len(self.other_roots):
+            self.queue(
+                (STREAM, self.successor), Outgoing(Kind.FIN, self.seq, 0, b"", self.successor)
+            )
+        if (
+            complete
+            and self.fin_from_predecessor
+            and self.phase is Phase.RECEIVING
+            and len(self.ended) == len(self.other_roots)
+        ):
             if state is not None:
-                self.stats.update(multicast_chunks=state["multicast_chunks"],
-                                  duplicate_chunks=state["duplicate_chunks"])
+                self.stats.update(
+                    multicast_chunks=state["multicast_chunks"],
+                    duplicate_chunks=state["duplicate_chunks"],
+                )
             self.enter(Phase.DRAINING)
         self._check_done()

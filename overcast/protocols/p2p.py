@@ -54,9 +54,18 @@ class Transfer:
 
     _serials = itertools.count()
 
-    def __init__(self, kind: str, rank: int, peer: int | None, tag: int, buffer: np.ndarray,
-                 frame_bytes: int, copied: bool = False, label: str | None = None,
-                 awaited: str | None = None):
+    def __init__(
+        self,
+        kind: str,
+        rank: int,
+        peer: int | None,
+        tag: int,
+        buffer: np.ndarray,
+        frame_bytes: int,
+        copied: bool = False,
+        label: str | None = None,
+        awaited: str | None = None,
+    ):
         self.kind, self.rank, self.peer, self.tag = kind, rank, peer, tag
         self.buffer, self.frame_bytes, self.copied = buffer, frame_bytes, copied
         self.label, self.awaited = label, awaited
@@ -88,9 +97,12 @@ class Transfer:
         if self.awaited is not None:
             return self.awaited
         if self.state == "posted":
-            return (f"rank {self.peer} to post a recv that matches" if self.kind == "send" else
-                    f"{'a rank' if self.peer is None else f'rank {self.peer}'} to send with "
-                    f"tag {self.tag}")
+            return (
+                f"rank {self.peer} to post a recv that matches"
+                if self.kind == "send"
+                else f"{'a rank' if self.peer is None else f'rank {self.peer}'} to send with "
+                f"tag {self.tag}"
+            )
         if self.kind == "send":
             return f"rank {self.peer} to take its data"
         return f"rank {self.source}'s data: {self.filled} of {self.nbytes} B arrived"
@@ -105,8 +117,9 @@ class _Offer:
 
     __slots__ = ("src", "number", "tag", "nbytes", "own")
 
-    def __init__(self, src: int, number: int | None, tag: int, nbytes: int,
-                 own: Transfer | None = None):
+    def __init__(
+        self, src: int, number: int | None, tag: int, nbytes: int, own: Transfer | None = None
+    ):
         self.src, self.number, self.tag, self.nbytes, self.own = src, number, tag, nbytes, own
 
 
@@ -146,11 +159,14 @@ class PointToPoint:
             number = op.number = self._next_number[peer]
             self._next_number[peer] = (number + 1) % _NUMBERS
             self._offered[(peer, number)] = op
-            self._queue(peer, Outgoing(Kind.P2P_OFFER, number, 0, _OFFER.pack(op.tag, op.nbytes),
-                                       peer))
+            self._queue(
+                peer, Outgoing(Kind.P2P_OFFER, number, 0, _OFFER.pack(op.tag, op.nbytes), peer)
+            )
             return
-        offer = next((o for o in self._offers if o.tag == op.tag and
-                      (op.peer is None or o.src == op.peer)), None)
+        offer = next(
+            (o for o in self._offers if o.tag == op.tag and (op.peer is None or o.src == op.peer)),
+            None,
+        )
         if offer is None:
             self._recvs.append(op)
         else:
@@ -164,19 +180,22 @@ class PointToPoint:
         src, number = hdr.src, hdr.seq
         if hdr.kind == Kind.P2P_OFFER:
             if number != self._expected[src]:
-                _reject("out_of_range", f"rank {src} offered message {number}; "
-                                        f"{self._expected[src]} was next")
+                _reject(
+                    "out_of_range",
+                    f"rank {src} offered message {number}; {self._expected[src]} was next",
+                )
             if len(payload) != _OFFER.size:
-                _reject("malformed", f"rank {src} offered {len(payload)} bytes, not "
-                                     f"{_OFFER.size}")
+                _reject("malformed", f"rank {src} offered {len(payload)} bytes, not {_OFFER.size}")
             self._expected[src] = (number + 1) % _NUMBERS
             tag, nbytes = _OFFER.unpack(payload)
             self._offer_arrived(_Offer(src, number, tag, nbytes), now)
         elif hdr.kind in (Kind.P2P_ACCEPT, Kind.P2P_REFUSE):
             op = self._offered.pop((src, number), None)
             if op is None:
-                _reject("out_of_range", f"rank {src} answered message {number}, which is not "
-                                        f"offered to it")
+                _reject(
+                    "out_of_range",
+                    f"rank {src} answered message {number}, which is not offered to it",
+                )
             op.progress_at = now
             if hdr.kind == Kind.P2P_REFUSE:
                 try:
@@ -190,8 +209,14 @@ class PointToPoint:
             self._data(hdr, payload, now)
 
     def _offer_arrived(self, offer: _Offer, now: float) -> None:
-        op = next((r for r in self._recvs if r.tag == offer.tag and
-                   (r.peer is None or r.peer == offer.src)), None)
+        op = next(
+            (
+                r
+                for r in self._recvs
+                if r.tag == offer.tag and (r.peer is None or r.peer == offer.src)
+            ),
+            None,
+        )
         if op is None:
             self._offers.append(offer)
             self._held[offer.src] += 1
@@ -205,15 +230,23 @@ class PointToPoint:
         if offer.nbytes != op.nbytes:
             error = InvalidArgumentError(
                 f"rank {offer.src} sent {offer.nbytes} B with tag {offer.tag} to rank "
-                f"{self.rank}, whose recv takes {op.nbytes} B: the sizes must be equal")
+                f"{self.rank}, whose recv takes {op.nbytes} B: the sizes must be equal"
+            )
             self.end(op, error)
             if offer.own is not None:
                 self.end(offer.own, error)
             else:
                 assert offer.number is not None  # a peer's offer
-                self._queue(offer.src, Outgoing(Kind.P2P_REFUSE, offer.number, 0,
-                                                pack_abort(error.abort_code, str(error)),
-                                                offer.src))
+                self._queue(
+                    offer.src,
+                    Outgoing(
+                        Kind.P2P_REFUSE,
+                        offer.number,
+                        0,
+                        pack_abort(error.abort_code, str(error)),
+                        offer.src,
+                    ),
+                )
             return
         if offer.own is not None:  # a message to itself: copied across at once
             op.buffer[:] = offer.own.buffer
@@ -240,22 +273,31 @@ class PointToPoint:
         op.unsent = len(layout)
         self._sending.append(op)
         box = self._frames.setdefault((STREAM, peer), collections.deque())
-        box.extend((Outgoing(Kind.P2P_DATA, number, j, op.buffer[off:off + length], peer,
-                             op.holder), op) for j, (off, length) in enumerate(layout))
+        box.extend(
+            (Outgoing(Kind.P2P_DATA, number, j, op.buffer[off : off + length], peer, op.holder), op)
+            for j, (off, length) in enumerate(layout)
+        )
 
     def _data(self, hdr, payload: memoryview, now: float) -> None:
         op = self._incoming.get((hdr.src, hdr.seq))
         if op is None:
-            _reject("out_of_range", f"rank {hdr.src} sent data of message {hdr.seq}, which is "
-                                    f"not under way")
+            _reject(
+                "out_of_range",
+                f"rank {hdr.src} sent data of message {hdr.seq}, which is not under way",
+            )
         if hdr.chunk != op.frames:
-            _reject("out_of_range", f"rank {hdr.src} sent frame {hdr.chunk} of message "
-                                    f"{hdr.seq}; {op.frames} was next")
+            _reject(
+                "out_of_range",
+                f"rank {hdr.src} sent frame {hdr.chunk} of message {hdr.seq}; {op.frames} was next",
+            )
         if not 0 < len(payload) <= op.nbytes - op.filled:
-            _reject("wrong_length", f"rank {hdr.src}'s frame {hdr.chunk} of message "
-                                    f"{hdr.seq} has {len(payload)} B; {op.nbytes - op.filled} "
-                                    f"are left")
-        op.buffer[op.filled:op.filled + len(payload)] = np.frombuffer(payload, np.uint8)
+            _reject(
+                "wrong_length",
+                f"rank {hdr.src}'s frame {hdr.chunk} of message "
+                f"{hdr.seq} has {len(payload)} B; {op.nbytes - op.filled} "
+                f"are left",
+            )
+        op.buffer[op.filled : op.filled + len(payload)] = np.frombuffer(payload, np.uint8)
         op.filled += len(payload)
         op.frames += 1
         op.progress_at = now
@@ -294,20 +336,30 @@ class PointToPoint:
 
     def pending(self) -> list[Transfer]:
         """Every transfer not ended."""
-        return self._recvs + [o.own for o in self._offers if o.own is not None] + \
-            list(self._offered.values()) + self._sending + list(self._incoming.values())
+        return (
+            self._recvs
+            + [o.own for o in self._offers if o.own is not None]
+            + list(self._offered.values())
+            + self._sending
+            + list(self._incoming.values())
+        )
 
     def fail(self, error: OvercastError, peer: int | None = None) -> None:
         """Fail every transfer not ended, or those with `peer` only (a recv from any rank not
         matched yet stays), and drop what was queued for them and held from them."""
+
         def hit(op: Transfer) -> bool:
             return peer is None or op.peer == peer or op.source == peer
+
         for op in self.pending():
             if hit(op):
                 self.end(op, error)
         self._recvs = [r for r in self._recvs if not hit(r)]
-        self._offers = [o for o in self._offers
-                        if not ((o.own is not None and hit(o.own)) or peer in (None, o.src))]
+        self._offers = [
+            o
+            for o in self._offers
+            if not ((o.own is not None and hit(o.own)) or peer in (None, o.src))
+        ]
         self._held = collections.Counter(o.src for o in self._offers)
         self._offered = {k: o for k, o in self._offered.items() if not hit(o)}
         self._sending = [o for o in self._sending if not hit(o)]
@@ -316,8 +368,7 @@ class PointToPoint:
             for route in [r for r in box if peer in (None, r[1])]:
                 del box[route]
             for route, queue in box.items():
-                box[route] = collections.deque((m, o) for m, o in queue
-                                               if o is None or not hit(o))
+                box[route] = collections.deque((m, o) for m, o in queue if o is None or not hit(o))
 
     # -- the session's questions ------------------------------------------------------------
     def offers_held(self, peer: int) -> int:
@@ -329,22 +380,28 @@ class PointToPoint:
         rank has not (ORDER_TAG: the backend's order of calls), or sends no recv took."""
         orders = sum(1 for o in self._offers if o.src == peer and o.tag == ORDER_TAG)
         if orders * 2 > OFFERS_HELD:
-            return (f"rank {peer} has made {orders:,} calls in the group that rank "
-                    f"{self.rank} has not made yet: past {OFFERS_HELD:,}, the group fails (a "
-                    f"rank may not fall that far behind; wait on the calls' Works sooner)")
-        return (f"rank {peer} sent rank {self.rank} more than {OFFERS_HELD} messages that no "
-                f"recv on rank {self.rank} has taken: past that many held, the communicator "
-                f"fails (rank {self.rank} must post recvs for them sooner)")
+            return (
+                f"rank {peer} has made {orders:,} calls in the group that rank "
+                f"{self.rank} has not made yet: past {OFFERS_HELD:,}, the group fails (a "
+                f"rank may not fall that far behind; wait on the calls' Works sooner)"
+            )
+        return (
+            f"rank {peer} sent rank {self.rank} more than {OFFERS_HELD} messages that no "
+            f"recv on rank {self.rank} has taken: past that many held, the communicator "
+            f"fails (rank {self.rank} must post recvs for them sooner)"
+        )
 
     def timer(self, timeout: float) -> float | None:
-        return min((op.progress_at + timeout for op in self.pending() if not op.copied),
-                   default=None)
+        return min(
+            (op.progress_at + timeout for op in self.pending() if not op.copied), default=None
+        )
 
     def stalled(self, now: float, timeout: float) -> Transfer | None:
         """A transfer that made no progress for `timeout`, if any (a copied send has no
         timeout: see Transfer)."""
-        return next((op for op in self.pending()
-                     if not op.copied and now >= op.progress_at + timeout), None)
+        return next(
+            (op for op in self.pending() if not op.copied and now >= op.progress_at + timeout), None
+        )
 
 
 def _reject(reason: str, message: str) -> NoReturn:

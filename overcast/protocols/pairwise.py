@@ -49,15 +49,19 @@ def sizes_error(sizes: list[list[int] | None], rank: int, here: str) -> str | No
     world = len(sizes)
     for src, vector in enumerate(sizes):
         if vector is None:
-            return (f"all_to_all: rank {src}'s split sizes do not divide its input and output "
-                    f"rows among {world} ranks" + (f" (here: {here})" if src == rank else ""))
+            return (
+                f"all_to_all: rank {src}'s split sizes do not divide its input and output "
+                f"rows among {world} ranks" + (f" (here: {here})" if src == rank else "")
+            )
     vectors = cast(list[list[int]], sizes)  # none is None past the check above
     for src in range(world):
         for dst in range(world):
             sent, expected = vectors[src][dst], vectors[dst][world + src]
             if sent != expected:
-                return (f"all_to_all: rank {src} sends {sent} rows to rank {dst}, whose output "
-                        f"split sizes expect {expected}")
+                return (
+                    f"all_to_all: rank {src} sends {sent} rows to rank {dst}, whose output "
+                    f"split sizes expect {expected}"
+                )
     return None
 
 
@@ -69,12 +73,24 @@ class PairwiseAllToAll(Collective):
 
     # Each peer's DESCRIBE, with its sizes, leads its stream, before any pull or frame.
     verify_every_peer = True
-    ACCEPTS = {Kind.A2A_PULL: Accept("_on_pull", "peers", frozenset((Phase.RECEIVING,))),
-               Kind.A2A_DATA: Accept("_on_data", "peers", frozenset((Phase.RECEIVING,)))}
+    ACCEPTS = {
+        Kind.A2A_PULL: Accept("_on_pull", "peers", frozenset((Phase.RECEIVING,))),
+        Kind.A2A_DATA: Accept("_on_data", "peers", frozenset((Phase.RECEIVING,))),
+    }
 
-    def __init__(self, seq: int, rank: int, world: int, desc: Descriptor, output: np.ndarray,
-                 input: np.ndarray, sizes: list[int] | None, here: str, row_bytes: int,
-                 frame_bytes: int):
+    def __init__(
+        self,
+        seq: int,
+        rank: int,
+        world: int,
+        desc: Descriptor,
+        output: np.ndarray,
+        input: np.ndarray,
+        sizes: list[int] | None,
+        here: str,
+        row_bytes: int,
+        frame_bytes: int,
+    ):
         super().__init__(seq, rank, world, desc)
         self.output, self.input = output.view(np.uint8), input.view(np.uint8)
         self.here, self.frame_bytes = here, frame_bytes
@@ -100,8 +116,9 @@ class PairwiseAllToAll(Collective):
 
     def start(self, now: float) -> None:
         mine, sent_at, got_at = self.send_bytes[self.rank], self.sent_at, self.got_at
-        self.output[got_at[self.rank]:got_at[self.rank] + mine] = \
-            self.input[sent_at[self.rank]:sent_at[self.rank] + mine]
+        self.output[got_at[self.rank] : got_at[self.rank] + mine] = self.input[
+            sent_at[self.rank] : sent_at[self.rank] + mine
+        ]
         self.enter(Phase.RECEIVING)
         self._settle()
 
@@ -111,14 +128,15 @@ class PairwiseAllToAll(Collective):
         if peer in self.heard:
             self.reject("duplicate", f"rank {peer} described the call twice")
         if len(extra) != 16 * self.world:
-            self.reject("malformed", f"rank {peer}'s split sizes are {len(extra)} bytes, not "
-                                     f"{16 * self.world}")
+            self.reject(
+                "malformed",
+                f"rank {peer}'s split sizes are {len(extra)} bytes, not {16 * self.world}",
+            )
         vector = np.frombuffer(extra, "<i8").tolist()
         self.sizes[peer] = None if min(vector) < 0 else vector
         self.heard.add(peer)
         self.progress += 1
-        if len(self.heard) == self.world and (why := sizes_error(self.sizes, self.rank,
-                                                                 self.here)):
+        if len(self.heard) == self.world and (why := sizes_error(self.sizes, self.rank, self.here)):
             self.fail(InvalidArgumentError(why))
             return
         self._pull()
@@ -127,8 +145,9 @@ class PairwiseAllToAll(Collective):
     def _agrees(self, peer: int) -> bool:
         """Whether `peer`'s sizes are in and say it sends this rank what this rank expects."""
         mine, theirs = self.sizes[self.rank], self.sizes[peer]
-        return mine is not None and theirs is not None and \
-            theirs[self.rank] == mine[self.world + peer]
+        return (
+            mine is not None and theirs is not None and theirs[self.rank] == mine[self.world + peer]
+        )
 
     def _pull(self) -> None:
         while self.to_pull and self.outstanding < PULL_AHEAD and self._agrees(self.to_pull[0]):
@@ -139,27 +158,38 @@ class PairwiseAllToAll(Collective):
     def _on_pull(self, hdr, payload, now: float) -> None:
         peer = hdr.src
         if peer not in self.unpulled:
-            self.reject("out_of_range", f"rank {peer} pulled a block this rank does not send "
-                                        f"it, or pulled it twice")
+            self.reject(
+                "out_of_range",
+                f"rank {peer} pulled a block this rank does not send it, or pulled it twice",
+            )
         self.unpulled.discard(peer)
         self.progress += 1
         n, at = self.send_bytes[peer], self.sent_at[peer]
-        self.queue_all((STREAM, peer), (
-            Outgoing(Kind.A2A_DATA, self.seq, j, self.input[at + off:at + off + length], peer)
-            for j, (off, length) in enumerate(frames(n, self.frame_bytes, 1))))
+        self.queue_all(
+            (STREAM, peer),
+            (
+                Outgoing(Kind.A2A_DATA, self.seq, j, self.input[at + off : at + off + length], peer)
+                for j, (off, length) in enumerate(frames(n, self.frame_bytes, 1))
+            ),
+        )
         self._settle()
 
     def _on_data(self, hdr, payload: memoryview, now: float) -> None:
         src, j = hdr.src, hdr.chunk
         if j != self.arrived[src] or j >= len(self.layouts[src]):
-            self.reject("out_of_range", f"frame {j} from rank {src}; frame "
-                                        f"{self.arrived[src]} of {len(self.layouts[src])} next")
+            self.reject(
+                "out_of_range",
+                f"frame {j} from rank {src}; frame "
+                f"{self.arrived[src]} of {len(self.layouts[src])} next",
+            )
         off, length = self.layouts[src][j]
         if len(payload) != length:
-            self.reject("wrong_length", f"frame {j} from rank {src} has {len(payload)} bytes, "
-                                        f"expected {length}")
+            self.reject(
+                "wrong_length",
+                f"frame {j} from rank {src} has {len(payload)} bytes, expected {length}",
+            )
         at = self.got_at[src] + off
-        self.output[at:at + length] = np.frombuffer(payload, np.uint8)
+        self.output[at : at + length] = np.frombuffer(payload, np.uint8)
         self.arrived[src] += 1
         self.received += 1
         self.outstanding -= length
@@ -170,14 +200,16 @@ class PairwiseAllToAll(Collective):
     def _settle(self) -> None:
         """Every rank's sizes in, every block in place and every peer's block on its way: only
         the outbox is left."""
-        if len(self.heard) == self.world and self.received == self.expected and \
-                not self.unpulled:
+        if len(self.heard) == self.world and self.received == self.expected and not self.unpulled:
             self.enter(Phase.DRAINING)
         self._check_done()
 
     def waiting_for(self) -> str:
         short = [f"the split sizes of rank {p}" for p in sorted(self.peers - self.heard)]
-        short += [f"frames from rank {p}: {self.arrived[p]} of {len(self.layouts[p])}"
-                  for p in sorted(self.peers) if self.arrived[p] < len(self.layouts[p])]
+        short += [
+            f"frames from rank {p}: {self.arrived[p]} of {len(self.layouts[p])}"
+            for p in sorted(self.peers)
+            if self.arrived[p] < len(self.layouts[p])
+        ]
         short += [f"rank {p} to pull its block" for p in sorted(self.unpulled)]
         return ", ".join(short)

@@ -37,17 +37,22 @@ class _RingStream(Collective):
         self._check_done()
 
     def send_frame(self, step: int, j: int, payload) -> None:
-        self.queue(self.route, Outgoing(Kind.RING_DATA, self.seq, step * self.frames_per_block + j,
-                                        payload, self.successor))
+        self.queue(
+            self.route,
+            Outgoing(
+                Kind.RING_DATA, self.seq, step * self.frames_per_block + j, payload, self.successor
+            ),
+        )
 
     def _on_data(self, hdr, payload: memoryview, now: float) -> None:
         if hdr.chunk >= self.expected:
-            self.reject("out_of_range", f"frame {hdr.chunk} is beyond the {self.expected} "
-                                        f"expected")
+            self.reject("out_of_range", f"frame {hdr.chunk} is beyond the {self.expected} expected")
         step, j = divmod(hdr.chunk, self.frames_per_block)
         if len(payload) != self.layout[j][1]:
-            self.reject("wrong_length", f"frame {hdr.chunk} has {len(payload)} bytes, expected "
-                                        f"{self.layout[j][1]}")
+            self.reject(
+                "wrong_length",
+                f"frame {hdr.chunk} has {len(payload)} bytes, expected {self.layout[j][1]}",
+            )
         self.on_frame(step, j, payload)
         self.arrived += 1
         self.progress += 1
@@ -56,8 +61,7 @@ class _RingStream(Collective):
         self._check_done()
 
     def waiting_for(self) -> str:
-        return (f"frames from rank {self.predecessor}: {self.arrived} of {self.expected} "
-                f"arrived")
+        return f"frames from rank {self.predecessor}: {self.arrived} of {self.expected} arrived"
 
     def begin(self) -> None:
         raise NotImplementedError
@@ -73,20 +77,21 @@ class _RingStream(Collective):
 class RingAllGather(_RingStream):
     """Each rank forwards every block it receives; the output doubles as the forwarding store."""
 
-    def __init__(self, seq, rank, world, desc, output: np.ndarray, input: np.ndarray,
-                 frame_bytes: int):
+    def __init__(
+        self, seq, rank, world, desc, output: np.ndarray, input: np.ndarray, frame_bytes: int
+    ):
         super().__init__(seq, rank, world, desc, frame_bytes)
         self.output = output.view(np.uint8)
         self.input = input.view(np.uint8)
 
     def begin(self) -> None:
         n = self.block_bytes
-        self.output[self.rank * n:(self.rank + 1) * n] = self.input
+        self.output[self.rank * n : (self.rank + 1) * n] = self.input
 
     def _slice(self, block: int, j: int):
         off, length = self.layout[j]
         start = block * self.block_bytes + off
-        return self.output[start:start + length]
+        return self.output[start : start + length]
 
     def first_payload(self, j: int):
         return self._slice(schedule.allgather_send_block(self.rank, self.world, 0), j)
@@ -104,8 +109,9 @@ class RingReduceScatter(_RingStream):
     or product) and forwards it; the partial results in flight are the only extra memory, one
     frame each."""
 
-    def __init__(self, seq, rank, world, desc, output: np.ndarray, input: np.ndarray,
-                 frame_bytes: int):
+    def __init__(
+        self, seq, rank, world, desc, output: np.ndarray, input: np.ndarray, frame_bytes: int
+    ):
         super().__init__(seq, rank, world, desc, frame_bytes)
         self.output, self.input = output, input
 
@@ -136,7 +142,7 @@ class RingReduceScatter(_RingStream):
         else:
             off, length = self.layout[j]
             size = self.desc.dtype.itemsize
-            out = self.output[off // size:(off + length) // size]
+            out = self.output[off // size : (off + length) // size]
             reduce_into(out, incoming, mine, self.desc.op)
             if self.desc.op == "avg":
                 divide_into(out, self.world)
@@ -171,7 +177,7 @@ class RingBroadcast(_RingStream):
 
     def _frame(self, j: int):
         off, length = self.layout[j]
-        return self.buffer[off:off + length]
+        return self.buffer[off : off + length]
 
     def on_frame(self, step: int, j: int, payload: memoryview) -> None:
         stored = self._frame(j)

@@ -11,8 +11,17 @@ import collections
 from typing import TYPE_CHECKING
 
 from overcast.errors import ProtocolError, Rejected
-from overcast.protocols.failover import FAILOVER_SECONDS, NO_LOSS, ROUNDS_KEPT, Failover, \
-    RingInstead, pack_rejoin, pack_report, unpack_rejoin, unpack_report
+from overcast.protocols.failover import (
+    FAILOVER_SECONDS,
+    NO_LOSS,
+    ROUNDS_KEPT,
+    Failover,
+    RingInstead,
+    pack_rejoin,
+    pack_report,
+    unpack_rejoin,
+    unpack_report,
+)
 from overcast.protocols.innetwork import InNetworkReduceScatter
 from overcast.wire.header import AGGREGATOR, Kind
 
@@ -83,8 +92,10 @@ class AggregatorRounds:
                 named = [unpack_rejoin(payload)]
             for peer in named:
                 if self._aggregator_of(peer) != peer:
-                    raise ProtocolError(f"a {Kind(hdr.kind).name} names endpoint "
-                                        f"{AGGREGATOR - peer}, no aggregator's first")
+                    raise ProtocolError(
+                        f"a {Kind(hdr.kind).name} names endpoint "
+                        f"{AGGREGATOR - peer}, no aggregator's first"
+                    )
         except ProtocolError as err:
             self.abort(Rejected(f"rank {hdr.src}: {err}", "malformed"))
             return
@@ -93,8 +104,12 @@ class AggregatorRounds:
             self.registered_anew.setdefault(named[0], {})[hdr.src] = hdr.seq
             self._take_back(now)
         elif hdr.seq < self.epoch:
-            self.abort(Rejected(f"rank {hdr.src} reported round {hdr.seq} of aggregator "
-                                f"losses again", "duplicate"))
+            self.abort(
+                Rejected(
+                    f"rank {hdr.src} reported round {hdr.seq} of aggregator losses again",
+                    "duplicate",
+                )
+            )
         elif hdr.seq > self.epoch:  # it decided the round open here: kept till then
             self._reports_ahead.append((hdr.seq, hdr.src, lost, back, posted, lacking))
         else:
@@ -107,15 +122,23 @@ class AggregatorRounds:
         reduction waits on it."""
         firsts = sorted(AGGREGATOR - peer for peer in names)
         bounds = [*firsts[1:], stripes]
-        self.aggregators = {AGGREGATOR - first: (names[AGGREGATOR - first], range(first, end))
-                            for first, end in zip(firsts, bounds)}
+        self.aggregators = {
+            AGGREGATOR - first: (names[AGGREGATOR - first], range(first, end))
+            for first, end in zip(firsts, bounds)
+        }
         self.lanes = list(range(stripes))
         self.stripes = stripes
 
     def _aggregator_of(self, peer: int) -> int | None:
         """The aggregator (its first endpoint's id) endpoint id `peer` belongs to."""
-        return next((first for first, (_, stripes) in self.aggregators.items()
-                     if AGGREGATOR - peer in stripes), None)
+        return next(
+            (
+                first
+                for first, (_, stripes) in self.aggregators.items()
+                if AGGREGATOR - peer in stripes
+            ),
+            None,
+        )
 
     def _lane_endpoints(self) -> frozenset[int]:
         return frozenset(AGGREGATOR - e for e in self.lanes)
@@ -141,8 +164,10 @@ class AggregatorRounds:
         said once per reason, and in in_network_fallback."""
         if self.not_taken_back.get(peer) != why:
             self.not_taken_back[peer] = why
-            self.notices.append(f"rank {self.rank}: the aggregator at {self.aggregators[peer][0]} "
-                                f"answers again but cannot be taken back: {why}")
+            self.notices.append(
+                f"rank {self.rank}: the aggregator at {self.aggregators[peer][0]} "
+                f"answers again but cannot be taken back: {why}"
+            )
 
     def aggregator_registered(self, peer: int, now: float) -> bool:
         """This rank registered anew with aggregator `peer` (its first endpoint's id), lost and
@@ -167,9 +192,13 @@ class AggregatorRounds:
     def _back_here(self, everyone: bool = False) -> list[int]:
         """The lost aggregators this rank holds a new registration with (`everyone`: and
         every rank said it does)."""
-        return [peer for peer, ranks in sorted(self.registered_anew.items())
-                if peer in self.lost and self.rank in ranks
-                and (not everyone or len(ranks) == self.world)]
+        return [
+            peer
+            for peer, ranks in sorted(self.registered_anew.items())
+            if peer in self.lost
+            and self.rank in ranks
+            and (not everyone or len(ranks) == self.world)
+        ]
 
     def _open_round(self, lost: int, now: float, told_by: int | None = None) -> None:
         """Freeze every in-network reduction in flight and tell every peer what this rank holds,
@@ -186,11 +215,17 @@ class AggregatorRounds:
         for other in range(self.world):
             if other != self.rank:
                 self._send_control(Kind.FAILOVER, failover.number, other, report)
-        self._count_report(self.rank, lost, frozenset(back), self.next_seq, frozenset(lacking),
-                           now)
+        self._count_report(self.rank, lost, frozenset(back), self.next_seq, frozenset(lacking), now)
 
-    def _count_report(self, rank: int, lost: int, back: frozenset[int], posted: int,
-                      lacking: frozenset[int], now: float) -> None:
+    def _count_report(
+        self,
+        rank: int,
+        lost: int,
+        back: frozenset[int],
+        posted: int,
+        lacking: frozenset[int],
+        now: float,
+    ) -> None:
         """A report for the round this rank is at: the first opens it here (naming an
         aggregator this rank found lost, if any, else the one reported); the last decides."""
         if self.failover is None or self.failover.decided:
@@ -229,8 +264,9 @@ class AggregatorRounds:
             else:
                 self.registered_anew[peer] = kept
         self.stats["aggregators_taken_back"] += len(failover.back)
-        self.lanes = [e for e in range(self.stripes) if self._aggregator_of(AGGREGATOR - e)
-                      not in self.lost]
+        self.lanes = [
+            e for e in range(self.stripes) if self._aggregator_of(AGGREGATOR - e) not in self.lost
+        ]
         if self.lanes:
             self.plane.set_lanes(self.lanes)
         self.ring_below = failover.posted
@@ -260,10 +296,17 @@ class AggregatorRounds:
         if len(self.lanes) < self.stripes:
             self.stats["in_network_on_fewer_endpoints"] += resumed
         failover.frozen.clear()
-        left = "the ring" if not self.lanes else \
-            f"the {len(self.lanes)} endpoints{' left' * bool(self.lost)} (" + ", ".join(
-                name for first, (name, _) in sorted(self.aggregators.items())
-                if first not in self.lost) + ")"
+        left = (
+            "the ring"
+            if not self.lanes
+            else f"the {len(self.lanes)} endpoints{' left' * bool(self.lost)} ("
+            + ", ".join(
+                name
+                for first, (name, _) in sorted(self.aggregators.items())
+                if first not in self.lost
+            )
+            + ")"
+        )
         failover.outcome = failover.summary(left)
         failover.still_lost = bool(self.lost)
         self.epoch += 1
@@ -291,9 +334,13 @@ class AggregatorRounds:
         it will have been silent past the bound (None: none waits on any)."""
         if not self.aggregators or (self.failover is not None and not self.failover.decided):
             return None
-        waiting = [c.posted_at for c in self.active.values()
-                   if isinstance(c, InNetworkReduceScatter) and c.waits_on_aggregators()
-                   and c.posted_at is not None]
+        waiting = [
+            c.posted_at
+            for c in self.active.values()
+            if isinstance(c, InNetworkReduceScatter)
+            and c.waits_on_aggregators()
+            and c.posted_at is not None
+        ]
         if not waiting:
             return None
         bound = min(self.failover_seconds, self.timeout)

@@ -8,19 +8,25 @@ from __future__ import annotations
 
 import collections
 
-from overcast.errors import (CollectiveMismatchError, CollectiveTimeoutError,
-                             CommunicatorClosedError, InvalidArgumentError, OvercastError,
-                             PeerFailureError, ProtocolError, Rejected, error_class)
+from overcast.errors import (
+    CollectiveMismatchError,
+    CollectiveTimeoutError,
+    CommunicatorClosedError,
+    InvalidArgumentError,
+    OvercastError,
+    PeerFailureError,
+    ProtocolError,
+    Rejected,
+    error_class,
+)
 from overcast.native import _core
-from overcast.protocols.base import DATAGRAM, MULTICAST, STREAM, Collective, Descriptor, \
-    Outgoing
+from overcast.protocols.base import DATAGRAM, MULTICAST, STREAM, Collective, Descriptor, Outgoing
 from overcast.protocols.failover import FAILOVER_COUNTERS, FAILOVER_SECONDS, RingInstead
 from overcast.protocols.innetwork import InNetworkReduceScatter
 from overcast.protocols.p2p import OFFERS_HELD, P2P_KINDS, PointToPoint, Transfer
 from overcast.protocols.rounds import AggregatorRounds
 from overcast.units import human_bytes
-from overcast.wire.header import ANY, HEADER_BYTES, Kind, MalformedError, \
-    is_aggregator
+from overcast.wire.header import ANY, HEADER_BYTES, Kind, MalformedError, is_aggregator
 from overcast.wire.messages import pack_abort, pack_goodbye, unpack_abort, unpack_goodbye
 from overcast.wire.runs import Run
 
@@ -31,8 +37,9 @@ _DESCRIBED = (Kind.MCAST_END, Kind.REPAIR_REQUEST)
 # The kinds that travel by datagram; every other kind goes on a peer's stream, and arriving by
 # the other channel is a misfit. Datagrams may also be dropped when they arrive before their
 # collective is posted and too many bytes are held already: the protocols repair such losses.
-DATAGRAM_KINDS = frozenset((Kind.MCAST_DATA, Kind.CONTRIB, Kind.RESULT, Kind.RESULT_ACK,
-                             Kind.CREDIT, Kind.WITHDRAW))
+DATAGRAM_KINDS = frozenset(
+    (Kind.MCAST_DATA, Kind.CONTRIB, Kind.RESULT, Kind.RESULT_ACK, Kind.CREDIT, Kind.WITHDRAW)
+)
 EARLY_DATAGRAM_BYTES = 16 * 1024 * 1024
 # Stream messages for collectives not posted yet are never dropped (a stream is reliable) and
 # every stream is always read (a peer's death or ABORT is seen at once): past this many bytes
@@ -60,10 +67,16 @@ class Session(AggregatorRounds):
     outbox is drained through `pop`, unsealed. Either way `poll_plane` finishes what it drained.
     """
 
-    def __init__(self, rank: int, world: int, timeout: float,
-                 drops: collections.Counter | None = None, plane=None,
-                 early_stream_bytes: int = EARLY_STREAM_BYTES,
-                 failover_seconds: float = FAILOVER_SECONDS):
+    def __init__(
+        self,
+        rank: int,
+        world: int,
+        timeout: float,
+        drops: collections.Counter | None = None,
+        plane=None,
+        early_stream_bytes: int = EARLY_STREAM_BYTES,
+        failover_seconds: float = FAILOVER_SECONDS,
+    ):
         self.rank, self.world, self.timeout = rank, world, timeout
         self.plane = _core.Plane(rank, world) if plane is None else plane
         self._plane_drops: dict[str, int] = {}  # the plane's drops already in `drops`
@@ -76,8 +89,7 @@ class Session(AggregatorRounds):
         self.next_seq = 0
         self.early: dict[int, list] = collections.defaultdict(list)
         # finished collectives' descriptors; None for a call this rank refused (refuse)
-        self.history: collections.OrderedDict[int, Descriptor | None] = \
-            collections.OrderedDict()
+        self.history: collections.OrderedDict[int, Descriptor | None] = collections.OrderedDict()
         # messages of no collective's outbox: control, and the plane's while the session runs it
         self.control: collections.deque[tuple[tuple[int, int], Outgoing]] = collections.deque()
         self.finished: list[Collective] = []
@@ -97,8 +109,7 @@ class Session(AggregatorRounds):
         # sender's DESCRIBE of it allows: the next collective's, up to that, are not counted
         # against the limit (a late rank holds one collective it is about to issue, whatever
         # its size, and no more than the limit of those after it)
-        self._held_by: dict[int, collections.Counter] = collections.defaultdict(
-            collections.Counter)
+        self._held_by: dict[int, collections.Counter] = collections.defaultdict(collections.Counter)
         self._allowed: dict[int, dict[int, int]] = collections.defaultdict(dict)
         self.stats: collections.Counter = collections.Counter(dict.fromkeys(FAILOVER_COUNTERS, 0))
         # collectives that verify every peer: seq -> peers whose DESCRIBE has not matched yet
@@ -120,9 +131,12 @@ class Session(AggregatorRounds):
             return
         for peer, count in self.closed_peers.items():
             if coll.seq >= count:
-                coll.fail(PeerFailureError(
-                    f"rank {peer} closed the communicator after {count} collectives; "
-                    f"{coll.desc} #{coll.seq} cannot run"))
+                coll.fail(
+                    PeerFailureError(
+                        f"rank {peer} closed the communicator after {count} collectives; "
+                        f"{coll.desc} #{coll.seq} cannot run"
+                    )
+                )
                 self.stale += len(held)
                 self.finished.append(coll)
                 return
@@ -160,8 +174,11 @@ class Session(AggregatorRounds):
             if not deferred:
                 self._guard(coll, coll.start, now)
         except ValueError as err:  # the native plane refuses to run it: the settings given
-            self.abort(InvalidArgumentError(f"{coll.desc} #{coll.seq} cannot run on rank "
-                                            f"{self.rank}: {err}"))
+            self.abort(
+                InvalidArgumentError(
+                    f"{coll.desc} #{coll.seq} cannot run on rank {self.rank}: {err}"
+                )
+            )
         for hdr, payload in held:
             self.receive(hdr, payload, now, hdr.kind in DATAGRAM_KINDS)
         self._settle(coll)
@@ -172,8 +189,9 @@ class Session(AggregatorRounds):
         if self.error is not None:
             self.p2p.end(op, self.error)
         elif op.peer in self.closed_peers:
-            self.p2p.end(op, PeerFailureError(f"rank {op.peer} closed the communicator; {op} "
-                                              f"cannot run"))
+            self.p2p.end(
+                op, PeerFailureError(f"rank {op.peer} closed the communicator; {op} cannot run")
+            )
         else:
             self.p2p.post(op, now)
 
@@ -213,8 +231,10 @@ class Session(AggregatorRounds):
             code, reason = unpack_abort(payload)
         except MalformedError:
             code, reason = InvalidArgumentError.abort_code, "a refusal without a reason"
-        return error_class(code)(f"{coll.desc} #{coll.seq} on rank {self.rank}: rank "
-                                 f"{hdr.src} refused the call: {reason}")
+        return error_class(code)(
+            f"{coll.desc} #{coll.seq} on rank {self.rank}: rank "
+            f"{hdr.src} refused the call: {reason}"
+        )
 
     def _remember(self, seq: int, desc: Descriptor | None) -> None:
         self.history[seq] = desc
@@ -256,13 +276,21 @@ class Session(AggregatorRounds):
         if datagram != (kind in DATAGRAM_KINDS):
             # A stream frame lifted off the wire and sent to the datagram port, or a peer that
             # sends on its stream what goes by datagram.
-            self._misfit(datagram, "wrong_channel",
-                         lambda: f"rank {hdr.src} sent {Kind(kind).name} on its stream")
+            self._misfit(
+                datagram,
+                "wrong_channel",
+                lambda: f"rank {hdr.src} sent {Kind(kind).name} on its stream",
+            )
             return
         if hdr.dst != self.rank and hdr.dst != ANY:
-            self._misfit(datagram, "misdirected",
-                         lambda: f"rank {hdr.src} sent {Kind(kind).name} for rank {hdr.dst} "
-                                 f"over its stream to rank {self.rank}")
+            self._misfit(
+                datagram,
+                "misdirected",
+                lambda: (
+                    f"rank {hdr.src} sent {Kind(kind).name} for rank {hdr.dst} "
+                    f"over its stream to rank {self.rank}"
+                ),
+            )
             return
         if kind in _CONTROL:
             for hdr, payload in run.messages():
@@ -340,24 +368,31 @@ class Session(AggregatorRounds):
         """What is held of the streams, less the next collective's payloads up to what each
         sender's DESCRIBE of it allows."""
         allowed = self._allowed.get(self.next_seq, {})
-        spared = sum(min(held, allowed.get(src, 0))
-                     for src, held in self._held_by.get(self.next_seq, {}).items())
+        spared = sum(
+            min(held, allowed.get(src, 0))
+            for src, held in self._held_by.get(self.next_seq, {}).items()
+        )
         return self._early_stream_total - spared
 
     def _too_far_ahead(self) -> str:
         """Why the stream messages held here passed the limit: the peer most is held from, how
         far ahead it is, and the setting that allows more."""
         peer, held = self.early_stream_bytes.most_common(1)[0]
-        seqs = [seq for seq, messages in self.early.items()
-                if any(h.src == peer and h.kind not in DATAGRAM_KINDS for h, _ in messages)]
+        seqs = [
+            seq
+            for seq, messages in self.early.items()
+            if any(h.src == peer and h.kind not in DATAGRAM_KINDS for h, _ in messages)
+        ]
         also = self._early_stream_total - held
         others = f" (and {human_bytes(also)} from other ranks)" if also else ""
-        return (f"rank {peer} is {max(seqs) - self.next_seq + 1} collectives ahead of rank "
-                f"{self.rank}: rank {self.rank} holds {human_bytes(held)} from it{others} for "
-                f"collectives #{min(seqs)} to #{max(seqs)}, which it has not issued yet: "
-                f"{self._counted_stream_bytes():,} B in all, past its limit of "
-                f"{self.early_stream_limit:,} B; raise early_stream_bytes (the "
-                f"Communicator's, or {EARLY_STREAM_ENV}) to let a rank fall further behind")
+        return (
+            f"rank {peer} is {max(seqs) - self.next_seq + 1} collectives ahead of rank "
+            f"{self.rank}: rank {self.rank} holds {human_bytes(held)} from it{others} for "
+            f"collectives #{min(seqs)} to #{max(seqs)}, which it has not issued yet: "
+            f"{self._counted_stream_bytes():,} B in all, past its limit of "
+            f"{self.early_stream_limit:,} B; raise early_stream_bytes (the "
+            f"Communicator's, or {EARLY_STREAM_ENV}) to let a rank fall further behind"
+        )
 
     def _misfit(self, datagram: bool, reason: str, message) -> None:
         """A message (or a run of them) that does not fit. A datagram proves only that some rank
@@ -382,7 +417,7 @@ class Session(AggregatorRounds):
                 self._hold(hdr, payload, False)
                 return
             if self._verify(mine, theirs, hdr, coll, now) and coll is not None:
-                self._guard(coll, coll.described_by, hdr.src, payload[Descriptor.SIZE:], now)
+                self._guard(coll, coll.described_by, hdr.src, payload[Descriptor.SIZE :], now)
                 self._settle(coll)
         elif hdr.kind == Kind.REFUSE:
             coll = self.active.get(hdr.seq)
@@ -407,32 +442,44 @@ class Session(AggregatorRounds):
                 self.abort(Rejected(f"rank {hdr.src}: {err}", "malformed"))
                 return
             self.closed_peers[hdr.src] = count
-            self.p2p.fail(PeerFailureError(f"rank {hdr.src} closed the communicator while a "
-                                           f"transfer with it was pending here"), peer=hdr.src)
+            self.p2p.fail(
+                PeerFailureError(
+                    f"rank {hdr.src} closed the communicator while a "
+                    f"transfer with it was pending here"
+                ),
+                peer=hdr.src,
+            )
             for coll in list(self.active.values()):
                 if coll.seq >= count:
-                    coll.fail(PeerFailureError(
-                        f"rank {hdr.src} closed the communicator after {count} collectives "
-                        f"while {coll.desc} #{coll.seq} was pending here"))
+                    coll.fail(
+                        PeerFailureError(
+                            f"rank {hdr.src} closed the communicator after {count} collectives "
+                            f"while {coll.desc} #{coll.seq} was pending here"
+                        )
+                    )
                     self._settle(coll)
 
     def _descriptor(self, hdr, payload) -> Descriptor | None:
         """A peer's descriptor (a DESCRIBE, or what a message of _DESCRIBED opens with); None,
         the communicator aborted, if it cannot be decoded."""
         try:
-            return Descriptor.unpack(payload[:Descriptor.SIZE])
+            return Descriptor.unpack(payload[: Descriptor.SIZE])
         except ProtocolError as err:
             self.abort(Rejected(f"rank {hdr.src}: {err}", "malformed"))
             return None
 
-    def _verify(self, mine: Descriptor, theirs: Descriptor, hdr, coll: Collective | None,
-                now: float) -> bool:
+    def _verify(
+        self, mine: Descriptor, theirs: Descriptor, hdr, coll: Collective | None, now: float
+    ) -> bool:
         """Check a peer's call against this rank's: a mismatch aborts the communicator
         (False); a match counts the peer as verified for `coll`."""
         if theirs != mine:
-            self.abort(CollectiveMismatchError(
-                f"collective #{hdr.seq} differs across ranks: rank {hdr.src} issued "
-                f"{theirs}, rank {self.rank} issued {mine}"))
+            self.abort(
+                CollectiveMismatchError(
+                    f"collective #{hdr.seq} differs across ranks: rank {hdr.src} issued "
+                    f"{theirs}, rank {self.rank} issued {mine}"
+                )
+            )
             return False
         if coll is not None and hdr.seq in self.unverified:
             peers = self.unverified[hdr.seq]
@@ -477,16 +524,24 @@ class Session(AggregatorRounds):
         if peer in self.lost:  # the connection of an instance agreed lost (Engine._rejoin)
             return
         if is_aggregator(peer) and peer in self.aggregators:
-            self.aggregator_lost(peer, "closed its connection (it exited or was killed)",
-                                 self.clock)
+            self.aggregator_lost(
+                peer, "closed its connection (it exited or was killed)", self.clock
+            )
             return
         if is_aggregator(peer):
             at = f" at {where}" if where else ""
-            self.fail(PeerFailureError(f"lost the connection to the aggregator{at} (overcast "
-                                       "aggregator): it exited or was killed"))
+            self.fail(
+                PeerFailureError(
+                    f"lost the connection to the aggregator{at} (overcast "
+                    "aggregator): it exited or was killed"
+                )
+            )
         else:
-            self.fail(PeerFailureError(
-                f"lost the connection to rank {peer} (its process exited or was killed)"))
+            self.fail(
+                PeerFailureError(
+                    f"lost the connection to rank {peer} (its process exited or was killed)"
+                )
+            )
 
     def close(self) -> None:
         """Say goodbye to every peer; collectives still pending fail, here and, told by an
@@ -497,17 +552,21 @@ class Session(AggregatorRounds):
         self.closing = True
         pending = [self.active[seq] for seq in sorted(self.active)]
         for coll in pending:
-            coll.fail(CommunicatorClosedError(f"communicator closed while {coll.desc} "
-                                              f"#{coll.seq} was pending"))
+            coll.fail(
+                CommunicatorClosedError(
+                    f"communicator closed while {coll.desc} #{coll.seq} was pending"
+                )
+            )
             self._settle(coll)
-        self.p2p.fail(CommunicatorClosedError("communicator closed while the transfer was "
-                                              "pending"))
+        self.p2p.fail(CommunicatorClosedError("communicator closed while the transfer was pending"))
         peers = [p for p in range(self.world) if p != self.rank and p not in self.closed_peers]
         if pending:
             also = f" and {len(pending) - 1} more" if len(pending) > 1 else ""
-            message = pack_abort(PeerFailureError.abort_code,
-                                 f"rank {self.rank} closed the communicator with "
-                                 f"{pending[0].desc} #{pending[0].seq}{also} pending")
+            message = pack_abort(
+                PeerFailureError.abort_code,
+                f"rank {self.rank} closed the communicator with "
+                f"{pending[0].desc} #{pending[0].seq}{also} pending",
+            )
             for peer in peers:
                 self._send_control(Kind.ABORT, 0, peer, message)
         for peer in peers:
@@ -536,23 +595,32 @@ class Session(AggregatorRounds):
         silent = self._silent_aggregator()
         if silent is not None and now >= silent[1]:
             bound = min(self.failover_seconds, self.timeout)
-            self.aggregator_lost(silent[0], f"was silent for {bound:g} s while an in-network "
-                                            f"reduction waited on it", now)
+            self.aggregator_lost(
+                silent[0],
+                f"was silent for {bound:g} s while an in-network reduction waited on it",
+                now,
+            )
         stalled = self.p2p.stalled(now, self.timeout)
         if stalled is not None:
-            self.abort(CollectiveTimeoutError(
-                f"{stalled} on rank {self.rank} made no progress for {self.timeout:.1f} s; "
-                f"waiting for {stalled.waiting_for()}"))
+            self.abort(
+                CollectiveTimeoutError(
+                    f"{stalled} on rank {self.rank} made no progress for {self.timeout:.1f} s; "
+                    f"waiting for {stalled.waiting_for()}"
+                )
+            )
             return
         for seq, coll in list(self.active.items()):
             stepped = coll.stepped_at()  # progress made where the session does not see it
             if stepped is not None and stepped > self.last_progress[seq]:
                 self.last_progress[seq] = stepped
             if now >= self.last_progress[seq] + self.timeout:
-                self.abort(CollectiveTimeoutError(
-                    f"{coll.desc} #{seq} on rank {self.rank} made no progress for "
-                    f"{self.timeout:.1f} s; waiting for "
-                    f"{self._waiting_for(coll)}"))
+                self.abort(
+                    CollectiveTimeoutError(
+                        f"{coll.desc} #{seq} on rank {self.rank} made no progress for "
+                        f"{self.timeout:.1f} s; waiting for "
+                        f"{self._waiting_for(coll)}"
+                    )
+                )
                 return
             t = coll.get_timer()
             if t is not None and now >= t:
@@ -565,12 +633,14 @@ class Session(AggregatorRounds):
     def _waiting_for(self, coll: Collective) -> str:
         if self.failover is not None and coll.seq in self.failover.frozen:
             return "the reports of an aggregator's loss from " + ", ".join(
-                f"rank {r}" for r in self.failover.unreported())
+                f"rank {r}" for r in self.failover.unreported()
+            )
         if not coll.received_all:
             return coll.waiting_for()
         if coll.done:
             return "the DESCRIBE of " + ", ".join(
-                f"rank {p}" for p in sorted(self.unverified.get(coll.seq, ())))
+                f"rank {p}" for p in sorted(self.unverified.get(coll.seq, ()))
+            )
         return "its sends to drain"
 
     # -- sending ---------------------------------------------------------------------------
@@ -615,8 +685,9 @@ class Session(AggregatorRounds):
             if r == route:
                 del self.control[i]
                 return control
-        sources: list[Collective | PointToPoint] = [c for c in self.active.values()
-                                                    if route in c.outbox]
+        sources: list[Collective | PointToPoint] = [
+            c for c in self.active.values() if route in c.outbox
+        ]
         if route in self.p2p.routes():
             sources.append(self.p2p)
         if not sources:

@@ -9,8 +9,12 @@ from rich.table import Table
 from overcast.report.bench import table_of
 from overcast.units import human_bytes
 
-STATES = {"ok": "[green]ok[/]", "note": "[yellow]note[/]", "slower": "[bold yellow]SLOWER[/]",
-          "fail": "[bold red]FAIL[/]"}
+STATES = {
+    "ok": "[green]ok[/]",
+    "note": "[yellow]note[/]",
+    "slower": "[bold yellow]SLOWER[/]",
+    "fail": "[bold red]FAIL[/]",
+}
 VERDICT_STYLES = {"ready": "bold green", "works": "bold yellow", "not": "bold red"}
 
 
@@ -29,17 +33,35 @@ def collectives_table(doc: dict) -> Table:
             return "skipped"
         low, high = r["range"]
         return f"{r['seconds'] * 1e3:.1f} ({low * 1e3:.1f}-{high * 1e3:.1f})"
-    spec = [("collective", lambda r: r["collective"], False),
-            ("algorithm", lambda r: r["algorithm"], False),
-            ("size/rank", lambda r: human_bytes(r["bytes_per_rank"]) if "skipped" not in r
-             else "", False),
-            ("time ms: median (range)", time_text, False),
-            ("x floor", lambda r: f"{r['ratio']:.2f}" if "ratio" in r else "", False),
-            ("correct", lambda r: f"skipped: see {r['skipped']}" if "skipped" in r else
-             "yes" if r["correct"] else "[bold red]NO[/]", False)]
-    return table_of("each collective between barriers, the slowest rank's time, after one "
-                    "warm-up", spec, doc["collectives"], left=("collective", "algorithm",
-                                                               "correct"))
+
+    spec = [
+        ("collective", lambda r: r["collective"], False),
+        ("algorithm", lambda r: r["algorithm"], False),
+        (
+            "size/rank",
+            lambda r: human_bytes(r["bytes_per_rank"]) if "skipped" not in r else "",
+            False,
+        ),
+        ("time ms: median (range)", time_text, False),
+        ("x floor", lambda r: f"{r['ratio']:.2f}" if "ratio" in r else "", False),
+        (
+            "correct",
+            lambda r: (
+                f"skipped: see {r['skipped']}"
+                if "skipped" in r
+                else "yes"
+                if r["correct"]
+                else "[bold red]NO[/]"
+            ),
+            False,
+        ),
+    ]
+    return table_of(
+        "each collective between barriers, the slowest rank's time, after one warm-up",
+        spec,
+        doc["collectives"],
+        left=("collective", "algorithm", "correct"),
+    )
 
 
 def print_report(doc: dict, console: Console) -> None:

@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import json
 
-LANES = {"all_gather": (1, "AllGather"), "reduce_scatter": (2, "ReduceScatter"),
-         "broadcast": (1, "Broadcast")}
+LANES = {
+    "all_gather": (1, "AllGather"),
+    "reduce_scatter": (2, "ReduceScatter"),
+    "broadcast": (1, "Broadcast"),
+}
 BARRIER = "all_gather(ring, 1 x int64)"
 # The plot averages over this many bins at least, or over 1/WINDOWS of the run if longer: a
 # 512 KiB ring frame at 400 Mbit/s takes 10 ms on the wire.
@@ -51,8 +54,13 @@ def series(trace: dict, spans: list[dict], t0: float, t1: float):
         if b["seq"] in lanes and first <= b["bin"] < last:
             row = out[b["direction"]].setdefault(lanes[b["seq"]], [0.0] * (last - first))
             row[b["bin"] - first] += b["bytes"] / width
-    return {d: {lane: [((first + i) * width - t0, v) for i, v in enumerate(row)]
-                for lane, row in rows.items()} for d, rows in out.items()}
+    return {
+        d: {
+            lane: [((first + i) * width - t0, v) for i, v in enumerate(row)]
+            for lane, row in rows.items()
+        }
+        for d, rows in out.items()
+    }
 
 
 def chrome_trace(traces: list[dict], link_bits: float, select=last_run) -> dict:
@@ -65,25 +73,42 @@ def chrome_trace(traces: list[dict], link_bits: float, select=last_run) -> dict:
     t0, t1 = min(starts), max(ends)
     us = lambda t: round((t - t0) * 1e6, 1)  # noqa: E731
     for rank, (trace, run) in enumerate(zip(traces, runs)):
-        events.append({"name": "process_name", "ph": "M", "pid": rank,
-                       "args": {"name": f"rank {rank}"}})
+        events.append(
+            {"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank}"}}
+        )
         for tid, lane in sorted(set(LANES.values())):
-            events.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": tid,
-                           "args": {"name": lane}})
+            events.append(
+                {"name": "thread_name", "ph": "M", "pid": rank, "tid": tid, "args": {"name": lane}}
+            )
         for s in run:
             tid, _ = _lane(s["name"])
-            events.append({"name": _title(s), "ph": "X", "pid": rank, "tid": tid,
-                           "ts": us(s["start"]), "dur": round((s["end"] - s["start"]) * 1e6, 1)})
+            events.append(
+                {
+                    "name": _title(s),
+                    "ph": "X",
+                    "pid": rank,
+                    "tid": tid,
+                    "ts": us(s["start"]),
+                    "dur": round((s["end"] - s["start"]) * 1e6, 1),
+                }
+            )
         for direction, rows in series(trace, run, t0, t1).items():
             lanes = sorted(rows)
             if not lanes:
                 continue
             for i in range(len(rows[lanes[0]])):
                 t = rows[lanes[0]][i][0] + t0
-                events.append({"name": f"link {direction} (% of rate)", "ph": "C", "pid": rank,
-                               "ts": us(t), "args": {lane: round(100 * rows[lane][i][1] * 8 /
-                                                                 link_bits, 1)
-                                                     for lane in lanes}})
+                events.append(
+                    {
+                        "name": f"link {direction} (% of rate)",
+                        "ph": "C",
+                        "pid": rank,
+                        "ts": us(t),
+                        "args": {
+                            lane: round(100 * rows[lane][i][1] * 8 / link_bits, 1) for lane in lanes
+                        },
+                    }
+                )
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
@@ -92,14 +117,16 @@ def _smooth(values: list[float]) -> list[float]:
     half = max(SMOOTH_BINS, len(values) // WINDOWS) // 2
     out = []
     for i in range(len(values)):
-        window = values[max(0, i - half):i + half + 1]
+        window = values[max(0, i - half) : i + half + 1]
         out.append(sum(window) / len(window))
     return out
 
 
-def plot(traces: list[dict], path: str, link_bits: float, title: str, rank: int = 0,
-         select=last_run) -> None:
+def plot(
+    traces: list[dict], path: str, link_bits: float, title: str, rank: int = 0, select=last_run
+) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -108,16 +135,25 @@ def plot(traces: list[dict], path: str, link_bits: float, title: str, rank: int 
     if not run:
         return
     t0, t1 = min(s["start"] for s in run), max(s["end"] for s in run)
-    fig, axes = plt.subplots(3, 1, figsize=(9, 6), sharex=True,
-                             gridspec_kw={"height_ratios": [1, 2, 2]})
+    fig, axes = plt.subplots(
+        3, 1, figsize=(9, 6), sharex=True, gridspec_kw={"height_ratios": [1, 2, 2]}
+    )
     colors = {"AllGather": "tab:blue", "ReduceScatter": "tab:orange", "Broadcast": "tab:blue"}
     for s in run:
         tid, lane = _lane(s["name"])
-        axes[0].broken_barh([((s["start"] - t0) * 1e3, (s["end"] - s["start"]) * 1e3)],
-                            (tid - 0.4, 0.8), color=colors.get(lane, "grey"))
+        axes[0].broken_barh(
+            [((s["start"] - t0) * 1e3, (s["end"] - s["start"]) * 1e3)],
+            (tid - 0.4, 0.8),
+            color=colors.get(lane, "grey"),
+        )
         label = s["label"].split(" ", 1)[1] + ", " if s.get("label") else ""
-        axes[0].text((s["start"] - t0) * 1e3, tid + 0.45,
-                     f"{label}{(s['end'] - s['start']) * 1e3:.0f} ms", va="bottom", fontsize=7)
+        axes[0].text(
+            (s["start"] - t0) * 1e3,
+            tid + 0.45,
+            f"{label}{(s['end'] - s['start']) * 1e3:.0f} ms",
+            va="bottom",
+            fontsize=7,
+        )
     axes[0].set_yticks([1, 2], ["AllGather", "ReduceScatter"])
     axes[0].set_ylim(0.4, 2.9)
     axes[0].set_title(f"{title}: rank {rank}")
@@ -126,11 +162,16 @@ def plot(traces: list[dict], path: str, link_bits: float, title: str, rank: int 
         lanes = sorted(rows)
         if lanes:
             times = [t * 1e3 for t, _ in rows[lanes[0]]]
-            ax.stackplot(times, *[[100 * v * 8 / link_bits for v in _smooth([v for _, v in
-                                                                             rows[lane]])]
-                                  for lane in lanes],
-                         labels=lanes, colors=[colors.get(lane, "grey") for lane in lanes],
-                         alpha=0.8)
+            ax.stackplot(
+                times,
+                *[
+                    [100 * v * 8 / link_bits for v in _smooth([v for _, v in rows[lane]])]
+                    for lane in lanes
+                ],
+                labels=lanes,
+                colors=[colors.get(lane, "grey") for lane in lanes],
+                alpha=0.8,
+            )
         ax.axhline(100, color="black", linestyle="--", linewidth=0.8)
         ax.set_ylabel(f"{label}, % of link")
         ax.set_ylim(0, 130)
@@ -141,8 +182,9 @@ def plot(traces: list[dict], path: str, link_bits: float, title: str, rank: int 
     plt.close(fig)
 
 
-def write_timeline(traces: list[dict], path: str, link_bits: float, title: str,
-                   select=last_run) -> None:
+def write_timeline(
+    traces: list[dict], path: str, link_bits: float, title: str, select=last_run
+) -> None:
     """`path`.json (Chrome trace of every rank) and `path`.png (rank 0)."""
     with open(path + ".json", "w") as f:
         json.dump(chrome_trace(traces, link_bits, select), f)

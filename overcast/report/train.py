@@ -16,11 +16,14 @@ from overcast.train.waits import AGGREGATOR, COMMUNICATION, NETWORK, TRAINING
 
 def _shape_text(run: dict) -> str:
     m = run["model"]
-    recipe = (f", {m['micro_steps']} micro-steps" if m["micro_steps"] > 1 else "") + \
-        (", activation checkpointing" if m["activation_checkpointing"] else "")
-    return (f"{run['shape']}: {run['parameters'] / 1e6:.2f} M parameters, vocab {m['vocab']}, "
-            f"{m['blocks']} blocks (reshard {m['reshard']}), width {m['dim']}, seq {m['seq']}, "
-            f"batch {m['batch_per_rank']}{recipe}")
+    recipe = (f", {m['micro_steps']} micro-steps" if m["micro_steps"] > 1 else "") + (
+        ", activation checkpointing" if m["activation_checkpointing"] else ""
+    )
+    return (
+        f"{run['shape']}: {run['parameters'] / 1e6:.2f} M parameters, vocab {m['vocab']}, "
+        f"{m['blocks']} blocks (reshard {m['reshard']}), width {m['dim']}, seq {m['seq']}, "
+        f"batch {m['batch_per_rank']}{recipe}"
+    )
 
 
 def _columns(meta: dict) -> list[tuple[str, object, bool]]:
@@ -37,8 +40,13 @@ def _columns(meta: dict) -> list[tuple[str, object, bool]]:
         ("GIL wait ms", lambda r: f"{r['gil_wait_seconds'] * 1e3:.1f}" if waits else "-", True),
         ("CPU wait ms", lambda r: f"{r['cpu_wait_seconds'] * 1e3:.1f}" if waits else "-", True),
         ("behind hosts / comm ms", _behind, True),
-        ("own-host compute s", lambda r: f"{r['own_host_compute_seconds']:.3f}"
-         if "own_host_compute_seconds" in r else "-", True),
+        (
+            "own-host compute s",
+            lambda r: (
+                f"{r['own_host_compute_seconds']:.3f}" if "own_host_compute_seconds" in r else "-"
+            ),
+            True,
+        ),
         ("engine py ms", lambda r: f"{r['engine_python_cpu_seconds'] * 1e3:.0f}", True),
         ("tx/host/step", lambda r: human_bytes(r["tx_bytes_per_host_per_step"]), False),
         ("rx/host/step", lambda r: human_bytes(r["rx_bytes_per_host_per_step"]), False),
@@ -52,35 +60,46 @@ def table(doc: dict, run: dict, wide: bool = False) -> Table:
     too (the JSON has them all)."""
     meta = doc["meta"]
     prefetch = meta.get("prefetch", 1)
-    t = table_of(f"GPT {_shape_text(run)}; FSDP2 on {meta['hosts']} hosts, "
-                 f"{meta['link_bits_per_s'] / 1e6:g} Mbit/s per direction"
-                 f"{_aggregator(meta, run['results'])}"
-                 f"{f', prefetch {prefetch} blocks' if prefetch != 1 else ''}; median of "
-                 f"steps {meta['warmup'] + 1}-{meta['steps']}; speedup over {PEER}; loss "
-                 f"diff: the largest from {run['results'][0]['way']}'s at any step",
-                 _columns(meta), run["results"], wide, left=("way",))
+    t = table_of(
+        f"GPT {_shape_text(run)}; FSDP2 on {meta['hosts']} hosts, "
+        f"{meta['link_bits_per_s'] / 1e6:g} Mbit/s per direction"
+        f"{_aggregator(meta, run['results'])}"
+        f"{f', prefetch {prefetch} blocks' if prefetch != 1 else ''}; median of "
+        f"steps {meta['warmup'] + 1}-{meta['steps']}; speedup over {PEER}; loss "
+        f"diff: the largest from {run['results'][0]['way']}'s at any step",
+        _columns(meta),
+        run["results"],
+        wide,
+        left=("way",),
+    )
     captions = []
     cores = meta["machine"]["cpus"]
     if cores < meta["hosts"]:
-        captions.append(f"The {meta['hosts']} hosts share this machine's {cores} cores: training "
-                        f"threads that compute at once wait for each other, which a cluster "
-                        f"would not make them do" + (" (own-host compute leaves that wait out)."
-                                                     if wide else "."))
+        captions.append(
+            f"The {meta['hosts']} hosts share this machine's {cores} cores: training "
+            f"threads that compute at once wait for each other, which a cluster "
+            f"would not make them do"
+            + (" (own-host compute leaves that wait out)." if wide else ".")
+        )
     if wide and meta.get("cpu_waits_traced"):
-        captions.append("CPU wait: the training thread runnable, not running, outside the "
-                        "collective hooks; behind hosts: while other hosts' training threads "
-                        "held the cores; behind comm: the ranks' communication threads, the "
-                        "aggregator and the kernel's network (a scheduler trace). Own-host "
-                        "compute: compute less the wait behind other hosts.")
+        captions.append(
+            "CPU wait: the training thread runnable, not running, outside the "
+            "collective hooks; behind hosts: while other hosts' training threads "
+            "held the cores; behind comm: the ranks' communication threads, the "
+            "aggregator and the kernel's network (a scheduler trace). Own-host "
+            "compute: compute less the wait behind other hosts."
+        )
     if run["prediction"]:
         p = run["prediction"]
         c = p["collectives"]
-        captions.append(f"per step: {c['pair']} backward pairs, {c['allgather']} AllGathers and "
-                        f"{c['reduce_scatter']} ReduceScatters alone; predicted (the step's "
-                        f"schedule, {p['compute_from']}'s compute, collectives at the link's "
-                        f"rate): overcast {p['step_seconds']['overcast']:.3f} s, rings "
-                        f"{p['step_seconds']['rings']:.3f} s, speed-up over rings "
-                        f"{p['speedup_over_rings']:.2f}x")
+        captions.append(
+            f"per step: {c['pair']} backward pairs, {c['allgather']} AllGathers and "
+            f"{c['reduce_scatter']} ReduceScatters alone; predicted (the step's "
+            f"schedule, {p['compute_from']}'s compute, collectives at the link's "
+            f"rate): overcast {p['step_seconds']['overcast']:.3f} s, rings "
+            f"{p['step_seconds']['rings']:.3f} s, speed-up over rings "
+            f"{p['speedup_over_rings']:.2f}x"
+        )
     for r in run["results"]:
         captions += [f"{r['way']}: {said}" for said in r.get("warnings", [])]
     t.caption = "\n".join(captions) or None
@@ -88,7 +107,7 @@ def table(doc: dict, run: dict, wide: bool = False) -> Table:
 
 
 def _aggregator(meta: dict, results: list[dict]) -> str:
-    """", " and the aggregator's link, where a way reduced in the network; else nothing."""
+    """ ", " and the aggregator's link, where a way reduced in the network; else nothing."""
     if not any(r.get("algorithms", {}).get("reduce_scatter") == "innetwork" for r in results):
         return ""
     return ", " + aggregator_text(1, meta.get("aggregator_link_bits_per_s"))
@@ -120,31 +139,50 @@ def matrix_table(doc: dict, wide: bool = False) -> Table:
     def predicted(run, key, spec):
         p = run["prediction"] or {}
         return format(p[key], spec) + ("x" if spec == ".2f" else "") if key in p else "-"
-    spec = [("shape", lambda run: run["shape"], False),
-            ("pairs", lambda run: str((run["prediction"] or {}).get("collectives", {})
-                                      .get("pair", "-")), False),
-            ("overcast s", lambda run: step(run, "overcast"), False),
-            ("rings s", lambda run: step(run, "overcast-ring"), False),
-            (PEER + " s", lambda run: step(run, PEER), False),
-            ("vs rings", lambda run: predicted(run, "measured_speedup_over_rings", ".2f"), False),
-            ("predicted", lambda run: predicted(run, "speedup_over_rings", ".2f"), False),
-            ("vs predicted", lambda run: predicted(run, "overcast_over_predicted", ".3f"), False),
-            ("compute vs peer", lambda run: against_peer(run, "compute_seconds"), True),
-            ("own-host compute vs peer",
-             lambda run: against_peer(run, "own_host_compute_seconds"), True),
-            ("loss diff",
-             lambda run: f"{max(r['max_loss_difference'] for r in run['results']):.1e}", False)]
-    return table_of(f"Shapes on {meta['hosts']} hosts, {meta['link_bits_per_s'] / 1e6:g} Mbit/s"
-                    f"{_aggregator(meta, [r for run in doc['shapes'] for r in run['results']])}: "
-                    f"step seconds, median of steps {meta['warmup'] + 1}-{meta['steps']}; vs "
-                    f"rings measured and predicted; overcast's step over the predicted one",
-                    spec, doc["shapes"], wide, left=("shape",))
+
+    spec = [
+        ("shape", lambda run: run["shape"], False),
+        (
+            "pairs",
+            lambda run: str((run["prediction"] or {}).get("collectives", {}).get("pair", "-")),
+            False,
+        ),
+        ("overcast s", lambda run: step(run, "overcast"), False),
+        ("rings s", lambda run: step(run, "overcast-ring"), False),
+        (PEER + " s", lambda run: step(run, PEER), False),
+        ("vs rings", lambda run: predicted(run, "measured_speedup_over_rings", ".2f"), False),
+        ("predicted", lambda run: predicted(run, "speedup_over_rings", ".2f"), False),
+        ("vs predicted", lambda run: predicted(run, "overcast_over_predicted", ".3f"), False),
+        ("compute vs peer", lambda run: against_peer(run, "compute_seconds"), True),
+        (
+            "own-host compute vs peer",
+            lambda run: against_peer(run, "own_host_compute_seconds"),
+            True,
+        ),
+        (
+            "loss diff",
+            lambda run: f"{max(r['max_loss_difference'] for r in run['results']):.1e}",
+            False,
+        ),
+    ]
+    return table_of(
+        f"Shapes on {meta['hosts']} hosts, {meta['link_bits_per_s'] / 1e6:g} Mbit/s"
+        f"{_aggregator(meta, [r for run in doc['shapes'] for r in run['results']])}: "
+        f"step seconds, median of steps {meta['warmup'] + 1}-{meta['steps']}; vs "
+        f"rings measured and predicted; overcast's step over the predicted one",
+        spec,
+        doc["shapes"],
+        wide,
+        left=("shape",),
+    )
 
 
 def _figure():
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     return plt
 
 
@@ -178,10 +216,16 @@ def plot_steps(doc: dict, run: dict, path: str) -> None:
     backward = [r["backward_comm_seconds"] for r in results]
     rest = [max(0.0, r["step_seconds"] - f - b) for r, f, b in zip(results, forward, backward)]
     ax.barh(names, forward, label="forward communication (exposed)", color="tab:blue")
-    ax.barh(names, backward, left=forward, label="backward communication (exposed)",
-            color="tab:orange")
-    ax.barh(names, rest, left=[f + b for f, b in zip(forward, backward)],
-            label="compute and optimizer", color="tab:grey")
+    ax.barh(
+        names, backward, left=forward, label="backward communication (exposed)", color="tab:orange"
+    )
+    ax.barh(
+        names,
+        rest,
+        left=[f + b for f, b in zip(forward, backward)],
+        label="compute and optimizer",
+        color="tab:grey",
+    )
     for i, r in enumerate(results):
         ax.text(r["step_seconds"], i, f" {r['step_seconds']:.2f} s", va="center", fontsize=8)
     ax.invert_yaxis()
@@ -191,10 +235,17 @@ def plot_steps(doc: dict, run: dict, path: str) -> None:
     for i, r in enumerate(results):
         way = PREDICTED_AS.get(r["way"])  # gloo's ReduceScatter is an allreduce: not modelled
         if way in predicted:
-            ax.plot([predicted[way]] * 2, [i - 0.4, i + 0.4], color="black", lw=1.5,
-                    label="predicted" if i == 0 else None)
-    ax.set_title(f"{run['shape']}: FSDP2 step on {meta['hosts']} hosts, "
-                 f"{meta['link_bits_per_s'] / 1e6:g} Mbit/s")
+            ax.plot(
+                [predicted[way]] * 2,
+                [i - 0.4, i + 0.4],
+                color="black",
+                lw=1.5,
+                label="predicted" if i == 0 else None,
+            )
+    ax.set_title(
+        f"{run['shape']}: FSDP2 step on {meta['hosts']} hosts, "
+        f"{meta['link_bits_per_s'] / 1e6:g} Mbit/s"
+    )
     ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -225,21 +276,25 @@ def write(doc: dict, out_dir: str) -> list[str]:
 def profile_of(meta: dict, result: dict) -> dict:
     """A way's step as a step profile (overcast.fsdp.Overlap.profile's form): the step, the
     communication it left exposed, its compute and that split between forward and backward."""
-    return {"what": f"overcast train, way {result['way']}, {meta['hosts']} hosts at "
-                    f"{meta['link_bits_per_s'] / 1e6:g} Mbit/s",
-            "steps": meta["steps"] - meta["warmup"], "step_seconds": result["step_seconds"],
-            "exposed_seconds": result["forward_comm_seconds"] + result["backward_comm_seconds"],
-            "compute_seconds": result["compute_seconds"],
-            "forward_compute_seconds": result["forward_compute_seconds"],
-            "backward_compute_seconds": result["backward_compute_seconds"]}
+    return {
+        "what": f"overcast train, way {result['way']}, {meta['hosts']} hosts at "
+        f"{meta['link_bits_per_s'] / 1e6:g} Mbit/s",
+        "steps": meta["steps"] - meta["warmup"],
+        "step_seconds": result["step_seconds"],
+        "exposed_seconds": result["forward_comm_seconds"] + result["backward_comm_seconds"],
+        "compute_seconds": result["compute_seconds"],
+        "forward_compute_seconds": result["forward_compute_seconds"],
+        "backward_compute_seconds": result["backward_compute_seconds"],
+    }
 
 
 def staging_lines(run: dict) -> list[str]:
     """On a GPU, per way: the staging copies' GPU time per step beside the step, the pinned
     host memory held at the peak, and how much GPU memory grew after the warm-up."""
-    return [f"{r['way']}: staging {r['staging_seconds'] * 1e3:.1f} ms/step of "
-            f"{r['step_seconds'] * 1e3:.0f} ms, pinned peak {r['pinned_peak_bytes'] / 2**20:.0f} "
-            f"MiB/rank, GPU memory growth {r['gpu_memory_growth_bytes'] / 2**20:.1f} MiB"
-            + (", ReduceScatters gated" if r["stream_gates"] and r["way"] in OVERCAST_WAYS
-               else "")
-            for r in run["results"]]
+    return [
+        f"{r['way']}: staging {r['staging_seconds'] * 1e3:.1f} ms/step of "
+        f"{r['step_seconds'] * 1e3:.0f} ms, pinned peak {r['pinned_peak_bytes'] / 2**20:.0f} "
+        f"MiB/rank, GPU memory growth {r['gpu_memory_growth_bytes'] / 2**20:.1f} MiB"
+        + (", ReduceScatters gated" if r["stream_gates"] and r["way"] in OVERCAST_WAYS else "")
+        for r in run["results"]
+    ]

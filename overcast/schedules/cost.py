@@ -86,6 +86,11 @@ def algbw(n: int, p: int, seconds: float, collective: str = "allgather") -> floa
 def busbw(n: int, p: int, seconds: float, collective: str = "allgather") -> float:
     """nccl-tests' bus bandwidth: algbw * (P-1)/P for AllGather, ReduceScatter and all_to_all,
     algbw * 2(P-1)/P for all_reduce, algbw for a send."""
-    factor = 2 * (p - 1) / p if collective == "all_reduce" else \
-        1 if collective == "send_recv" else (p - 1) / p
+    factor = (
+        2 * (p - 1) / p
+        if collective == "all_reduce"
+        else 1
+        if collective == "send_recv"
+        else (p - 1) / p
+    )
     return algbw(n, p, seconds, collective) * factor

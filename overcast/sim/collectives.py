@@ -34,10 +34,18 @@ def check_request(collectives, algorithms) -> None:
     check_algorithms(collectives, algorithms, ALGORITHMS)
 
 
-def ring_flows(lane: str, topo: Topology, hosts: list[int], n: int, engine: Engine,
-               frame_bytes: int = ring.DEFAULT_FRAME_BYTES) -> list[Flow]:
-    send_block = {"allgather": ring.allgather_send_block,
-                  "reduce_scatter": ring.reduce_scatter_send_block}[lane]
+def ring_flows(
+    lane: str,
+    topo: Topology,
+    hosts: list[int],
+    n: int,
+    engine: Engine,
+    frame_bytes: int = ring.DEFAULT_FRAME_BYTES,
+) -> list[Flow]:
+    send_block = {
+        "allgather": ring.allgather_send_block,
+        "reduce_scatter": ring.reduce_scatter_send_block,
+    }[lane]
     p = len(hosts)
     frame = ring.frames(n, frame_bytes, 1)[0][1] * engine.stream_wire
     routes = [topo.route(hosts[r], hosts[(r + 1) % p]) for r in range(p)]
@@ -50,14 +58,29 @@ def ring_flows(lane: str, topo: Topology, hosts: list[int], n: int, engine: Engi
     flows = []
     for r, links in enumerate(routes):
         blocks = [send_block(r, p, step) for step in range(p - 1)]
-        flows.append(Flow(lane, n * len(blocks), np.asarray(links, dtype=np.int64), (hosts[r],),
-                          (hosts[(r + 1) % p],), tail=(p - 1) * stall + max(ways),
-                          wire=engine.stream_wire))
+        flows.append(
+            Flow(
+                lane,
+                n * len(blocks),
+                np.asarray(links, dtype=np.int64),
+                (hosts[r],),
+                (hosts[(r + 1) % p],),
+                tail=(p - 1) * stall + max(ways),
+                wire=engine.stream_wire,
+            )
+        )
     return flows
 
 
-def multicast_flows(lane: str, topo: Topology, hosts: list[int], n: int, engine: Engine,
-                    roots: int | None, with_reductions: bool) -> list[Flow]:
+def multicast_flows(
+    lane: str,
+    topo: Topology,
+    hosts: list[int],
+    n: int,
+    engine: Engine,
+    roots: int | None,
+    with_reductions: bool,
+) -> list[Flow]:
     p = len(hosts)
     roots = p if roots is None else roots
     concurrent = chains.concurrent_senders(p, roots)
@@ -68,40 +91,76 @@ def multicast_flows(lane: str, topo: Topology, hosts: list[int], n: int, engine:
             others = [hosts[x] for x in range(p) if x != r]
             budget = float(topo.rate[topo.uplink[hosts[r]]]) * engine.pacing_share
             pace = chains.stream_rate(budget, p, concurrent, with_reductions)
-            activation = 0.0 if before is None else \
-                topo.path_latency(topo.route(hosts[before], hosts[r]))
+            activation = (
+                0.0 if before is None else topo.path_latency(topo.route(hosts[before], hosts[r]))
+            )
             tree, depth = topo.multicast_tree(hosts[r], others)
-            flows.append(Flow(lane, n, tree, (hosts[r],), tuple(others),
-                              cap=pace / engine.datagram_wire,
-                              after=None if before is None else len(flows) - 1,
-                              delay=activation, tail=depth,
-                              datagram=True, wire=engine.datagram_wire))
+            flows.append(
+                Flow(
+                    lane,
+                    n,
+                    tree,
+                    (hosts[r],),
+                    tuple(others),
+                    cap=pace / engine.datagram_wire,
+                    after=None if before is None else len(flows) - 1,
+                    delay=activation,
+                    tail=depth,
+                    datagram=True,
+                    wire=engine.datagram_wire,
+                )
+            )
             before = r
     return flows
 
 
-def innetwork_flows(lane: str, topo: Topology, hosts: list[int], n: int,
-                    engine: Engine) -> list[Flow]:
+def innetwork_flows(
+    lane: str, topo: Topology, hosts: list[int], n: int, engine: Engine
+) -> list[Flow]:
     flows = []
     for owner in range(len(hosts)):
         others = [h for r, h in enumerate(hosts) if r != owner]
         tree, depth = topo.reduction_tree(hosts[owner], others)
-        flows.append(Flow(lane, n, tree, tuple(others), (hosts[owner],), tail=depth,
-                          datagram=True, wire=engine.datagram_wire))
+        flows.append(
+            Flow(
+                lane,
+                n,
+                tree,
+                tuple(others),
+                (hosts[owner],),
+                tail=depth,
+                datagram=True,
+                wire=engine.datagram_wire,
+            )
+        )
     return flows
 
 
-def collective_flows(collective: str, algorithm: str, topo: Topology, hosts: list[int], n: int,
-                     engine: Engine, roots: int | None = None,
-                     reduce_bytes: int | None = None) -> list[Flow]:
+def collective_flows(
+    collective: str,
+    algorithm: str,
+    topo: Topology,
+    hosts: list[int],
+    n: int,
+    engine: Engine,
+    roots: int | None = None,
+    reduce_bytes: int | None = None,
+) -> list[Flow]:
     """Every flow of one collective; lanes are "allgather" and "reduce_scatter". In a pair the
     ReduceScatter's shard may be `reduce_bytes` (gradients in another dtype), else n."""
     check_request([collective], [algorithm])
     if collective == "overlap":
         gather, scatter = PAIRS[algorithm]
-        return (_half("allgather", gather, topo, hosts, n, engine, roots, True)
-                + _half("reduce_scatter", scatter, topo, hosts,
-                        n if reduce_bytes is None else reduce_bytes, engine, roots, True))
+        return _half("allgather", gather, topo, hosts, n, engine, roots, True) + _half(
+            "reduce_scatter",
+            scatter,
+            topo,
+            hosts,
+            n if reduce_bytes is None else reduce_bytes,
+            engine,
+            roots,
+            True,
+        )
     return _half(collective, algorithm, topo, hosts, n, engine, roots, False)
 
 
@@ -111,5 +170,3 @@ def _half(lane, algorithm, topo, hosts, n, engine, roots, paired) -> list[Flow]:
     if algorithm == "multicast":
         return multicast_flows(lane, topo, hosts, n, engine, roots, paired)
     return innetwork_flows(lane, topo, hosts, n, engine)
-
-

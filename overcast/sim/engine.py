@@ -29,14 +29,14 @@ TCP_SEGMENT_HEADERS = 20 + 32 + ETHERNET_BYTES
 @dataclass(frozen=True)
 class Engine:
     name: str
-    chunk_bytes: int = 8920                 # payload per datagram
-    us_per_datagram: float = 0.0            # CPU per datagram sent or received, per host
-    stream_s_per_gib: float = 0.0           # CPU per GiB a ring stream sends or receives
-    aggregator_us_per_datagram: float = 0.0     # the aggregator's CPU per datagram (if software)
-    datagram_headers: int = 0               # wire bytes per datagram beyond its payload
-    stream_headers_per_byte: float = 0.0    # wire bytes per stream payload byte, beyond it
-    pacing_share: float = 1.0               # the share of a link datagram senders may fill
-    cores: float = math.inf                 # engine cores per host
+    chunk_bytes: int = 8920  # payload per datagram
+    us_per_datagram: float = 0.0  # CPU per datagram sent or received, per host
+    stream_s_per_gib: float = 0.0  # CPU per GiB a ring stream sends or receives
+    aggregator_us_per_datagram: float = 0.0  # the aggregator's CPU per datagram (if software)
+    datagram_headers: int = 0  # wire bytes per datagram beyond its payload
+    stream_headers_per_byte: float = 0.0  # wire bytes per stream payload byte, beyond it
+    pacing_share: float = 1.0  # the share of a link datagram senders may fill
+    cores: float = math.inf  # engine cores per host
     note: str = ""
 
     @property
@@ -66,20 +66,31 @@ IDEAL = Engine("ideal", note="no CPU cost, no headers, senders may fill the whol
 # the aggregator's data path over the P²·K datagrams it handled, the ring pair's CPU per GiB
 # sent and received. Multicast senders fill the whole link.
 NATIVE = Engine(
-    "native", chunk_bytes=8920, us_per_datagram=5.6, stream_s_per_gib=0.77,
+    "native",
+    chunk_bytes=8920,
+    us_per_datagram=5.6,
+    stream_s_per_gib=0.77,
     aggregator_us_per_datagram=4.5,
     datagram_headers=OVERHEAD_BYTES + IP_UDP_BYTES + ETHERNET_BYTES,
-    stream_headers_per_byte=TCP_SEGMENT_HEADERS / 8948, pacing_share=1.0, cores=1.0,
+    stream_headers_per_byte=TCP_SEGMENT_HEADERS / 8948,
+    pacing_share=1.0,
+    cores=1.0,
     note="overcast's engine on the host CPU (datagrams in its native core, rings' streams in "
-         "Python), one core per host, as measured by overcast bench")
+    "Python), one core per host, as measured by overcast bench",
+)
 
 # The paper (SC24, arXiv 2408.13356): a SmartNIC data-path accelerator sustains line rate at
 # 1.6 Tbit/s with 4 KiB chunks: 4096 B / 200 GB/s = 20.5 ns per chunk in one direction.
 OFFLOAD = Engine(
-    "offload", chunk_bytes=4096, us_per_datagram=4096 / 200e9 * 1e6,
+    "offload",
+    chunk_bytes=4096,
+    us_per_datagram=4096 / 200e9 * 1e6,
     datagram_headers=OVERHEAD_BYTES + IP_UDP_BYTES + ETHERNET_BYTES,
-    stream_headers_per_byte=TCP_SEGMENT_HEADERS / 1448, pacing_share=1.0, cores=math.inf,
-    note="the paper's offloaded engine: one keeps up with 1.6 Tbit/s of 4 KiB chunks")
+    stream_headers_per_byte=TCP_SEGMENT_HEADERS / 1448,
+    pacing_share=1.0,
+    cores=math.inf,
+    note="the paper's offloaded engine: one keeps up with 1.6 Tbit/s of 4 KiB chunks",
+)
 
 ENGINES = {e.name: e for e in (IDEAL, NATIVE, OFFLOAD)}
 
@@ -105,34 +116,48 @@ class AggregatorPool:
 
     def check(self) -> None:
         if not (isinstance(self.count, int) and self.count >= 1):
-            raise InvalidArgumentError(f"the aggregators must be 1 or more, not {self.count} "
-                                       f"(--aggregators, count)")
+            raise InvalidArgumentError(
+                f"the aggregators must be 1 or more, not {self.count} (--aggregators, count)"
+            )
         if not (isinstance(self.shards, int) and self.shards >= 1):
-            raise InvalidArgumentError(f"the shards per aggregator must be 1 or more, not "
-                                       f"{self.shards} (--shards, shards)")
+            raise InvalidArgumentError(
+                f"the shards per aggregator must be 1 or more, not {self.shards} (--shards, shards)"
+            )
         if self.nic_bits_per_s is not None and not self.nic_bits_per_s > 0:
-            raise InvalidArgumentError("the aggregators' link rate must be above 0 "
-                                       "(--aggregator-link-gbit, nic_bits_per_s)")
+            raise InvalidArgumentError(
+                "the aggregators' link rate must be above 0 "
+                "(--aggregator-link-gbit, nic_bits_per_s)"
+            )
 
     def core_bytes_per_s(self, chunk_bytes: int) -> float:
         """Contribution payload one shard takes per second."""
         return chunk_bytes / (self.us_per_contribution * 1e-6)
 
     def describe(self) -> dict:
-        return {"count": self.count, "shards": self.shards,
-                "nic_bits_per_s": self.nic_bits_per_s,
-                "us_per_contribution": self.us_per_contribution}
+        return {
+            "count": self.count,
+            "shards": self.shards,
+            "nic_bits_per_s": self.nic_bits_per_s,
+            "us_per_contribution": self.us_per_contribution,
+        }
 
 
-def pool_for(hosts: int, link_bits: float, within: float, *, chunk_bytes: int,
-             nic_bits_per_s: float | None = None, cores_per_host: int = 16,
-             us_per_contribution: float = AGGREGATOR_US_PER_CONTRIBUTION) -> AggregatorPool:
+def pool_for(
+    hosts: int,
+    link_bits: float,
+    within: float,
+    *,
+    chunk_bytes: int,
+    nic_bits_per_s: float | None = None,
+    cores_per_host: int = 16,
+    us_per_contribution: float = AGGREGATOR_US_PER_CONTRIBUTION,
+) -> AggregatorPool:
     """The smallest pool that takes the contributions of `hosts` whose uplinks, at `link_bits`
     each, carry nothing else, at 1/`within` of that rate: the most a ReduceScatter's or a
     pair's contributions can ask. Hosts behind NICs of `nic_bits_per_s` (default: the hosts'
     rate), each with at most `cores_per_host` shards."""
     nic = link_bits if nic_bits_per_s is None else nic_bits_per_s
-    need = hosts * link_bits / 8 / within                   # contribution bytes/s
+    need = hosts * link_bits / 8 / within  # contribution bytes/s
     per_core = chunk_bytes / (us_per_contribution * 1e-6)
     cores = math.ceil(need / per_core)
     count = max(math.ceil(need / (nic / 8)), math.ceil(cores / cores_per_host))
@@ -143,5 +168,6 @@ def engine(name: str) -> Engine:
     try:
         return ENGINES[name]
     except KeyError:
-        raise InvalidArgumentError(f"unknown engine {name!r}; available: "
-                                   f"{', '.join(ENGINES)}") from None
+        raise InvalidArgumentError(
+            f"unknown engine {name!r}; available: {', '.join(ENGINES)}"
+        ) from None

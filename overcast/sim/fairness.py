@@ -16,8 +16,9 @@ import numpy as np
 FULL = 1e-9
 
 
-def max_min_rates(demand: np.ndarray, capacity: np.ndarray, caps: np.ndarray,
-                  active: np.ndarray) -> np.ndarray:
+def max_min_rates(
+    demand: np.ndarray, capacity: np.ndarray, caps: np.ndarray, active: np.ndarray
+) -> np.ndarray:
     """Rates (bytes/s) of the flows where `active`; 0 elsewhere.
 
     demand: constraints x flows; capacity: per constraint; caps: per flow (inf for none)."""

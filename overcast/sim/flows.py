@@ -51,14 +51,15 @@ class Constraint:
 
 @dataclass
 class Outcome:
-    end: np.ndarray          # each flow's last byte sent
-    delivered: np.ndarray    # and delivered: end + tail
-    link_bytes: np.ndarray   # wire bytes per directed link
-    events: int              # rate computations: one per start or end
+    end: np.ndarray  # each flow's last byte sent
+    delivered: np.ndarray  # and delivered: end + tail
+    link_bytes: np.ndarray  # wire bytes per directed link
+    events: int  # rate computations: one per start or end
 
 
-def run_flows(link_rate: np.ndarray, flows: list[Flow],
-              constraints: Sequence[Constraint] = ()) -> Outcome:
+def run_flows(
+    link_rate: np.ndarray, flows: list[Flow], constraints: Sequence[Constraint] = ()
+) -> Outcome:
     """Simulate `flows` on directed links of `link_rate` bytes/s, and `constraints`."""
     count, links = len(flows), len(link_rate)
     used = np.unique(np.concatenate([f.links for f in flows])) if flows else np.zeros(0, int)
@@ -83,8 +84,7 @@ def run_flows(link_rate: np.ndarray, flows: list[Flow],
     t, events = 0.0, 0
     while np.isinf(end).any():
         running = (start <= t) & np.isinf(end)
-        rate = max_min_rates(demand, capacity, caps, running) if running.any() \
-            else np.zeros(count)
+        rate = max_min_rates(demand, capacity, caps, running) if running.any() else np.zeros(count)
         events += 1
         with np.errstate(divide="ignore", invalid="ignore"):
             finish = np.where(running & (rate > 0), left / rate, math.inf)

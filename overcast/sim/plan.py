@@ -46,9 +46,11 @@ from overcast.sim.topology import Topology, build
 from overcast.transport.datagram import chunk_bytes
 
 WAYS = ("ring", "overcast")
-WAY_TEXT = {"ring": "an NCCL-like ring at line rate: an AllGather or ReduceScatter of N bytes "
-                    "per rank moves (P-1)N each way through each node's NIC",
-            "overcast": "multicast AllGather beside in-network ReduceScatter, at line rate"}
+WAY_TEXT = {
+    "ring": "an NCCL-like ring at line rate: an AllGather or ReduceScatter of N bytes "
+    "per rank moves (P-1)N each way through each node's NIC",
+    "overcast": "multicast AllGather beside in-network ReduceScatter, at line rate",
+}
 # The least share of the ring's step overcast must save to be the choice.
 WORTH_SAVING = 0.05
 # How many pools the aggregator sizing simulates, each 10% larger than the one before.
@@ -76,8 +78,9 @@ def parse_count(text: str, flag: str) -> int:
     try:
         value = float(s[:-1]) * scale[s[-1]] if s and s[-1] in scale else float(s)
     except ValueError:
-        raise InvalidArgumentError(f"{flag} takes counts such as 7B, 350M, 1.3e9 or 125000, "
-                                   f"not {text!r}") from None
+        raise InvalidArgumentError(
+            f"{flag} takes counts such as 7B, 350M, 1.3e9 or 125000, not {text!r}"
+        ) from None
     return round(value)
 
 
@@ -100,8 +103,9 @@ class Model:
     def check(self) -> None:
         for name in (self.dtype, self.reduce_dtype or self.dtype):
             if name not in DTYPE_BYTES:
-                raise InvalidArgumentError(f"unknown dtype {name!r}; available: "
-                                           f"{', '.join(DTYPE_BYTES)}")
+                raise InvalidArgumentError(
+                    f"unknown dtype {name!r}; available: {', '.join(DTYPE_BYTES)}"
+                )
         for p in self.layer_params:
             check_count("a layer's parameter count", p, 1, "--layer-params, layer_params")
         check_count("micro-steps", self.micro_steps, 1, "--micro-steps, micro_steps")
@@ -128,21 +132,28 @@ class Job:
     aggregators: str | int = "sized"
 
     def check(self) -> None:
-        check_count("the ranks per node", self.ranks_per_node, 1,
-                    "--ranks-per-node, ranks_per_node")
+        check_count(
+            "the ranks per node", self.ranks_per_node, 1, "--ranks-per-node, ranks_per_node"
+        )
         check_mtu(self.mtu)
         if self.host_cores is not None:
-            check_positive("the engine's cores per node", self.host_cores,
-                           "--host-cores, host_cores")
+            check_positive(
+                "the engine's cores per node", self.host_cores, "--host-cores, host_cores"
+            )
         if not all(math.isfinite(c) and c >= 0 for c in self.compute):
-            raise InvalidArgumentError(f"the compute per layer must be finite, 0 ms or more, "
-                                       f"not ({', '.join(f'{c * 1e3:g}' for c in self.compute)})"
-                                       f" ms (--compute-ms, compute)")
+            raise InvalidArgumentError(
+                f"the compute per layer must be finite, 0 ms or more, "
+                f"not ({', '.join(f'{c * 1e3:g}' for c in self.compute)})"
+                f" ms (--compute-ms, compute)"
+            )
         if self.aggregators not in AGGREGATOR_CHOICES and not (
-                isinstance(self.aggregators, int) and self.aggregators >= 1):
-            raise InvalidArgumentError(f"the aggregators must be one of "
-                                       f"{', '.join(AGGREGATOR_CHOICES)} or a count of hosts, "
-                                       f"not {self.aggregators!r} (--aggregators, aggregators)")
+            isinstance(self.aggregators, int) and self.aggregators >= 1
+        ):
+            raise InvalidArgumentError(
+                f"the aggregators must be one of "
+                f"{', '.join(AGGREGATOR_CHOICES)} or a count of hosts, "
+                f"not {self.aggregators!r} (--aggregators, aggregators)"
+            )
 
     @property
     def cores(self) -> float:
@@ -163,8 +174,9 @@ class AggregatorSizing:
         check_positive("the bar over the floor", self.within - 1, "--within, within - 1")
         check_count("an aggregator's cores", self.cores, 1, "--aggregator-cores, cores")
         if self.nic_bits is not None:
-            check_positive("the aggregators' link rate", self.nic_bits,
-                           "--aggregator-link-gbit, nic_bits")
+            check_positive(
+                "the aggregators' link rate", self.nic_bits, "--aggregator-link-gbit, nic_bits"
+            )
 
 
 def compute_from_profile(path: str, model: Model) -> tuple[tuple[float, float], str]:
@@ -173,6 +185,7 @@ def compute_from_profile(path: str, model: Model) -> tuple[tuple[float, float], 
     itself under "what"): the step less its exposed communication, split as the profile splits
     it (else a third forward), shared evenly among the model's layers and micro-steps; and words
     saying so. InvalidArgumentError, naming the file, for anything else."""
+
     def refused(why: str) -> InvalidArgumentError:
         return InvalidArgumentError(f"--timed {path}: {why}")
 
@@ -183,36 +196,53 @@ def compute_from_profile(path: str, model: Model) -> tuple[tuple[float, float], 
         raise refused((err.strerror or str(err)).lower()) from None
     except ValueError as err:
         raise refused(f"not JSON ({err})") from None
-    if not isinstance(profile, dict) or not isinstance(profile.get("what"), str) or \
-            not profile["what"].startswith(PROFILE_WRITERS):
-        raise refused(f'not a step profile: its "what" is neither '
-                      f'{" nor ".join(map(repr, PROFILE_WRITERS))}')
+    if (
+        not isinstance(profile, dict)
+        or not isinstance(profile.get("what"), str)
+        or not profile["what"].startswith(PROFILE_WRITERS)
+    ):
+        raise refused(
+            f'not a step profile: its "what" is neither {" nor ".join(map(repr, PROFILE_WRITERS))}'
+        )
 
     def seconds(key: str) -> float:
         value = profile.get(key)
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and \
-                math.isfinite(value) and value >= 0:
+        if (
+            isinstance(value, (int, float))
+            and not isinstance(value, bool)
+            and math.isfinite(value)
+            and value >= 0
+        ):
             return float(value)
-        why = " (its exposed communication outlasts its step)" if key == "compute_seconds" and \
-            isinstance(value, (int, float)) and value < 0 else ""
-        raise refused(f"{key} must be a number of seconds, finite and 0 or more, not "
-                      f"{value!r}{why}")
+        why = (
+            " (its exposed communication outlasts its step)"
+            if key == "compute_seconds" and isinstance(value, (int, float)) and value < 0
+            else ""
+        )
+        raise refused(
+            f"{key} must be a number of seconds, finite and 0 or more, not {value!r}{why}"
+        )
 
-    step, exposed, compute = (seconds(k) for k in ("step_seconds", "exposed_seconds",
-                                                   "compute_seconds"))
+    step, exposed, compute = (
+        seconds(k) for k in ("step_seconds", "exposed_seconds", "compute_seconds")
+    )
     split = (FORWARD_SHARE, 1 - FORWARD_SHARE)
     if "forward_compute_seconds" in profile or "backward_compute_seconds" in profile:
         split = (seconds("forward_compute_seconds"), seconds("backward_compute_seconds"))
         if sum(split) == 0 and compute > 0:
-            raise refused(f"forward_compute_seconds and backward_compute_seconds are both 0, "
-                          f"so nothing says how its {compute:g} s of compute split")
+            raise refused(
+                f"forward_compute_seconds and backward_compute_seconds are both 0, "
+                f"so nothing says how its {compute:g} s of compute split"
+            )
     # the rest of the compute (the optimizer) shared between the two as they split
     forward = compute * split[0] / sum(split) if compute else 0.0
     backward = compute - forward
     share = len(model.layer_params) * model.micro_steps
-    return ((forward / share, backward / share),
-            f"timed() in {path}: a step of {step:.3f} s, {exposed:.3f} s of it exposed "
-            f"communication, {compute:.3f} s compute")
+    return (
+        (forward / share, backward / share),
+        f"timed() in {path}: a step of {step:.3f} s, {exposed:.3f} s of it exposed "
+        f"communication, {compute:.3f} s compute",
+    )
 
 
 def _node_bytes(gather: int, reduce: int, nodes: int, g: int) -> dict:
@@ -220,15 +250,20 @@ def _node_bytes(gather: int, reduce: int, nodes: int, g: int) -> dict:
     (sent, received), and the bytes per rank a one-rank-per-host simulation needs for it."""
     p = nodes * g
     ring_ag, ring_rs = (p - 1) * gather, (p - 1) * reduce
-    return {"ring_allgather": ((ring_ag, ring_ag), math.ceil(ring_ag / (nodes - 1))),
-            "ring_reduce_scatter": ((ring_rs, ring_rs), math.ceil(ring_rs / (nodes - 1))),
-            "multicast": ((g * gather, (p - g) * gather), g * gather),
-            "innetwork": ((g * (p - 1) * reduce, g * reduce),
-                          math.ceil(g * (p - 1) * reduce / (nodes - 1)))}
+    return {
+        "ring_allgather": ((ring_ag, ring_ag), math.ceil(ring_ag / (nodes - 1))),
+        "ring_reduce_scatter": ((ring_rs, ring_rs), math.ceil(ring_rs / (nodes - 1))),
+        "multicast": ((g * gather, (p - g) * gather), g * gather),
+        "innetwork": (
+            (g * (p - 1) * reduce, g * reduce),
+            math.ceil(g * (p - 1) * reduce / (nodes - 1)),
+        ),
+    }
 
 
-def aggregator_pool(job: Job, sizing: AggregatorSizing, model: Model, topo: Topology,
-                    chunk: int) -> tuple[AggregatorPool | None, dict]:
+def aggregator_pool(
+    job: Job, sizing: AggregatorSizing, model: Model, topo: Topology, chunk: int
+) -> tuple[AggregatorPool | None, dict]:
     """What sums the in-network reductions on `topo`, and how the table says it."""
     link = float(topo.rate[topo.uplink[0]] * 8)
     nic = sizing.nic_bits or link
@@ -240,58 +275,94 @@ def aggregator_pool(job: Job, sizing: AggregatorSizing, model: Model, topo: Topo
     if job.aggregators == "sized":
         sized = size_aggregators(model, topo, sizing, job.ranks_per_node, chunk)
         return AggregatorPool(sized["count"], sized["shards"], nic), {
-            **sized, "placement": "hosts", "short": f"{sized['count']:,} x {sized['shards']}"}
+            **sized,
+            "placement": "hosts",
+            "short": f"{sized['count']:,} x {sized['shards']}",
+        }
     assert isinstance(job.aggregators, int)  # Job takes a count where it is not a choice
     pool = AggregatorPool(job.aggregators, sizing.cores, nic)
-    return pool, {**pool.describe(), "placement": "hosts",
-                  "short": f"{pool.count:,} x {pool.shards}"}
+    return pool, {
+        **pool.describe(),
+        "placement": "hosts",
+        "short": f"{pool.count:,} x {pool.shards}",
+    }
 
 
 def assumes(job: Job, sizing: AggregatorSizing) -> list[str]:
     """The hardware beyond the nodes and the ring's network that overcast's figures assume."""
-    nic = "the nodes' link rate" if sizing.nic_bits is None else \
-        f"{sizing.nic_bits / 1e9:g} Gbit/s"
+    nic = "the nodes' link rate" if sizing.nic_bits is None else f"{sizing.nic_bits / 1e9:g} Gbit/s"
     placed: dict[str | int, str] = {
         "switch": "a switch that sums at line rate on every port (SHARP-like)",
         "beside-rank-0": f"one aggregator of {sizing.cores} cores beside rank 0, on node 0's "
-                         f"link (what overlap() starts without OVERCAST_AGGREGATORS; node 0's own "
-                         f"traffic on that link is not counted)",
+        f"link (what overlap() starts without OVERCAST_AGGREGATORS; node 0's own "
+        f"traffic on that link is not counted)",
         "sized": f"aggregator hosts of up to {sizing.cores} cores behind links of {nic}, as many "
-                 f"as the aggregators column says (hosts x cores), sized for the pair within "
-                 f"{sizing.within:g}x its floor"}
+        f"as the aggregators column says (hosts x cores), sized for the pair within "
+        f"{sizing.within:g}x its floor",
+    }
     aggregators = placed.get(
-        job.aggregators, f"{job.aggregators} aggregator host{'s' * (job.aggregators != 1)} "
-                         f"of {sizing.cores} cores behind links of {nic}")
-    return [f"IP multicast between the nodes at layer 2 (IGMP snooping and a querier), MTU "
-            f"{job.mtu}", aggregators,
-            f"overcast's engine on {job.cores:g} core(s) per node, or, for the offloaded "
-            f"column, an engine on the NIC"]
+        job.aggregators,
+        f"{job.aggregators} aggregator host{'s' * (job.aggregators != 1)} "
+        f"of {sizing.cores} cores behind links of {nic}",
+    )
+    return [
+        f"IP multicast between the nodes at layer 2 (IGMP snooping and a querier), MTU {job.mtu}",
+        aggregators,
+        f"overcast's engine on {job.cores:g} core(s) per node, or, for the offloaded "
+        f"column, an engine on the NIC",
+    ]
 
 
-def size_aggregators(model: Model, topo: Topology, sizing: AggregatorSizing, g: int = 1,
-                     chunk: int = NATIVE.chunk_bytes) -> dict:
+def size_aggregators(
+    model: Model,
+    topo: Topology,
+    sizing: AggregatorSizing,
+    g: int = 1,
+    chunk: int = NATIVE.chunk_bytes,
+) -> dict:
     """The aggregator pool the pair needs on `topo` (engine.pool_for, for every rank's
     contributions), grown by 10% at a time until the largest layer's pair, simulated on it,
     holds the bar, at most SIZING_STEPS times: the pool returned is the last simulated, with its
     ratio, and `met` says whether it held the bar (it cannot where the fabric, not the
     aggregators, holds the pair back)."""
     link_bits = float(topo.rate[topo.uplink[0]] * 8)
-    pool = pool_for(topo.hosts, link_bits * g, sizing.within, chunk_bytes=chunk,
-                    nic_bits_per_s=sizing.nic_bits or link_bits, cores_per_host=sizing.cores)
+    pool = pool_for(
+        topo.hosts,
+        link_bits * g,
+        sizing.within,
+        chunk_bytes=chunk,
+        nic_bits_per_s=sizing.nic_bits or link_bits,
+        cores_per_host=sizing.cores,
+    )
     gather, reduce = max(model.shards(topo.hosts * g), key=sum)
     moved = _node_bytes(gather, reduce, topo.hosts, g)
     engine = replace(IDEAL, chunk_bytes=chunk)
     for step in range(SIZING_STEPS):
         if step:
-            pool = AggregatorPool(math.ceil(pool.count * 1.1), pool.shards, pool.nic_bits_per_s,
-                                  pool.us_per_contribution)
-        ratio = simulate("overlap", "overcast", topo, moved["multicast"][1],
-                         reduce_bytes=moved["innetwork"][1], aggregators=pool,
-                         engine=engine)["ratio_to_floor"]
+            pool = AggregatorPool(
+                math.ceil(pool.count * 1.1),
+                pool.shards,
+                pool.nic_bits_per_s,
+                pool.us_per_contribution,
+            )
+        ratio = simulate(
+            "overlap",
+            "overcast",
+            topo,
+            moved["multicast"][1],
+            reduce_bytes=moved["innetwork"][1],
+            aggregators=pool,
+            engine=engine,
+        )["ratio_to_floor"]
         if ratio <= sizing.within:
             break
-    return {**pool.describe(), "cores": pool.count * pool.shards, "pair_ratio": ratio,
-            "within": sizing.within, "met": ratio <= sizing.within}
+    return {
+        **pool.describe(),
+        "cores": pool.count * pool.shards,
+        "pair_ratio": ratio,
+        "within": sizing.within,
+        "met": ratio <= sizing.within,
+    }
 
 
 def step_schedule(layers: int, micro_steps: int, forward: float, backward: float) -> list:
@@ -327,18 +398,28 @@ def step_schedule(layers: int, micro_steps: int, forward: float, backward: float
 def _layer_times(topo: Topology, moved: dict, pool: AggregatorPool | None, chunk: int) -> dict:
     """Each collective of one layer alone on the cluster: seconds."""
     engine = replace(IDEAL, chunk_bytes=chunk)
-    return {"ring_allgather": simulate("allgather", "ring", topo,
-                                       moved["ring_allgather"][1])["seconds"],
-            "ring_reduce_scatter": simulate("reduce_scatter", "ring", topo,
-                                            moved["ring_reduce_scatter"][1])["seconds"],
-            "multicast": simulate("allgather", "multicast", topo,
-                                  moved["multicast"][1])["seconds"],
-            "innetwork": simulate("reduce_scatter", "innetwork", topo, moved["innetwork"][1],
-                                  aggregators=pool, engine=engine)["seconds"]}
+    return {
+        "ring_allgather": simulate("allgather", "ring", topo, moved["ring_allgather"][1])[
+            "seconds"
+        ],
+        "ring_reduce_scatter": simulate(
+            "reduce_scatter", "ring", topo, moved["ring_reduce_scatter"][1]
+        )["seconds"],
+        "multicast": simulate("allgather", "multicast", topo, moved["multicast"][1])["seconds"],
+        "innetwork": simulate(
+            "reduce_scatter",
+            "innetwork",
+            topo,
+            moved["innetwork"][1],
+            aggregators=pool,
+            engine=engine,
+        )["seconds"],
+    }
 
 
-def plan_point(model: Model, topo: Topology, job: Job = Job(),
-               sizing: AggregatorSizing = AggregatorSizing()) -> dict:
+def plan_point(
+    model: Model, topo: Topology, job: Job = Job(), sizing: AggregatorSizing = AggregatorSizing()
+) -> dict:
     """One cluster: each way's step, its exposed communication, the engine cores overcast
     needs, which way to use and why, and the hardware that assumes."""
     nodes, g = topo.hosts, job.ranks_per_node
@@ -361,41 +442,63 @@ def plan_point(model: Model, topo: Topology, job: Job = Job(),
         `stretch` more where overcast's engine is short of cores: it moves them that much
         slower), then what its simulated time adds to their time at line rate (latency, and
         the aggregators' pace), which takes no bandwidth from the others in flight."""
+
         def of(kind: str, layer: int) -> tuple[float, float, float]:
-            key = ("ring_allgather" if kind != "reduce_scatter" else "ring_reduce_scatter") \
-                if way == "ring" else ("multicast" if kind != "reduce_scatter" else "innetwork")
+            key = (
+                ("ring_allgather" if kind != "reduce_scatter" else "ring_reduce_scatter")
+                if way == "ring"
+                else ("multicast" if kind != "reduce_scatter" else "innetwork")
+            )
             (sent, received), _ = moved[layer][key]
             more = max(0.0, times[layer][key] - max(sent, received) / bytes_per_s)
             scale = stretch if way == "overcast" else 1.0
             return sent * scale, received * scale, more
+
         return of
 
     schedule = step_schedule(len(layers), model.micro_steps, *job.compute)
     compute = model.micro_steps * len(layers) * sum(job.compute)
     alone = step_schedule(len(layers), model.micro_steps, 0.0, 0.0)
-    through = sum(sum(m["multicast"][0]) * model.micro_steps * 2 + sum(m["innetwork"][0])
-                  for m in moved)  # datagram bytes through a node's NIC per step
+    through = sum(
+        sum(m["multicast"][0]) * model.micro_steps * 2 + sum(m["innetwork"][0]) for m in moved
+    )  # datagram bytes through a node's NIC per step
     busy = run_step(alone, bytes_per_s, demand("overcast"))
-    cores = {e.name: through * e.us_per_datagram * 1e-6 /
-             (chunk if e is NATIVE else e.chunk_bytes) / busy for e in (NATIVE, OFFLOAD)}
+    cores = {
+        e.name: through
+        * e.us_per_datagram
+        * 1e-6
+        / (chunk if e is NATIVE else e.chunk_bytes)
+        / busy
+        for e in (NATIVE, OFFLOAD)
+    }
     stretch = max(1.0, cores["native"] / job.cores)
-    steps = {"ring": run_step(schedule, bytes_per_s, demand("ring")),
-             "overcast": run_step(schedule, bytes_per_s, demand("overcast")),
-             "overcast_on_host_cores": run_step(schedule, bytes_per_s,
-                                                demand("overcast", stretch))}
-    out = {"nodes": nodes, "ranks_per_node": g, "ranks": nodes * g, "link_bits_per_s": link,
-           "topology": topo.kind, "radix": topo.radix, "compute_seconds": compute,
-           "ways": {
-               "ring": {"step_seconds": steps["ring"],
-                        "exposed_seconds": steps["ring"] - compute},
-               "overcast": {"step_seconds": steps["overcast"],
-                            "exposed_seconds": steps["overcast"] - compute,
-                            "step_seconds_on_host_cores": steps["overcast_on_host_cores"],
-                            "engine_cores_native": cores["native"],
-                            "engine_cores_offload": cores["offload"]}},
-           "speedup_over_ring": steps["ring"] / steps["overcast_on_host_cores"],
-           "speedup_over_ring_offloaded": steps["ring"] / steps["overcast"],
-           "aggregators": aggregators}
+    steps = {
+        "ring": run_step(schedule, bytes_per_s, demand("ring")),
+        "overcast": run_step(schedule, bytes_per_s, demand("overcast")),
+        "overcast_on_host_cores": run_step(schedule, bytes_per_s, demand("overcast", stretch)),
+    }
+    out = {
+        "nodes": nodes,
+        "ranks_per_node": g,
+        "ranks": nodes * g,
+        "link_bits_per_s": link,
+        "topology": topo.kind,
+        "radix": topo.radix,
+        "compute_seconds": compute,
+        "ways": {
+            "ring": {"step_seconds": steps["ring"], "exposed_seconds": steps["ring"] - compute},
+            "overcast": {
+                "step_seconds": steps["overcast"],
+                "exposed_seconds": steps["overcast"] - compute,
+                "step_seconds_on_host_cores": steps["overcast_on_host_cores"],
+                "engine_cores_native": cores["native"],
+                "engine_cores_offload": cores["offload"],
+            },
+        },
+        "speedup_over_ring": steps["ring"] / steps["overcast_on_host_cores"],
+        "speedup_over_ring_offloaded": steps["ring"] / steps["overcast"],
+        "aggregators": aggregators,
+    }
     out["choice"], out["why"] = _choose(out, job, _held_back(moved, times, bytes_per_s, g))
     return out
 
@@ -406,11 +509,15 @@ def _held_back(moved: list[dict], times: list[dict], bytes_per_s: float, g: int)
     (sent, _), _ = moved[largest]["innetwork"]
     slower = times[largest]["innetwork"] / (sent / bytes_per_s)
     if slower > 1.10:
-        return (f"the aggregators take the ReduceScatter's contributions at 1/{slower:.1f} of "
-                f"the nodes' line rate")
+        return (
+            f"the aggregators take the ReduceScatter's contributions at 1/{slower:.1f} of "
+            f"the nodes' line rate"
+        )
     if g > 1:
-        return (f"each of a node's {g} ranks sends its whole gradient to the aggregators "
-                f"through the node's NIC, {g}x what a ring sends")
+        return (
+            f"each of a node's {g} ranks sends its whole gradient to the aggregators "
+            f"through the node's NIC, {g}x what a ring sends"
+        )
     return ""
 
 
@@ -419,50 +526,83 @@ def _choose(point: dict, job: Job, held_back: str) -> tuple[str, str]:
     on_host, offloaded = point["speedup_over_ring"], point["speedup_over_ring_offloaded"]
     needed = oc["engine_cores_native"]
     if 1 - 1 / on_host >= WORTH_SAVING:
-        return "overcast", (f"its step {on_host:.2f}x faster than the ring's, its engine using "
-                            f"{needed:.2g} of the {job.cores:g} core(s) per node it has" if
-                            needed <= job.cores else
-                            f"its step {on_host:.2f}x faster than the ring's with its engine "
-                            f"short of cores ({needed:.2g} needed per node, {job.cores:g} "
-                            f"given; {offloaded:.2f}x with enough)")
+        return "overcast", (
+            f"its step {on_host:.2f}x faster than the ring's, its engine using "
+            f"{needed:.2g} of the {job.cores:g} core(s) per node it has"
+            if needed <= job.cores
+            else f"its step {on_host:.2f}x faster than the ring's with its engine "
+            f"short of cores ({needed:.2g} needed per node, {job.cores:g} "
+            f"given; {offloaded:.2f}x with enough)"
+        )
     if 1 - 1 / offloaded >= WORTH_SAVING:
         return "overcast-offloaded", (
             f"its step {offloaded:.2f}x faster than the ring's with an offloaded engine "
             f"({oc['engine_cores_offload']:.2f} per node; or NCCL's NVLS and CollNet/SHARP); "
             f"overcast's engine would need {oc['engine_cores_native']:.0f} cores per node (of "
-            f"{job.cores:g}) and its step take {1 / on_host:.2f}x the ring's")
-    text = (f"overcast would save {100 * (1 - 1 / offloaded):.0f}% of the ring's step at most"
-            if offloaded >= 1 else f"overcast's step would take {1 / offloaded:.2f}x the ring's")
-    return "ring", text + (f": {held_back}" if held_back else
-                           ": the step is not bound by its communication's bandwidth here")
+            f"{job.cores:g}) and its step take {1 / on_host:.2f}x the ring's"
+        )
+    text = (
+        f"overcast would save {100 * (1 - 1 / offloaded):.0f}% of the ring's step at most"
+        if offloaded >= 1
+        else f"overcast's step would take {1 / offloaded:.2f}x the ring's"
+    )
+    return "ring", text + (
+        f": {held_back}"
+        if held_back
+        else ": the step is not bound by its communication's bandwidth here"
+    )
 
 
-def plan(model: Model, kind: str, nodes: list[int], link_bits: list[float], *,
-         radix: int | None = None, oversubscription=(1.0,), job: Job = Job(),
-         sizing: AggregatorSizing = AggregatorSizing(), progress=None) -> dict:
+def plan(
+    model: Model,
+    kind: str,
+    nodes: list[int],
+    link_bits: list[float],
+    *,
+    radix: int | None = None,
+    oversubscription=(1.0,),
+    job: Job = Job(),
+    sizing: AggregatorSizing = AggregatorSizing(),
+    progress=None,
+) -> dict:
     """Every (nodes, link rate) of the cluster, as `{"meta": ..., "results": [point, ...]}`."""
     model.check()
     job.check()
     sizing.check()
-    topologies = [build(kind, n, b, radix=radix, oversubscription=oversubscription)
-                  for n in nodes for b in link_bits]  # every setting checked before any run
+    topologies = [
+        build(kind, n, b, radix=radix, oversubscription=oversubscription)
+        for n in nodes
+        for b in link_bits
+    ]  # every setting checked before any run
     points = []
     for topo in topologies:
         points.append(plan_point(model, topo, job, sizing))
         if progress:
             progress(len(points), len(topologies), f"{topo.hosts} nodes")
-    meta = {"topology": kind, "radix": radix, "oversubscription": list(oversubscription),
-            "layers": len(model.layer_params), "params": sum(model.layer_params),
-            "dtype": model.dtype, "reduce_dtype": model.reduce_dtype or model.dtype,
-            "micro_steps": model.micro_steps, "ranks_per_node": job.ranks_per_node,
-            "mtu": job.mtu, "host_cores": job.cores,
-            "compute_per_layer_seconds": list(job.compute), "compute_from": job.compute_from,
-            "aggregators": job.aggregators,
-            "aggregator_sizing": {"within": sizing.within, "cores": sizing.cores,
-                                  "nic_bits_per_s": sizing.nic_bits},
-            "fsdp": "reshard_after_forward=True, prefetch 1; backward AllGather beside the "
-                    "ReduceScatter of the layer after it",
-            "overcast_assumes": assumes(job, sizing),
-            "ways": WAY_TEXT,
-            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}
+    meta = {
+        "topology": kind,
+        "radix": radix,
+        "oversubscription": list(oversubscription),
+        "layers": len(model.layer_params),
+        "params": sum(model.layer_params),
+        "dtype": model.dtype,
+        "reduce_dtype": model.reduce_dtype or model.dtype,
+        "micro_steps": model.micro_steps,
+        "ranks_per_node": job.ranks_per_node,
+        "mtu": job.mtu,
+        "host_cores": job.cores,
+        "compute_per_layer_seconds": list(job.compute),
+        "compute_from": job.compute_from,
+        "aggregators": job.aggregators,
+        "aggregator_sizing": {
+            "within": sizing.within,
+            "cores": sizing.cores,
+            "nic_bits_per_s": sizing.nic_bits,
+        },
+        "fsdp": "reshard_after_forward=True, prefetch 1; backward AllGather beside the "
+        "ReduceScatter of the layer after it",
+        "overcast_assumes": assumes(job, sizing),
+        "ways": WAY_TEXT,
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    }
     return {"meta": meta, "results": points}

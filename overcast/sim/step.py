@@ -18,6 +18,7 @@ class _Flight:
     """A collective in flight: bytes left in its busier direction, the share of those its send
     and its receive direction each carry, and the seconds it still takes once they are through
     (its latency, which takes no bandwidth)."""
+
     left: float
     sent: float
     received: float
@@ -40,13 +41,24 @@ def run_step(schedule: list[tuple], link_bytes_per_s: float, demand) -> float:
         nonlocal now
         while flights and (name in flights if name else now < until):
             moving = [n for n in flights if flights[n].left > 0]
-            need = np.array([[flights[n].sent for n in moving],
-                             [flights[n].received for n in moving]])
-            rates = max_min_rates(need, np.full(2, link_bytes_per_s),
-                                  np.full(len(moving), np.inf), np.ones(len(moving), bool)) \
-                if moving else np.zeros(0)
-            step = min([flights[n].left / r for n, r in zip(moving, rates)] +
-                       [f.tail for f in flights.values() if f.left <= 0] + [until - now])
+            need = np.array(
+                [[flights[n].sent for n in moving], [flights[n].received for n in moving]]
+            )
+            rates = (
+                max_min_rates(
+                    need,
+                    np.full(2, link_bytes_per_s),
+                    np.full(len(moving), np.inf),
+                    np.ones(len(moving), bool),
+                )
+                if moving
+                else np.zeros(0)
+            )
+            step = min(
+                [flights[n].left / r for n, r in zip(moving, rates)]
+                + [f.tail for f in flights.values() if f.left <= 0]
+                + [until - now]
+            )
             now += step
             for n, r in zip(moving, rates):
                 flights[n].left -= r * step
@@ -68,9 +80,12 @@ def run_step(schedule: list[tuple], link_bytes_per_s: float, demand) -> float:
             sent, received, *tail = demand(kind, n)
             busier = max(sent, received)
             if busier > 0 or (tail and tail[0] > 0):
-                flights[name] = _Flight(busier, sent / busier if busier else 0.0,
-                                        received / busier if busier else 0.0,
-                                        tail[0] if tail else 0.0)
+                flights[name] = _Flight(
+                    busier,
+                    sent / busier if busier else 0.0,
+                    received / busier if busier else 0.0,
+                    tail[0] if tail else 0.0,
+                )
         else:
             if action[1] not in posted:
                 raise ValueError(f"the schedule waits for {action[1]!r} before posting it")

@@ -51,9 +51,19 @@ class Topology:
     links (host to switch, switch to host). Above the leaves: `up_ports` uplinks per switch
     at each level, `pod_leaves` leaves per pod (three levels)."""
 
-    def __init__(self, kind: str, hosts: int, cabling: Cabling, hosts_per_leaf: int, *,
-                 levels: int = 1, pod_leaves: int = 1, up_ports: tuple[int, ...] = (),
-                 radix: int | None = None, oversubscription: tuple[float, ...] = ()):
+    def __init__(
+        self,
+        kind: str,
+        hosts: int,
+        cabling: Cabling,
+        hosts_per_leaf: int,
+        *,
+        levels: int = 1,
+        pod_leaves: int = 1,
+        up_ports: tuple[int, ...] = (),
+        radix: int | None = None,
+        oversubscription: tuple[float, ...] = (),
+    ):
         self.kind, self.hosts, self.levels, self.radix = kind, hosts, levels, radix
         self.oversubscription = oversubscription
         self.hosts_per_leaf, self.pod_leaves, self.up_ports = hosts_per_leaf, pod_leaves, up_ports
@@ -61,8 +71,9 @@ class Topology:
         self.rate = np.full(len(self.names), cabling.rate)
         self.latency = np.full(len(self.names), cabling.latency)
         self.reverse = np.arange(len(self.names)) ^ 1
-        self.uplink = np.array([self._index[(("h", h), ("e", h // hosts_per_leaf))]
-                                for h in range(hosts)])
+        self.uplink = np.array(
+            [self._index[(("h", h), ("e", h // hosts_per_leaf))] for h in range(hosts)]
+        )
         self.downlink = self.reverse[self.uplink]
         self.key_period = int(np.prod(up_ports)) if up_ports else 1
         self._ways: dict[tuple, tuple[np.ndarray, float]] = {}
@@ -75,8 +86,9 @@ class Topology:
         """The directed links from host src to host dst; `key` picks the uplinks (default dst)."""
         if src == dst:
             return []
-        between, _ = self._way(src // self.hosts_per_leaf, dst // self.hosts_per_leaf,
-                               dst if key is None else key)
+        between, _ = self._way(
+            src // self.hosts_per_leaf, dst // self.hosts_per_leaf, dst if key is None else key
+        )
         return [int(self.uplink[src]), *between, int(self.downlink[dst])]
 
     def path_latency(self, links) -> float:
@@ -88,10 +100,12 @@ class Topology:
         propagation delay to the farthest member."""
         members = np.asarray(members, dtype=np.int64)
         leaf = root // self.hosts_per_leaf
-        ways = [self._way(leaf, int(other), root)
-                for other in np.unique(members // self.hosts_per_leaf)]
-        links = np.unique(np.concatenate([[self.uplink[root]], *(w[0] for w in ways),
-                                          self.downlink[members]]))
+        ways = [
+            self._way(leaf, int(other), root) for other in np.unique(members // self.hosts_per_leaf)
+        ]
+        links = np.unique(
+            np.concatenate([[self.uplink[root]], *(w[0] for w in ways), self.downlink[members]])
+        )
         hop = self.latency[self.uplink[root]] + self.latency[self.downlink[members]].max()
         return links, float(hop + max(w[1] for w in ways))
 
@@ -107,8 +121,7 @@ class Topology:
         slot = (src_leaf, dst_leaf, key % self.key_period)
         way = self._ways.get(slot)
         if way is None:
-            nodes = _up_down(self.levels, self.pod_leaves, self.up_ports, src_leaf, dst_leaf,
-                             key)
+            nodes = _up_down(self.levels, self.pod_leaves, self.up_ports, src_leaf, dst_leaf, key)
             links = np.asarray(self.links_of(nodes), dtype=np.int64)
             way = self._ways[slot] = (links, self.path_latency(links))
         return way
@@ -143,39 +156,65 @@ def star(hosts: int, link_bits_per_s: float, latency: float = DEFAULT_LATENCY_S)
     return Topology("star", hosts, cabling, hosts_per_leaf=hosts)
 
 
-def fat_tree(hosts: int, link_bits_per_s: float, radix: int, oversubscription=(1.0,),
-             levels: int | None = None, latency: float = DEFAULT_LATENCY_S) -> Topology:
+def fat_tree(
+    hosts: int,
+    link_bits_per_s: float,
+    radix: int,
+    oversubscription=(1.0,),
+    levels: int | None = None,
+    latency: float = DEFAULT_LATENCY_S,
+) -> Topology:
     """A fat tree of radix-`radix` switches holding `hosts` hosts.
 
     `oversubscription` is one ratio per level from the leaves up (a single value for every
     level): down ports over up ports at that level's switches."""
     check_hosts(hosts)
     check_link_rate(link_bits_per_s)
-    require(isinstance(radix, int) and radix >= 4 and radix % 2 == 0, "the radix",
-            "an even whole number, 4 or more", radix, "--radix, radix")
+    require(
+        isinstance(radix, int) and radix >= 4 and radix % 2 == 0,
+        "the radix",
+        "an even whole number, 4 or more",
+        radix,
+        "--radix, radix",
+    )
     half = radix // 2
     fits = {1: radix, 2: radix * half, 3: radix * half * half}
     least = next((lv for lv in (1, 2, 3) if hosts <= fits[lv]), None)
     if least is None:
-        raise InvalidArgumentError(f"{hosts} hosts need more than three levels of radix-{radix} "
-                                   f"switches (three hold {fits[3]}); use a larger --radix")
+        raise InvalidArgumentError(
+            f"{hosts} hosts need more than three levels of radix-{radix} "
+            f"switches (three hold {fits[3]}); use a larger --radix"
+        )
     if levels is None:
         levels = least
-    require(levels in (1, 2, 3) and levels >= least, "the fat tree's levels",
-            f"between {least} (the fewest that hold {hosts} hosts) and 3", levels,
-            "--levels, levels")
+    require(
+        levels in (1, 2, 3) and levels >= least,
+        "the fat tree's levels",
+        f"between {least} (the fewest that hold {hosts} hosts) and 3",
+        levels,
+        "--levels, levels",
+    )
     over = tuple(float(o) for o in oversubscription)
     over = over * (levels - 1) if len(over) == 1 else over
     for o in over:
-        require(1 <= o <= half, "an oversubscription", f"between 1 and {half} (radix/2)", o,
-                "--oversubscription, oversubscription")
-    require(len(over) == max(1, levels - 1) or levels == 1, "the oversubscriptions given",
-            f"one, or one per level above the hosts ({levels - 1})", len(over),
-            "--oversubscription, oversubscription")
+        require(
+            1 <= o <= half,
+            "an oversubscription",
+            f"between 1 and {half} (radix/2)",
+            o,
+            "--oversubscription, oversubscription",
+        )
+    require(
+        len(over) == max(1, levels - 1) or levels == 1,
+        "the oversubscriptions given",
+        f"one, or one per level above the hosts ({levels - 1})",
+        len(over),
+        "--oversubscription, oversubscription",
+    )
     cabling = Cabling(link_bits_per_s / 8, latency)
     per_leaf = radix if levels == 1 else half
     leaves = -(-hosts // per_leaf)
-    up_ports = tuple(max(1, int(half // o)) for o in over[:levels - 1])
+    up_ports = tuple(max(1, int(half // o)) for o in over[: levels - 1])
     for h in range(hosts):
         cabling.cable(("h", h), ("e", h // per_leaf))
     if levels == 2:
@@ -190,20 +229,37 @@ def fat_tree(hosts: int, link_bits_per_s: float, radix: int, oversubscription=(1
             for j in range(up_ports[0]):
                 for m in range(up_ports[1]):
                     cabling.cable(("a", pod, j), ("c", j, m))
-    return Topology("fat-tree", hosts, cabling, per_leaf, levels=levels, pod_leaves=half,
-                    up_ports=up_ports, radix=radix, oversubscription=over)
+    return Topology(
+        "fat-tree",
+        hosts,
+        cabling,
+        per_leaf,
+        levels=levels,
+        pod_leaves=half,
+        up_ports=up_ports,
+        radix=radix,
+        oversubscription=over,
+    )
 
 
-def build(kind: str, hosts: int, link_bits_per_s: float, *, radix: int | None = None,
-          oversubscription=(1.0,), levels: int | None = None,
-          latency: float = DEFAULT_LATENCY_S) -> Topology:
+def build(
+    kind: str,
+    hosts: int,
+    link_bits_per_s: float,
+    *,
+    radix: int | None = None,
+    oversubscription=(1.0,),
+    levels: int | None = None,
+    latency: float = DEFAULT_LATENCY_S,
+) -> Topology:
     """`star` or `fat-tree` by name, as the commands take them."""
     if kind == "star":
         return star(hosts, link_bits_per_s, latency)
     if kind == "fat-tree":
         if radix is None:
-            raise InvalidArgumentError("a fat tree's radix must be given, not none "
-                                       "(--radix, radix)")
+            raise InvalidArgumentError(
+                "a fat tree's radix must be given, not none (--radix, radix)"
+            )
         return fat_tree(hosts, link_bits_per_s, radix, oversubscription, levels, latency)
     raise InvalidArgumentError(f"unknown topology {kind!r}; available: {', '.join(TOPOLOGIES)}")
 
@@ -218,8 +274,13 @@ def placement(kind: str, ranks: int, topology: Topology) -> list[int]:
         per_leaf = topology.hosts_per_leaf
         if ranks <= per_leaf:
             return list(range(ranks))
-        require(ranks % per_leaf == 0, "the ranks of a strided placement",
-                f"a multiple of the hosts per leaf ({per_leaf})", ranks, "--placement")
+        require(
+            ranks % per_leaf == 0,
+            "the ranks of a strided placement",
+            f"a multiple of the hosts per leaf ({per_leaf})",
+            ranks,
+            "--placement",
+        )
         leaves = ranks // per_leaf
         return [(r % leaves) * per_leaf + r // leaves for r in range(ranks)]
     raise InvalidArgumentError(f"unknown placement {kind!r}; available: {', '.join(PLACEMENTS)}")

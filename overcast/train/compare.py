@@ -17,8 +17,7 @@ from overcast.bench.run import machine, process_cpu_seconds
 from overcast.cluster.netns import Cluster
 from overcast.train.config import OVERCAST_WAYS, WAYS, GPTConfig, check_request
 from overcast.train.predict import predict
-from overcast.train.waits import (CATEGORIES, TRAINING, SchedTrace, attribute, mount_tracefs,
-                                   parse)
+from overcast.train.waits import CATEGORIES, TRAINING, SchedTrace, attribute, mount_tracefs, parse
 from overcast.train.rank import train_rank
 
 # The fair peer: gloo with the same prefetch and asynchronous unshard, ReduceScatter on its own
@@ -35,8 +34,12 @@ def split_step(row: dict) -> dict:
     compute = row["seconds"] - comm
     cpu = row["thread_cpu_seconds"] - row["comm_thread_cpu_seconds"]
     cpu_wait = row["run_delay_seconds"] - row["comm_run_delay_seconds"]
-    out = {**row, "compute_seconds": compute, "cpu_wait_seconds": cpu_wait,
-           "gil_wait_seconds": max(0.0, compute - cpu - cpu_wait)}
+    out = {
+        **row,
+        "compute_seconds": compute,
+        "cpu_wait_seconds": cpu_wait,
+        "gil_wait_seconds": max(0.0, compute - cpu - cpu_wait),
+    }
     traced = row.get("waited_behind")
     if traced is not None:
         # The trace covers the whole step, hooks included; the compute's own CPU wait is
@@ -44,8 +47,11 @@ def split_step(row: dict) -> dict:
         # cores (a host of its own, as on a real cluster), that share of it would not be.
         total = sum(traced.values())
         behind = {k: cpu_wait * v / total if total else 0.0 for k, v in traced.items()}
-        out.update(traced_wait_seconds=total, cpu_wait_behind=behind,
-                   own_host_compute_seconds=compute - behind[TRAINING])
+        out.update(
+            traced_wait_seconds=total,
+            cpu_wait_behind=behind,
+            own_host_compute_seconds=compute - behind[TRAINING],
+        )
     return out
 
 
@@ -53,14 +59,13 @@ def attribute_waits(trace_text: str, per_rank: list[dict], aggregator: int | Non
     """Each step's CPU wait of each rank's training thread by what ran instead, from the
     scheduler trace of the run (overcast.train.waits), into the steps' rows."""
     events, tgid = parse(trace_text)
-    windows = {r["training_tid"]: [tuple(row["window"]) for row in r["steps"]]
-               for r in per_rank}
-    waits = attribute(events, tgid, os.cpu_count() or 1, windows,
-                      {r["pid"] for r in per_rank}, aggregator)
+    windows = {r["training_tid"]: [tuple(row["window"]) for row in r["steps"]] for r in per_rank}
+    waits = attribute(
+        events, tgid, os.cpu_count() or 1, windows, {r["pid"] for r in per_rank}, aggregator
+    )
     for r in per_rank:
         for k, row in enumerate(r["steps"]):
-            row["waited_behind"] = waits.get((r["training_tid"], k),
-                                             dict.fromkeys(CATEGORIES, 0.0))
+            row["waited_behind"] = waits.get((r["training_tid"], k), dict.fromkeys(CATEGORIES, 0.0))
 
 
 def summarize(way: str, per_rank: list[dict], warmup: int, aggregator_cpu: float | None) -> dict:
@@ -78,19 +83,28 @@ def summarize(way: str, per_rank: list[dict], warmup: int, aggregator_cpu: float
 
     def median_of_means(key):
         return statistics.median(per_step(key, statistics.fmean)[warmup:])
+
     traced = "cpu_wait_behind" in per_rank[0]["steps"][0]
-    waits = {
-        "own_host_compute_seconds": median_of_means("own_host_compute_seconds"),
-        "cpu_wait_behind_seconds": {c: median_of_means(lambda row, c=c: row["cpu_wait_behind"][c])
-                                    for c in CATEGORIES},
-        # the trace's whole-step wait beside the kernel's run delay for the same steps
-        "traced_step_wait_seconds": median_of_means("traced_wait_seconds"),
-        "step_run_delay_seconds": median_of_means("run_delay_seconds"),
-    } if traced else {}
+    waits = (
+        {
+            "own_host_compute_seconds": median_of_means("own_host_compute_seconds"),
+            "cpu_wait_behind_seconds": {
+                c: median_of_means(lambda row, c=c: row["cpu_wait_behind"][c]) for c in CATEGORIES
+            },
+            # the trace's whole-step wait beside the kernel's run delay for the same steps
+            "traced_step_wait_seconds": median_of_means("traced_wait_seconds"),
+            "step_run_delay_seconds": median_of_means("run_delay_seconds"),
+        }
+        if traced
+        else {}
+    )
     return {
-        "way": way, "description": WAYS[way], **waits,
+        "way": way,
+        "description": WAYS[way],
+        **waits,
         # what overlap() ran each collective on, and what it warned of (rank 0's)
-        "algorithms": per_rank[0]["algorithms"], "warnings": per_rank[0]["warnings"],
+        "algorithms": per_rank[0]["algorithms"],
+        "warnings": per_rank[0]["warnings"],
         "step_seconds": slowest("seconds"),
         "step_seconds_all": per_step("seconds"),
         "forward_comm_seconds": slowest("forward_comm_seconds"),
@@ -99,9 +113,11 @@ def summarize(way: str, per_rank: list[dict], warmup: int, aggregator_cpu: float
         "compute_seconds": median_of_means("compute_seconds"),
         # of the compute, the forward passes' and the backward passes'
         "forward_compute_seconds": median_of_means(
-            lambda row: row["forward_seconds"] - row["forward_comm_seconds"]),
+            lambda row: row["forward_seconds"] - row["forward_comm_seconds"]
+        ),
         "backward_compute_seconds": median_of_means(
-            lambda row: row["backward_seconds"] - row["backward_comm_seconds"]),
+            lambda row: row["backward_seconds"] - row["backward_comm_seconds"]
+        ),
         "gil_wait_seconds": median_of_means("gil_wait_seconds"),
         "cpu_wait_seconds": median_of_means("cpu_wait_seconds"),
         "comm_cpu_wait_seconds": median_of_means("comm_run_delay_seconds"),
@@ -111,20 +127,28 @@ def summarize(way: str, per_rank: list[dict], warmup: int, aggregator_cpu: float
         "losses": per_step("loss", statistics.fmean),
         "tx_bytes_per_host_per_step": statistics.fmean(r["tx_bytes"] for r in per_rank) / steps,
         "rx_bytes_per_host_per_step": statistics.fmean(r["rx_bytes"] for r in per_rank) / steps,
-        "collectives_per_step": {k: v / steps for k, v in per_rank[0]["comm"].items()
-                                 if k in ("allgathers", "reduce_scatters")},
+        "collectives_per_step": {
+            k: v / steps
+            for k, v in per_rank[0]["comm"].items()
+            if k in ("allgathers", "reduce_scatters")
+        },
         # the training thread's own CPU in the collective hooks: posting, and waiting
         "comm_thread_cpu_seconds_per_step": statistics.fmean(
-            r["comm"]["thread_cpu_seconds"] for r in per_rank) / steps,
-        "aggregator_cpu_seconds_per_step": aggregator_cpu / steps if aggregator_cpu is not None
+            r["comm"]["thread_cpu_seconds"] for r in per_rank
+        )
+        / steps,
+        "aggregator_cpu_seconds_per_step": aggregator_cpu / steps
+        if aggregator_cpu is not None
         else None,
         # on a GPU: the staging copies' GPU time, the pinned host memory and GPU memory held
         "staging_seconds": median_of_means("staging_seconds"),
         "pinned_peak_bytes": max(r["pinned_peak_bytes"] for r in per_rank),
         "stream_gates": all(r["stream_gates"] for r in per_rank),
-        "gpu_memory_growth_bytes": max(r["steps"][-1]["gpu_memory_bytes"] -
-                                       r["steps"][min(warmup, steps - 1)]["gpu_memory_bytes"]
-                                       for r in per_rank),
+        "gpu_memory_growth_bytes": max(
+            r["steps"][-1]["gpu_memory_bytes"]
+            - r["steps"][min(warmup, steps - 1)]["gpu_memory_bytes"]
+            for r in per_rank
+        ),
     }
 
 
@@ -133,24 +157,35 @@ def compare(results: list[dict]) -> None:
     peer = next((r for r in results if r["way"] == PEER), None)
     reference = results[0]["losses"]
     for r in results:
-        r["speedup_vs_" + PEER.replace("-", "_")] = \
+        r["speedup_vs_" + PEER.replace("-", "_")] = (
             peer["step_seconds"] / r["step_seconds"] if peer else None
+        )
         r["max_loss_difference"] = max(abs(a - b) for a, b in zip(r["losses"], reference))
 
 
-def prediction(cfg: GPTConfig, hosts: int, link_bits: float, results: list[dict],
-               prefetch: int) -> dict | None:
+def prediction(
+    cfg: GPTConfig, hosts: int, link_bits: float, results: list[dict], prefetch: int
+) -> dict | None:
     """The cost model's step per way (overcast.train.predict) from the compute gloo showed in
     this run, beside what was measured; None without a gloo way to take the compute from."""
-    gloo = next((r for r in results if r["way"] == PEER), None) or \
-        next((r for r in results if r["way"] == "gloo"), None)
+    gloo = next((r for r in results if r["way"] == PEER), None) or next(
+        (r for r in results if r["way"] == "gloo"), None
+    )
     if gloo is None:
         return None
     forward, backward = gloo["forward_compute_seconds"], gloo["backward_compute_seconds"]
     other = max(0.0, gloo["compute_seconds"] - forward - backward)
-    out = predict(cfg, hosts, link_bits, {"forward": forward / cfg.micro_steps,
-                                          "backward": backward / cfg.micro_steps,
-                                          "other": other}, prefetch)
+    out = predict(
+        cfg,
+        hosts,
+        link_bits,
+        {
+            "forward": forward / cfg.micro_steps,
+            "backward": backward / cfg.micro_steps,
+            "other": other,
+        },
+        prefetch,
+    )
     out["compute_from"] = gloo["way"]
     measured = {r["way"]: r["step_seconds"] for r in results}
     if "overcast" in measured:
@@ -160,13 +195,24 @@ def prediction(cfg: GPTConfig, hosts: int, link_bits: float, results: list[dict]
     return out
 
 
-def run_training(hosts: int, link_bits: int, ways: list[str], steps: int, warmup: int,
-                 shapes: list[tuple[str, GPTConfig]], lr: float = 1e-3,
-                 out_dir: str | None = None, progress=None, prefetch: int = 1,
-                 sched_trace: bool = True, device: str = "cpu", write_timeline=None,
-                 aggregator_bits: int | None = None,
-                 drop_multicast: Sequence[int] = (),
-                 kill_aggregator_at_step: int | None = None) -> dict:
+def run_training(
+    hosts: int,
+    link_bits: int,
+    ways: list[str],
+    steps: int,
+    warmup: int,
+    shapes: list[tuple[str, GPTConfig]],
+    lr: float = 1e-3,
+    out_dir: str | None = None,
+    progress=None,
+    prefetch: int = 1,
+    sched_trace: bool = True,
+    device: str = "cpu",
+    write_timeline=None,
+    aggregator_bits: int | None = None,
+    drop_multicast: Sequence[int] = (),
+    kill_aggregator_at_step: int | None = None,
+) -> dict:
     """Train every shape every way on one cluster; return {"meta": ..., "shapes": [...]} and,
     with `out_dir` and `write_timeline(traces, path, link_bits, title)` (overcast.report.
     timeline's), write the backward-step timelines of the overcast ways there.
@@ -184,60 +230,96 @@ def run_training(hosts: int, link_bits: int, ways: list[str], steps: int, warmup
     runs: list[dict] = []
     total = len(shapes) * len(ways)
     why_untraced = mount_tracefs() if sched_trace else "--no-sched-trace"
-    with Cluster(hosts, link_bits, aggregator_bits_per_s=aggregator_bits,
-                 drop_multicast=drop_multicast) as cluster, \
-            kernel_run_delays() as delays_kept:
+    with (
+        Cluster(
+            hosts, link_bits, aggregator_bits_per_s=aggregator_bits, drop_multicast=drop_multicast
+        ) as cluster,
+        kernel_run_delays() as delays_kept,
+    ):
         aggregator = cluster.start_aggregator() if "overcast" in ways else None
         for name, cfg in shapes:
             results: list[dict] = []
             timelines: list[str] = []
             for way in ways:
                 if progress:
-                    progress(len(runs) * len(ways) + len(results), total,
-                             f"{name}: training {way}, {steps} steps on {hosts} hosts")
-                cpu0 = process_cpu_seconds(aggregator.pid) \
-                    if aggregator and way == "overcast" else None
-                trace_dir = out_dir if write_timeline is not None and way in OVERCAST_WAYS \
+                    progress(
+                        len(runs) * len(ways) + len(results),
+                        total,
+                        f"{name}: training {way}, {steps} steps on {hosts} hosts",
+                    )
+                cpu0 = (
+                    process_cpu_seconds(aggregator.pid)
+                    if aggregator and way == "overcast"
                     else None
+                )
+                trace_dir = out_dir if write_timeline is not None and way in OVERCAST_WAYS else None
                 trace = bool(trace_dir)
                 with SchedTrace() as sched:
                     traced = why_untraced is None and sched.start()
-                    kill = (aggregator.pid, kill_aggregator_at_step) if aggregator and way == \
-                        "overcast" and kill_aggregator_at_step is not None else None
-                    per_rank = cluster.run(train_rank, timeout=1800,
-                                           args=(way, cfg.as_dict(), steps, lr, trace,
-                                                 prefetch, device, kill))
+                    kill = (
+                        (aggregator.pid, kill_aggregator_at_step)
+                        if aggregator and way == "overcast" and kill_aggregator_at_step is not None
+                        else None
+                    )
+                    per_rank = cluster.run(
+                        train_rank,
+                        timeout=1800,
+                        args=(way, cfg.as_dict(), steps, lr, trace, prefetch, device, kill),
+                    )
                     if traced:
-                        attribute_waits(sched.stop(), per_rank,
-                                        aggregator.pid if aggregator else None)
-                aggregator_cpu = process_cpu_seconds(aggregator.pid) - cpu0 \
-                    if aggregator and cpu0 is not None else None
+                        attribute_waits(
+                            sched.stop(), per_rank, aggregator.pid if aggregator else None
+                        )
+                aggregator_cpu = (
+                    process_cpu_seconds(aggregator.pid) - cpu0
+                    if aggregator and cpu0 is not None
+                    else None
+                )
                 results.append(summarize(way, per_rank, warmup, aggregator_cpu))
                 results[-1]["trace_overrun_events"] = sched.overrun if traced else None
                 why_untraced = why_untraced or sched.unavailable
                 if trace_dir:
                     path = os.path.join(trace_dir, f"timeline-{name}-{way}")
-                    write_timeline([r["trace"] for r in per_rank], path, link_bits,
-                                   f"backward, {name}, {way}, {hosts} hosts, "
-                                   f"{link_bits / 1e6:g} Mbit/s")
+                    write_timeline(
+                        [r["trace"] for r in per_rank],
+                        path,
+                        link_bits,
+                        f"backward, {name}, {way}, {hosts} hosts, {link_bits / 1e6:g} Mbit/s",
+                    )
                     timelines.append(path)
             compare(results)
-            runs.append({"shape": name, "model": cfg.as_dict(), "parameters": cfg.parameters(),
-                         "block_parameters": cfg.block_parameters(), "results": results,
-                         "prediction": prediction(cfg, hosts, link_bits, results, prefetch),
-                         "timelines": timelines})
+            runs.append(
+                {
+                    "shape": name,
+                    "model": cfg.as_dict(),
+                    "parameters": cfg.parameters(),
+                    "block_parameters": cfg.block_parameters(),
+                    "results": results,
+                    "prediction": prediction(cfg, hosts, link_bits, results, prefetch),
+                    "timelines": timelines,
+                }
+            )
         if aggregator:
             cluster.stop_aggregator(aggregator)
         if progress:
             progress(total, total, "done")
-    meta = {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-            "hosts": hosts, "link_bits_per_s": link_bits, "steps": steps, "warmup": warmup,
-            "aggregator_link_bits_per_s": aggregator_bits,
-            "multicast_dropped_to": list(drop_multicast),
-            "lr": lr, "prefetch": prefetch, "device": device, "cpu_waits_measured": delays_kept,
-            "machine": machine(),
-            "cpu_waits_traced": why_untraced is None, "untraced_because": why_untraced,
-            "torch": torch.__version__}
+    meta = {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "hosts": hosts,
+        "link_bits_per_s": link_bits,
+        "steps": steps,
+        "warmup": warmup,
+        "aggregator_link_bits_per_s": aggregator_bits,
+        "multicast_dropped_to": list(drop_multicast),
+        "lr": lr,
+        "prefetch": prefetch,
+        "device": device,
+        "cpu_waits_measured": delays_kept,
+        "machine": machine(),
+        "cpu_waits_traced": why_untraced is None,
+        "untraced_because": why_untraced,
+        "torch": torch.__version__,
+    }
     return {"meta": meta, "shapes": runs}
 
 

@@ -21,13 +21,17 @@ class Block(nn.Module):
         self.qkv = nn.Linear(cfg.dim, 3 * cfg.dim)
         self.proj = nn.Linear(cfg.dim, cfg.dim)
         self.norm2 = nn.LayerNorm(cfg.dim)
-        self.mlp = nn.Sequential(nn.Linear(cfg.dim, 4 * cfg.dim), nn.GELU(),
-                                 nn.Linear(4 * cfg.dim, cfg.dim))
+        self.mlp = nn.Sequential(
+            nn.Linear(cfg.dim, 4 * cfg.dim), nn.GELU(), nn.Linear(4 * cfg.dim, cfg.dim)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
-        q, k, v = self.qkv(self.norm1(x)).view(b, t, 3, self.heads, d // self.heads) \
+        q, k, v = (
+            self.qkv(self.norm1(x))
+            .view(b, t, 3, self.heads, d // self.heads)
             .permute(2, 0, 3, 1, 4)
+        )
         attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.proj(attn.transpose(1, 2).reshape(b, t, d))
         return x + self.mlp(self.norm2(x))
@@ -86,6 +90,7 @@ def shard(model: TinyGPT, mesh, **fully_shard_kwargs) -> TinyGPT:
     wrapped first, as torchtitan does."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     from torch.distributed.fsdp import fully_shard
+
     if model.cfg.activation_checkpointing:
         for i, block in enumerate(model.blocks):
             model.blocks[i] = checkpoint_wrapper(block)

@@ -36,13 +36,15 @@ BYTES_PER_ELEMENT = 4
 def _shard_bytes(params, world: int) -> int:
     """One rank's AllGather input for a group of parameters: FSDP2 shards each on dim 0,
     padded to a multiple of the ranks."""
-    return BYTES_PER_ELEMENT * sum(-(-p.shape[0] // world) * (p.numel() // p.shape[0])
-                                   for p in params)
+    return BYTES_PER_ELEMENT * sum(
+        -(-p.shape[0] // world) * (p.numel() // p.shape[0]) for p in params
+    )
 
 
 def shard_bytes(cfg: GPTConfig, world: int) -> tuple[int, int]:
     """(root, block) bytes per rank: what each of their AllGathers gathers from every rank."""
     import torch
+
     with torch.device("meta"):
         model = TinyGPT(cfg)
     root = [p for name, p in model.named_parameters() if not name.startswith("blocks.")]
@@ -62,8 +64,13 @@ def step_collectives(cfg: GPTConfig, world: int) -> list[tuple[str, int, int]]:
         for i in reversed(range(cfg.blocks)):
             gathering = block if resharded[i] else 0
             if gathering or reducing:
-                kind = "pair" if gathering and reducing else \
-                    "allgather" if gathering else "reduce_scatter"
+                kind = (
+                    "pair"
+                    if gathering and reducing
+                    else "allgather"
+                    if gathering
+                    else "reduce_scatter"
+                )
                 out.append((kind, gathering, reducing))
             reducing = block if sync else 0
         if sync:
@@ -73,8 +80,10 @@ def step_collectives(cfg: GPTConfig, world: int) -> list[tuple[str, int, int]]:
 
 def counts(collectives: list[tuple[str, int, int]]) -> dict:
     """How many of each kind a step has."""
-    return {kind: sum(1 for c in collectives if c[0] == kind)
-            for kind in ("allgather", "reduce_scatter", "pair")}
+    return {
+        kind: sum(1 for c in collectives if c[0] == kind)
+        for kind in ("allgather", "reduce_scatter", "pair")
+    }
 
 
 def compute_shares(cfg: GPTConfig) -> tuple[float, float]:
@@ -109,8 +118,10 @@ def step_schedule(cfg: GPTConfig, world: int, compute: dict, prefetch: int = 1) 
         sync = m == cfg.micro_steps - 1
         backward_gather = "allgather" if sync else "unpaired_allgather"
         out += [("post", f"AG root {m}", "unpaired_allgather", root), ("wait", f"AG root {m}")]
-        out += [("post", f"AG {j} {m}", "unpaired_allgather", block)
-                for j in range(min(prefetch, cfg.blocks))]
+        out += [
+            ("post", f"AG {j} {m}", "unpaired_allgather", block)
+            for j in range(min(prefetch, cfg.blocks))
+        ]
         for i in range(cfg.blocks):
             out.append(("wait", f"AG {i} {m}"))
             if i + prefetch < cfg.blocks:
@@ -136,8 +147,11 @@ def step_schedule(cfg: GPTConfig, world: int, compute: dict, prefetch: int = 1) 
                     out.append(("wait", f"RS {i + 1}"))
                 out.append(("post", f"RS {i}", "reduce_scatter", block))
         if sync:
-            out += [("wait", "RS 0"), ("post", "RS root", "reduce_scatter", root),
-                    ("wait", "RS root")]
+            out += [
+                ("wait", "RS 0"),
+                ("post", "RS root", "reduce_scatter", root),
+                ("wait", "RS root"),
+            ]
     out.append(("compute", compute["other"]))
     return out
 
@@ -150,25 +164,33 @@ def _bytes_each_way(kind: str, n: int, world: int, overlapped: bool) -> tuple[fl
     return (n, (world - 1) * n) if kind == "allgather" else ((world - 1) * n, n)
 
 
-def simulate_step(schedule: list[tuple], world: int, link_bytes_per_s: float,
-                  overlapped: bool) -> float:
+def simulate_step(
+    schedule: list[tuple], world: int, link_bytes_per_s: float, overlapped: bool
+) -> float:
     """Seconds the schedule takes with every collective at the link's rate (overcast.sim.step),
     each moving what `_bytes_each_way` says: rings, or overcast's two when `overlapped`."""
-    return run_step(schedule, link_bytes_per_s,
-                    lambda kind, n: _bytes_each_way(kind, n, world, overlapped))
+    return run_step(
+        schedule, link_bytes_per_s, lambda kind, n: _bytes_each_way(kind, n, world, overlapped)
+    )
 
 
-def predict(cfg: GPTConfig, world: int, link_bits_per_s: float, compute: dict,
-            prefetch: int = 1) -> dict:
+def predict(
+    cfg: GPTConfig, world: int, link_bits_per_s: float, compute: dict, prefetch: int = 1
+) -> dict:
     """Each way's predicted step (`simulate_step` of `step_schedule`), the communication it
     leaves exposed, and the speed-up over rings it implies. `compute`, `prefetch`: as
     `step_schedule`."""
     schedule = step_schedule(cfg, world, compute, prefetch)
-    total_compute = cfg.micro_steps * (compute["forward"] + compute["backward"]) + \
-        compute["other"]
-    step = {name: float(simulate_step(schedule, world, link_bits_per_s / 8, overlapped))
-            for name, overlapped in (("rings", False), ("overcast", True))}
-    return {"collectives": counts(step_collectives(cfg, world)),
-            "compute_seconds": total_compute, "compute_split": compute,
-            "comm_seconds": {name: seconds - total_compute for name, seconds in step.items()},
-            "step_seconds": step, "speedup_over_rings": step["rings"] / step["overcast"]}
+    total_compute = cfg.micro_steps * (compute["forward"] + compute["backward"]) + compute["other"]
+    step = {
+        name: float(simulate_step(schedule, world, link_bits_per_s / 8, overlapped))
+        for name, overlapped in (("rings", False), ("overcast", True))
+    }
+    return {
+        "collectives": counts(step_collectives(cfg, world)),
+        "compute_seconds": total_compute,
+        "compute_split": compute,
+        "comm_seconds": {name: seconds - total_compute for name, seconds in step.items()},
+        "step_seconds": step,
+        "speedup_over_rings": step["rings"] / step["overcast"],
+    }

@@ -16,13 +16,15 @@ def configure(model, way: str, trace: bool, prefetch: int):
     """The overcast.fsdp handle that makes `model` train `way`; every way but gloo (FSDP2's
     defaults) gathers `prefetch` blocks ahead."""
     import overcast.fsdp
+
     if way == "gloo":
         return overcast.fsdp.timed(model)
     if way == "gloo-separate":
         return overcast.fsdp.overlap(model, backend="torch", prefetch=prefetch)
     if way == "overcast-ring":
-        return overcast.fsdp.overlap(model, allgather="ring", reduce_scatter="ring", trace=trace,
-                                     prefetch=prefetch)
+        return overcast.fsdp.overlap(
+            model, allgather="ring", reduce_scatter="ring", trace=trace, prefetch=prefetch
+        )
     if way == "overcast":
         return overcast.fsdp.overlap(model, trace=trace, prefetch=prefetch)
     raise ValueError(f"unknown way {way!r}; available: {', '.join(WAYS)}")
@@ -30,8 +32,11 @@ def configure(model, way: str, trace: bool, prefetch: int):
 
 def _window(trace: dict, start: float, end: float) -> dict:
     """The part of a communicator trace that falls in [start, end]."""
-    spans = [s for s in trace["spans"] if s["end"] is not None and s["end"] >= start
-             and s["start"] <= end]
+    spans = [
+        s
+        for s in trace["spans"]
+        if s["end"] is not None and s["end"] >= start and s["start"] <= end
+    ]
     seqs = {s["seq"] for s in spans}
     return {**trace, "spans": spans, "bins": [b for b in trace["bins"] if b["seq"] in seqs]}
 
@@ -42,9 +47,17 @@ def engine_python_cpu(handle) -> float:
     return handle.comm.counters()["python_cpu_seconds"] if handle.comm is not None else 0.0
 
 
-def train_rank(rank: int, way: str, config: dict, steps: int, lr: float, trace: bool,
-               prefetch: int, device: str = "cpu",
-               kill_at_step: tuple[int, int] | None = None) -> dict:
+def train_rank(
+    rank: int,
+    way: str,
+    config: dict,
+    steps: int,
+    lr: float,
+    trace: bool,
+    prefetch: int,
+    device: str = "cpu",
+    kill_at_step: tuple[int, int] | None = None,
+) -> dict:
     """Train `steps` steps on `device` ("cpu", or "cuda": every rank on this host's first GPU);
     return per-step loss, time, communication seconds, CPU, and the NIC bytes of the whole
     run; with `trace`, the last step's backward timeline (overcast ways); on a GPU, the GPU
@@ -76,8 +89,9 @@ def train_rank(rank: int, way: str, config: dict, steps: int, lr: float, trace: 
             handle = configure(model, way, trace, prefetch)
         for warning in said:  # multicast not delivered: every rank alike, the table tells it
             if warning.category is not overcast.MulticastNotDeliveredWarning:
-                warnings.warn_explicit(warning.message, warning.category, warning.filename,
-                                       warning.lineno)
+                warnings.warn_explicit(
+                    warning.message, warning.category, warning.filename, warning.lineno
+                )
         with handle:
             optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
             times = handle.times
@@ -88,16 +102,16 @@ def train_rank(rank: int, way: str, config: dict, steps: int, lr: float, trace: 
             for step in range(steps):
                 if kill_at_step is not None and rank == 0 and step == kill_at_step[1]:
                     os.kill(kill_at_step[0], signal.SIGKILL)
-                t0, cpu0, (thread0, delay0) = time.monotonic(), time.process_time(), \
-                    thread_clock()
+                t0, cpu0, (thread0, delay0) = time.monotonic(), time.process_time(), thread_clock()
                 comm_start, engine0 = times.as_dict(), engine_python_cpu(handle)
                 losses, forward_comm, backward_comm = [], 0.0, 0.0
                 forward_seconds = backward_seconds = 0.0
                 for m in range(micro):  # gradient accumulation: only the last one reduces
                     if micro > 1:
                         model.set_requires_gradient_sync(m == micro - 1)
-                    inputs, targets = (t.to(device) for t in
-                                       rank_batch(cfg, step * micro + m, rank, world))
+                    inputs, targets = (
+                        t.to(device) for t in rank_batch(cfg, step * micro + m, rank, world)
+                    )
                     forward_start, comm0 = time.monotonic(), times.seconds
                     loss = model(inputs, targets)
                     backward_start, comm1 = time.monotonic(), times.seconds
@@ -113,35 +127,47 @@ def train_rank(rank: int, way: str, config: dict, steps: int, lr: float, trace: 
                 thread, delay = thread_clock()
                 comm = {k: v - comm_start[k] for k, v in times.as_dict().items()}
                 t1 = time.monotonic()
-                rows.append({"loss": sum(losses) / micro, "seconds": t1 - t0,
-                             "window": [t0, t1],  # CLOCK_MONOTONIC, the scheduler trace's
-                             "forward_comm_seconds": forward_comm,
-                             "backward_comm_seconds": backward_comm,
-                             "forward_seconds": forward_seconds,
-                             "backward_seconds": backward_seconds,
-                             "cpu_seconds": time.process_time() - cpu0,
-                             "thread_cpu_seconds": thread - thread0,
-                             "run_delay_seconds": delay - delay0,
-                             "comm_thread_cpu_seconds": comm["thread_cpu_seconds"],
-                             "comm_run_delay_seconds": comm["run_delay_seconds"],
-                             "engine_python_cpu_seconds": engine_python_cpu(handle) - engine0,
-                             "staging_seconds": comm["staging_in_seconds"] +
-                             comm["staging_out_seconds"],
-                             "gpu_memory_bytes": torch.cuda.memory_allocated() if gpu else 0,
-                             # the last micro-step's: the one that reduces gradients
-                             "backward_window": [backward_start, backward_end]})
+                rows.append(
+                    {
+                        "loss": sum(losses) / micro,
+                        "seconds": t1 - t0,
+                        "window": [t0, t1],  # CLOCK_MONOTONIC, the scheduler trace's
+                        "forward_comm_seconds": forward_comm,
+                        "backward_comm_seconds": backward_comm,
+                        "forward_seconds": forward_seconds,
+                        "backward_seconds": backward_seconds,
+                        "cpu_seconds": time.process_time() - cpu0,
+                        "thread_cpu_seconds": thread - thread0,
+                        "run_delay_seconds": delay - delay0,
+                        "comm_thread_cpu_seconds": comm["thread_cpu_seconds"],
+                        "comm_run_delay_seconds": comm["run_delay_seconds"],
+                        "engine_python_cpu_seconds": engine_python_cpu(handle) - engine0,
+                        "staging_seconds": comm["staging_in_seconds"] + comm["staging_out_seconds"],
+                        "gpu_memory_bytes": torch.cuda.memory_allocated() if gpu else 0,
+                        # the last micro-step's: the one that reduces gradients
+                        "backward_window": [backward_start, backward_end],
+                    }
+                )
             nic = read_nic_counters() - nic0
             timeline = handle.timeline()
             backward = rows[-1]["backward_window"]
-            return {"steps": rows, "tx_bytes": nic.tx_bytes, "rx_bytes": nic.rx_bytes,
-                    "pid": os.getpid(), "training_tid": threading.get_native_id(),
-                    "comm": handle.stats(),
-                    "pinned_peak_bytes": process_pool().stats()["peak_bytes"] if gpu else 0,
-                    "stream_gates": gpu and stream_gates() is not None,
-                    "trace": _window(timeline, *backward) if timeline else None,
-                    "algorithms": handle.algorithms,
-                    "warnings": [str(w.message) for w in said
-                                 if w.category in (overcast.MulticastNotDeliveredWarning,
-                                                   overcast.AggregatorLostWarning)]}
+            return {
+                "steps": rows,
+                "tx_bytes": nic.tx_bytes,
+                "rx_bytes": nic.rx_bytes,
+                "pid": os.getpid(),
+                "training_tid": threading.get_native_id(),
+                "comm": handle.stats(),
+                "pinned_peak_bytes": process_pool().stats()["peak_bytes"] if gpu else 0,
+                "stream_gates": gpu and stream_gates() is not None,
+                "trace": _window(timeline, *backward) if timeline else None,
+                "algorithms": handle.algorithms,
+                "warnings": [
+                    str(w.message)
+                    for w in said
+                    if w.category
+                    in (overcast.MulticastNotDeliveredWarning, overcast.AggregatorLostWarning)
+                ],
+            }
     finally:
         dist.destroy_process_group()

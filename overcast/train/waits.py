@@ -44,7 +44,7 @@ _FIELD = re.compile(r"(\w+)=(\S+)")
 class Event:
     seconds: float
     cpu: int
-    task: int     # the thread on the core when the event was recorded (0: the core was idle)
+    task: int  # the thread on the core when the event was recorded (0: the core was idle)
     kind: str
     fields: dict
 
@@ -65,16 +65,21 @@ def parse(text: str) -> tuple[list[Event], dict[int, int]]:
     return events, tgid
 
 
-def attribute(events: list[Event], tgid: dict[int, int], cpus: int,
-              windows: dict[int, list[tuple[float, float]]], ranks: set[int],
-              aggregator: int | None) -> dict[tuple[int, int], dict[str, float]]:
+def attribute(
+    events: list[Event],
+    tgid: dict[int, int],
+    cpus: int,
+    windows: dict[int, list[tuple[float, float]]],
+    ranks: set[int],
+    aggregator: int | None,
+) -> dict[tuple[int, int], dict[str, float]]:
     """Each training thread's waits within its windows (`windows`: its tid -> time windows,
     sorted), shared among what the `cpus` cores ran: {(tid, window index): {category: seconds}};
     `ranks` are the rank processes' ids, `aggregator` its process's."""
     training = set(windows)
     out: dict[tuple[int, int], dict[str, float]] = {}
-    running: dict[int, int] = {}      # core -> tid on it
-    softirq: dict[int, str] = {}      # core -> softirq in progress
+    running: dict[int, int] = {}  # core -> tid on it
+    softirq: dict[int, str] = {}  # core -> softirq in progress
     waiting: set[int] = set()
     cursor = dict.fromkeys(training, 0)
 
@@ -148,8 +153,9 @@ def mount_tracefs() -> str | None:
     if os.geteuid() != 0:
         return "no scheduler trace (tracefs is not mounted, and mounting it needs root)"
     try:
-        done = subprocess.run(["mount", "-t", "tracefs", "tracefs", TRACEFS],
-                              capture_output=True, text=True)
+        done = subprocess.run(
+            ["mount", "-t", "tracefs", "tracefs", TRACEFS], capture_output=True, text=True
+        )
     except OSError as e:
         return f"no scheduler trace (mount: {e.strerror})"
     if done.returncode:

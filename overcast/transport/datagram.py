@@ -48,8 +48,9 @@ def chunk_bytes(mtu: int) -> int:
     return n - n % 8
 
 
-def pace_batch(bytes_per_s: float | None, datagram_bytes: int,
-               seconds: float = BATCH_SECONDS) -> int:
+def pace_batch(
+    bytes_per_s: float | None, datagram_bytes: int, seconds: float = BATCH_SECONDS
+) -> int:
     """Datagrams of `datagram_bytes` on the link per paced batch at `bytes_per_s`: what the
     link carries in `seconds`, in whole sends (GSO takes up to 64 KiB per send) once that is
     more than one send."""
@@ -65,9 +66,13 @@ def pace_batch(bytes_per_s: float | None, datagram_bytes: int,
 def reduction_batch(bytes_per_s: float | None, datagram_bytes: int) -> int:
     """Datagrams per batch of in-network contributions: never fewer than `pace_batch` gives,
     else what the link carries in REDUCTION_BATCH_SECONDS, up to two whole sends."""
-    return max(pace_batch(bytes_per_s, datagram_bytes),
-               min(pace_batch(bytes_per_s, datagram_bytes, REDUCTION_BATCH_SECONDS),
-                   2 * _per_send(datagram_bytes)))
+    return max(
+        pace_batch(bytes_per_s, datagram_bytes),
+        min(
+            pace_batch(bytes_per_s, datagram_bytes, REDUCTION_BATCH_SECONDS),
+            2 * _per_send(datagram_bytes),
+        ),
+    )
 
 
 def _per_send(datagram_bytes: int) -> int:
@@ -85,8 +90,10 @@ def path_mtu(local: str, peer: str) -> int:
 
 def multicast_group(comm: int) -> tuple[str, int]:
     """The group and port of a communicator, in 239.192.0.0/14 (organisation-local scope)."""
-    return (f"239.{192 + (comm >> 24) % 4}.{(comm >> 8) & 255}.{comm & 255}",
-            20000 + (comm >> 16) % 20000)
+    return (
+        f"239.{192 + (comm >> 24) % 4}.{(comm >> 8) & 255}.{comm & 255}",
+        20000 + (comm >> 16) % 20000,
+    )
 
 
 def open_multicast(local: str, group: str, port: int, loop: bool) -> socket.socket:
@@ -95,8 +102,11 @@ def open_multicast(local: str, group: str, port: int, loop: bool) -> socket.sock
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((group, port))
-        sock.setsockopt(socket.IPPROTO_IP, socket.IP_ADD_MEMBERSHIP,
-                        socket.inet_aton(group) + socket.inet_aton(local))
+        sock.setsockopt(
+            socket.IPPROTO_IP,
+            socket.IP_ADD_MEMBERSHIP,
+            socket.inet_aton(group) + socket.inet_aton(local),
+        )
         sock.setsockopt(socket.IPPROTO_IP, socket.IP_MULTICAST_LOOP, int(loop))
     except OSError:
         sock.close()

@@ -26,9 +26,11 @@ class LossSpec:
     @classmethod
     def from_env(cls) -> LossSpec:
         """OVERCAST_LOSS (fraction), OVERCAST_LOSS_BURST (datagrams), OVERCAST_LOSS_SEED."""
-        return cls(float(os.environ.get("OVERCAST_LOSS", 0)),
-                   float(os.environ.get("OVERCAST_LOSS_BURST", 1)),
-                   int(os.environ.get("OVERCAST_LOSS_SEED", 0)))
+        return cls(
+            float(os.environ.get("OVERCAST_LOSS", 0)),
+            float(os.environ.get("OVERCAST_LOSS_BURST", 1)),
+            int(os.environ.get("OVERCAST_LOSS_SEED", 0)),
+        )
 
 
 class LossModel:

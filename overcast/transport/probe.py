@@ -77,8 +77,7 @@ def _ranks(bitmap: bytes, world: int) -> list[int]:
 class _Words:
     """What the peers say over their streams during the probe, one frame at a time."""
 
-    def __init__(self, streams: dict[int, socket.socket], opener: Opener, rank: int,
-                 world: int):
+    def __init__(self, streams: dict[int, socket.socket], opener: Opener, rank: int, world: int):
         self.streams, self.opener, self.rank, self.world = streams, opener, rank, world
 
     def send(self, sealer: Sealer, payload: bytes) -> None:
@@ -91,10 +90,16 @@ class _Words:
         head = read_exact(sock, HEADER_BYTES, deadline)
         frame = head + read_exact(sock, frame_length(head) - HEADER_BYTES, deadline)
         opened = self.opener.open(frame)
-        if opened is None or opened[0].kind != Kind.HELLO or opened[0].src != peer or \
-                opened[0].dst != self.rank or bytes(opened[1][:4]) != magic:
-            raise ConnectionError(f"rank {peer} said something else than {magic.decode()} "
-                                  f"on its stream")
+        if (
+            opened is None
+            or opened[0].kind != Kind.HELLO
+            or opened[0].src != peer
+            or opened[0].dst != self.rank
+            or bytes(opened[1][:4]) != magic
+        ):
+            raise ConnectionError(
+                f"rank {peer} said something else than {magic.decode()} on its stream"
+            )
         return bytes(opened[1][4:])
 
 
@@ -121,8 +126,7 @@ class _Listening:
             hdr, body = opened
             if hdr.src == self.rank:
                 continue  # its own, where ranks share a host
-            if hdr.kind != Kind.HELLO or bytes(body[:4]) != PROBE or \
-                    not 0 <= hdr.src < self.world:
+            if hdr.kind != Kind.HELLO or bytes(body[:4]) != PROBE or not 0 <= hdr.src < self.world:
                 drops["unexpected"] += 1
             elif hdr.counter <= self.last.get(hdr.src, -1):
                 drops["replayed"] += 1
@@ -146,20 +150,24 @@ def prove_delivery(links, deadline: float) -> dict[int, list[int]]:
         try:
             listener = open_multicast(address, group[0], probe_port(group[1]), False)
             listener.setblocking(False)
-            listening = _Listening(listener, Opener(key, job, comm, links.probe_drops), rank,
-                                   world)
+            listening = _Listening(listener, Opener(key, job, comm, links.probe_drops), rank, world)
         except OSError:
             pass  # hears nobody: its report says so
-    window = {p: KNOWN_UNHEARD_SECONDS if (address, links.addresses[p]) in _unheard_hosts
-              else PROBE_SECONDS for p in others}
+    window = {
+        p: KNOWN_UNHEARD_SECONDS
+        if (address, links.addresses[p]) in _unheard_hosts
+        else PROBE_SECONDS
+        for p in others
+    }
     padded = PROBE.ljust(chunk_bytes(links.mtu), b"\0")
 
     def send_probe() -> None:
         # sealed anew each time: a listener that hears two sends of one probe would drop the
         # second as a replay, and count it
         try:
-            links.udp.sendto(sealer.seal(Kind.HELLO, 0, ANY, 0, padded),
-                             (group[0], probe_port(group[1])))
+            links.udp.sendto(
+                sealer.seal(Kind.HELLO, 0, ANY, 0, padded), (group[0], probe_port(group[1]))
+            )
         except OSError:
             pass  # the others will not hear it, and will say so
 
@@ -180,8 +188,10 @@ def prove_delivery(links, deadline: float) -> dict[int, list[int]]:
         while mine is None or len(reports) < len(streams):
             now = time.monotonic()
             if now >= deadline:
-                raise TimeoutError(f"rank {rank} waited for the multicast reports of "
-                                   f"ranks {sorted(others - set(reports))}")
+                raise TimeoutError(
+                    f"rank {rank} waited for the multicast reports of "
+                    f"ranks {sorted(others - set(reports))}"
+                )
             if now >= next_probe:
                 send_probe()
                 next_probe = now + PROBE_INTERVAL_SECONDS
@@ -191,8 +201,13 @@ def prove_delivery(links, deadline: float) -> dict[int, list[int]]:
                     listening.hear(wake)
                 unheard = others - (listening.heard if listening is not None else set())
                 ends = [begun[p] + window[p] for p in unheard if p in begun]
-                end = now if listening is None else \
-                    max(ends, default=now) if len(ends) == len(unheard) else listen_until
+                end = (
+                    now
+                    if listening is None
+                    else max(ends, default=now)
+                    if len(ends) == len(unheard)
+                    else listen_until
+                )
                 if time.monotonic() >= min(end, listen_until):
                     mine = sorted(unheard)
                     words.send(sealer, REPORT + _bitmap(mine, world))
@@ -218,7 +233,8 @@ def prove_delivery(links, deadline: float) -> dict[int, list[int]]:
     if listening is not None:  # what the next communicator of this process need not wait for
         for p in others:
             (_unheard_hosts.add if p in mine else _unheard_hosts.discard)(
-                (address, links.addresses[p]))
+                (address, links.addresses[p])
+            )
     return {**reports, rank: mine}
 
 
@@ -236,11 +252,14 @@ def undelivered(unheard: dict[int, list[int]], addresses: list[str]) -> str | No
 
     parts = []
     if deaf:
-        parts.append(f"rank{'s' if len(deaf) > 1 else ''} {named(deaf)} heard no other "
-                     f"rank's multicast")
+        parts.append(
+            f"rank{'s' if len(deaf) > 1 else ''} {named(deaf)} heard no other rank's multicast"
+        )
     for r in partial[:8]:
-        parts.append(f"rank {r} ({addresses[r]}) did not hear rank"
-                     f"{'s' if len(unheard[r]) > 1 else ''} {named(unheard[r])}")
+        parts.append(
+            f"rank {r} ({addresses[r]}) did not hear rank"
+            f"{'s' if len(unheard[r]) > 1 else ''} {named(unheard[r])}"
+        )
     if len(partial) > 8:
         parts.append(f"{len(partial) - 8} more ranks missed some")
     return "multicast not delivered: " + "; ".join(parts)

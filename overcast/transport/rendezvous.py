@@ -28,20 +28,53 @@ from typing import cast
 
 from overcast.errors import OvercastError
 from overcast.limits import aggregators_from_env
-from overcast.transport.datagram import (chunk_bytes, multicast_group, open_multicast,
-                                         path_mtu, prepare_sender)
+from overcast.transport.datagram import (
+    chunk_bytes,
+    multicast_group,
+    open_multicast,
+    path_mtu,
+    prepare_sender,
+)
 from overcast.transport.probe import prove_delivery
-from overcast.transport.store import (StoreClient, StoreError, StoreServer, connect_until, forget,
-                                      read_exact)
+from overcast.transport.store import (
+    StoreClient,
+    StoreError,
+    StoreServer,
+    connect_until,
+    forget,
+    read_exact,
+)
 from overcast.wire.auth import Drops, Opener, Sealer, derive_key, frame_length, job_id_of
-from overcast.wire.header import (AGGREGATOR, ANY, HEADER_BYTES, MAX_STRIPES, TAG_BYTES, Kind,
-                                  MalformedError, endpoint, unpack_header)
+from overcast.wire.header import (
+    AGGREGATOR,
+    ANY,
+    HEADER_BYTES,
+    MAX_STRIPES,
+    TAG_BYTES,
+    Kind,
+    MalformedError,
+    endpoint,
+    unpack_header,
+)
 from overcast.wire.messages import CONTRIB_PREFIX
-from overcast.wire.registration import (AGGREGATOR_CHALLENGE, AGGREGATOR_MAGIC, ANSWER,
-                                        CHALLENGE, DEFAULT_AGGREGATOR_PORT, HELLO, NONCE_BYTES,
-                                        REFUSAL_BYTES, REFUSAL_LABEL, REFUSAL_MAGIC, WELCOME,
-                                        WELCOME_LABEL, WELCOME_MAGIC, open_refusal, open_welcome,
-                                        welcome_bytes)
+from overcast.wire.registration import (
+    AGGREGATOR_CHALLENGE,
+    AGGREGATOR_MAGIC,
+    ANSWER,
+    CHALLENGE,
+    DEFAULT_AGGREGATOR_PORT,
+    HELLO,
+    NONCE_BYTES,
+    REFUSAL_BYTES,
+    REFUSAL_LABEL,
+    REFUSAL_MAGIC,
+    WELCOME,
+    WELCOME_LABEL,
+    WELCOME_MAGIC,
+    open_refusal,
+    open_welcome,
+    welcome_bytes,
+)
 
 # How long an accepted connection has to answer the challenge.
 HANDSHAKE_SECONDS = 5.0
@@ -83,8 +116,9 @@ class Links:
     # Registers this rank anew with the aggregator of `peer` (the id of its first endpoint) at
     # `epoch`, its HELLO sealed by `seal`, within `timeout` seconds, restarted after it was
     # lost: its Registration, or why not (register_with_aggregator)
-    reregister: Callable[[int, int, Callable[[bytes, int], bytes], float],
-                         Registration | str] | None = None
+    reregister: (
+        Callable[[int, int, Callable[[bytes, int], bytes], float], Registration | str] | None
+    ) = None
     # the ranks whose multicast each rank did not hear, alike on every rank (transport.probe):
     # empty where every rank heard every other; and the probes this rank dropped, by why
     multicast_unheard: dict[int, list[int]] = dataclasses.field(default_factory=dict)
@@ -100,14 +134,16 @@ def store_from_env(rank: int, timeout: float):
     try:
         host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     except (KeyError, ValueError):
-        raise RendezvousError("set MASTER_ADDR and MASTER_PORT (as torchrun does), or pass "
-                              "store=") from None
+        raise RendezvousError(
+            "set MASTER_ADDR and MASTER_PORT (as torchrun does), or pass store="
+        ) from None
     if rank == 0 and _server is None:
         try:
             _server = StoreServer(host, port)
         except OSError as err:
-            raise RendezvousError(f"rank 0 cannot serve the rendezvous store on {host}:{port}: "
-                                  f"{err}") from None
+            raise RendezvousError(
+                f"rank 0 cannot serve the rendezvous store on {host}:{port}: {err}"
+            ) from None
     return StoreClient(host, port, timeout)
 
 
@@ -144,19 +180,25 @@ def _read_frame(sock: socket.socket, deadline: float) -> bytes:
     return head + read_exact(sock, frame_length(head) - HEADER_BYTES, deadline)
 
 
-def _open_hello(frame: bytes, opener: Opener, src: int, size: int,
-                after: int = -1) -> tuple[int, memoryview] | None:
+def _open_hello(
+    frame: bytes, opener: Opener, src: int, size: int, after: int = -1
+) -> tuple[int, memoryview] | None:
     """(counter, payload) of an authentic HELLO from `src` of `size` bytes whose counter is
     above `after` (src's HELLO before it in the same handshake), or None."""
     opened = opener.open(frame, after)
-    if opened is None or opened[0].kind != Kind.HELLO or opened[0].src != src \
-            or len(opened[1]) != size:
+    if (
+        opened is None
+        or opened[0].kind != Kind.HELLO
+        or opened[0].src != src
+        or len(opened[1]) != size
+    ):
         return None
     return opened[0].counter, opened[1]
 
 
-def _connect_handshake(sock: socket.socket, opener: Opener, sealer: Sealer, peer: int,
-                       deadline: float) -> None:
+def _connect_handshake(
+    sock: socket.socket, opener: Opener, sealer: Sealer, peer: int, deadline: float
+) -> None:
     """The connecting side: answer `peer`'s challenge with it and a nonce of ours; accept only a
     reply that carries ours back."""
     opened = _open_hello(_read_frame(sock, deadline), opener, peer, CHALLENGE.size)
@@ -222,8 +264,15 @@ def _answer(sock: socket.socket, accepted: _Accepted, opener: Opener):
     return src, ANSWER.unpack(answer[1])[1]
 
 
-def _accept_peers(listener: socket.socket, rank: int, world: int, opener: Opener,
-                  sealer: Sealer, deadline: float, streams: dict[int, socket.socket]) -> None:
+def _accept_peers(
+    listener: socket.socket,
+    rank: int,
+    world: int,
+    opener: Opener,
+    sealer: Sealer,
+    deadline: float,
+    streams: dict[int, socket.socket],
+) -> None:
     """Take the connections of every higher rank, handshaking with all of them at once."""
     selector = selectors.DefaultSelector()
     listener.setblocking(False)
@@ -241,8 +290,9 @@ def _accept_peers(listener: socket.socket, rank: int, world: int, opener: Opener
             now = time.monotonic()
             if now >= deadline:
                 missing = sorted(set(range(world)) - set(streams) - {rank})
-                raise RendezvousError(f"rank {rank} timed out waiting for ranks {missing} to "
-                                      f"connect")
+                raise RendezvousError(
+                    f"rank {rank} timed out waiting for ranks {missing} to connect"
+                )
             for sock in [s for s, a in pending.items() if now >= a.due]:
                 drop(sock, "handshake_timeout")
             wake = min([deadline, *(a.due for a in pending.values())])
@@ -281,9 +331,16 @@ def _accept_peers(listener: socket.socket, rank: int, world: int, opener: Opener
         selector.close()
 
 
-def rendezvous(rank: int, world: int, *, name: str = "default", store=None,
-               secret: bytes | None = None, timeout: float = 60.0,
-               aggregators: str | None = None) -> Links:
+def rendezvous(
+    rank: int,
+    world: int,
+    *,
+    name: str = "default",
+    store=None,
+    secret: bytes | None = None,
+    timeout: float = 60.0,
+    aggregators: str | None = None,
+) -> Links:
     if not 0 <= rank < world:
         raise RendezvousError(f"rank {rank} is outside world size {world}")
     deadline = time.monotonic() + timeout
@@ -307,17 +364,21 @@ def rendezvous(rank: int, world: int, *, name: str = "default", store=None,
         listener = socket.create_server((address, 0), backlog=max(world, 8))
         udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         udp.bind((address, 0))
-        store.set(f"{prefix}addr/{rank}",
-                  f"{address} {listener.getsockname()[1]} {udp.getsockname()[1]}".encode())
+        store.set(
+            f"{prefix}addr/{rank}",
+            f"{address} {listener.getsockname()[1]} {udp.getsockname()[1]}".encode(),
+        )
         peers = [bytes(store.get(f"{prefix}addr/{r}")).decode().split() for r in range(world)]
         # Datagrams are cut into chunks of one size on every rank (their numbering is shared):
         # the smallest path MTU any rank measured to its peers.
-        store.set(f"{prefix}mtu/{rank}",
-                  str(min(path_mtu(address, peer[0]) for peer in peers)).encode())
+        store.set(
+            f"{prefix}mtu/{rank}", str(min(path_mtu(address, peer[0]) for peer in peers)).encode()
+        )
         mtu = min(int(bytes(store.get(f"{prefix}mtu/{r}"))) for r in range(world))
     except StoreError as err:
-        raise RendezvousError(f"rendezvous of communicator {name!r} failed on rank {rank}: "
-                              f"{err}") from None
+        raise RendezvousError(
+            f"rendezvous of communicator {name!r} failed on rank {rank}: {err}"
+        ) from None
     finally:
         if own_store:
             store.close()
@@ -334,19 +395,24 @@ def rendezvous(rank: int, world: int, *, name: str = "default", store=None,
             try:
                 sock = connect_until(host, port, deadline)
             except OSError as err:
-                raise RendezvousError(f"rank {rank} cannot connect to rank {peer} at "
-                                      f"{host}:{port}: {err}") from None
+                raise RendezvousError(
+                    f"rank {rank} cannot connect to rank {peer} at {host}:{port}: {err}"
+                ) from None
             try:
                 _connect_handshake(sock, opener, sealer, peer, deadline)
             except (OSError, ConnectionError, MalformedError) as err:
                 sock.close()
-                raise RendezvousError(f"rank {rank} could not handshake with rank {peer} at "
-                                      f"{host}:{port}: {err}") from None
+                raise RendezvousError(
+                    f"rank {rank} could not handshake with rank {peer} at {host}:{port}: {err}"
+                ) from None
             streams[peer] = sock
         _accept_peers(listener, rank, world, opener, sealer, deadline, streams)
         if not own_store:  # every rank has met every other: each has read these
-            forget(store, [f"{prefix}addr/{rank}", f"{prefix}mtu/{rank}"] +
-                   ([prefix + "salt", prefix + "secret"] if rank == 0 else []))
+            forget(
+                store,
+                [f"{prefix}addr/{rank}", f"{prefix}mtu/{rank}"]
+                + ([prefix + "salt", prefix + "secret"] if rank == 0 else []),
+            )
     except BaseException:
         for sock in streams.values():
             sock.close()
@@ -362,19 +428,40 @@ def rendezvous(rank: int, world: int, *, name: str = "default", store=None,
         prepare_sender(udp, address, loop)
         multicast = open_multicast(address, *group, loop)
     except OSError as err:
-        multicast_error = (f"cannot join multicast group {group[0]}:{group[1]} on {address}: "
-                           f"{err.strerror or err}")
-    links = Links(rank, world, address, addresses, streams, udp, [int(p[2]) for p in peers],
-                  sealer, opener, key, job, comm, drops, mtu, group, multicast, multicast_error)
+        multicast_error = (
+            f"cannot join multicast group {group[0]}:{group[1]} on {address}: {err.strerror or err}"
+        )
+    links = Links(
+        rank,
+        world,
+        address,
+        addresses,
+        streams,
+        udp,
+        [int(p[2]) for p in peers],
+        sealer,
+        opener,
+        key,
+        job,
+        comm,
+        drops,
+        mtu,
+        group,
+        multicast,
+        multicast_error,
+    )
     if world > 1:
         try:
-            links.multicast_unheard = {r: ranks for r, ranks in
-                                       prove_delivery(links, deadline).items() if ranks}
+            links.multicast_unheard = {
+                r: ranks for r, ranks in prove_delivery(links, deadline).items() if ranks
+            }
         except BaseException as err:
             close_links(links)
             if isinstance(err, (OSError, ConnectionError, MalformedError)):
-                raise RendezvousError(f"rank {rank} could not prove multicast delivery with "
-                                      f"its peers of communicator {name!r}: {err}") from None
+                raise RendezvousError(
+                    f"rank {rank} could not prove multicast delivery with "
+                    f"its peers of communicator {name!r}: {err}"
+                ) from None
             raise
     if aggregators is None:
         aggregators = aggregators_from_env()
@@ -385,8 +472,12 @@ def rendezvous(rank: int, world: int, *, name: str = "default", store=None,
 
 def close_links(links: Links) -> None:
     """Close every socket of `links` (a rendezvous that failed after meeting)."""
-    for sock in [*links.streams.values(), links.udp, links.multicast,
-                 *links.aggregator_sockets.values()]:
+    for sock in [
+        *links.streams.values(),
+        links.udp,
+        links.multicast,
+        *links.aggregator_sockets.values(),
+    ]:
         if sock is not None:
             sock.close()
 
@@ -402,8 +493,9 @@ def parse_aggregators(spec: str) -> list[tuple[str, int]]:
     return out
 
 
-def register_with_aggregators(links: Links, spec: str, secret: bytes, salt: bytes,
-                              timeout: float) -> None:
+def register_with_aggregators(
+    links: Links, spec: str, secret: bytes, salt: bytes, timeout: float
+) -> None:
     """Register this rank with every aggregator `spec` names (parse_aggregators), in order: each
     one's endpoints take the stripes after the ones before it. On any failure, or a refusal
     (its reason), say why in links.aggregator_error (only in-network collectives need it) and
@@ -431,7 +523,8 @@ def register_with_aggregators(links: Links, spec: str, secret: bytes, salt: byte
         links.aggregator_slots = min(links.aggregator_slots or got.slots, got.slots)
     links.aggregator_error = None
     links.reregister = lambda peer, epoch, seal, timeout: register_with_aggregator(
-        links, *where[peer], AGGREGATOR - peer, epoch, secret, salt, timeout, seal)
+        links, *where[peer], AGGREGATOR - peer, epoch, secret, salt, timeout, seal
+    )
 
 
 @dataclass
@@ -444,10 +537,17 @@ class Registration:
     slots: int
 
 
-def register_with_aggregator(links: Links, host: str, port: int, first: int, epoch: int,
-                             secret: bytes, salt: bytes, timeout: float,
-                             seal: Callable[[bytes, int], bytes] | None = None
-                             ) -> Registration | str:
+def register_with_aggregator(
+    links: Links,
+    host: str,
+    port: int,
+    first: int,
+    epoch: int,
+    secret: bytes,
+    salt: bytes,
+    timeout: float,
+    seal: Callable[[bytes, int], bytes] | None = None,
+) -> Registration | str:
     """Register with the aggregator at host:port as the stripes from `first` on, at `epoch`
     (wire.registration): its Registration, or why it failed. `seal(hello, dst)` seals the
     HELLO (default: links.sealer, which only the thread that owns it may use)."""
@@ -457,22 +557,35 @@ def register_with_aggregator(links: Links, host: str, port: int, first: int, epo
         return f"cannot reach the aggregator at {host}:{port}: {err}"
     try:
         deadline = time.monotonic() + timeout
-        magic, challenge = AGGREGATOR_CHALLENGE.unpack(read_exact(sock, AGGREGATOR_CHALLENGE.size,
-                                                               deadline))
+        magic, challenge = AGGREGATOR_CHALLENGE.unpack(
+            read_exact(sock, AGGREGATOR_CHALLENGE.size, deadline)
+        )
         if magic != AGGREGATOR_MAGIC:
             raise ConnectionError("it did not greet as an overcast aggregator")
         mine = secrets.token_bytes(NONCE_BYTES)
         widest = chunk_bytes(links.mtu) - CONTRIB_PREFIX.size
-        hello = HELLO.pack(salt, links.world, links.udp.getsockname()[1],
-                           links.multicast is not None, widest, first, epoch, challenge, mine)
+        hello = HELLO.pack(
+            salt,
+            links.world,
+            links.udp.getsockname()[1],
+            links.multicast is not None,
+            widest,
+            first,
+            epoch,
+            challenge,
+            mine,
+        )
         if seal is None:
             sock.sendall(links.sealer.seal(Kind.HELLO, 0, endpoint(first), 0, hello))
         else:
             sock.sendall(seal(hello, endpoint(first)))
         start = read_exact(sock, len(REFUSAL_MAGIC), deadline)
         if start == REFUSAL_MAGIC:
-            refusal = open_refusal(derive_key(secret, salt, REFUSAL_LABEL), mine,
-                                   start + read_exact(sock, REFUSAL_BYTES - len(start), deadline))
+            refusal = open_refusal(
+                derive_key(secret, salt, REFUSAL_LABEL),
+                mine,
+                start + read_exact(sock, REFUSAL_BYTES - len(start), deadline),
+            )
             if refusal is None:
                 raise ConnectionError("its refusal did not authenticate")
             sock.close()
@@ -486,8 +599,10 @@ def register_with_aggregator(links: Links, host: str, port: int, first: int, epo
             raise ConnectionError("its answer did not authenticate (another job's aggregator?)")
         slots, ports = welcome
         if not ports or first + len(ports) > MAX_STRIPES:
-            raise ConnectionError(f"it offers {len(ports)} endpoints after {first}; a job "
-                                  f"stripes over 1 to {MAX_STRIPES}")
+            raise ConnectionError(
+                f"it offers {len(ports)} endpoints after {first}; a job "
+                f"stripes over 1 to {MAX_STRIPES}"
+            )
     except (OSError, ConnectionError, MalformedError, ValueError) as err:
         sock.close()
         return f"registration with the aggregator at {host}:{port} failed: {err}"

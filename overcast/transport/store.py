@@ -45,8 +45,9 @@ def connect_until(host: str, port: int, deadline: float) -> socket.socket:
     (time.monotonic()); then the last OSError is raised."""
     while True:
         try:
-            return socket.create_connection((host, port),
-                                            timeout=max(0.1, deadline - time.monotonic()))
+            return socket.create_connection(
+                (host, port), timeout=max(0.1, deadline - time.monotonic())
+            )
         except OSError:
             if time.monotonic() >= deadline:
                 raise
@@ -93,7 +94,8 @@ class StoreServer:
                             # wait_for calls the predicate before the loop moves `key` on
                             found = self._cond.wait_for(
                                 lambda: key in self._data or self._closed,  # noqa: B023
-                                timeout=wait)
+                                timeout=wait,
+                            )
                             found = found and key in self._data
                             reply = self._data[key] if found else b""
                         conn.sendall(_REPLY.pack(_OK if found else _TIMEOUT, len(reply)) + reply)
@@ -118,8 +120,9 @@ class StoreClient:
         try:
             self._sock = connect_until(host, port, time.monotonic() + timeout)
         except OSError as err:
-            raise StoreError(f"cannot reach the rendezvous store at {host}:{port} within "
-                             f"{timeout:.0f} s: {err}") from None
+            raise StoreError(
+                f"cannot reach the rendezvous store at {host}:{port} within {timeout:.0f} s: {err}"
+            ) from None
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._lock = threading.Lock()
         self.address = (host, port)
@@ -132,8 +135,10 @@ class StoreClient:
             status, vlen = _REPLY.unpack(read_exact(self._sock, _REPLY.size))
             reply = read_exact(self._sock, vlen)
         if status == _TIMEOUT:
-            raise StoreError(f"rendezvous key {key!r} was not set within {self.timeout:.0f} s "
-                             f"(is every rank running?)")
+            raise StoreError(
+                f"rendezvous key {key!r} was not set within {self.timeout:.0f} s "
+                f"(is every rank running?)"
+            )
         if status != _OK:
             raise StoreError(f"store at {self.address} refused the request for {key!r}")
         return reply

@@ -62,7 +62,7 @@ class Stream:
         for _ in range(_READS_PER_EVENT):
             view = memoryview(self._rbuf)
             try:
-                n = self.sock.recv_into(view[self._filled:])
+                n = self.sock.recv_into(view[self._filled :])
             except BlockingIOError:
                 return
             except OSError as err:
@@ -77,11 +77,12 @@ class Stream:
 
     def _parse(self, view: memoryview, on_message) -> None:
         frames, pos, missing, fault, self._next_counter = self.opener.open_stream(
-            view, self._filled, self.peer, self._next_counter)
+            view, self._filled, self.peer, self._next_counter
+        )
         for hdr, offset in frames:
-            on_message(hdr, view[offset:offset + hdr.length])
+            on_message(hdr, view[offset : offset + hdr.length])
         if fault is not None:
-            raise StreamClosed(self._fault(view[pos:self._filled]))
+            raise StreamClosed(self._fault(view[pos : self._filled]))
         rest = self._filled - pos
         self._wake_at(missing)
         if pos or rest == len(self._rbuf):
@@ -90,7 +91,7 @@ class Stream:
                 grown[:rest] = view
                 self._rbuf = grown
             elif rest:  # the partial frame to the front (memoryview copies overlaps safely)
-                view[:rest] = view[pos:self._filled]
+                view[:rest] = view[pos : self._filled]
             self._filled = rest
 
     def _fault(self, rest: memoryview) -> str:

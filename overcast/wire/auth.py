@@ -20,8 +20,15 @@ import hashlib
 import hmac
 
 from overcast.native import _core
-from overcast.wire.header import (HEADER_BYTES, MISFITS, OVERHEAD_BYTES, TAG_BYTES, Header,
-                                  MalformedError, unpack_header)
+from overcast.wire.header import (
+    HEADER_BYTES,
+    MISFITS,
+    OVERHEAD_BYTES,
+    TAG_BYTES,
+    Header,
+    MalformedError,
+    unpack_header,
+)
 
 
 def derive_key(secret: bytes, salt: bytes, label: bytes) -> bytes:
@@ -61,8 +68,9 @@ class Sealer:
         self.seal_into(buf, 0, kind, seq, dst, chunk, payload)
         return buf
 
-    def seal_into(self, buf: bytearray, offset: int, kind: int, seq: int, dst: int, chunk: int,
-                  payload=b"") -> int:
+    def seal_into(
+        self, buf: bytearray, offset: int, kind: int, seq: int, dst: int, chunk: int, payload=b""
+    ) -> int:
         """Write the whole message (header, payload, tag) into `buf` at `offset`, copying the
         payload once; returns its end. The payload is a contiguous buffer (its bytes are sent,
         whatever its item size), or a tuple of up to two of them."""
@@ -121,7 +129,8 @@ class Opener:
         the stream ("malformed", "wrong_sender"; counted) or is None. Authentic frames carry
         counters of at least `next_counter`, and the one to pass next comes back."""
         frames, used, need, misfit, next_counter, skipped = self._tags.open_stream(
-            buf, end, self.job, self.comm, peer, next_counter)
+            buf, end, self.job, self.comm, peer, next_counter
+        )
         for why, count in zip(_SKIPPED, skipped):
             if count:
                 self.drops[why] += count
@@ -154,7 +163,7 @@ class Opener:
         if hdr.counter <= after:
             self.drops["replayed"] += 1
             return None
-        return hdr, view[HEADER_BYTES:HEADER_BYTES + hdr.length]
+        return hdr, view[HEADER_BYTES : HEADER_BYTES + hdr.length]
 
 
 def frame_length(prefix) -> int:
@@ -162,5 +171,13 @@ def frame_length(prefix) -> int:
     return unpack_header(prefix).frame_bytes()
 
 
-__all__ = ["Drops", "Header", "Opener", "Sealer", "derive_key", "frame_length", "job_id_of",
-           "sealed_bytes"]
+__all__ = [
+    "Drops",
+    "Header",
+    "Opener",
+    "Sealer",
+    "derive_key",
+    "frame_length",
+    "job_id_of",
+    "sealed_bytes",
+]

@@ -36,6 +36,7 @@ def datagram_link_bytes(payload_bytes: int) -> int:
     """What a datagram carrying `payload_bytes` occupies on an Ethernet link (tbf counts it)."""
     return payload_bytes + OVERHEAD_BYTES + IP_UDP_BYTES + ETHERNET_BYTES
 
+
 AGGREGATOR = 0xFFFE
 ANY = 0xFFFF
 # In-network reductions may be striped over several aggregator endpoints (the shards of one or
@@ -110,7 +111,6 @@ class Header(NamedTuple):
     def frame_bytes(self) -> int:
         """The whole message this header starts: header, payload, tag."""
         return HEADER_BYTES + self.length + TAG_BYTES
-
 
 
 class MalformedError(ValueError):

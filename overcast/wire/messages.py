@@ -42,8 +42,9 @@ def _u32_list(payload, what: str) -> list[int]:
     return [g for (g,) in _U32.iter_unpack(payload)]
 
 
-def pack_contribution_prefix(dtype_code: int, group: int, world: int, total: int,
-                             stripe: int = 0, stripes: int = 1) -> bytes:
+def pack_contribution_prefix(
+    dtype_code: int, group: int, world: int, total: int, stripe: int = 0, stripes: int = 1
+) -> bytes:
     return CONTRIB_PREFIX.pack(dtype_code, group, world, total, stripe, stripes)
 
 
@@ -55,7 +56,7 @@ def unpack_credit(payload) -> tuple[int, list[int]]:
     """(chunks released, or the next chunk unsent for a rank's probe; chunks to send again)."""
     if len(payload) < _U32.size:
         raise MalformedError(f"credit of {len(payload)} bytes")
-    return _U32.unpack_from(payload)[0], _u32_list(payload[_U32.size:], "credit")
+    return _U32.unpack_from(payload)[0], _u32_list(payload[_U32.size :], "credit")
 
 
 def pack_acks(chunks: list[int]) -> bytes:
@@ -79,8 +80,7 @@ def pack_abort(code: int, reason: str) -> bytes:
 def unpack_abort(payload) -> tuple[int, str]:
     if len(payload) < _ABORT.size:
         raise MalformedError("empty abort")
-    return _ABORT.unpack_from(payload)[0], bytes(payload[_ABORT.size:]).decode("utf-8",
-                                                                               "replace")
+    return _ABORT.unpack_from(payload)[0], bytes(payload[_ABORT.size :]).decode("utf-8", "replace")
 
 
 def pack_goodbye(collectives: int) -> bytes:

@@ -62,15 +62,15 @@ REFUSAL_LABEL = b"refusal"
 class Refused(enum.IntEnum):
     """Why an aggregator refuses a registration."""
 
-    WORLD = 1          # a world outside 2..its largest
+    WORLD = 1  # a world outside 2..its largest
     COMMUNICATORS = 2  # the job holds as many communicators as it may
-    POOL = 3           # its reductions' pools would pass the aggregator's budget
-    BUFFER = 4         # the receive buffer holds less than one datagram per rank
-    IDENTITY = 5       # another communicator of the job has its id on the wire
-    INCONSISTENT = 6   # the communicator is registered with another world or row width
-    MEMORY = 7         # the aggregator ran out of memory
-    RANK = 8           # the rank is registered already, on another connection
-    CONNECTIONS = 9    # its ranks' connections would pass the job's share of the descriptors
+    POOL = 3  # its reductions' pools would pass the aggregator's budget
+    BUFFER = 4  # the receive buffer holds less than one datagram per rank
+    IDENTITY = 5  # another communicator of the job has its id on the wire
+    INCONSISTENT = 6  # the communicator is registered with another world or row width
+    MEMORY = 7  # the aggregator ran out of memory
+    RANK = 8  # the rank is registered already, on another connection
+    CONNECTIONS = 9  # its ranks' connections would pass the job's share of the descriptors
 
 
 def _tag(key: bytes, body: bytes) -> bytes:
@@ -79,8 +79,9 @@ def _tag(key: bytes, body: bytes) -> bytes:
 
 def pack_welcome(key: bytes, nonce: bytes, slots: int, ports: list[int]) -> bytes:
     """A welcome for the rank whose nonce is `nonce`, under the welcome key `key`."""
-    body = WELCOME.pack(WELCOME_MAGIC, nonce, slots, len(ports)) + \
-        b"".join(_PORT.pack(p) for p in ports)
+    body = WELCOME.pack(WELCOME_MAGIC, nonce, slots, len(ports)) + b"".join(
+        _PORT.pack(p) for p in ports
+    )
     return body + _tag(key, body)
 
 
@@ -92,7 +93,7 @@ def welcome_bytes(head: bytes) -> int:
 def open_welcome(key: bytes, nonce: bytes, data: bytes) -> tuple[int, list[int]] | None:
     """(slots, endpoint ports) of an authentic welcome to the registration whose nonce is
     `nonce`, or None."""
-    if len(data) < WELCOME.size or len(data) != welcome_bytes(data[:WELCOME.size]):
+    if len(data) < WELCOME.size or len(data) != welcome_bytes(data[: WELCOME.size]):
         return None
     body, tag = data[:-HMAC_BYTES], data[-HMAC_BYTES:]
     magic, theirs, slots, n = WELCOME.unpack_from(body)
@@ -112,10 +113,9 @@ def open_refusal(key: bytes, nonce: bytes, data: bytes) -> tuple[Refused | int, 
     None."""
     if len(data) != REFUSAL_BYTES:
         return None
-    body, tag = data[:_REFUSAL_BODY.size], data[_REFUSAL_BODY.size:]
+    body, tag = data[: _REFUSAL_BODY.size], data[_REFUSAL_BODY.size :]
     magic, theirs, code, text = _REFUSAL_BODY.unpack(body)
-    if magic != REFUSAL_MAGIC or theirs != nonce or \
-            not hmac.compare_digest(tag, _tag(key, body)):
+    if magic != REFUSAL_MAGIC or theirs != nonce or not hmac.compare_digest(tag, _tag(key, body)):
         return None
     try:
         reason = Refused(code)
