@@ -8,8 +8,10 @@ same ones, so a script gets the words a shell user gets.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
+import warnings
 
 from overcast.errors import InvalidArgumentError
 from overcast.wire.header import IP_UDP_BYTES, MAX_PAYLOAD, MAX_STRIPES, OVERHEAD_BYTES
@@ -209,4 +211,15 @@ def aggregators_from_env() -> str | None:
             f"(its old name) name different aggregators: set "
             f"OVERCAST_AGGREGATORS alone"
         )
+    if old and not given:
+        _say_old_name_once()
     return given or old or None
+
+
+@functools.cache
+def _say_old_name_once() -> None:
+    warnings.warn(
+        "OVERCAST_SWITCH is the old name of OVERCAST_AGGREGATORS: it is read, set that instead",
+        FutureWarning,
+        stacklevel=3,
+    )

@@ -109,6 +109,27 @@ def test_the_nics_have_gro_on_and_the_switch_ports_do_not():
         assert not interface_gro(cluster.host_ns[0], "eth0")
 
 
+def aggregators_seen(rank):
+    from overcast.limits import aggregators_from_env
+    return aggregators_from_env()
+
+
+def test_an_old_aggregators_variable_left_in_the_shell_does_not_reach_the_ranks(monkeypatch):
+    """OVERCAST_SWITCH (the old name) exported in the caller's shell, naming elsewhere: the
+    cluster's own aggregators are what every rank reads, without a contradiction."""
+    monkeypatch.setenv("OVERCAST_SWITCH", "198.18.99.1:18515")
+    monkeypatch.delenv("OVERCAST_AGGREGATORS", raising=False)
+    with Cluster(2, 100_000_000) as cluster:
+        aggregators = cluster.start_aggregators()
+        started = cluster.aggregator_addresses
+        try:
+            seen = cluster.run(aggregators_seen)
+        finally:
+            for proc in aggregators:
+                cluster.stop_aggregator(proc)
+    assert started and seen == [started] * 2
+
+
 @pytest.mark.parametrize("both", [False, True])
 def test_rate_is_enforced_per_direction_and_counted(both):
     nbytes, rate = 3_000_000, 100_000_000

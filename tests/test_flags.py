@@ -228,7 +228,8 @@ def test_the_old_name_of_the_aggregator_says_so_and_takes_the_same_flags():
     usage, about, *flags = help_of("switch")
     new_usage, _, *new_flags = help_of("aggregator")
     assert " ".join(about.split()) == ("the old name of `overcast aggregator`, kept as an "
-                                       "alias: the same flags, the same service")
+                                       "alias: the same flags, the same service (set "
+                                       "OVERCAST_SECRET, or OVERCAST_SECRETS, as for it)")
     assert usage.split(maxsplit=3)[3] .split() == new_usage.split(maxsplit=3)[3].split()
     assert flags == new_flags
 
@@ -245,6 +246,7 @@ def test_the_old_name_of_the_aggregator_runs_it_after_a_note():
     assert runs == [True, False, False]
 
 
+@pytest.mark.filterwarnings("ignore:OVERCAST_SWITCH is the old name")  # said once: its own test
 def test_the_aggregators_are_read_under_either_name_and_a_contradiction_is_refused(
         monkeypatch):
     for new, old, read in ((None, None, None), ("10.0.0.1", None, "10.0.0.1"),
@@ -263,6 +265,18 @@ def test_the_aggregators_are_read_under_either_name_and_a_contradiction_is_refus
     with pytest.raises(InvalidArgumentError) as err:
         communicator()  # before it meets anyone: its store would raise
     assert str(err.value) == said
+
+
+def test_the_old_name_of_the_aggregators_variable_says_so_once(monkeypatch):
+    import overcast.limits
+
+    overcast.limits._say_old_name_once.cache_clear()
+    monkeypatch.delenv("OVERCAST_AGGREGATORS", raising=False)
+    monkeypatch.setenv("OVERCAST_SWITCH", "10.0.0.2:9")
+    with pytest.warns(FutureWarning, match="OVERCAST_SWITCH is the old name of "
+                                           "OVERCAST_AGGREGATORS") as said:
+        assert aggregators_from_env() == aggregators_from_env() == "10.0.0.2:9"
+    assert len(said) == 1
 
 
 def test_the_communicators_old_keyword_for_its_aggregators_says_so_and_never_contradicts():

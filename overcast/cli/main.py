@@ -338,8 +338,8 @@ def _add_aggregator(command) -> None:
         (
             "switch",
             commands.switch,
-            "the old name of `overcast aggregator`, kept as an alias: the "
-            "same flags, the same service",
+            "the old name of `overcast aggregator`, kept as an alias: the same flags, the same "
+            "service (set OVERCAST_SECRET, or OVERCAST_SECRETS, as for it)",
         ),
     ):
         _aggregator_flags(command(name, help)).set_defaults(func=func)
@@ -457,6 +457,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     # Before torch loads: gloo's warnings about hosts without names (namespaces have none).
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    from overcast.cluster.launch import RankError
     from overcast.cluster.netns import ClusterError
 
     try:
@@ -464,6 +465,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ClusterError, ValueError) as err:
         print(f"overcast: {_as_typed(str(err), argv)}", file=sys.stderr)
         return 2
+    except RankError as err:  # each rank's last line: what it raised, died of, or timed out on
+        print(f"overcast: the job failed: {err}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("overcast: interrupted; cleaned up", file=sys.stderr)
         return 130

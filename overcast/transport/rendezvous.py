@@ -106,13 +106,13 @@ class Links:
     multicast: socket.socket | None
     multicast_error: str | None
     # The registration streams to the aggregators (kept open: their closing says one died) and
-    # their host:port as OVERCAST_SWITCH names them, by the id of each one's first endpoint, and
-    # the aggregator endpoints in-network reductions are striped over, by stripe.
+    # their host:port as OVERCAST_AGGREGATORS names them, by the id of each one's first
+    # endpoint, and the aggregator endpoints in-network reductions are striped over, by stripe.
     aggregator_sockets: dict[int, socket.socket] = dataclasses.field(default_factory=dict)
     aggregator_names: dict[int, str] = dataclasses.field(default_factory=dict)
     endpoints: list[tuple[str, int]] = dataclasses.field(default_factory=list)
     aggregator_slots: int = 0
-    aggregator_error: str | None = "no aggregator configured (set OVERCAST_SWITCH=host:port)"
+    aggregator_error: str | None = "no aggregator configured (set OVERCAST_AGGREGATORS=host:port)"
     # Registers this rank anew with the aggregator of `peer` (the id of its first endpoint) at
     # `epoch`, its HELLO sealed by `seal`, within `timeout` seconds, restarted after it was
     # lost: its Registration, or why not (register_with_aggregator)
@@ -483,7 +483,7 @@ def close_links(links: Links) -> None:
 
 
 def parse_aggregators(spec: str) -> list[tuple[str, int]]:
-    """OVERCAST_SWITCH's aggregators, "host[:port],host[:port],...", in order."""
+    """OVERCAST_AGGREGATORS' aggregators, "host[:port],host[:port],...", in order."""
     out = []
     for part in spec.split(","):
         host, _, port = part.strip().partition(":")

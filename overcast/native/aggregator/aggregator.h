@@ -1,8 +1,8 @@
 /* The aggregator's reduction engine, sans I/O: what a switch that sums does, for many
  * communicators at once. Fed authentic messages or sealed datagrams and the clock; it leaves
  * what it wants sent in its outbox and says when to wake it. No socket, thread or clock here
- * (service.h owns those), so tests drive it on an in-memory fabric with a fake
- * clock.
+ * (service.h serves its socket, shards.h runs its threads, common/clock.h reads the time), so
+ * tests drive it on an in-memory fabric with a fake clock.
  *
  * Protocol (docs/protocols.md): a reduction may be striped over several endpoints (numbering.h);
  * each engine sees its own stripe's chunks, numbered g = 0, 1, ... Per reduction a window of
