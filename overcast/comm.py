@@ -191,7 +191,7 @@ class Communicator:
                 "aggregators, switch",
             )
             aggregators = switch
-        if aggregators is None:  # here, so that a contradiction is refused before any work
+        if aggregators is None:  # read before any work
             aggregators = aggregators_from_env()
         self.link_bits_per_s = link_bits_per_s
         self.roots = self.world_size if roots is None else roots

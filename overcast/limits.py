@@ -202,24 +202,22 @@ def bytes_from_env(name: str, default: int) -> int:
 
 def aggregators_from_env() -> str | None:
     """The job's aggregators, "host[:port],host[:port],..." in order, as OVERCAST_AGGREGATORS
-    names them, or OVERCAST_SWITCH (its old name, still read); None where neither does. Both
-    set to different lists is refused, naming both: which one was meant is not ours to guess."""
+    names them, or OVERCAST_SWITCH (its old name, still read, saying so once); None where
+    neither does. Where both are set, the new name wins: an old one left in a shell or a
+    launcher's environment cannot contradict what a job (or the emulated cluster) sets."""
     given, old = os.environ.get("OVERCAST_AGGREGATORS"), os.environ.get("OVERCAST_SWITCH")
-    if given and old and given != old:
-        raise InvalidArgumentError(
-            f"OVERCAST_AGGREGATORS={given!r} and OVERCAST_SWITCH={old!r} "
-            f"(its old name) name different aggregators: set "
-            f"OVERCAST_AGGREGATORS alone"
-        )
     if old and not given:
-        _say_old_name_once()
+        _say_once(
+            "OVERCAST_SWITCH is the old name of OVERCAST_AGGREGATORS: it is read, set that instead"
+        )
+    elif old and given and old != given:
+        _say_once(
+            f"OVERCAST_SWITCH={old!r} (the old name of OVERCAST_AGGREGATORS) is ignored: "
+            f"OVERCAST_AGGREGATORS={given!r} is set"
+        )
     return given or old or None
 
 
 @functools.cache
-def _say_old_name_once() -> None:
-    warnings.warn(
-        "OVERCAST_SWITCH is the old name of OVERCAST_AGGREGATORS: it is read, set that instead",
-        FutureWarning,
-        stacklevel=3,
-    )
+def _say_once(message: str) -> None:
+    warnings.warn(message, FutureWarning, stacklevel=3)

@@ -12,7 +12,7 @@ os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
 import pytest  # noqa: E402
 
 from overcast.cluster.launch import loopback_placements, run_ranks  # noqa: E402
-from overcast.cluster.netns import list_namespaces  # noqa: E402
+from overcast.cluster.netns import PREFIX, RUN_DIR, list_namespaces  # noqa: E402
 
 
 def pytest_addoption(parser):
@@ -29,13 +29,34 @@ def widest(text: str) -> int:
     return max((len(line) for line in text.splitlines()), default=0)
 
 
+def made_here(name: str) -> bool:
+    """Whether emulated-cluster namespace `name` is this session's to answer for: its run was
+    made by this process or one it started, or by one that is gone (nobody will remove it). A
+    live run of another process on the machine (another suite, a soak) is not."""
+    run_id = name[len(PREFIX):].split("-")[0]
+    try:
+        with open(os.path.join(RUN_DIR, run_id)) as f:
+            pid = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return True  # no owner on record
+    while pid > 1:
+        if pid == os.getpid():
+            return True
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                pid = int(f.read().rsplit(")", 1)[1].split()[1])  # its parent
+        except (OSError, ValueError, IndexError):
+            return True  # its owner is gone
+    return False
+
+
 @pytest.fixture(scope="session", autouse=True)
 def nothing_left_behind():
     """After the whole suite: no namespace of ours and no child process of ours remain."""
     before = set(list_namespaces()) if os.geteuid() == 0 else set()
     yield
     if os.geteuid() == 0:
-        left = set(list_namespaces()) - before
+        left = {name for name in set(list_namespaces()) - before if made_here(name)}
         assert not left, f"namespaces left behind: {sorted(left)}"
     children = subprocess.run(["ps", "-o", "pid=,stat=,cmd=", "--ppid", str(os.getpid())],
                               capture_output=True, text=True).stdout.split("\n")

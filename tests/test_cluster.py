@@ -205,6 +205,27 @@ def test_interrupt_and_terminate_tear_the_cluster_down(sig):
     assert not any(run_id in n for n in list_namespaces())
 
 
+def test_the_suite_answers_for_its_own_namespaces_and_those_of_the_dead_alone():
+    """The end-of-suite check counts a namespace made by this process (or a child), or by one
+    that is gone; a live run of another process (pid 1 stands for one) is not its business."""
+    from conftest import made_here
+    from overcast.cluster.netns import PREFIX, RUN_DIR
+
+    with Cluster(1, 100_000_000, service=False) as cluster:
+        assert made_here(cluster.host_ns[0])
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # reaped: its pid names no process
+    for run_id, pid, ours in (("c0ffee", 1, False), ("dead01", gone.pid, True)):
+        path = os.path.join(RUN_DIR, run_id)
+        with open(path, "w") as f:
+            f.write(f"{pid}\n")
+        try:
+            assert made_here(f"{PREFIX}{run_id}-h0") is ours
+        finally:
+            os.unlink(path)
+    assert made_here(f"{PREFIX}nofile-h0")
+
+
 def test_clean_removes_what_a_killed_run_left_and_spares_live_runs():
     proc, dead = start_cluster_cli()
     proc.kill()

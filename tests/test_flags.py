@@ -246,37 +246,36 @@ def test_the_old_name_of_the_aggregator_runs_it_after_a_note():
     assert runs == [True, False, False]
 
 
-@pytest.mark.filterwarnings("ignore:OVERCAST_SWITCH is the old name")  # said once: its own test
-def test_the_aggregators_are_read_under_either_name_and_a_contradiction_is_refused(
-        monkeypatch):
+@pytest.mark.filterwarnings("ignore:OVERCAST_SWITCH")  # what it says: the next test's
+def test_the_aggregators_are_read_under_either_name_the_new_one_winning(monkeypatch):
     for new, old, read in ((None, None, None), ("10.0.0.1", None, "10.0.0.1"),
                            (None, "10.0.0.2:9", "10.0.0.2:9"),
-                           ("10.0.0.1", "10.0.0.1", "10.0.0.1")):
+                           ("10.0.0.1", "10.0.0.1", "10.0.0.1"),
+                           ("10.0.0.1,10.0.0.2", "10.0.0.1", "10.0.0.1,10.0.0.2")):
         for name, value in (("OVERCAST_AGGREGATORS", new), ("OVERCAST_SWITCH", old)):
             if value is None:
                 monkeypatch.delenv(name, raising=False)
             else:
                 monkeypatch.setenv(name, value)
         assert aggregators_from_env() == read
-    monkeypatch.setenv("OVERCAST_AGGREGATORS", "10.0.0.1,10.0.0.2")
-    monkeypatch.setenv("OVERCAST_SWITCH", "10.0.0.1")
-    said = ("OVERCAST_AGGREGATORS='10.0.0.1,10.0.0.2' and OVERCAST_SWITCH='10.0.0.1' (its old "
-            "name) name different aggregators: set OVERCAST_AGGREGATORS alone")
-    with pytest.raises(InvalidArgumentError) as err:
-        communicator()  # before it meets anyone: its store would raise
-    assert str(err.value) == said
 
 
 def test_the_old_name_of_the_aggregators_variable_says_so_once(monkeypatch):
     import overcast.limits
 
-    overcast.limits._say_old_name_once.cache_clear()
+    overcast.limits._say_once.cache_clear()
     monkeypatch.delenv("OVERCAST_AGGREGATORS", raising=False)
     monkeypatch.setenv("OVERCAST_SWITCH", "10.0.0.2:9")
     with pytest.warns(FutureWarning, match="OVERCAST_SWITCH is the old name of "
                                            "OVERCAST_AGGREGATORS") as said:
         assert aggregators_from_env() == aggregators_from_env() == "10.0.0.2:9"
-    assert len(said) == 1
+    monkeypatch.setenv("OVERCAST_AGGREGATORS", "10.0.0.1")
+    with pytest.warns(FutureWarning) as ignored:
+        assert aggregators_from_env() == aggregators_from_env() == "10.0.0.1"
+    assert len(said) == len(ignored) == 1
+    assert str(ignored[0].message) == ("OVERCAST_SWITCH='10.0.0.2:9' (the old name of "
+                                       "OVERCAST_AGGREGATORS) is ignored: "
+                                       "OVERCAST_AGGREGATORS='10.0.0.1' is set")
 
 
 def test_the_communicators_old_keyword_for_its_aggregators_says_so_and_never_contradicts():

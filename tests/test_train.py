@@ -23,10 +23,20 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--np
 CLI = [sys.executable, "-m", "overcast.cli.main"]
 
 
-def aggregators_running() -> int:
+def aggregators_running(tag: str) -> int:
+    """Aggregator processes started under `tag` (an environment variable's value they inherit):
+    this test's, not another's on the machine."""
     out = subprocess.run(["pgrep", "-f", "overcast.cli.main aggregator"], capture_output=True,
                          text=True).stdout
-    return len(out.split())
+    mark = f"OVERCAST_TEST_RUN={tag}".encode()
+    running = 0
+    for pid in out.split():
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                running += mark in f.read().split(b"\0")
+        except OSError:  # gone meanwhile
+            pass
+    return running
 
 
 def losses(stdout: str) -> list[float]:
@@ -40,8 +50,9 @@ def losses(stdout: str) -> list[float]:
 def test_example_under_torchrun(flags):
     """The same script, unchanged, on one machine's loopback: rank 0 starts the aggregator for
     in-network reduction; the torch backend's separate ReduceScatter group exits cleanly."""
-    before = aggregators_running()
-    env = {**os.environ, "OVERCAST_LINK_BITS_PER_S": "1e9", "OMP_NUM_THREADS": "1"}
+    tag = os.urandom(8).hex()
+    env = {**os.environ, "OVERCAST_LINK_BITS_PER_S": "1e9", "OMP_NUM_THREADS": "1",
+           "OVERCAST_TEST_RUN": tag}
     for name in ("OVERCAST_AGGREGATORS", "OVERCAST_SWITCH"):  # its old name
         env.pop(name, None)
     proc = subprocess.run(TORCHRUN + EXAMPLE[1:] + flags, capture_output=True, text=True,
@@ -49,7 +60,7 @@ def test_example_under_torchrun(flags):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "terminate called" not in proc.stderr
     assert len(losses(proc.stdout)) == 2
-    assert aggregators_running() == before
+    assert aggregators_running(tag) == 0
 
 
 def test_own_model_trains_as_under_gloo():

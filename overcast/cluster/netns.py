@@ -504,12 +504,8 @@ class Cluster:
             "OVERCAST_SECRET": self.secret,
             "OVERCAST_LINK_BITS_PER_S": str(self.link_bits_per_s),
             "GLOO_SOCKET_IFNAME": "eth0",
-            # the old name too, so that one left in the caller's environment cannot contradict it
             **(
-                {
-                    "OVERCAST_AGGREGATORS": self.aggregator_addresses,
-                    "OVERCAST_SWITCH": self.aggregator_addresses,
-                }
+                {"OVERCAST_AGGREGATORS": self.aggregator_addresses}
                 if self.aggregator_addresses
                 else {}
             ),
