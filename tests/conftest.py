@@ -12,7 +12,7 @@ os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
 import pytest  # noqa: E402
 
 from overcast.cluster.launch import loopback_placements, run_ranks  # noqa: E402
-from overcast.cluster.netns import PREFIX, RUN_DIR, list_namespaces  # noqa: E402
+from overcast.cluster.netns import list_namespaces, run_owner  # noqa: E402
 
 
 def pytest_addoption(parser):
@@ -33,11 +33,8 @@ def made_here(name: str) -> bool:
     """Whether emulated-cluster namespace `name` is this session's to answer for: its run was
     made by this process or one it started, or by one that is gone (nobody will remove it). A
     live run of another process on the machine (another suite, a soak) is not."""
-    run_id = name[len(PREFIX):].split("-")[0]
-    try:
-        with open(os.path.join(RUN_DIR, run_id)) as f:
-            pid = int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
+    pid = run_owner(name)
+    if pid is None:
         return True  # no owner on record
     while pid > 1:
         if pid == os.getpid():

@@ -151,14 +151,30 @@ def _tbf(rate_bits: int, mtu: int, queue_bytes: int) -> list[str]:
     return ["tbf", "rate", f"{rate_bits}bit", "burst", str(burst), "limit", str(queue_bytes)]
 
 
-def _owner_alive(run_id: str) -> bool:
+def run_owner(name: str) -> int | None:
+    """The pid of the process that made the run namespace `name` belongs to, as its run file
+    says; None where none is on record."""
     try:
-        with open(os.path.join(RUN_DIR, run_id)) as f:
-            pid = int(f.read().split()[0])
-        os.kill(pid, 0)
-        return True
+        with open(os.path.join(RUN_DIR, run_of(name))) as f:
+            return int(f.read().split()[0])
     except (OSError, ValueError, IndexError):
+        return None
+
+
+def run_of(name: str) -> str:
+    """The run id of emulated-cluster namespace `name` (oc-<run>-<part>)."""
+    return name[len(PREFIX) :].split("-")[0]
+
+
+def _owner_alive(name: str) -> bool:
+    pid = run_owner(name)
+    if pid is None:
         return False
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        return False
+    return True
 
 
 def list_namespaces() -> list[str]:
@@ -180,8 +196,8 @@ def clean_leftovers(force: bool = False) -> list[str]:
     """Remove namespaces of runs whose owning process is gone (all overcast ones if force)."""
     removed = []
     for name in list_namespaces():
-        run_id = name[len(PREFIX) :].split("-")[0]
-        if force or not _owner_alive(run_id):
+        run_id = run_of(name)
+        if force or not _owner_alive(name):
             _kill_namespace_processes(name)
             _ip("netns", "del", name, check=False)
             removed.append(name)

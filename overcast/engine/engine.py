@@ -510,8 +510,9 @@ class Engine:
         session told, if it is still wanted and the aggregator offers what it did."""
         session = self.session
         stripes = session.aggregators[peer][1]
+        wanted = peer in session.lost and peer not in self._renewed
         why = None
-        if peer not in session.lost or peer in self._renewed:
+        if not wanted:
             why = "not wanted any more"
         elif len(registration.ports) != len(stripes):
             why = (
@@ -525,7 +526,7 @@ class Engine:
             )
         if why is not None:
             registration.sock.close()
-            if peer in session.lost and peer not in self._renewed:
+            if wanted:  # it answers, but not as the communicator needs
                 session.cannot_take_back(peer, why)
                 if self._rejoiner is not None:
                     self._rejoiner.refused(peer)
