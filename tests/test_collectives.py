@@ -189,3 +189,38 @@ def test_rendezvous_through_a_torch_tcpstore():
 def test_several_collectives_in_flight():
     first, *others = run_ranks(overlapped, loopback_placements(3), timeout=120)
     assert first[0] and others == [[True, 6], [True, 6]]
+
+
+def callbacks_past_one_that_raises(rank):
+    """Rank 0 gives an AllGather three callbacks, the first raising, before rank 1 posts its
+    part (a side barrier), so the engine's thread runs them. (Whether the later two ran, what
+    reached threading.excepthook, and whether a second AllGather is exact.)"""
+    said = []
+    threading.excepthook = lambda args: said.append(
+        f"{args.thread.name}: {type(args.exc_value).__name__}: {args.exc_value}")
+    with overcast.Communicator(timeout=30) as comm, \
+            overcast.Communicator(timeout=30, name="side") as side:
+        ran = []
+        out = np.empty(2 * 100, np.int32)
+        if rank == 1:
+            side.barrier()
+        work = comm.all_gather(out, np.full(100, rank, np.int32), async_op=True)
+        if rank == 0:
+            def fail():
+                raise ValueError("a callback's bug")
+            for fn in (fail, lambda: ran.append("second"), lambda: ran.append("third")):
+                work.add_done_callback(fn)
+            side.barrier()
+        work.wait(timeout=30)
+        again = np.empty(2 * 100, np.int32)
+        comm.all_gather(again, np.full(100, 10 + rank, np.int32))
+        exact = bool((again.reshape(2, 100) == np.array([[10], [11]])).all())
+        return [ran, said, exact]
+
+
+def test_a_callback_that_raises_leaves_the_others_and_the_engine_running():
+    first, second = run_ranks(callbacks_past_one_that_raises, loopback_placements(2),
+                              timeout=120)
+    assert first == [["second", "third"], ["overcast-engine-0: ValueError: a callback's bug"],
+                     True]
+    assert second == [[], [], True]

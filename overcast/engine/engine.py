@@ -56,6 +56,19 @@ _LINGER_SECONDS = 0.5
 _MAX_WAIT = 0.5
 
 
+def _report_callback_error(err: Exception) -> None:
+    """Say what a Work's callback raised the way a thread's uncaught error is said, without
+    ending the thread: never raised into the engine's loop."""
+    try:
+        threading.excepthook(
+            threading.ExceptHookArgs(
+                (type(err), err, err.__traceback__, threading.current_thread())
+            )
+        )
+    except Exception:  # a hook that raises: nothing more can be said from here
+        pass
+
+
 class Work:
     """A handle on one collective or transfer in flight, as torch.distributed's Work. `source`
     is a recv's sender, once it is complete."""
@@ -78,11 +91,16 @@ class Work:
             self._verified.set()
             callbacks, self._callbacks = self._callbacks, []
         for fn in callbacks:
-            fn()
+            try:
+                fn()
+            except Exception as err:  # each still runs (one may open another's stream gate)
+                _report_callback_error(err)
 
     def add_done_callback(self, fn) -> None:
         """Call fn() once the collective finished, failed or not: at once if it has, otherwise on
-        the thread that finishes it (the engine's). fn must be quick and must not raise."""
+        the thread that finishes it (the engine's). fn must be quick. What it raises on the
+        engine's thread goes to threading.excepthook (printed, as for a thread that died), and
+        the engine and the other callbacks go on."""
         with self._lock:
             if not self._event.is_set():
                 self._callbacks.append(fn)
