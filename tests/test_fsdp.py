@@ -18,7 +18,8 @@ import overcast
 import overcast.fsdp
 from overcast.cluster.launch import RankError, loopback_placements, run_ranks
 from overcast.engine.engine import Work
-from overcast.fsdp.collectives import _Posted, premultiplied, reduce_op
+from overcast.fsdp.collectives import Poster, premultiplied, reduce_op
+from overcast.fsdp.timing import CommTime
 from overcast.torch_api import collectives, own_reduce_scatter_group, param_groups, premul_sum
 
 HIDDEN = 37  # every unit's parameter count (37*37 = 1369; root 449) is divisible by no P in 2..4
@@ -506,12 +507,52 @@ def test_job_communicator_starts_the_aggregator_and_reduces_in_network():
 def test_a_posted_collective_waits_its_timeout_in_all():
     """wait(timeout) on a GPU collective the poster thread posts late: the timeout covers the
     posting and the collective together (it used to wait it for each)."""
-    posted = _Posted("all_gather")
-    posted.work = Work(0, "all_gather")  # never completes
-    timer = threading.Timer(0.6, posted._posted.set)
+    poster, copied_in = Poster(), threading.Event()
+    never = Work(0, "all_gather")  # never completes
+    handle = poster.submit(copied_in.wait, lambda: never, "AG blocks.1", CommTime())
+    timer = threading.Timer(0.6, copied_in.set)
     timer.start()
     began = time.monotonic()
     with pytest.raises(TimeoutError):
-        posted.wait(1.0)
+        handle.wait(1.0)
     timer.join()
     assert time.monotonic() - began < 1.4
+    poster.close()
+
+
+def test_a_poster_outlives_calls_that_fail():
+    """Each call's failure (its input's copy, its posting, the `done` that opens its gate) is
+    that call's error alone: every call's `done` runs once, and the poster goes on to the
+    next (a `done` that raised ended its thread, and every later wait hung)."""
+    poster, times, ran = Poster(), CommTime(), []
+
+    def raise_(error):
+        raise error
+
+    def done(name, error=None):
+        def run():
+            ran.append(name)
+            if error is not None:
+                raise error
+        return run
+
+    finished = Work(7, "all_gather")
+    finished._finish(None)
+    calls = [
+        (lambda: raise_(RuntimeError("the copy in failed")), lambda: finished,
+         done("copy", ValueError("the gate"))),
+        (lambda: None, lambda: raise_(OSError("posting failed")), done("post")),
+        (lambda: None, lambda: finished, done("done", ValueError("the gate did not open"))),
+        (lambda: None, lambda: finished, done("fine")),
+    ]
+    handles = [poster.submit(ready, post, "AG blocks.1", times, finish)
+               for ready, post, finish in calls]
+    said = []
+    for handle in handles:
+        try:
+            said.append(handle.wait(30))
+        except (RuntimeError, OSError, ValueError) as err:
+            said.append(str(err))
+    poster.close()
+    assert said == ["the copy in failed", "posting failed", "the gate did not open", True]
+    assert ran == ["copy", "post", "done", "fine"]

@@ -23,9 +23,9 @@ result.
 from __future__ import annotations
 
 import collections
+import functools
 import queue
 import threading
-import time
 
 import torch
 import torch.distributed as dist
@@ -95,16 +95,22 @@ class _Staged:
         device = output.device
         self.times = times
         self.staging = Staging(device, torch.cuda.current_stream(device), process_pool())
-        self.input = self.staging.twin(input, read=True, written=False)
-        self.output = self.staging.twin(output, read=False, written=True)
-        self.staging.sealed()
-        if host_waits:
-            self.staging.arrived()  # the host reads the input from here on
+        try:
+            self.input = self.staging.twin(input, read=True, written=False)
+            self.output = self.staging.twin(output, read=False, written=True)
+            self.staging.sealed()
+            if host_waits:
+                self.staging.arrived()  # the host reads the input from here on
+        except BaseException:
+            self.staging.release()
+            raise
 
-    @property
-    def ready(self):
-        """The event after the input's copy to the host."""
-        return self.staging.copied_in
+    def input_on_host(self) -> None:
+        """Block until the input's copy to the host is done. On the poster's thread, whose
+        device it makes the call's first (a thread's first CUDA call would otherwise make a
+        context on device 0)."""
+        torch.cuda.set_device(self.staging.device)
+        self.staging.arrived()
 
     def copy_back(self, release: bool = True) -> None:
         """Queue the output's copy to the GPU on the call's stream; make the current stream
@@ -127,73 +133,78 @@ def stage_on_host(
 
 
 class _Posted:
-    """A collective handed to a `Poster`, as overcast's Work: done once posted and done."""
+    """A collective handed to a `Poster`, as overcast's Work: complete once posted, done and
+    its `done` run, failed or not (so a stream gate that `done` opens is open by then)."""
 
     def __init__(self, description: str):
         self.description = description
         self.work: Work | None = None
-        self.error: BaseException | None = None
-        self._posted = threading.Event()
+        self.error: BaseException | None = None  # from posting it, or from `done`
+        self._complete = threading.Event()
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Wait `timeout` seconds at most in all, for the posting and the collective."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        if not self._posted.wait(timeout):
-            raise TimeoutError(f"{self.description} not posted after {timeout} s")
+        """Wait `timeout` seconds at most in all, for the posting and the collective; raise
+        the collective's error, or else posting's or `done`'s."""
+        if not self._complete.wait(timeout):
+            raise TimeoutError(f"{self.description} not complete after {timeout} s")
+        if self.work is not None:
+            self.work.wait(0)
         if self.error is not None:
             raise self.error
-        assert self.work is not None  # posted without an error
-        return self.work.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        return True
 
     def is_completed(self) -> bool:
-        if not self._posted.is_set():
-            return False
-        if self.error is not None:
-            return True
-        assert self.work is not None  # posted without an error
-        return self.work.is_completed()
+        return self._complete.is_set()
+
+    def _settle(self, done) -> None:
+        """Run `done` (what it raises is this call's error, unless it has one), then complete:
+        on the poster's thread or the engine's, neither of which it may end."""
+        try:
+            if done is not None:
+                done()
+        except BaseException as err:
+            if self.error is None:
+                self.error = err
+        finally:
+            self._complete.set()
 
 
 class Poster:
     """On a GPU, the thread that posts one model's collectives on its communicator, in the
     order FSDP2 called them (the same on every rank), each once its input's copy to the host is
-    done: the training thread queues the copies and goes on, as it would with NCCL."""
+    done: the training thread queues the copies and goes on, as it would with NCCL. Whatever a
+    call raises fails that call alone: the thread goes on to the next."""
 
-    def __init__(self, times: CommTime):
-        self.times = times
+    def __init__(self):
         self._calls: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
 
-    def submit(self, device: torch.device, ready, post, label: str, done=None) -> _Posted:
-        """Post `post()` once the CUDA event `ready` has happened; then call `done()` once the
-        collective is done, failed or not (also if posting raised)."""
+    def submit(self, ready, post, label: str, times: CommTime, done=None) -> _Posted:
+        """Post `post()` once `ready()` returns (the input is on the host); then call `done()`
+        once the collective is done, failed or not (also if `ready` or posting raised). With
+        `times.keep_labels`, the collective is named `label` there."""
         if self._thread is None:
-            self._thread = threading.Thread(
-                target=self._run, args=(device,), daemon=True, name="overcast-poster"
-            )
-            self._thread.start()
+            thread = threading.Thread(target=self._run, daemon=True, name="overcast-poster")
+            thread.start()  # where it cannot, the call raises with nothing queued
+            self._thread = thread
         handle = _Posted(label)
-        self._calls.put((ready, post, label, done, handle))
+        self._calls.put((ready, post, label, times, done, handle))
         return handle
 
-    def _run(self, device: torch.device) -> None:
-        torch.cuda.set_device(device)
+    def _run(self) -> None:
         while (call := self._calls.get()) is not None:
-            ready, post, label, done, handle = call
+            ready, post, label, times, done, handle = call
             try:
-                ready.synchronize()
-                handle.work = post()
-                if self.times.keep_labels:
-                    self.times.labels[handle.work.seq] = label
+                ready()
+                work = post()
             except BaseException as err:  # the waiter raises it
                 handle.error = err
-                if done is not None:
-                    done()
+                handle._settle(done)
             else:
-                if done is not None:
-                    handle.work.add_done_callback(done)
-            finally:
-                handle._posted.set()
+                handle.work = work
+                work.add_done_callback(functools.partial(handle._settle, done))
+                if times.keep_labels:
+                    times.labels[work.seq] = label
 
     def close(self) -> None:
         """Post what was submitted, then stop."""
@@ -307,7 +318,7 @@ class TimedAllGather(_Hook, AllGather):
                 assert staging is not None  # the poster's tensors are on a GPU
                 post = issue
                 issue = lambda: poster.submit(  # noqa: E731
-                    output_tensor.device, staging.ready, post, f"AG {self.label}"
+                    staging.input_on_host, post, f"AG {self.label}", self.times
                 )
         work = self._post("AG", issue, algorithm, staging)
         if async_op:
@@ -494,5 +505,5 @@ class TimedReduceScatter(_Hook, ReduceScatter):
             )
 
         return lambda: poster.submit(
-            output_tensor.device, staging.ready, post, f"RS {self.label}", done
+            staging.input_on_host, post, f"RS {self.label}", self.times, done
         )

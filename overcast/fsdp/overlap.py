@@ -212,7 +212,7 @@ class Overlap:
         self.algorithms: dict[str, str | None] = {}
         self._deferred = DeferredReduceScatters()
         # posts overcast's collectives on a GPU (its thread starts with the first)
-        self._poster = Poster(times) if comm is not None else None
+        self._poster = Poster() if comm is not None else None
         self._closed = False
 
     def stats(self) -> dict:
