@@ -23,6 +23,7 @@ result.
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import queue
 import threading
@@ -33,7 +34,7 @@ import torch.distributed as dist
 from overcast.engine.engine import Work
 from overcast.errors import InvalidArgumentError
 from overcast.fsdp.timing import CommTime, Clock, InFlight
-from overcast.staging import Staging, device_of, process_pool, stream_gates
+from overcast.staging import Staging, StreamGates, device_of, process_pool, stream_gates
 from overcast.torch_api import (
     AllGather,
     ReduceScatter,
@@ -130,6 +131,36 @@ def stage_on_host(
         return None
     with Clock(times, "post"):
         return _Staged(output, input, times, host_waits)
+
+
+class _Gated:
+    """A collective's output copied back behind a stream gate on its staging's stream: the
+    stream stops there until `open()`, called once the collective is done, failed or not (the
+    output is undefined then, but the stream goes on), or by the call when posting it failed.
+    The gate opens and the buffers go back once, whichever path comes first."""
+
+    def __init__(self, staged: _Staged, gates: StreamGates):
+        self.staged = staged
+        self._open_gate = None
+        self._opened = False
+        self._lock = threading.Lock()
+        try:
+            self._open_gate = gates.close_on(staged.staging.stream)  # open if it raises
+            staged.copy_back(release=False)
+        except BaseException:
+            self.open()
+            raise
+
+    def open(self) -> None:
+        with self._lock:
+            if self._opened:
+                return
+            self._opened = True
+        try:
+            if self._open_gate is not None:
+                self._open_gate()
+        finally:
+            self.staged.staging.release()
 
 
 class _Posted:
@@ -239,18 +270,24 @@ class _Hook:
         return torch.empty(*size, dtype=dtype, device=device)
 
     def _post(
-        self, kind: str, issue, algorithm: str | None, staging: _Staged | None = None
+        self,
+        kind: str,
+        issue,
+        algorithm: str | None,
+        staging: _Staged | None = None,
+        gated: _Gated | None = None,
     ) -> TimedWork:
         name = f"overcast {_NAMES[kind]} {self.label} ({algorithm or 'process group'})"
-        with Clock(self.times, "post"):
+        with Clock(self.times, "post"), contextlib.ExitStack() as failed:
+            # whatever raises until it is posted, the gate opens and the buffers go back
+            if gated is not None:
+                failed.callback(gated.open)
+            elif staging is not None:
+                failed.callback(staging.staging.release)
             in_flight = InFlight(self.times, kind, self.label, name)
-            try:
-                work = issue()
-            except BaseException:
-                in_flight.end()
-                if staging is not None:
-                    staging.staging.release()
-                raise
+            failed.callback(in_flight.end)
+            work = issue()
+            failed.pop_all()
             if kind == "AG":
                 self.times.allgathers += 1
             else:
@@ -258,6 +295,27 @@ class _Hook:
             if self.times.keep_labels and isinstance(work, Work):
                 self.times.labels[work.seq] = f"{kind} {self.label}"
         return TimedWork(work, self.times, in_flight, staging)
+
+    def _gate(self, output: torch.Tensor, input: torch.Tensor, what: str) -> _Gated:
+        """Through the poster: the input's copy to the host, a gate, and the output's copy
+        back, queued on the call's stream."""
+        gates = stream_gates()
+        staged = stage_on_host(output, input, self.times, what, host_waits=False)
+        assert staged is not None and gates is not None  # the poster's calls are gated GPU ones
+        with Clock(self.times, "post"):
+            return _Gated(staged, gates)
+
+    def _through(self, poster: Poster, kind: str, gated: _Gated, collective):
+        """What hands `poster` the call of `collective(host output, host input)` once the
+        input is on the host, opening `gated` once it is done."""
+        staged = gated.staged
+        return lambda: poster.submit(
+            staged.input_on_host,
+            lambda: collective(staged.output, staged.input),
+            f"{kind} {self.label}",
+            self.times,
+            gated.open,
+        )
 
 
 class TimedAllGather(_Hook, AllGather):
@@ -446,9 +504,18 @@ class TimedReduceScatter(_Hook, ReduceScatter):
         if deferred is not None:
             assert groups is not None  # read where a deferral is possible
             deferred.make_room(reduce_scatter_input_buffers(groups[0]))
-        staging = None
+        staging = gated = None
         if poster is not None:
-            issue = self._gated(poster, output_tensor, input_tensor, op)
+            name = reduce_op(premultiplied(op, input_tensor, None))
+            gated = self._gate(output_tensor, input_tensor, "ReduceScatter")
+            issue = self._through(
+                poster,
+                "RS",
+                gated,
+                lambda out, inp: self.comm.reduce_scatter(
+                    out, inp, op=name, async_op=True, algorithm=self.algorithm
+                ),
+            )
         elif self.comm is None:
             group = self.group or group
             op = premultiplied(op, input_tensor, group)
@@ -470,40 +537,9 @@ class TimedReduceScatter(_Hook, ReduceScatter):
                 async_op=True,
                 algorithm=self.algorithm,
             )
-        work = self._post("RS", issue, self.algorithm, staging)
+        work = self._post("RS", issue, self.algorithm, staging, gated)
         if async_op:
             return work
         if not (deferred is not None and deferred.add(work)):
             work.wait()
         return None
-
-    def _gated(self, poster: Poster, output_tensor, input_tensor, op):
-        """Through the poster on a GPU: the input's copy to the host, a gate, and the output's
-        copy back are queued on FSDP2's stream, so its event after this call follows the
-        result; the gate opens when the collective is done. Returns what posts it: the
-        training thread goes on."""
-        name = reduce_op(premultiplied(op, input_tensor, None))
-        staging = stage_on_host(
-            output_tensor, input_tensor, self.times, "ReduceScatter", host_waits=False
-        )
-        gates = stream_gates()
-        assert staging is not None and gates is not None  # the poster's tensors are on a GPU
-        try:
-            open_gate = gates.close_on(staging.staging.stream)
-        except RuntimeError:
-            staging.staging.release()
-            raise
-        staging.copy_back(release=False)
-
-        def done():
-            open_gate()
-            staging.staging.release()
-
-        def post():
-            return self.comm.reduce_scatter(
-                staging.output, staging.input, op=name, async_op=True, algorithm=self.algorithm
-            )
-
-        return lambda: poster.submit(
-            staging.input_on_host, post, f"RS {self.label}", self.times, done
-        )
