@@ -6,6 +6,7 @@ import itertools
 import os
 import threading
 import warnings
+from collections.abc import Callable
 
 import numpy as np
 
@@ -244,6 +245,7 @@ class Communicator:
         self._engine = Engine(links, session, self.loss, Trace() if trace else None)
         self._lock = threading.Lock()
         self._seq = 0
+        self._number_after: Callable[[], None] | None = None  # see number_after
         self._closed = False
         self._copy_limit = bytes_from_env(SEND_COPY_ENV, DEFAULT_SEND_COPY_BYTES)
         self._copied = 0  # bytes of copied sends not yet taken
@@ -678,6 +680,8 @@ class Communicator:
             if isinstance(error, OvercastError)
             else OvercastError(f"{type(error).__name__}: {error}")
         )
+        if self._number_after is not None:
+            self._number_after()
         with self._lock:
             if self._closed:
                 return
@@ -685,10 +689,19 @@ class Communicator:
             self._seq += 1
             self._engine.refuse(seq, told)
 
+    def number_after(self, wait: Callable[[], None] | None) -> None:
+        """Have each collective call `wait()` (None: nothing) before it takes its number.
+        overlap() on a GPU passes its poster's, which returns once what the poster was handed
+        before is posted: a collective the program calls itself is then numbered after them on
+        every rank, as where FSDP2's collectives are posted by the thread that calls them."""
+        self._number_after = wait
+
     def _issue(
         self, desc: Descriptor, out, inp, async_op: bool, layout: SplitSizes | None = None
     ) -> Work | None:
         self.check_algorithm(desc.collective, desc.algorithm)
+        if self._number_after is not None:
+            self._number_after()
         with self._lock:
             if self._closed:
                 raise OvercastError("the communicator is closed")

@@ -18,7 +18,8 @@ import overcast
 import overcast.fsdp
 from overcast.cluster.launch import RankError, loopback_placements, run_ranks
 from overcast.engine.engine import Work
-from overcast.fsdp.collectives import Poster, premultiplied, reduce_op
+from overcast.fsdp.collectives import (Poster, hold_poster, premultiplied, reduce_op,
+                                       release_poster)
 from overcast.fsdp.timing import CommTime
 from overcast.torch_api import collectives, own_reduce_scatter_group, param_groups, premul_sum
 
@@ -556,3 +557,50 @@ def test_a_poster_outlives_calls_that_fail():
     poster.close()
     assert said == ["the copy in failed", "posting failed", "the gate did not open", True]
     assert ran == ["copy", "post", "done", "fine"]
+
+
+def beside_the_poster(rank):
+    """Rank 0's poster holds an AllGather until its input is "on the host" while the program
+    goes on to an all_reduce of its own on the same communicator; rank 1 calls both itself.
+    (Rank 0: whether the all_reduce was still held after 2 s, and both results.)"""
+    with overcast.Communicator(timeout=30) as comm:
+        gathered, summed = torch.empty(200, dtype=torch.int32), torch.full((4,), rank + 1.0)
+        shard = torch.full((100,), rank, dtype=torch.int32)
+        if rank == 1:
+            comm.all_gather(gathered, shard)
+            comm.all_reduce(summed)
+            return [None, summed.tolist(), gathered.tolist()]
+        poster, copied_in = hold_poster(comm), threading.Event()
+        handle = poster.submit(copied_in.wait,
+                               lambda: comm.all_gather(gathered, shard, async_op=True),
+                               "AG blocks.1", CommTime())
+        said = []
+
+        def program_goes_on():
+            try:
+                comm.all_reduce(summed)
+                said.append("ok")
+            except overcast.OvercastError as err:
+                said.append(f"{type(err).__name__}: {err}")
+        program = threading.Thread(target=program_goes_on)
+        program.start()
+        program.join(2.0)
+        held = program.is_alive()
+        copied_in.set()
+        program.join()
+        try:
+            handle.wait(30)
+        except overcast.OvercastError as err:
+            said.append(f"{type(err).__name__}: {err}")
+        release_poster(comm)
+        return [held, said, summed.tolist(), gathered.tolist()]
+
+
+def test_a_collective_the_program_calls_is_numbered_after_what_the_poster_holds():
+    """overlap(comm=) on a GPU: FSDP2's collectives are posted by the poster once their input
+    is on the host, and the program's own collective on that communicator waits until the
+    poster has posted what it was handed before, so it takes the same number on every rank
+    (it was numbered first on rank 0, which met rank 1's AllGather)."""
+    first, second = run_ranks(beside_the_poster, loopback_placements(2), timeout=120)
+    assert first == [True, ["ok"], [3.0] * 4, [0] * 100 + [1] * 100], first
+    assert second == [None, [3.0] * 4, [0] * 100 + [1] * 100]

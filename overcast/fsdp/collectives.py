@@ -201,14 +201,17 @@ class _Posted:
 
 
 class Poster:
-    """On a GPU, the thread that posts one model's collectives on its communicator, in the
-    order FSDP2 called them (the same on every rank), each once its input's copy to the host is
+    """On a GPU, the thread that posts the collectives FSDP2 calls on one communicator, in the
+    order it called them (the same on every rank), each once its input's copy to the host is
     done: the training thread queues the copies and goes on, as it would with NCCL. Whatever a
-    call raises fails that call alone: the thread goes on to the next."""
+    call raises fails that call alone: the thread goes on to the next. One per communicator
+    (`hold_poster`), so that the communicator has one order of posting."""
 
     def __init__(self):
         self._calls: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
+        self._counts = threading.Condition()
+        self._submitted = self._posted = 0
 
     def submit(self, ready, post, label: str, times: CommTime, done=None) -> _Posted:
         """Post `post()` once `ready()` returns (the input is on the host); then call `done()`
@@ -219,8 +222,19 @@ class Poster:
             thread.start()  # where it cannot, the call raises with nothing queued
             self._thread = thread
         handle = _Posted(label)
-        self._calls.put((ready, post, label, times, done, handle))
+        with self._counts:
+            self._submitted += 1
+            self._calls.put((ready, post, label, times, done, handle))
         return handle
+
+    def wait_posted(self) -> None:
+        """Return once every call submitted so far is posted (at once on the poster's thread,
+        which posts them in order)."""
+        if threading.current_thread() is self._thread:
+            return
+        with self._counts:
+            submitted = self._submitted
+            self._counts.wait_for(lambda: self._posted >= submitted)
 
     def _run(self) -> None:
         while (call := self._calls.get()) is not None:
@@ -236,6 +250,10 @@ class Poster:
                 work.add_done_callback(functools.partial(handle._settle, done))
                 if times.keep_labels:
                     times.labels[work.seq] = label
+            finally:
+                with self._counts:
+                    self._posted += 1
+                    self._counts.notify_all()
 
     def close(self) -> None:
         """Post what was submitted, then stop."""
@@ -243,6 +261,39 @@ class Poster:
             self._calls.put(None)
             self._thread.join()
             self._thread = None
+
+
+# Each communicator's poster and how many overlap()s hold it, by id(communicator). A
+# collective the program calls on the communicator itself waits until the poster has posted
+# what it was handed before (Communicator.number_after), so that it takes its number after
+# those on every rank, as on CPU, where the thread that calls each collective posts it; two
+# posters, or a caller beside one, would number them in whatever order each rank's threads
+# ran (docs/fsdp.md).
+_posters: dict[int, tuple[Poster, int]] = {}
+_posters_lock = threading.Lock()
+
+
+def hold_poster(comm) -> Poster:
+    """`comm`'s poster, shared by every overlap() on it; give it back with `release_poster`."""
+    with _posters_lock:
+        poster, holders = _posters.get(id(comm), (None, 0))
+        if poster is None:
+            poster = Poster()
+            comm.number_after(poster.wait_posted)
+        _posters[id(comm)] = (poster, holders + 1)
+        return poster
+
+
+def release_poster(comm) -> None:
+    """One holder of `comm`'s poster less; the last posts what it was handed and stops it,
+    and `comm` numbers its collectives at once again."""
+    with _posters_lock:
+        poster, holders = _posters.pop(id(comm))
+        if holders > 1:
+            _posters[id(comm)] = (poster, holders - 1)
+            return
+        poster.close()
+        comm.number_after(None)
 
 
 class _Hook:

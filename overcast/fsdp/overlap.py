@@ -30,6 +30,8 @@ from overcast.fsdp.collectives import (
     Poster,
     TimedAllGather,
     TimedReduceScatter,
+    hold_poster,
+    release_poster,
 )
 from overcast.fsdp.timing import CommTime
 from overcast.job import GroupCommunicator, group_communicator
@@ -211,8 +213,9 @@ class Overlap:
         # what each collective runs (backend="overcast"; None: the process group's own)
         self.algorithms: dict[str, str | None] = {}
         self._deferred = DeferredReduceScatters()
-        # posts overcast's collectives on a GPU (its thread starts with the first)
-        self._poster = Poster() if comm is not None else None
+        # posts overcast's collectives on a GPU (its thread starts with the first), shared
+        # with any other overlap() on the same communicator
+        self._poster = hold_poster(comm) if comm is not None else None
         self._closed = False
 
     def stats(self) -> dict:
@@ -293,7 +296,7 @@ class Overlap:
             if self._made is not None:
                 steps.callback(self._made.close)
             if self._poster is not None:
-                steps.callback(self._poster.close)
+                steps.callback(release_poster, self.comm)
             if self._schedule is not None:
                 steps.callback(restore_schedule, self._schedule)
             steps.callback(_give_back, self._saved)
@@ -409,7 +412,9 @@ def overlap(
     own when its process group is the "overcast" torch.distributed backend, otherwise a new
     Communicator over the FSDP mesh's ranks, meeting through the job's store) with the given
     AllGather ("multicast" or "ring") and ReduceScatter ("innetwork" or "ring") algorithms; an
-    "overcast" group's companion communicator sharing its aggregator, not the group's own.
+    "overcast" group's companion communicator sharing its aggregator, not the group's own. The
+    program may post collectives of its own on `comm` from the thread that runs the model: on a
+    GPU each waits until FSDP2's called before it are posted (docs/fsdp.md).
     `allgather` applies where a ReduceScatter runs beside the AllGather (a backward pass that
     reduces gradients); `unpaired_allgather` everywhere else (the forward pass, and the backward
     of a micro-step with gradient sync off), None for `allgather` there too: alone, a multicast
