@@ -18,9 +18,9 @@ import overcast
 import overcast.fsdp
 from overcast.cluster.launch import RankError, loopback_placements, run_ranks
 from overcast.engine.engine import Work
-from overcast.fsdp.collectives import (Poster, hold_poster, premultiplied, reduce_op,
-                                       release_poster)
-from overcast.fsdp.timing import CommTime
+from overcast.fsdp.collectives import (GatedAllGathers, Poster, TimedWork, hold_poster,
+                                       premultiplied, reduce_op, release_poster)
+from overcast.fsdp.timing import CommTime, InFlight
 from overcast.torch_api import collectives, own_reduce_scatter_group, param_groups, premul_sum
 
 HIDDEN = 37  # every unit's parameter count (37*37 = 1369; root 449) is divisible by no P in 2..4
@@ -604,3 +604,52 @@ def test_a_collective_the_program_calls_is_numbered_after_what_the_poster_holds(
     first, second = run_ranks(beside_the_poster, loopback_placements(2), timeout=120)
     assert first == [True, ["ok"], [3.0] * 4, [0] * 100 + [1] * 100], first
     assert second == [None, [3.0] * 4, [0] * 100 + [1] * 100]
+
+
+def gated_allgather(poster, times, ready, label="blocks.1"):
+    """An AllGather the poster posts once `ready()` returns, whose collective fails (a peer
+    lost), as a gated one's TimedWork holds it."""
+    failed = Work(3, "all_gather")
+    failed._finish(overcast.PeerFailureError("lost the connection to rank 1"))
+    name = f"overcast AllGather {label} (ring)"
+    handle = poster.submit(ready, lambda: failed, f"AG {label}", times)
+    return TimedWork(handle, times, InFlight(times, "AG", label, name), name)
+
+
+def test_a_gated_allgathers_failure_is_raised_by_the_next_call_once():
+    """A forward pass's AllGather whose wait() did not block: its failure is raised by the
+    next collective call that finds it, naming it, and only once."""
+    poster, times, gathers = Poster(), CommTime(keep_labels=True), GatedAllGathers()
+    gathers.add(gated_allgather(poster, times, lambda: None))
+    poster.close()  # posted, and failed
+    with pytest.raises(overcast.PeerFailureError, match="rank 1") as raised:
+        gathers.check()
+    assert raised.value.__notes__ == ["(in overcast AllGather blocks.1 (ring))"]
+    gathers.check()
+    assert [span[:2] for span in times.spans] == [("AG", "blocks.1")]  # its range ended
+
+
+def test_a_gated_allgathers_failure_is_raised_as_the_backward_pass_ends():
+    """Still in flight at a collective call of the backward pass (its input not yet on the
+    host), an AllGather of the forward pass fails later: backward() raises it, naming it."""
+    poster, times, gathers = Poster(), CommTime(), GatedAllGathers()
+    on_host = threading.Event()
+    gathers.add(gated_allgather(poster, times, on_host.wait, "blocks.2"))
+
+    class ACollectiveCall(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, grad):
+            gathers.check()  # finds it in flight
+            on_host.set()
+            return grad * 2
+
+    x = torch.ones(3, requires_grad=True)
+    with pytest.raises(overcast.PeerFailureError) as raised:
+        ACollectiveCall.apply(x).sum().backward()
+    assert raised.value.__notes__ == ["(in overcast AllGather blocks.2 (ring))"]
+    poster.close()
+    assert times.wait_seconds > 0

@@ -10,14 +10,17 @@ pass waits for it at its end, so that the next blocks compute and gather beside 
 a GPU (docs/fsdp.md). The same objects can call the process group's collectives instead, so that
 FSDP2's own path is timed the same way.
 
-On a GPU, FSDP2 calls them on its own streams and records an event right after each; through
-overcast, the input is copied to pinned host memory on that stream, a `Poster` thread posts the
-collective once the copy is done, and the output's copy back is queued on the same stream: for
-an AllGather when the training thread waits for it, for a ReduceScatter at once, behind a stream
-gate the collective opens when done (overcast/staging.py). FSDP2's event then follows the
-result, and the training thread never waits for a ReduceScatter before the backward pass ends.
-Without gates, the training thread waits for the copy in and, for a synchronous call, for the
-result.
+On a GPU, FSDP2 calls them on its streams and records an event right after each; through
+overcast, the input is copied to pinned host memory, a `Poster` thread (one per communicator)
+posts the collective once the copy is done, and the output's copy back is queued at once behind
+a stream gate the collective opens when done, failed or not (overcast/staging.py). A
+ReduceScatter's copies go on FSDP2's stream, so its event follows the result. An AllGather's go
+on the poster's stream (unsharding asynchronously, FSDP2 calls it on the compute stream, which a
+gate would hold back), and its wait() makes the waiting stream follow them without blocking the
+host; its failure is raised by the model's next collective call that finds it, or at the latest
+when the backward pass ends (`GatedAllGathers`). The training thread waits for neither before
+the backward pass ends. Without gates, it waits for the copy in and, for an AllGather's wait()
+or a synchronous call, for the result.
 """
 
 from __future__ import annotations
@@ -52,15 +55,37 @@ from overcast.torch_api import (
 
 class TimedWork(dist.Work):
     """A collective in flight, overcast's or torch's, seen as a torch.distributed Work (so that
-    FSDP2 waits on it), its wait timed into `CommTime`."""
+    FSDP2 waits on it), its wait timed into `CommTime`. Through the poster (`gated`), its
+    output's copy back is queued behind a stream gate already, and wait() makes the waiting
+    stream wait for it; for an AllGather (not `host_waits`) that is all it does: the host
+    never blocks, and a failure not found yet is raised later, by `GatedAllGathers`."""
 
-    def __init__(self, work, times: CommTime, in_flight: InFlight, staged: _Staged | None = None):
+    def __init__(
+        self,
+        work,
+        times: CommTime,
+        in_flight: InFlight,
+        name: str,
+        staged: _Staged | None = None,
+        gated: _Gated | None = None,
+        host_waits: bool = True,
+    ):
         super().__init__()
         self._work, self._times, self._in_flight = work, times, in_flight
-        self._staged = staged
+        self.name = name
+        self._staged, self._gated, self._host_waits = staged, gated, host_waits
+        self._failure_raised = False
 
     def wait(self, timeout=None) -> bool:
         """As torch's: a timeout of None or zero waits for as long as it takes."""
+        if not self._host_waits:
+            assert self._gated is not None  # only a gated collective leaves the host free
+            with Clock(self._times, "wait"):
+                self._gated.staged.staging.order_caller()
+                if self._work.is_completed():
+                    self._raise_failure(again=True)
+            self._in_flight.end()  # the stream, not the training thread, waits for the rest
+            return True
         if timeout is not None and not timeout.total_seconds():
             timeout = None
         with Clock(self._times, "wait"):
@@ -75,9 +100,35 @@ class TimedWork(dist.Work):
                 raise
             if self._staged is not None:
                 self._staged.copy_back()
+                self._staged.staging.order_caller()
                 self._staged = None
+            if self._gated is not None:
+                self._gated.staged.staging.order_caller()
         self._in_flight.end()  # both raise if the collective is not done
         return done
+
+    def settle(self) -> None:
+        """Block until the collective is done (timed as a wait); raise its failure, naming
+        it, unless raised before."""
+        try:
+            with Clock(self._times, "wait"):
+                self._raise_failure(again=False)
+        finally:
+            self._in_flight.end()
+
+    def _raise_failure(self, again: bool) -> None:
+        """Wait for the collective; raise its failure, naming it (`again`: even if raised
+        before)."""
+        try:
+            self._work.wait()
+        except Exception as err:
+            if self._failure_raised and not again:
+                return
+            self._failure_raised = True
+            note = f"(in {self.name})"
+            if note not in getattr(err, "__notes__", ()):
+                err.add_note(note)
+            raise
 
     def is_completed(self) -> bool:
         return self._work.is_completed()
@@ -87,15 +138,22 @@ _NAMES = {"AG": "AllGather", "RS": "ReduceScatter"}
 
 
 class _Staged:
-    """A collective's CUDA output and input through pinned host twins, staged on the stream
-    current at the call (FSDP2's), the copies' GPU time kept in `times`."""
+    """A collective's CUDA output and input through pinned host twins, staged on `stream`
+    (default: the one current at the call, FSDP2's) after what the call's stream queued, the
+    copies' GPU time kept in `times`."""
 
     def __init__(
-        self, output: torch.Tensor, input: torch.Tensor, times: CommTime, host_waits: bool
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        times: CommTime,
+        host_waits: bool,
+        stream: torch.cuda.Stream | None = None,
     ):
         device = output.device
         self.times = times
-        self.staging = Staging(device, torch.cuda.current_stream(device), process_pool())
+        stream = torch.cuda.current_stream(device) if stream is None else stream
+        self.staging = Staging(device, stream, process_pool())
         try:
             self.input = self.staging.twin(input, read=True, written=False)
             self.output = self.staging.twin(output, read=False, written=True)
@@ -114,23 +172,27 @@ class _Staged:
         self.staging.arrived()
 
     def copy_back(self, release: bool = True) -> None:
-        """Queue the output's copy to the GPU on the call's stream; make the current stream
-        (the call's, or the one waiting on an asynchronous call) wait for it. Not `release`:
-        queued behind a gate, the buffers are given back when the collective is done."""
+        """Queue the output's copy to the GPU on the staging's stream (a waiter's stream waits
+        for it: staging.order_caller). Not `release`: queued behind a gate, the buffers are
+        given back when the collective is done."""
         self.staging.copy_out(release=release)
         self.times.staged.append(self.staging)
-        self.staging.order_caller()
 
 
 def stage_on_host(
-    output: torch.Tensor, input: torch.Tensor, times: CommTime, what: str, host_waits: bool = True
+    output: torch.Tensor,
+    input: torch.Tensor,
+    times: CommTime,
+    what: str,
+    host_waits: bool = True,
+    stream: torch.cuda.Stream | None = None,
 ) -> _Staged | None:
     """Host twins of a collective's CUDA tensors (the training thread's time counted as
     posting; with `host_waits`, it waits for the input's copy), or None for CPU tensors."""
     if device_of([output, input], what) is None:
         return None
     with Clock(times, "post"):
-        return _Staged(output, input, times, host_waits)
+        return _Staged(output, input, times, host_waits, stream)
 
 
 class _Gated:
@@ -212,6 +274,23 @@ class Poster:
         self._thread: threading.Thread | None = None
         self._counts = threading.Condition()
         self._submitted = self._posted = 0
+        self._gather_streams: dict[torch.device, list[torch.cuda.Stream]] = {}
+        self._gathers = 0
+
+    GATHER_STREAMS = 4  # more AllGathers than FSDP2 keeps in flight at a prefetch worth having
+
+    def gather_stream(self, device: torch.device) -> torch.cuda.Stream:
+        """The stream an AllGather is staged on, gate and all: the next of its streams, so
+        that a gate holds back no other gather's copy in. Not the call's: unsharding
+        asynchronously, FSDP2 calls it on the compute stream, which a gate would hold back
+        until the gather is done; its wait() makes the waiting stream follow the copy back."""
+        streams = self._gather_streams.get(device)
+        if streams is None:
+            streams = self._gather_streams[device] = [
+                torch.cuda.Stream(device) for _ in range(self.GATHER_STREAMS)
+            ]
+        self._gathers += 1
+        return streams[self._gathers % len(streams)]
 
     def submit(self, ready, post, label: str, times: CommTime, done=None) -> _Posted:
         """Post `post()` once `ready()` returns (the input is on the host); then call `done()`
@@ -301,10 +380,21 @@ class _Hook:
     FSDP asked for a synchronous call. `comm` None means the process group's own."""
 
     def __init__(
-        self, comm, algorithm: str | None, label: str, times: CommTime, poster: Poster | None = None
+        self,
+        comm,
+        algorithm: str | None,
+        label: str,
+        times: CommTime,
+        poster: Poster | None = None,
+        gathers: GatedAllGathers | None = None,
     ):
         self.comm, self.algorithm, self.label, self.times = comm, algorithm, label, times
-        self.poster = poster
+        self.poster, self.gathers = poster, gathers
+
+    def _check_gathers(self) -> None:
+        """Raise the failure of a gated AllGather called before, if one is found now."""
+        if self.gathers is not None:
+            self.gathers.check()
 
     def _poster_for(self, tensor: torch.Tensor) -> Poster | None:
         """The poster, if this call goes through it: overcast's collectives on a GPU whose
@@ -327,6 +417,7 @@ class _Hook:
         algorithm: str | None,
         staging: _Staged | None = None,
         gated: _Gated | None = None,
+        host_waits: bool = True,
     ) -> TimedWork:
         name = f"overcast {_NAMES[kind]} {self.label} ({algorithm or 'process group'})"
         with Clock(self.times, "post"), contextlib.ExitStack() as failed:
@@ -345,13 +436,19 @@ class _Hook:
                 self.times.reduce_scatters += 1
             if self.times.keep_labels and isinstance(work, Work):
                 self.times.labels[work.seq] = f"{kind} {self.label}"
-        return TimedWork(work, self.times, in_flight, staging)
+        return TimedWork(work, self.times, in_flight, name, staging, gated, host_waits)
 
-    def _gate(self, output: torch.Tensor, input: torch.Tensor, what: str) -> _Gated:
+    def _gate(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        what: str,
+        stream: torch.cuda.Stream | None = None,
+    ) -> _Gated:
         """Through the poster: the input's copy to the host, a gate, and the output's copy
-        back, queued on the call's stream."""
+        back, queued on `stream` (default: the call's)."""
         gates = stream_gates()
-        staged = stage_on_host(output, input, self.times, what, host_waits=False)
+        staged = stage_on_host(output, input, self.times, what, host_waits=False, stream=stream)
         assert staged is not None and gates is not None  # the poster's calls are gated GPU ones
         with Clock(self.times, "post"):
             return _Gated(staged, gates)
@@ -374,7 +471,8 @@ class TimedAllGather(_Hook, AllGather):
     as FSDP2's default does. Through overcast, `algorithm` in a backward pass that reduces
     gradients, where a ReduceScatter runs beside it; `unpaired` (if given) elsewhere: in the
     forward pass, and in the backward of a micro-step whose gradients are not synced (nothing
-    beside it to fill the other direction of the link, so a multicast gains nothing there)."""
+    beside it to fill the other direction of the link, so a multicast gains nothing there).
+    Through the poster, its wait() does not block, and `gathers` raises its failure."""
 
     def __init__(
         self,
@@ -385,8 +483,9 @@ class TimedAllGather(_Hook, AllGather):
         module=None,
         unpaired: str | None = None,
         poster: Poster | None = None,
+        gathers: GatedAllGathers | None = None,
     ):
-        super().__init__(comm, algorithm, label, times, poster)
+        super().__init__(comm, algorithm, label, times, poster, gathers)
         self.module, self.unpaired = module, unpaired
 
     def _algorithm(self) -> str | None:
@@ -402,34 +501,40 @@ class TimedAllGather(_Hook, AllGather):
         group: dist.ProcessGroup,
         async_op: bool = False,
     ):
+        self._check_gathers()
         algorithm = None if self.comm is None else self._algorithm()
-        staging = None
+        poster = None if self.comm is None else self._poster_for(output_tensor)
         if self.comm is None:
-            issue = lambda: all_gather_single(  # noqa: E731
+            work = self._post(
+                "AG",
+                lambda: all_gather_single(output_tensor, input_tensor, group=group, async_op=True),
+                None,
+            )
+        elif poster is not None:
+            gated = self._gate(
                 output_tensor,
                 input_tensor,
-                group=group,
-                async_op=True,
+                "AllGather",
+                poster.gather_stream(output_tensor.device),
             )
+            issue = self._through(
+                poster,
+                "AG",
+                gated,
+                lambda out, inp: self.comm.all_gather(out, inp, async_op=True, algorithm=algorithm),
+            )
+            work = self._post("AG", issue, algorithm, gated=gated, host_waits=False)
+            if self.gathers is not None:
+                self.gathers.add(work)
         else:
-            poster = self._poster_for(output_tensor)
-            staging = stage_on_host(
-                output_tensor, input_tensor, self.times, "AllGather", host_waits=poster is None
-            )
+            staging = stage_on_host(output_tensor, input_tensor, self.times, "AllGather")
             out, inp = (staging.output, staging.input) if staging else (output_tensor, input_tensor)
-            issue = lambda: self.comm.all_gather(  # noqa: E731
-                out,
-                inp,
-                async_op=True,
-                algorithm=algorithm,
+            work = self._post(
+                "AG",
+                lambda: self.comm.all_gather(out, inp, async_op=True, algorithm=algorithm),
+                algorithm,
+                staging,
             )
-            if poster is not None:
-                assert staging is not None  # the poster's tensors are on a GPU
-                post = issue
-                issue = lambda: poster.submit(  # noqa: E731
-                    staging.input_on_host, post, f"AG {self.label}", self.times
-                )
-        work = self._post("AG", issue, algorithm, staging)
         if async_op:
             return work
         work.wait()
@@ -505,6 +610,53 @@ class DeferredReduceScatters:
         self.make_room(1)
 
 
+class GatedAllGathers:
+    """The AllGathers of one overlap() that went through the poster, until the training thread
+    has seen each done. Their wait() does not block, so their failures are raised here, each
+    naming its collective: by the next collective call of the model that finds one failed,
+    and at the latest as the backward pass ends (an autograd final callback, queued at its
+    first call, waits for every one still in flight, the forward pass's too). One that fails
+    in a forward pass no backward pass follows (evaluation) is raised by the next call."""
+
+    def __init__(self):
+        self._works: list[TimedWork] = []
+        self._backward = -1  # autograd's id of the backward pass whose end waits for them
+
+    def add(self, work: TimedWork) -> None:
+        self._works.append(work)
+        self._wait_at_backward_end()
+
+    def check(self) -> None:
+        """Forget those done, raising the first failure among them."""
+        self._wait_at_backward_end()
+        done = [w for w in self._works if w.is_completed()]
+        if done:
+            self._works = [w for w in self._works if all(w is not d for d in done)]
+            self._settle(done)
+
+    def wait_all(self) -> None:
+        """Wait for every one still in flight, raising the first failure."""
+        works, self._works = self._works, []
+        self._settle(works)
+
+    def _wait_at_backward_end(self) -> None:
+        backward = torch._C._current_graph_task_id()  # -1 outside a backward pass
+        if self._works and backward not in (-1, self._backward):
+            torch.autograd.Variable._execution_engine.queue_callback(self.wait_all)
+            self._backward = backward
+
+    @staticmethod
+    def _settle(works: list[TimedWork]) -> None:
+        failures = []
+        for work in works:  # each one's range ends, whichever failed
+            try:
+                work.settle()
+            except Exception as err:
+                failures.append(err)
+        if failures:
+            raise failures[0]
+
+
 class TimedReduceScatter(_Hook, ReduceScatter):
     """FSDP2's gradient ReduceScatter of one module, through overcast with `algorithm` or
     through the process group as FSDP2's default does.
@@ -527,8 +679,9 @@ class TimedReduceScatter(_Hook, ReduceScatter):
         deferred: DeferredReduceScatters | None = None,
         group: dist.ProcessGroup | None = None,
         poster: Poster | None = None,
+        gathers: GatedAllGathers | None = None,
     ):
-        super().__init__(comm, algorithm, label, times, poster)
+        super().__init__(comm, algorithm, label, times, poster, gathers)
         self.module, self.deferred, self.group = module, deferred, group
 
     def __call__(
@@ -539,6 +692,7 @@ class TimedReduceScatter(_Hook, ReduceScatter):
         op,
         async_op: bool = False,
     ):
+        self._check_gathers()
         groups = param_groups(self.module) if self.deferred is not None else None
         poster = self._poster_for(output_tensor) if self.comm is not None else None
         # on a GPU behind a gate, FSDP2 reads the output on its stream only once it is back

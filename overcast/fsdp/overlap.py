@@ -27,6 +27,7 @@ from overcast.comm import ALGORITHMS, Communicator
 from overcast.errors import InvalidArgumentError, MulticastNotDeliveredWarning
 from overcast.fsdp.collectives import (
     DeferredReduceScatters,
+    GatedAllGathers,
     Poster,
     TimedAllGather,
     TimedReduceScatter,
@@ -147,14 +148,15 @@ def _install(
     unpaired_allgather: str | None = None,
     reduce_scatter_group: dist.ProcessGroup | None = None,
     poster: Poster | None = None,
+    gathers: GatedAllGathers | None = None,
 ) -> dict:
     """Give each module timed collectives (overcast's through `comm`, or the process group's if
     None), their ReduceScatters left behind the backward pass in `deferred` where FSDP2 allows,
     their AllGathers with no ReduceScatter beside them on `unpaired_allgather` if given, the
     process group's ReduceScatters on `reduce_scatter_group` if given, except where the user
-    gave the module one of its own; on a GPU, overcast's through `poster`. Returns what each
-    had, to give back on close; if one fails, those already set get theirs back before the
-    error is raised."""
+    gave the module one of its own; on a GPU, overcast's through `poster`, the AllGathers'
+    failures raised through `gathers`. Returns what each had, to give back on close; if one
+    fails, those already set get theirs back before the error is raised."""
     saved = {}
     try:
         for name, module in modules:
@@ -164,7 +166,9 @@ def _install(
             saved[module] = collectives(pg[0])
             own = any(own_reduce_scatter_group(g) is not None for g in pg)
             module.set_custom_all_gather(
-                TimedAllGather(comm, allgather, name, times, module, unpaired_allgather, poster)
+                TimedAllGather(
+                    comm, allgather, name, times, module, unpaired_allgather, poster, gathers
+                )
             )
             module.set_custom_reduce_scatter(
                 TimedReduceScatter(
@@ -176,6 +180,7 @@ def _install(
                     deferred,
                     None if own else reduce_scatter_group,
                     poster,
+                    gathers,
                 )
             )
     except BaseException:
@@ -213,6 +218,7 @@ class Overlap:
         # what each collective runs (backend="overcast"; None: the process group's own)
         self.algorithms: dict[str, str | None] = {}
         self._deferred = DeferredReduceScatters()
+        self._gathers = GatedAllGathers()  # on a GPU, the AllGathers whose wait() did not block
         # posts overcast's collectives on a GPU (its thread starts with the first), shared
         # with any other overlap() on the same communicator
         self._poster = hold_poster(comm) if comm is not None else None
@@ -277,14 +283,15 @@ class Overlap:
         """Give the model back its own collectives, and close what overlap() opened. It raises
         no error of the collectives it waits for: the ReduceScatters still in flight here are
         those of a backward pass that raised, whose caller has had the error already (a
-        `finally: handle.close()` must not replace it)."""
+        `finally: handle.close()` must not replace it), and so are AllGathers on a GPU, or
+        those of a forward pass no backward pass followed."""
         if self._closed:
             return
         self._closed = True
         try:
-            self._deferred.drain()
-        except Exception:  # overcast's errors, or torch's re-raising of them
-            pass
+            for in_flight in (self._deferred.drain, self._gathers.wait_all):
+                with contextlib.suppress(Exception):  # overcast's, or torch's re-raising them
+                    in_flight()
         finally:
             self._restore()
 
@@ -515,6 +522,7 @@ def overlap(
             unpaired,
             handle.reduce_scatter_group,
             handle._poster,
+            handle._gathers,
         )
         handle._schedule = schedule(modules)
         set_unshard_async_op(model, True)
