@@ -1,17 +1,26 @@
 """overcast with CUDA tensors, on a machine with a GPU (skipped elsewhere, saying why): the
 backend's collectives bit-exact against gloo's, the caller's stream ordering kept, DDP and FSDP2
 (alone and through overlap()) trained on the GPU as one process trains on the CPU, and the pinned
-host memory of the staging reused, bounded, and the GPU's memory flat. Every rank shares the
-machine's first GPU. `tools/cuda_checks` runs these with one line per check."""
+host memory of the staging reused, bounded, and the GPU's memory flat; FSDP2's collectives
+through the poster and stream gates: the caller's stream order kept, a failed collective's gate
+opened, an AllGather's wait() not blocking the host. Every rank shares the machine's first GPU.
+`tools/cuda_checks` runs these with one line per check."""
+
+import threading
+import time
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+import overcast
 import overcast.fsdp
 from overcast.cluster.launch import loopback_placements, run_ranks
 from overcast.errors import InvalidArgumentError
+from overcast.fsdp.collectives import (GatedAllGathers, TimedAllGather, TimedReduceScatter,
+                                       hold_poster, release_poster)
+from overcast.fsdp.timing import CommTime
 from overcast.staging import process_pool, stream_gates
 from test_backend import LINK, SETTINGS, against_gloo, batch, small_model, start, train
 
@@ -159,3 +168,150 @@ def test_cuda_overlap_reuses_pinned_memory_and_keeps_gpu_memory_flat():
         assert rows[2]["gpu"] == rows[-1]["gpu"], (rows[2], rows[-1])
         assert r["staging"]["staging_in_seconds"] > 0 and r["staging"]["staging_out_seconds"] > 0
         assert r["gated"]  # the driver offers stream memory operations (H100/H200, CUDA 12+)
+
+
+# The poster's gated collectives, called as FSDP2 calls them, on a communicator of their own.
+
+def gated_hooks(comm, gathers=None):
+    """A ReduceScatter and an AllGather hook through `comm`'s poster (stream gates needed)."""
+    assert stream_gates() is not None  # the driver offers stream memory operations
+    poster, times = hold_poster(comm), CommTime()
+    return (TimedReduceScatter(comm, "ring", "rs", times, poster=poster),
+            TimedAllGather(comm, "ring", "ag", times, poster=poster, gathers=gathers), times)
+
+
+def gated_stream_order(rank):
+    """With the caller's stream kept busy before each call: what it queued before the call
+    reads the old output; what a ReduceScatter's stream queues right after the call (no wait)
+    and what the stream that waited on an AllGather queues after wait() read the result,
+    bit-exact against this process's own sum and concatenation."""
+    torch.cuda.set_device(0)
+    seen = {}
+    with overcast.Communicator(timeout=60) as comm:
+        world, n = comm.world_size, 1 << 18
+        reduce_scatter, all_gather, _ = gated_hooks(comm, GatedAllGathers())
+        ints = torch.arange(world * n, dtype=torch.float32) % 251  # sums exact in float32
+        grads = (ints + rank).cuda()
+        out = torch.full((n,), -1.0, device="cuda")
+        stream = torch.cuda.Stream()  # as FSDP2's reduce-scatter stream
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            torch.cuda._sleep(SPIN)
+            grads.mul_(2)              # queued behind the spin: the collective must read it
+            before = out.clone()
+            work = reduce_scatter(out, grads, None, dist.ReduceOp.SUM, async_op=True)
+            after = out.clone()        # queued behind the gate
+        stream.synchronize()
+        work.wait()
+        total = sum((ints + r) * 2 for r in range(world)).view(world, n)[rank]
+        seen["reduce_scatter before"] = bool((before == -1).all())
+        seen["reduce_scatter after"] = torch.equal(after.cpu(), total)
+
+        shard = torch.full((n,), float(rank), device="cuda")
+        gathered = torch.full((world * n,), -1.0, device="cuda")
+        torch.cuda._sleep(SPIN)
+        shard.add_(1)
+        before = gathered.clone()
+        work = all_gather(gathered, shard, None, async_op=True)
+        work.wait()
+        after = gathered.clone()
+        torch.cuda.synchronize()
+        expect = torch.arange(1, world + 1).repeat_interleave(n).float()
+        seen["all_gather before"] = bool((before == -1).all())
+        seen["all_gather after"] = torch.equal(after.cpu(), expect)
+        release_poster(comm)
+    return seen
+
+
+def test_cuda_gated_collectives_keep_the_callers_stream_order():
+    for seen in run_ranks(gated_stream_order, loopback_placements(2), timeout=120):
+        assert seen and all(seen.values()), seen
+
+
+def gates_after_a_failure(rank):
+    """Rank 0 queues a gated ReduceScatter and a gated AllGather (and a wait on the latter);
+    rank 1 then aborts instead of calling its part. (Rank 0: whether both streams got past
+    their gates within 20 s, well inside the 60 s timeout, and what each collective raised.)"""
+    torch.cuda.set_device(0)
+    with overcast.Communicator(timeout=60) as comm, \
+            overcast.Communicator(timeout=60, name="side") as side:
+        if rank == 1:
+            side.barrier()
+            comm.abort("rank 1 leaves its collectives")
+            return None
+        gathers = GatedAllGathers()
+        reduce_scatter, all_gather, _ = gated_hooks(comm, gathers)
+        n = 1 << 18
+        out, grads = torch.empty(n, device="cuda"), torch.ones(2 * n, device="cuda")
+        compute, stream = torch.cuda.current_stream(), torch.cuda.Stream()
+        stream.wait_stream(compute)
+        with torch.cuda.stream(stream):
+            rs = reduce_scatter(out, grads, None, dist.ReduceOp.SUM, async_op=True)
+        gathered, shard = torch.empty(2 * n, device="cuda"), torch.ones(n, device="cuda")
+        all_gather(gathered, shard, None, async_op=True).wait()  # `compute` waits for it
+        side.barrier()
+        through = threading.Event()
+
+        def synchronize():
+            torch.cuda.set_device(0)
+            stream.synchronize()
+            compute.synchronize()
+            through.set()
+        threading.Thread(target=synchronize, daemon=True).start()
+        began = time.monotonic()
+        passed = through.wait(20)
+        seconds = time.monotonic() - began
+        raised = []
+        for finish in (rs.wait, gathers.wait_all):
+            try:
+                finish()
+                raised.append(None)
+            except overcast.OvercastError as err:
+                raised.append([str(err), getattr(err, "__notes__", [])])
+        release_poster(comm)
+        return {"passed": passed, "seconds": seconds, "raised": raised}
+
+
+def test_cuda_a_failed_collective_opens_its_gate():
+    said = run_ranks(gates_after_a_failure, loopback_placements(2), timeout=120)[0]
+    assert said["passed"], said
+    (rs, _), (ag, notes) = said["raised"]
+    assert "rank 1 leaves its collectives" in rs and "rank 1 leaves its collectives" in ag
+    assert notes == ["(in overcast AllGather ag (ring))"]
+
+
+def allgather_wait_in_flight(rank):
+    """Rank 0's wait() on a gated AllGather rank 1 has not called yet (it calls it once rank
+    0 has timed the wait): (its seconds, whether the collective was in flight after it, and
+    whether the result is exact once rank 1 has called its part)."""
+    torch.cuda.set_device(0)
+    with overcast.Communicator(timeout=20) as comm, \
+            overcast.Communicator(timeout=20, name="side") as side:
+        world, n = comm.world_size, 1 << 16
+        gathers = GatedAllGathers()
+        _, all_gather, times = gated_hooks(comm, gathers)
+        shard, gathered = torch.full((n,), float(rank + 1), device="cuda"), torch.empty(
+            world * n, device="cuda")
+        seconds = in_flight = None
+        if rank == 1:
+            side.barrier()
+            all_gather(gathered, shard, None, async_op=True).wait()
+        else:
+            work = all_gather(gathered, shard, None, async_op=True)
+            began = time.perf_counter()
+            work.wait()
+            seconds = time.perf_counter() - began
+            in_flight = not work.is_completed()
+            side.barrier()
+        torch.cuda.current_stream().synchronize()
+        gathers.wait_all()
+        exact = torch.equal(gathered.cpu(), torch.arange(1, world + 1).repeat_interleave(n).float())
+        release_poster(comm)
+        return [seconds, in_flight, exact, times.wait_seconds]
+
+
+def test_cuda_an_allgathers_wait_does_not_block_the_host():
+    (seconds, in_flight, exact, _), (_, _, other, _) = run_ranks(
+        allgather_wait_in_flight, loopback_placements(2), timeout=120)
+    assert in_flight and exact and other
+    assert seconds < 0.5  # the collective could not end before rank 1 called it, after this
