@@ -269,6 +269,8 @@ class Poster:
     call raises fails that call alone: the thread goes on to the next. One per communicator
     (`hold_poster`), so that the communicator has one order of posting."""
 
+    GATHER_STREAMS = 4  # more AllGathers than FSDP2 keeps in flight at a prefetch worth having
+
     def __init__(self):
         self._calls: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
@@ -276,8 +278,6 @@ class Poster:
         self._submitted = self._posted = 0
         self._gather_streams: dict[torch.device, list[torch.cuda.Stream]] = {}
         self._gathers = 0
-
-    GATHER_STREAMS = 4  # more AllGathers than FSDP2 keeps in flight at a prefetch worth having
 
     def gather_stream(self, device: torch.device) -> torch.cuda.Stream:
         """The stream an AllGather is staged on, gate and all: the next of its streams, so
