@@ -118,12 +118,17 @@ def test_mixed_devices_are_refused_by_name():
     assert "meta" in said["meta"]
 
 
-@pytest.mark.parametrize("how,gates", [("ddp", "1"), ("fsdp", "1"), ("overlap", "1"),
-                                       ("overlap", "0")])
-def test_cuda_training_on_the_backend_matches_one_process(how, gates):
+@pytest.mark.parametrize("how,gates,piece", [("ddp", "1", None), ("fsdp", "1", None),
+                                             ("overlap", "1", None), ("overlap", "0", None),
+                                             ("overlap", "1", "1024")])
+def test_cuda_training_on_the_backend_matches_one_process(how, gates, piece):
     """overlap() with stream gates (its ReduceScatters behind the backward pass, their copies
-    back queued behind a gate) and without (each blocks until its result is back)."""
+    back queued behind a gate), without (each blocks until its result is back), and with its
+    collectives cut into pieces of 1 KiB (overcast/fsdp/pieces.py: the small model's are
+    under the default's two pieces)."""
     env = {**LINK, "OVERCAST_STREAM_GATES": gates}
+    if piece is not None:
+        env["OVERCAST_STAGING_PIECE_BYTES"] = piece
     for r in run_ranks(train, loopback_placements(2, env), args=(how, "cuda"), timeout=180):
         assert r["param"] < 1e-5 and r["loss"] < 1e-5 and r["own_communicator"], r
 

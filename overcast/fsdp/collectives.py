@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from overcast.engine.engine import Work
 from overcast.errors import InvalidArgumentError
+from overcast.fsdp.pieces import Pieces, PostedPieces, cut, piece_bytes
 from overcast.fsdp.timing import CommTime, Clock, InFlight
 from overcast.staging import Staging, StreamGates, device_of, process_pool, stream_gates
 from overcast.torch_api import (
@@ -67,7 +68,7 @@ class TimedWork(dist.Work):
         in_flight: InFlight,
         name: str,
         staged: _Staged | None = None,
-        gated: _Gated | None = None,
+        gated: _Gated | Pieces | None = None,
         host_waits: bool = True,
     ):
         super().__init__()
@@ -81,7 +82,7 @@ class TimedWork(dist.Work):
         if not self._host_waits:
             assert self._gated is not None  # only a gated collective leaves the host free
             with Clock(self._times, "wait"):
-                self._gated.staged.staging.order_caller()
+                self._gated.order_caller()
                 if self._work.is_completed():
                     self._raise_failure(again=True)
             self._in_flight.end()  # the stream, not the training thread, waits for the rest
@@ -103,7 +104,7 @@ class TimedWork(dist.Work):
                 self._staged.staging.order_caller()
                 self._staged = None
             if self._gated is not None:
-                self._gated.staged.staging.order_caller()
+                self._gated.order_caller()
         self._in_flight.end()  # both raise if the collective is not done
         return done
 
@@ -212,6 +213,10 @@ class _Gated:
         except BaseException:
             self.open()
             raise
+
+    def order_caller(self) -> None:
+        """Make the current stream wait for the output's copy back."""
+        self.staged.staging.order_caller()
 
     def open(self) -> None:
         with self._lock:
@@ -416,7 +421,7 @@ class _Hook:
         issue,
         algorithm: str | None,
         staging: _Staged | None = None,
-        gated: _Gated | None = None,
+        gated: _Gated | Pieces | None = None,
         host_waits: bool = True,
     ) -> TimedWork:
         name = f"overcast {_NAMES[kind]} {self.label} ({algorithm or 'process group'})"
@@ -438,32 +443,62 @@ class _Hook:
                 self.times.labels[work.seq] = f"{kind} {self.label}"
         return TimedWork(work, self.times, in_flight, name, staging, gated, host_waits)
 
-    def _gate(
+    def _through(
         self,
+        poster: Poster,
+        kind: str,
         output: torch.Tensor,
         input: torch.Tensor,
-        what: str,
+        collective,
         stream: torch.cuda.Stream | None = None,
-    ) -> _Gated:
-        """Through the poster: the input's copy to the host, a gate, and the output's copy
-        back, queued on `stream` (default: the call's)."""
-        gates = stream_gates()
-        staged = stage_on_host(output, input, self.times, what, host_waits=False, stream=stream)
-        assert staged is not None and gates is not None  # the poster's calls are gated GPU ones
-        with Clock(self.times, "post"):
-            return _Gated(staged, gates)
+    ):
+        """Through the poster, in pieces where the call is large (fsdp/pieces.py), queued on
+        `stream` (default: the call's): every piece's input copied to the host, then each
+        piece's gate and its output's copy back (a piece's copy in never waits behind an
+        earlier piece's gate). Returns what hands the poster each piece's
+        `collective(host output, host input)` once that piece's input is on the host, and the
+        gates, each opened once its piece is done."""
+        stream_gate = stream_gates()
+        assert stream_gate is not None  # the poster's calls are gated GPU ones
+        staged_pieces: list[_Staged] = []
+        gates: list[_Gated] = []
+        try:
+            for out, inp in cut(kind, output, input, self.comm.world_size, piece_bytes()):
+                staged = stage_on_host(out, inp, self.times, _NAMES[kind], False, stream)
+                assert staged is not None  # on a GPU
+                staged_pieces.append(staged)
+            with Clock(self.times, "post"):
+                for staged in staged_pieces:
+                    gates.append(_Gated(staged, stream_gate))
+        except BaseException:
+            for gated in gates:
+                gated.open()
+            for staged in staged_pieces[len(gates) :]:
+                staged.staging.release()
+            raise
+        pieces = Pieces(gates)
 
-    def _through(self, poster: Poster, kind: str, gated: _Gated, collective):
-        """What hands `poster` the call of `collective(host output, host input)` once the
-        input is on the host, opening `gated` once it is done."""
-        staged = gated.staged
-        return lambda: poster.submit(
-            staged.input_on_host,
-            lambda: collective(staged.output, staged.input),
-            f"{kind} {self.label}",
-            self.times,
-            gated.open,
-        )
+        def hand(gated: _Gated, label: str) -> _Posted:
+            staged = gated.staged
+            return poster.submit(
+                staged.input_on_host,
+                lambda: collective(staged.output, staged.input),
+                label,
+                self.times,
+                gated.open,
+            )
+
+        if len(gates) == 1:
+            return (lambda: hand(gates[0], f"{kind} {self.label}")), gates[0]
+
+        def issue() -> PostedPieces:
+            handles = []
+            for i, gated in enumerate(gates):
+                handles.append(hand(gated, f"{kind} {self.label} [{i + 1}/{len(gates)}]"))
+                pieces.posted += 1
+            return PostedPieces(handles)
+
+        return issue, pieces
 
 
 class TimedAllGather(_Hook, AllGather):
@@ -511,17 +546,13 @@ class TimedAllGather(_Hook, AllGather):
                 None,
             )
         elif poster is not None:
-            gated = self._gate(
-                output_tensor,
-                input_tensor,
-                "AllGather",
-                poster.gather_stream(output_tensor.device),
-            )
-            issue = self._through(
+            issue, gated = self._through(
                 poster,
                 "AG",
-                gated,
+                output_tensor,
+                input_tensor,
                 lambda out, inp: self.comm.all_gather(out, inp, async_op=True, algorithm=algorithm),
+                poster.gather_stream(output_tensor.device),
             )
             work = self._post("AG", issue, algorithm, gated=gated, host_waits=False)
             if self.gathers is not None:
@@ -712,11 +743,11 @@ class TimedReduceScatter(_Hook, ReduceScatter):
         staging = gated = None
         if poster is not None:
             name = reduce_op(premultiplied(op, input_tensor, None))
-            gated = self._gate(output_tensor, input_tensor, "ReduceScatter")
-            issue = self._through(
+            issue, gated = self._through(
                 poster,
                 "RS",
-                gated,
+                output_tensor,
+                input_tensor,
                 lambda out, inp: self.comm.reduce_scatter(
                     out, inp, op=name, async_op=True, algorithm=self.algorithm
                 ),
