@@ -22,6 +22,7 @@ import torch
 
 from overcast.errors import InvalidArgumentError
 from overcast.limits import bytes_from_env
+from overcast.native import store_u32_fenced
 
 PINNED_BYTES_ENV = "OVERCAST_PINNED_BYTES"
 GATES_ENV = "OVERCAST_STREAM_GATES"  # "0": no gates; a synchronous ReduceScatter then blocks
@@ -245,15 +246,47 @@ class Staging:
             torch.cuda.current_stream(self.device).wait_event(self.finished)
 
 
+class GateTickets:
+    """The stream gates' ring of `slots` words, without CUDA: each gate is the next slot, with a
+    value one higher than that slot's last; a slot is not given out again before its last gate
+    opened, so a gate opens only when its own collective is done, never by a later one.
+    Thread-safe."""
+
+    def __init__(self, slots: int):
+        self.slots = slots
+        self._lock = threading.Condition()
+        self._count = 0
+        self._opened = [0] * slots  # the value each slot was last opened with
+
+    @property
+    def taken(self) -> int:
+        """Gates given out so far, waiting for their slot or not."""
+        with self._lock:
+            return self._count
+
+    def take(self) -> tuple[int, int]:
+        """The next gate's (slot, value), once that slot's last gate has opened. The ticket is
+        taken before the wait, which lets go of the lock: another caller meanwhile takes the
+        next."""
+        with self._lock:
+            ticket, self._count = self._count, self._count + 1
+            slot, value = ticket % self.slots, ticket // self.slots + 1
+            self._lock.wait_for(lambda: self._opened[slot] == value - 1)
+        return slot, value
+
+    def opened(self, slot: int, value: int) -> None:
+        """The gate (slot, value) opened (its word written): its slot may be given out again."""
+        with self._lock:
+            self._opened[slot] = value
+            self._lock.notify_all()
+
+
 class StreamGates:
     """Gates a CUDA stream stops at until the host opens them, so that an operation queued on a
     stream behind a gate (a collective's copy back) waits for the host (the collective) without
     the host waiting: the stream waits for a word of pinned host memory to reach a value
-    (the driver's cuStreamWaitValue32), and the host writes the value.
-
-    The words are a ring of SLOTS, each gate the next slot with a value higher than that slot's
-    last; a slot is not given out again before its last gate opened, so a gate opens only when
-    its own collective is done, never by a later one. Thread-safe."""
+    (the driver's cuStreamWaitValue32), and the host writes the value. The words and values are
+    a `GateTickets` ring of SLOTS. Thread-safe."""
 
     SLOTS = 256
     _WAIT_GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ
@@ -273,9 +306,7 @@ class StreamGates:
         ):
             device_pointer.value = self._words.data_ptr()  # unified addressing: the same
         self._base = device_pointer.value
-        self._lock = threading.Condition()
-        self._count = 0
-        self._opened = [0] * self.SLOTS  # the value each slot was last opened with
+        self._tickets = GateTickets(self.SLOTS)
         probe = torch.cuda.Stream()  # a gate already open: the driver must take it
         code = self._wait(
             ctypes.c_void_p(probe.cuda_stream), ctypes.c_uint64(self._base), 0, self._WAIT_GEQ
@@ -286,10 +317,7 @@ class StreamGates:
 
     def close_on(self, stream):
         """Queue a gate on `stream`; returns the function that opens it (call it once)."""
-        with self._lock:
-            slot, value = self._count % self.SLOTS, self._count // self.SLOTS + 1
-            self._lock.wait_for(lambda: self._opened[slot] == value - 1)
-            self._count += 1
+        slot, value = self._tickets.take()
         code = self._wait(
             ctypes.c_void_p(stream.cuda_stream),
             ctypes.c_uint64(self._base + 4 * slot),
@@ -302,10 +330,10 @@ class StreamGates:
         return lambda: self._open(slot, value)
 
     def _open(self, slot: int, value: int) -> None:
-        with self._lock:
-            self._host[slot] = value  # after the collective's writes: x86 stores stay in order
-            self._opened[slot] = value
-            self._lock.notify_all()
+        # the word last, after the collective's writes (a fenced store: the GPU must not see the
+        # gate open before it sees the result it copies back)
+        store_u32_fenced(self._host, slot, value)
+        self._tickets.opened(slot, value)
 
 
 _gates: dict[int, StreamGates | None] = {}
