@@ -12,11 +12,15 @@ Nothing here needs a GPU to import; a CUDA call needs torch built with CUDA.
 
 from __future__ import annotations
 
+import collections
 import ctypes
+import mmap
 import os
 import threading
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -63,72 +67,181 @@ def device_of(tensors, what: str) -> torch.device | None:
     return found
 
 
+class MappedMemory:
+    """Host buffers, each an anonymous mapping of its own (page-aligned, sharing no page with
+    another), which a forked child does not inherit; unmapped once no tensor over it is left.
+    Pageable: `PinnedMemory` pins them. A pool's allocator: `allocate` and `free`, which the pool
+    calls once for each buffer it lets go, after the last copy queued on it."""
+
+    def allocate(self, nbytes: int) -> torch.Tensor:
+        """A uint8 tensor of `nbytes` (a multiple of the page size) over a new mapping."""
+        mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        mapping.madvise(mmap.MADV_DONTFORK)
+        return torch.frombuffer(mapping, dtype=torch.uint8)  # it holds the mapping
+
+    def free(self, memory: torch.Tensor) -> None:
+        """Nothing to undo: the mapping goes with the last tensor over it."""
+
+
+class PinnedMemory(MappedMemory):
+    """Mapped buffers pinned with cudaHostRegister (for every device's context) and unpinned
+    with cudaHostUnregister when freed. Not torch's pinned tensors: its caching host allocator
+    keeps a freed one pinned for the life of the process, so a pool's limit would bound nothing;
+    and torch.cuda.cudart()'s two calls have been public, and let go of the GIL, in every
+    supported torch, where emptying torch's host cache is private and was renamed."""
+
+    _PORTABLE = 0x1  # cudaHostRegisterPortable
+
+    def allocate(self, nbytes: int) -> torch.Tensor:
+        memory = super().allocate(nbytes)
+        torch.cuda.check_error(
+            torch.cuda.cudart().cudaHostRegister(memory.data_ptr(), nbytes, self._PORTABLE)
+        )
+        return memory
+
+    def free(self, memory: torch.Tensor) -> None:
+        torch.cuda.check_error(torch.cuda.cudart().cudaHostUnregister(memory.data_ptr()))
+
+
 @dataclass(eq=False)  # identity: list.remove must not compare the tensors
 class _Buffer:
-    memory: torch.Tensor  # pinned uint8
-    ready: torch.cuda.Event | None  # the last copy from or into it, queued before release
+    memory: torch.Tensor  # uint8, from the pool's allocator
+    keep: bool  # back in the pool when given back; else freed (it came over the limit)
+    ready: Any = None  # an event after the last copy queued on it (None: never used)
+
+
+@dataclass(eq=False)
+class _Lease:
+    """A buffer taken, until given back; `dropped` calls the pool back if every tensor over
+    it is gone first (a call that never gave it back)."""
+
+    buffer: _Buffer
+    stream: Any  # the stream its copies are queued on
+    dropped: weakref.finalize | None = None
 
 
 class PinnedPool:
     """Pinned host buffers for staging, reused from call to call. It keeps at most `limit` bytes:
-    a buffer taken while the pool holds that much already is freed when given back instead of
+    a buffer taken while the pool holds that much already is freed once given back instead of
     kept (counted in `stats()["overflows"]`), so a demand above the limit still runs, and the
-    pool never waits for buffers another call holds (which could be its own caller's).
+    pool never waits for buffers another call holds (which could be its own caller's). A buffer
+    it lets go (over the limit, or idle and in the way of a larger one) is freed with its
+    allocator's `free` (unpinned) once the last copy queued on it is done, at the next `take`
+    or `stats`; until then it counts as held.
 
     A buffer given back carries the event recorded after the last copy queued on it; taking it
     for another copy makes that copy's stream wait on the event first, so no copy into a buffer
-    overtakes one still reading it. Thread-safe."""
+    overtakes one still reading it. A buffer taken and never given back returns to the pool once
+    no tensor over it is left, after what its stream had queued by then. The allocator runs
+    outside the pool's lock (pinning takes long), so a `give` never waits for it. Thread-safe."""
 
-    def __init__(self, limit: int | None = None):
+    def __init__(self, limit: int | None = None, memory: MappedMemory | None = None):
         self.limit = pinned_limit() if limit is None else limit
+        self.memory = PinnedMemory() if memory is None else memory
         self._lock = threading.Lock()
         self._free: list[_Buffer] = []
-        self._held = 0  # bytes of buffers alive: free and taken
+        self._retiring: list[_Buffer] = []  # let go, their last copy not done yet
+        self._held = 0  # bytes of buffers allocated and not freed, or being allocated
         self._peak = 0
         self._allocations = 0
         self._overflows = 0
-        # id(view handed out) -> (its buffer, whether the buffer is kept when given back)
-        self._taken: dict[int, tuple[_Buffer, bool]] = {}
+        self._taken: dict[int, _Lease] = {}  # by the buffer's address, unique while it lives
+        self._dropped: collections.deque[_Lease] = collections.deque()  # appended lock-free
 
     def take(self, nbytes: int, stream) -> torch.Tensor:
-        """A pinned uint8 tensor of `nbytes` (a view of a buffer at least that long), safe to
-        copy into on `stream` from now on."""
+        """A pinned uint8 tensor of `nbytes` (over a buffer at least that long), safe to copy
+        into on `stream` from now on."""
+        freeing: list[_Buffer] = []
         with self._lock:
+            self._reclaim(freeing)
             fits = [b for b in self._free if b.memory.numel() >= nbytes]
-            keep = True
-            if fits:
-                buf = min(fits, key=lambda b: b.memory.numel())
+            buf = min(fits, key=lambda b: b.memory.numel()) if fits else None
+            if buf is not None:
                 self._free.remove(buf)
             else:
                 size = max(_ALIGN, -(-nbytes // _ALIGN) * _ALIGN)
-                while self._free and self._held + size > self.limit:
-                    self._held -= self._free.pop(0).memory.numel()  # idle: free it for room
-                keep = self._held + size <= self.limit
-                self._overflows += not keep
-                self._held += size
+                while self._free and self._held - _size(freeing) + size > self.limit:
+                    self._retire(self._free.pop(0), freeing)  # idle: free it for room
+                keep = self._held - _size(freeing) + size <= self.limit
+                self._held += size  # reserved now, so that no other call counts it free
+        self._let_go(freeing)
+        if buf is None:
+            try:
+                buf = _Buffer(self.memory.allocate(size), keep)
+            except BaseException:
+                with self._lock:
+                    self._held -= size
+                raise
+            with self._lock:
                 self._allocations += 1
+                self._overflows += not keep
                 self._peak = max(self._peak, self._held)
-                buf = _Buffer(torch.empty(size, dtype=torch.uint8, pin_memory=True), None)
-            view = buf.memory[:nbytes]
-            self._taken[id(view)] = (buf, keep)
         if buf.ready is not None:
             stream.wait_event(buf.ready)
-        return view
+        return self._lend(buf, nbytes, stream)
+
+    def _lend(self, buf: _Buffer, nbytes: int, stream) -> torch.Tensor:
+        """A tensor of its own over `buf`'s first `nbytes`: the memoryview under it lives as
+        long as any tensor over it does, so its end says the lease is dropped."""
+        lease = _Lease(buf, stream)
+        view = buf.memory.numpy().data[:nbytes]
+        lease.dropped = weakref.finalize(view, self._dropped.append, lease)
+        lease.dropped.atexit = False
+        with self._lock:
+            self._taken[buf.memory.data_ptr()] = lease
+        return torch.frombuffer(view, dtype=torch.uint8)
 
     def give(self, views: list[torch.Tensor], ready) -> None:
         """Give back the buffers under `views` (from `take`), `ready` recorded after the last copy
-        queued on them."""
+        queued on them. It frees nothing itself (the caller may be the engine's thread)."""
         with self._lock:
             for view in views:
-                buf, keep = self._taken.pop(id(view))
-                if keep:
-                    buf.ready = ready
-                    self._free.append(buf)
-                else:
-                    self._held -= buf.memory.numel()
+                lease = self._taken.pop(view.data_ptr())
+                assert lease.dropped is not None  # set as it was lent
+                lease.dropped.detach()
+                self._back(lease.buffer, ready)
+
+    def _back(self, buf: _Buffer, ready) -> None:
+        buf.ready = ready
+        (self._free if buf.keep else self._retiring).append(buf)
+
+    def _retire(self, buf: _Buffer, freeing: list[_Buffer]) -> None:
+        """Let `buf` go: freed now if its copies are done, else once they are."""
+        done = buf.ready is None or buf.ready.query()
+        (freeing if done else self._retiring).append(buf)
+
+    def _reclaim(self, freeing: list[_Buffer]) -> None:
+        """Take back the buffers of leases dropped without a give (after what their stream
+        queued so far); move those let go whose copies are done to `freeing`."""
+        while self._dropped:
+            lease = self._dropped.popleft()
+            address = lease.buffer.memory.data_ptr()
+            if self._taken.get(address) is lease:
+                del self._taken[address]
+                self._back(lease.buffer, lease.stream.record_event())
+        retiring, self._retiring = self._retiring, []
+        for buf in retiring:
+            self._retire(buf, freeing)
+
+    def _let_go(self, freeing: list[_Buffer]) -> None:
+        """Free `freeing` (outside the lock) and stop counting them."""
+        freed = 0
+        try:
+            for buf in freeing:
+                self.memory.free(buf.memory)
+                freed += buf.memory.numel()
+        finally:
+            if freed:
+                with self._lock:
+                    self._held -= freed
 
     def stats(self) -> dict:
-        """Bytes held now and at the peak, buffers allocated, and allocations over the limit."""
+        """Bytes held now (after freeing what is done) and at the peak, buffers allocated, and
+        allocations over the limit."""
+        freeing: list[_Buffer] = []
+        with self._lock:
+            self._reclaim(freeing)
+        self._let_go(freeing)
         with self._lock:
             return {
                 "held_bytes": self._held,
@@ -137,6 +250,10 @@ class PinnedPool:
                 "overflows": self._overflows,
                 "limit_bytes": self.limit,
             }
+
+
+def _size(buffers: list[_Buffer]) -> int:
+    return sum(b.memory.numel() for b in buffers)
 
 
 _pools: dict[int, PinnedPool] = {}

@@ -1,14 +1,24 @@
-"""The CUDA staging's parts that run without a GPU (overcast/staging.py): the stream gates'
-ticketing and the fenced store of their word. tests/test_cuda.py runs the rest on a GPU."""
+"""The CUDA staging's parts that run without a GPU (overcast/staging.py): the pinned pool's
+bookkeeping over pageable memory, the stream gates' ticketing and the fenced store of their word.
+tests/test_cuda.py runs the rest on a GPU.
 
+CUDA cannot run here, so the pool's tests give it stand-ins for a CUDA stream and event (`Stream`,
+`Copies`): they only say when the copies queued are done. The memory is the pool's own pageable
+allocator, counted."""
+
+import gc
 import threading
 import time
+import weakref
 
 import numpy as np
 import pytest
+import torch
 
 from overcast.native import store_u32_fenced
-from overcast.staging import GateTickets, StreamGates
+from overcast.staging import GateTickets, MappedMemory, PinnedPool, StreamGates
+
+MiB = 1 << 20
 
 
 def until(condition, seconds: float = 10.0) -> bool:
@@ -76,3 +86,166 @@ def test_the_gate_word_is_stored_where_asked_and_nowhere_else():
     with pytest.raises(OverflowError):
         store_u32_fenced(words, 0, 1 << 32)
     assert words.view(np.uint32).tolist() == [7, 0, 0, 0, 0, 0xFFFF_FFFF, 0, 0]
+
+
+class Copies:
+    """A stand-in for a CUDA event (CUDA cannot run here): done once the test says so."""
+
+    def __init__(self, done: bool = False):
+        self.done = done
+
+    def query(self) -> bool:
+        return self.done
+
+
+class Stream:
+    """A stand-in for a CUDA stream (CUDA cannot run here): the events the pool made it wait
+    for, and those it recorded on it."""
+
+    def __init__(self):
+        self.waited: list[Copies] = []
+        self.recorded: list[Copies] = []
+
+    def wait_event(self, event: Copies) -> None:
+        self.waited.append(event)
+
+    def record_event(self) -> Copies:
+        self.recorded.append(Copies())
+        return self.recorded[-1]
+
+
+class CountedMemory(MappedMemory):
+    """The pool's pageable allocator, counting the bytes allocated and not freed, what was
+    freed (addresses), and each buffer (weakly); with `hold` set, an allocation waits until the
+    test clears it, saying in `allocating` that it began."""
+
+    def __init__(self):
+        self.live = 0
+        self.freed: list[int] = []
+        self.buffers: list[weakref.ref] = []
+        self.hold = threading.Event()
+        self.allocating = threading.Event()
+
+    def allocate(self, nbytes: int) -> torch.Tensor:
+        if self.hold.is_set():
+            self.allocating.set()
+            assert until(lambda: not self.hold.is_set())
+        memory = super().allocate(nbytes)
+        self.live += nbytes
+        self.buffers.append(weakref.ref(memory))
+        return memory
+
+    def free(self, memory: torch.Tensor) -> None:
+        self.live -= memory.numel()
+        self.freed.append(memory.data_ptr())
+
+
+def test_the_pool_is_not_locked_while_it_allocates():
+    """Pinning takes long: a call giving buffers back (the engine's thread) or asking for the
+    pool's state does not wait for another call's allocation."""
+    memory = CountedMemory()
+    pool, stream = PinnedPool(64 * MiB, memory), Stream()
+    first = pool.take(MiB, stream)
+    memory.hold.set()
+    taking = threading.Thread(target=pool.take, args=(2 * MiB, stream), daemon=True)
+    taking.start()
+    assert memory.allocating.wait(10)
+    meanwhile = threading.Thread(
+        target=lambda: (pool.give([first], Copies(True)), pool.stats()), daemon=True
+    )
+    meanwhile.start()
+    meanwhile.join(timeout=5)
+    blocked = meanwhile.is_alive()
+    memory.hold.clear()
+    taking.join(timeout=10)
+    meanwhile.join(timeout=10)
+    assert not blocked
+    assert pool.stats()["held_bytes"] == 3 * MiB == memory.live
+
+
+def test_a_buffer_over_the_limit_is_freed_once_its_last_copy_is_done():
+    memory = CountedMemory()
+    pool, stream = PinnedPool(2 * MiB, memory), Stream()
+    views = [pool.take(MiB, stream) for _ in range(3)]  # the third is over the limit
+    over = views[2].data_ptr()
+    copies = Copies()
+    pool.give(views, copies)
+    stats = pool.stats()
+    assert (stats["overflows"], stats["held_bytes"], memory.live) == (1, 3 * MiB, 3 * MiB)
+    assert memory.freed == []  # its copy back is still queued
+    copies.done = True
+    assert pool.stats()["held_bytes"] == 2 * MiB == memory.live
+    assert memory.freed == [over]
+    del views
+    gc.collect()
+    assert [ref() is None for ref in memory.buffers] == [False, False, True]  # unmapped
+
+
+def test_an_idle_buffer_in_the_way_of_a_larger_one_is_freed():
+    memory = CountedMemory()
+    pool, stream = PinnedPool(4 * MiB, memory), Stream()
+    small = pool.take(2 * MiB, stream)
+    address = small.data_ptr()
+    pool.give([small], Copies(True))
+    pool.give([pool.take(3 * MiB, stream)], Copies(True))
+    stats = pool.stats()
+    assert (stats["allocations"], stats["overflows"], stats["held_bytes"]) == (2, 0, 3 * MiB)
+    assert memory.freed == [address] and memory.live == 3 * MiB
+
+
+def test_an_idle_buffer_still_copied_counts_until_it_is_freed():
+    """Evicted with its copy queued, it stays pinned until the copy is done: the new buffer
+    beside it is over the limit, and freed after use."""
+    memory = CountedMemory()
+    pool, stream = PinnedPool(4 * MiB, memory), Stream()
+    copies = Copies()
+    pool.give([pool.take(2 * MiB, stream)], copies)
+    larger = pool.take(3 * MiB, stream)
+    assert pool.stats()["overflows"] == 1 and memory.live == 5 * MiB
+    pool.give([larger], Copies(True))
+    copies.done = True
+    assert pool.stats()["held_bytes"] == 0 == memory.live
+
+
+def test_the_memory_allocated_stays_within_the_limit_whatever_the_sizes():
+    """Two threads taking buffers of changing sizes, a few at a time: once their copies are
+    done, what the allocator holds is what the pool counts, within the limit."""
+    memory = CountedMemory()
+    pool = PinnedPool(6 * MiB, memory)
+
+    def calls(sizes):
+        stream = Stream()
+        for i in range(0, len(sizes), 3):
+            views = [pool.take(n * MiB - 100, stream) for n in sizes[i : i + 3]]
+            pool.give(views, Copies(True))
+
+    threads = [
+        threading.Thread(target=calls, args=([1, 3, 2, 5, 1, 4] * 10,)),
+        threading.Thread(target=calls, args=([2, 2, 6, 1, 3, 1] * 10,)),
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    stats = pool.stats()
+    assert stats["overflows"] > 0  # the demand went over the limit
+    assert memory.live == stats["held_bytes"] <= 6 * MiB
+
+
+def test_a_buffer_never_given_back_returns_once_no_tensor_is_over_it():
+    """A call dropped without giving its buffer back: the buffer stays taken while any tensor
+    over it lives, then returns to the pool behind what its stream had queued by then."""
+    memory = CountedMemory()
+    pool, stream = PinnedPool(4 * MiB, memory), Stream()
+    twin = pool.take(MiB, stream).view(torch.float32)  # the view given out is gone already
+    address = twin.data_ptr()
+    gc.collect()
+    other = pool.take(MiB, stream)  # twin's buffer is still in use
+    assert pool.stats()["allocations"] == 2
+    del twin
+    gc.collect()
+    reused = pool.take(MiB, stream)
+    assert (pool.stats()["allocations"], reused.data_ptr()) == (2, address)
+    assert stream.waited == stream.recorded != []  # behind the dropped call's copies
+    pool.give([reused, other], Copies(True))
+    assert pool.stats()["held_bytes"] == 2 * MiB == memory.live
