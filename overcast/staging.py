@@ -17,10 +17,11 @@ import ctypes
 import mmap
 import os
 import threading
+import time
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -346,8 +347,15 @@ class Staging:
         if release:
             self.release()
 
+    @property
+    def clock(self) -> ClockReference:
+        """Its device's `clock_reference`, to place its events in time."""
+        return clock_reference(self.device)
+
     def release(self) -> None:
-        """Give the buffers back (after `copy_out`, or when the call failed before it)."""
+        """Give the buffers back (after `copy_out`, or when the call failed before it) and let
+        go of the CUDA tensors (the stream's copies hold them from reuse until done)."""
+        self._outputs = {}
         views, self._views = self._views, []
         if views:
             ready = self.finished
@@ -451,6 +459,33 @@ class StreamGates:
         # gate open before it sees the result it copies back)
         store_u32_fenced(self._host, slot, value)
         self._tickets.opened(slot, value)
+
+
+class ClockReference(NamedTuple):
+    """A CUDA event the GPU passed at `seconds` on time.monotonic()'s clock (the engine traces'):
+    another event of its device passed `event.elapsed_time(other) / 1e3` seconds after it."""
+
+    event: Any
+    seconds: float
+
+
+_clocks: dict[tuple[int, torch.device], ClockReference] = {}
+
+
+def clock_reference(device: torch.device) -> ClockReference:
+    """The process's reference for `device`, made once: an event recorded on a stream with
+    nothing queued, its time halfway between the record and the host seeing it done (tens of
+    microseconds apart)."""
+    with _pools_lock:
+        key = (os.getpid(), device)
+        if key not in _clocks:
+            stream = torch.cuda.Stream(device)
+            event = torch.cuda.Event(enable_timing=True)
+            before = time.monotonic()
+            event.record(stream)
+            event.synchronize()
+            _clocks[key] = ClockReference(event, (before + time.monotonic()) / 2)
+        return _clocks[key]
 
 
 _gates: dict[int, StreamGates | None] = {}

@@ -1,10 +1,10 @@
-"""The CUDA staging's parts that run without a GPU (overcast/staging.py): the pinned pool's
-bookkeeping over pageable memory, the stream gates' ticketing and the fenced store of their word.
-tests/test_cuda.py runs the rest on a GPU.
+"""The CUDA staging's parts that run without a GPU (overcast/staging.py, overcast/fsdp/timing.py):
+the pinned pool's bookkeeping over pageable memory, the timing of the staging copies, the stream
+gates' ticketing and the fenced store of their word. tests/test_cuda.py runs the rest on a GPU.
 
-CUDA cannot run here, so the pool's tests give it stand-ins for a CUDA stream and event (`Stream`,
-`Copies`): they only say when the copies queued are done. The memory is the pool's own pageable
-allocator, counted."""
+CUDA cannot run here, so these give stand-ins for a CUDA stream and events (`Stream`, `Copies`,
+`Event`): they only say when the copies queued are done, and when the GPU passed an event. The
+pool's memory is its own pageable allocator, counted."""
 
 import gc
 import threading
@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 import torch
 
+from overcast.fsdp.timing import CommTime
 from overcast.native import store_u32_fenced
-from overcast.staging import GateTickets, MappedMemory, PinnedPool, StreamGates
+from overcast.staging import ClockReference, GateTickets, MappedMemory, PinnedPool, StreamGates
 
 MiB = 1 << 20
 
@@ -249,3 +250,68 @@ def test_a_buffer_never_given_back_returns_once_no_tensor_is_over_it():
     assert stream.waited == stream.recorded != []  # behind the dropped call's copies
     pool.give([reused, other], Copies(True))
     assert pool.stats()["held_bytes"] == 2 * MiB == memory.live
+
+
+class Event:
+    """A stand-in for a CUDA timing event (CUDA cannot run here): when the GPU passes it, in ms
+    on the GPU's clock, and whether it has."""
+
+    def __init__(self, ms: float, done: bool = True):
+        self.ms, self.done = ms, done
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.done = True  # the GPU got there
+
+    def elapsed_time(self, other: "Event") -> float:
+        return other.ms - self.ms
+
+
+class Call:
+    """A staged call as its timing sees it: a Staging's four events (its copy to the host from
+    `at` ms to 2 ms later, back from 5 ms to 6 ms), the clock's reference (the GPU's 0 ms at
+    100 s), and the CUDA tensor it holds (FSDP2's buffer)."""
+
+    def __init__(self, at: float, output: torch.Tensor, done: bool = True):
+        events = [Event(at + ms, done) for ms in (0.0, 2.0, 5.0, 6.0)]
+        self.began, self.copied_in, self.copying_out, self.finished = events
+        self.clock = ClockReference(Event(0.0), 100.0)
+        self._outputs = {0: (output, None)}
+
+
+def test_the_copies_timing_holds_no_call_and_the_events_of_copies_in_flight_only():
+    """A loop that never calls stats(): the timing lets go of each call at once (its tensors
+    are FSDP2's buffers) and of its events once its copies are done."""
+    times = CommTime()
+    output = torch.empty(1 << 10)
+    held = weakref.ref(output)
+    times.copies.add(Call(0.0, output))
+    del output
+    assert held() is None
+    pending = Call(10.0, torch.empty(1), done=False)
+    kept, done = weakref.ref(pending.finished), []
+    times.copies.add(pending)
+    del pending
+    for i in range(1000):
+        call = Call(20.0 + i, torch.empty(1))
+        done.append(weakref.ref(call.finished))
+        times.copies.add(call)
+    del call
+    assert kept() is not None and not any(ref() for ref in done)
+    kept().done = True
+    times.copies.add(Call(2000.0, torch.empty(1)))
+    assert kept() is None
+    stats = times.as_dict()
+    assert stats["staging_in_seconds"] == pytest.approx(1003 * 0.002)
+    assert stats["staging_out_seconds"] == pytest.approx(1003 * 0.001)
+
+
+def test_with_spans_each_copy_is_placed_on_the_monotonic_clock():
+    times = CommTime(keep_labels=True)
+    times.copies.add(Call(10.0, torch.empty(1)))
+    assert [(d, round(a, 6), round(b, 6)) for d, a, b in times.copies.spans] == [
+        ("to host", 100.010, 100.012),
+        ("to GPU", 100.015, 100.016),
+    ]

@@ -111,7 +111,7 @@ class _Staged:
         (the call's, or the one waiting on an asynchronous call) wait for it. Not `release`:
         queued behind a gate, the buffers are given back when the collective is done."""
         self.staging.copy_out(release=release)
-        self.times.staged.append(self.staging)
+        self.times.copies.add(self.staging)  # its events only, read as they complete
         self.staging.order_caller()
 
 
