@@ -117,28 +117,31 @@ class Stream:
 
 class CountedMemory(MappedMemory):
     """The pool's pageable allocator, counting the bytes allocated and not freed, what was
-    freed (addresses), and each buffer (weakly); with `hold` set, an allocation waits until the
-    test clears it, saying in `allocating` that it began."""
+    freed (addresses), and each buffer (weakly); with `hold`, an allocation says it began
+    (`allocating`) and waits until the test lets it go on (`resume`), as a long pinning would."""
 
     def __init__(self):
         self.live = 0
         self.freed: list[int] = []
         self.buffers: list[weakref.ref] = []
-        self.hold = threading.Event()
-        self.allocating = threading.Event()
+        self.hold = False
+        self.allocating, self.resume = threading.Event(), threading.Event()
+        self.counting = threading.Lock()
 
     def allocate(self, nbytes: int) -> torch.Tensor:
-        if self.hold.is_set():
+        if self.hold:
             self.allocating.set()
-            assert until(lambda: not self.hold.is_set())
+            assert self.resume.wait(30)
         memory = super().allocate(nbytes)
-        self.live += nbytes
-        self.buffers.append(weakref.ref(memory))
+        with self.counting:  # the pool allocates and frees on its callers' threads
+            self.live += nbytes
+            self.buffers.append(weakref.ref(memory))
         return memory
 
     def free(self, memory: torch.Tensor) -> None:
-        self.live -= memory.numel()
-        self.freed.append(memory.data_ptr())
+        with self.counting:
+            self.live -= memory.numel()
+            self.freed.append(memory.data_ptr())
 
 
 def test_the_pool_is_not_locked_while_it_allocates():
@@ -147,7 +150,7 @@ def test_the_pool_is_not_locked_while_it_allocates():
     memory = CountedMemory()
     pool, stream = PinnedPool(64 * MiB, memory), Stream()
     first = pool.take(MiB, stream)
-    memory.hold.set()
+    memory.hold = True
     taking = threading.Thread(target=pool.take, args=(2 * MiB, stream), daemon=True)
     taking.start()
     assert memory.allocating.wait(10)
@@ -157,7 +160,7 @@ def test_the_pool_is_not_locked_while_it_allocates():
     meanwhile.start()
     meanwhile.join(timeout=5)
     blocked = meanwhile.is_alive()
-    memory.hold.clear()
+    memory.resume.set()
     taking.join(timeout=10)
     meanwhile.join(timeout=10)
     assert not blocked
