@@ -12,16 +12,22 @@ Nothing here needs a GPU to import; a CUDA call needs torch built with CUDA.
 
 from __future__ import annotations
 
+import collections
 import ctypes
+import mmap
 import os
 import threading
+import time
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import torch
 
 from overcast.errors import InvalidArgumentError
 from overcast.limits import bytes_from_env
+from overcast.native import store_u32_fenced
 
 PINNED_BYTES_ENV = "OVERCAST_PINNED_BYTES"
 GATES_ENV = "OVERCAST_STREAM_GATES"  # "0": no gates; a synchronous ReduceScatter then blocks
@@ -62,72 +68,181 @@ def device_of(tensors, what: str) -> torch.device | None:
     return found
 
 
+class MappedMemory:
+    """Host buffers, each an anonymous mapping of its own (page-aligned, sharing no page with
+    another), which a forked child does not inherit; unmapped once no tensor over it is left.
+    Pageable: `PinnedMemory` pins them. A pool's allocator: `allocate` and `free`, which the pool
+    calls once for each buffer it lets go, after the last copy queued on it."""
+
+    def allocate(self, nbytes: int) -> torch.Tensor:
+        """A uint8 tensor of `nbytes` (a multiple of the page size) over a new mapping."""
+        mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        mapping.madvise(mmap.MADV_DONTFORK)
+        return torch.frombuffer(mapping, dtype=torch.uint8)  # it holds the mapping
+
+    def free(self, memory: torch.Tensor) -> None:
+        """Nothing to undo: the mapping goes with the last tensor over it."""
+
+
+class PinnedMemory(MappedMemory):
+    """Mapped buffers pinned with cudaHostRegister (for every device's context) and unpinned
+    with cudaHostUnregister when freed. Not torch's pinned tensors: its caching host allocator
+    keeps a freed one pinned for the life of the process, so a pool's limit would bound nothing;
+    and torch.cuda.cudart()'s two calls have been public, and let go of the GIL, in every
+    supported torch, where emptying torch's host cache is private and was renamed."""
+
+    _PORTABLE = 0x1  # cudaHostRegisterPortable
+
+    def allocate(self, nbytes: int) -> torch.Tensor:
+        memory = super().allocate(nbytes)
+        torch.cuda.check_error(
+            torch.cuda.cudart().cudaHostRegister(memory.data_ptr(), nbytes, self._PORTABLE)
+        )
+        return memory
+
+    def free(self, memory: torch.Tensor) -> None:
+        torch.cuda.check_error(torch.cuda.cudart().cudaHostUnregister(memory.data_ptr()))
+
+
 @dataclass(eq=False)  # identity: list.remove must not compare the tensors
 class _Buffer:
-    memory: torch.Tensor  # pinned uint8
-    ready: torch.cuda.Event | None  # the last copy from or into it, queued before release
+    memory: torch.Tensor  # uint8, from the pool's allocator
+    keep: bool  # back in the pool when given back; else freed (it came over the limit)
+    ready: Any = None  # an event after the last copy queued on it (None: never used)
+
+
+@dataclass(eq=False)
+class _Lease:
+    """A buffer taken, until given back; `dropped` calls the pool back if every tensor over
+    it is gone first (a call that never gave it back)."""
+
+    buffer: _Buffer
+    stream: Any  # the stream its copies are queued on
+    dropped: weakref.finalize | None = None
 
 
 class PinnedPool:
     """Pinned host buffers for staging, reused from call to call. It keeps at most `limit` bytes:
-    a buffer taken while the pool holds that much already is freed when given back instead of
+    a buffer taken while the pool holds that much already is freed once given back instead of
     kept (counted in `stats()["overflows"]`), so a demand above the limit still runs, and the
-    pool never waits for buffers another call holds (which could be its own caller's).
+    pool never waits for buffers another call holds (which could be its own caller's). A buffer
+    it lets go (over the limit, or idle and in the way of a larger one) is freed with its
+    allocator's `free` (unpinned) once the last copy queued on it is done, at the next `take`
+    or `stats`; until then it counts as held.
 
     A buffer given back carries the event recorded after the last copy queued on it; taking it
     for another copy makes that copy's stream wait on the event first, so no copy into a buffer
-    overtakes one still reading it. Thread-safe."""
+    overtakes one still reading it. A buffer taken and never given back returns to the pool once
+    no tensor over it is left, after what its stream had queued by then. The allocator runs
+    outside the pool's lock (pinning takes long), so a `give` never waits for it. Thread-safe."""
 
-    def __init__(self, limit: int | None = None):
+    def __init__(self, limit: int | None = None, memory: MappedMemory | None = None):
         self.limit = pinned_limit() if limit is None else limit
+        self.memory = PinnedMemory() if memory is None else memory
         self._lock = threading.Lock()
         self._free: list[_Buffer] = []
-        self._held = 0  # bytes of buffers alive: free and taken
+        self._retiring: list[_Buffer] = []  # let go, their last copy not done yet
+        self._held = 0  # bytes of buffers allocated and not freed, or being allocated
         self._peak = 0
         self._allocations = 0
         self._overflows = 0
-        # id(view handed out) -> (its buffer, whether the buffer is kept when given back)
-        self._taken: dict[int, tuple[_Buffer, bool]] = {}
+        self._taken: dict[int, _Lease] = {}  # by the buffer's address, unique while it lives
+        self._dropped: collections.deque[_Lease] = collections.deque()  # appended lock-free
 
     def take(self, nbytes: int, stream) -> torch.Tensor:
-        """A pinned uint8 tensor of `nbytes` (a view of a buffer at least that long), safe to
-        copy into on `stream` from now on."""
+        """A pinned uint8 tensor of `nbytes` (over a buffer at least that long), safe to copy
+        into on `stream` from now on."""
+        freeing: list[_Buffer] = []
         with self._lock:
+            self._reclaim(freeing)
             fits = [b for b in self._free if b.memory.numel() >= nbytes]
-            keep = True
-            if fits:
-                buf = min(fits, key=lambda b: b.memory.numel())
+            buf = min(fits, key=lambda b: b.memory.numel()) if fits else None
+            if buf is not None:
                 self._free.remove(buf)
             else:
                 size = max(_ALIGN, -(-nbytes // _ALIGN) * _ALIGN)
-                while self._free and self._held + size > self.limit:
-                    self._held -= self._free.pop(0).memory.numel()  # idle: free it for room
-                keep = self._held + size <= self.limit
-                self._overflows += not keep
-                self._held += size
+                while self._free and self._held - _size(freeing) + size > self.limit:
+                    self._retire(self._free.pop(0), freeing)  # idle: free it for room
+                keep = self._held - _size(freeing) + size <= self.limit
+                self._held += size  # reserved now, so that no other call counts it free
+        self._let_go(freeing)
+        if buf is None:
+            try:
+                buf = _Buffer(self.memory.allocate(size), keep)
+            except BaseException:
+                with self._lock:
+                    self._held -= size
+                raise
+            with self._lock:
                 self._allocations += 1
+                self._overflows += not keep
                 self._peak = max(self._peak, self._held)
-                buf = _Buffer(torch.empty(size, dtype=torch.uint8, pin_memory=True), None)
-            view = buf.memory[:nbytes]
-            self._taken[id(view)] = (buf, keep)
         if buf.ready is not None:
             stream.wait_event(buf.ready)
-        return view
+        return self._lend(buf, nbytes, stream)
+
+    def _lend(self, buf: _Buffer, nbytes: int, stream) -> torch.Tensor:
+        """A tensor of its own over `buf`'s first `nbytes`: the memoryview under it lives as
+        long as any tensor over it does, so its end says the lease is dropped."""
+        lease = _Lease(buf, stream)
+        view = buf.memory.numpy().data[:nbytes]
+        lease.dropped = weakref.finalize(view, self._dropped.append, lease)
+        lease.dropped.atexit = False
+        with self._lock:
+            self._taken[buf.memory.data_ptr()] = lease
+        return torch.frombuffer(view, dtype=torch.uint8)
 
     def give(self, views: list[torch.Tensor], ready) -> None:
         """Give back the buffers under `views` (from `take`), `ready` recorded after the last copy
-        queued on them."""
+        queued on them. It frees nothing itself (the caller may be the engine's thread)."""
         with self._lock:
             for view in views:
-                buf, keep = self._taken.pop(id(view))
-                if keep:
-                    buf.ready = ready
-                    self._free.append(buf)
-                else:
-                    self._held -= buf.memory.numel()
+                lease = self._taken.pop(view.data_ptr())
+                assert lease.dropped is not None  # set as it was lent
+                lease.dropped.detach()
+                self._back(lease.buffer, ready)
+
+    def _back(self, buf: _Buffer, ready) -> None:
+        buf.ready = ready
+        (self._free if buf.keep else self._retiring).append(buf)
+
+    def _retire(self, buf: _Buffer, freeing: list[_Buffer]) -> None:
+        """Let `buf` go: freed now if its copies are done, else once they are."""
+        done = buf.ready is None or buf.ready.query()
+        (freeing if done else self._retiring).append(buf)
+
+    def _reclaim(self, freeing: list[_Buffer]) -> None:
+        """Take back the buffers of leases dropped without a give (after what their stream
+        queued so far); move those let go whose copies are done to `freeing`."""
+        while self._dropped:
+            lease = self._dropped.popleft()
+            address = lease.buffer.memory.data_ptr()
+            if self._taken.get(address) is lease:
+                del self._taken[address]
+                self._back(lease.buffer, lease.stream.record_event())
+        retiring, self._retiring = self._retiring, []
+        for buf in retiring:
+            self._retire(buf, freeing)
+
+    def _let_go(self, freeing: list[_Buffer]) -> None:
+        """Free `freeing` (outside the lock) and stop counting them."""
+        freed = 0
+        try:
+            for buf in freeing:
+                self.memory.free(buf.memory)
+                freed += buf.memory.numel()
+        finally:
+            if freed:
+                with self._lock:
+                    self._held -= freed
 
     def stats(self) -> dict:
-        """Bytes held now and at the peak, buffers allocated, and allocations over the limit."""
+        """Bytes held now (after freeing what is done) and at the peak, buffers allocated, and
+        allocations over the limit."""
+        freeing: list[_Buffer] = []
+        with self._lock:
+            self._reclaim(freeing)
+        self._let_go(freeing)
         with self._lock:
             return {
                 "held_bytes": self._held,
@@ -136,6 +251,10 @@ class PinnedPool:
                 "overflows": self._overflows,
                 "limit_bytes": self.limit,
             }
+
+
+def _size(buffers: list[_Buffer]) -> int:
+    return sum(b.memory.numel() for b in buffers)
 
 
 _pools: dict[int, PinnedPool] = {}
@@ -228,8 +347,15 @@ class Staging:
         if release:
             self.release()
 
+    @property
+    def clock(self) -> ClockReference:
+        """Its device's `clock_reference`, to place its events in time."""
+        return clock_reference(self.device)
+
     def release(self) -> None:
-        """Give the buffers back (after `copy_out`, or when the call failed before it)."""
+        """Give the buffers back (after `copy_out`, or when the call failed before it) and let
+        go of the CUDA tensors (the stream's copies hold them from reuse until done)."""
+        self._outputs = {}
         views, self._views = self._views, []
         if views:
             ready = self.finished
@@ -245,15 +371,47 @@ class Staging:
             torch.cuda.current_stream(self.device).wait_event(self.finished)
 
 
+class GateTickets:
+    """The stream gates' ring of `slots` words, without CUDA: each gate is the next slot, with a
+    value one higher than that slot's last; a slot is not given out again before its last gate
+    opened, so a gate opens only when its own collective is done, never by a later one.
+    Thread-safe."""
+
+    def __init__(self, slots: int):
+        self.slots = slots
+        self._lock = threading.Condition()
+        self._count = 0
+        self._opened = [0] * slots  # the value each slot was last opened with
+
+    @property
+    def taken(self) -> int:
+        """Gates given out so far, waiting for their slot or not."""
+        with self._lock:
+            return self._count
+
+    def take(self) -> tuple[int, int]:
+        """The next gate's (slot, value), once that slot's last gate has opened. The ticket is
+        taken before the wait, which lets go of the lock: another caller meanwhile takes the
+        next."""
+        with self._lock:
+            ticket, self._count = self._count, self._count + 1
+            slot, value = ticket % self.slots, ticket // self.slots + 1
+            self._lock.wait_for(lambda: self._opened[slot] == value - 1)
+        return slot, value
+
+    def opened(self, slot: int, value: int) -> None:
+        """The gate (slot, value) opened (its word written): its slot may be given out again."""
+        with self._lock:
+            self._opened[slot] = value
+            self._lock.notify_all()
+
+
 class StreamGates:
     """Gates a CUDA stream stops at until the host opens them, so that an operation queued on a
     stream behind a gate (a collective's copy back) waits for the host (the collective) without
     the host waiting: the stream waits for a word of pinned host memory to reach a value
-    (the driver's cuStreamWaitValue32), and the host writes the value.
-
-    The words are a ring of SLOTS, each gate the next slot with a value higher than that slot's
-    last; a slot is not given out again before its last gate opened, so a gate opens only when
-    its own collective is done, never by a later one. Thread-safe."""
+    (the driver's cuStreamWaitValue32), and the host writes the value. The words and values are
+    a `GateTickets` ring of SLOTS. Thread-safe."""
 
     SLOTS = 256
     _WAIT_GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ
@@ -273,9 +431,7 @@ class StreamGates:
         ):
             device_pointer.value = self._words.data_ptr()  # unified addressing: the same
         self._base = device_pointer.value
-        self._lock = threading.Condition()
-        self._count = 0
-        self._opened = [0] * self.SLOTS  # the value each slot was last opened with
+        self._tickets = GateTickets(self.SLOTS)
         probe = torch.cuda.Stream()  # a gate already open: the driver must take it
         code = self._wait(
             ctypes.c_void_p(probe.cuda_stream), ctypes.c_uint64(self._base), 0, self._WAIT_GEQ
@@ -286,10 +442,7 @@ class StreamGates:
 
     def close_on(self, stream):
         """Queue a gate on `stream`; returns the function that opens it (call it once)."""
-        with self._lock:
-            slot, value = self._count % self.SLOTS, self._count // self.SLOTS + 1
-            self._lock.wait_for(lambda: self._opened[slot] == value - 1)
-            self._count += 1
+        slot, value = self._tickets.take()
         code = self._wait(
             ctypes.c_void_p(stream.cuda_stream),
             ctypes.c_uint64(self._base + 4 * slot),
@@ -302,10 +455,37 @@ class StreamGates:
         return lambda: self._open(slot, value)
 
     def _open(self, slot: int, value: int) -> None:
-        with self._lock:
-            self._host[slot] = value  # after the collective's writes: x86 stores stay in order
-            self._opened[slot] = value
-            self._lock.notify_all()
+        # the word last, after the collective's writes (a fenced store: the GPU must not see the
+        # gate open before it sees the result it copies back)
+        store_u32_fenced(self._host, slot, value)
+        self._tickets.opened(slot, value)
+
+
+class ClockReference(NamedTuple):
+    """A CUDA event the GPU passed at `seconds` on time.monotonic()'s clock (the engine traces'):
+    another event of its device passed `event.elapsed_time(other) / 1e3` seconds after it."""
+
+    event: Any
+    seconds: float
+
+
+_clocks: dict[tuple[int, torch.device], ClockReference] = {}
+
+
+def clock_reference(device: torch.device) -> ClockReference:
+    """The process's reference for `device`, made once: an event recorded on a stream with
+    nothing queued, its time halfway between the record and the host seeing it done (tens of
+    microseconds apart)."""
+    with _pools_lock:
+        key = (os.getpid(), device)
+        if key not in _clocks:
+            stream = torch.cuda.Stream(device)
+            event = torch.cuda.Event(enable_timing=True)
+            before = time.monotonic()
+            event.record(stream)
+            event.synchronize()
+            _clocks[key] = ClockReference(event, (before + time.monotonic()) / 2)
+        return _clocks[key]
 
 
 _gates: dict[int, StreamGates | None] = {}

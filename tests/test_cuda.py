@@ -1,11 +1,16 @@
 """overcast with CUDA tensors, on a machine with a GPU (skipped elsewhere, saying why): the
 backend's collectives bit-exact against gloo's, the caller's stream ordering kept, DDP and FSDP2
 (alone and through overlap()) trained on the GPU as one process trains on the CPU, and the pinned
-host memory of the staging reused, bounded, and the GPU's memory flat; FSDP2's collectives
-through the poster and stream gates: the caller's stream order kept, a failed collective's gate
-opened, an AllGather's wait() not blocking the host. Every rank shares the machine's first GPU.
-`tools/cuda_checks` runs these with one line per check."""
+host memory of the staging reused, bounded, and the GPU's memory flat (also with stats() never
+read); more stream gates in flight than the ring has slots; the process's pinned memory after a
+demand over the pool's limit; FSDP2's collectives through the poster and stream gates: the
+caller's stream order kept, a failed collective's gate opened, an AllGather's wait() not blocking
+the host. Every rank shares the machine's first GPU. `tools/cuda_checks` runs these with one line
+per check."""
 
+import gc
+import os
+import queue
 import threading
 import time
 
@@ -133,9 +138,10 @@ def test_cuda_training_on_the_backend_matches_one_process(how, gates, piece):
         assert r["param"] < 1e-5 and r["loss"] < 1e-5 and r["own_communicator"], r
 
 
-def overlapped_steps(rank, steps):
+def overlapped_steps(rank, steps, read_stats=True):
     """FSDP2 through overlap() on the GPU: per step, the pool's pinned bytes and allocations
-    and the GPU memory allocated at the step's end."""
+    and the GPU memory allocated at the step's end; handle.stats() after the last (unless not
+    `read_stats`: never)."""
     start()
     torch.cuda.set_device(0)
     from torch.distributed.device_mesh import init_device_mesh
@@ -157,7 +163,7 @@ def overlapped_steps(rank, steps):
             opt.zero_grad()
             torch.cuda.synchronize()
             rows.append({**process_pool().stats(), "gpu": torch.cuda.memory_allocated()})
-        staging = handle.stats()
+        staging = handle.stats() if read_stats else None
     dist.destroy_process_group()
     return {"rows": rows, "staging": staging, "gated": stream_gates() is not None}
 
@@ -319,3 +325,115 @@ def test_cuda_an_allgathers_wait_does_not_block_the_host():
         allgather_wait_in_flight, loopback_placements(2), timeout=120)
     assert in_flight and exact and other
     assert seconds < 0.5  # the collective could not end before rank 1 called it, after this
+
+
+def test_cuda_memory_stays_flat_over_200_steps_with_stats_never_read():
+    """The staging copies' timing keeps no call's tensors (FSDP2's unsharded parameters and
+    ReduceScatter outputs) and only the events of copies in flight, so a loop that never calls
+    handle.stats() holds as much GPU and pinned memory at its 200th step as at its 10th."""
+    for r in run_ranks(overlapped_steps, loopback_placements(2, LINK), args=(200, False),
+                       timeout=600):
+        rows = r["rows"]
+        assert rows[10]["gpu"] == rows[-1]["gpu"], (rows[10], rows[-1])
+        assert rows[10]["held_bytes"] == rows[-1]["held_bytes"], (rows[10], rows[-1])
+        assert rows[10]["allocations"] == rows[-1]["allocations"], (rows[10], rows[-1])
+        assert r["gated"]
+
+
+def gates_in_flight(rank, per_thread):
+    """Two threads each queue `per_thread` stream gates, each on a stream of its own and each
+    followed by a copy that sets the gate's flag in pinned host memory; a third thread opens
+    them in the order they were queued, once the ring's every slot is taken (the two queuing
+    threads then wait for slots while 256 gates are closed), checking first that the stream
+    has not passed the gate. What it found: gates already passed, flags set at the end."""
+    torch.cuda.set_device(0)
+    gates = stream_gates()
+    assert gates is not None
+    flags = torch.zeros(2, per_thread, dtype=torch.int32, pin_memory=True)
+    seen = flags.numpy()
+    one = torch.ones(1, dtype=torch.int32, device="cuda")
+    torch.cuda.synchronize()
+    queued: queue.SimpleQueue = queue.SimpleQueue()
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+
+    def close(t):
+        for i in range(per_thread):
+            open_gate = gates.close_on(streams[t])
+            with torch.cuda.stream(streams[t]):
+                flags[t, i : i + 1].copy_(one, non_blocking=True)
+            queued.put((t, i, open_gate))
+
+    passed, opened = [], []
+
+    def open_all():
+        waiting = [queued.get(timeout=60) for _ in range(gates.SLOTS)]
+        for _ in range(2 * per_thread):
+            t, i, open_gate = waiting.pop(0) if waiting else queued.get(timeout=60)
+            if seen[t, i] != 0:
+                passed.append((t, i))
+            open_gate()
+            opened.append((t, i))
+
+    threads = [threading.Thread(target=close, args=(t,)) for t in (0, 1)]
+    threads.append(threading.Thread(target=open_all))
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    stuck = [thread.name for thread in threads if thread.is_alive()]
+    if len(opened) == 2 * per_thread:  # else a stream waits at a gate for good
+        for stream in streams:
+            stream.synchronize()
+    return {"stuck": stuck, "passed": passed, "opened": len(opened), "set": int(flags.sum())}
+
+
+def test_cuda_more_gates_than_the_ring_holds_each_open_only_by_its_own_collective():
+    per_thread = 200  # 400 gates, the ring's 256 slots all closed at once
+    [r] = run_ranks(gates_in_flight, loopback_placements(1), args=(per_thread,), timeout=300)
+    assert r == {"stuck": [], "passed": [], "opened": 2 * per_thread, "set": 2 * per_thread}
+
+
+def resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def demand_over_the_limit(rank, buffers, nbytes):
+    """`buffers` staging buffers of `nbytes` taken at once from the process's pool (its limit
+    below their sum), a copy into each, all given back: whether each was pinned (the driver's
+    word, cudaPointerGetAttributes through is_pinned), whether each still is once the copies
+    are done and the pool has freed what it let go, and the process's resident memory (which
+    counts the pool's pinned pages) before, with them, and after."""
+    torch.cuda.set_device(0)
+    source = torch.zeros(nbytes, dtype=torch.uint8, device="cuda")
+    torch.cuda.synchronize()
+    pool, stream = process_pool(), torch.cuda.Stream()
+    before = resident_bytes()
+    views = [pool.take(nbytes, stream) for _ in range(buffers)]
+    pinned = [v.is_pinned() for v in views]
+    with torch.cuda.stream(stream):
+        for v in views:
+            v.copy_(source, non_blocking=True)
+    ready = stream.record_event()
+    stream.synchronize()
+    during = resident_bytes()
+    firsts = [v[:1] for v in views]  # the memory stays mapped: the driver can be asked
+    pool.give(views, ready)
+    stats = pool.stats()  # frees what it let go, their copies done
+    still = [f.is_pinned() for f in firsts]
+    del views, firsts
+    gc.collect()
+    return {"pinned": pinned, "still": still, "stats": stats, "before": before,
+            "during": during, "after": resident_bytes()}
+
+
+def test_cuda_the_process_pins_no_more_than_the_pool_keeps_after_a_demand_over_it():
+    mib, nbytes = 1 << 20, 48 << 20
+    env = {"OVERCAST_PINNED_BYTES": str(64 * mib)}
+    [r] = run_ranks(demand_over_the_limit, loopback_placements(1, env), args=(4, nbytes),
+                    timeout=300)
+    assert r["pinned"] == [True] * 4
+    assert r["still"] == [True, False, False, False]  # the first is kept, within the limit
+    assert r["stats"]["overflows"] == 3 and r["stats"]["held_bytes"] == nbytes
+    assert r["during"] - r["before"] >= 4 * nbytes - 16 * mib
+    assert r["after"] - r["before"] <= nbytes + 16 * mib

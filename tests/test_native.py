@@ -6,6 +6,7 @@ the bits numpy gives in rank order."""
 import pathlib
 import socket
 import subprocess
+import types
 
 import numpy as np
 import pytest
@@ -573,9 +574,9 @@ def dicts_the_binding_returns() -> dict[str, dict]:
 
 
 def test_the_stubs_name_what_the_binding_offers():
-    """overcast/native/_core.pyi lists every type, method, attribute and constant of _core, and
-    nothing it lacks; and each dict it types by key (a TypedDict) with the keys the binding
-    returns, no more, no fewer."""
+    """overcast/native/_core.pyi lists every type, method, attribute, function and constant of
+    _core, and nothing it lacks; and each dict it types by key (a TypedDict) with the keys the
+    binding returns, no more, no fewer."""
     import ast
     tree = ast.parse((NATIVE / "_core.pyi").read_text())
 
@@ -589,9 +590,12 @@ def test_the_stubs_name_what_the_binding_offers():
     stubbed = {node.name: members(node) - {"__init__"} for node in classes
                if node.name not in keyed}
     constants = {n.target.id for n in tree.body if isinstance(n, ast.AnnAssign)}
+    functions = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
     offered = {name: {m for m in vars(obj) if not m.startswith("__")}
                for name, obj in vars(_core).items() if isinstance(obj, type)}
     assert stubbed == offered
+    assert functions == {name for name, v in vars(_core).items()
+                         if isinstance(v, types.BuiltinFunctionType)}
     assert constants == {name for name, v in vars(_core).items()
                          if isinstance(v, (int, float)) and not name.startswith("__")}
     assert keyed == {name: set(d) for name, d in dicts_the_binding_returns().items()}

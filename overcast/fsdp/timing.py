@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 from torch.autograd.profiler import record_function
 
@@ -31,6 +32,66 @@ def thread_clock() -> tuple[float, float]:
     return cpu, waited / 1e9
 
 
+class _Copies(NamedTuple):
+    """One staged call's four events, and where its device's clock stands (with spans)."""
+
+    began: Any
+    copied_in: Any
+    copying_out: Any
+    finished: Any
+    clock: Any  # a ClockReference (overcast.staging), or None
+
+
+class StagingTimes:
+    """The GPU time of the staging copies to the host and back, on a GPU, read from each staged
+    call's CUDA events as they complete. It keeps a call's events only, never the call (whose
+    tensors are FSDP2's buffers), and only until its copies are done: each call added reads
+    those done by then, so what it holds is what is in flight, whether or not anyone reads it.
+    With `keep_spans`, each copy's span too. Not thread-safe, as CommTime is not: FSDP2's hooks
+    and stats() take turns."""
+
+    def __init__(self, keep_spans: bool = False):
+        self.keep_spans = keep_spans
+        self.in_seconds = 0.0  # GPU time of the copies to the host
+        self.out_seconds = 0.0  # ... and back
+        # with keep_spans: ("to host" or "to GPU", start, end) per copy, time.monotonic()
+        # seconds (the engine traces' clock)
+        self.spans: list[tuple[str, float, float]] = []
+        self._queued: list[_Copies] = []
+
+    def add(self, staged) -> None:
+        """Time the copies of `staged` (a Staging, its copies back queued: anything with the
+        events `began`, `copied_in`, `copying_out` and `finished` and, with `keep_spans`, a
+        `clock`), and count those of every call done by now."""
+        clock = staged.clock if self.keep_spans else None
+        events = (staged.began, staged.copied_in, staged.copying_out, staged.finished)
+        self._queued.append(_Copies(*events, clock))
+        self.read(wait=False)
+
+    def read(self, wait: bool = True) -> None:
+        """Count the copies that are done; with `wait`, wait for the rest first."""
+        queued, self._queued = self._queued, []
+        for copies in queued:
+            if wait:
+                copies.finished.synchronize()
+            elif not copies.finished.query():  # the others are before it on its stream
+                self._queued.append(copies)
+                continue
+            self._count(copies)
+
+    def _count(self, copies: _Copies) -> None:
+        self.in_seconds += copies.began.elapsed_time(copies.copied_in) / 1e3
+        self.out_seconds += copies.copying_out.elapsed_time(copies.finished) / 1e3
+        if copies.clock is not None:
+            clock = copies.clock
+
+            def at(event) -> float:
+                return clock.seconds + clock.event.elapsed_time(event) / 1e3
+
+            self.spans.append(("to host", at(copies.began), at(copies.copied_in)))
+            self.spans.append(("to GPU", at(copies.copying_out), at(copies.finished)))
+
+
 @dataclass
 class CommTime:
     """What the training thread spent on communication, and which collective was which."""
@@ -46,19 +107,11 @@ class CommTime:
     # with keep_labels: (kind "AG"/"RS", label, posted, waited) per collective, perf_counter
     # seconds; the time each was in flight as the training thread saw it, either backend
     spans: list[tuple[str, str, float, float]] = field(default_factory=list)
-    # on a GPU: each staged collective's Staging (overcast.staging), its copies queued, until
-    # their events are read into the seconds below
-    staged: list = field(default_factory=list)
-    staging_in_seconds: float = 0.0  # GPU time of the copies to the host
-    staging_out_seconds: float = 0.0  # ... and back
+    # on a GPU: the staging copies' GPU time (with keep_labels, their spans)
+    copies: StagingTimes = field(init=False)
 
-    def read_staging(self) -> None:
-        """Add up the staging copies' GPU time so far (waits for the copies still queued)."""
-        for s in self.staged:
-            s.finished.synchronize()
-            self.staging_in_seconds += s.began.elapsed_time(s.copied_in) / 1e3
-            self.staging_out_seconds += s.copying_out.elapsed_time(s.finished) / 1e3
-        self.staged.clear()
+    def __post_init__(self):
+        self.copies = StagingTimes(keep_spans=self.keep_labels)
 
     @property
     def seconds(self) -> float:
@@ -66,12 +119,12 @@ class CommTime:
         return self.post_seconds + self.wait_seconds
 
     def as_dict(self) -> dict:
-        self.read_staging()
+        self.copies.read()
         return {
             "post_seconds": self.post_seconds,
             "wait_seconds": self.wait_seconds,
-            "staging_in_seconds": self.staging_in_seconds,
-            "staging_out_seconds": self.staging_out_seconds,
+            "staging_in_seconds": self.copies.in_seconds,
+            "staging_out_seconds": self.copies.out_seconds,
             "thread_cpu_seconds": self.thread_cpu_seconds,
             "run_delay_seconds": self.run_delay_seconds,
             "allgathers": self.allgathers,

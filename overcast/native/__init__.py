@@ -14,7 +14,8 @@ aggregator.c and registry.c, sharing state.h), service.h (its socket loop) and s
 loops on threads, one engine and socket each). parts.txt lists these parts once for every
 builder (setup.py, the tests, tools/fuzz, tools/bench_core).
 
-The Python binding, binding/, is module.c (the module, its constants) and a file per type:
+The Python binding, binding/, is module.c (the module, its constants, store_u32_fenced for the
+stream gates' word) and a file per type:
 bind_wire.c (Sealer, TagCheck), bind_budget.c (Budget), bind_plane.c and bind_gather.c
 (Plane), bind_aggregator.c (Aggregator), bind_shards.c (Shards); binding.h holds what they
 share; _core.pyi, here beside the module they build, their stubs.
@@ -27,6 +28,7 @@ try:
         MAX_RESEND_SECONDS,
         RESEND_SECONDS,
         Aggregator,
+        store_u32_fenced,
     )
 except ImportError as err:  # pragma: no cover - a build problem, said plainly
     raise ImportError(
@@ -35,4 +37,11 @@ except ImportError as err:  # pragma: no cover - a build problem, said plainly
     ) from err
 
 # what the rest of the library takes from here rather than from _core
-__all__ = ["EXPIRY_SECONDS", "MAX_REDUCTIONS", "MAX_RESEND_SECONDS", "RESEND_SECONDS", "Aggregator"]
+__all__ = [
+    "EXPIRY_SECONDS",
+    "MAX_REDUCTIONS",
+    "MAX_RESEND_SECONDS",
+    "RESEND_SECONDS",
+    "Aggregator",
+    "store_u32_fenced",
+]

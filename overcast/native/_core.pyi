@@ -24,6 +24,10 @@ ROUTE_AGGREGATOR: int
 ROUTE_GROUP: int
 ROUTE_RANK: int
 
+def store_u32_fenced(words: Buffer, index: int, value: int) -> None:
+    """words[index] = value, a 32-bit word, every store before it made visible first, to a GPU
+    too (module.c): a stream gate's word."""
+
 # What the binding returns as dicts, by key (tests/test_native.py checks the keys against it).
 class ReducerState(TypedDict):
     """Plane.reducer(seq): an in-network reduction's state in the plane (bind_plane.c)."""

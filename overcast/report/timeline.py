@@ -1,6 +1,8 @@
 """A timeline of one run: each collective's span per rank, and how full each direction of each
-rank's link was over time, split by collective. Written as a Chrome/Perfetto trace (open it at
-ui.perfetto.dev or chrome://tracing) and as a PNG of rank 0.
+rank's link was over time, split by collective; on a GPU, each staging copy to the host and back
+(a trace's "copies": {"direction": "to host" or "to GPU", "start", "end"}, on its clock) on lanes
+of their own. Written as a Chrome/Perfetto trace (open it at ui.perfetto.dev or chrome://tracing)
+and as a PNG of rank 0.
 
 Which spans make "the run" is the caller's choice (`select`): the bench takes the last
 collectives issued together, training takes every span of one backward step, named by module."""
@@ -14,6 +16,8 @@ LANES = {
     "reduce_scatter": (2, "ReduceScatter"),
     "broadcast": (1, "Broadcast"),
 }
+# the staging copies' lanes in the Chrome trace (rows 3 and 4 of the PNG), and their colours
+COPY_LANES = {"to host": (4, "copy to host", "tab:green"), "to GPU": (5, "copy to GPU", "tab:red")}
 BARRIER = "all_gather(ring, 1 x int64)"
 # The plot averages over this many bins at least, or over 1/WINDOWS of the run if longer: a
 # 512 KiB ring frame at 400 Mbit/s takes 10 ms on the wire.
@@ -34,6 +38,11 @@ def last_run(trace: dict) -> list[dict]:
 def every_span(trace: dict) -> list[dict]:
     """Every finished collective of the trace but barriers (a trace already cut to a window)."""
     return [s for s in trace["spans"] if s["name"] != BARRIER and s["end"] is not None]
+
+
+def copies_between(trace: dict, t0: float, t1: float) -> list[dict]:
+    """The trace's staging copies (none off a GPU) that overlap [t0, t1]."""
+    return [c for c in trace.get("copies", []) if c["end"] >= t0 and c["start"] <= t1]
 
 
 def _title(span: dict) -> str:
@@ -76,15 +85,20 @@ def chrome_trace(traces: list[dict], link_bits: float, select=last_run) -> dict:
         events.append(
             {"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank}"}}
         )
-        for tid, lane in sorted(set(LANES.values())):
+        copies = copies_between(trace, t0, t1)
+        threads = sorted(set(LANES.values()))
+        if copies:
+            threads += [(tid, lane) for tid, lane, _ in sorted(COPY_LANES.values())]
+        for tid, lane in threads:
             events.append(
                 {"name": "thread_name", "ph": "M", "pid": rank, "tid": tid, "args": {"name": lane}}
             )
-        for s in run:
-            tid, _ = _lane(s["name"])
+        bars = [(_title(s), _lane(s["name"])[0], s) for s in run]
+        bars += [(COPY_LANES[c["direction"]][1], COPY_LANES[c["direction"]][0], c) for c in copies]
+        for name, tid, s in bars:
             events.append(
                 {
-                    "name": _title(s),
+                    "name": name,
                     "ph": "X",
                     "pid": rank,
                     "tid": tid,
@@ -122,21 +136,19 @@ def _smooth(values: list[float]) -> list[float]:
     return out
 
 
-def plot(
-    traces: list[dict], path: str, link_bits: float, title: str, rank: int = 0, select=last_run
-) -> None:
-    import matplotlib
+def figure(trace: dict, link_bits: float, title: str, select=last_run):
+    """The PNG's picture of one rank's trace (a matplotlib Figure), or None if it ran nothing:
+    its collectives' spans (and copies) over its link's use, send and receive."""
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    trace = traces[rank]
     run = select(trace)
     if not run:
-        return
+        return None
     t0, t1 = min(s["start"] for s in run), max(s["end"] for s in run)
-    fig, axes = plt.subplots(
-        3, 1, figsize=(9, 6), sharex=True, gridspec_kw={"height_ratios": [1, 2, 2]}
+    copies = copies_between(trace, t0, t1)
+    fig = Figure(figsize=(9, 6))
+    axes = fig.subplots(
+        3, 1, sharex=True, gridspec_kw={"height_ratios": [2 if copies else 1, 2, 2]}
     )
     colors = {"AllGather": "tab:blue", "ReduceScatter": "tab:orange", "Broadcast": "tab:blue"}
     for s in run:
@@ -154,9 +166,19 @@ def plot(
             va="bottom",
             fontsize=7,
         )
-    axes[0].set_yticks([1, 2], ["AllGather", "ReduceScatter"])
-    axes[0].set_ylim(0.4, 2.9)
-    axes[0].set_title(f"{title}: rank {rank}")
+    names = ["AllGather", "ReduceScatter"]
+    for c in copies:
+        tid, _, color = COPY_LANES[c["direction"]]
+        axes[0].broken_barh(
+            [((c["start"] - t0) * 1e3, (c["end"] - c["start"]) * 1e3)],
+            (tid - 1.4, 0.8),
+            color=color,
+        )
+    if copies:
+        names += [lane for _, lane, _ in sorted(COPY_LANES.values())]
+    axes[0].set_yticks(range(1, len(names) + 1), names)
+    axes[0].set_ylim(0.4, len(names) + 0.9)
+    axes[0].set_title(title)
     for ax, direction, label in ((axes[1], "tx", "send"), (axes[2], "rx", "receive")):
         rows = series(trace, run, t0, t1)[direction]
         lanes = sorted(rows)
@@ -178,8 +200,15 @@ def plot(
         ax.legend(loc="upper right", fontsize=8)
     axes[2].set_xlabel("ms")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    return fig
+
+
+def plot(
+    traces: list[dict], path: str, link_bits: float, title: str, rank: int = 0, select=last_run
+) -> None:
+    fig = figure(traces[rank], link_bits, f"{title}: rank {rank}", select)
+    if fig is not None:
+        fig.savefig(path, dpi=120)
 
 
 def write_timeline(

@@ -31,14 +31,19 @@ def configure(model, way: str, trace: bool, prefetch: int):
 
 
 def _window(trace: dict, start: float, end: float) -> dict:
-    """The part of a communicator trace that falls in [start, end]."""
+    """The part of a communicator trace (and of its staging copies) that falls in [start, end]."""
     spans = [
         s
         for s in trace["spans"]
         if s["end"] is not None and s["end"] >= start and s["start"] <= end
     ]
     seqs = {s["seq"] for s in spans}
-    return {**trace, "spans": spans, "bins": [b for b in trace["bins"] if b["seq"] in seqs]}
+    return {
+        **trace,
+        "spans": spans,
+        "bins": [b for b in trace["bins"] if b["seq"] in seqs],
+        "copies": [c for c in trace["copies"] if c["end"] >= start and c["start"] <= end],
+    }
 
 
 def engine_python_cpu(handle) -> float:
@@ -150,6 +155,11 @@ def train_rank(
                 )
             nic = read_nic_counters() - nic0
             timeline = handle.timeline()
+            if timeline is not None:  # on a GPU, the staging copies beside the collectives
+                timeline["copies"] = [
+                    {"direction": direction, "start": start, "end": end}
+                    for direction, start, end in times.copies.spans
+                ]
             backward = rows[-1]["backward_window"]
             return {
                 "steps": rows,
