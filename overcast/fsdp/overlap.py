@@ -272,11 +272,17 @@ class Overlap:
         return self.comm.memory() if self.comm is not None else {}
 
     def timeline(self) -> dict | None:
-        """The communicator's trace (if it was made with trace=True), spans named by module."""
+        """The communicator's trace (if it was made with trace=True), spans named by module,
+        and on a GPU the staging copies (`copies`: direction, start, end on the trace's clock)."""
         trace = self.comm.trace() if self.comm is not None else None
         if trace is not None:
             for span in trace["spans"]:
                 span["label"] = self.times.labels.get(span["seq"])
+            self.times.copies.read()  # waits for the copies still queued
+            trace["copies"] = [
+                {"direction": direction, "start": start, "end": end}
+                for direction, start, end in self.times.copies.spans
+            ]
         return trace
 
     def close(self) -> None:

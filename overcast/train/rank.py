@@ -154,12 +154,7 @@ def train_rank(
                     }
                 )
             nic = read_nic_counters() - nic0
-            timeline = handle.timeline()
-            if timeline is not None:  # on a GPU, the staging copies beside the collectives
-                timeline["copies"] = [
-                    {"direction": direction, "start": start, "end": end}
-                    for direction, start, end in times.copies.spans
-                ]
+            timeline = handle.timeline()  # on a GPU, the staging copies beside the collectives
             backward = rows[-1]["backward_window"]
             return {
                 "steps": rows,
