@@ -161,9 +161,12 @@ class PinnedPool:
                 self._free.remove(buf)
             else:
                 size = max(_ALIGN, -(-nbytes // _ALIGN) * _ALIGN)
-                while self._free and self._held - _size(freeing) + size > self.limit:
-                    self._retire(self._free.pop(0), freeing)  # idle: free it for room
-                keep = self._held - _size(freeing) + size <= self.limit
+                let_go = _size(freeing)  # freed now, or once their last copies are done
+                while self._free and self._held - let_go + size > self.limit:
+                    idle = self._free.pop(0)  # free it for room
+                    self._retire(idle, freeing)
+                    let_go += idle.memory.numel()
+                keep = self._held - let_go + size <= self.limit
                 self._held += size  # reserved now, so that no other call counts it free
         self._let_go(freeing)
         if buf is None:
@@ -294,7 +297,8 @@ class Staging:
         self.device, self.stream, self.pool = device, stream, pool
         self._views: list[torch.Tensor] = []
         self._outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(twin): (t, twin)
-        self.copied_in = torch.cuda.Event(enable_timing=True)
+        # blocking: a thread that waits for the copies in (the poster's) sleeps, not spins
+        self.copied_in = torch.cuda.Event(enable_timing=True, blocking=True)
         self.copying_out: torch.cuda.Event | None = None  # both recorded by copy_out
         self.finished: torch.cuda.Event | None = None
         caller = torch.cuda.current_stream(device)
@@ -342,8 +346,13 @@ class Staging:
             self.copying_out.record(self.stream)
             for t, host in [*self._outputs.values(), *((t, host) for host, t in extra)]:
                 t.copy_(host, non_blocking=True)
-            self.finished = torch.cuda.Event(enable_timing=True)
+            self.finished = torch.cuda.Event(enable_timing=True, blocking=True)
             self.finished.record(self.stream)
+        # the CUDA tensors go now, on the thread that queued their copies (record_stream keeps
+        # them from reuse until the copies are done): dropped later by the engine's thread, the
+        # last reference to one would take the caching allocator's lock there, which a thread
+        # freeing cached memory holds while it waits for streams stopped at later gates
+        self._outputs = {}
         if release:
             self.release()
 
@@ -382,6 +391,7 @@ class GateTickets:
         self._lock = threading.Condition()
         self._count = 0
         self._opened = [0] * slots  # the value each slot was last opened with
+        self._given_up: set[tuple[int, int]] = set()  # tickets whose wait raised
 
     @property
     def taken(self) -> int:
@@ -392,17 +402,31 @@ class GateTickets:
     def take(self) -> tuple[int, int]:
         """The next gate's (slot, value), once that slot's last gate has opened. The ticket is
         taken before the wait, which lets go of the lock: another caller meanwhile takes the
-        next."""
+        next. A wait ended by an exception (Ctrl-C) gives the ticket up: it counts as opened
+        once the gate before it opens, so the slot's later gates still open."""
         with self._lock:
             ticket, self._count = self._count, self._count + 1
             slot, value = ticket % self.slots, ticket // self.slots + 1
-            self._lock.wait_for(lambda: self._opened[slot] == value - 1)
+            try:
+                self._lock.wait_for(lambda: self._opened[slot] >= value - 1)
+            except BaseException:
+                self._given_up.add((slot, value))
+                self._open_given_up(slot)
+                raise
         return slot, value
 
     def opened(self, slot: int, value: int) -> None:
         """The gate (slot, value) opened (its word written): its slot may be given out again."""
         with self._lock:
-            self._opened[slot] = value
+            self._opened[slot] = max(self._opened[slot], value)
+            self._open_given_up(slot)
+            self._lock.notify_all()
+
+    def _open_given_up(self, slot: int) -> None:
+        """Count the slot's tickets given up as opened, as far as the gates before them have."""
+        while (slot, self._opened[slot] + 1) in self._given_up:
+            self._given_up.discard((slot, self._opened[slot] + 1))
+            self._opened[slot] += 1
             self._lock.notify_all()
 
 

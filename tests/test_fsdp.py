@@ -20,6 +20,7 @@ from overcast.cluster.launch import RankError, loopback_placements, run_ranks
 from overcast.engine.engine import Work
 from overcast.fsdp.collectives import (GatedAllGathers, Poster, TimedWork, hold_poster,
                                        premultiplied, reduce_op, release_poster)
+from overcast.fsdp.overlap import Overlap
 from overcast.fsdp.timing import CommTime, InFlight
 from overcast.torch_api import collectives, own_reduce_scatter_group, param_groups, premul_sum
 
@@ -508,7 +509,7 @@ def test_job_communicator_starts_the_aggregator_and_reduces_in_network():
 def test_a_posted_collective_waits_its_timeout_in_all():
     """wait(timeout) on a GPU collective the poster thread posts late: the timeout covers the
     posting and the collective together (it used to wait it for each)."""
-    poster, copied_in = Poster(), threading.Event()
+    poster, copied_in = Poster(refuse=lambda error: None), threading.Event()
     never = Work(0, "all_gather")  # never completes
     handle = poster.submit(copied_in.wait, lambda: never, "AG blocks.1", CommTime())
     timer = threading.Timer(0.6, copied_in.set)
@@ -525,7 +526,8 @@ def test_a_poster_outlives_calls_that_fail():
     """Each call's failure (its input's copy, its posting, the `done` that opens its gate) is
     that call's error alone: every call's `done` runs once, and the poster goes on to the
     next (a `done` that raised ended its thread, and every later wait hung)."""
-    poster, times, ran = Poster(), CommTime(), []
+    refused: list[BaseException] = []
+    poster, times, ran = Poster(refused.append), CommTime(), []
 
     def raise_(error):
         raise error
@@ -557,6 +559,8 @@ def test_a_poster_outlives_calls_that_fail():
     poster.close()
     assert said == ["the copy in failed", "posting failed", "the gate did not open", True]
     assert ran == ["copy", "post", "done", "fine"]
+    # the peers post the call whose copy in failed: it is refused to them, in its place
+    assert [str(error) for error in refused] == ["the copy in failed"]
 
 
 def beside_the_poster(rank):
@@ -619,7 +623,8 @@ def gated_allgather(poster, times, ready, label="blocks.1"):
 def test_a_gated_allgathers_failure_is_raised_by_the_next_call_once():
     """A forward pass's AllGather whose wait() did not block: its failure is raised by the
     next collective call that finds it, naming it, and only once."""
-    poster, times, gathers = Poster(), CommTime(keep_labels=True), GatedAllGathers()
+    poster, gathers = Poster(lambda error: None), GatedAllGathers()
+    times = CommTime(keep_labels=True)
     gathers.add(gated_allgather(poster, times, lambda: None))
     poster.close()  # posted, and failed
     with pytest.raises(overcast.PeerFailureError, match="rank 1") as raised:
@@ -632,7 +637,7 @@ def test_a_gated_allgathers_failure_is_raised_by_the_next_call_once():
 def test_a_gated_allgathers_failure_is_raised_as_the_backward_pass_ends():
     """Still in flight at a collective call of the backward pass (its input not yet on the
     host), an AllGather of the forward pass fails later: backward() raises it, naming it."""
-    poster, times, gathers = Poster(), CommTime(), GatedAllGathers()
+    poster, times, gathers = Poster(lambda error: None), CommTime(), GatedAllGathers()
     on_host = threading.Event()
     gathers.add(gated_allgather(poster, times, on_host.wait, "blocks.2"))
 
@@ -653,3 +658,20 @@ def test_a_gated_allgathers_failure_is_raised_as_the_backward_pass_ends():
     assert raised.value.__notes__ == ["(in overcast AllGather blocks.2 (ring))"]
     poster.close()
     assert times.wait_seconds > 0
+
+
+@pytest.mark.parametrize("leaving", [None, KeyError("the loop's own error")])
+def test_an_allgathers_failure_nothing_raised_is_raised_by_close(leaving):
+    """The last forward pass of an evaluation: its gated AllGather fails after its wait() and no
+    later call finds it, so its parameters held whatever the host buffer held. close() raises
+    it; a `with` block left with an error of its own keeps that one."""
+    poster, times = Poster(lambda error: None), CommTime()
+    handle = Overlap(nn.Linear(2, 2), None, times)
+    handle._gathers.add(gated_allgather(poster, times, lambda: None))
+    poster.close()  # posted, and failed
+    if leaving is None:
+        with pytest.raises(overcast.PeerFailureError, match="rank 1"):
+            handle.close()
+    else:
+        with pytest.raises(KeyError), handle:
+            raise leaving

@@ -2,6 +2,8 @@
 and their collectives, run here on CPU tensors through a real communicator, give what the whole
 collective gives, bit for bit."""
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
@@ -9,7 +11,8 @@ import torch
 import overcast
 from overcast.cluster.launch import loopback_placements, run_ranks
 from overcast.fsdp.collectives import _Posted
-from overcast.fsdp.pieces import PostedPieces, column_spans, cut
+from overcast.fsdp.pieces import Pieces, PostedPieces, column_spans, cut
+from overcast.staging import GateTickets
 
 WORLD, SHARD = 3, 997  # a prime number of columns: the pieces cannot all be alike
 PIECE = 2000  # bytes of the [WORLD, SHARD] float32 buffer (11,964 bytes): 6 pieces
@@ -19,9 +22,31 @@ def test_the_columns_are_cut_into_even_pieces_covering_the_shard_once():
     spans = column_spans(SHARD, WORLD, 4, PIECE)
     assert len(spans) == -(-WORLD * SHARD * 4 // PIECE) == 6
     assert spans[0][0] == 0 and spans[-1][1] == SHARD
-    assert all(b == c for (_, b), (c, _) in zip(spans, spans[1:]))
+    assert all(b == c for (_, b), (c, _) in itertools.pairwise(spans))
     widths = [b - a for a, b in spans]
     assert max(widths) - min(widths) <= 1
+
+
+def test_a_call_is_cut_into_no_more_pieces_than_asked():
+    assert len(column_spans(SHARD, WORLD, 4, PIECE, most=4)) == 4
+    assert len(cut("RS", torch.empty(SHARD), torch.empty(WORLD * SHARD), WORLD, 1, most=4)) == 4
+
+
+def test_a_pieces_gate_takes_its_slot_only_once_the_earlier_pieces_are_handed_on():
+    """More pieces than the ring has gate slots: each piece's gate is taken as it is handed to
+    the poster, whose collectives then open the earlier gates, so the call never waits for a
+    slot only an unposted piece of its own would free (it waited for good past 256)."""
+    tickets = GateTickets(4)
+    opened: list[int] = []
+
+    def post(gate, index):  # the poster posts it, and its collective ends, at once
+        tickets.opened(*gate)
+        opened.append(index)
+        return index
+
+    pieces = Pieces(list(range(10)), lambda staged: tickets.take())
+    assert pieces.hand(post) == list(range(10)) and opened == list(range(10))
+    assert pieces.posted == 10 and tickets.taken == 10
 
 
 @pytest.mark.parametrize("piece", [0, WORLD * SHARD * 4 // 2 + 1, 1 << 30])

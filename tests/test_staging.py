@@ -7,6 +7,7 @@ CUDA cannot run here, so these give stand-ins for a CUDA stream and events (`Str
 pool's memory is its own pageable allocator, counted."""
 
 import gc
+import signal
 import threading
 import time
 import weakref
@@ -41,7 +42,8 @@ def test_two_threads_waiting_for_a_slot_get_different_gates():
     held = [tickets.take() for _ in range(slots)]
     assert held == [(slot, 1) for slot in range(slots)]
     got: list[tuple[int, int]] = []
-    threads = [threading.Thread(target=lambda: got.append(tickets.take()), daemon=True) for _ in range(2)]
+    threads = [threading.Thread(target=lambda: got.append(tickets.take()), daemon=True)
+               for _ in range(2)]
     for t in threads:
         t.start()
     took_first = until(lambda: tickets.taken == slots + 2)
@@ -52,6 +54,35 @@ def test_two_threads_waiting_for_a_slot_get_different_gates():
         t.join(timeout=10)
     assert not any(t.is_alive() for t in threads)
     assert (took_first, sorted(got)) == (True, [(0, 2), (1, 2)])
+
+
+def test_a_ticket_whose_wait_is_interrupted_does_not_close_its_slot_for_good():
+    """Ctrl-C while waiting for a slot gives the ticket up: once the gate before it opens, the
+    slot's next gate is given out, where it would wait for a gate that is never queued."""
+    tickets = GateTickets(2)
+    first, second = tickets.take(), tickets.take()
+    main = threading.get_ident()
+
+    def interrupt_the_wait():
+        while True:  # the lock is free only once the main thread waits with its ticket
+            with tickets._lock:
+                if tickets._count == 3:
+                    break
+        signal.pthread_kill(main, signal.SIGINT)
+
+    interrupter = threading.Thread(target=interrupt_the_wait, daemon=True)
+    interrupter.start()
+    with pytest.raises(KeyboardInterrupt):
+        tickets.take()  # (0, 2), its slot closed
+    interrupter.join(timeout=10)
+    tickets.opened(*first)
+    tickets.opened(*second)
+    assert tickets.take() == (1, 2)
+    got: list[tuple[int, int]] = []
+    waiter = threading.Thread(target=lambda: got.append(tickets.take()), daemon=True)
+    waiter.start()
+    waiter.join(timeout=10)
+    assert got == [(0, 3)]  # (0, 2) given up counts as opened after (0, 1)
 
 
 def test_a_slot_is_given_again_only_after_its_gate_opened():
@@ -198,17 +229,30 @@ def test_an_idle_buffer_in_the_way_of_a_larger_one_is_freed():
 
 
 def test_an_idle_buffer_still_copied_counts_until_it_is_freed():
-    """Evicted with its copy queued, it stays pinned until the copy is done: the new buffer
-    beside it is over the limit, and freed after use."""
+    """Evicted with its copy queued, it stays pinned until the copy is done, and the room it
+    leaves is the new buffer's, which the pool keeps."""
     memory = CountedMemory()
     pool, stream = PinnedPool(4 * MiB, memory), Stream()
     copies = Copies()
     pool.give([pool.take(2 * MiB, stream)], copies)
     larger = pool.take(3 * MiB, stream)
-    assert pool.stats()["overflows"] == 1 and memory.live == 5 * MiB
+    assert pool.stats()["overflows"] == 0 and memory.live == 5 * MiB
     pool.give([larger], Copies(True))
     copies.done = True
-    assert pool.stats()["held_bytes"] == 0 == memory.live
+    assert pool.stats()["held_bytes"] == 3 * MiB == memory.live
+
+
+def test_a_demand_over_the_room_lets_go_of_no_more_than_it_needs():
+    """Idle buffers whose copies are still queued count as room once let go: a demand needing
+    one buffer's room lets go of one, not of every idle buffer."""
+    memory = CountedMemory()
+    pool, stream = PinnedPool(4 * MiB, memory), Stream()
+    copies = Copies()
+    pool.give([pool.take(MiB, stream) for _ in range(3)], copies)
+    pool.give([pool.take(2 * MiB, stream)], Copies(True))
+    copies.done = True
+    stats = pool.stats()
+    assert (stats["overflows"], stats["held_bytes"], len(memory.freed)) == (0, 4 * MiB, 1)
 
 
 def test_the_memory_allocated_stays_within_the_limit_whatever_the_sizes():

@@ -36,8 +36,9 @@ import torch.distributed as dist
 
 from overcast.engine.engine import Work
 from overcast.errors import InvalidArgumentError
-from overcast.fsdp.pieces import Pieces, PostedPieces, cut, piece_bytes
+from overcast.fsdp.pieces import MOST_PIECES, Pieces, PostedPieces, cut, piece_bytes
 from overcast.fsdp.timing import CommTime, Clock, InFlight
+from overcast.native import MAX_REDUCTIONS
 from overcast.staging import Staging, StreamGates, device_of, process_pool, stream_gates
 from overcast.torch_api import (
     AllGather,
@@ -276,7 +277,8 @@ class Poster:
 
     GATHER_STREAMS = 4  # more AllGathers than FSDP2 keeps in flight at a prefetch worth having
 
-    def __init__(self):
+    def __init__(self, refuse):
+        self._refuse = refuse  # the communicator's: a call this rank will not post, numbered
         self._calls: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._counts = threading.Condition()
@@ -301,12 +303,12 @@ class Poster:
         """Post `post()` once `ready()` returns (the input is on the host); then call `done()`
         once the collective is done, failed or not (also if `ready` or posting raised). With
         `times.keep_labels`, the collective is named `label` there."""
-        if self._thread is None:
-            thread = threading.Thread(target=self._run, daemon=True, name="overcast-poster")
-            thread.start()  # where it cannot, the call raises with nothing queued
-            self._thread = thread
         handle = _Posted(label)
-        with self._counts:
+        with self._counts:  # two threads' first calls start one thread
+            if self._thread is None:
+                thread = threading.Thread(target=self._run, daemon=True, name="overcast-poster")
+                thread.start()  # where it cannot, the call raises with nothing queued
+                self._thread = thread
             self._submitted += 1
             self._calls.put((ready, post, label, times, done, handle))
         return handle
@@ -324,7 +326,12 @@ class Poster:
         while (call := self._calls.get()) is not None:
             ready, post, label, times, done, handle = call
             try:
-                ready()
+                try:
+                    ready()
+                except BaseException as err:  # the peers make the call: tell them (numbered)
+                    with contextlib.suppress(Exception):
+                        self._refuse(err)
+                    raise
                 work = post()
             except BaseException as err:  # the waiter raises it
                 handle.error = err
@@ -362,7 +369,7 @@ def hold_poster(comm) -> Poster:
     with _posters_lock:
         poster, holders = _posters.get(id(comm), (None, 0))
         if poster is None:
-            poster = Poster()
+            poster = Poster(comm.refuse)
             comm.number_after(poster.wait_posted)
         _posters[id(comm)] = (poster, holders + 1)
         return poster
@@ -451,52 +458,55 @@ class _Hook:
         input: torch.Tensor,
         collective,
         stream: torch.cuda.Stream | None = None,
+        most: int = MOST_PIECES,
     ):
-        """Through the poster, in pieces where the call is large (fsdp/pieces.py), queued on
-        `stream` (default: the call's): every piece's input copied to the host, then each
-        piece's gate and its output's copy back (a piece's copy in never waits behind an
-        earlier piece's gate). Returns what hands the poster each piece's
-        `collective(host output, host input)` once that piece's input is on the host, and the
-        gates, each opened once its piece is done."""
+        """Through the poster, in pieces where the call is large (at most `most`;
+        fsdp/pieces.py), queued on `stream` (default: the call's): every piece's input copied
+        to the host now, then, as each piece is handed to the poster, its gate and its output's
+        copy back (no piece's copy in waits behind an earlier piece's gate). Returns what hands
+        the poster each piece's `collective(host output, host input)`, posted once that piece's
+        input is on the host, and the `Pieces`, each gate opened once its piece is done. A
+        piece this rank fails to hand on is refused to the peers, which post it."""
         stream_gate = stream_gates()
         assert stream_gate is not None  # the poster's calls are gated GPU ones
         staged_pieces: list[_Staged] = []
-        gates: list[_Gated] = []
+        cuts = cut(kind, output, input, self.comm.world_size, piece_bytes(), most)
+        count = len(cuts)
+
+        def refuse_from(first: int, error: BaseException) -> None:
+            for _ in range(first, count):  # numbered after those handed on, as on every rank
+                with contextlib.suppress(Exception):  # a communicator closed meanwhile
+                    self.comm.refuse(error)
+
         try:
-            for out, inp in cut(kind, output, input, self.comm.world_size, piece_bytes()):
+            for out, inp in cuts:
                 staged = stage_on_host(out, inp, self.times, _NAMES[kind], False, stream)
                 assert staged is not None  # on a GPU
                 staged_pieces.append(staged)
-            with Clock(self.times, "post"):
-                for staged in staged_pieces:
-                    gates.append(_Gated(staged, stream_gate))
-        except BaseException:
-            for gated in gates:
-                gated.open()
-            for staged in staged_pieces[len(gates) :]:
+        except BaseException as err:
+            for staged in staged_pieces:
                 staged.staging.release()
+            refuse_from(0, err)
             raise
-        pieces = Pieces(gates)
+        pieces = Pieces(staged_pieces, lambda staged: _Gated(staged, stream_gate))
 
-        def hand(gated: _Gated, label: str) -> _Posted:
+        def hand(gated: _Gated, index: int) -> _Posted:
             staged = gated.staged
             return poster.submit(
                 staged.input_on_host,
                 lambda: collective(staged.output, staged.input),
-                label,
+                f"{kind} {self.label}" + (f" [{index + 1}/{count}]" if count > 1 else ""),
                 self.times,
                 gated.open,
             )
 
-        if len(gates) == 1:
-            return (lambda: hand(gates[0], f"{kind} {self.label}")), gates[0]
-
-        def issue() -> PostedPieces:
-            handles = []
-            for i, gated in enumerate(gates):
-                handles.append(hand(gated, f"{kind} {self.label} [{i + 1}/{len(gates)}]"))
-                pieces.posted += 1
-            return PostedPieces(handles)
+        def issue() -> _Posted | PostedPieces:
+            try:
+                handles = pieces.hand(hand)
+            except BaseException as err:
+                refuse_from(pieces.posted, err)
+                raise
+            return handles[0] if count == 1 else PostedPieces(handles)
 
         return issue, pieces
 
@@ -751,6 +761,8 @@ class TimedReduceScatter(_Hook, ReduceScatter):
                 lambda out, inp: self.comm.reduce_scatter(
                     out, inp, op=name, async_op=True, algorithm=self.algorithm
                 ),
+                # no more pieces than reductions an aggregator keeps in flight per communicator
+                most=MAX_REDUCTIONS if self.algorithm == "innetwork" else MOST_PIECES,
             )
         elif self.comm is None:
             group = self.group or group

@@ -286,20 +286,30 @@ class Overlap:
         return trace
 
     def close(self) -> None:
-        """Give the model back its own collectives, and close what overlap() opened. It raises
-        no error of the collectives it waits for: the ReduceScatters still in flight here are
-        those of a backward pass that raised, whose caller has had the error already (a
-        `finally: handle.close()` must not replace it), and so are AllGathers on a GPU, or
-        those of a forward pass no backward pass followed."""
+        """Give the model back its own collectives, and close what overlap() opened. The
+        ReduceScatters still in flight here are those of a backward pass that raised, whose
+        caller has had the error already: their errors are not raised again (a `finally:
+        handle.close()` must not replace it). On a GPU, an AllGather whose failure nothing has
+        raised yet (one of the last forward pass of an evaluation, whose output held whatever
+        its host buffer held) is raised here, once the model has its collectives back."""
+        self._close(raise_unraised=True)
+
+    def _close(self, raise_unraised: bool) -> None:
         if self._closed:
             return
         self._closed = True
+        unraised: Exception | None = None
         try:
-            for in_flight in (self._deferred.drain, self._gathers.wait_all):
-                with contextlib.suppress(Exception):  # overcast's, or torch's re-raising them
-                    in_flight()
+            with contextlib.suppress(Exception):  # overcast's, or torch's re-raising them
+                self._deferred.drain()
+            try:
+                self._gathers.wait_all()  # raises a failure none raised before
+            except Exception as err:
+                unraised = err
         finally:
             self._restore()
+        if unraised is not None and raise_unraised:
+            raise unraised
 
     def _restore(self) -> None:
         """Give the modules their collectives and schedule back; release what overlap()
@@ -317,8 +327,8 @@ class Overlap:
     def __enter__(self) -> Overlap:
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, *exc) -> None:
+        self._close(raise_unraised=exc_type is None)  # never in place of the error leaving
 
 
 # backend="torch"'s ReduceScatter groups, by shard ranks, kept from one overlap() to the next

@@ -32,6 +32,11 @@ PIECE_BYTES_ENV = "OVERCAST_STAGING_PIECE_BYTES"
 # fraction of a large gather's copy, large enough that a piece's own cost (a collective's set-up,
 # a few hundred microseconds) stays small beside its transfer at tens of Gbit/s.
 DEFAULT_PIECE_BYTES = 32 << 20
+# The most pieces a call is cut into: each is a collective of its own, and a rank's stream gates
+# (256) must hold a few calls' pieces. An in-network ReduceScatter is cut into no more than the
+# reductions an aggregator keeps in flight per communicator (MAX_REDUCTIONS): a fifth would be
+# refused until one finishes, and its ranks would stall on their credit probe.
+MOST_PIECES = 64
 
 
 def piece_bytes() -> int:
@@ -40,23 +45,31 @@ def piece_bytes() -> int:
     return bytes_from_env(PIECE_BYTES_ENV, DEFAULT_PIECE_BYTES)
 
 
-def column_spans(shard: int, world: int, itemsize: int, piece: int) -> list[tuple[int, int]]:
+def column_spans(
+    shard: int, world: int, itemsize: int, piece: int, most: int = MOST_PIECES
+) -> list[tuple[int, int]]:
     """The column ranges [a, b) of a [world, shard] buffer of `itemsize`-byte elements to cut
-    into pieces of about `piece` bytes each, as even as whole columns allow; one range, the
-    whole, where the buffer is under two pieces or `piece` is 0."""
+    into pieces of about `piece` bytes each (larger where that would make more than `most`), as
+    even as whole columns allow; one range, the whole, where the buffer is under two pieces or
+    `piece` is 0."""
     total = world * shard * itemsize
     if piece <= 0 or total < 2 * piece:
         return [(0, shard)]
-    count = min(shard, -(-total // piece))
+    count = min(shard, most, -(-total // piece))
     return list(itertools.pairwise(shard * i // count for i in range(count + 1)))
 
 
 def cut(
-    kind: str, output: torch.Tensor, input: torch.Tensor, world: int, piece: int
+    kind: str,
+    output: torch.Tensor,
+    input: torch.Tensor,
+    world: int,
+    piece: int,
+    most: int = MOST_PIECES,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(output, input) views of each piece of a collective of `kind` ("AG" or "RS") on flat
-    buffers, in column order: one pair, the buffers themselves, where it is not cut (buffers
-    that are not flat, or not of a [world, shard] layout, are never cut)."""
+    """(output, input) views of each piece (at most `most`) of a collective of `kind` ("AG" or
+    "RS") on flat buffers, in column order: one pair, the buffers themselves, where it is not
+    cut (buffers that are not flat, or not of a [world, shard] layout, are never cut)."""
     whole = [(output, input)]
     gathered, shard = (output, input) if kind == "AG" else (input, output)
     if (
@@ -66,7 +79,7 @@ def cut(
         or gathered.numel() != world * shard.numel()
     ):
         return whole
-    spans = column_spans(shard.numel(), world, gathered.element_size(), piece)
+    spans = column_spans(shard.numel(), world, gathered.element_size(), piece, most)
     if len(spans) == 1:
         return whole
     rows = gathered.view(world, shard.numel())
@@ -76,14 +89,25 @@ def cut(
 
 
 class Pieces:
-    """The gates of a collective's pieces (fsdp/collectives.py `_Gated`), as one: each opens
-    once its own piece's collective is done. `open()` opens those not handed to the poster yet
-    (a call that failed part-way): a piece posted has its collective still writing its host
-    buffers, which its own gate's opening gives back."""
+    """A collective's pieces through the poster (fsdp/collectives.py), their copies in queued
+    (`staged`): each piece's gate and copy back are queued (`gate(staged)`, a `_Gated`) as it is
+    handed to the poster, so that a gate takes its slot only once every earlier piece of the
+    call is the poster's (a slot is given out again only once its last gate opened, which a
+    piece not handed yet would never do). Each gate opens once its own piece is done."""
 
-    def __init__(self, gates: list):
-        self.gates = gates
-        self.posted = 0  # the first `posted` pieces are the poster's to open
+    def __init__(self, staged: list, gate):
+        self.staged, self._gate = staged, gate
+        self.gates: list = []  # queued so far, in order
+        self.posted = 0  # the first `posted` pieces are the poster's
+
+    def hand(self, post) -> list:
+        """Queue each piece's gate and hand it on with `post(gated, index)`: their handles."""
+        handles = []
+        for index, staged in enumerate(self.staged):
+            self.gates.append(self._gate(staged))
+            handles.append(post(self.gates[-1], index))
+            self.posted += 1
+        return handles
 
     def order_caller(self) -> None:
         """Make the current stream wait for every piece's copy back (on one stream: the last
@@ -91,8 +115,13 @@ class Pieces:
         self.gates[-1].order_caller()
 
     def open(self) -> None:
-        for gate in self.gates[self.posted :]:
-            gate.open()
+        """Undo what is not the poster's (a call that failed part-way): open the gates not
+        handed on, give back the buffers of the pieces not gated. A piece handed on has its
+        collective still writing its host buffers, which its own gate's opening gives back."""
+        for gated in self.gates[self.posted :]:
+            gated.open()
+        for staged in self.staged[len(self.gates) :]:
+            staged.staging.release()
 
 
 class PostedPieces:
