@@ -390,7 +390,8 @@ def train(rank, how, device="cpu"):
     else:
         diff = max((p.to_local().cpu() - torch.chunk(q.detach(), world)[rank]).abs().max().item()
                    for p, q in zip(model.parameters(), ref.parameters()))
-    # overlap() posts from the training thread: a communicator of its own beside the group's
+    # overlap() runs on a communicator of its own beside the group's (the group's worker posts
+    # the group's calls; on a GPU, overlap()'s poster posts FSDP2's)
     own = handle is None or handle.comm is not dist.group.WORLD.communicator
     if handle is not None:
         handle.close()
