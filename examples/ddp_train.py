@@ -39,6 +39,18 @@ def batch(step: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(rows, 32, generator=g), torch.randint(0, 10, (rows,), generator=g)
 
 
+def train_step(net: nn.Module, opt: torch.optim.Optimizer, x, y, step: int) -> None:
+    """One step on this rank's rows; rank 0 prints the loss averaged over the ranks."""
+    loss = nn.functional.cross_entropy(net(x), y)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    total = loss.detach().clone()
+    dist.all_reduce(total)  # a SUM: gloo has no AVG
+    if dist.get_rank() == 0:
+        print(f"step {step:3d}  loss {total.item() / dist.get_world_size():.9g}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--backend", default="overcast", choices=("overcast", "gloo"))
@@ -52,15 +64,8 @@ def main() -> None:
     rows = args.batch // world
     for step in range(args.steps):
         x, y = batch(step, args.batch)
-        loss = nn.functional.cross_entropy(ddp(x[rank * rows:(rank + 1) * rows]),
-                                           y[rank * rows:(rank + 1) * rows])
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        total = loss.detach().clone()
-        dist.all_reduce(total)  # a SUM: gloo has no AVG
-        if rank == 0:
-            print(f"step {step:3d}  loss {total.item() / world:.9g}", flush=True)
+        train_step(ddp, opt, x[rank * rows:(rank + 1) * rows], y[rank * rows:(rank + 1) * rows],
+                   step)
     dist.destroy_process_group()
 
 

@@ -440,39 +440,59 @@ def test_names_meshes_and_ddp_hooks():
                      "hooked_ddp_agrees": True}, r
 
 
-def test_the_ddp_example_trains_as_one_process_would():
-    """examples/ddp_train.py under torchrun, 4 processes on overcast: the losses, step by step,
-    of one process training the same model on the whole batch (DDP averages the ranks' gradients
-    of equal row counts). float32 sums are taken in another order: within 1e-5 relative.
-
-    The reference is computed here rather than by a gloo run: gloo in torch 2.13 can abort at
-    exit after training correctly (docs/fsdp.md), which would fail this test for gloo's sake."""
+def example_losses(script: str, *args: str, ranks: int = 4, steps: int = 8, rows: int = 64,
+                   env: dict | None = None) -> list[float]:
+    """The losses rank 0 of examples/`script` prints, step by step, under torchrun."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    path = os.path.join(root, "examples", "ddp_train.py")
-    steps, rows = 8, 64
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                          "--nproc-per-node", "4", path, "--steps", str(steps),
-                          "--batch", str(rows)],
-                         capture_output=True, text=True, timeout=300, cwd=root)
+                          "--nproc-per-node", str(ranks), os.path.join(root, "examples", script),
+                          "--steps", str(steps), "--batch", str(rows), *args],
+                         capture_output=True, text=True, timeout=300, cwd=root,
+                         env={**os.environ, **(env or {})})
     # A rank's own words come long before torchrun's tail.
     assert run.returncode == 0, ([line for line in run.stderr.splitlines()
                                   if "terminate" in line or "Error" in line][-20:],
                                  run.stderr[-1500:])
     losses = [float(line.split()[-1]) for line in run.stdout.splitlines()
               if line.startswith("step")]
-    spec = importlib.util.spec_from_file_location("ddp_train", path)
+    assert len(losses) == steps, run.stdout
+    return losses
+
+
+def assert_one_process_losses(losses: list[float], rows: int = 64) -> None:
+    """`losses` are, within 1e-5 relative (float32 sums taken in another order), those of one
+    process training examples/ddp_train.py's model on the whole batch: the ranks' gradients of
+    equal row counts averaged, as DDP and FSDP2 do."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location(
+        "ddp_train", os.path.join(root, "examples", "ddp_train.py"))
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
     model = example.model()
     opt = example.optimizer(model.parameters())
     expected = []
-    for step in range(steps):
+    for step in range(len(losses)):
         x, y = example.batch(step, rows)
         loss = nn.functional.cross_entropy(model(x), y)
         opt.zero_grad()
         loss.backward()
         opt.step()
         expected.append(loss.item())
-    assert len(losses) == steps, run.stdout
     for a, b in zip(losses, expected):
         assert abs(a - b) <= 1e-5 * abs(b), (losses, expected)
+
+
+def test_the_ddp_example_trains_as_one_process_would():
+    """examples/ddp_train.py under torchrun, 4 processes on overcast, trains as one process on the
+    whole batch. The reference is computed here rather than by a gloo run: gloo in torch 2.13 can
+    abort at exit after training correctly (docs/fsdp.md), which would fail this test for gloo's
+    sake."""
+    assert_one_process_losses(example_losses("ddp_train.py"))
+
+
+def test_the_gpu_example_through_overlap_trains_as_one_process_would_on_cpu():
+    """examples/gpu_train.py's FSDP2 through overlap(), with --device cpu (the GPU run is
+    tests/test_cuda.py's), 2 processes: the losses of one process on the whole batch."""
+    assert_one_process_losses(example_losses(
+        "gpu_train.py", "--way", "overlap", "--device", "cpu", ranks=2, steps=4,
+        env={"OVERCAST_LINK_BITS_PER_S": "10e9"}))

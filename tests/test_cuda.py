@@ -5,8 +5,8 @@ host memory of the staging reused, bounded, and the GPU's memory flat (also with
 read); more stream gates in flight than the ring has slots; the process's pinned memory after a
 demand over the pool's limit; FSDP2's collectives through the poster and stream gates: the
 caller's stream order kept, a failed collective's gate opened, an AllGather's wait() not blocking
-the host. Every rank shares the machine's first GPU. `tools/cuda_checks` runs these with one line
-per check."""
+the host; examples/gpu_train.py under torchrun. Every rank shares the machine's first GPU.
+`tools/cuda_checks` runs these with one line per check."""
 
 import gc
 import os
@@ -27,7 +27,8 @@ from overcast.fsdp.collectives import (GatedAllGathers, TimedAllGather, TimedRed
                                        hold_poster, release_poster)
 from overcast.fsdp.timing import CommTime
 from overcast.staging import process_pool, stream_gates
-from test_backend import LINK, SETTINGS, against_gloo, batch, small_model, start, train
+from test_backend import (LINK, SETTINGS, against_gloo, assert_one_process_losses, batch,
+                          example_losses, small_model, start, train)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="no CUDA GPU here (torch.cuda.is_available() is False)")
@@ -443,3 +444,14 @@ def test_cuda_the_process_pins_no_more_than_the_pool_keeps_after_a_demand_over_i
     assert r["stats"]["overflows"] == 3 and r["stats"]["held_bytes"] == nbytes
     assert r["during"] - r["before"] >= 4 * nbytes - 16 * mib
     assert r["after"] - r["before"] <= nbytes + 16 * mib
+
+
+@pytest.mark.parametrize("backend,way", [("overcast", "ddp"), ("overcast", "fsdp"),
+                                         ("overcast", "overlap"), ("gloo", "fsdp")])
+def test_cuda_the_gpu_example_trains_as_one_process_would(backend, way):
+    """examples/gpu_train.py under torchrun, 2 ranks on the one GPU, as a user runs it: DDP,
+    FSDP2 and FSDP2 through overlap() on CUDA tensors, on "overcast" (and FSDP2 on gloo), each
+    with the losses of one process on the whole batch."""
+    assert_one_process_losses(example_losses(
+        "gpu_train.py", "--way", way, "--backend", backend, ranks=2, steps=6,
+        env={"OVERCAST_LINK_BITS_PER_S": "10e9"}))
