@@ -494,15 +494,19 @@ class ClockReference(NamedTuple):
 
 
 _clocks: dict[tuple[int, torch.device], ClockReference] = {}
+# A reference is made anew once this old: elapsed_time is float32 milliseconds, whose steps are
+# 4 us a minute from the reference and 1 ms three hours from it.
+CLOCK_REFERENCE_SECONDS = 60.0
 
 
 def clock_reference(device: torch.device) -> ClockReference:
-    """The process's reference for `device`, made once: an event recorded on a stream with
-    nothing queued, its time halfway between the record and the host seeing it done (tens of
-    microseconds apart)."""
+    """The process's reference for `device`, made anew each CLOCK_REFERENCE_SECONDS: an event
+    recorded on a stream with nothing queued, its time halfway between the record and the host
+    seeing it done (tens of microseconds apart)."""
     with _pools_lock:
         key = (os.getpid(), device)
-        if key not in _clocks:
+        last = _clocks.get(key)
+        if last is None or time.monotonic() - last.seconds > CLOCK_REFERENCE_SECONDS:
             stream = torch.cuda.Stream(device)
             event = torch.cuda.Event(enable_timing=True)
             before = time.monotonic()
