@@ -18,50 +18,53 @@ from test_backend import DTYPES, same, start, values
 COPY_BYTES = 1 << 20  # messages past it are sent from the caller's tensor
 
 
-def exchanges(rank, backend_group=None):
-    """The same transfers on `backend_group` (None: the default group, overcast) as on gloo:
-    what each rank received, in order."""
+def exchanges(rank, backend_group=None, device="cpu"):
+    """The same transfers on `backend_group` (None: the default group, overcast, with tensors on
+    `device`) as on gloo (CPU tensors): what each rank received, in order, on the CPU."""
     world = dist.get_world_size()
     nxt, prev = (rank + 1) % world, (rank - 1) % world
     got = []
+    on = device if backend_group is None else "cpu"
 
     def keep(t):
-        got.append(t.contiguous().clone())
+        assert t.device.type == on
+        got.append(t.contiguous().cpu().clone())
     # a ring of blocking sends: every rank sends, then receives (gloo's send waits for the
     # recv: it does this with isend)
-    t = values(rank, 1001, torch.float32)
+    t = values(rank, 1001, torch.float32).to(on)
     if backend_group is None:
         dist.send(t, nxt)
     else:
         work = dist.isend(t, nxt, group=backend_group)
-    r = torch.empty(1001)
+    r = torch.empty(1001, device=on)
     dist.recv(r, prev, group=backend_group)
     if backend_group is not None:
         work.wait()
     keep(r)
     # tags keep their own order: rank 0 sends tag 1, 2, 1; rank 1 takes tag 2 first
     if rank == 0:
-        works = [dist.isend(values(k, 7 + k, torch.int64), 1, group=backend_group, tag=tag)
+        works = [dist.isend(values(k, 7 + k, torch.int64).to(on), 1, group=backend_group, tag=tag)
                  for k, tag in enumerate([1, 2, 1])]
         for w in works:
             w.wait()
     elif rank == 1:
         for k, tag in [(1, 2), (0, 1), (2, 1)]:
-            r = torch.empty(7 + k, dtype=torch.int64)
+            r = torch.empty(7 + k, dtype=torch.int64, device=on)
             dist.recv(r, 0, group=backend_group, tag=tag)
             keep(r)
     # a batch around the ring, each dtype
     for dtype in DTYPES + [torch.bool, torch.complex64]:
-        out = values(rank, 33, torch.float32).to(dtype)
-        into = torch.empty(33, dtype=dtype)
+        out = values(rank, 33, torch.float32).to(dtype).to(on)
+        into = torch.empty(33, dtype=dtype, device=on)
         ops = [dist.P2POp(dist.isend, out, nxt, backend_group, tag=3),
                dist.P2POp(dist.irecv, into, prev, backend_group, tag=3)]
         for w in dist.batch_isend_irecv(ops):
             w.wait()
         keep(into)
     # larger than the copy budget, into a non-contiguous tensor (gloo takes contiguous ones)
-    big = torch.arange(3 * COPY_BYTES // 4, dtype=torch.float32).view(-1, 4) + rank
-    into = torch.empty(4, big.shape[0]).t() if backend_group is None else torch.empty_like(big)
+    big = (torch.arange(3 * COPY_BYTES // 4, dtype=torch.float32).view(-1, 4) + rank).to(on)
+    into = (torch.empty(4, big.shape[0], device=on).t() if backend_group is None
+            else torch.empty_like(big))
     work = dist.isend(big, nxt, group=backend_group, tag=9)
     dist.recv(into, prev, group=backend_group, tag=9)
     work.wait()

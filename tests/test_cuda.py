@@ -5,8 +5,8 @@ host memory of the staging reused, bounded, and the GPU's memory flat (also with
 read); more stream gates in flight than the ring has slots; the process's pinned memory after a
 demand over the pool's limit; FSDP2's collectives through the poster and stream gates: the
 caller's stream order kept, a failed collective's gate opened, an AllGather's wait() not blocking
-the host; examples/gpu_train.py under torchrun. Every rank shares the machine's first GPU.
-`tools/cuda_checks` runs these with one line per check."""
+the host; examples/gpu_train.py under torchrun; point-to-point against gloo. Every rank shares
+the machine's first GPU. `tools/cuda_checks` runs these with one line per check."""
 
 import gc
 import os
@@ -28,7 +28,8 @@ from overcast.fsdp.collectives import (GatedAllGathers, TimedAllGather, TimedRed
 from overcast.fsdp.timing import CommTime
 from overcast.staging import process_pool, stream_gates
 from test_backend import (LINK, SETTINGS, against_gloo, assert_one_process_losses, batch,
-                          example_losses, small_model, start, train)
+                          example_losses, same, small_model, start, train)
+from test_backend_p2p import COPY_BYTES, exchanges
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="no CUDA GPU here (torch.cuda.is_available() is False)")
@@ -455,3 +456,20 @@ def test_cuda_the_gpu_example_trains_as_one_process_would(backend, way):
     assert_one_process_losses(example_losses(
         "gpu_train.py", "--way", way, "--backend", backend, ranks=2, steps=6,
         env={"OVERCAST_LINK_BITS_PER_S": "10e9"}))
+
+
+def cuda_point_to_point(rank):
+    """tests/test_backend_p2p.py's transfers (blocking sends around a ring, tags in their own
+    order, batches of every dtype, past the copy budget into a non-contiguous tensor) with CUDA
+    tensors on the backend, against gloo's on CPU tensors."""
+    gloo = start(timeout=60)
+    torch.cuda.set_device(0)
+    mine, theirs = exchanges(rank, device="cuda"), exchanges(rank, gloo)
+    agree = len(mine) == len(theirs) and all(same(a, b) for a, b in zip(mine, theirs))
+    dist.destroy_process_group()
+    return agree
+
+
+def test_cuda_point_to_point_agrees_with_gloo():
+    env = {"OVERCAST_SEND_COPY_BYTES": str(COPY_BYTES)}
+    assert run_ranks(cuda_point_to_point, loopback_placements(3, env), timeout=180) == [True] * 3
