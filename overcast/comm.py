@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import os
 import threading
@@ -14,13 +13,7 @@ import numpy as np
 from overcast.buffers import SUMMING_OPS, as_array, check_dtype, check_reduce
 from overcast.engine.engine import Engine, Work
 from overcast.engine.trace import Trace
-from overcast.errors import (
-    AggregatorLostWarning,
-    InvalidArgumentError,
-    OvercastError,
-    mark_peers_told,
-    program_stacklevel,
-)
+from overcast.errors import InvalidArgumentError, OvercastError, mark_peers_told
 from overcast.limits import (
     aggregators_from_env,
     bytes_from_env,
@@ -103,9 +96,7 @@ class Communicator:
     in-network reduction waits on it: default OVERCAST_FAILOVER_SECONDS, else 2 s, never longer
     than `timeout`) fails nothing: the ranks agree which in-network ReduceScatters in flight the
     ring redoes, from the unchanged inputs, and the ring runs those after; each rank warns once
-    (AggregatorLostWarning) naming the aggregator, from its next collective call once that is
-    posted (or, synchronous, done: a filter that makes the warning an error raises it there),
-    and `in_network_fallback` says so.
+    (AggregatorLostWarning) naming the aggregator, and `in_network_fallback` says so.
 
     Making it proves multicast delivered (overcast.transport.probe): `multicast_unheard` is,
     alike on every rank, each rank's list of the ranks whose multicast it did not hear, and
@@ -699,9 +690,10 @@ class Communicator:
             self._engine.refuse(seq, told)
 
     def number_after(self, wait: Callable[[], None] | None) -> None:
-        """Have each collective call `wait()` (None: nothing) before it takes its number: on a
-        GPU overlap()'s poster's, which returns once what it was handed before is posted, so a
-        collective of the program's own is numbered after those on every rank."""
+        """Have each collective call `wait()` (None: nothing) before it takes its number.
+        overlap() on a GPU passes its poster's, which returns once what the poster was handed
+        before is posted: a collective the program calls itself is then numbered after them on
+        every rank, as where FSDP2's collectives are posted by the thread that calls them."""
         self._number_after = wait
 
     def _issue(
@@ -720,22 +712,11 @@ class Communicator:
                 self._seq += 1
                 coll = self._protocol(seq, desc, out, inp, layout)
                 work = Work(seq, str(desc))
-                work.tell = self._tell_notices
                 self._engine.submit(coll, work)
         if async_op:
             return work
         work.wait()
         return None
-
-    def _tell_notices(self) -> None:
-        """Warn on the thread that waits for a collective, once it is done, of what the engine's
-        noticed (an aggregator lost or not taken back; once each): an error filter raises it."""
-        notices = self._engine.session.notices  # the engine's thread appends
-        while notices:
-            with contextlib.suppress(IndexError):  # another thread may have told it since
-                warnings.warn(
-                    notices.pop(0), AggregatorLostWarning, stacklevel=program_stacklevel()
-                )
 
     @staticmethod
     def _local(desc: Descriptor, out: np.ndarray, inp: np.ndarray) -> Work:
@@ -757,7 +738,19 @@ class Communicator:
         lost: which, how, and which collectives the ring redid; and any taken back since),
         alike on every rank but for who noticed first; None while they run on every
         aggregator (none was lost, or every one lost was taken back)."""
-        return self._engine.session.fallback()
+        session = self._engine.session
+        rounds = list(session.rounds)  # the latest, one per loss or take-back agreed on
+        if not rounds or not rounds[-1].still_lost:
+            return None
+        clear = [i for i, r in enumerate(rounds) if not r.still_lost]
+        since = rounds[clear[-1] + 1 :] if clear else rounds  # since the last time none was lost
+        said = "; then ".join(r.outcome for r in since)
+        for peer, why in list(session.not_taken_back.items()):
+            said += (
+                f"; the aggregator at {session.aggregators[peer][0]} answers again but "
+                f"cannot be taken back: {why}"
+            )
+        return said
 
     def counters(self) -> dict:
         """Dropped messages by reason, stale messages, bytes and datagrams, and the protocols'

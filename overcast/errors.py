@@ -5,11 +5,6 @@ Each class has its own `abort_code`: an ABORT message carries it, so that every 
 class the detecting rank raised.
 """
 
-import os
-import sys
-import types
-from typing import cast
-
 
 class OvercastError(RuntimeError):
     """Base of every error a collective or communicator raises."""
@@ -103,16 +98,3 @@ def mark_peers_told(error: BaseException) -> BaseException:
     it (Communicator.refuse). Any exception may be marked; it is read with getattr."""
     error.peers_told = True  # type: ignore[attr-defined]  # a mark, not an attribute of a class
     return error
-
-
-_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
-
-
-def program_stacklevel() -> int:
-    """warnings.warn's stacklevel, called right there, that names the program's line: the
-    first frame outside overcast's package (the one a warning is about), however deep in it the
-    call is made."""
-    level, frame = 1, cast(types.FrameType | None, sys._getframe(1))
-    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE):
-        level, frame = level + 1, frame.f_back
-    return level

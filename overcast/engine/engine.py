@@ -20,12 +20,13 @@ import selectors
 import socket
 import threading
 import time
-from collections.abc import Callable
+import warnings
 from typing import cast
 
 from overcast.engine.rejoin import Rejoiner
 from overcast.engine.trace import Trace
 from overcast.errors import (
+    AggregatorLostWarning,
     CollectiveTimeoutError,
     CommunicatorClosedError,
     OvercastError,
@@ -82,7 +83,6 @@ class Work:
         self._error: BaseException | None = None
         self._lock = threading.Lock()
         self._callbacks: list = []
-        self.tell: Callable[[], None] | None = None  # what a wait that succeeds then calls
 
     def _finish(self, error: BaseException | None) -> None:
         with self._lock:
@@ -118,8 +118,6 @@ class Work:
             raise TimeoutError(f"{name} not complete after {timeout} s")
         if self._error is not None:
             raise mark_peers_told(type(self._error)(str(self._error)))
-        if self.tell is not None:
-            self.tell()
         return True
 
     def wait_verified(self) -> None:
@@ -569,6 +567,14 @@ class Engine:
 
     def _report(self) -> None:
         now = time.monotonic()
+        while self.session.notices:  # once per communicator and aggregator lost
+            # from this thread no frame is the user's: named as overcast's, without a source line
+            try:
+                warnings.warn_explicit(
+                    self.session.notices.pop(0), AggregatorLostWarning, "overcast", 0
+                )
+            except Warning:  # a filter made it an error: the loss is in in_network_fallback
+                pass  # and the counters; the engine's thread is no place to raise it
         verified = self.session.verified
         while verified:
             work = self._works.get(verified.pop())

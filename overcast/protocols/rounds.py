@@ -159,21 +159,6 @@ class AggregatorRounds:
         self.registered_anew.get(peer, {}).pop(self.rank, None)
         self._closed_anew.add(peer)
 
-    def fallback(self) -> str | None:
-        """Communicator.in_network_fallback: read from another thread than the engine's."""
-        rounds = list(self.rounds)  # the latest, one per loss or take-back agreed on
-        if not rounds or not rounds[-1].still_lost:
-            return None
-        clear = [i for i, r in enumerate(rounds) if not r.still_lost]
-        since = rounds[clear[-1] + 1 :] if clear else rounds  # since the last time none was lost
-        said = "; then ".join(r.outcome for r in since)
-        for peer, why in list(self.not_taken_back.items()):
-            said += (
-                f"; the aggregator at {self.aggregators[peer][0]} answers again but "
-                f"cannot be taken back: {why}"
-            )
-        return said
-
     def cannot_take_back(self, peer: int, why: str) -> None:
         """Lost aggregator `peer` answers again, but not as the communicator needs (`why`):
         said once per reason, and in in_network_fallback."""
