@@ -10,13 +10,15 @@ GPU or one each (rank r uses GPU LOCAL_RANK mod the GPUs there are); no root is 
 --way ddp: DistributedDataParallel; fsdp: FSDP2 (`fully_shard` per layer) on the process group's
 collectives; overlap: the same FSDP2 model through `overcast.fsdp.overlap()`, its AllGathers and
 ReduceScatters on overcast's communicator (multicast paces itself to the links' rate, which
-OVERCAST_LINK_BITS_PER_S gives). The tensors stay on the GPU: overcast stages them
+OVERCAST_LINK_BITS_PER_S gives: your network's; 10e9 stands for one machine's loopback). The
+tensors stay on the GPU: overcast stages them
 through pinned host memory. Rank 0 prints each step's loss, averaged over the ranks, to 9
 significant digits, the same lines whatever the backend and way (those of one process training on
 the whole batch). `--device cpu` runs the same on CPU tensors.
 """
 
 import argparse
+import contextlib
 import os
 
 import torch
@@ -58,19 +60,19 @@ def main() -> None:
         device = torch.device("cpu")
     dist.init_process_group(args.backend)
     rank, world = dist.get_rank(), dist.get_world_size()
+    if args.batch % world:
+        raise SystemExit(f"gpu_train: --batch {args.batch} does not divide among {world} ranks")
     net = model().to(device)
     if args.way == "ddp":
         net = nn.parallel.DistributedDataParallel(net)
     else:
         net = sharded(net, device)
-    handle = overcast.fsdp.overlap(net) if args.way == "overlap" else None
     opt = optimizer(net.parameters())
     rows = args.batch // world
-    for step in range(args.steps):
-        x, y = (t[rank * rows : (rank + 1) * rows].to(device) for t in batch(step, args.batch))
-        train_step(net, opt, x, y, step)
-    if handle is not None:
-        handle.close()
+    with overcast.fsdp.overlap(net) if args.way == "overlap" else contextlib.nullcontext():
+        for step in range(args.steps):
+            x, y = (t[rank * rows : (rank + 1) * rows].to(device) for t in batch(step, args.batch))
+            train_step(net, opt, x, y, step)
     dist.destroy_process_group()
 
 

@@ -675,3 +675,19 @@ def test_an_allgathers_failure_nothing_raised_is_raised_by_close(leaving):
     else:
         with pytest.raises(KeyError), handle:
             raise leaving
+
+
+def test_close_waits_for_every_reduce_scatter_left_whichever_failed():
+    """A backward pass that raised leaves its ReduceScatters in flight: close() waits for each,
+    the second too when the first failed (it stopped at the first, and closed the communicator
+    under the rest)."""
+    times = CommTime()
+    handle = Overlap(nn.Linear(2, 2), None, times)
+    for seq, label in enumerate(["blocks.1", "blocks.2"]):
+        failed = Work(seq, "reduce_scatter")
+        failed._finish(overcast.PeerFailureError("lost the connection to rank 1"))
+        name = f"overcast ReduceScatter {label} (ring)"
+        handle._deferred._works.append(
+            TimedWork(failed, times, InFlight(times, "RS", label, name), name))
+    handle.close()
+    assert len(handle._deferred) == 0

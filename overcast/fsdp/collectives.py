@@ -623,6 +623,9 @@ class DeferredReduceScatters:
     def __init__(self):
         self._works: collections.deque[TimedWork] = collections.deque()
 
+    def __len__(self) -> int:
+        return len(self._works)
+
     def make_room(self, limit: int) -> None:
         """Wait for the oldest until fewer than `limit` are in flight."""
         while len(self._works) >= limit:

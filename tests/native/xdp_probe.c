@@ -116,7 +116,12 @@ typedef struct { int fd; uint8_t *umem; ring fill, comp, rx, tx; } xsk;
 static void xsk_open(xsk *x, int ifindex, int rx, int tx) {
     x->fd = socket(AF_XDP, SOCK_RAW, 0); if (x->fd < 0) die("xsk socket");
     x->umem = mmap(NULL, (size_t)NFRAMES * FRAME, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
-    struct { uint64_t addr, len; uint32_t chunk, headroom, flags; } reg = {(uintptr_t)x->umem, (uint64_t)NFRAMES * FRAME, FRAME, 0, 0};
+    /* the kernel's xdp_umem_reg of 6.8 on, tx_metadata_len 0: no padding for it to read */
+    struct { uint64_t addr, len; uint32_t chunk, headroom, flags, tx_metadata_len; } reg;
+    memset(&reg, 0, sizeof reg);
+    reg.addr = (uintptr_t)x->umem;
+    reg.len = (uint64_t)NFRAMES * FRAME;
+    reg.chunk = FRAME;
     if (setsockopt(x->fd, SOL_XDP, XDP_UMEM_REG, &reg, sizeof reg)) die("umem reg");
     int n = RING;
     if (setsockopt(x->fd, SOL_XDP, XDP_UMEM_FILL_RING, &n, 4) || setsockopt(x->fd, SOL_XDP, XDP_UMEM_COMPLETION_RING, &n, 4)) die("fq/cq");
@@ -265,21 +270,23 @@ static int tx_xdp(const char *ifname, const char *src, const char *dst, const ch
         double due = t0 + dgrams * 8972.0 * 8 / (mbit * 1e6);
         pace(due);
         uint32_t tcons = __atomic_load_n(x.tx.cons, __ATOMIC_ACQUIRE);
-        int made = 0;
-        for (int k = 0; k < 7 && nfree >= 3 && tprod - tcons + 3 <= RING; k++, made++) {
-            size_t left = 9014, off = 0;
+        for (int k = 0; k < 7 && nfree >= 3 && tprod - tcons + 3 <= RING; k++) {
+            size_t left = 9014;
             for (int c = 0; c < 3; c++) {
                 uint32_t f = free_frames[--nfree];
                 uint8_t *p = x.umem + (size_t)f * FRAME;
                 size_t len = left < 3840 ? left : 3840;
                 if (c == 0) { memcpy(p, hdr, 42); memset(p + 42, 7, len - 42); } else memset(p, 7, len);
                 td[tprod & x.tx.mask] = (struct xdp_desc){(uint64_t)f * FRAME, (uint32_t)len, c < 2 ? XDP_PKT_CONTD : 0};
-                tprod++; left -= len; off += len;
+                tprod++; left -= len;
             }
             dgrams++;
         }
         __atomic_store_n(x.tx.prod, tprod, __ATOMIC_RELEASE);
-        if (made) sendto(x.fd, NULL, 0, MSG_DONTWAIT, NULL, 0);
+        /* kicked every turn: the kernel may have left earlier frames in the ring */
+        if (sendto(x.fd, NULL, 0, MSG_DONTWAIT, NULL, 0) < 0 && errno != EAGAIN && errno != EBUSY &&
+            errno != ENOBUFS)
+            die("kick");
     }
     report("tx-xdp", dgrams, dgrams * 8972, thread_cpu() - c0, now() - t0);
     return 0;
