@@ -690,4 +690,4 @@ def test_close_waits_for_every_reduce_scatter_left_whichever_failed():
         handle._deferred._works.append(
             TimedWork(failed, times, InFlight(times, "RS", label, name), name))
     handle.close()
-    assert len(handle._deferred) == 0
+    assert len(handle._deferred._works) == 0

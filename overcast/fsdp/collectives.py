@@ -36,7 +36,14 @@ import torch.distributed as dist
 
 from overcast.engine.engine import Work
 from overcast.errors import InvalidArgumentError
-from overcast.fsdp.pieces import MOST_PIECES, Pieces, PostedPieces, cut, piece_bytes
+from overcast.fsdp.pieces import (
+    MOST_PIECES,
+    Pieces,
+    PostedPieces,
+    cut,
+    each_then_first_failure,
+    piece_bytes,
+)
 from overcast.fsdp.timing import CommTime, Clock, InFlight
 from overcast.native import MAX_REDUCTIONS
 from overcast.staging import Staging, StreamGates, device_of, process_pool, stream_gates
@@ -623,9 +630,6 @@ class DeferredReduceScatters:
     def __init__(self):
         self._works: collections.deque[TimedWork] = collections.deque()
 
-    def __len__(self) -> int:
-        return len(self._works)
-
     def make_room(self, limit: int) -> None:
         """Wait for the oldest until fewer than `limit` are in flight."""
         while len(self._works) >= limit:
@@ -650,8 +654,10 @@ class DeferredReduceScatters:
             self._works.popleft().wait()
 
     def drain(self) -> None:
-        """Wait for every one still in flight (a backward pass that raised leaves them)."""
-        self.make_room(1)
+        """Wait for every one still in flight (a backward pass that raised leaves them), the
+        later ones too when one failed; then raise the first failure."""
+        works, self._works = self._works, collections.deque()
+        each_then_first_failure(work.wait for work in works)
 
 
 class GatedAllGathers:
@@ -691,14 +697,7 @@ class GatedAllGathers:
 
     @staticmethod
     def _settle(works: list[TimedWork]) -> None:
-        failures = []
-        for work in works:  # each one's range ends, whichever failed
-            try:
-                work.settle()
-            except Exception as err:
-                failures.append(err)
-        if failures:
-            raise failures[0]
+        each_then_first_failure(work.settle for work in works)  # every one's range ends
 
 
 class TimedReduceScatter(_Hook, ReduceScatter):

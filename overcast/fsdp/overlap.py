@@ -300,9 +300,8 @@ class Overlap:
         self._closed = True
         unraised: Exception | None = None
         try:
-            while self._deferred:  # every one waited for, whichever failed
-                with contextlib.suppress(Exception):  # overcast's, or torch's re-raising them
-                    self._deferred.drain()
+            with contextlib.suppress(Exception):  # overcast's, or torch's re-raising them
+                self._deferred.drain()
             try:
                 self._gathers.wait_all()  # raises a failure none raised before
             except Exception as err:

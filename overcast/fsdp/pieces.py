@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -88,6 +89,19 @@ def cut(
     return [(output[a:b], rows[:, a:b]) for a, b in spans]
 
 
+def each_then_first_failure(calls: Iterable[Callable[[], object]]) -> None:
+    """Call each of `calls` whichever raised before (waits for several collectives, each of
+    which must end), then raise the first failure."""
+    failures = []
+    for call in calls:
+        try:
+            call()
+        except Exception as err:
+            failures.append(err)
+    if failures:
+        raise failures[0]
+
+
 class Pieces:
     """A collective's pieces through the poster (fsdp/collectives.py), their copies in queued
     (`staged`): each piece's gate and copy back are queued (`gate(staged)`, a `_Gated`) as it is
@@ -134,15 +148,13 @@ class PostedPieces:
     def wait(self, timeout: float | None = None) -> bool:
         """Wait `timeout` seconds at most in all for every piece, then raise the first failure."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        failures = []
-        for handle in self.handles:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            try:
-                handle.wait(left)
-            except Exception as err:
-                failures.append(err)
-        if failures:
-            raise failures[0]
+
+        def waiting(handle):
+            return lambda: handle.wait(
+                None if deadline is None else max(0.0, deadline - time.monotonic())
+            )
+
+        each_then_first_failure(waiting(handle) for handle in self.handles)
         return True
 
     def is_completed(self) -> bool:
