@@ -289,3 +289,22 @@ def test_train_flags_checked_before_anything_is_built(flags, words, tmp_path):
     assert words in proc.stderr and "Traceback" not in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "out").exists()
+
+
+@root_only
+def test_an_aggregator_lost_mid_training_is_told_under_the_table():
+    """The aggregator killed as step 2 begins: overcast trains on, with gloo's losses, and the
+    loss's warning, warned of on the engine's thread mid-run, reaches the table's caption."""
+    from overcast.report.train import table
+    from overcast.train.compare import run_training
+    from overcast.train.config import GPTConfig
+    run = run_training(3, 50_000_000, ["gloo", "overcast"], 4, 1,
+                       [("small", GPTConfig(blocks=2, dim=64))], sched_trace=False,
+                       kill_aggregator_at_step=2)
+    [shape] = run["shapes"]
+    ways = {r["way"]: r for r in shape["results"]}
+    said = ways["overcast"]["warnings"]
+    assert said and all(w.startswith("rank 0 ") and "aggregator" in w for w in said), said
+    assert ways["overcast"]["max_loss_difference"] < 1e-5
+    caption = table(run, shape).caption or ""
+    assert all(f"overcast: {w}" in caption for w in said), caption

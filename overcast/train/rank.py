@@ -3,6 +3,7 @@ timed per step, its communication time and NIC bytes counted, its losses recorde
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -44,6 +45,27 @@ def _window(trace: dict, start: float, end: float) -> dict:
         "bins": [b for b in trace["bins"] if b["seq"] in seqs],
         "copies": [c for c in trace["copies"] if c["end"] >= start and c["start"] <= end],
     }
+
+
+@contextlib.contextmanager
+def told_in_table(categories: tuple[type[Warning], ...]):
+    """Gather the warnings of `categories`, from any thread (an aggregator's loss is warned of
+    on the engine's), into the list this yields, each time one is warned of, in place of showing
+    them: the table tells them. Every other warning is shown as ever."""
+    said: list[str] = []
+    with warnings.catch_warnings():
+        for category in categories:
+            warnings.simplefilter("always", category)
+        show = warnings.showwarning
+
+        def gather(message, category, *args, **kwargs):
+            if issubclass(category, categories):
+                said.append(str(message))
+            else:
+                show(message, category, *args, **kwargs)
+
+        warnings.showwarning = gather  # catch_warnings puts the old one back
+        yield said
 
 
 def engine_python_cpu(handle) -> float:
@@ -89,15 +111,8 @@ def train_rank(
     try:
         model = shard(build(cfg), init_device_mesh(device, (world,)))
         assert isinstance(model, FSDPModule)  # fully_shard gave its class FSDPModule as a base
-        with warnings.catch_warnings(record=True) as said:
-            warnings.simplefilter("always", overcast.MulticastNotDeliveredWarning)
-            handle = configure(model, way, trace, prefetch)
-        for warning in said:  # multicast not delivered: every rank alike, the table tells it
-            if warning.category is not overcast.MulticastNotDeliveredWarning:
-                warnings.warn_explicit(
-                    warning.message, warning.category, warning.filename, warning.lineno
-                )
-        with handle:
+        told = (overcast.MulticastNotDeliveredWarning, overcast.AggregatorLostWarning)
+        with told_in_table(told) as said, configure(model, way, trace, prefetch) as handle:
             optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
             times = handle.times
             rows = []
@@ -167,12 +182,7 @@ def train_rank(
                 "stream_gates": gpu and stream_gates() is not None,
                 "trace": _window(timeline, *backward) if timeline else None,
                 "algorithms": handle.algorithms,
-                "warnings": [
-                    str(w.message)
-                    for w in said
-                    if w.category
-                    in (overcast.MulticastNotDeliveredWarning, overcast.AggregatorLostWarning)
-                ],
+                "warnings": said,
             }
     finally:
         dist.destroy_process_group()
