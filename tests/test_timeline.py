@@ -39,7 +39,7 @@ COPIES = [
 
 
 def lanes(events: list[dict], rank: int = 0) -> dict[int, set[str]]:
-    """Each lane's names (the Chrome trace names lane 1 AllGather and Broadcast both)."""
+    """Each lane's names: one each, as a viewer shows a thread by its last."""
     named: dict[int, set[str]] = {}
     for e in events:
         if e["name"] == "thread_name" and e["pid"] == rank:
@@ -54,7 +54,7 @@ def bars(events: list[dict], rank: int = 0) -> list[tuple[str, int, float, float
 
 def test_the_copies_are_drawn_on_lanes_of_their_own_beside_the_collectives():
     events = chrome_trace([trace(COPIES), trace()], LINK_BITS, every_span)["traceEvents"]
-    collectives = {1: {"AllGather", "Broadcast"}, 2: {"ReduceScatter"}}
+    collectives = {1: {"AllGather / Broadcast"}, 2: {"ReduceScatter"}}
     assert lanes(events, 0) == {**collectives, 4: {"copy to host"}, 5: {"copy to GPU"}}
     assert bars(events, 0) == [
         ("AG blocks.1", 1, 0.0, 200000.0),
@@ -65,6 +65,19 @@ def test_the_copies_are_drawn_on_lanes_of_their_own_beside_the_collectives():
     # a rank without copies (on CPU) has no copy lanes
     assert lanes(events, 1) == collectives
     assert [b[1] for b in bars(events, 1)] == [1, 2]
+
+
+def test_each_lane_is_named_once_and_the_other_lane_only_when_used():
+    """A viewer names a thread by its last name: lane 1 carries AllGathers and broadcasts, so
+    it is named for both at once; a collective of neither lane gets an "other" lane."""
+    plain = chrome_trace([trace()], LINK_BITS, every_span)["traceEvents"]
+    assert lanes(plain) == {1: {"AllGather / Broadcast"}, 2: {"ReduceScatter"}}
+    mixed = trace()
+    mixed["spans"].append({"seq": 3, "name": "all_reduce(ring, 8 x float32)", "start": 10.2,
+                           "end": 10.3})
+    events = chrome_trace([mixed], LINK_BITS, every_span)["traceEvents"]
+    assert lanes(events) == {1: {"AllGather / Broadcast"}, 2: {"ReduceScatter"}, 3: {"other"}}
+    assert ("all_reduce(ring, 8 x float32)", 3, 200000.0, 100000.0) in bars(events)
 
 
 def test_the_picture_has_a_row_per_copy_direction_only_when_there_were_copies():

@@ -53,6 +53,17 @@ def _lane(name: str) -> tuple[int, str]:
     return LANES.get(name.split("(")[0], (3, "other"))
 
 
+def _lane_names(spans: list[dict]) -> list[tuple[int, str]]:
+    """(tid, name) of each collectives' lane, one name a lane (a viewer shows a thread by its
+    last): "AllGather / Broadcast" shares a lane; "other" only where a span falls in it."""
+    names: dict[int, list[str]] = {}
+    for tid, lane in LANES.values():
+        names.setdefault(tid, []).append(lane)
+    if any(_lane(s["name"])[0] not in names for s in spans):
+        names[_lane("")[0]] = [_lane("")[1]]
+    return [(tid, " / ".join(lanes)) for tid, lanes in sorted(names.items())]
+
+
 def series(trace: dict, spans: list[dict], t0: float, t1: float):
     """{direction: {lane name: [(seconds from t0, bytes/s)]}} for the spans' collectives."""
     width = trace["bin_seconds"]
@@ -86,7 +97,7 @@ def chrome_trace(traces: list[dict], link_bits: float, select=last_run) -> dict:
             {"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank}"}}
         )
         copies = copies_between(trace, t0, t1)
-        threads = sorted(set(LANES.values()))
+        threads = _lane_names(run)
         if copies:
             threads += [(tid, lane) for tid, lane, _ in sorted(COPY_LANES.values())]
         for tid, lane in threads:
