@@ -51,6 +51,22 @@ def train_step(net: nn.Module, opt: torch.optim.Optimizer, x, y, step: int) -> N
         print(f"step {step:3d}  loss {total.item() / dist.get_world_size():.9g}", flush=True)
 
 
+def one_process_losses(steps: int, rows: int) -> list[float]:
+    """The losses of one process training the model on each step's whole batch: what the ranks
+    print, to float32 rounding (their gradients of equal row counts are averaged, as DDP's)."""
+    net = model()
+    opt = optimizer(net.parameters())
+    losses = []
+    for step in range(steps):
+        x, y = batch(step, rows)
+        loss = nn.functional.cross_entropy(net(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--backend", default="overcast", choices=("overcast", "gloo"))
