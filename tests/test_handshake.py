@@ -166,3 +166,23 @@ def test_the_ranks_register_with_the_aggregator_the_environment_names(name, monk
         service.stop()
         serving.join()
         service.close()
+
+
+def test_a_closed_store_stops_listening_and_serving_at_once():
+    """close() ends the store's threads, those blocked in accept() and recv() included (a
+    socket's close() from another thread wakes neither on Linux): its port refuses the next
+    connection, where it used to accept one more and serve it."""
+    server = StoreServer("127.0.0.1", 0)
+    stranger = socket.create_connection(("127.0.0.1", server.port))  # says nothing
+    client = StoreClient("127.0.0.1", server.port, timeout=5)
+    client.set("k", b"v")  # answered: accepted after the stranger, whose thread then runs
+    assert bytes(client.get("k")) == b"v"
+    before = {t for t in threading.enumerate() if t.name.startswith("overcast-store")}
+    assert len(before) == 3  # accepting, and a thread for each connection
+    server.close()
+    assert not any(t.is_alive() for t in before)
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", server.port), timeout=5)
+    assert stranger.recv(1) == b""  # its connection shut down
+    stranger.close()
+    server.close()  # twice: nothing more to do

@@ -55,7 +55,7 @@ def connect_until(host: str, port: int, deadline: float) -> socket.socket:
 
 
 class StoreServer:
-    """Serves the store from a daemon thread until `close()`."""
+    """Serves the store from a daemon thread, a thread per connection, until `close()`."""
 
     def __init__(self, host: str, port: int):
         self._data: dict[str, bytes] = {}
@@ -63,53 +63,85 @@ class StoreServer:
         self._listener = socket.create_server((host, port), reuse_port=False)
         self.port = self._listener.getsockname()[1]
         self._closed = False
-        threading.Thread(target=self._accept, name="overcast-store", daemon=True).start()
+        self._conns: set[socket.socket] = set()  # served now; under _cond
+        accepting = threading.Thread(target=self._accept, name="overcast-store", daemon=True)
+        self._threads = [accepting]  # the accepting one and the serving ones; under _cond
+        accepting.start()
 
     def _accept(self) -> None:
         while True:
             try:
                 conn, _ = self._listener.accept()
-            except OSError:
+            except OSError:  # close() shut it
                 return
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+            serving = threading.Thread(
+                target=self._serve, args=(conn,), name="overcast-store-conn", daemon=True
+            )
+            with self._cond:
+                if self._closed:  # accepted as close() began
+                    conn.close()
+                    return
+                self._conns.add(conn)
+                self._threads = [t for t in self._threads if t.is_alive()] + [serving]
+                serving.start()  # under the lock: close() joins only threads started
 
     def _serve(self, conn: socket.socket) -> None:
         with conn:
             try:
-                while True:
-                    op, klen, vlen = _REQUEST.unpack(read_exact(conn, _REQUEST.size))
-                    if vlen > _MAX_VALUE:
-                        conn.sendall(_REPLY.pack(_BAD, 0))
-                        return
-                    key = read_exact(conn, klen).decode()
-                    value = read_exact(conn, vlen)
-                    if op == _SET:
-                        with self._cond:
-                            self._data[key] = value
-                            self._cond.notify_all()
-                        conn.sendall(_REPLY.pack(_OK, 0))
-                    elif op == _GET:
-                        wait = struct.unpack("<d", value)[0] if vlen == 8 else 0.0
-                        with self._cond:
-                            # wait_for calls the predicate before the loop moves `key` on
-                            found = self._cond.wait_for(
-                                lambda: key in self._data or self._closed,  # noqa: B023
-                                timeout=wait,
-                            )
-                            found = found and key in self._data
-                            reply = self._data[key] if found else b""
-                        conn.sendall(_REPLY.pack(_OK if found else _TIMEOUT, len(reply)) + reply)
-                    else:
-                        conn.sendall(_REPLY.pack(_BAD, 0))
-                        return
-            except (ConnectionError, OSError, struct.error, UnicodeDecodeError):
-                return
+                self._answer(conn)
+            finally:
+                with self._cond:
+                    self._conns.discard(conn)
+
+    def _answer(self, conn: socket.socket) -> None:
+        """Requests on `conn` until it closes, sends a bad one, or close() shuts it."""
+        try:
+            while True:
+                op, klen, vlen = _REQUEST.unpack(read_exact(conn, _REQUEST.size))
+                if vlen > _MAX_VALUE:
+                    conn.sendall(_REPLY.pack(_BAD, 0))
+                    return
+                key = read_exact(conn, klen).decode()
+                value = read_exact(conn, vlen)
+                if op == _SET:
+                    with self._cond:
+                        self._data[key] = value
+                        self._cond.notify_all()
+                    conn.sendall(_REPLY.pack(_OK, 0))
+                elif op == _GET:
+                    wait = struct.unpack("<d", value)[0] if vlen == 8 else 0.0
+                    with self._cond:
+                        # wait_for calls the predicate before the loop moves `key` on
+                        found = self._cond.wait_for(
+                            lambda: key in self._data or self._closed,  # noqa: B023
+                            timeout=wait,
+                        )
+                        found = found and key in self._data
+                        reply = self._data[key] if found else b""
+                    conn.sendall(_REPLY.pack(_OK if found else _TIMEOUT, len(reply)) + reply)
+                else:
+                    conn.sendall(_REPLY.pack(_BAD, 0))
+                    return
+        except (ConnectionError, OSError, struct.error, UnicodeDecodeError):
+            return
 
     def close(self) -> None:
+        """Stop listening and serving, and wait for its threads. A thread blocked in accept()
+        or recv() is not woken by the socket's close() on Linux, and would go on serving the
+        port: shutdown() wakes it."""
         with self._cond:
             self._closed = True
             self._cond.notify_all()
+            conns, threads = list(self._conns), list(self._threads)
+        for sock in (self._listener, *conns):
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:  # not connected (any more)
+                pass
         self._listener.close()
+        for thread in threads:
+            if thread is not threading.current_thread():
+                thread.join()
 
 
 class StoreClient:
