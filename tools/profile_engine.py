@@ -247,6 +247,7 @@ def main() -> int:
         path, stats = f"{tmp}/engine.prof", f"{tmp}/aggregator.json"
         with Cluster(args.hosts, int(args.link_mbit * 1e6), gro=args.gro == "on") as cluster:
             aggregator = cluster.start_aggregator(stats_path=stats)
+            aggregator_pid = aggregator.pid
             sampler = sample_machine(f"{tmp}/perf.data") if args.mode == "perf" else None
             try:
                 ranks = cluster.run(timed_calls, args=(parse_size(args.size), args.pairs, args.mode,
@@ -256,12 +257,12 @@ def main() -> int:
                     stop_sampling(sampler)
             cluster.stop_aggregator(aggregator)
         with open(stats) as f:
-            aggregator = json.load(f)["cpu_seconds"] / (args.pairs + 1)
+            aggregator_cpu = json.load(f)["cpu_seconds"] / (args.pairs + 1)
         what = "all_reduces" if args.all_reduce else "pairs"
         print(f"{args.hosts} hosts, {args.link_mbit:g} Mbit/s, {args.size}, {args.pairs} {what}: "
               f"per call {np.median([r[1] for r in ranks]):.3f} s, CPU per rank "
               f"{np.median([r[0] for r in ranks]):.3f} s (median of the ranks), aggregator "
-              f"{aggregator:.3f} s")
+              f"{aggregator_cpu:.3f} s")
         if args.mode == "profile":
             stats = pstats.Stats(path)
             if args.top:
@@ -275,7 +276,7 @@ def main() -> int:
             for kind, seconds in sorted(busy.items(), key=lambda kv: -kv[1]):
                 print(f"  {kind:{width}s} {seconds / total:5.0%}  ({seconds:.3f} s profiled)")
         if args.mode == "perf":
-            machine_profile(f"{tmp}/perf.data", [r[4] for r in ranks], aggregator.pid,
+            machine_profile(f"{tmp}/perf.data", [r[4] for r in ranks], aggregator_pid,
                             args.pairs + 1)
     for name, (seconds, calls) in sorted(ranks[1][2].items(), key=lambda kv: -kv[1][0]):
         print(f"  {name:20s} {seconds * 1e3:7.1f} ms {calls:8.0f} calls "
