@@ -11,7 +11,7 @@ import pytest
 
 from overcast.aggregator.service import AggregatorService
 from overcast.transport.rendezvous import HANDSHAKE_SECONDS, rendezvous
-from overcast.transport.store import StoreClient, StoreServer
+from overcast.transport.store import StoreClient, StoreError, StoreServer
 from overcast.wire.auth import Sealer, derive_key, job_id_of
 from overcast.wire.header import AGGREGATOR, Kind
 from overcast.wire.registration import ANSWER, HELLO, NONCE_BYTES, AGGREGATOR_CHALLENGE
@@ -171,18 +171,41 @@ def test_the_ranks_register_with_the_aggregator_the_environment_names(name, monk
 def test_a_closed_store_stops_listening_and_serving_at_once():
     """close() ends the store's threads, those blocked in accept() and recv() included (a
     socket's close() from another thread wakes neither on Linux): its port refuses the next
-    connection, where it used to accept one more and serve it."""
+    connection, where it used to accept one more and serve it; a client waiting for a key
+    gets a StoreError, never a bare socket error."""
+    others = set(threading.enumerate())
     server = StoreServer("127.0.0.1", 0)
     stranger = socket.create_connection(("127.0.0.1", server.port))  # says nothing
-    client = StoreClient("127.0.0.1", server.port, timeout=5)
-    client.set("k", b"v")  # answered: accepted after the stranger, whose thread then runs
-    assert bytes(client.get("k")) == b"v"
-    before = {t for t in threading.enumerate() if t.name.startswith("overcast-store")}
-    assert len(before) == 3  # accepting, and a thread for each connection
-    server.close()
-    assert not any(t.is_alive() for t in before)
-    with pytest.raises(ConnectionRefusedError):
-        socket.create_connection(("127.0.0.1", server.port), timeout=5)
-    assert stranger.recv(1) == b""  # its connection shut down
-    stranger.close()
-    server.close()  # twice: nothing more to do
+    client = StoreClient("127.0.0.1", server.port, timeout=30)
+    waiter = StoreClient("127.0.0.1", server.port, timeout=30)
+    said: list[BaseException] = []
+    try:
+        client.set("k", b"v")  # answered: accepted after the stranger, whose thread then runs
+        assert bytes(client.get("k")) == b"v"
+
+        def wait_for_a_key_never_set():
+            try:
+                waiter.get("never")
+            except BaseException as err:  # noqa: BLE001  (what it raises is the point)
+                said.append(err)
+
+        waiting = threading.Thread(target=wait_for_a_key_never_set)
+        waiting.start()
+        while True:  # its GET is in: the server's thread for it waits for the key
+            with server._cond:
+                if server._cond._waiters:
+                    break
+        theirs = set(threading.enumerate()) - others - {waiting}
+        assert len(theirs) == 4  # accepting, and a thread for each of three connections
+        server.close()
+        waiting.join(timeout=30)
+        assert not any(t.is_alive() for t in theirs)
+        assert [type(e) for e in said] == [StoreError], said
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", server.port), timeout=5)
+        assert stranger.recv(1) == b""  # its connection shut down
+        server.close()  # twice: nothing more to do
+    finally:
+        for sock in (stranger, client, waiter):
+            sock.close()
+        server.close()

@@ -17,7 +17,7 @@ from overcast.errors import OvercastError
 _REQUEST = struct.Struct("<BHI")
 _REPLY = struct.Struct("<BI")
 _SET, _GET = 1, 2
-_OK, _TIMEOUT, _BAD = 0, 1, 2
+_OK, _TIMEOUT, _BAD, _CLOSED = 0, 1, 2, 3
 _MAX_VALUE = 1 << 20
 
 
@@ -118,7 +118,8 @@ class StoreServer:
                         )
                         found = found and key in self._data
                         reply = self._data[key] if found else b""
-                    conn.sendall(_REPLY.pack(_OK if found else _TIMEOUT, len(reply)) + reply)
+                        status = _OK if found else _CLOSED if self._closed else _TIMEOUT
+                    conn.sendall(_REPLY.pack(status, len(reply)) + reply)
                 else:
                     conn.sendall(_REPLY.pack(_BAD, 0))
                     return
@@ -163,9 +164,20 @@ class StoreClient:
         k = key.encode()
         with self._lock:
             self._sock.settimeout(self.timeout + 5)
-            self._sock.sendall(_REQUEST.pack(op, len(k), len(value)) + k + value)
-            status, vlen = _REPLY.unpack(read_exact(self._sock, _REPLY.size))
-            reply = read_exact(self._sock, vlen)
+            try:
+                self._sock.sendall(_REQUEST.pack(op, len(k), len(value)) + k + value)
+                status, vlen = _REPLY.unpack(read_exact(self._sock, _REPLY.size))
+                reply = read_exact(self._sock, vlen)
+            except OSError as err:  # ConnectionError and timeouts among them
+                raise StoreError(
+                    f"the store at {self.address[0]}:{self.address[1]} did not answer the "
+                    f"request for {key!r}: {err or type(err).__name__}"
+                ) from None
+        if status == _CLOSED:
+            raise StoreError(
+                f"the store at {self.address[0]}:{self.address[1]} closed while the request "
+                f"for {key!r} waited"
+            )
         if status == _TIMEOUT:
             raise StoreError(
                 f"rendezvous key {key!r} was not set within {self.timeout:.0f} s "
