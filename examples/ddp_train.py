@@ -39,12 +39,18 @@ def batch(step: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(rows, 32, generator=g), torch.randint(0, 10, (rows,), generator=g)
 
 
-def train_step(net: nn.Module, opt: torch.optim.Optimizer, x, y, step: int) -> None:
-    """One step on this rank's rows; rank 0 prints the loss averaged over the ranks."""
+def step_loss(net: nn.Module, opt: torch.optim.Optimizer, x, y) -> torch.Tensor:
+    """One optimizer step on the rows `x`, `y`: their loss before it."""
     loss = nn.functional.cross_entropy(net(x), y)
     opt.zero_grad()
     loss.backward()
     opt.step()
+    return loss
+
+
+def train_step(net: nn.Module, opt: torch.optim.Optimizer, x, y, step: int) -> None:
+    """One step on this rank's rows; rank 0 prints the loss averaged over the ranks."""
+    loss = step_loss(net, opt, x, y)
     total = loss.detach().clone()
     dist.all_reduce(total)  # a SUM: gloo has no AVG
     if dist.get_rank() == 0:
@@ -56,15 +62,7 @@ def one_process_losses(steps: int, rows: int) -> list[float]:
     print, to float32 rounding (their gradients of equal row counts are averaged, as DDP's)."""
     net = model()
     opt = optimizer(net.parameters())
-    losses = []
-    for step in range(steps):
-        x, y = batch(step, rows)
-        loss = nn.functional.cross_entropy(net(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses
+    return [step_loss(net, opt, *batch(step, rows)).item() for step in range(steps)]
 
 
 def main() -> None:

@@ -16,6 +16,7 @@ LANES = {
     "reduce_scatter": (2, "ReduceScatter"),
     "broadcast": (1, "Broadcast"),
 }
+OTHER_LANE = (3, "other")  # any other collective
 # the staging copies' lanes in the Chrome trace (rows 3 and 4 of the PNG), and their colours
 COPY_LANES = {"to host": (4, "copy to host", "tab:green"), "to GPU": (5, "copy to GPU", "tab:red")}
 BARRIER = "all_gather(ring, 1 x int64)"
@@ -50,17 +51,17 @@ def _title(span: dict) -> str:
 
 
 def _lane(name: str) -> tuple[int, str]:
-    return LANES.get(name.split("(")[0], (3, "other"))
+    return LANES.get(name.split("(")[0], OTHER_LANE)
 
 
 def _lane_names(spans: list[dict]) -> list[tuple[int, str]]:
-    """(tid, name) of each collectives' lane, one name a lane (a viewer shows a thread by its
-    last): "AllGather / Broadcast" shares a lane; "other" only where a span falls in it."""
+    """(tid, name) of each collective lane, one name a lane (a viewer shows a thread by its
+    last): "AllGather / Broadcast" share a lane; "other" only where one of the spans falls in it."""
     names: dict[int, list[str]] = {}
     for tid, lane in LANES.values():
         names.setdefault(tid, []).append(lane)
-    if any(_lane(s["name"])[0] not in names for s in spans):
-        names[_lane("")[0]] = [_lane("")[1]]
+    if any(_lane(s["name"]) == OTHER_LANE for s in spans):
+        names[OTHER_LANE[0]] = [OTHER_LANE[1]]
     return [(tid, " / ".join(lanes)) for tid, lanes in sorted(names.items())]
 
 
