@@ -610,11 +610,17 @@ def test_a_collective_the_program_calls_is_numbered_after_what_the_poster_holds(
     assert second == [None, [3.0] * 4, [0] * 100 + [1] * 100]
 
 
+def failed_work(seq: int, collective: str) -> Work:
+    """A collective of the engine's, failed: a peer lost."""
+    failed = Work(seq, collective)
+    failed._finish(overcast.PeerFailureError("lost the connection to rank 1"))
+    return failed
+
+
 def gated_allgather(poster, times, ready, label="blocks.1"):
     """An AllGather the poster posts once `ready()` returns, whose collective fails (a peer
     lost), as a gated one's TimedWork holds it."""
-    failed = Work(3, "all_gather")
-    failed._finish(overcast.PeerFailureError("lost the connection to rank 1"))
+    failed = failed_work(3, "all_gather")
     name = f"overcast AllGather {label} (ring)"
     handle = poster.submit(ready, lambda: failed, f"AG {label}", times)
     return TimedWork(handle, times, InFlight(times, "AG", label, name), name)
@@ -684,10 +690,8 @@ def test_close_waits_for_every_reduce_scatter_left_whichever_failed():
     times = CommTime()
     handle = Overlap(nn.Linear(2, 2), None, times)
     for seq, label in enumerate(["blocks.1", "blocks.2"]):
-        failed = Work(seq, "reduce_scatter")
-        failed._finish(overcast.PeerFailureError("lost the connection to rank 1"))
         name = f"overcast ReduceScatter {label} (ring)"
-        handle._deferred._works.append(
-            TimedWork(failed, times, InFlight(times, "RS", label, name), name))
+        handle._deferred._works.append(TimedWork(
+            failed_work(seq, "reduce_scatter"), times, InFlight(times, "RS", label, name), name))
     handle.close()
     assert len(handle._deferred._works) == 0

@@ -679,10 +679,12 @@ class GatedAllGathers:
     def check(self) -> None:
         """Forget those done, raising the first failure among them."""
         self._wait_at_backward_end()
-        done = [w for w in self._works if w.is_completed()]
-        if done:
-            self._works = [w for w in self._works if all(w is not d for d in done)]
-            self._settle(done)
+        done: list[TimedWork] = []
+        pending: list[TimedWork] = []
+        for work in self._works:  # each asked once: one may complete meanwhile
+            (done if work.is_completed() else pending).append(work)
+        self._works = pending
+        self._settle(done)
 
     def wait_all(self) -> None:
         """Wait for every one still in flight, raising the first failure."""
