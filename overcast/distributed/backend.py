@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 from torch.distributed.distributed_c10d import GroupName
 
 from overcast.buffers import SUMMING_OPS
@@ -713,3 +714,10 @@ def register() -> None:
         dist.Backend.register_backend(
             BACKEND_NAME, create, extended_api=True, devices=list(DEVICES)
         )
+    # torch 2.15 attaches its flight recorder to every new group but those of the backends in
+    # this set, through the C++ group's name, which a group a plugin returns has none of (it is
+    # its own backend): every group failed to be made. It skips such groups by their empty
+    # _device_types, which this one answers for torch's Python callers (ProcessGroupOvercast).
+    self_recording = getattr(c10d, "_FR_SELF_RECORDING_BACKENDS", None)
+    if self_recording is not None:
+        self_recording.add(BACKEND_NAME)
